@@ -1,0 +1,28 @@
+# One setup path for everything: a local virtual environment with the CPU build of torch pinned
+# first (an unpinned torch would pull a multi-GB CUDA build), then paratrain itself.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: setup run test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+run: setup          ## the built-in default job: character GPT, data parallel, 2 processes
+	$(VENV)/bin/paratrain run
+
+test: setup         ## the whole suite (spawns real worker processes on free ports)
+	$(PY) -m pytest -q
+
+bench: setup        ## paratrain dp vs torch DDP, side by side
+	$(VENV)/bin/paratrain bench dp
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

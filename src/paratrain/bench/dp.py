@@ -1,0 +1,144 @@
+"""paratrain dp against torch DDP: same model, data, bucket size and optimizer, interleaved in one run.
+
+Rounds alternate K steps of ours with K steps of DDP so both see the same machine noise; the table
+shows the median step time of each and the ratio (ours / DDP, lower is better).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def add_parser(which) -> None:
+    p = which.add_parser("dp", help="paratrain dp vs torch DDP (step time, samples/s, ratio)")
+    add_options(p)
+    p.add_argument("--nproc", type=int, default=2)
+    p.set_defaults(func=run)
+
+
+def add_options(p) -> None:
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round per engine")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=32, help="samples per rank")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--in-features", type=int, default=512)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="also write the results as JSON (to stdout without PATH)")
+
+
+def run(args) -> int:
+    from ..launch import WorkerFailure, launch
+
+    argv = [f"--steps={args.steps}", f"--rounds={args.rounds}", f"--warmup={args.warmup}",
+            f"--batch={args.batch}", f"--hidden={args.hidden}", f"--layers={args.layers}",
+            f"--in-features={args.in_features}", f"--bucket-mb={args.bucket_mb}"]
+    if args.json:
+        argv.append(f"--json={args.json}")
+    try:
+        launch("paratrain.bench.dp", argv, nproc=args.nproc, run_id="bench-dp")
+    except WorkerFailure as exc:
+        print(f"paratrain: error: benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build(args) -> nn.Module:
+    from ..models.mlp import mlp
+
+    torch.manual_seed(0)
+    return mlp(in_features=args.in_features, hidden=args.hidden, n_layers=args.layers, out_features=10)
+
+
+def timed_steps(step_fn, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step_fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(argv=None) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .. import config as config_mod
+    from .. import runtime
+    from ..optim import cross_entropy
+    from ..parallel.data_parallel import DataParallel
+
+    p = argparse.ArgumentParser()
+    add_options(p)
+    args = p.parse_args(argv)
+    rt = runtime.init("cpu")
+    world = rt.world_size
+    cfg = config_mod.from_dict({"data": {"batch_size": args.batch * world},
+                                "train": {"optimizer": "sgd", "lr": 0.01},
+                                "parallel": {"bucket_mb": args.bucket_mb}})
+    g = torch.Generator().manual_seed(1 + rt.rank)
+    x = torch.randn(args.batch, args.in_features, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+
+    ours = DataParallel(build(args), cross_entropy, cfg, rt)
+    ddp_model = DDP(build(args), bucket_cap_mb=args.bucket_mb)
+    ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
+
+    def ours_step():
+        ours.train_step((x, y))
+
+    def ddp_step():
+        ddp_opt.zero_grad(set_to_none=False)
+        cross_entropy(ddp_model(x), y).backward()
+        ddp_opt.step()
+
+    timed_steps(ours_step, args.warmup)
+    timed_steps(ddp_step, args.warmup)
+    t_ours, t_ddp = [], []
+    for _ in range(args.rounds):
+        t_ours += timed_steps(ours_step, args.steps)
+        t_ddp += timed_steps(ddp_step, args.steps)
+
+    # Both engines took the same steps on the same data from the same weights: they must agree.
+    drift = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+                for a, b in zip(ours.model.parameters(), ddp_model.module.parameters()))
+    # The slowest rank sets the pace: take each step's max over ranks.
+    both = torch.tensor([t_ours, t_ddp], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if rt.is_main:
+        params = sum(p.numel() for p in ours.params)
+        med_ours, med_ddp = statistics.median(both[0].tolist()), statistics.median(both[1].tolist())
+        result = {
+            "benchmark": "dp", "world_size": world, "parameters": params, "bucket_mb": args.bucket_mb,
+            "samples_per_rank": args.batch, "timed_steps": len(t_ours),
+            "paratrain_step_ms": med_ours * 1e3, "ddp_step_ms": med_ddp * 1e3,
+            "paratrain_samples_per_s": args.batch * world / med_ours,
+            "ddp_samples_per_s": args.batch * world / med_ddp,
+            "ratio": med_ours / med_ddp, "max_rel_weight_diff": drift,
+        }
+        print(f"dp benchmark: {params / 1e6:.1f}M-parameter MLP, world {world}, {args.batch} samples/rank, "
+              f"bucket {args.bucket_mb:g} MB, median of {len(t_ours)} interleaved steps each")
+        print(f"{'engine':<12}{'step ms':>10}{'samples/s':>12}")
+        print(f"{'paratrain':<12}{result['paratrain_step_ms']:>10.1f}{result['paratrain_samples_per_s']:>12.1f}")
+        print(f"{'torch DDP':<12}{result['ddp_step_ms']:>10.1f}{result['ddp_samples_per_s']:>12.1f}")
+        print(f"ratio paratrain/DDP step time: {result['ratio']:.3f} (<= 1.00 means not slower); "
+              f"weights agree to {drift:.1e}")
+        if args.json == "-":
+            print(json.dumps(result))
+        elif args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+    runtime.shutdown()
+
+
+if __name__ == "__main__":
+    worker()

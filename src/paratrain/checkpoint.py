@@ -1,0 +1,269 @@
+"""Sharded checkpoints: safetensors per rank + manifest.json with the sha256 of every file.
+
+Layout:  RUN_DIR/checkpoints/step-N/rank-00000.safetensors ... manifest.json
+A save writes into a hidden temporary directory, fsyncs every file, and only then renames it into
+place, so a crash mid-save never leaves a directory that looks like a checkpoint. The manifest is
+written last, and a checkpoint without a manifest, or whose files do not match their checksums,
+is not a checkpoint: `latest_valid` skips it with a warning.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+
+from .config import ConfigError
+
+FORMAT = "paratrain-checkpoint/1"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, corrupt, or not matching the model."""
+
+
+class CheckpointMismatch(ConfigError):
+    """The model or strategy does not match the checkpoint (an input problem: exit 2)."""
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+# -- file primitives ------------------------------------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses views and tensors that share memory: give each its own storage."""
+    seen, out = set(), {}
+    for key, t in tensors.items():
+        t = t.detach().cpu()
+        storage = t.untyped_storage()
+        whole = t.is_contiguous() and t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
+        if not whole or storage.data_ptr() in seen:
+            t = t.clone(memory_format=torch.contiguous_format)
+        seen.add(t.untyped_storage().data_ptr())
+        out[key] = t
+    return out
+
+
+def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
+    return st_save(_unshared(tensors), metadata={"json": json.dumps(meta)})
+
+
+def decode(data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = st_load(data)
+    header_len = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_len])
+    meta = json.loads(header.get("__metadata__", {}).get("json", "{}"))
+    return tensors, meta
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# -- saving ---------------------------------------------------------------------------------------
+def _gather_digests(digest: str, size: int, device: torch.device) -> list[tuple[str, int]]:
+    """Every rank's (sha256, bytes), gathered as tensors (no pickled objects on the wire)."""
+    payload = torch.tensor(list(bytes.fromhex(digest)) + list(size.to_bytes(8, "little")),
+                           dtype=torch.uint8, device=device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [(digest, size)]
+    out = [torch.empty_like(payload) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, payload)
+    return [(bytes(t[:32].tolist()).hex(), int.from_bytes(bytes(t[32:].tolist()), "little")) for t in out]
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save(run_dir: Path, step: int, tensors: dict, meta: dict, *, rank: int, world_size: int,
+         strategy: str, config: dict, keep: int, device: torch.device) -> Path:
+    """Collective: every rank calls it with its own shard."""
+    root = Path(run_dir) / "checkpoints"
+    tmp = root / f".tmp-step-{step}"
+    final = root / f"step-{step}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    data = encode(tensors, meta)
+    write_bytes_durably(tmp / rank_file(rank), data)
+    digests = _gather_digests(hashlib.sha256(data).hexdigest(), len(data), device)
+    del data
+    if rank == 0:
+        manifest = {
+            "format": FORMAT, "step": step, "world_size": world_size, "strategy": strategy,
+            "time": time.time(), "config": config,
+            "files": {rank_file(r): {"sha256": d, "bytes": n} for r, (d, n) in enumerate(digests)},
+        }
+        write_bytes_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        prune(root, keep)
+    _barrier()
+    return final
+
+
+def prune(root: Path, keep: int) -> None:
+    for _, path in sorted(list_checkpoints(root), reverse=True)[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+
+
+# -- reading --------------------------------------------------------------------------------------
+class CheckpointReader:
+    """A checkpoint directory: its manifest, checksum verification, and each rank's shard."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        manifest_path = self.path / "manifest.json"
+        if not manifest_path.is_file():
+            raise CheckpointError(f"{self.path}: no manifest.json (not a checkpoint, or an unfinished save)")
+        try:
+            self.manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{manifest_path}: unreadable manifest: {exc}") from None
+        if self.manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{manifest_path}: unknown format {self.manifest.get('format')!r}")
+        self.step = int(self.manifest["step"])
+        self.world_size = int(self.manifest["world_size"])
+        self.strategy = self.manifest["strategy"]
+
+    def verify(self) -> None:
+        for name, entry in self.manifest["files"].items():
+            path = self.path / name
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing")
+            if path.stat().st_size != entry["bytes"]:
+                raise CheckpointError(f"{path}: {path.stat().st_size} bytes, manifest says {entry['bytes']}")
+            if sha256_file(path) != entry["sha256"]:
+                raise CheckpointError(f"{path}: sha256 does not match the manifest")
+
+    def load(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+        name = rank_file(rank)
+        data = (self.path / name).read_bytes()
+        if hashlib.sha256(data).hexdigest() != self.manifest["files"][name]["sha256"]:
+            raise CheckpointError(f"{self.path / name}: sha256 does not match the manifest")
+        return decode(data)
+
+
+def latest_valid(run_dir: Path, log=print) -> CheckpointReader | None:
+    """The newest checkpoint whose manifest and checksums hold; corrupt ones are reported and skipped."""
+    for step, path in reversed(list_checkpoints(Path(run_dir) / "checkpoints")):
+        try:
+            reader = CheckpointReader(path)
+            reader.verify()
+            return reader
+        except (CheckpointError, KeyError, ValueError) as exc:
+            log(f"warning: skipping checkpoint step {step}: {exc}")
+    return None
+
+
+# -- model and optimizer state as flat tensors ---------------------------------------------------
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load with a clear list of what does not match, instead of a traceback."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append("missing from checkpoint: " + ", ".join(missing))
+        if unexpected:
+            parts.append("not in the model: " + ", ".join(unexpected))
+        if shapes:
+            parts.append("shape differs: " + ", ".join(
+                f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in shapes))
+        raise CheckpointMismatch("resume", "checkpoint does not match the model: " + "; ".join(parts))
+    model.load_state_dict(state)
+
+
+def optimizer_to_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> tuple[dict, dict]:
+    """`names` follows the optimizer's parameters in param_groups order."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, state in sd["state"].items():
+        name = names[index]
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{name}.{key}"] = value
+            else:
+                scalars.setdefault(name, {})[key] = value
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: list[str], tensors: dict, meta: dict) -> None:
+    current = optimizer.state_dict()
+    state: dict[int, dict] = {}
+    for index, name in enumerate(names):
+        prefix = f"optim.{name}."
+        entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        entry.update(meta["scalars"].get(name, {}))
+        if entry:
+            state[index] = entry
+    groups = [dict(saved, params=cur["params"]) for saved, cur in zip(meta["param_groups"], current["param_groups"])]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# -- the consolidated export ---------------------------------------------------------------------
+def export_final(run_dir: Path, state: dict[str, torch.Tensor], *, step: int, config: dict, extra: dict) -> Path:
+    """RUN_DIR/final/model.safetensors keyed exactly like the user's model.state_dict()."""
+    run_dir = Path(run_dir)
+    tmp, final = run_dir / ".tmp-final", run_dir / "final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    data = st_save(_unshared(state), metadata={"format": "pt"})
+    write_bytes_durably(tmp / "model.safetensors", data)
+    manifest = {"format": "paratrain-final/1", "step": step, "config": config,
+                "files": {"model.safetensors": {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}},
+                "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                            for k, v in state.items()},
+                **extra}
+    write_bytes_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(run_dir)
+    return final

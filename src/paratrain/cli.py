@@ -1,0 +1,132 @@
+"""The `paratrain` command."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from . import config as config_mod
+from .config import ConfigError
+
+
+def _error(msg: str, code: int) -> int:
+    print(f"paratrain: error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
+def preflight(cfg: config_mod.Config, world: int) -> None:
+    """Everything that can be checked before a worker starts: factories, sizes, combinations."""
+    import torch
+
+    from .data import build_dataset
+    from .models import build_model
+    from .optim import build_loss
+
+    config_mod.check_world(cfg, world)
+    train_set = build_dataset(cfg, "train")
+    if len(train_set) < cfg.data.batch_size:
+        raise ConfigError("data.batch_size", f"{cfg.data.batch_size} is more than the {len(train_set)} "
+                                             f"training samples of {cfg.data.factory}")
+    build_dataset(cfg, "val")
+    with torch.device("meta"):  # shapes only: no memory, no time
+        build_model(cfg, train_set)
+    build_loss(cfg)
+
+
+def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_rank: int) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
+    if shutil.disk_usage(run_dir).free < 64 * 2**20:
+        raise ConfigError("--run-dir", f"{run_dir} has less than 64 MiB free")
+    (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+    if resume == "none" and node_rank == 0:
+        old = run_dir / "checkpoints"
+        if old.is_dir() and any(old.iterdir()):
+            aside = run_dir / f"checkpoints.prev-{int(time.time())}"
+            old.rename(aside)
+            print(f"paratrain: starting fresh; checkpoints of the earlier run moved to {aside}", flush=True)
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+
+def check_resume_path(resume: str, cfg: config_mod.Config) -> None:
+    if resume in ("none", "auto"):
+        return
+    from .checkpoint import CheckpointError, CheckpointReader
+
+    try:
+        reader = CheckpointReader(resume)
+        reader.verify()
+    except CheckpointError as exc:
+        raise ConfigError("--resume", str(exc)) from None
+    if reader.strategy != cfg.parallel.strategy:
+        raise ConfigError("--resume", f"checkpoint {resume} was written by strategy {reader.strategy!r}, "
+                                      f"this run uses {cfg.parallel.strategy!r}")
+
+
+def cmd_run(args) -> int:
+    from .launch import WorkerFailure, default_nproc, launch
+
+    try:
+        if args.config:
+            os.environ["PARATRAIN_CONFIG_DIR"] = str(Path(args.config).resolve().parent)
+        cfg = config_mod.load(args.config, args.overrides)
+        nproc = args.nproc or default_nproc(cfg.train.device)
+        preflight(cfg, nproc * args.nnodes)
+        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        check_resume_path(args.resume, cfg)
+        prepare_run_dir(run_dir, cfg, args.resume, args.node_rank)
+    except ConfigError as exc:
+        return _error(str(exc), 2)
+    worker_args = [str(run_dir / "config.toml"), "--run-dir", str(run_dir),
+                   "--resume", str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume]
+    try:
+        launch("paratrain.trainer", worker_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+               rdzv=args.rdzv, max_restarts=args.max_restarts, run_id=cfg.name)
+    except WorkerFailure as exc:
+        if exc.all_exitcodes == {2}:
+            return 2  # the worker printed which key was wrong
+        return _error(f"training failed: {exc}", 1)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paratrain", description="Distributed training of PyTorch models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train: one TOML file picks model, data and parallel strategy")
+    r.add_argument("config", nargs="?", help="TOML config (default: the built-in default job)")
+    r.add_argument("--nproc", type=int, default=None, help="processes per node (default: 2 on CPU, one per GPU)")
+    r.add_argument("--nnodes", type=int, default=1)
+    r.add_argument("--node-rank", type=int, default=0)
+    r.add_argument("--rdzv", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (multi-node)")
+    r.add_argument("--max-restarts", type=int, default=0)
+    r.add_argument("--run-dir", default=None, help="default: runs/NAME")
+    r.add_argument("--resume", default="none", help="auto | none | PATH")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=0.01")
+    r.set_defaults(func=cmd_run)
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "nproc", 1) is not None and getattr(args, "nproc", 1) < 1:
+        return _error("--nproc: must be >= 1", 2)
+    if getattr(args, "nnodes", 1) < 1:
+        return _error("--nnodes: must be >= 1", 2)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""TOML -> validated, typed config.
+
+Every key of DESIGN.md section 1 lives here with its type and default. Errors are `ConfigError`s
+that name the dotted key, so the CLI can print one line and exit 2 before any worker starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """An invalid config: `key` is the dotted path of the offending key."""
+
+    def __init__(self, key: str, why: str):
+        super().__init__(f"{key}: {why}")
+        self.key = key
+        self.why = why
+
+
+def opt(default, choices: tuple | None = None, check=None, doc: str = ""):
+    """A config field with allowed `choices` or a `check(value) -> error or None`."""
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default),
+                     metadata={"choices": choices, "check": check, "doc": doc})
+    return field(default=default, metadata={"choices": choices, "check": check, "doc": doc})
+
+
+def _positive(v):
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v):
+    return None if v >= 0 else "must be >= 0"
+
+
+def _factory_name(v):
+    return None if v else "must not be empty"
+
+
+@dataclass
+class ModelConfig:
+    factory: str = opt("gpt", check=_factory_name, doc="mlp | cnn | gpt | module:function")
+    kwargs: dict = opt({}, doc="every other key of [model], passed to the factory")
+
+
+@dataclass
+class DataConfig:
+    factory: str = opt("corpus", check=_factory_name, doc="digits | corpus | synthetic | module:function")
+    batch_size: int = opt(64, check=_positive, doc="global samples per optimizer step")
+    shuffle: bool = opt(True)
+    kwargs: dict = opt({}, doc="every other key of [data], passed to the factory")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(200, check=_non_negative)
+    optimizer: str = opt("adamw", choices=("sgd", "adamw"))
+    lr: float = opt(1e-3, check=_non_negative)
+    lr_schedule: str = opt("constant", choices=("constant", "cosine"))
+    warmup_steps: int = opt(0, check=_non_negative)
+    momentum: float = opt(0.0, check=_non_negative)
+    weight_decay: float = opt(0.0, check=_non_negative)
+    loss: str = opt("cross_entropy", check=_factory_name, doc="cross_entropy | mse | module:function")
+    grad_accum: int = opt(1, check=_positive)
+    clip_grad_norm: float = opt(0.0, check=_non_negative)
+    precision: str = opt("fp32", choices=("fp32", "bf16"))
+    seed: int = opt(0)
+    log_every: int = opt(10, check=_positive)
+    eval_every: int = opt(0, check=_non_negative, doc="0 = only after the last step")
+    device: str = opt("auto", choices=("auto", "cpu", "cuda"))
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = opt("dp", choices=("dp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "ps"))
+    tp: int = opt(1, check=_positive)
+    pp: int = opt(1, check=_positive)
+    microbatches: int = opt(4, check=_positive)
+    schedule: str = opt("1f1b", choices=("gpipe", "1f1b", "interleaved"))
+    bucket_mb: float = opt(25.0, check=_positive)
+    compression: str = opt("none", choices=("none", "bf16", "fp16", "topk", "powersgd"))
+    timeout_s: float = opt(300.0, check=_positive, doc="collective timeout")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(0, check=_non_negative)
+    keep: int = opt(3, check=_positive)
+
+
+@dataclass
+class PSConfig:
+    servers: int = opt(1, check=_positive)
+    mode: str = opt("sync", choices=("sync", "async", "ssp"))
+    staleness: int = opt(4, check=_non_negative)
+
+
+@dataclass
+class Config:
+    name: str = "paratrain"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
+
+    def to_dict(self) -> dict:
+        """The TOML-shaped dict (factory kwargs flattened back into their sections)."""
+        out: dict[str, Any] = {"name": self.name}
+        for f in dataclasses.fields(self):
+            if f.name == "name":
+                continue
+            section = dataclasses.asdict(getattr(self, f.name))
+            section.update(section.pop("kwargs", {}))
+            out[f.name] = section
+        return out
+
+
+# Sections whose unknown keys are factory keyword arguments rather than errors.
+_OPEN_SECTIONS = {"model", "data"}
+_IMPLEMENTED_STRATEGIES = {"dp"}
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               dict: "a table"}
+
+
+def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
+    want = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict}[f.type]
+    ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ConfigError(key, f"expected {_TYPE_NAMES[want]}, got {value!r} ({type(value).__name__})")
+    if want is float and not math.isfinite(value):
+        raise ConfigError(key, f"must be finite, got {value!r}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(key, f"must be one of {' | '.join(choices)}, got {value!r}")
+    check = f.metadata.get("check")
+    if check and (why := check(value)):
+        raise ConfigError(key, f"{why}, got {value!r}")
+    return value
+
+
+def _build_section(name: str, cls, raw: Any):
+    if not isinstance(raw, dict):
+        raise ConfigError(name, f"expected a table, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "kwargs"}
+    values, extra = {}, {}
+    for key, value in raw.items():
+        if key in fields:
+            values[key] = _check_value(f"{name}.{key}", fields[key], value)
+        elif name in _OPEN_SECTIONS:
+            extra[key] = value
+        else:
+            raise ConfigError(f"{name}.{key}", f"unknown key (known: {', '.join(fields)})")
+    if name in _OPEN_SECTIONS:
+        values["kwargs"] = extra
+    return cls(**values)
+
+
+def from_dict(raw: dict) -> Config:
+    sections = {f.name: f for f in dataclasses.fields(Config) if f.name != "name"}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "name":
+            if not isinstance(value, str) or not value:
+                raise ConfigError("name", f"expected a non-empty string, got {value!r}")
+            kwargs["name"] = value
+        elif key in sections:
+            kwargs[key] = _build_section(key, sections[key].default_factory, value)
+        else:
+            raise ConfigError(key, f"unknown key (known: name, {', '.join(sections)})")
+    cfg = Config(**kwargs)
+    _check_combinations(cfg)
+    return cfg
+
+
+def _check_combinations(cfg: Config) -> None:
+    """Checks that need no world size and no dataset."""
+    if cfg.parallel.strategy not in _IMPLEMENTED_STRATEGIES:
+        raise ConfigError("parallel.strategy",
+                          f"{cfg.parallel.strategy!r} is not available in this version "
+                          f"(available: {', '.join(sorted(_IMPLEMENTED_STRATEGIES))})")
+    if cfg.train.lr_schedule == "cosine" and cfg.train.warmup_steps > cfg.train.steps:
+        raise ConfigError("train.warmup_steps", "must not exceed train.steps")
+
+
+def check_world(cfg: Config, world_size: int) -> None:
+    """Checks that depend on the number of processes."""
+    dp = world_size  # every process is a data-parallel replica for dp
+    per_step = dp * cfg.train.grad_accum
+    if cfg.data.batch_size % per_step:
+        raise ConfigError("data.batch_size",
+                          f"{cfg.data.batch_size} is not divisible by data-parallel degree {dp} "
+                          f"x train.grad_accum {cfg.train.grad_accum}")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=VALUE` with VALUE in TOML syntax; a bare word is taken as a string."""
+    if "=" not in item:
+        raise ConfigError(item, "--set expects KEY=VALUE")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(key or item, "--set expects a dotted KEY=VALUE")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = raw
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(".".join(path), f"{part!r} is not a table")
+        node[path[-1]] = value
+    return raw
+
+
+def default_config_path() -> Path:
+    return Path(str(importlib.resources.files("paratrain") / "configs" / "default.toml"))
+
+
+def read_toml(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("config", f"file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+
+
+def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    raw = read_toml(path if path is not None else default_config_path())
+    return from_dict(apply_overrides(raw, list(overrides)))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if key.replace("_", "").replace("-", "").isalnum() else _toml_value(key)
+
+
+def to_toml(cfg: Config) -> str:
+    data = cfg.to_dict()
+    lines = [f"name = {_toml_value(data.pop('name'))}"]
+    for section, table in data.items():
+        lines += ["", f"[{section}]"]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"

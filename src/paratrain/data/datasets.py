@@ -1,0 +1,123 @@
+"""Built-in datasets: only what installed packages ship, or synthetic. Nothing is downloaded.
+
+Each factory takes `split` ("train" or "val") and returns a map-style dataset of (input, target).
+The attributes `in_features`, `num_classes` and `vocab_size` let the built-in models size
+themselves from the data.
+"""
+from __future__ import annotations
+
+import functools
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, TensorDataset
+
+
+class ArrayDataset(TensorDataset):
+    """A TensorDataset that also says what a model needs to know about it."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, num_classes: int | None = None):
+        super().__init__(inputs, targets)
+        self.in_features = int(inputs[0].numel())
+        self.num_classes = num_classes
+
+
+def _split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = int(round(n * val_fraction))
+    return np.sort(order[n_val:]), np.sort(order[:n_val])
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits.csv.gz, read directly: importing sklearn costs a second per process."""
+    import gzip
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            with gzip.open(path, "rt") as fh:
+                table = np.loadtxt(fh, delimiter=",", dtype=np.float32)
+            return table[:, :-1], table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return bunch.data.astype(np.float32), bunch.target.astype(np.int64)
+
+
+def digits(split: str = "train", val_fraction: float = 0.2, split_seed: int = 0) -> ArrayDataset:
+    """scikit-learn's bundled 8x8 handwritten digits (1,797 images), scaled to [0, 1]."""
+    data, target = _digits_arrays()
+    x = torch.from_numpy(data) / 16.0
+    y = torch.from_numpy(target)
+    train_idx, val_idx = _split_indices(len(x), val_fraction, split_seed)
+    idx = torch.from_numpy(train_idx if split == "train" else val_idx)
+    return ArrayDataset(x[idx], y[idx], num_classes=10)
+
+
+def synthetic(split: str = "train", n_samples: int = 2048, in_features: int = 32,
+              num_classes: int = 10, seed: int = 1234, task: str = "classification") -> ArrayDataset:
+    """Inputs from N(0, 1) labelled by a fixed random linear teacher (classification or regression)."""
+    g = torch.Generator().manual_seed(seed + (0 if split == "train" else 1))
+    teacher = torch.randn(in_features, num_classes, generator=torch.Generator().manual_seed(seed))
+    x = torch.randn(n_samples if split == "train" else max(n_samples // 4, 1), in_features, generator=g)
+    logits = x @ teacher
+    if task == "regression":
+        return ArrayDataset(x, logits, num_classes=None)
+    return ArrayDataset(x, logits.argmax(dim=1), num_classes=num_classes)
+
+
+@functools.lru_cache(maxsize=2)
+def stdlib_text(max_chars: int) -> str:
+    """The running Python's standard-library .py files, concatenated in sorted path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        if "site-packages" in path.parts:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        chunks.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    return "".join(chunks)[:max_chars]
+
+
+class CharCorpus(Dataset):
+    """Non-overlapping blocks of characters; the target is the input shifted by one character."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, vocab: list[str]):
+        self.tokens = tokens
+        self.block_size = block_size
+        self.vocab = vocab
+        self.vocab_size = len(vocab)
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.block_size
+
+    def __getitem__(self, i: int):
+        start = i * self.block_size
+        chunk = self.tokens[start:start + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def corpus(split: str = "train", block_size: int = 64, max_chars: int = 2_000_000,
+           val_fraction: float = 0.1) -> CharCorpus:
+    """Character-level corpus from the standard library's own source text."""
+    text = stdlib_text(max_chars)
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    alphabet, tokens = np.unique(codes, return_inverse=True)
+    vocab = [chr(c) for c in alphabet]
+    tokens = torch.from_numpy(tokens.astype(np.int64))
+    n_train = int(len(tokens) * (1 - val_fraction))
+    part = tokens[:n_train] if split == "train" else tokens[n_train:]
+    return CharCorpus(part, block_size, vocab)
+
+
+BUILTIN = {"digits": digits, "corpus": corpus, "synthetic": synthetic}

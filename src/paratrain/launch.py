@@ -1,0 +1,66 @@
+"""Start the workers through PyTorch's elastic agent (the engine behind torchrun).
+
+Local runs pick a free port and keep the c10d rendezvous on loopback; multi-node runs meet at
+--rdzv HOST:PORT, where node 0 hosts the rendezvous store. With --max-restarts K the agent
+restarts the whole worker group after a failure, and the workers resume by themselves.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from .runtime import free_port
+
+
+@dataclass
+class WorkerFailure(Exception):
+    rank: int
+    exitcode: int
+    cause: str
+    all_exitcodes: set
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} failed (exit code {self.exitcode}): {self.cause}"
+
+
+def default_nproc(device: str) -> int:
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 2
+
+
+def launch(module: str, args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,
+           rdzv: str | None = None, max_restarts: int = 0, run_id: str = "paratrain") -> None:
+    """Run `python -m module *args` on nproc x nnodes workers; raise WorkerFailure if they fail."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # Each worker gets an equal share of the cores (torchrun does the same), so N processes
+    # on N cores do not each spawn N compute threads and thrash.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    local = rdzv is None
+    config = LaunchConfig(
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
+        rdzv_backend="c10d", rdzv_endpoint=rdzv or f"127.0.0.1:{free_port()}",
+        rdzv_configs={"is_host": node_rank == 0} if not local else {},
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        local_addr="127.0.0.1" if local else None,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", module, *args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        cause = failure.message
+        if isinstance(cause, dict):
+            cause = cause.get("message", "<unknown>")
+        if failure.exitcode < 0:
+            cause = f"killed by signal {failure.signal_name()}"
+        elif not cause or cause.startswith("To enable traceback"):
+            cause = f"exited with code {failure.exitcode} (see its output above)"
+        raise WorkerFailure(rank, failure.exitcode, str(cause).strip().splitlines()[-1],
+                            {f.exitcode for f in exc.failures.values()}) from None

@@ -1,0 +1,54 @@
+"""What a run reports: metrics.jsonl, one grep-able line per logged step, and a progress bar on a TTY."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+class MetricsLog:
+    """Rank 0 only. Appends to RUN_DIR/metrics.jsonl (a resumed run continues the same file)."""
+
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.file = open(Path(run_dir) / "metrics.jsonl", "a") if enabled else None
+        self.bar = None
+        if enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
+
+    def print(self, line: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def advance(self, loss: float | None = None) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}")
+
+    def record(self, entry: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(entry) + "\n")
+        self.file.flush()
+        parts = [f"step {entry['step']:>6}"]
+        if "loss" in entry:
+            parts += [f"loss {entry['loss']:.6f}", f"lr {entry['lr']:.3e}", f"samples/s {entry['samples_per_s']:.1f}"]
+        for key in ("val_loss", "val_acc"):
+            if key in entry:
+                parts.append(f"{key} {entry[key]:.4f}")
+        parts.append(f"time {entry['time']:.1f}s")
+        self.print("  ".join(parts))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.file is not None:
+            self.file.close()
+

@@ -1,0 +1,110 @@
+"""Decoder-only character transformer (GPT).
+
+Written to be split: `pipeline_layers()` lists the modules that run one after another
+(embedding, each block, head), and attention takes its number of heads from the width of its
+projections, so a tensor-parallel plan that narrows q/k/v to a slice of the heads needs no other
+change. Separate q, k and v projections (not one fused qkv) make that column split a plain slice.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_size: int, d_model: int, block_size: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(block_size, d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(positions)
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        self.head_dim = d_model // n_head
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        heads = self.q.out_features // self.head_dim  # local heads: fewer under tensor parallelism
+
+        def split(t):
+            return t.view(B, T, heads, self.head_dim).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.proj = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, n_head)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = FeedForward(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Head(nn.Module):
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128,
+                 block_size: int = 64):
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"d_model {d_model} is not divisible by n_head {n_head}")
+        self.block_size = block_size
+        self.embed = Embedding(vocab_size, d_model, block_size)
+        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.head = Head(d_model, vocab_size)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The modules that run one after another; a pipeline cuts between them."""
+        return [self.embed, *self.blocks, self.head]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = idx
+        for layer in self.pipeline_layers():
+            x = layer(x)
+        return x
+
+
+def gpt(vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128, block_size: int = 64) -> GPT:
+    return GPT(vocab_size, n_layer=n_layer, n_head=n_head, d_model=d_model, block_size=block_size)

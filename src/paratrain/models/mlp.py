@@ -1,0 +1,11 @@
+"""Multi-layer perceptron, as an nn.Sequential so a pipeline can cut it anywhere."""
+from torch import nn
+
+
+def mlp(in_features: int = 64, hidden: int = 256, n_layers: int = 2, out_features: int = 10) -> nn.Sequential:
+    layers, width = [], in_features
+    for _ in range(n_layers):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    layers.append(nn.Linear(width, out_features))
+    return nn.Sequential(*layers)

@@ -1,0 +1,79 @@
+"""Optimizer, learning-rate schedule and loss, built from the [train] section."""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import Config, TrainConfig
+from .resolve import resolve_callable
+
+
+def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(cfg: TrainConfig) -> Callable[[int], float]:
+    """Multiplier of train.lr at a step: constant, or linear warm-up then cosine decay to zero."""
+    if cfg.lr_schedule == "constant":
+        return lambda step: 1.0 if step >= cfg.warmup_steps else (step + 1) / cfg.warmup_steps
+
+    def cosine(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        span = max(cfg.steps - cfg.warmup_steps, 1)
+        return 0.5 * (1.0 + math.cos(math.pi * min(step - cfg.warmup_steps, span) / span))
+
+    return cosine
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _output_tensor(output):
+    """The logits inside whatever the model returned: a tensor, a tuple, or an object with .logits."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(f"the built-in losses need a tensor output, got {type(output).__name__}")
+
+
+def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
+    logits = _output_tensor(output)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+def mse(output, target: torch.Tensor) -> torch.Tensor:
+    out = _output_tensor(output)
+    return F.mse_loss(out.float(), target.reshape(out.shape).to(torch.float32))
+
+
+BUILTIN_LOSSES = {"cross_entropy": cross_entropy, "mse": mse}
+
+
+def build_loss(cfg: Config) -> Callable:
+    return BUILTIN_LOSSES.get(cfg.train.loss) or resolve_callable(cfg.train.loss, "train.loss")
+
+
+@torch.no_grad()
+def accuracy_counts(output, target: torch.Tensor) -> tuple[int, int] | None:
+    """(correct, total) for classification-shaped outputs, else None."""
+    try:
+        logits = _output_tensor(output)
+    except TypeError:
+        return None
+    if not (target.dtype in (torch.long, torch.int) and logits.dim() == target.dim() + 1):
+        return None
+    pred = logits.argmax(dim=-1)
+    return int((pred == target).sum()), target.numel()

@@ -1,0 +1,100 @@
+"""What every strategy shares: the contract the trainer relies on, and small common pieces.
+
+A strategy owns the (possibly split) model and its optimizer. The trainer only calls:
+    set_lr(lr); train_step((inputs, targets)) -> local mean loss; eval_step(...);
+    state_dict() -> (tensors, json) for this rank's checkpoint file; load_state_dict(reader);
+    full_model_state() -> the consolidated state dict on rank 0 (None elsewhere).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config
+from ..optim import accuracy_counts, set_lr
+from ..runtime import Runtime
+
+
+class Strategy:
+    name = "base"
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.cfg = cfg
+        self.rt = rt
+        self.grad_accum = cfg.train.grad_accum
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # -- the step -------------------------------------------------------------------------------
+    def autocast(self):
+        if self.cfg.train.precision == "bf16":
+            return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def micro_batches(self, batch):
+        """The rank's batch for one optimizer step, cut into train.grad_accum equal micro-batches."""
+        inputs, targets = batch
+        return list(zip(torch.chunk(inputs, self.grad_accum), torch.chunk(targets, self.grad_accum)))
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def train_step(self, batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[loss * n, n, correct, counted] for this rank's share of a validation batch."""
+        self.model.eval()
+        try:
+            with self.autocast():
+                output = self.model(inputs)
+            return eval_sums(self.loss_fn, output, targets)
+        finally:
+            self.model.train()
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        raise NotImplementedError
+
+    def load_state_dict(self, reader) -> None:
+        raise NotImplementedError
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        raise NotImplementedError
+
+
+@torch.no_grad()
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group=None) -> None:
+    """Broadcast many tensors in one message per dtype (not one per tensor: latency adds up)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in group_tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters in registration order, each once (shared weights appear once)."""
+    seen, out = set(), []
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def eval_sums(loss_fn, output, targets: torch.Tensor) -> torch.Tensor:
+    n = targets.shape[0]
+    correct, counted = accuracy_counts(output, targets) or (0, 0)
+    return torch.tensor([float(loss_fn(output, targets)) * n, n, correct, counted], dtype=torch.float64)

@@ -1,0 +1,95 @@
+"""Process group, device and seeding for one worker.
+
+Reads the standard torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+so a worker runs the same under `paratrain run`, a plain `torchrun`, or the elastic agent's restarts.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    restart_count: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device = 'cuda' but no CUDA device is available")
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init(device_kind: str = "auto", timeout_s: float = 300.0) -> Runtime:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_kind, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # a lone process started by hand
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return Runtime(rank, world, local_rank, device, backend,
+                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """Every RNG of this process: tensors for torch, JSON-able values for Python and NumPy."""
+    state = {"tensors": {"rng.torch": torch.get_rng_state()}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["tensors"]["rng.cuda"] = torch.cuda.get_rng_state()
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    state["json"] = {"python": [version, list(internal), gauss],
+                     "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    return state
+
+
+def set_rng_state(tensors: dict, meta: dict) -> None:
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = meta["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,246 @@
+"""The training loop, run by every worker process: data -> strategy.train_step -> metrics -> checkpoints.
+
+Entry point of each worker (`python -m paratrain.trainer CONFIG --run-dir DIR`); it also runs
+under a plain `torchrun -m paratrain.trainer ...` since it only reads the standard environment.
+The trainer never asks which strategy it holds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from . import checkpoint as ckpt
+from . import config as config_mod
+from . import runtime
+from .config import Config, ConfigError
+from .data import GlobalBatchSampler, build_dataset, load_batch
+from .metrics import MetricsLog
+from .models import build_model
+from .optim import build_loss, lr_factor
+from .parallel import build_strategy
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: Path, rt: runtime.Runtime):
+        self.cfg, self.run_dir, self.rt = cfg, Path(run_dir), rt
+        train = cfg.train
+        runtime.seed_everything(train.seed)  # identical initial weights on every rank
+        self.train_set = build_dataset(cfg, "train")
+        self.val_set = build_dataset(cfg, "val")
+        model = build_model(cfg, self.train_set)
+        runtime.seed_everything(train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
+        self.strategy = build_strategy(model, build_loss(cfg), cfg, rt)
+        self.dp_rank = getattr(self.strategy, "dp_rank", rt.rank)
+        self.dp_size = getattr(self.strategy, "dp_size", rt.world_size)
+        self.sampler = GlobalBatchSampler(len(self.train_set), cfg.data.batch_size, cfg.data.shuffle, train.seed)
+        self.lr_at = lr_factor(train)
+        self.step = 0
+
+    # -- resume ---------------------------------------------------------------------------------
+    def resume(self, how: str) -> None:
+        """`how`: none | auto | PATH. An elastic restart always resumes from the newest checkpoint."""
+        if how == "none" and self.rt.restart_count > 0:
+            how = "auto"
+        if how == "none":
+            return
+        path = None
+        if how == "auto":
+            if self.rt.is_main:
+                reader = ckpt.latest_valid(self.run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
+                path = str(reader.path) if reader else ""
+            path = broadcast_str(path or "", self.rt)
+            if not path:
+                if self.rt.is_main:
+                    print("no checkpoint to resume from: starting fresh", flush=True)
+                return
+        else:
+            path = how
+        reader = ckpt.CheckpointReader(path)
+        if reader.strategy != self.cfg.parallel.strategy:
+            raise ckpt.CheckpointMismatch(
+                "resume", f"checkpoint {path} was written by strategy {reader.strategy!r}, "
+                          f"this run uses {self.cfg.parallel.strategy!r}")
+        self.strategy.load_state_dict(reader)
+        _, meta0 = reader.load(rank=0)
+        self.step = int(meta0["trainer"]["step"])
+        if self.rt.rank < reader.world_size:
+            tensors, meta = reader.load(rank=self.rt.rank)
+            runtime.set_rng_state(tensors, meta["rng"])
+        if self.rt.is_main:
+            drop_metrics_after(self.run_dir / "metrics.jsonl", self.step)
+            print(f"resumed from {path} at step {self.step} (saved by {reader.world_size} ranks)", flush=True)
+
+    def save_checkpoint(self) -> None:
+        tensors, meta = self.strategy.state_dict()
+        rng = runtime.rng_state()
+        tensors = {**tensors, **rng["tensors"]}
+        meta = {**meta, "rng": rng["json"], "trainer": {"step": self.step}}
+        ckpt.save(self.run_dir, self.step, tensors, meta, rank=self.rt.rank, world_size=self.rt.world_size,
+                  strategy=self.cfg.parallel.strategy, config=self.cfg.to_dict(),
+                  keep=self.cfg.checkpoint.keep, device=self.rt.device)
+
+    # -- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Validation loss (and accuracy for classification), each dp rank taking a shard."""
+        if self.val_set is None or len(self.val_set) == 0:
+            return {}
+        per_rank = max(4 * self.cfg.data.batch_size // self.dp_size, 1)  # no activations kept: bigger batches
+        order = torch.arange(self.dp_rank, len(self.val_set), self.dp_size)
+        sums = torch.zeros(4, dtype=torch.float64)  # loss*n, n, correct, counted
+        for chunk in torch.split(order, per_rank):
+            x, y = load_batch(self.val_set, chunk)
+            sums += self.strategy.eval_step(x.to(self.rt.device), y.to(self.rt.device))
+        sums = all_reduce_sum(sums, self.rt)
+        out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}
+        if sums[3] > 0:
+            out["val_acc"] = sums[2].item() / sums[3].item()
+        return out
+
+    # -- the loop -------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg, rt = self.cfg, self.rt
+        total = cfg.train.steps
+        log = MetricsLog(self.run_dir, total, self.step, enabled=rt.is_main)
+        t_start = time.perf_counter()
+        t_last, steps_since, loss_sum = t_start, 0, torch.zeros((), dtype=torch.float64)
+        last = {}
+        try:
+            while self.step < total:
+                lr = cfg.train.lr * self.lr_at(self.step)
+                self.strategy.set_lr(lr)
+                idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
+                x, y = load_batch(self.train_set, idx)
+                loss = self.strategy.train_step((x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)))
+                loss_sum += loss.detach().double().cpu()
+                self.step += 1
+                steps_since += 1
+                log.advance()
+                done = self.step == total
+                evaluate = done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
+                if done or evaluate or self.step % cfg.train.log_every == 0:
+                    mean_loss = all_reduce_sum(loss_sum, rt).item() / (steps_since * self.dp_size)
+                    now = time.perf_counter()
+                    entry = {"step": self.step, "loss": mean_loss, "lr": lr,
+                             "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),
+                             "time": now - t_start}
+                    if evaluate:
+                        entry.update(self.evaluate())
+                    log.record(entry)
+                    last = entry
+                    t_last, steps_since, loss_sum = time.perf_counter(), 0, torch.zeros_like(loss_sum)
+                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                    self.save_checkpoint()
+        finally:
+            log.close()
+        elapsed = time.perf_counter() - t_start
+        self.export()
+        return {**last, "elapsed": elapsed}
+
+    def export(self) -> None:
+        state = self.strategy.full_model_state()
+        if self.rt.is_main:
+            ckpt.export_final(self.run_dir, state, step=self.step, config=self.cfg.to_dict(),
+                              extra={"strategy": self.cfg.parallel.strategy, "world_size": self.rt.world_size,
+                                     "parameters": sum(v.numel() for v in state.values())})
+        barrier(self.rt)
+
+
+def drop_metrics_after(path: Path, step: int) -> None:
+    """A resumed run redoes the steps after its checkpoint: forget what the lost attempt logged of them."""
+    if path.is_file():
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if json.loads(line).get("step", 0) <= step))
+
+
+# -- small collectives on scalars -----------------------------------------------------------------
+def all_reduce_sum(t: torch.Tensor, rt: runtime.Runtime) -> torch.Tensor:
+    if rt.world_size == 1:
+        return t
+    dev = t.to(rt.device)
+    dist.all_reduce(dev)
+    return dev.cpu()
+
+
+def broadcast_str(text: str, rt: runtime.Runtime) -> str:
+    if rt.world_size == 1:
+        return text
+    raw = text.encode()
+    size = torch.tensor([len(raw)], dtype=torch.long, device=rt.device)
+    dist.broadcast(size, src=0)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=rt.device)
+    if rt.is_main:
+        buf.copy_(torch.tensor(list(raw), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    return bytes(buf.cpu().tolist()).decode()
+
+
+def barrier(rt: runtime.Runtime) -> None:
+    if rt.world_size > 1:
+        dist.barrier()
+
+
+def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:
+    parts = [f"done: {result.get('step', 0)} steps in {result['elapsed']:.1f}s"]
+    if "loss" in result:
+        parts.append(f"loss {result['loss']:.4f}")
+    for key in ("val_loss", "val_acc"):
+        if key in result:
+            parts.append(f"{key} {result[key]:.4f}")
+    if result.get("step"):
+        parts.append(f"{result['step'] * cfg.data.batch_size / max(result['elapsed'], 1e-9):.1f} samples/s")
+    parts.append(f"model: {run_dir / 'final' / 'model.safetensors'}")
+    return " | ".join(parts)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="paratrain-worker", description="one paratrain worker process")
+    p.add_argument("config", nargs="?", help="TOML config (default: the built-in default job)")
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--resume", default="none")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return p.parse_args(argv)
+
+
+@record
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.config:
+        os.environ.setdefault("PARATRAIN_CONFIG_DIR", str(Path(args.config).resolve().parent))
+    try:
+        cfg = config_mod.load(args.config, args.overrides)
+        rt = runtime.init(cfg.train.device, cfg.parallel.timeout_s)
+        config_mod.check_world(cfg, rt.world_size)
+        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if rt.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+        barrier(rt)
+        trainer = Trainer(cfg, run_dir, rt)
+        trainer.resume(args.resume)
+        result = trainer.fit()
+        if rt.is_main:
+            print(summary_line(result, cfg, run_dir), flush=True)
+    except ConfigError as exc:
+        print(f"paratrain: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        runtime.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # Everything is closed and flushed by now; skipping the interpreter's teardown of torch saves
+    # most of a second per worker, which every run and every test pays.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

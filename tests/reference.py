@@ -1,0 +1,26 @@
+"""Plain single-process PyTorch training: the oracle every strategy is compared with.
+
+It knows nothing of paratrain's internals: batches follow the contract's `shuffle = false` rule,
+step i reads samples (i*B + j) mod N, and the model is built with the seed the config names.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def train_reference(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, steps: int,
+                    batch_size: int, lr: float, optimizer: str = "sgd", clip: float = 0.0,
+                    loss_fn=None) -> dict[str, torch.Tensor]:
+    loss_fn = loss_fn or (lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)))
+    opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0))
+    n = len(inputs)
+    for step in range(steps):
+        idx = torch.arange(step * batch_size, (step + 1) * batch_size) % n
+        opt.zero_grad()
+        loss_fn(model(inputs[idx]), targets[idx]).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,108 @@
+"""dp against single-process PyTorch, torch DDP, and itself (accumulation, resume)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
+from reference import train_reference
+
+from paratrain.data.datasets import digits
+from paratrain.models.mlp import mlp
+
+EQUIV = """
+name = "equiv"
+[model]
+factory = "mlp"
+hidden = 32
+[data]
+factory = "digits"
+batch_size = 24
+shuffle = false
+[train]
+steps = 20
+optimizer = "sgd"
+lr = 0.1
+log_every = 5
+[parallel]
+strategy = "dp"
+bucket_mb = 0.002   # a few KB: many buckets even for this small model
+"""
+
+
+@pytest.fixture(scope="module")
+def reference_weights():
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    return train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y,
+                           steps=20, batch_size=24, lr=0.1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_dp_equals_single_process(tmp_path, reference_weights, world):
+    cfg = write_config(tmp_path / "c.toml", EQUIV)
+    check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--run-dir", str(tmp_path / "run")))
+    assert max_rel_error(final_weights(tmp_path / "run"), reference_weights) <= 1e-4
+
+
+def test_dp_equals_torch_ddp(tmp_path):
+    out = tmp_path / "ddp.safetensors"
+    check_ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "tests/ddp_oracle.py", "--out", str(out)], capture_output=True, text=True, timeout=300))
+    cfg = write_config(tmp_path / "c.toml", EQUIV)
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
+    from safetensors.torch import load_file
+    assert max_rel_error(final_weights(tmp_path / "run"), load_file(str(out))) <= 1e-5
+
+
+def test_grad_accumulation_equals_one_big_batch(tmp_path, reference_weights):
+    cfg = write_config(tmp_path / "c.toml", EQUIV)
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", "train.grad_accum=3", "--run-dir", str(tmp_path / "run")))
+    assert max_rel_error(final_weights(tmp_path / "run"), reference_weights) <= 1e-4
+
+
+RESUME = """
+name = "resume"
+[model]
+factory = "mlp"
+hidden = 32
+[data]
+factory = "digits"
+batch_size = 200   # 1437 samples: epochs end mid-batch, so the sampler position matters
+shuffle = true
+[train]
+steps = 16
+optimizer = "adamw"
+lr = 0.01
+warmup_steps = 4
+log_every = 4
+[checkpoint]
+every = 4
+keep = 2
+"""
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", RESUME)
+    check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "straight")))
+    # Stop after 8 steps, then continue to 16 from the newest checkpoint.
+    check_ok(run_cli("run", str(cfg), "--set", "train.steps=8", "--run-dir", str(tmp_path / "split")))
+    proc = check_ok(run_cli("run", str(cfg), "--resume", "auto", "--run-dir", str(tmp_path / "split")))
+    assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
+    straight, split = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
+    assert all(torch.equal(straight[k], split[k]) for k in straight), "resumed run differs from uninterrupted"
+    # keep = 2: only the newest two checkpoints remain; metrics continue without duplicate steps
+    steps = sorted(p.name for p in (tmp_path / "split" / "checkpoints").iterdir())
+    assert steps == ["step-12", "step-16"]
+    logged = [m["step"] for m in metrics(tmp_path / "split")]
+    assert logged == sorted(set(logged)) and logged[-1] == 16
+
+
+def test_resume_at_another_world_size(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", RESUME)
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "straight")))
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", "train.steps=8", "--run-dir", str(tmp_path / "split")))
+    check_ok(run_cli("run", str(cfg), "--nproc", "1", "--resume", str(tmp_path / "split" / "checkpoints" / "step-8"),
+                     "--run-dir", str(tmp_path / "one")))
+    assert max_rel_error(final_weights(tmp_path / "one"), final_weights(tmp_path / "straight")) <= 1e-4
