@@ -189,8 +189,6 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError("parallel.strategy",
                           f"{cfg.parallel.strategy!r} is not available in this version "
                           f"(available: {', '.join(sorted(_IMPLEMENTED_STRATEGIES))})")
-    if cfg.train.lr_schedule == "cosine" and cfg.train.warmup_steps > cfg.train.steps:
-        raise ConfigError("train.warmup_steps", "must not exceed train.steps")
 
 
 def check_world(cfg: Config, world_size: int) -> None:

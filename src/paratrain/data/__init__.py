@@ -28,7 +28,7 @@ def build_dataset(cfg: Config, split: str = "train") -> Dataset | None:
     try:
         ds = fn(**kwargs)
     except TypeError as exc:
-        raise ConfigError("data", f"{name}: {exc}") from None
+        raise ConfigError("data.factory", f"{name} failed: {exc}") from None
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
         raise ConfigError("data.factory", f"{name} returned {type(ds).__name__}, not a map-style Dataset")
     return ds

@@ -39,7 +39,7 @@ def build_model(cfg: Config, dataset) -> nn.Module:
     try:
         model = fn(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError("model", f"{name}: {exc}") from None
+        raise ConfigError("model.factory", f"{name} failed: {exc}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError("model.factory", f"{name} returned {type(model).__name__}, not a torch.nn.Module")
     return model

@@ -1,0 +1,84 @@
+"""Bad input exits 2 with one line naming the key, before any worker starts."""
+import pytest
+
+from helpers import write_config
+
+from paratrain.cli import main
+
+DIGITS = """
+name = "bad"
+[model]
+factory = "mlp"
+[data]
+factory = "digits"
+batch_size = 32
+[train]
+steps = 2
+"""
+
+
+def run_main(capsys, *args):
+    code = main(list(args))
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.lrr=0.1", "train.lrr"),                 # unknown key
+    ("parallel.foo=1", "parallel.foo"),             # unknown key in a closed section
+    ("train.lr='fast'", "train.lr"),                # wrong type
+    ("train.steps=1.5", "train.steps"),             # wrong type
+    ("train.shuffle_it=true", "train.shuffle_it"),
+    ("data.shuffle=3", "data.shuffle"),             # wrong type
+    ("train.optimizer='lion'", "train.optimizer"),  # bad value
+    ("train.grad_accum=0", "train.grad_accum"),     # bad value
+    ("parallel.bucket_mb=-1", "parallel.bucket_mb"),
+    ("data.batch_size=33", "data.batch_size"),      # not divisible by 2 ranks
+    ("data.batch_size=5000", "data.batch_size"),    # more than the 1,438 training samples
+    ("model.factory='nosuchmodule:build'", "model.factory"),  # not importable
+    ("model.factory='os.path:join'", "model.factory"),        # fails when called
+    ("model.factory='builtins:object'", "model.factory"),     # returns an object, not a Module
+    ("model.hiddn=3", "model.hiddn"),               # the factory takes no such argument
+    ("data.factory='json:loads'", "data.factory"),
+    ("train.loss='nosuch:fn'", "train.loss"),
+    ("parallel.strategy='sharded'", "parallel.strategy"),
+])
+def test_bad_config_exits_2_naming_the_key(tmp_path, capsys, override, key):
+    cfg = write_config(tmp_path / "c.toml", DIGITS)
+    code, err = run_main(capsys, "run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_bad_toml_and_missing_file(tmp_path, capsys):
+    bad = write_config(tmp_path / "bad.toml", "name = [unclosed")
+    code, err = run_main(capsys, "run", str(bad))
+    assert code == 2 and "not valid TOML" in err
+    code, err = run_main(capsys, "run", str(tmp_path / "missing.toml"))
+    assert code == 2 and "not found" in err
+
+
+def test_unwritable_run_dir(tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.toml", DIGITS)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, err = run_main(capsys, "run", str(cfg), "--run-dir", str(blocker / "sub"))
+    assert code == 2 and "--run-dir" in err
+
+
+def test_user_factories_resolve_next_to_the_config(tmp_path, capsys, monkeypatch):
+    (tmp_path / "mymodels.py").write_text("def not_a_model():\n    return 42\n")
+    cfg = write_config(tmp_path / "c.toml", DIGITS.replace('factory = "mlp"', 'factory = "mymodels:not_a_model"'))
+    monkeypatch.chdir("/")
+    code, err = run_main(capsys, "run", str(cfg), "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and "model.factory" in err and "int" in err
+
+
+def test_overrides_parse_toml_values():
+    from paratrain.config import apply_overrides
+
+    raw = apply_overrides({}, ["train.lr=0.5", "name=plain", "train.shuffle=false", "model.sizes=[1, 2]"])
+    assert raw == {"train": {"lr": 0.5, "shuffle": False}, "name": "plain", "model": {"sizes": [1, 2]}}

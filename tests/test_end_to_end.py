@@ -1,0 +1,47 @@
+"""Whole runs through the CLI: the default job, accuracy on digits, the run directory contract."""
+import json
+
+from helpers import check_ok, final_weights, metrics, run_cli, write_config
+
+from paratrain.models.gpt import gpt
+
+
+def test_default_job_smoke(tmp_path):
+    proc = check_ok(run_cli("run", "--set", "train.steps=6", "--set", "train.log_every=2",
+                            "--set", "train.eval_every=0", "--set", "data.max_chars=200000",
+                            "--run-dir", str(tmp_path / "run")))
+    assert "done: 6 steps" in proc.stdout
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("step ")]
+    assert len(lines) == 3 and all(" loss " in l and " lr " in l and " samples/s " in l for l in lines)
+    run = tmp_path / "run"
+    assert (run / "config.toml").is_file()
+    entries = metrics(run)
+    assert [e["step"] for e in entries] == [2, 4, 6]
+    assert {"step", "loss", "lr", "samples_per_s", "time"} <= entries[0].keys()
+    # final/model.safetensors is keyed exactly like the user's model.state_dict()
+    weights = final_weights(run)
+    manifest = json.loads((run / "final" / "manifest.json").read_text())
+    model = gpt(vocab_size=weights["embed.tok.weight"].shape[0], n_layer=2, n_head=4, d_model=128, block_size=64)
+    assert set(weights) == set(model.state_dict())
+    assert manifest["step"] == 6 and "sha256" in manifest["files"]["model.safetensors"]
+
+
+def test_digits_reaches_90_percent(tmp_path):
+    cfg = write_config(tmp_path / "digits.toml", """
+name = "digits-mlp"
+[model]
+factory = "mlp"
+hidden = 128
+[data]
+factory = "digits"
+batch_size = 64
+[train]
+steps = 150
+optimizer = "adamw"
+lr = 0.003
+log_every = 50
+eval_every = 75
+""")
+    check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run")))
+    final = metrics(tmp_path / "run")[-1]
+    assert final["step"] == 150 and final["val_acc"] >= 0.90, final
