@@ -125,7 +125,6 @@ class Config:
 
 # Sections whose unknown keys are factory keyword arguments rather than errors.
 _OPEN_SECTIONS = {"model", "data"}
-_IMPLEMENTED_STRATEGIES = {"dp"}
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
                dict: "a table"}
@@ -185,15 +184,35 @@ def from_dict(raw: dict) -> Config:
 
 def _check_combinations(cfg: Config) -> None:
     """Checks that need no world size and no dataset."""
-    if cfg.parallel.strategy not in _IMPLEMENTED_STRATEGIES:
+    from .parallel import STRATEGIES  # the registry is the one list of what exists
+
+    if cfg.parallel.strategy not in STRATEGIES:
         raise ConfigError("parallel.strategy",
                           f"{cfg.parallel.strategy!r} is not available in this version "
-                          f"(available: {', '.join(sorted(_IMPLEMENTED_STRATEGIES))})")
+                          f"(available: {', '.join(sorted(STRATEGIES))})")
+
+
+def data_parallel_degree(cfg: Config, world_size: int) -> int:
+    """How many model replicas read different data: the divisor of the global batch."""
+    if cfg.parallel.strategy == "ps":
+        return world_size - cfg.ps.servers  # the servers read no data
+    return world_size // (cfg.parallel.tp * cfg.parallel.pp)
 
 
 def check_world(cfg: Config, world_size: int) -> None:
     """Checks that depend on the number of processes."""
-    dp = world_size  # every process is a data-parallel replica for dp
+    p = cfg.parallel
+    if p.strategy == "ps":
+        if cfg.ps.servers >= world_size:
+            raise ConfigError("ps.servers", f"{cfg.ps.servers} servers leave no worker among {world_size} processes")
+    else:
+        if p.strategy not in ("tp", "hybrid") and p.tp != 1:
+            raise ConfigError("parallel.tp", f"must be 1 for strategy {p.strategy!r}")
+        if p.strategy not in ("pp", "hybrid") and p.pp != 1:
+            raise ConfigError("parallel.pp", f"must be 1 for strategy {p.strategy!r}")
+        if world_size % (p.tp * p.pp):
+            raise ConfigError("parallel.tp", f"tp {p.tp} x pp {p.pp} does not divide the world size {world_size}")
+    dp = data_parallel_degree(cfg, world_size)
     per_step = dp * cfg.train.grad_accum
     if cfg.data.batch_size % per_step:
         raise ConfigError("data.batch_size",

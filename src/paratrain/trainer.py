@@ -38,8 +38,7 @@ class Trainer:
         model = build_model(cfg, self.train_set)
         runtime.seed_everything(train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
         self.strategy = build_strategy(model, build_loss(cfg), cfg, rt)
-        self.dp_rank = getattr(self.strategy, "dp_rank", rt.rank)
-        self.dp_size = getattr(self.strategy, "dp_size", rt.world_size)
+        self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.data.batch_size, cfg.data.shuffle, train.seed)
         self.lr_at = lr_factor(train)
         self.step = 0
@@ -111,7 +110,8 @@ class Trainer:
         total = cfg.train.steps
         log = MetricsLog(self.run_dir, total, self.step, enabled=rt.is_main)
         t_start = time.perf_counter()
-        t_last, steps_since, loss_sum = t_start, 0, torch.zeros((), dtype=torch.float64)
+        t_last, steps_since = t_start, 0
+        loss_sum = torch.zeros(2, dtype=torch.float64)  # summed loss of reporting ranks, their count
         last = {}
         try:
             while self.step < total:
@@ -120,14 +120,16 @@ class Trainer:
                 idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
                 x, y = load_batch(self.train_set, idx)
                 loss = self.strategy.train_step((x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)))
-                loss_sum += loss.detach().double().cpu()
+                if self.strategy.reports_loss:
+                    loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
                 self.step += 1
                 steps_since += 1
                 log.advance()
                 done = self.step == total
                 evaluate = done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
                 if done or evaluate or self.step % cfg.train.log_every == 0:
-                    mean_loss = all_reduce_sum(loss_sum, rt).item() / (steps_since * self.dp_size)
+                    total_loss, reports = all_reduce_sum(loss_sum, rt).tolist()
+                    mean_loss = total_loss / max(reports, 1)
                     now = time.perf_counter()
                     entry = {"step": self.step, "loss": mean_loss, "lr": lr,
                              "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),

@@ -1,10 +1,14 @@
 """`paratrain bench`: ours against the PyTorch peer, side by side in one run."""
 from __future__ import annotations
 
+import importlib
+
+# Each module under bench/ named here adds its sub-command with add_parser(subparsers).
+BENCHMARKS = ["dp"]
+
 
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks: paratrain against its PyTorch peer")
     which = b.add_subparsers(dest="bench", required=True)
-    from . import dp
-
-    dp.add_parser(which)
+    for name in BENCHMARKS:
+        importlib.import_module(f"{__name__}.{name}").add_parser(which)

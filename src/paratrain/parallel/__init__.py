@@ -1,11 +1,14 @@
 """Strategies, one module each. `build_strategy` is the only place that knows which is which."""
 from __future__ import annotations
 
-from .base import Strategy
-from .data_parallel import DataParallel
+import importlib
 
-STRATEGIES: dict[str, type[Strategy]] = {"dp": DataParallel}
+from .base import Strategy
+
+# strategy name -> "module:class" under paratrain.parallel (imported only when used)
+STRATEGIES: dict[str, str] = {"dp": "data_parallel:DataParallel"}
 
 
 def build_strategy(model, loss_fn, cfg, rt) -> Strategy:
-    return STRATEGIES[cfg.parallel.strategy](model, loss_fn, cfg, rt)
+    module, _, cls = STRATEGIES[cfg.parallel.strategy].partition(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(model, loss_fn, cfg, rt)

@@ -3,7 +3,12 @@
 A strategy owns the (possibly split) model and its optimizer. The trainer only calls:
     set_lr(lr); train_step((inputs, targets)) -> local mean loss; eval_step(...);
     state_dict() -> (tensors, json) for this rank's checkpoint file; load_state_dict(reader);
-    full_model_state() -> the consolidated state dict on rank 0 (None elsewhere).
+    full_model_state() -> the consolidated state dict on rank 0 (None elsewhere; a collective).
+and reads three attributes:
+    dp_rank, dp_size  which share of each global batch this rank reads (ranks of one model replica,
+                      e.g. the tp or pp ranks of it, read the same share);
+    reports_loss      whether this rank's train_step loss and eval_step sums count: exactly one rank
+                      per replica reports (e.g. the last pipeline stage), the others return zeros.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ class Strategy:
         self.rt = rt
         self.grad_accum = cfg.train.grad_accum
         self.optimizer: torch.optim.Optimizer | None = None
+        self.dp_rank, self.dp_size = rt.rank, rt.world_size
+        self.reports_loss = True
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
