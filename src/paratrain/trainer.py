@@ -7,6 +7,7 @@ The trainer never asks which strategy it holds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -23,9 +24,10 @@ from . import runtime
 from .config import Config, ConfigError
 from .data import GlobalBatchSampler, build_dataset, load_batch
 from .metrics import MetricsLog
+from .models import BUILTIN as BUILTIN_MODELS
 from .models import build_model
 from .optim import build_loss, lr_factor
-from .parallel import build_strategy
+from .parallel import build_strategy, strategy_class
 
 
 class Trainer:
@@ -35,7 +37,11 @@ class Trainer:
         runtime.seed_everything(train.seed)  # identical initial weights on every rank
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "val")
-        model = build_model(cfg, self.train_set)
+        # A sharding strategy materialises a built-in model shard by shard from its meta-device build.
+        on_meta = (getattr(strategy_class(cfg.parallel.strategy), "materializes_builtin_models", False)
+                   and cfg.model.factory in BUILTIN_MODELS)
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            model = build_model(cfg, self.train_set)
         runtime.seed_everything(train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
         self.strategy = build_strategy(model, build_loss(cfg), cfg, rt)
         self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size

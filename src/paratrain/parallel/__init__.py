@@ -6,9 +6,14 @@ import importlib
 from .base import Strategy
 
 # strategy name -> "module:class" under paratrain.parallel (imported only when used)
-STRATEGIES: dict[str, str] = {"dp": "data_parallel:DataParallel"}
+STRATEGIES: dict[str, str] = {"dp": "data_parallel:DataParallel",
+                              "zero1": "zero:Zero1", "zero2": "zero:Zero2", "zero3": "zero:Zero3"}
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    module, _, cls = STRATEGIES[name].partition(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
 
 
 def build_strategy(model, loss_fn, cfg, rt) -> Strategy:
-    module, _, cls = STRATEGIES[cfg.parallel.strategy].partition(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)(model, loss_fn, cfg, rt)
+    return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)

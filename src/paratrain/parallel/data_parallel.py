@@ -23,12 +23,26 @@ from .. import checkpoint as ckpt
 
 
 class Bucket:
-    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device):
+    """Parameters whose gradients travel together in one flat buffer.
+
+    `numel` is padded up to a multiple of `pad_to` so that ZeRO can cut the buffer into equal shards;
+    the buffer itself is allocated by `allocate()` (dp keeps it for good, ZeRO stage 2 only briefly).
+    """
+
+    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device, pad_to: int = 1):
         self.index = index
         self.params = params
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+        self.device = device
+        self.dtype = params[0].dtype
+        used = sum(p.numel() for p in params)
+        self.numel = -(-used // pad_to) * pad_to
+        self.buffer: torch.Tensor | None = None
         self.pending = len(params)
         self.work = None
+
+    def allocate(self) -> torch.Tensor:
+        self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return self.buffer
 
     def bind_grads(self) -> None:
         offset = 0
@@ -37,7 +51,8 @@ class Bucket:
             offset += p.numel()
 
 
-def make_buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device) -> list[Bucket]:
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device,
+                 pad_to: int = 1) -> list[Bucket]:
     """Reverse registration order, cut when a bucket passes `bucket_bytes` or the dtype changes."""
     groups: list[list[nn.Parameter]] = [[]]
     size = 0
@@ -48,20 +63,22 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.de
             size = 0
         groups[-1].append(p)
         size += p.numel() * p.element_size()
-    return [Bucket(i, g, device) for i, g in enumerate(groups) if g]
+    return [Bucket(i, g, device, pad_to) for i, g in enumerate(groups) if g]
 
 
 class GradientReducer:
     """Bucketed, backward-overlapped gradient averaging over a process group."""
 
-    def __init__(self, params: list[nn.Parameter], bucket_mb: float, device: torch.device, group=None):
+    def __init__(self, params: list[nn.Parameter], bucket_mb: float, device: torch.device, group=None,
+                 pad_to: int = 1):
         self.group = group
         self.world = dist.get_world_size(group)
-        self.buckets = make_buckets(params, int(bucket_mb * 2**20), device)
+        self.buckets = make_buckets(params, int(bucket_mb * 2**20), device, pad_to)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.next_to_launch = 0
         self.sync = False
         for b in self.buckets:
+            b.allocate()
             b.bind_grads()
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -93,8 +110,12 @@ class GradientReducer:
                 return
             if self.world > 1:
                 b.buffer.div_(self.world)
-                b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+                b.work = self._communicate(b)
             self.next_to_launch += 1
+
+    def _communicate(self, b: Bucket):
+        """Start the reduction of one bucket (already divided by the world size); returns its work."""
+        return dist.all_reduce(b.buffer, group=self.group, async_op=True)
 
     def finish(self) -> None:
         """After the syncing backward: launch what is left (unused parameters) and wait for all."""

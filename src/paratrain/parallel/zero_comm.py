@@ -1,0 +1,174 @@
+"""ZeRO's pieces of communication: flat units of parameters, and the gradient reduce-scatters.
+
+A *unit* is a group of parameters that is gathered and sharded together: one flat space, padded to a
+multiple of the world size, cut into equal contiguous shards, shard r on rank r:
+
+    unit flat space   | p0 ....... | p1 .. | p2 ............ |pad|
+    shards            |  rank 0    |  rank 1    |  rank 2    |      (numel / world each)
+
+Stages 1 and 2 make one unit per gradient bucket (dp's `make_buckets`: reverse registration order,
+`parallel.bucket_mb` each); stage 3 one per module (see zero.py).
+
+Both reduce-scatter and all-gather are native gloo collectives in the torch we use
+(`reduce_scatter_single`, `all_gather_single`, before 2.13 `*_tensor`), also in place (output a slice
+of the input), so no all-reduce-and-slice emulation is needed on CPU.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .data_parallel import Bucket, GradientReducer
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group, async_op: bool = True):
+    return _reduce_scatter(output, flat, group=group, async_op=async_op)
+
+
+def all_gather(flat: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
+    return _all_gather(flat, shard, group=group, async_op=async_op)
+
+
+class FlatUnit:
+    """Parameters gathered and sharded together (see the module docstring for the layout)."""
+
+    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], rank: int, world: int,
+                 device: torch.device, module: nn.Module | None = None):
+        self.index, self.params, self.names, self.module = index, params, names, module
+        self.dtype, self.device = params[0].dtype, device
+        self.shapes = [tuple(p.shape) for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        used = sum(self.numels)
+        self.numel = -(-used // world) * world
+        self.shard_numel = self.numel // world
+        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.full: torch.Tensor | None = None          # the whole flat parameter (views: the module's params)
+        self.shard: nn.Parameter | None = None         # this rank's slice: what the optimizer updates
+        self.grad_full: torch.Tensor | None = None     # the whole flat gradient, while it is being reduced
+        self.pending = len(params)
+        self.work = None
+
+    def own_pieces(self):
+        """(param index, start, end within the flattened parameter, start within the shard) of what this rank owns."""
+        for i, (offset, numel) in enumerate(zip(self.offsets, self.numels)):
+            start, end = max(self.lo, offset), min(self.hi, offset + numel)
+            if start < end:
+                yield i, start - offset, end - offset, start - self.lo
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def full_nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class ShardReducer(GradientReducer):
+    """Stage 1: dp's reducer (persistent buckets, p.grad views, in-order overlapped launch), but each
+    bucket is reduce-scattered in place: afterwards only this rank's slice of it holds the average."""
+
+    def __init__(self, params, bucket_mb, device, group=None):
+        super().__init__(params, bucket_mb, device, group, pad_to=dist.get_world_size(group))
+        self.rank = dist.get_rank(group)
+
+    def own_slice(self, b: Bucket) -> torch.Tensor:
+        size = b.numel // self.world
+        return b.buffer[self.rank * size:(self.rank + 1) * size]
+
+    def _communicate(self, b: Bucket):
+        return reduce_scatter(self.own_slice(b), b.buffer, self.group)
+
+
+class StreamingShardReducer:
+    """Stages 2 and 3: full gradients exist only briefly, per unit, while they are reduce-scattered.
+
+        backward:  grad of p ready -> copy into its unit's flat gradient (allocated on the unit's
+                   first gradient), p.grad = None -> unit complete -> async reduce-scatter
+                   -> (at most `in_flight` units pending) wait -> add into the unit's grad shard, free
+    Every micro-batch of an accumulation reduces (the shard accumulates), so no full gradient
+    outlives its unit's backward. `in_order` (stage 2) launches units strictly by index like dp, which
+    keeps unused parameters from hanging; stage 3 launches as units complete (its per-module units
+    have no fixed backward order), which is the same order on every rank since the graph is.
+    `on_launch(unit)` runs when a unit's gradients are all in (stage 3 frees its parameters then).
+    """
+
+    def __init__(self, units: list[FlatUnit], group=None, in_order: bool = True, in_flight: int = 2,
+                 on_launch=None):
+        self.units, self.group, self.in_order, self.in_flight = units, group, in_order, in_flight
+        self.world = dist.get_world_size(group)
+        self.slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
+        self.on_launch = on_launch or (lambda unit: None)
+        self.launched: deque[FlatUnit] = deque()
+        self.next_to_launch = 0
+        self.accumulate = False
+        for u in units:
+            u.grad_shard = torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device)
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_shard.zero_()
+
+    def prepare(self, accumulate: bool) -> None:
+        """Before each backward: `accumulate` adds to the grad shards instead of overwriting them."""
+        self.accumulate = accumulate
+        self.next_to_launch = 0
+        for u in self.units:
+            u.pending, u.work, u.grad_full = len(u.params), None, None
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        unit, i = self.slot_of[id(p)]
+        if unit.grad_full is None:
+            unit.grad_full = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+        unit.grad_full[unit.offsets[i]:unit.offsets[i] + unit.numels[i]].copy_(p.grad.reshape(-1))
+        p.grad = None
+        unit.pending -= 1
+        if unit.pending == 0:
+            if self.in_order:
+                self._launch_in_order(only_ready=True)
+            else:
+                self._launch(unit)
+
+    def _launch_in_order(self, only_ready: bool) -> None:
+        while self.next_to_launch < len(self.units):
+            unit = self.units[self.next_to_launch]
+            if only_ready and unit.pending:
+                return
+            self._launch(unit)
+            self.next_to_launch += 1
+
+    def _launch(self, unit: FlatUnit) -> None:
+        if unit.grad_full is None:  # no gradient reached this unit in this backward (same on all ranks)
+            unit.grad_full = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+        unit.grad_full.div_(self.world)
+        unit.reduced = torch.empty_like(unit.grad_shard) if self.accumulate else unit.grad_shard
+        unit.work = reduce_scatter(unit.reduced, unit.grad_full, self.group)
+        self.on_launch(unit)
+        self.launched.append(unit)
+        while len(self.launched) > self.in_flight:
+            self._complete(self.launched.popleft())
+
+    def _complete(self, unit: FlatUnit) -> None:
+        unit.work.wait()
+        if unit.reduced is not unit.grad_shard:
+            unit.grad_shard.add_(unit.reduced)
+        unit.work = unit.reduced = unit.grad_full = None
+
+    def finish(self) -> None:
+        """After each backward: reduce what is left (units with unused parameters) and wait for all."""
+        if self.in_order:
+            self._launch_in_order(only_ready=False)
+        else:
+            for unit in self.units:
+                if unit.pending:
+                    unit.pending = 0
+                    self._launch(unit)
+        while self.launched:
+            self._complete(self.launched.popleft())
