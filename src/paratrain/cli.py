@@ -97,6 +97,12 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_inspect(args) -> int:
+    from .inspect_checkpoint import inspect
+
+    return inspect(args.checkpoint, show_tensors=args.tensors)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain", description="Distributed training of PyTorch models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -112,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=0.01")
     r.set_defaults(func=cmd_run)
+
+    i = sub.add_parser("inspect", help="what a checkpoint holds (step, world size, strategy, tensors, bytes); "
+                                       "verifies its checksums (exit 2 if one fails)")
+    i.add_argument("checkpoint", help="a checkpoint directory, e.g. RUN_DIR/checkpoints/step-100")
+    i.add_argument("--tensors", action="store_true", help="also list every tensor with dtype, shape and bytes")
+    i.set_defaults(func=cmd_inspect)
 
     from .bench import add_bench_parser
 

@@ -1,0 +1,87 @@
+"""`paratrain inspect CHECKPOINT`: what a checkpoint holds, and whether its files match their checksums.
+
+Reads only the manifest and the safetensors headers (no tensor is loaded), hashes every file, and
+prints step, world size, strategy, per-file tensor counts and bytes, and the tensors grouped by kind.
+Exit 0 when every checksum holds, 2 when the directory is not a checkpoint or a file is missing or
+corrupt.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from safetensors import safe_open
+
+from .checkpoint import CheckpointError, CheckpointReader, sha256_file
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def tensor_headers(path: Path) -> list[tuple[str, str, list[int], int]]:
+    """(name, dtype, shape, bytes) of every tensor in a safetensors file, from its header only."""
+    out = []
+    with safe_open(str(path), framework="pt") as fh:
+        for name in fh.keys():
+            piece = fh.get_slice(name)
+            shape, dtype = piece.get_shape(), piece.get_dtype()
+            out.append((name, dtype, shape, math.prod(shape) * DTYPE_BYTES.get(dtype, 0)))
+    return out
+
+
+def kind(name: str) -> str:
+    """Group key of a tensor name: `zero.param`, `zero.optim`, `model`, `optim`, `rng`, ..."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "zero" else parts[0]
+
+
+def inspect(path: str | Path, show_tensors: bool = False, out=sys.stdout) -> int:
+    try:
+        reader = CheckpointReader(path)
+    except CheckpointError as exc:
+        print(f"paratrain: error: {exc}", file=sys.stderr)
+        return 2
+    m = reader.manifest
+    saved = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m["time"])) if "time" in m else "?"
+    print(f"checkpoint {reader.path}", file=out)
+    print(f"step {reader.step} | world size {reader.world_size} | strategy {reader.strategy} | saved {saved}", file=out)
+    print(f"{'file':<26}{'tensors':>8}{'bytes':>14}  sha256", file=out)
+    bad, total_tensors, total_bytes = 0, 0, 0
+    kinds: Counter = Counter()
+    kind_bytes: Counter = Counter()
+    listing = []
+    for name, entry in sorted(m["files"].items()):
+        file = reader.path / name
+        if not file.is_file():
+            print(f"{name:<26}{'-':>8}{'-':>14}  MISSING", file=out)
+            bad += 1
+            continue
+        ok = file.stat().st_size == entry["bytes"] and sha256_file(file) == entry["sha256"]
+        try:
+            headers = tensor_headers(file)
+        except Exception as exc:  # a corrupt header: report it, keep going with the other files
+            print(f"{name:<26}{'?':>8}{file.stat().st_size:>14,}  CORRUPT ({exc})", file=out)
+            bad += 1
+            continue
+        bad += not ok
+        total_tensors += len(headers)
+        total_bytes += file.stat().st_size
+        for tname, dtype, shape, nbytes in headers:
+            kinds[kind(tname)] += 1
+            kind_bytes[kind(tname)] += nbytes
+            listing.append((name, tname, dtype, shape, nbytes))
+        status = "ok" if ok else "CORRUPT (does not match the manifest)"
+        print(f"{name:<26}{len(headers):>8}{file.stat().st_size:>14,}  {status}", file=out)
+    print(f"{'total':<26}{total_tensors:>8}{total_bytes:>14,}  "
+          f"{'all checksums ok' if not bad else f'{bad} bad file(s)'}", file=out)
+    print("tensors by kind: " + ", ".join(f"{k} {kinds[k]} ({kind_bytes[k]:,} B)" for k in sorted(kinds)), file=out)
+    if show_tensors:
+        for file, tname, dtype, shape, nbytes in listing:
+            print(f"  {file}  {tname}  {dtype}{list(shape)}  {nbytes:,} B", file=out)
+    if bad:
+        print(f"paratrain: error: {reader.path}: {bad} file(s) missing or corrupt", file=sys.stderr)
+        return 2
+    return 0
