@@ -59,7 +59,12 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
 def check_resume_path(resume: str, cfg: config_mod.Config) -> None:
     if resume in ("none", "auto"):
         return
+    import torch
+
     from .checkpoint import CheckpointError, CheckpointReader
+    from .data import build_dataset
+    from .models import build_model
+    from .parallel import strategy_class
 
     try:
         reader = CheckpointReader(resume)
@@ -69,6 +74,10 @@ def check_resume_path(resume: str, cfg: config_mod.Config) -> None:
     if reader.strategy != cfg.parallel.strategy:
         raise ConfigError("--resume", f"checkpoint {resume} was written by strategy {reader.strategy!r}, "
                                       f"this run uses {cfg.parallel.strategy!r}")
+    check = getattr(strategy_class(cfg.parallel.strategy), "check_checkpoint", None)
+    if check is not None:  # names and shapes against the model, built on meta (no memory)
+        with torch.device("meta"):
+            check(reader, build_model(cfg, build_dataset(cfg, "train")))
 
 
 def cmd_run(args) -> int:

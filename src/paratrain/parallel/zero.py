@@ -27,6 +27,8 @@ any world M (each rank reads the pieces overlapping its new shards).
 """
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -201,15 +203,29 @@ class Zero(Strategy):
 
     def _replicated_state(self) -> dict[str, torch.Tensor]:
         """Buffers and frozen parameters: whole and identical on every rank."""
-        return {k: v.detach() for k, v in self.model.state_dict(keep_vars=True).items()
-                if id(v) not in self.slot_of}
+        return replicated_state(self.model)
+
+    @staticmethod
+    def check_checkpoint(reader, model: nn.Module) -> None:
+        """Before any worker starts (the CLI's preflight, `model` on meta): the checkpoint's
+        parameter names and shapes must be the model's. Reads only rank 0's safetensors header."""
+        from safetensors import safe_open
+
+        with safe_open(str(reader.path / ckpt.rank_file(0)), framework="pt") as fh:
+            saved = json.loads(fh.metadata()["json"]).get("zero")
+            replicated = {k[len("replicated."):]: fh.get_slice(k).get_shape() for k in fh.keys()
+                          if k.startswith("replicated.")}
+        if saved is None:
+            raise ckpt.CheckpointMismatch("--resume", f"{reader.path} holds no ZeRO state")
+        check_layout(model, saved["params"], replicated, key="--resume")
 
     def load_state_dict(self, reader) -> None:
         tensors0, meta0 = reader.load(rank=0)
         saved = meta0.get("zero")
         if saved is None:
             raise ckpt.CheckpointMismatch("resume", f"{reader.path} holds no ZeRO state")
-        self._check_layout(saved["params"], tensors0)
+        check_layout(self.model, saved["params"],
+                     {k[len("replicated."):]: list(v.shape) for k, v in tensors0.items() if k.startswith("replicated.")})
         shard_state: dict[int, dict[str, torch.Tensor]] = {u.index: {} for u in self.units}
         own = {u.names[i]: (u, start, end, at) for u in self.units for i, start, end, at in u.own_pieces()}
         for r in range(reader.world_size):
@@ -243,27 +259,6 @@ class Zero(Strategy):
             for k, v in self._replicated_state().items():
                 v.copy_(replicated[k])
         self._after_load()
-
-    def _check_layout(self, saved_params: dict, tensors0: dict) -> None:
-        """Exit 2 naming every parameter or buffer whose name or shape differs from the checkpoint's."""
-        ours = {n: list(s) for u in self.units for n, s in zip(u.names, u.shapes)}
-        ours.update({f"replicated:{k}": list(v.shape) for k, v in self._replicated_state().items()})
-        theirs = dict(saved_params)
-        theirs.update({f"replicated:{k[len('replicated.'):]}": list(v.shape)
-                       for k, v in tensors0.items() if k.startswith("replicated.")})
-        missing = sorted(set(ours) - set(theirs))
-        unexpected = sorted(set(theirs) - set(ours))
-        shapes = sorted(k for k in set(ours) & set(theirs) if ours[k] != theirs[k])
-        parts = []
-        if missing:
-            parts.append("missing from checkpoint: " + ", ".join(k.removeprefix("replicated:") for k in missing))
-        if unexpected:
-            parts.append("not in the model: " + ", ".join(k.removeprefix("replicated:") for k in unexpected))
-        if shapes:
-            parts.append("shape differs: " + ", ".join(
-                f"{k.removeprefix('replicated:')} {tuple(theirs[k])} vs {tuple(ours[k])}" for k in shapes))
-        if parts:
-            raise ckpt.CheckpointMismatch("resume", "checkpoint does not match the model: " + "; ".join(parts))
 
     def _after_load(self) -> None:
         self._sync_full_from_shards()
@@ -360,6 +355,36 @@ class Zero3(Zero2):
                 for k, v in self.model.state_dict(keep_vars=True).items()}
 
 
+def replicated_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What ZeRO does not shard: buffers and frozen parameters, by state_dict key."""
+    trainable = {id(p) for _, p in unique_parameters(model)}
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in trainable}
+
+
+def check_layout(model: nn.Module, saved_params: dict, saved_replicated: dict, key: str = "resume") -> None:
+    """Exit 2 naming every parameter or buffer whose name or shape differs from the checkpoint's."""
+    ours = {n: list(p.shape) for n, p in unique_parameters(model)}
+    ours.update({f"replicated:{k}": list(v.shape) for k, v in replicated_state(model).items()})
+    theirs = dict(saved_params)
+    theirs.update({f"replicated:{k}": list(v) for k, v in saved_replicated.items()})
+    missing = sorted(set(ours) - set(theirs))
+    unexpected = sorted(set(theirs) - set(ours))
+    shapes = sorted(k for k in set(ours) & set(theirs) if ours[k] != theirs[k])
+
+    def name(k):
+        return k.removeprefix("replicated:")
+
+    parts = []
+    if missing:
+        parts.append("missing from checkpoint: " + ", ".join(name(k) for k in missing))
+    if unexpected:
+        parts.append("not in the model: " + ", ".join(name(k) for k in unexpected))
+    if shapes:
+        parts.append("shape differs: " + ", ".join(f"{name(k)} {tuple(theirs[k])} vs {tuple(ours[k])}" for k in shapes))
+    if parts:
+        raise ckpt.CheckpointMismatch(key, "checkpoint does not match the model: " + "; ".join(parts))
+
+
 def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -> list[tuple[nn.Module, list]]:
     """Stage 3's units, in registration (forward) order: a module whose parameters total at most
     `max_bytes` is one unit with all of them; a bigger one is split into its children, its own direct
@@ -422,6 +447,7 @@ class ParameterGatherer:
         self.order: list[FlatUnit] = []
         self.position: dict[int, int] = {}
         self.recording = True
+        self.live_bytes = self.peak_bytes = 0  # full parameters gathered at once (for the memory benchmark)
         for u in units:
             u.state, u.gather_work = "free", None
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
@@ -431,6 +457,8 @@ class ParameterGatherer:
     # -- gather and free ------------------------------------------------------------------------
     def _start(self, u: FlatUnit) -> None:
         u.full.untyped_storage().resize_(u.full_nbytes())
+        self.live_bytes += u.full_nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         u.version = u.full._version
         u.gather_work = all_gather(u.full, u.shard.detach(), self.group)
         u.state = "gathering"
@@ -459,6 +487,7 @@ class ParameterGatherer:
             self._wait(u)
         if u.state != "free":
             u.full.untyped_storage().resize_(0)
+            self.live_bytes -= u.full_nbytes()
             u.state = "free"
 
     def reshard_all(self) -> None:

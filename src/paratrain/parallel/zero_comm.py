@@ -105,6 +105,7 @@ class StreamingShardReducer:
         self.slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self.on_launch = on_launch or (lambda unit: None)
         self.launched: deque[FlatUnit] = deque()
+        self.live_bytes = self.peak_bytes = 0  # full gradients alive at once (for the memory benchmark)
         self.next_to_launch = 0
         self.accumulate = False
         for u in units:
@@ -126,7 +127,7 @@ class StreamingShardReducer:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         unit, i = self.slot_of[id(p)]
         if unit.grad_full is None:
-            unit.grad_full = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+            self._allocate(unit)
         unit.grad_full[unit.offsets[i]:unit.offsets[i] + unit.numels[i]].copy_(p.grad.reshape(-1))
         p.grad = None
         unit.pending -= 1
@@ -146,7 +147,7 @@ class StreamingShardReducer:
 
     def _launch(self, unit: FlatUnit) -> None:
         if unit.grad_full is None:  # no gradient reached this unit in this backward (same on all ranks)
-            unit.grad_full = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+            self._allocate(unit)
         unit.grad_full.div_(self.world)
         unit.reduced = torch.empty_like(unit.grad_shard) if self.accumulate else unit.grad_shard
         unit.work = reduce_scatter(unit.reduced, unit.grad_full, self.group)
@@ -155,11 +156,17 @@ class StreamingShardReducer:
         while len(self.launched) > self.in_flight:
             self._complete(self.launched.popleft())
 
+    def _allocate(self, unit: FlatUnit) -> None:
+        unit.grad_full = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+        self.live_bytes += unit.full_nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
     def _complete(self, unit: FlatUnit) -> None:
         unit.work.wait()
         if unit.reduced is not unit.grad_shard:
             unit.grad_shard.add_(unit.reduced)
         unit.work = unit.reduced = unit.grad_full = None
+        self.live_bytes -= unit.full_nbytes()
 
     def finish(self) -> None:
         """After each backward: reduce what is left (units with unused parameters) and wait for all."""

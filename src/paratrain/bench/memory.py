@@ -1,0 +1,206 @@
+"""Per-rank memory of dp, zero1/2/3 and PyTorch FSDP2 (`fully_shard`) on the same model.
+
+Every (strategy, world size) runs in its own fresh worker processes, so one configuration's peak
+cannot hide in another's high-water mark. Each rank counts the bytes of the tensors it holds for
+parameters, gradients and optimizer state (for zero2/zero3 including the peak of what is briefly
+full: gradients while they are reduce-scattered, parameters while gathered), and reads its peak
+resident memory (VmHWM) after a few AdamW steps. Both ours and FSDP2 build the model on the meta
+device and initialise it shard by shard; dp builds it whole, as DDP would.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STRATEGIES = ["dp", "zero1", "zero2", "zero3", "fsdp2"]
+
+
+def add_parser(which) -> None:
+    p = which.add_parser("memory", help="per-rank memory: dp vs zero1/2/3 vs torch FSDP2")
+    add_model_options(p)
+    p.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="also write the results as JSON (to stdout without PATH)")
+    p.set_defaults(func=run)
+
+
+def add_model_options(p) -> None:
+    p.add_argument("--in-features", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=4, help="hidden layers of the MLP (default: 54.6M parameters)")
+    p.add_argument("--batch", type=int, default=8, help="samples per rank")
+    p.add_argument("--steps", type=int, default=3, help="AdamW steps before reading the peak")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+
+
+def run(args) -> int:
+    from ..launch import WorkerFailure, launch
+
+    results = []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        for strategy in args.strategies.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "result.json"
+                argv = [f"--strategy={strategy}", f"--out={out}", f"--in-features={args.in_features}",
+                        f"--hidden={args.hidden}", f"--layers={args.layers}", f"--batch={args.batch}",
+                        f"--steps={args.steps}", f"--bucket-mb={args.bucket_mb}"]
+                try:
+                    launch("paratrain.bench.memory", argv, nproc=world, run_id=f"bench-memory-{strategy}-{world}")
+                except WorkerFailure as exc:
+                    print(f"paratrain: error: {strategy} at world {world} failed: {exc}", file=sys.stderr)
+                    return 1
+                results.append(json.loads(out.read_text()))
+                print(f"  measured {strategy} at world {world}", file=sys.stderr, flush=True)
+    print_table(results)
+    if args.json == "-":
+        print(json.dumps(results))
+    elif args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def print_table(results: list[dict]) -> None:
+    mb = 2 ** 20
+    r0 = results[0]
+    print(f"memory benchmark: {r0['parameters'] / 1e6:.1f}M-parameter MLP, AdamW fp32, {r0['batch']} samples/rank, "
+          f"bucket {r0['bucket_mb']:g} MB; per-rank MB (max over ranks)")
+    head = f"{'world':>5} {'strategy':<9}{'params':>9}{'grads':>9}{'optim':>9}{'tensors':>9}{'peak RSS':>10}{'RSS-base':>10}"
+    print(head)
+    for r in results:
+        base = next(x for x in results if x["world"] == r["world"] and x["strategy"] == "dp")
+        print(f"{r['world']:>5} {r['strategy']:<9}{r['params_bytes'] / mb:>9.1f}{r['grads_bytes'] / mb:>9.1f}"
+              f"{r['optim_bytes'] / mb:>9.1f}{r['tensor_bytes'] / mb:>9.1f}{r['peak_rss_bytes'] / mb:>10.1f}"
+              f"{(r['peak_rss_bytes'] - r['base_rss_bytes']) / mb:>10.1f}")
+        r["optim_vs_dp"] = r["optim_bytes"] / base["optim_bytes"]
+    for world in sorted({r["world"] for r in results}):
+        by = {r["strategy"]: r for r in results if r["world"] == world}
+        if "zero3" in by and "fsdp2" in by:
+            print(f"world {world}: zero3/FSDP2 peak RSS ratio {by['zero3']['peak_rss_bytes'] / by['fsdp2']['peak_rss_bytes']:.3f}"
+                  f" (<= 1.00: zero3 peaks lower)")
+
+
+# -- worker ---------------------------------------------------------------------------------------
+def rss_bytes(field: str) -> int:
+    """VmRSS (now) or VmHWM (peak) of this process, from /proc (kB)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(nbytes(v.to_local() if hasattr(v, "to_local") else v for v in s.values()) for s in opt.state.values())
+
+
+def build_mlp(args, meta: bool):
+    from ..models.mlp import mlp
+
+    torch.manual_seed(0)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        return mlp(in_features=args.in_features, hidden=args.hidden, n_layers=args.layers, out_features=10)
+
+
+def ours(strategy: str, args, rt, step_args):
+    from .. import config as config_mod
+    from ..optim import cross_entropy
+    from ..parallel import strategy_class
+
+    cfg = config_mod.from_dict({"data": {"batch_size": args.batch * rt.world_size},
+                                "train": {"optimizer": "adamw", "lr": 1e-4},
+                                "parallel": {"strategy": strategy, "bucket_mb": args.bucket_mb}})
+    engine = strategy_class(strategy)(build_mlp(args, meta=strategy != "dp"), cross_entropy, cfg, rt)
+    for _ in range(args.steps):
+        engine.train_step(step_args)
+    if strategy == "dp":
+        params = nbytes(engine.params)
+        grads = nbytes(b.buffer for b in engine.reducer.buckets)
+    else:
+        stage = engine.stage
+        if stage == 3:
+            params = nbytes(u.shard for u in engine.units) + engine.gatherer.peak_bytes
+        else:
+            params = nbytes(u.full for u in engine.units)
+        if stage == 1:
+            grads = nbytes(b.buffer for b in engine.reducer.buckets)
+        else:
+            grads = nbytes(u.grad_shard for u in engine.units) + engine.reducer.peak_bytes
+    n_params = sum(sum(u.numels) for u in engine.units) if strategy != "dp" else sum(p.numel() for p in engine.params)
+    return params, grads, optimizer_bytes(engine.optimizer), n_params
+
+
+def fsdp2(args, rt, step_args):
+    """FSDP2 as its documentation recommends: meta build, fully_shard every Linear and the root,
+    to_empty, then each module's reset_parameters on its shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ..optim import cross_entropy
+
+    model = build_mlp(args, meta=True)
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = step_args
+    for _ in range(args.steps):
+        cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()  # set_to_none: FSDP2 frees its sharded gradients
+    n_params = sum(p.numel() for p in model.parameters())  # global (DTensor) sizes
+    local = [p.to_local() for p in model.parameters()]
+    # Gradients were freed by zero_grad: count what the step held (one local shard per parameter).
+    return nbytes(local), nbytes(local), optimizer_bytes(opt), n_params
+
+
+def worker(argv=None) -> None:
+    from .. import runtime
+
+    p = argparse.ArgumentParser()
+    add_model_options(p)
+    p.add_argument("--strategy", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    rt = runtime.init("cpu")
+    g = torch.Generator().manual_seed(1 + rt.rank)
+    step_args = (torch.randn(args.batch, args.in_features, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+    base_rss = rss_bytes("VmRSS")
+    t0 = time.perf_counter()
+    if args.strategy == "fsdp2":
+        params, grads, optim, n_params = fsdp2(args, rt, step_args)
+    else:
+        params, grads, optim, n_params = ours(args.strategy, args, rt, step_args)
+    elapsed = time.perf_counter() - t0
+    mine = torch.tensor([params, grads, optim, rss_bytes("VmHWM"), base_rss], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    if rt.is_main:
+        params, grads, optim, peak, base = mine.tolist()
+        Path(args.out).write_text(json.dumps({
+            "strategy": args.strategy, "world": rt.world_size, "parameters": n_params, "batch": args.batch,
+            "bucket_mb": args.bucket_mb, "params_bytes": params, "grads_bytes": grads, "optim_bytes": optim,
+            "tensor_bytes": params + grads + optim, "peak_rss_bytes": peak, "base_rss_bytes": base,
+            "seconds": elapsed}))
+    runtime.shutdown()
+
+
+if __name__ == "__main__":
+    worker()
+    sys.stdout.flush()
+    os._exit(0)

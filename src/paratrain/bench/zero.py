@@ -1,0 +1,139 @@
+"""Step time of zero2 and zero3 against paratrain dp and PyTorch FSDP2, interleaved in one run.
+
+All four engines live in the same processes, built from the same seed, and take rounds of K steps in
+turn (dp, zero2, zero3, FSDP2, dp, ...), so machine noise falls on all of them alike; the table shows
+median step times and the ratios zero2/dp, zero3/dp and zero3/FSDP2 (lower is better).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .dp import build, timed_steps
+
+
+def add_parser(which) -> None:
+    p = which.add_parser("zero", help="zero2/zero3 vs paratrain dp and torch FSDP2 (step time, ratios)")
+    add_options(p)
+    p.add_argument("--nproc", type=int, default=2)
+    p.set_defaults(func=run)
+
+
+def add_options(p) -> None:
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round per engine")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=32, help="samples per rank")
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--in-features", type=int, default=512)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="also write the results as JSON (to stdout without PATH)")
+
+
+def run(args) -> int:
+    from ..launch import WorkerFailure, launch
+
+    argv = [f"--steps={args.steps}", f"--rounds={args.rounds}", f"--warmup={args.warmup}",
+            f"--batch={args.batch}", f"--hidden={args.hidden}", f"--layers={args.layers}",
+            f"--in-features={args.in_features}", f"--bucket-mb={args.bucket_mb}"]
+    if args.json:
+        argv.append(f"--json={args.json}")
+    try:
+        launch("paratrain.bench.zero", argv, nproc=args.nproc, run_id="bench-zero")
+    except WorkerFailure as exc:
+        print(f"paratrain: error: benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def worker(argv=None) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from .. import config as config_mod
+    from .. import runtime
+    from ..optim import cross_entropy
+    from ..parallel.data_parallel import DataParallel
+    from ..parallel.zero import Zero2, Zero3
+
+    p = argparse.ArgumentParser()
+    add_options(p)
+    args = p.parse_args(argv)
+    rt = runtime.init("cpu")
+    world = rt.world_size
+    cfg = config_mod.from_dict({"data": {"batch_size": args.batch * world},
+                                "train": {"optimizer": "adamw", "lr": 1e-4},
+                                "parallel": {"bucket_mb": args.bucket_mb}})
+    g = torch.Generator().manual_seed(1 + rt.rank)
+    x = torch.randn(args.batch, args.in_features, generator=g)
+    y = torch.randint(0, 10, (args.batch,), generator=g)
+
+    engines = {name: cls(build(args), cross_entropy, cfg, rt)
+               for name, cls in (("dp", DataParallel), ("zero2", Zero2), ("zero3", Zero3))}
+    fsdp_model = build(args)
+    for layer in fsdp_model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(fsdp_model)
+    fsdp_opt = torch.optim.AdamW(fsdp_model.parameters(), lr=1e-4)
+
+    def fsdp_step():
+        cross_entropy(fsdp_model(x), y).backward()
+        fsdp_opt.step()
+        fsdp_opt.zero_grad()
+
+    steps = {name: (lambda e=e: e.train_step((x, y))) for name, e in engines.items()}
+    steps["fsdp2"] = fsdp_step
+    for fn in steps.values():
+        timed_steps(fn, args.warmup)
+    times = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, fn in steps.items():
+            times[name] += timed_steps(fn, args.steps)
+
+    # Same steps on the same data from the same weights: ours must agree with each other and FSDP2.
+    states = {name: e.full_model_state() for name, e in engines.items()}
+    fsdp_state = {k: v.full_tensor() for k, v in fsdp_model.state_dict().items()}
+    # The slowest rank sets the pace: take each step's max over ranks.
+    names = list(times)
+    table = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    if rt.is_main:
+        def drift(a, b):
+            return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
+
+        med = {n: statistics.median(row) for n, row in zip(names, table.tolist())}
+        params = sum(v.numel() for v in states["dp"].values())
+        result = {
+            "benchmark": "zero", "world_size": world, "parameters": params, "bucket_mb": args.bucket_mb,
+            "samples_per_rank": args.batch, "timed_steps": len(times["dp"]),
+            **{f"{n}_step_ms": med[n] * 1e3 for n in names},
+            "zero2_vs_dp": med["zero2"] / med["dp"], "zero3_vs_dp": med["zero3"] / med["dp"],
+            "zero3_vs_fsdp2": med["zero3"] / med["fsdp2"],
+            "max_rel_weight_diff": max(drift(states["zero2"], states["dp"]), drift(states["zero3"], states["dp"]),
+                                       drift(fsdp_state, states["dp"])),
+        }
+        print(f"zero benchmark: {params / 1e6:.1f}M-parameter MLP, AdamW, world {world}, {args.batch} samples/rank, "
+              f"bucket {args.bucket_mb:g} MB, median of {len(times['dp'])} interleaved steps each")
+        print(f"{'engine':<16}{'step ms':>10}{'samples/s':>12}")
+        for n, label in (("dp", "paratrain dp"), ("zero2", "paratrain zero2"), ("zero3", "paratrain zero3"),
+                         ("fsdp2", "torch FSDP2")):
+            print(f"{label:<16}{med[n] * 1e3:>10.1f}{args.batch * world / med[n]:>12.1f}")
+        print(f"ratios: zero2/dp {result['zero2_vs_dp']:.3f}, zero3/dp {result['zero3_vs_dp']:.3f}, "
+              f"zero3/FSDP2 {result['zero3_vs_fsdp2']:.3f}; weights agree to {result['max_rel_weight_diff']:.1e}")
+        if args.json == "-":
+            print(json.dumps(result))
+        elif args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+    runtime.shutdown()
+
+
+if __name__ == "__main__":
+    worker()
