@@ -9,9 +9,15 @@ multiple of the world size, cut into equal contiguous shards, shard r on rank r:
 Stages 1 and 2 make one unit per gradient bucket (dp's `make_buckets`: reverse registration order,
 `parallel.bucket_mb` each); stage 3 one per module (see zero.py).
 
-Both reduce-scatter and all-gather are native gloo collectives in the torch we use
-(`reduce_scatter_single`, `all_gather_single`, before 2.13 `*_tensor`), also in place (output a slice
-of the input), so no all-reduce-and-slice emulation is needed on CPU.
+Collectives. On NCCL, reduce-scatter and all-gather are the native ones (in place: the output is the
+rank's slice of the input). Gloo has both too, but measured here on a 64 MB flat buffer at world 2
+they are the slowest way to do the job and each allocates a full-size temporary (which would undo
+the memory ZeRO saves), so on gloo we build them from in-place primitives:
+    all-gather      = one broadcast per rank of its chunk, straight into the flat buffer
+                      (~80 ms vs ~260 ms for all_gather_into_tensor, no temporary)
+    reduce-scatter  = all_reduce of the flat buffer in place, then keep our chunk
+                      (~105 ms vs ~240 ms, no temporary; twice the bytes on the wire, which on
+                      loopback costs less than gloo's reduce-scatter does)
 """
 from __future__ import annotations
 
@@ -27,12 +33,45 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group, async_op: bool = True):
-    return _reduce_scatter(output, flat, group=group, async_op=async_op)
+class Works:
+    """Several collectives' works, waited on as one, with a step to run once all are done."""
+
+    def __init__(self, works: list, then=None):
+        self.works, self.then = works, then
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        if self.then is not None:
+            self.then()
+            self.then = None
+        return True
 
 
-def all_gather(flat: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
-    return _all_gather(flat, shard, group=group, async_op=async_op)
+def _on_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group) -> Works:
+    """Async: `output` (this rank's chunk of `flat`, or a tensor of its size) gets the chunk's sum."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not _on_gloo(group):
+        return Works([_reduce_scatter(output, flat, group=group, async_op=True)])
+    own = flat.chunk(world)[rank]
+    same = output.data_ptr() == own.data_ptr()
+    return Works([dist.all_reduce(flat, group=group, async_op=True)], then=None if same else lambda: output.copy_(own))
+
+
+def all_gather(flat: torch.Tensor, shard: torch.Tensor, group) -> Works:
+    """Async: every rank's `shard` into its chunk of `flat` (`shard` may be our chunk of `flat` itself)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not _on_gloo(group):
+        return Works([_all_gather(flat, shard, group=group, async_op=True)])
+    chunks = flat.chunk(world)
+    if chunks[rank].data_ptr() != shard.data_ptr():
+        chunks[rank].copy_(shard)
+    return Works([dist.broadcast(c, src=dist.get_global_rank(group, i) if group is not None else i, group=group,
+                                 async_op=True) for i, c in enumerate(chunks)])
 
 
 class FlatUnit:
@@ -85,12 +124,15 @@ class ShardReducer(GradientReducer):
         return reduce_scatter(self.own_slice(b), b.buffer, self.group)
 
 
+
 class StreamingShardReducer:
     """Stages 2 and 3: full gradients exist only briefly, per unit, while they are reduce-scattered.
 
-        backward:  grad of p ready -> copy into its unit's flat gradient (allocated on the unit's
-                   first gradient), p.grad = None -> unit complete -> async reduce-scatter
-                   -> (at most `in_flight` units pending) wait -> add into the unit's grad shard, free
+        backward:  grad of p ready -> copy into its unit's flat gradient, p.grad = None -> unit complete
+                   -> async reduce-scatter, which overlaps the backward compute of the next unit's
+                   gradients -> the next unit's first gradient arrives: wait, add into the grad shard,
+                   free, and only then allocate the next unit's flat gradient
+    so at most one full unit of gradients exists at a time (besides autograd's own temporary).
     Every micro-batch of an accumulation reduces (the shard accumulates), so no full gradient
     outlives its unit's backward. `in_order` (stage 2) launches units strictly by index like dp, which
     keeps unused parameters from hanging; stage 3 launches as units complete (its per-module units
@@ -98,9 +140,8 @@ class StreamingShardReducer:
     `on_launch(unit)` runs when a unit's gradients are all in (stage 3 frees its parameters then).
     """
 
-    def __init__(self, units: list[FlatUnit], group=None, in_order: bool = True, in_flight: int = 2,
-                 on_launch=None):
-        self.units, self.group, self.in_order, self.in_flight = units, group, in_order, in_flight
+    def __init__(self, units: list[FlatUnit], group=None, in_order: bool = True, on_launch=None):
+        self.units, self.group, self.in_order = units, group, in_order
         self.world = dist.get_world_size(group)
         self.slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self.on_launch = on_launch or (lambda unit: None)
@@ -149,23 +190,26 @@ class StreamingShardReducer:
         if unit.grad_full is None:  # no gradient reached this unit in this backward (same on all ranks)
             self._allocate(unit)
         unit.grad_full.div_(self.world)
-        unit.reduced = torch.empty_like(unit.grad_shard) if self.accumulate else unit.grad_shard
-        unit.work = reduce_scatter(unit.reduced, unit.grad_full, self.group)
+        own = unit.grad_full[unit.lo:unit.hi]
+        unit.work = reduce_scatter(own, unit.grad_full, self.group)  # in place: into our chunk
         self.on_launch(unit)
         self.launched.append(unit)
-        while len(self.launched) > self.in_flight:
-            self._complete(self.launched.popleft())
 
     def _allocate(self, unit: FlatUnit) -> None:
+        while self.launched:  # hand the previous unit over first: one full gradient at a time
+            self._complete(self.launched.popleft())
         unit.grad_full = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
         self.live_bytes += unit.full_nbytes()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _complete(self, unit: FlatUnit) -> None:
         unit.work.wait()
-        if unit.reduced is not unit.grad_shard:
-            unit.grad_shard.add_(unit.reduced)
-        unit.work = unit.reduced = unit.grad_full = None
+        own = unit.grad_full[unit.lo:unit.hi]
+        if self.accumulate:
+            unit.grad_shard.add_(own)
+        else:
+            unit.grad_shard.copy_(own)
+        unit.work = unit.grad_full = None
         self.live_bytes -= unit.full_nbytes()
 
     def finish(self) -> None:
