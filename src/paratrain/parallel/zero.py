@@ -7,11 +7,14 @@ exactly as one process would compute them.
 
 One optimizer step, per stage (N ranks; "full" = every rank holds all of it):
 
-  stage 1   params full | grads full          | forward, backward -> buckets reduce-scattered in place
+  stage 1   params full | grads full          | forward, backward -> buckets reduce-scattered
             (dp's GradientReducer, overlapped with backward) -> step on own shard -> all-gather params
   stage 2   params full | grads 1/N + in flight | backward: each bucket's gradients are copied into a
-            short-lived flat buffer, reduce-scattered as soon as the bucket is complete (overlapped,
-            <= 2 buckets in flight) and added into the rank's gradient shard -> step -> all-gather params
+            short-lived flat buffer, reduce-scattered as soon as the bucket is complete (overlapped
+            with the backward of the next bucket, at most one full bucket alive) and added into the
+            rank's gradient shard -> step -> all-gather params
+            (stages 1 and 2: the all-gathers start after the step and are waited for module by module
+            in the next forward, so they overlap it)
   stage 3   params 1/N + gathered units | grads 1/N + in flight | one unit per module:
 
      forward:   pre-hook(m_i): gather m_i (wait for its prefetch), start gathering m_i+1 | run m_i |
@@ -65,6 +68,7 @@ class Zero(Strategy):
         self._load_initial_values(model)
         self._install(model)
         self._setup_communication(model)
+        self._overlap_gathers_with_forward(model)
         self.optimizer = build_optimizer([u.shard for u in self.units], cfg.train)
 
     # -- layout ---------------------------------------------------------------------------------
@@ -116,9 +120,27 @@ class Zero(Strategy):
         self._sync_full_from_shards()
 
     def _sync_full_from_shards(self) -> None:
-        works = [all_gather(u.full, u.shard.detach(), self.group) for u in self.units]
-        for w in works:
-            w.wait()
+        self._start_gathers()
+        self._wait_gathers(self.units)
+
+    def _start_gathers(self) -> None:
+        for u in self.units:
+            u.sync_work = all_gather(u.full, u.shard.detach(), self.group)
+
+    def _wait_gathers(self, units) -> None:
+        for u in units:
+            if getattr(u, "sync_work", None) is not None:
+                u.sync_work.wait()
+                u.sync_work = None
+
+    def _overlap_gathers_with_forward(self, model) -> None:
+        """Stages 1 and 2: the parameter all-gathers started after a step finish during the next
+        forward; each module waits only for the units holding its own parameters."""
+        for module in model.modules():
+            units = list({id(self.slot_of[id(p)][0]): self.slot_of[id(p)][0]
+                          for p in module._parameters.values() if p is not None and id(p) in self.slot_of}.values())
+            if units:
+                module.register_forward_pre_hook(lambda m, args, units=units: self._wait_gathers(units))
 
     def _install(self, model) -> None:
         """Replace the model's parameters by views into the units' full flat parameters."""
@@ -156,6 +178,7 @@ class Zero(Strategy):
             (loss / len(micro)).backward()
             self._after_backward(last=i == len(micro) - 1)
             total += loss.detach()
+        self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
         if self.cfg.train.clip_grad_norm > 0:
             clip_sharded_grad_norm([u.shard.grad for u in self.units], self.cfg.train.clip_grad_norm, self.group)
         self.optimizer.step()
@@ -170,7 +193,7 @@ class Zero(Strategy):
             self.reducer.finish()
 
     def _after_step(self) -> None:
-        self._sync_full_from_shards()
+        self._start_gathers()  # waited for by the next forward, module by module
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
@@ -264,6 +287,7 @@ class Zero(Strategy):
         self._sync_full_from_shards()
 
     def full_model_state(self):
+        self._wait_gathers(self.units)
         if self.rank != 0:
             return None
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
@@ -337,6 +361,9 @@ class Zero3(Zero2):
 
     def _after_step(self) -> None:
         pass
+
+    def _overlap_gathers_with_forward(self, model) -> None:
+        pass  # the ParameterGatherer's hooks gather on demand
 
     def _after_load(self) -> None:
         pass
