@@ -110,7 +110,8 @@ class FlatUnit:
 
 class ShardReducer(GradientReducer):
     """Stage 1: dp's reducer (persistent buckets, p.grad views, in-order overlapped launch), but each
-    bucket is reduce-scattered in place: afterwards only this rank's slice of it holds the average."""
+    bucket is reduce-scattered in place: afterwards this rank's slice of it holds the average (the
+    rest is whatever the collective left there, and unused)."""
 
     def __init__(self, params, bucket_mb, device, group=None):
         super().__init__(params, bucket_mb, device, group, pad_to=dist.get_world_size(group))
