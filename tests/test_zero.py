@@ -34,6 +34,10 @@ bucket_mb = 0.002   # a few KB: several units even for this small model
 """
 
 # World 3 also exercises AdamW, global-norm clipping across shards and gradient accumulation.
+# zero3 at world 2 takes the model from a user factory (built normally, then sharded) instead of the
+# built-in one (built on the meta device and materialised shard by shard).
+USER_MODEL = ["--set", "model.factory='paratrain.models.mlp:mlp'", "--set", "model.in_features=64",
+              "--set", "model.out_features=10"]
 WORLD3 = ["--set", "train.optimizer='adamw'", "--set", "train.lr=0.01", "--set", "train.clip_grad_norm=0.5",
           "--set", "train.grad_accum=2"]
 
@@ -57,7 +61,7 @@ def dp_weights(tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero_equals_single_process_and_dp(tmp_path, dp_weights, stage, world):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
-    extra = WORLD3 if world == 3 else []
+    extra = WORLD3 if world == 3 else USER_MODEL if stage == "zero3" else []
     check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--set", f"parallel.strategy='{stage}'", *extra,
                      "--run-dir", str(tmp_path / "run")))
     got = final_weights(tmp_path / "run")
