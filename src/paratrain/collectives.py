@@ -162,15 +162,11 @@ def _compare(rank: int, logs: dict) -> str:
     for seq in sorted(common):
         sigs = {p: s[seq].signature() for p, s in seqs.items()}
         if len(set(sigs.values())) > 1:
-            # the odd one out is the rank whose signature the fewest ranks share
-            groups: dict[tuple, list[int]] = {}
-            for p, sig in sigs.items():
-                groups.setdefault(sig, []).append(p)
-            odd = min(groups.values(), key=len)
-            others = [p for p in sigs if p not in odd]
-            return (f"collective sequences diverge at #{seq}: rank {odd[0]} issued {seqs[odd[0]][seq].describe()} "
-                    f"while rank {others[0]} issued {seqs[others[0]][seq].describe()}; rank {odd[0]} issued a "
-                    f"different collective than its peers")
+            odd = _odd_rank(seq, seqs)
+            peer = next(p for p in sigs if sigs[p] != sigs[odd])
+            return (f"collective sequences diverge at #{seq}: rank {odd} issued {seqs[odd][seq].describe()} "
+                    f"while rank {peer} issued {seqs[peer][seq].describe()}; rank {odd} issued a different "
+                    f"collective than its peers")
     if len(set(counts.values())) > 1:
         behind = min(counts, key=counts.get)
         ahead = max(counts, key=counts.get)
@@ -180,3 +176,26 @@ def _compare(rank: int, logs: dict) -> str:
     if silent:
         return f"rank(s) {', '.join(map(str, silent))} did not answer: dead, or stuck outside any collective"
     return "every rank issued the same collectives; the failure is in the transport"
+
+
+def _odd_rank(seq: int, seqs: dict[int, dict[int, Record]]) -> int:
+    """Which rank broke ranks at position `seq`.
+
+    A rank that skipped a collective is ahead: what it issued at `seq`, its peers issue later. A
+    rank that issued an extra one is behind: what its peers issued at `seq` it issues later. Only
+    when neither tells (or with three or more ranks) does the minority signature decide.
+    """
+    sig = {p: s[seq].signature() for p, s in seqs.items()}
+    later = {p: {r.signature() for k, r in s.items() if k > seq} for p, s in seqs.items()}
+    for p in sig:
+        others = [q for q in sig if sig[q] != sig[p]]
+        if others and all(sig[p] in later[q] for q in others):
+            return p  # skipped: its peers have yet to issue what it already did
+    for p in sig:
+        others = [q for q in sig if sig[q] != sig[p]]
+        if others and all(sig[q] in later[p] for q in others):
+            return p  # extra: it has yet to issue what its peers already did
+    groups: dict[tuple, list[int]] = {}
+    for p, signature in sig.items():
+        groups.setdefault(signature, []).append(p)
+    return min(groups.values(), key=len)[0]
