@@ -37,9 +37,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint as ckpt
+from .. import collectives
 from ..models.materialize import materialize
 from ..optim import build_optimizer
-from .base import Strategy, broadcast_tensors, unique_parameters
+from .base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from .data_parallel import make_buckets
 from .zero_comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
 
@@ -125,7 +126,7 @@ class Zero(Strategy):
 
     def _start_gathers(self) -> None:
         for u in self.units:
-            u.sync_work = all_gather(u.full, u.shard.detach(), self.group)
+            u.sync_work = all_gather(u.full, u.shard.detach(), f"zero-params-unit-{u.index}", self.group)
 
     def _wait_gathers(self, units) -> None:
         for u in units:
@@ -179,10 +180,16 @@ class Zero(Strategy):
             self._after_backward(last=i == len(micro) - 1)
             total += loss.detach()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
-        if self.cfg.train.clip_grad_norm > 0:
-            clip_sharded_grad_norm([u.shard.grad for u in self.units], self.cfg.train.clip_grad_norm, self.group)
-        self.optimizer.step()
-        self._after_step()
+        grads = [u.shard.grad for u in self.units]
+        norm = sharded_grad_norm(grads, self.group)
+        self.skipped_step = not bool(torch.isfinite(norm))  # the same on every rank: the norm is global
+        if not self.skipped_step:
+            if self.cfg.train.clip_grad_norm > 0:
+                factor = clip_factor(norm, self.cfg.train.clip_grad_norm)
+                for g in grads:
+                    g.mul_(factor.to(g.dtype))
+            self.optimizer.step()
+            self._after_step()
         return total / len(micro)
 
     def _before_backward(self, micro: int, last: bool) -> None:
@@ -487,7 +494,7 @@ class ParameterGatherer:
         self.live_bytes += u.full_nbytes()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         u.version = u.full._version
-        u.gather_work = all_gather(u.full, u.shard.detach(), self.group)
+        u.gather_work = all_gather(u.full, u.shard.detach(), f"zero3-params-unit-{u.index}", self.group)
         u.state = "gathering"
 
     def _wait(self, u: FlatUnit) -> None:
@@ -554,14 +561,10 @@ class ParameterGatherer:
         self.prefetch(self.order[-1] if u.module is self.root else self._neighbour(u, -1))
 
 
-def clip_sharded_grad_norm(grads: list[torch.Tensor], max_norm: float, group) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ over gradients sharded across ranks: the global norm is the
-    square root of the all-reduced sum of each rank's squared shard norm (padding is zero)."""
+def sharded_grad_norm(grads: list[torch.Tensor], group) -> torch.Tensor:
+    """The global gradient norm of gradients sharded across ranks: the square root of the all-reduced
+    sum of each rank's squared shard norms (padding is zero)."""
     squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
     if dist.get_world_size(group) > 1:
-        dist.all_reduce(squares, group=group)
-    norm = squares.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return norm
+        collectives.all_reduce(squares, "zero-grad-norm", group=group)
+    return squares.sqrt()

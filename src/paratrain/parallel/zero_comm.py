@@ -27,10 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import collectives
 from .data_parallel import Bucket, GradientReducer
-
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Works:
@@ -52,26 +50,28 @@ def _on_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, group) -> Works:
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, what: str, group) -> Works:
     """Async: `output` (this rank's chunk of `flat`, or a tensor of its size) gets the chunk's sum."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if not _on_gloo(group):
-        return Works([_reduce_scatter(output, flat, group=group, async_op=True)])
+        return Works([collectives.reduce_scatter(output, flat, what, group=group, async_op=True)])
     own = flat.chunk(world)[rank]
     same = output.data_ptr() == own.data_ptr()
-    return Works([dist.all_reduce(flat, group=group, async_op=True)], then=None if same else lambda: output.copy_(own))
+    return Works([collectives.all_reduce(flat, what, group=group, async_op=True)],
+                 then=None if same else lambda: output.copy_(own))
 
 
-def all_gather(flat: torch.Tensor, shard: torch.Tensor, group) -> Works:
+def all_gather(flat: torch.Tensor, shard: torch.Tensor, what: str, group) -> Works:
     """Async: every rank's `shard` into its chunk of `flat` (`shard` may be our chunk of `flat` itself)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if not _on_gloo(group):
-        return Works([_all_gather(flat, shard, group=group, async_op=True)])
+        return Works([collectives.all_gather_into(flat, shard, what, group=group, async_op=True)])
     chunks = flat.chunk(world)
     if chunks[rank].data_ptr() != shard.data_ptr():
         chunks[rank].copy_(shard)
-    return Works([dist.broadcast(c, src=dist.get_global_rank(group, i) if group is not None else i, group=group,
-                                 async_op=True) for i, c in enumerate(chunks)])
+    return Works([collectives.broadcast(c, dist.get_global_rank(group, i) if group is not None else i,
+                                        f"{what}-from-{i}", group=group, async_op=True)
+                  for i, c in enumerate(chunks)])
 
 
 class FlatUnit:
@@ -122,7 +122,7 @@ class ShardReducer(GradientReducer):
         return b.buffer[self.rank * size:(self.rank + 1) * size]
 
     def _communicate(self, b: Bucket):
-        return reduce_scatter(self.own_slice(b), b.buffer, self.group)
+        return reduce_scatter(self.own_slice(b), b.buffer, f"zero-grad-bucket-{b.index}", self.group)
 
 
 
@@ -192,7 +192,7 @@ class StreamingShardReducer:
             self._allocate(unit)
         unit.grad_full.div_(self.world)
         own = unit.grad_full[unit.lo:unit.hi]
-        unit.work = reduce_scatter(own, unit.grad_full, self.group)  # in place: into our chunk
+        unit.work = reduce_scatter(own, unit.grad_full, f"zero-grad-unit-{unit.index}", self.group)  # in place
         self.on_launch(unit)
         self.launched.append(unit)
 
