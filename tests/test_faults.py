@@ -32,14 +32,16 @@ keep = 4
 """
 
 
-def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path):
-    killed = run_and_kill(tmp_path / "killed", steps=30, every=5, pause=0.03, kill_after_step=12)
+@pytest.mark.parametrize("strategy", ["dp", "zero2"])
+def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, strategy):
+    choose = ("--set", f"parallel.strategy='{strategy}'")
+    killed = run_and_kill(tmp_path / "killed", steps=30, every=5, pause=0.03, kill_after_step=12, extra_args=choose)
     assert killed["returncode"] == 0, killed["output"]
     assert killed["resumed_from"] is not None and killed["steps_recomputed"] <= 5
     # the same run, never interrupted (its checkpoints are where a restart would resume from)
     straight = run_and_kill.__globals__["config_text"](30, 5, 0.0)
     cfg = write_config(tmp_path / "killed" / "straight.toml", straight)
-    check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "straight"), cwd=tmp_path / "killed"))
+    check_ok(run_cli("run", str(cfg), *choose, "--run-dir", str(tmp_path / "straight"), cwd=tmp_path / "killed"))
     a, b = final_weights(killed["run_dir"]), final_weights(tmp_path / "straight")
     assert all(torch.equal(a[k], b[k]) for k in a), "the restarted run differs from the uninterrupted one"
     logged = [m["step"] for m in metrics(killed["run_dir"])]
