@@ -26,6 +26,7 @@ from .metrics import MetricsLog
 from .models import build_model
 from .optim import build_loss, lr_factor
 from .parallel import build_strategy
+from .parallel.base import all_reduce_sum
 
 
 class Trainer:
@@ -95,10 +96,10 @@ class Trainer:
         per_rank = max(4 * self.cfg.data.batch_size // self.dp_size, 1)  # no activations kept: bigger batches
         order = torch.arange(self.dp_rank, len(self.val_set), self.dp_size)
         sums = torch.zeros(4, dtype=torch.float64)  # loss*n, n, correct, counted
-        for chunk in torch.split(order, per_rank):
+        for chunk in torch.split(order, per_rank) if self.strategy.reads_data else ():
             x, y = load_batch(self.val_set, chunk)
             sums += self.strategy.eval_step(x.to(self.rt.device), y.to(self.rt.device))
-        sums = all_reduce_sum(sums, self.rt)
+        sums = all_reduce_sum(sums, self.rt, self.strategy.group)
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}
         if sums[3] > 0:
             out["val_acc"] = sums[2].item() / sums[3].item()
@@ -117,9 +118,12 @@ class Trainer:
             while self.step < total:
                 lr = cfg.train.lr * self.lr_at(self.step)
                 self.strategy.set_lr(lr)
-                idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
-                x, y = load_batch(self.train_set, idx)
-                loss = self.strategy.train_step((x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)))
+                batch = None
+                if self.strategy.reads_data:
+                    idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
+                    x, y = load_batch(self.train_set, idx)
+                    batch = (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+                loss = self.strategy.train_step(batch)
                 if self.strategy.reports_loss:
                     loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
                 self.step += 1
@@ -128,12 +132,12 @@ class Trainer:
                 done = self.step == total
                 evaluate = done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
                 if done or evaluate or self.step % cfg.train.log_every == 0:
-                    total_loss, reports = all_reduce_sum(loss_sum, rt).tolist()
+                    total_loss, reports = self.strategy.reduce_loss(loss_sum).tolist()
                     mean_loss = total_loss / max(reports, 1)
                     now = time.perf_counter()
                     entry = {"step": self.step, "loss": mean_loss, "lr": lr,
                              "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),
-                             "time": now - t_start}
+                             "time": now - t_start, **self.strategy.step_metrics()}
                     if evaluate:
                         entry.update(self.evaluate())
                     log.record(entry)
@@ -153,7 +157,7 @@ class Trainer:
             ckpt.export_final(self.run_dir, state, step=self.step, config=self.cfg.to_dict(),
                               extra={"strategy": self.cfg.parallel.strategy, "world_size": self.rt.world_size,
                                      "parameters": sum(v.numel() for v in state.values())})
-        barrier(self.rt)
+        barrier(self.rt, self.strategy.group)
 
 
 def drop_metrics_after(path: Path, step: int) -> None:
@@ -164,14 +168,6 @@ def drop_metrics_after(path: Path, step: int) -> None:
 
 
 # -- small collectives on scalars -----------------------------------------------------------------
-def all_reduce_sum(t: torch.Tensor, rt: runtime.Runtime) -> torch.Tensor:
-    if rt.world_size == 1:
-        return t
-    dev = t.to(rt.device)
-    dist.all_reduce(dev)
-    return dev.cpu()
-
-
 def broadcast_str(text: str, rt: runtime.Runtime) -> str:
     if rt.world_size == 1:
         return text
@@ -185,9 +181,9 @@ def broadcast_str(text: str, rt: runtime.Runtime) -> str:
     return bytes(buf.cpu().tolist()).decode()
 
 
-def barrier(rt: runtime.Runtime) -> None:
+def barrier(rt: runtime.Runtime, group=None) -> None:
     if rt.world_size > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:

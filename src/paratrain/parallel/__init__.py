@@ -6,7 +6,7 @@ import importlib
 from .base import Strategy
 
 # strategy name -> "module:class" under paratrain.parallel (imported only when used)
-STRATEGIES: dict[str, str] = {"dp": "data_parallel:DataParallel"}
+STRATEGIES: dict[str, str] = {"dp": "data_parallel:DataParallel", "ps": "parameter_server:ParameterServer"}
 
 
 def build_strategy(model, loss_fn, cfg, rt) -> Strategy:

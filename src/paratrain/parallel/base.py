@@ -9,6 +9,15 @@ and reads three attributes:
                       e.g. the tp or pp ranks of it, read the same share);
     reports_loss      whether this rank's train_step loss and eval_step sums count: exactly one rank
                       per replica reports (e.g. the last pipeline stage), the others return zeros.
+Hooks with defaults that fit strategies whose ranks run in lockstep (override where they do not):
+    reads_data        False on a rank that takes no batches (e.g. a parameter server): the trainer
+                      passes train_step None and skips its evaluation shard;
+    group             the process group of the trainer's own collectives (None: every rank); a
+                      strategy that drops dead ranks narrows it to the live ones;
+    reduce_loss(sums) the reporting ranks' summed loss on rank 0, at logged steps (default: an
+                      all-reduce over `group`);
+    step_metrics()    extra entries for metrics.jsonl, called on every rank at each logged step
+                      (rank 0's dict is logged; default: none).
 """
 from __future__ import annotations
 
@@ -36,6 +45,8 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.dp_rank, self.dp_size = rt.rank, rt.world_size
         self.reports_loss = True
+        self.reads_data = True
+        self.group = None
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
@@ -50,6 +61,12 @@ class Strategy:
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
+
+    def reduce_loss(self, sums: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(sums, self.rt, self.group)
+
+    def step_metrics(self) -> dict:
+        return {}
 
     def train_step(self, batch) -> torch.Tensor:
         raise NotImplementedError
@@ -74,6 +91,15 @@ class Strategy:
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         raise NotImplementedError
+
+
+def all_reduce_sum(t: torch.Tensor, rt: Runtime, group=None) -> torch.Tensor:
+    """Sum a small CPU tensor over `group` (every rank when None), through the rank's device."""
+    if rt.world_size == 1:
+        return t
+    dev = t.to(rt.device)
+    dist.all_reduce(dev, group=group)
+    return dev.cpu()
 
 
 @torch.no_grad()
