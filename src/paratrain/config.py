@@ -205,6 +205,13 @@ def data_parallel_degree(cfg: Config, world_size: int) -> int:
     return world_size // (cfg.parallel.tp * cfg.parallel.pp)
 
 
+def role_of(cfg: Config, rank: int) -> str:
+    """What a rank does, for messages about it."""
+    if cfg.parallel.strategy == "ps":
+        return "parameter server" if rank < cfg.ps.servers else "ps worker"
+    return "worker"
+
+
 def check_world(cfg: Config, world_size: int) -> None:
     """Checks that depend on the number of processes."""
     p = cfg.parallel
