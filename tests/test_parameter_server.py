@@ -88,6 +88,14 @@ def test_vanished_async_worker_is_dropped(tmp_path):
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
 
+def test_vanished_server_fails_the_run_naming_it(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", PS)
+    proc = run_cli("run", str(cfg), "--nproc", "3", "--set", "ps.mode='async'", "--set", "parallel.timeout_s=60.0",
+                   "--run-dir", str(tmp_path / "run"), timeout=120, env={"PARATRAIN_PS_VANISH_AT": "0:10"})
+    assert proc.returncode == 1, proc.stderr
+    assert "parameter server rank 0 is gone" in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
 @pytest.mark.parametrize("override, key", [
     ("ps.servers=2", "ps.servers"),            # 2 servers leave no worker among 2 processes
     ("ps.staleness=-1", "ps.staleness"),

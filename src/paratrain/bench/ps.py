@@ -32,11 +32,11 @@ def add_parser(which) -> None:
 
 
 def add_options(p) -> None:
-    p.add_argument("--steps", type=int, default=150, help="steps per worker per run")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--batch", type=int, default=16, help="samples per worker per step")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--steps", type=int, default=200, help="steps per worker per run")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=64, help="samples per worker per step")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--staleness", type=int, default=3)
     p.add_argument("--factor", type=float, default=3.0, help="how much slower the straggler is")
     p.add_argument("--target", type=float, default=0.5, help="validation loss to reach")

@@ -100,14 +100,17 @@ class ParameterServer(Strategy):
     name = "ps"
 
     def __init__(self, model, loss_fn, cfg, rt):
-        super().__init__(model, loss_fn, cfg, rt)
-        if rt.device.type != "cpu":
-            raise NotImplementedError("strategy 'ps' runs on CPU (gloo point-to-point) in this version")
+        is_server = rt.rank < cfg.ps.servers
+        # Servers keep their shard and optimizer in host memory, the classic design; workers compute
+        # on their device. All ps traffic is gloo point-to-point on host buffers (NCCL has no
+        # receive that can be waited on from a thread), so on GPUs it gets a gloo group of its own.
+        super().__init__(model if is_server else model.to(rt.device), loss_fn, cfg, rt)
+        self.comm_group = None if rt.backend == "gloo" else dist.new_group(backend="gloo")
         self.ps = cfg.ps
         self.mode = cfg.ps.mode
         self.servers = list(range(cfg.ps.servers))
         self.workers = list(range(cfg.ps.servers, rt.world_size))
-        self.is_server = rt.rank < cfg.ps.servers
+        self.is_server = is_server
         self.timeout = timedelta(seconds=cfg.parallel.timeout_s)
         # Servers read no data; workers split each global batch like dp ranks.
         self.reads_data = not self.is_server
@@ -124,10 +127,13 @@ class ParameterServer(Strategy):
         self.shard_index = assign_shards([p.numel() for p in params], len(self.servers))
         self.shards = [FlatShard([params[i] for i in idx]) for idx in self.shard_index]
         # Servers that must agree on something (sync clipping, the live set, metrics) talk in here.
-        self.server_group = dist.new_group(self.servers) if len(self.servers) > 1 else None
+        self.server_group = dist.new_group(self.servers, backend="gloo") if len(self.servers) > 1 else None
         self.step_index = 0  # the trainer step the next train_step is for
         self.total_steps = cfg.train.steps
         self.stats = PushStats()
+        # Fault injection for tests: "RANK:STEP" makes that rank leave (exit 0) before that step.
+        vanish = os.environ.get("PARATRAIN_PS_VANISH_AT", "")
+        self.vanish_at = int(vanish.split(":")[1]) if vanish and int(vanish.split(":")[0]) == rt.rank else -1
         self.t0 = None  # first step: pushes/s count from there
         if self.is_server:
             self._init_server()
@@ -154,15 +160,18 @@ class ParameterServer(Strategy):
         self.arrivals: queue.Queue | None = None  # async: (worker, error) as its push lands
 
     def _init_worker(self) -> None:
+        # Host buffers go on the wire; on a CPU they are the parameters' and gradients' own storage,
+        # on a GPU the device copies are, and each push and pull copies once across.
         self.param_bufs = [shard.new_buffer() for shard in self.shards]
         self.grad_bufs = [shard.new_buffer() for shard in self.shards]
-        for shard, pbuf, gbuf in zip(self.shards, self.param_bufs, self.grad_bufs):
+        on_host = self.rt.device.type == "cpu"
+        self.dev_param_bufs = self.param_bufs if on_host else [b.to(self.rt.device) for b in self.param_bufs]
+        self.dev_grad_bufs = self.grad_bufs if on_host else [b.to(self.rt.device) for b in self.grad_bufs]
+        for shard, pbuf, gbuf in zip(self.shards, self.dev_param_bufs, self.dev_grad_bufs):
             shard.bind_data(pbuf)
             shard.bind_grads(gbuf)
         self.versions = [0] * len(self.servers)
         self.straggle = self.ps.straggler_factor if self.rt.rank == self.ps.straggler_rank else 1.0
-        vanish = os.environ.get("PARATRAIN_PS_VANISH_AT", "")  # fault injection for tests: "RANK:STEP"
-        self.vanish_at = int(vanish.split(":")[1]) if vanish and int(vanish.split(":")[0]) == self.rt.rank else -1
 
     def set_lr(self, lr: float) -> None:
         if self.optimizer is not None:
@@ -171,6 +180,9 @@ class ParameterServer(Strategy):
     # -- the step -------------------------------------------------------------------------------
     def train_step(self, batch) -> torch.Tensor:
         self.t0 = self.t0 or time.perf_counter()
+        if self.step_index == self.vanish_at:
+            print(f"ps: {self._role(self.rt.rank)} vanishes at step {self.step_index} (fault injection)", flush=True)
+            os._exit(0)
         final = self.step_index == self.total_steps - 1
         if self.is_server:
             loss = self._serve_sync() if self.mode == "sync" else self._serve_async(final)
@@ -180,14 +192,11 @@ class ParameterServer(Strategy):
         return loss
 
     def _work(self, batch, final: bool) -> torch.Tensor:
-        if self.step_index == self.vanish_at:
-            print(f"ps: worker rank {self.rt.rank} vanishes at step {self.step_index} (fault injection)", flush=True)
-            os._exit(0)
         t0 = time.perf_counter()
-        for buf in self.grad_bufs:
+        for buf in self.dev_grad_bufs:
             buf.zero_()
         micro = self.micro_batches(batch)
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.rt.device)
         for x, y in micro:
             with self.autocast():
                 loss = self.loss_fn(self.model(x), y)
@@ -198,13 +207,18 @@ class ParameterServer(Strategy):
             torch.nn.utils.clip_grad_norm_([p for s in self.shards for p in s.params], self.cfg.train.clip_grad_norm)
         straggle(time.perf_counter() - t0, self.straggle)
         sends = []
-        for s, buf in zip(self.servers, self.grad_bufs):
+        for s, buf, dev_buf in zip(self.servers, self.grad_bufs, self.dev_grad_bufs):
+            if dev_buf is not buf:
+                buf.copy_(dev_buf)
             buf[:HEADER] = torch.tensor([self.step_index, self.versions[s], float(loss), 0.0])
             sends.append(self._p2p(dist.isend, buf, s, PUSH_TAG))
         recvs = [self._p2p(dist.irecv, buf, s, PULL_TAG) for s, buf in zip(self.servers, self.param_bufs)]
         for s, work in zip(self.servers + self.servers, sends + recvs):
             self._wait(work, s)
         self.versions = [int(buf[0]) for buf in self.param_bufs]
+        for buf, dev_buf in zip(self.param_bufs, self.dev_param_bufs):
+            if dev_buf is not buf:
+                dev_buf.copy_(buf)
         if final and self.mode != "sync":  # who else made it to the end (server 0 tells)
             alive = torch.zeros(self.rt.world_size, dtype=torch.int32)
             self._wait(self._p2p(dist.irecv, alive, 0, PULL_TAG), 0)
@@ -213,7 +227,7 @@ class ParameterServer(Strategy):
 
     def _p2p(self, op, buf: torch.Tensor, peer: int, tag: int):
         try:
-            return op(buf, peer, tag=tag)
+            return op(buf, peer, group=self.comm_group, tag=tag)
         except RuntimeError as exc:
             raise RuntimeError(f"ps: {self._role(peer)} is gone: {first_line(exc)}") from None
 
@@ -221,8 +235,10 @@ class ParameterServer(Strategy):
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
-            raise RuntimeError(f"ps: no answer from {self._role(peer)} within parallel.timeout_s = "
-                               f"{self.timeout.total_seconds():g}s, or it is gone: {first_line(exc)}") from None
+            if "Timed out" in str(exc):
+                raise RuntimeError(f"ps: no answer from {self._role(peer)} within parallel.timeout_s = "
+                                   f"{self.timeout.total_seconds():g}s") from None
+            raise RuntimeError(f"ps: {self._role(peer)} is gone: {first_line(exc)}") from None
 
     def _role(self, rank: int) -> str:
         return f"parameter server rank {rank}" if rank in self.servers else f"worker rank {rank}"
@@ -478,7 +494,7 @@ class ParameterServer(Strategy):
         if self.is_server:
             self._wait(self._p2p(dist.isend, self.param_buf, 0, EXPORT_TAG), 0)
         elif self.rt.rank == first_worker and buffers:
-            flat = torch.cat([b.detach().double().reshape(-1) for b in buffers])
+            flat = torch.cat([b.detach().double().cpu().reshape(-1) for b in buffers])
             self._wait(self._p2p(dist.isend, flat, 0, EXPORT_TAG), 0)
         return None
 
