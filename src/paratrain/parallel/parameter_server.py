@@ -337,6 +337,9 @@ class ParameterServer(Strategy):
         self.stats.dropped.append(w)
         print(f"ps: server rank {self.rt.rank} drops worker rank {w}: {why}; training goes on with "
               f"{len(self.live)} workers", file=sys.stderr, flush=True)
+        if self.cfg.checkpoint.every:
+            print("ps: warning: periodic checkpoints need every rank, so the next one will fail this run; "
+                  "continue it from the last one with --resume auto", file=sys.stderr, flush=True)
         if not self.live:
             raise RuntimeError("ps: every worker is gone")
         self._release_held()
