@@ -8,16 +8,20 @@ and reads three attributes:
     dp_rank, dp_size  which share of each global batch this rank reads (ranks of one model replica,
                       e.g. the tp or pp ranks of it, read the same share);
     reports_loss      whether this rank's train_step loss and eval_step sums count: exactly one rank
-                      per replica reports (e.g. the last pipeline stage), the others return zeros.
+                      per replica reports (e.g. the last pipeline stage), the others return zeros;
+    skipped_step      set by train_step when a loss or gradient was not finite and the optimizer
+                      step was skipped; every rank must agree on it.
 Hooks with defaults that fit strategies whose ranks run in lockstep (override where they do not):
     reads_data        False on a rank that takes no batches (e.g. a parameter server): the trainer
                       passes train_step None and skips its evaluation shard;
-    group             the process group of the trainer's own collectives (None: every rank); a
+    trainer_group     the process group of the trainer's own collectives (None: every rank); a
                       strategy that drops dead ranks narrows it to the live ones;
-    reduce_loss(sums) the reporting ranks' summed loss on rank 0, at logged steps (default: an
-                      all-reduce over `group`);
+    reduce_loss(sums) None (default): the trainer all-gathers the reporting ranks' loss sums at a
+                      logged step, checking every rank's collective sequence with them; a strategy
+                      whose ranks do not run in lockstep returns the total on rank 0 itself;
     step_metrics()    extra entries for metrics.jsonl, called on every rank at each logged step
                       (rank 0's dict is logged; default: none).
+Collectives go through `paratrain.collectives` so that a hang names the rank, operation and step.
 """
 from __future__ import annotations
 
@@ -25,9 +29,9 @@ import contextlib
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .. import collectives
 from ..config import Config
 from ..optim import accuracy_counts, set_lr
 from ..runtime import Runtime
@@ -45,8 +49,9 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.dp_rank, self.dp_size = rt.rank, rt.world_size
         self.reports_loss = True
+        self.skipped_step = False  # set by train_step; the same on every rank (an agreed decision)
         self.reads_data = True
-        self.group = None
+        self.trainer_group = None
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
@@ -62,8 +67,8 @@ class Strategy:
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
 
-    def reduce_loss(self, sums: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(sums, self.rt, self.group)
+    def reduce_loss(self, sums: torch.Tensor) -> torch.Tensor | None:
+        return None
 
     def step_metrics(self) -> dict:
         return {}
@@ -93,15 +98,6 @@ class Strategy:
         raise NotImplementedError
 
 
-def all_reduce_sum(t: torch.Tensor, rt: Runtime, group=None) -> torch.Tensor:
-    """Sum a small CPU tensor over `group` (every rank when None), through the rank's device."""
-    if rt.world_size == 1:
-        return t
-    dev = t.to(rt.device)
-    dist.all_reduce(dev, group=group)
-    return dev.cpu()
-
-
 @torch.no_grad()
 def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group=None) -> None:
     """Broadcast many tensors in one message per dtype (not one per tensor: latency adds up)."""
@@ -110,11 +106,16 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group=None) -> 
         by_dtype.setdefault(t.dtype, []).append(t)
     for group_tensors in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-        dist.broadcast(flat, src=src, group=group)
+        collectives.broadcast(flat, src, "initial-weights", group=group)
         offset = 0
         for t in group_tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor torch.nn.utils.clip_grad_norm_ multiplies gradients by."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 def unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -43,8 +43,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint as ckpt
+from .. import faults
 from ..optim import build_optimizer, set_lr
-from .base import Strategy, unique_parameters
+from .base import Strategy, clip_factor, unique_parameters
 
 HEADER = 4  # float32 slots in front of every message (small integers are exact in float32)
 PUSH_TAG, PULL_TAG, EXPORT_TAG = 11, 12, 13
@@ -131,9 +132,6 @@ class ParameterServer(Strategy):
         self.step_index = 0  # the trainer step the next train_step is for
         self.total_steps = cfg.train.steps
         self.stats = PushStats()
-        # Fault injection for tests: "RANK:STEP" makes that rank leave (exit 0) before that step.
-        vanish = os.environ.get("PARATRAIN_PS_VANISH_AT", "")
-        self.vanish_at = int(vanish.split(":")[1]) if vanish and int(vanish.split(":")[0]) == rt.rank else -1
         self.t0 = None  # first step: pushes/s count from there
         if self.is_server:
             self._init_server()
@@ -180,7 +178,7 @@ class ParameterServer(Strategy):
     # -- the step -------------------------------------------------------------------------------
     def train_step(self, batch) -> torch.Tensor:
         self.t0 = self.t0 or time.perf_counter()
-        if self.step_index == self.vanish_at:
+        if faults.active("ps_vanish", rank=self.rt.rank, step=self.step_index):  # tests: leave with exit 0
             print(f"ps: {self._role(self.rt.rank)} vanishes at step {self.step_index} (fault injection)", flush=True)
             os._exit(0)
         final = self.step_index == self.total_steps - 1
@@ -271,9 +269,7 @@ class ParameterServer(Strategy):
         sq = self.grad_buf[HEADER:].double().square().sum()
         if self.server_group is not None:
             dist.all_reduce(sq, group=self.server_group)
-        coef = self.cfg.train.clip_grad_norm / (sq.sqrt().item() + 1e-6)
-        if coef < 1:
-            self.grad_buf[HEADER:].mul_(coef)
+        self.grad_buf[HEADER:].mul_(clip_factor(sq.sqrt(), self.cfg.train.clip_grad_norm).float())
 
     def _update(self) -> None:
         if self.optimizer is not None:
@@ -396,7 +392,7 @@ class ParameterServer(Strategy):
 
     def _set_live(self, live: list[int]) -> None:
         if len(live) < self.rt.world_size:
-            self.group = dist.new_group(live, use_local_synchronization=True)
+            self.trainer_group = dist.new_group(live, use_local_synchronization=True)
             self.live_ranks = live
             if self.rt.rank == 0:
                 print(f"ps: finished with {len(live) - len(self.servers)} of {len(self.workers)} workers "
