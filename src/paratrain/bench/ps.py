@@ -8,7 +8,8 @@ the whole set interleaved; the table shows medians.
 The clock: the first non-straggling worker keeps a copy of the model after every one of its steps
 (what it pulled from the server, or its dp replica) with a timestamp; after the run, off the clock,
 each copy is evaluated on the validation set. Time to target = the first copy at or below
---target. samples/s = samples all workers consumed until then / that time.
+--target. samples/s = samples all workers had consumed by then (each worker counts its own steps)
+/ that time (the whole run where the target was not reached).
 """
 from __future__ import annotations
 
@@ -77,8 +78,9 @@ def compute_time(args, data) -> float:
 
 
 def one_run(engine: str, straggler: bool, args, rt, worker_group, data,
-            compute_s: float) -> list[tuple[float, torch.Tensor]]:
-    """Train once; the recording rank returns [(seconds since start, flat parameters)]."""
+            compute_s: float) -> tuple[list[tuple[float, torch.Tensor]], list[float]]:
+    """Train once: the recording rank's [(seconds since start, flat parameters)] and this rank's
+    step end times."""
     from .. import config as config_mod
     from ..data import GlobalBatchSampler, load_batch
     from ..models.mlp import mlp
@@ -105,7 +107,7 @@ def one_run(engine: str, straggler: bool, args, rt, worker_group, data,
         strategy = ParameterServer(model, cross_entropy, cfg, rt)
         dp_rank, dp_size = strategy.dp_rank, strategy.dp_size
     sampler = GlobalBatchSampler(len(data), cfg.data.batch_size, True, 0)
-    trace = []
+    trace, ends = [], []
     dist.barrier()
     t0 = time.perf_counter()
     for step in range(args.steps if strategy is not None else 0):
@@ -117,11 +119,12 @@ def one_run(engine: str, straggler: bool, args, rt, worker_group, data,
             # ps workers stretch their measured compute inside train_step; dp's step also holds the
             # all-reduce wait, so the dp straggler stretches a calibrated compute time instead.
             straggle(compute_s, args.factor)
+        ends.append(time.perf_counter() - t0)
         if rt.rank == recorder:
             trace.append((time.perf_counter() - t0,
                           torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()))
     dist.barrier()
-    return trace
+    return trace, ends if rt.rank > 0 else []
 
 
 @torch.no_grad()
@@ -138,14 +141,17 @@ def val_losses(trace, args, val) -> list[tuple[float, float]]:
     return out
 
 
-def summarize(curve, args, workers: int) -> dict:
+def summarize(curve, args) -> dict:
     hit = next((i for i, (_, loss) in enumerate(curve) if loss <= args.target), None)
-    end = hit if hit is not None else len(curve) - 1
-    t = curve[end][0]
-    # The recorder's steps are a lower bound on the others' in async; count every worker as it.
     return {"time_to_target_s": curve[hit][0] if hit is not None else None,
-            "final_val_loss": curve[-1][1], "run_s": curve[-1][0],
-            "samples_per_s": (end + 1) * args.batch * workers / t}
+            "final_val_loss": curve[-1][1], "run_s": curve[-1][0]}
+
+
+def samples_per_s(window_s: float, ends: list[float], batch: int) -> float:
+    """Collective: every worker's steps finished within the window, as samples per second."""
+    done = torch.tensor([sum(t <= window_s for t in ends)], dtype=torch.float64)
+    dist.all_reduce(done)
+    return done.item() * batch / window_s
 
 
 def worker(argv=None) -> None:
@@ -165,12 +171,17 @@ def worker(argv=None) -> None:
     for _ in range(args.rounds):
         for straggler in (False, True):
             for engine in ENGINES:
-                trace = one_run(engine, straggler, args, rt, worker_group, train, compute_s)
+                trace, ends = one_run(engine, straggler, args, rt, worker_group, train, compute_s)
+                window = torch.zeros(1, dtype=torch.float64)
                 if rt.rank == 1:
                     key = f"{engine}{' +straggler' if straggler else ''}"
-                    curve = val_losses(trace, args, val)
-                    results.setdefault(key, []).append(summarize(curve, args, workers))
-                    curves[key] = curve
+                    curves[key] = val_losses(trace, args, val)
+                    summary = summarize(curves[key], args)
+                    window[0] = summary["time_to_target_s"] or summary["run_s"]
+                dist.broadcast(window, src=1)
+                rate = samples_per_s(window.item(), ends, args.batch)
+                if rt.rank == 1:
+                    results.setdefault(key, []).append({**summary, "samples_per_s": rate})
     if rt.rank == 1:
         report(results, curves, args, workers)
     dist.barrier()
