@@ -102,7 +102,7 @@ def cmd_run(args) -> int:
     except WorkerFailure as exc:
         if exc.all_exitcodes == {2}:
             return 2  # the worker printed which key was wrong
-        return _error(f"training failed: {exc}", 1)
+        return _error(f"training failed: {exc} [rank {exc.rank} was a {config_mod.role_of(cfg, exc.rank)}]", 1)
     return 0
 
 

@@ -99,7 +99,13 @@ class CheckpointConfig:
 class PSConfig:
     servers: int = opt(1, check=_positive)
     mode: str = opt("sync", choices=("sync", "async", "ssp"))
-    staleness: int = opt(4, check=_non_negative)
+    staleness: int = opt(4, check=_non_negative, doc="ssp: how many steps a worker may run ahead of the slowest")
+    straggler_rank: int = opt(-1, check=lambda v: None if v >= -1 else "must be a worker rank or -1 (none)",
+                              doc="experiments: the worker rank slowed down by straggler_factor; -1 = none")
+    straggler_factor: float = opt(1.0, check=lambda v: None if v >= 1 else "must be >= 1",
+                                  doc="that worker's step takes this many times its compute time")
+    drop_after_s: float = opt(30.0, check=_positive,
+                              doc="async | ssp: a worker silent this long is dropped; servers always wait")
 
 
 @dataclass
@@ -200,12 +206,22 @@ def data_parallel_degree(cfg: Config, world_size: int) -> int:
     return world_size // (cfg.parallel.tp * cfg.parallel.pp)
 
 
+def role_of(cfg: Config, rank: int) -> str:
+    """What a rank does, for messages about it."""
+    if cfg.parallel.strategy == "ps":
+        return "parameter server" if rank < cfg.ps.servers else "ps worker"
+    return "worker"
+
+
 def check_world(cfg: Config, world_size: int) -> None:
     """Checks that depend on the number of processes."""
     p = cfg.parallel
     if p.strategy == "ps":
         if cfg.ps.servers >= world_size:
             raise ConfigError("ps.servers", f"{cfg.ps.servers} servers leave no worker among {world_size} processes")
+        if cfg.ps.straggler_rank != -1 and not cfg.ps.servers <= cfg.ps.straggler_rank < world_size:
+            raise ConfigError("ps.straggler_rank", f"{cfg.ps.straggler_rank} is not a worker rank "
+                                                   f"({cfg.ps.servers}..{world_size - 1}) nor -1")
     else:
         if p.strategy not in ("tp", "hybrid") and p.tp != 1:
             raise ConfigError("parallel.tp", f"must be 1 for strategy {p.strategy!r}")

@@ -105,10 +105,10 @@ class Trainer:
         per_rank = max(4 * self.cfg.data.batch_size // self.dp_size, 1)  # no activations kept: bigger batches
         order = torch.arange(self.dp_rank, len(self.val_set), self.dp_size)
         sums = torch.zeros(4, dtype=torch.float64)  # loss*n, n, correct, counted
-        for chunk in torch.split(order, per_rank):
+        for chunk in torch.split(order, per_rank) if self.strategy.reads_data else ():
             x, y = load_batch(self.val_set, chunk)
             sums += self.strategy.eval_step(x.to(self.rt.device), y.to(self.rt.device))
-        sums = all_reduce_sum(sums, self.rt, "eval-sums")
+        sums = all_reduce_sum(sums, self.rt, "eval-sums", self.strategy.trainer_group)
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}
         if sums[3] > 0:
             out["val_acc"] = sums[2].item() / sums[3].item()
@@ -128,9 +128,12 @@ class Trainer:
                 collectives.LOG.step = self.step
                 lr = cfg.train.lr * self.lr_at(self.step)
                 self.strategy.set_lr(lr)
-                idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
-                x, y = load_batch(self.train_set, idx)
-                loss = self.strategy.train_step((x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)))
+                batch = None
+                if self.strategy.reads_data:
+                    idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
+                    x, y = load_batch(self.train_set, idx)
+                    batch = (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+                loss = self.strategy.train_step(batch)
                 self.step += 1
                 steps_since += 1
                 if self.strategy.skipped_step:  # the same decision on every rank
@@ -150,11 +153,13 @@ class Trainer:
                 done = self.step == total
                 evaluate = done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
                 if done or evaluate or self.step % cfg.train.log_every == 0:
-                    total_loss, reports = reduce_loss_checking_sequences(loss_sum, rt)
+                    reduced = self.strategy.reduce_loss(loss_sum)
+                    total_loss, reports = (reduce_loss_checking_sequences(loss_sum, rt) if reduced is None
+                                           else reduced.tolist())
                     now = time.perf_counter()
                     entry = {"step": self.step, "loss": total_loss / reports if reports else float("nan"),
                              "lr": lr, "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),
-                             "time": now - t_start, "wall": time.time()}
+                             "time": now - t_start, "wall": time.time(), **self.strategy.step_metrics()}
                     if skipped:
                         entry["skipped_steps"] = skipped
                     if evaluate:
@@ -177,7 +182,7 @@ class Trainer:
             ckpt.export_final(self.run_dir, state, step=self.step, config=self.cfg.to_dict(),
                               extra={"strategy": self.cfg.parallel.strategy, "world_size": self.rt.world_size,
                                      "parameters": sum(v.numel() for v in state.values())})
-        barrier(self.rt, "export")
+        barrier(self.rt, "export", self.strategy.trainer_group)
 
 
 class NonFiniteError(RuntimeError):
@@ -192,11 +197,11 @@ def drop_metrics_after(path: Path, step: int) -> None:
 
 
 # -- small collectives on scalars -----------------------------------------------------------------
-def all_reduce_sum(t: torch.Tensor, rt: runtime.Runtime, what: str) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, rt: runtime.Runtime, what: str, group=None) -> torch.Tensor:
     if rt.world_size == 1:
         return t
     dev = t.to(rt.device)
-    collectives.all_reduce(dev, what)
+    collectives.all_reduce(dev, what, group=group)
     return dev.cpu()
 
 
@@ -234,9 +239,9 @@ def broadcast_str(text: str, rt: runtime.Runtime) -> str:
     return bytes(buf.cpu().tolist()).decode()
 
 
-def barrier(rt: runtime.Runtime, what: str) -> None:
+def barrier(rt: runtime.Runtime, what: str, group=None) -> None:
     if rt.world_size > 1:
-        collectives.barrier(what)
+        collectives.barrier(what, group=group)
 
 
 def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:

@@ -7,7 +7,8 @@ from .base import Strategy
 
 # strategy name -> "module:class" under paratrain.parallel (imported only when used)
 STRATEGIES: dict[str, str] = {"dp": "data_parallel:DataParallel",
-                              "zero1": "zero:Zero1", "zero2": "zero:Zero2", "zero3": "zero:Zero3"}
+                              "zero1": "zero:Zero1", "zero2": "zero:Zero2", "zero3": "zero:Zero3",
+                              "ps": "parameter_server:ParameterServer"}
 
 
 def strategy_class(name: str) -> type[Strategy]:

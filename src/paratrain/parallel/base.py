@@ -11,6 +11,16 @@ and reads three attributes:
                       per replica reports (e.g. the last pipeline stage), the others return zeros;
     skipped_step      set by train_step when a loss or gradient was not finite and the optimizer
                       step was skipped; every rank must agree on it.
+Hooks with defaults that fit strategies whose ranks run in lockstep (override where they do not):
+    reads_data        False on a rank that takes no batches (e.g. a parameter server): the trainer
+                      passes train_step None and skips its evaluation shard;
+    trainer_group     the process group of the trainer's own collectives (None: every rank); a
+                      strategy that drops dead ranks narrows it to the live ones;
+    reduce_loss(sums) None (default): the trainer all-gathers the reporting ranks' loss sums at a
+                      logged step, checking every rank's collective sequence with them; a strategy
+                      whose ranks do not run in lockstep returns the total on rank 0 itself;
+    step_metrics()    extra entries for metrics.jsonl, called on every rank at each logged step
+                      (rank 0's dict is logged; default: none).
 Collectives go through `paratrain.collectives` so that a hang names the rank, operation and step.
 """
 from __future__ import annotations
@@ -40,6 +50,8 @@ class Strategy:
         self.dp_rank, self.dp_size = rt.rank, rt.world_size
         self.reports_loss = True
         self.skipped_step = False  # set by train_step; the same on every rank (an agreed decision)
+        self.reads_data = True
+        self.trainer_group = None
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
@@ -54,6 +66,12 @@ class Strategy:
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
+
+    def reduce_loss(self, sums: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def step_metrics(self) -> dict:
+        return {}
 
     def train_step(self, batch) -> torch.Tensor:
         raise NotImplementedError

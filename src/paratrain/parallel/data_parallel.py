@@ -144,7 +144,8 @@ class DataParallel(Strategy):
     def __init__(self, model, loss_fn, cfg, rt, group=None):
         super().__init__(model.to(rt.device), loss_fn, cfg, rt)
         self.group = group
-        broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=0, group=group)
+        src = 0 if group is None else dist.get_global_rank(group, 0)  # the group's first rank
+        broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=src, group=group)
         named = unique_parameters(model)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]

@@ -1,0 +1,130 @@
+"""Parameter servers: sync equals single-process training; async and ssp learn; the ssp bound holds;
+a vanished async worker is dropped; bad input exits 2; checkpoints resume, also on other servers."""
+import functools
+
+import pytest
+import torch
+
+from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
+from reference import train_reference
+
+from paratrain.cli import main
+from paratrain.data.datasets import digits
+from paratrain.models.mlp import mlp
+
+PS = """
+name = "ps"
+[model]
+factory = "mlp"
+hidden = 32
+[data]
+factory = "digits"
+batch_size = 24
+shuffle = false
+[train]
+steps = 20
+optimizer = "sgd"
+lr = 0.1
+log_every = 5
+[parallel]
+strategy = "ps"
+[ps]
+servers = 1
+mode = "sync"
+"""
+
+
+@functools.lru_cache
+def reference_weights(clip: float) -> dict:
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    return train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y,
+                           steps=20, batch_size=24, lr=0.1, clip=clip)
+
+
+# 2 servers: with clipping that binds, so the global norm must span both shards.
+@pytest.mark.parametrize("servers, world, clip", [(1, 3, 0.0), (2, 4, 0.02)])
+def test_sync_equals_single_process(tmp_path, servers, world, clip):
+    cfg = write_config(tmp_path / "c.toml", PS)
+    check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--set", f"ps.servers={servers}",
+                     "--set", f"train.clip_grad_norm={clip}", "--run-dir", str(tmp_path / "run")))
+    assert max_rel_error(final_weights(tmp_path / "run"), reference_weights(clip)) <= 1e-4
+    last = metrics(tmp_path / "run")[-1]
+    assert last["staleness_max"] == 0 and len(last["pushes_per_s"]) == servers
+
+
+def run_mode(tmp_path, mode, world, *extra, env=None):
+    cfg = write_config(tmp_path / "c.toml", PS)
+    return check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--set", f"ps.mode='{mode}'",
+                            "--set", "data.batch_size=48", "--set", "data.shuffle=true", "--set", "train.steps=60",
+                            "--set", "train.lr=0.2", "--set", "train.log_every=20", *extra, "--run-dir", str(tmp_path / "run"),
+                            timeout=180, env=env))
+
+
+def test_async_learns_and_reports_staleness(tmp_path):
+    run_mode(tmp_path, "async", 3)
+    log = metrics(tmp_path / "run")
+    assert log[-1]["val_loss"] < 1.8 and log[-1]["loss"] < log[0]["loss"]  # from 2.3
+    hist = {int(k): v for entry in log for k, v in entry["staleness_hist"].items()}
+    assert sum(hist.values()) > 0 and max(hist) >= 1, "async should apply some stale gradients"
+    assert log[-1]["bytes_moved"][0] > 0 and log[-1]["pushes_per_s"][0] > 0
+
+
+def test_ssp_bound_holds_with_a_straggler(tmp_path):
+    run_mode(tmp_path, "ssp", 4, "--set", "ps.staleness=1", "--set", "ps.straggler_rank=3",
+             "--set", "ps.straggler_factor=4.0")
+    log = metrics(tmp_path / "run")
+    gaps = [entry["ssp_max_gap"] for entry in log]
+    assert max(gaps) <= 1, f"a worker ran more than 1 step ahead of the slowest: {gaps}"
+    assert max(gaps) == 1, "with a 4x straggler the fast workers should reach the bound"
+    assert log[-1]["val_loss"] < 2.0
+
+
+def test_vanished_async_worker_is_dropped(tmp_path):
+    # Rank 3 leaves at its step 10 (a clean exit, so the elastic agent lets the others go on).
+    proc = run_mode(tmp_path, "async", 4, "--set", "ps.drop_after_s=5.0",
+                    env={"PARATRAIN_FAULTS": "ps_vanish@rank=3,step=10"})
+    assert "drops worker rank 3" in proc.stderr, proc.stderr
+    assert "finished with 2 of 3 workers" in proc.stdout
+    log = metrics(tmp_path / "run")
+    assert log[-1]["step"] == 60 and log[-1]["dropped_workers"] == [3]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_vanished_server_fails_the_run_naming_it(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", PS)
+    proc = run_cli("run", str(cfg), "--nproc", "3", "--set", "ps.mode='async'", "--set", "parallel.timeout_s=60.0",
+                   "--run-dir", str(tmp_path / "run"), timeout=120, env={"PARATRAIN_FAULTS": "ps_vanish@rank=0,step=10"})
+    assert proc.returncode == 1, proc.stderr
+    assert "parameter server rank 0 is gone" in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+@pytest.mark.parametrize("override, key", [
+    ("ps.servers=2", "ps.servers"),            # 2 servers leave no worker among 2 processes
+    ("ps.staleness=-1", "ps.staleness"),
+    ("ps.mode='hogwild'", "ps.mode"),
+    ("ps.straggler_rank=0", "ps.straggler_rank"),  # a server, not a worker
+    ("ps.straggler_factor=0.5", "ps.straggler_factor"),
+    ("ps.drop_after_s=0", "ps.drop_after_s"),
+])
+def test_bad_ps_input_exits_2(tmp_path, capsys, override, key):
+    cfg = write_config(tmp_path / "c.toml", PS)
+    code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
+
+
+def test_resume_and_reshard_across_servers(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", PS)
+    common = ["--set", "ps.servers=2", "--set", "train.optimizer='adamw'", "--set", "train.lr=0.01",
+              "--set", "data.shuffle=true", "--set", "train.steps=16", "--set", "checkpoint.every=4",
+              "--set", "checkpoint.keep=2"]
+    check_ok(run_cli("run", str(cfg), "--nproc", "4", *common, "--run-dir", str(tmp_path / "straight")))
+    check_ok(run_cli("run", str(cfg), "--nproc", "4", *common, "--set", "train.steps=8",
+                     "--run-dir", str(tmp_path / "split")))
+    # Continue on one server holding both shards (and their AdamW state).
+    proc = check_ok(run_cli("run", str(cfg), "--nproc", "3", *common, "--set", "ps.servers=1",
+                            "--resume", str(tmp_path / "split" / "checkpoints" / "step-8"),
+                            "--run-dir", str(tmp_path / "one")))
+    assert "at step 8" in proc.stdout
+    assert max_rel_error(final_weights(tmp_path / "one"), final_weights(tmp_path / "straight")) <= 1e-5
