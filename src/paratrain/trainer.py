@@ -26,6 +26,7 @@ from .metrics import MetricsLog
 from .models import build_model
 from .optim import build_loss, lr_factor
 from .parallel import build_strategy
+from .profile import Profiler
 
 
 class Trainer:
@@ -108,18 +109,24 @@ class Trainer:
     def fit(self) -> dict:
         cfg, rt = self.cfg, self.rt
         total = cfg.train.steps
-        log = MetricsLog(self.run_dir, total, self.step, enabled=rt.is_main)
+        log = MetricsLog(self.run_dir, total, self.step, enabled=rt.is_main, tensorboard=cfg.log.tensorboard)
+        prof = Profiler(self.run_dir, rt.rank, rt.world_size, rt.device, start_step=self.step,
+                        torch_profiler=cfg.train.torch_profiler)
+        self.strategy.profiler = prof
         t_start = time.perf_counter()
         t_last, steps_since = t_start, 0
         loss_sum = torch.zeros(2, dtype=torch.float64)  # summed loss of reporting ranks, their count
         last = {}
         try:
             while self.step < total:
-                lr = cfg.train.lr * self.lr_at(self.step)
-                self.strategy.set_lr(lr)
-                idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
-                x, y = load_batch(self.train_set, idx)
-                loss = self.strategy.train_step((x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)))
+                with prof.step(self.step + 1):
+                    with prof.phase("data"):
+                        lr = cfg.train.lr * self.lr_at(self.step)
+                        self.strategy.set_lr(lr)
+                        idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
+                        x, y = load_batch(self.train_set, idx)
+                        batch = (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+                    loss = self.strategy.train_step(batch)
                 if self.strategy.reports_loss:
                     loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
                 self.step += 1
@@ -133,7 +140,7 @@ class Trainer:
                     now = time.perf_counter()
                     entry = {"step": self.step, "loss": mean_loss, "lr": lr,
                              "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),
-                             "time": now - t_start}
+                             "time": now - t_start, **prof.flush()}
                     if evaluate:
                         entry.update(self.evaluate())
                     log.record(entry)
@@ -143,6 +150,7 @@ class Trainer:
                     self.save_checkpoint()
         finally:
             log.close()
+            prof.close()
         elapsed = time.perf_counter() - t_start
         self.export()
         return {**last, "elapsed": elapsed}

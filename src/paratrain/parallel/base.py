@@ -9,6 +9,17 @@ and reads three attributes:
                       e.g. the tp or pp ranks of it, read the same share);
     reports_loss      whether this rank's train_step loss and eval_step sums count: exactly one rank
                       per replica reports (e.g. the last pipeline stage), the others return zeros.
+
+and sets one: `profiler` (paratrain/profile.py), which a strategy reports to from train_step; the
+default does nothing, so a strategy calls it unconditionally:
+    with self.profiler.phase("forward"): ...     # phases: forward | backward | compress | comm |
+                                                 # optimizer | idle (pipeline bubbles); "comm" is
+                                                 # time BLOCKED on collectives (wait(), blocking ops)
+    self.profiler.comm("all_reduce", buffer, group)   # each collective's payload, for byte accounting
+                                                 # (all_reduce | reduce_scatter | all_gather |
+                                                 #  broadcast | all_to_all | send | recv)
+Phases nest (an inner phase's time is taken out of the outer one); `phase(name, index=i)` labels a
+span (e.g. micro-batch i) on the trace's timeline.
 """
 from __future__ import annotations
 
@@ -21,11 +32,13 @@ from torch import nn
 
 from ..config import Config
 from ..optim import accuracy_counts, set_lr
+from ..profile import NULL_PROFILER
 from ..runtime import Runtime
 
 
 class Strategy:
     name = "base"
+    profiler = NULL_PROFILER
 
     def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):
         self.model = model

@@ -9,7 +9,11 @@ How the all-reduce hides behind backward:
     order), so a bucket with a parameter that got no gradient this step simply waits until
     backward ends and goes then, its unused slice still zero: no hang, no corruption;
   * with gradient accumulation the hooks stay quiet until the last micro-batch: gradients add up
-    locally and only the final backward communicates.
+    locally and only the final backward communicates;
+  * what a bucket's communication is belongs to the codec (parallel/compression.py): a plain
+    all-reduce, or a compressed one (parallel.compression).
+
+Profiled phases: forward, backward, comm (blocked in finish()), compress (codec arithmetic), optimizer.
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..optim import build_optimizer
+from ..profile import NULL_PROFILER
 from .base import Strategy, broadcast_tensors, unique_parameters
+from .compression import Uncompressed, build_codec
 from .. import checkpoint as ckpt
 
 
@@ -26,6 +32,7 @@ class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], device: torch.device):
         self.index = index
         self.params = params
+        self.shapes = [p.shape for p in params]
         self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
         self.pending = len(params)
         self.work = None
@@ -54,8 +61,11 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.de
 class GradientReducer:
     """Bucketed, backward-overlapped gradient averaging over a process group."""
 
-    def __init__(self, params: list[nn.Parameter], bucket_mb: float, device: torch.device, group=None):
+    def __init__(self, params: list[nn.Parameter], bucket_mb: float, device: torch.device, group=None,
+                 codec=None):
         self.group = group
+        self.codec = codec or Uncompressed()
+        self.profiler = NULL_PROFILER
         self.world = dist.get_world_size(group)
         self.buckets = make_buckets(params, int(bucket_mb * 2**20), device)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -92,8 +102,7 @@ class GradientReducer:
             if only_ready and b.pending:
                 return
             if self.world > 1:
-                b.buffer.div_(self.world)
-                b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+                b.work = self.codec.launch(b.index, b.buffer, b.shapes, self.group, self.profiler)
             self.next_to_launch += 1
 
     def finish(self) -> None:
@@ -116,24 +125,37 @@ class DataParallel(Strategy):
         named = unique_parameters(model)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.reducer = GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group)
+        codec = build_codec(cfg.parallel, seed=cfg.train.seed)
+        self.reducer = GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group, codec)
         self.optimizer = build_optimizer(self.params, cfg.train)
 
+    @property
+    def profiler(self):
+        return self.reducer.profiler
+
+    @profiler.setter
+    def profiler(self, profiler) -> None:  # the reducer reports its collectives too
+        self.reducer.profiler = profiler
+
     def train_step(self, batch) -> torch.Tensor:
+        prof = self.profiler
         self.reducer.zero_grad()
         micro = self.micro_batches(batch)
         total = torch.zeros((), device=self.rt.device)
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
             self.reducer.prepare(sync=last)
-            with self.autocast():
+            with prof.phase("forward"), self.autocast():
                 loss = self.loss_fn(self.model(x), y)
-            (loss / len(micro)).backward()
+            with prof.phase("backward"):
+                (loss / len(micro)).backward()
             total += loss.detach()
-        self.reducer.finish()
-        if self.cfg.train.clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.clip_grad_norm, foreach=True)
-        self.optimizer.step()
+        with prof.phase("comm"):
+            self.reducer.finish()
+        with prof.phase("optimizer"):
+            if self.cfg.train.clip_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.clip_grad_norm, foreach=True)
+            self.optimizer.step()
         return total / len(micro)
 
     # -- state: every rank holds the same model and optimizer, so rank 0 writes them ----------
