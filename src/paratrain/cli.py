@@ -97,6 +97,17 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .report import NotARun, write_report
+
+    try:
+        path = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    except NotARun as exc:
+        return _error(f"report: {exc}", 2)
+    print(f"report: {path} (plots beside it)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain", description="Distributed training of PyTorch models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -112,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=0.01")
     r.set_defaults(func=cmd_run)
+
+    rep = sub.add_parser("report", help="plots and a markdown summary of a run directory")
+    rep.add_argument("run_dir", metavar="RUN_DIR")
+    rep.add_argument("--out", default=None, help="where to write (default: RUN_DIR/report)")
+    rep.set_defaults(func=cmd_report)
 
     from .bench import add_bench_parser
 
