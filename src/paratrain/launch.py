@@ -49,7 +49,9 @@ def launch(module: str, args: list[str], *, nproc: int, nnodes: int = 1, node_ra
         rdzv_backend="c10d", rdzv_endpoint=rdzv or f"127.0.0.1:{free_port()}",
         rdzv_configs={"is_host": node_rank == 0} if not local else {},
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
-        local_addr="127.0.0.1" if local else None,
+        # Where the other nodes reach this one. Node 0 hosts the rendezvous at --rdzv, so that
+        # address is reachable by construction; a hostname lookup may give one that is not.
+        local_addr="127.0.0.1" if local else (rdzv.rsplit(":", 1)[0] if node_rank == 0 else None),
     )
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, *args)
