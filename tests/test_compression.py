@@ -85,3 +85,20 @@ def test_bad_compression_options_exit_2(tmp_path, capsys, override, key):
     code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
+
+
+RESUME = EQUIV.replace("steps = 20", "steps = 8").replace("log_every = 10", "log_every = 4") + """
+compression = "powersgd"
+powersgd_rank = 1
+[checkpoint]
+every = 4
+"""
+
+
+def test_powersgd_resume_equals_uninterrupted(tmp_path):
+    """Error feedback and the warm-start Q are saved per rank: a resumed run continues exactly."""
+    cfg = write_config(tmp_path / "c.toml", RESUME)
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "straight")))
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", "train.steps=4", "--run-dir", str(tmp_path / "split")))
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--resume", "auto", "--run-dir", str(tmp_path / "split")))
+    assert max_rel_error(final_weights(tmp_path / "split"), final_weights(tmp_path / "straight")) <= 1e-6

@@ -168,6 +168,9 @@ def print_tables(r: dict) -> None:
             right = (f"{peer:<27}{t['step_ms']:>9.1f}{t['mb_sent']:>9.2f}{t['final_loss']:>8.4f}"
                      f"{e['step_ms'] / t['step_ms']:>11.2f}")
         print(left + right)
+    floor = r["engines"]["compute only"]
+    print(f"{'compute only (no comm.)':<26}{floor['step_ms']:>9.1f}{base / floor['step_ms']:>7.2f}"
+          f"{floor['mb_sent']:>9.2f}{'':>8}   (each rank's local gradients: the floor, not a valid training)")
     ov = r["profiler_overhead"]
     print(f"profiler: {ov['instrumentation_us_per_step']:.1f} us of instrumentation per step "
           f"({ov['instrumentation_pct']:.3f} % of a dp step), flush {ov['flush_ms']:.2f} ms per log point; "
@@ -279,6 +282,23 @@ def _ours(args, rt, compression: str):
                      "powersgd_rank": args.powersgd_rank, "topk_ratio": args.topk_ratio}})
     dp = DataParallel(build(args), cross_entropy, cfg, rt)
     return dp, (lambda x, y: dp.train_step((x, y)))
+
+
+def _compute_only(args):
+    """The same step with no communication at all: the floor every engine sits above."""
+    from ..optim import cross_entropy
+
+    model = build(args)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=False)
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
 
 
 def _ddp(args, hook: str | None):
@@ -410,7 +430,8 @@ def worker(argv=None) -> None:
         rounds, steps = 3, args.steps
     else:
         dp, dp_step = _ours(args, rt, "none")
-        engines = {"paratrain dp": Engine(dp_step), "torch DDP": Engine(_ddp(args, None))}
+        engines = {"paratrain dp": Engine(dp_step), "torch DDP": Engine(_ddp(args, None)),
+                   "compute only": Engine(_compute_only(args))}
         pct = f"{args.topk_ratio:.0%}" if args.topk_ratio >= 0.01 else f"{args.topk_ratio:g}"
         pairs = [("paratrain dp", "torch DDP")]
         for codec, hook, label in (("bf16", "bf16", "DDP bf16_compress_hook"), ("fp16", "fp16", "DDP fp16_compress_hook"),

@@ -159,10 +159,13 @@ class DataParallel(Strategy):
         return total / len(micro)
 
     # -- state: every rank holds the same model and optimizer, so rank 0 writes them ----------
+    # (and each rank its own compression memory: error feedback differs per rank)
     def state_dict(self):
+        codec = {f"compression.{k}": v for k, v in self.reducer.codec.state_dict().items()}
         if self.rt.rank != 0:
-            return {}, {}
+            return codec, {}
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        tensors.update(codec)
         opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self.param_names)
         tensors.update(opt_tensors)
         return tensors, {"optimizer": opt_meta}
@@ -172,6 +175,10 @@ class DataParallel(Strategy):
         model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         ckpt.load_model_state(self.model, model_state)
         ckpt.optimizer_from_tensors(self.optimizer, self.param_names, tensors, meta["optimizer"])
+        if reader.world_size == self.rt.world_size:  # at another world size the memory starts empty
+            own = tensors if self.rt.rank == 0 else reader.load(rank=self.rt.rank)[0]
+            self.reducer.codec.load_state_dict(
+                {k[len("compression."):]: v.to(self.rt.device) for k, v in own.items() if k.startswith("compression.")})
 
     def full_model_state(self):
         if self.rt.rank != 0:
