@@ -204,6 +204,8 @@ def plot(r: dict, path: Path) -> None:
     for x, p in zip(xs, peers):
         if not p:
             ax.text(x + 0.2, 0, "n/a", ha="center", va="bottom", fontsize=8)
+    floor = r["engines"]["compute only"]["step_ms"]
+    ax.axhline(floor, color="black", ls="--", lw=1, label="compute only (no communication)")
     ax.set_xticks(list(xs), labels)
     ax.set_ylabel("median step time (ms)")
     ax.set_title(f"(a, b) step time, {r['world_size']} processes, {r['setting'].split(' (')[0]}")

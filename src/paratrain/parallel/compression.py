@@ -1,6 +1,8 @@
 """Gradient compression: how one bucket of gradients is averaged across a group.
 
-The seam (like a DDP comm hook): a strategy hands a bucket's flat gradient buffer to
+The seam (like a DDP comm hook): before the backward, a strategy clears each bucket's flat gradient
+buffer with `codec.reset(key, flat, shapes)` (not zero_(): codecs with error feedback put last step's
+error there, so backward accumulates grad + error at no extra pass over memory). It then hands it to
 `codec.launch(key, flat, shapes, group, profiler)` the moment the bucket is ready, keeps the
 returned handle, and later calls `handle.wait()`, after which `flat` holds the average over the
 group (exactly, or approximately for lossy codecs). `key` names the bucket across steps, so codecs
@@ -22,7 +24,8 @@ with the codec's name, so a checkpoint of another codec is ignored): a resumed r
 the same error feedback and warm start as an uninterrupted one.
 
 PowerSGD of one bucket, phase by phase (arrows are all-reduces; only P's overlaps backward):
-    launch (in backward)   M += error;  P = M Q;  ----P---->  ----dense---->
+    reset  (before)        M = error  (backward then adds the gradient)
+    launch (in backward)   P = M Q;  ----P---->  ----dense---->
     wait   (after)         P = orthonormal(P);  Q = M^T P;  ----Q---->  Q /= N
                            error = M - P Q^T;  grad = P Q^T
 """
@@ -56,6 +59,9 @@ class _Work:
 
 
 class Stateless:
+    def reset(self, key, flat: torch.Tensor, shapes) -> None:
+        flat.zero_()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -76,7 +82,8 @@ class Uncompressed(Stateless):
 
 
 class Cast(Stateless):
-    """Send 16-bit floats: half the bytes, rounding error only (divide first: fp16 overflows at 65504)."""
+    """Send 16-bit floats: half the bytes, rounding error only (divided after the cast, on half the
+    memory, as torch's hooks do; fp16 saturates only for gradients above 65504)."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -86,8 +93,7 @@ class Cast(Stateless):
         if world == 1:
             return Done()
         with profiler.phase("compress"):
-            flat.div_(world)
-            small = flat.to(self.dtype)
+            small = flat.to(self.dtype).div_(world)
         profiler.comm("all_reduce", small, group)
         work = dist.all_reduce(small, group=group, async_op=True)
 
@@ -113,6 +119,13 @@ class TopK:
         self.ratio = ratio
         self.error: dict = {}
         self.gen = torch.Generator().manual_seed(seed)
+
+    def reset(self, key, flat: torch.Tensor, shapes) -> None:
+        error = self.error.get(key)
+        if error is None:
+            flat.zero_()
+        else:
+            flat.copy_(error)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"topk.{key}.error": error for key, error in self.error.items()}
@@ -145,7 +158,6 @@ class TopK:
             error = self.error.get(key)
             if error is None:
                 error = self.error[key] = torch.zeros_like(flat)
-            flat.add_(error)
             idx = self.select(flat.abs(), k)
             values = torch.zeros(k, dtype=flat.dtype, device=flat.device)
             indices = torch.zeros(k, dtype=torch.int32, device=flat.device)
@@ -216,6 +228,16 @@ class PowerSGD:
         self.state: dict = {}
         self.restored: dict[str, torch.Tensor] = {}  # loaded before the buckets' first launch
 
+    def reset(self, key, flat: torch.Tensor, shapes) -> None:
+        if key not in self.state and not self.restored:
+            flat.zero_()  # the first step: no error yet
+            return
+        st = self._bucket(key, flat, shapes)
+        for M, error in zip(st.views(flat), st.error):
+            M.copy_(error)
+        for o, numel in st.dense:
+            flat[o:o + numel].zero_()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
         for key, st in self.state.items():
@@ -226,6 +248,13 @@ class PowerSGD:
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         self.restored = {k: v for k, v in tensors.items() if k.startswith("powersgd.")}
         self.state = {}
+
+    def _bucket(self, key: int, flat: torch.Tensor, shapes) -> _PowerBucket:
+        st = self.state.get(key)
+        if st is None:
+            st = self.state[key] = _PowerBucket(flat, shapes, self.rank, self.seed + key)
+            self._restore(key, st)
+        return st
 
     def _restore(self, key: int, st: _PowerBucket) -> None:
         if f"powersgd.{key}.q" in self.restored:
@@ -238,15 +267,12 @@ class PowerSGD:
         if world == 1:
             return Done()
         with profiler.phase("compress"):
-            st = self.state.get(key)
-            if st is None:
-                st = self.state[key] = _PowerBucket(flat, shapes, self.rank, self.seed + key)
-                self._restore(key, st)
-            elif not self.warm_start:
+            fresh = key not in self.state
+            st = self._bucket(key, flat, shapes)
+            if not (fresh or self.warm_start):
                 st.fill_random_q()
             ms = st.views(flat)
-            for M, error, Pt, Qt in zip(ms, st.error, st.ps, st.qs):
-                M.add_(error)
+            for M, Pt, Qt in zip(ms, st.ps, st.qs):  # M = grad + error (reset() put the error there)
                 torch.mm(Qt, M.t(), out=Pt)  # P = M Q
             if st.dense:
                 torch.cat([flat[o:o + numel] for o, numel in st.dense], out=st.dense_flat)
@@ -270,7 +296,7 @@ class PowerSGD:
                 st.q_flat.div_(world)
                 for M, error, Pt, Qt in zip(ms, st.error, st.ps, st.qs):
                     torch.addmm(M, Pt.t(), Qt, alpha=-1, out=error)  # error = M - P Q^T
-                    torch.mm(Pt.t(), Qt, out=M)  # grad = P Q^T
+                    M.sub_(error)  # grad = P Q^T (a subtraction is ~2x cheaper than the rank-r product)
                 if st.dense:
                     st.dense_flat.div_(world)
                     o2 = 0

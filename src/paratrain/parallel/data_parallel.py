@@ -78,7 +78,7 @@ class GradientReducer:
 
     def zero_grad(self) -> None:
         for b in self.buckets:
-            b.buffer.zero_()
+            self.codec.reset(b.index, b.buffer, b.shapes)
 
     def prepare(self, sync: bool) -> None:
         """Before a backward: `sync` says whether this backward should communicate."""
