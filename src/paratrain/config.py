@@ -83,6 +83,7 @@ class TrainConfig:
     eval_every: int = opt(0, check=_non_negative, doc="0 = only after the last step")
     device: str = opt("auto", choices=("auto", "cpu", "cuda"))
     torch_profiler: bool = opt(False, doc="also record torch.profiler traces of a few steps")
+    max_bad_steps: int = opt(5, check=_non_negative, doc="consecutive non-finite steps skipped before the run stops")
 
 
 @dataclass

@@ -56,7 +56,10 @@ def launch(module: str, args: list[str], *, nproc: int, nnodes: int = 1, node_ra
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, *args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        # The agent stops the other workers once one fails: blame a worker that failed by itself
+        # (an exit code > 0, with an error report), the earliest one, not one it terminated.
+        own = [(f.timestamp, r, f) for r, f in exc.failures.items() if f.exitcode > 0]
+        _, rank, failure = min(own, key=lambda t: (t[0], t[1])) if own else (0, *exc.get_first_failure())
         cause = failure.message
         if isinstance(cause, dict):
             cause = cause.get("message", "<unknown>")

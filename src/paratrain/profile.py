@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 PHASES = ("data", "forward", "backward", "compress", "comm", "optimizer", "idle")
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send", "recv")
 TRACE_STEPS = 1000  # trace.json covers this many steps; profile.jsonl covers every step
@@ -132,7 +134,7 @@ class Profiler:
         self._io = _open_proc_io() if device.type == "cpu" else None
         self._torch_prof = None
         if world_size > 1:
-            dist.barrier()  # a common time origin for all ranks' traces
+            collectives.barrier("profiler start")  # a common time origin for all ranks' traces
         self.t0 = time.perf_counter()
         if rank == 0:
             self._profile_file = _open_profile(self.run_dir / "profile.jsonl", start_step)
@@ -221,13 +223,13 @@ class Profiler:
             return [rows]
         count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=self.device)
         counts = [torch.zeros_like(count) for _ in range(self.world)]
-        dist.all_gather(counts, count)
+        collectives.all_gather(counts, count, "profile record counts")
         counts = [int(c.item()) for c in counts]
         width = rows.shape[1]
         padded = torch.zeros(max(counts), width, dtype=torch.float64, device=self.device)
         padded[:rows.shape[0]] = rows.to(self.device)
         out = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.all_gather(out, padded)
+        collectives.all_gather(out, padded, "profile records")
         return [t[:c].cpu() for t, c in zip(out, counts)]
 
     def _write_profile(self, all_rows: list[torch.Tensor]) -> None:

@@ -36,6 +36,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from .. import collectives
 from ..config import ParallelConfig
 
 
@@ -78,7 +79,7 @@ class Uncompressed(Stateless):
             return Done()
         flat.div_(world)
         profiler.comm("all_reduce", flat, group)
-        return _Work([dist.all_reduce(flat, group=group, async_op=True)], profiler)
+        return _Work([collectives.all_reduce(flat, f"grad-bucket-{key}", group=group, async_op=True)], profiler)
 
 
 class Cast(Stateless):
@@ -95,7 +96,7 @@ class Cast(Stateless):
         with profiler.phase("compress"):
             small = flat.to(self.dtype).div_(world)
         profiler.comm("all_reduce", small, group)
-        work = dist.all_reduce(small, group=group, async_op=True)
+        work = collectives.all_reduce(small, f"grad-bucket-{key}-{self.dtype}", group=group, async_op=True)
 
         def unpack():
             with profiler.phase("compress"):
@@ -169,8 +170,8 @@ class TopK:
         all_indices = torch.empty(world * k, dtype=torch.int32, device=flat.device)
         profiler.comm("all_gather", all_values, group)
         profiler.comm("all_gather", all_indices, group)
-        works = [dist.all_gather_into_tensor(all_values, values, group=group, async_op=True),
-                 dist.all_gather_into_tensor(all_indices, indices, group=group, async_op=True)]
+        works = [collectives.all_gather_into_tensor(all_values, values, f"topk-values-{key}", group, async_op=True),
+                 collectives.all_gather_into_tensor(all_indices, indices, f"topk-indices-{key}", group, async_op=True)]
 
         def unpack():
             with profiler.phase("compress"):
@@ -277,10 +278,10 @@ class PowerSGD:
             if st.dense:
                 torch.cat([flat[o:o + numel] for o, numel in st.dense], out=st.dense_flat)
         works = []
-        for buf in (st.p_flat, st.dense_flat):
+        for what, buf in (("P", st.p_flat), ("dense", st.dense_flat)):
             if buf.numel():
                 profiler.comm("all_reduce", buf, group)
-                works.append(dist.all_reduce(buf, group=group, async_op=True))
+                works.append(collectives.all_reduce(buf, f"powersgd-{what}-{key}", group=group, async_op=True))
 
         def finish():
             with profiler.phase("compress"):
@@ -289,7 +290,7 @@ class PowerSGD:
                     torch.mm(Pt, M, out=Qt)  # Q = M^T P
             if st.q_flat.numel():
                 profiler.comm("all_reduce", st.q_flat, group)
-                work = dist.all_reduce(st.q_flat, group=group, async_op=True)
+                work = collectives.all_reduce(st.q_flat, f"powersgd-Q-{key}", group=group, async_op=True)
                 with profiler.phase("comm"):
                     work.wait()
             with profiler.phase("compress"):

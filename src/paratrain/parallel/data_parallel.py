@@ -13,7 +13,8 @@ How the all-reduce hides behind backward:
   * what a bucket's communication is belongs to the codec (parallel/compression.py): a plain
     all-reduce, or a compressed one (parallel.compression).
 
-Profiled phases: forward, backward, comm (blocked in finish()), compress (codec arithmetic), optimizer.
+Profiled phases: forward, backward, comm (blocked waiting in finish()), compress (codec arithmetic),
+optimizer (the finite check, clipping and the step).
 """
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import checkpoint as ckpt
 from ..optim import build_optimizer
 from ..profile import NULL_PROFILER
-from .base import Strategy, broadcast_tensors, unique_parameters
+from .base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from .compression import Uncompressed, build_codec
-from .. import checkpoint as ckpt
 
 
 class Bucket:
@@ -105,14 +106,24 @@ class GradientReducer:
                 b.work = self.codec.launch(b.index, b.buffer, b.shapes, self.group, self.profiler)
             self.next_to_launch += 1
 
-    def finish(self) -> None:
-        """After the syncing backward: launch what is left (unused parameters) and wait for all."""
+    def finish(self) -> torch.Tensor:
+        """After the syncing backward: launch what is left (unused parameters), wait for all, and
+        return the global gradient norm. Each bucket's norm is taken while later buckets are still
+        on the wire; every rank holds the same averaged gradients, so every rank gets the same norm
+        and takes the same decisions from it (clip, skip a non-finite step) without talking."""
         self._launch(until=len(self.buckets), only_ready=False)
+        norms = []
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
+            norms.append(torch.linalg.vector_norm(b.buffer))
         self.sync = False
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        for b in self.buckets:
+            b.buffer.mul_(factor)
 
 
 class DataParallel(Strategy):
@@ -150,11 +161,14 @@ class DataParallel(Strategy):
             with prof.phase("backward"):
                 (loss / len(micro)).backward()
             total += loss.detach()
-        with prof.phase("comm"):
-            self.reducer.finish()
+        # finish(): waits count as "comm" and codec arithmetic as "compress" (inside the codec)
+        norm = self.reducer.finish()
         with prof.phase("optimizer"):
+            self.skipped_step = not bool(torch.isfinite(norm))
+            if self.skipped_step:
+                return total / len(micro)
             if self.cfg.train.clip_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.clip_grad_norm, foreach=True)
+                self.reducer.scale_(clip_factor(norm, self.cfg.train.clip_grad_norm))
             self.optimizer.step()
         return total / len(micro)
 
