@@ -112,6 +112,17 @@ def cmd_inspect(args) -> int:
     return inspect(args.checkpoint, show_tensors=args.tensors)
 
 
+def cmd_report(args) -> int:
+    from .report import NotARun, write_report
+
+    try:
+        path = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    except NotARun as exc:
+        return _error(f"report: {exc}", 2)
+    print(f"report: {path} (plots beside it)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain", description="Distributed training of PyTorch models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -133,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("checkpoint", help="a checkpoint directory, e.g. RUN_DIR/checkpoints/step-100")
     i.add_argument("--tensors", action="store_true", help="also list every tensor with dtype, shape and bytes")
     i.set_defaults(func=cmd_inspect)
+    rep = sub.add_parser("report", help="plots and a markdown summary of a run directory")
+    rep.add_argument("run_dir", metavar="RUN_DIR")
+    rep.add_argument("--out", default=None, help="where to write (default: RUN_DIR/report)")
+    rep.set_defaults(func=cmd_report)
 
     from .bench import add_bench_parser
 

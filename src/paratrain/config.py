@@ -39,6 +39,14 @@ def _non_negative(v):
     return None if v >= 0 else "must be >= 0"
 
 
+def _ratio(v):
+    return None if 0 < v <= 1 else "must be in (0, 1]"
+
+
+def _at_least_one(v):
+    return None if v >= 1 else "must be >= 1"
+
+
 def _factory_name(v):
     return None if v else "must not be empty"
 
@@ -74,6 +82,7 @@ class TrainConfig:
     log_every: int = opt(10, check=_positive)
     eval_every: int = opt(0, check=_non_negative, doc="0 = only after the last step")
     device: str = opt("auto", choices=("auto", "cpu", "cuda"))
+    torch_profiler: bool = opt(False, doc="also record torch.profiler traces of a few steps")
     max_bad_steps: int = opt(5, check=_non_negative, doc="consecutive non-finite steps skipped before the run stops")
 
 
@@ -86,6 +95,9 @@ class ParallelConfig:
     schedule: str = opt("1f1b", choices=("gpipe", "1f1b", "interleaved"))
     bucket_mb: float = opt(25.0, check=_positive)
     compression: str = opt("none", choices=("none", "bf16", "fp16", "topk", "powersgd"))
+    topk_ratio: float = opt(0.01, check=_ratio, doc="topk: share of each bucket's entries sent")
+    powersgd_rank: int = opt(4, check=_at_least_one, doc="powersgd: rank of the low-rank factors")
+    powersgd_warm_start: bool = opt(True, doc="powersgd: start each step from the last step's Q")
     timeout_s: float = opt(300.0, check=_positive, doc="collective timeout")
 
 
@@ -109,6 +121,11 @@ class PSConfig:
 
 
 @dataclass
+class LogConfig:
+    tensorboard: bool = opt(False, doc="also write TensorBoard event files to RUN_DIR/tensorboard")
+
+
+@dataclass
 class Config:
     name: str = "paratrain"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -117,6 +134,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
         """The TOML-shaped dict (factory kwargs flattened back into their sections)."""

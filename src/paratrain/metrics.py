@@ -1,4 +1,5 @@
-"""What a run reports: metrics.jsonl, one grep-able line per logged step, and a progress bar on a TTY."""
+"""What a run reports: metrics.jsonl, one grep-able line per logged step, a progress bar on a TTY,
+and TensorBoard scalars (RUN_DIR/tensorboard) when log.tensorboard is on."""
 from __future__ import annotations
 
 import json
@@ -9,9 +10,14 @@ from pathlib import Path
 class MetricsLog:
     """Rank 0 only. Appends to RUN_DIR/metrics.jsonl (a resumed run continues the same file)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool):
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool, tensorboard: bool = False):
         self.enabled = enabled
         self.file = open(Path(run_dir) / "metrics.jsonl", "a") if enabled else None
+        self.tensorboard = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
         self.bar = None
         if enabled and sys.stdout.isatty():
             from tqdm import tqdm
@@ -37,6 +43,11 @@ class MetricsLog:
             return
         self.file.write(json.dumps(entry) + "\n")
         self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in entry.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, entry["step"])
+            self.tensorboard.flush()
         parts = [f"step {entry['step']:>6}"]
         if "loss" in entry:
             parts += [f"loss {entry['loss']:.6f}", f"lr {entry['lr']:.3e}", f"samples/s {entry['samples_per_s']:.1f}"]
@@ -51,4 +62,6 @@ class MetricsLog:
             self.bar.close()
         if self.file is not None:
             self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 

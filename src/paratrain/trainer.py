@@ -28,6 +28,7 @@ from .models import BUILTIN as BUILTIN_MODELS
 from .models import build_model
 from .optim import build_loss, lr_factor
 from .parallel import build_strategy, strategy_class
+from .profile import Profiler
 
 
 class Trainer:
@@ -118,7 +119,10 @@ class Trainer:
     def fit(self) -> dict:
         cfg, rt = self.cfg, self.rt
         total = cfg.train.steps
-        log = MetricsLog(self.run_dir, total, self.step, enabled=rt.is_main)
+        log = MetricsLog(self.run_dir, total, self.step, enabled=rt.is_main, tensorboard=cfg.log.tensorboard)
+        prof = Profiler(self.run_dir, rt.rank, rt.world_size, rt.device, start_step=self.step,
+                        torch_profiler=cfg.train.torch_profiler)
+        self.strategy.profiler = prof
         t_start = time.perf_counter()
         t_last, steps_since, bad_in_a_row, skipped = t_start, 0, 0, 0
         loss_sum = torch.zeros(2, dtype=torch.float64)  # summed loss of reporting ranks, their count
@@ -126,14 +130,16 @@ class Trainer:
         try:
             while self.step < total:
                 collectives.LOG.step = self.step
-                lr = cfg.train.lr * self.lr_at(self.step)
-                self.strategy.set_lr(lr)
-                batch = None
-                if self.strategy.reads_data:
-                    idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
-                    x, y = load_batch(self.train_set, idx)
-                    batch = (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
-                loss = self.strategy.train_step(batch)
+                with prof.step(self.step + 1):
+                    with prof.phase("data"):
+                        lr = cfg.train.lr * self.lr_at(self.step)
+                        self.strategy.set_lr(lr)
+                        batch = None
+                        if self.strategy.reads_data:
+                            idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
+                            x, y = load_batch(self.train_set, idx)
+                            batch = (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+                    loss = self.strategy.train_step(batch)
                 self.step += 1
                 steps_since += 1
                 if self.strategy.skipped_step:  # the same decision on every rank
@@ -160,6 +166,10 @@ class Trainer:
                     entry = {"step": self.step, "loss": total_loss / reports if reports else float("nan"),
                              "lr": lr, "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),
                              "time": now - t_start, "wall": time.time(), **self.strategy.step_metrics()}
+                    # A strategy that reduces its own loss (async ps) has ranks that do not meet at
+                    # every logged step: its profile travels once, at the end, where they all meet.
+                    if reduced is None or done:
+                        entry.update(prof.flush(self.strategy.trainer_group))
                     if skipped:
                         entry["skipped_steps"] = skipped
                     if evaluate:
@@ -172,6 +182,7 @@ class Trainer:
                     self.save_checkpoint()
         finally:
             log.close()
+            prof.close()
         elapsed = time.perf_counter() - t_start
         self.export()
         return {**last, "elapsed": elapsed}

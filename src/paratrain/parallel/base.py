@@ -22,6 +22,17 @@ Hooks with defaults that fit strategies whose ranks run in lockstep (override wh
     step_metrics()    extra entries for metrics.jsonl, called on every rank at each logged step
                       (rank 0's dict is logged; default: none).
 Collectives go through `paratrain.collectives` so that a hang names the rank, operation and step.
+
+and sets one: `profiler` (paratrain/profile.py), which a strategy reports to from train_step; the
+default does nothing, so a strategy calls it unconditionally:
+    with self.profiler.phase("forward"): ...     # phases: forward | backward | compress | comm |
+                                                 # optimizer | idle (pipeline bubbles); "comm" is
+                                                 # time BLOCKED on collectives (wait(), blocking ops)
+    self.profiler.comm("all_reduce", buffer, group)   # each collective's payload, for byte accounting
+                                                 # (all_reduce | reduce_scatter | all_gather |
+                                                 #  broadcast | all_to_all | send | recv)
+Phases nest (an inner phase's time is taken out of the outer one); `phase(name, index=i)` labels a
+span (e.g. micro-batch i) on the trace's timeline.
 """
 from __future__ import annotations
 
@@ -34,11 +45,13 @@ from torch import nn
 from .. import collectives
 from ..config import Config
 from ..optim import accuracy_counts, set_lr
+from ..profile import NULL_PROFILER
 from ..runtime import Runtime
 
 
 class Strategy:
     name = "base"
+    profiler = NULL_PROFILER
 
     def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):
         self.model = model

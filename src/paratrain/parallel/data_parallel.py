@@ -9,7 +9,12 @@ How the all-reduce hides behind backward:
     order), so a bucket with a parameter that got no gradient this step simply waits until
     backward ends and goes then, its unused slice still zero: no hang, no corruption;
   * with gradient accumulation the hooks stay quiet until the last micro-batch: gradients add up
-    locally and only the final backward communicates.
+    locally and only the final backward communicates;
+  * what a bucket's communication is belongs to the codec (parallel/compression.py): a plain
+    all-reduce, or a compressed one (parallel.compression).
+
+Profiled phases: forward, backward, comm (blocked waiting in finish()), compress (codec arithmetic),
+optimizer (the finite check, clipping and the step).
 """
 from __future__ import annotations
 
@@ -18,9 +23,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint as ckpt
-from .. import collectives
 from ..optim import build_optimizer
+from ..profile import NULL_PROFILER
 from .base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from .compression import Uncompressed, build_codec
 
 
 class Bucket:
@@ -33,6 +39,7 @@ class Bucket:
     def __init__(self, index: int, params: list[nn.Parameter], device: torch.device, pad_to: int = 1):
         self.index = index
         self.params = params
+        self.shapes = [p.shape for p in params]
         self.device = device
         self.dtype = params[0].dtype
         used = sum(p.numel() for p in params)
@@ -71,8 +78,10 @@ class GradientReducer:
     """Bucketed, backward-overlapped gradient averaging over a process group."""
 
     def __init__(self, params: list[nn.Parameter], bucket_mb: float, device: torch.device, group=None,
-                 pad_to: int = 1):
+                 codec=None, pad_to: int = 1):
         self.group = group
+        self.codec = codec or Uncompressed()
+        self.profiler = NULL_PROFILER
         self.world = dist.get_world_size(group)
         self.buckets = make_buckets(params, int(bucket_mb * 2**20), device, pad_to)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -86,7 +95,7 @@ class GradientReducer:
 
     def zero_grad(self) -> None:
         for b in self.buckets:
-            b.buffer.zero_()
+            self.codec.reset(b.index, b.buffer, b.shapes)
 
     def prepare(self, sync: bool) -> None:
         """Before a backward: `sync` says whether this backward should communicate."""
@@ -110,13 +119,12 @@ class GradientReducer:
             if only_ready and b.pending:
                 return
             if self.world > 1:
-                b.buffer.div_(self.world)
                 b.work = self._communicate(b)
             self.next_to_launch += 1
 
     def _communicate(self, b: Bucket):
-        """Start the reduction of one bucket (already divided by the world size); returns its work."""
-        return collectives.all_reduce(b.buffer, f"grad-bucket-{b.index}", group=self.group, async_op=True)
+        """Start the averaging of one bucket (through the compression codec); returns its work."""
+        return self.codec.launch(b.index, b.buffer, b.shapes, self.group, self.profiler)
 
     def finish(self) -> torch.Tensor:
         """After the syncing backward: launch what is left (unused parameters), wait for all, and
@@ -149,33 +157,50 @@ class DataParallel(Strategy):
         named = unique_parameters(model)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.reducer = GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group)
+        codec = build_codec(cfg.parallel, seed=cfg.train.seed)
+        self.reducer = GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group, codec)
         self.optimizer = build_optimizer(self.params, cfg.train)
 
+    @property
+    def profiler(self):
+        return self.reducer.profiler
+
+    @profiler.setter
+    def profiler(self, profiler) -> None:  # the reducer reports its collectives too
+        self.reducer.profiler = profiler
+
     def train_step(self, batch) -> torch.Tensor:
+        prof = self.profiler
         self.reducer.zero_grad()
         micro = self.micro_batches(batch)
         total = torch.zeros((), device=self.rt.device)
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
             self.reducer.prepare(sync=last)
-            with self.autocast():
+            with prof.phase("forward"), self.autocast():
                 loss = self.loss_fn(self.model(x), y)
-            (loss / len(micro)).backward()
+            with prof.phase("backward"):
+                (loss / len(micro)).backward()
             total += loss.detach()
+        # finish(): waits count as "comm" and codec arithmetic as "compress" (inside the codec)
         norm = self.reducer.finish()
-        self.skipped_step = not bool(torch.isfinite(norm))
-        if not self.skipped_step:
+        with prof.phase("optimizer"):
+            self.skipped_step = not bool(torch.isfinite(norm))
+            if self.skipped_step:
+                return total / len(micro)
             if self.cfg.train.clip_grad_norm > 0:
                 self.reducer.scale_(clip_factor(norm, self.cfg.train.clip_grad_norm))
             self.optimizer.step()
         return total / len(micro)
 
     # -- state: every rank holds the same model and optimizer, so rank 0 writes them ----------
+    # (and each rank its own compression memory: error feedback differs per rank)
     def state_dict(self):
+        codec = {f"compression.{k}": v for k, v in self.reducer.codec.state_dict().items()}
         if self.rt.rank != 0:
-            return {}, {}
+            return codec, {}
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        tensors.update(codec)
         opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self.param_names)
         tensors.update(opt_tensors)
         return tensors, {"optimizer": opt_meta}
@@ -185,6 +210,10 @@ class DataParallel(Strategy):
         model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         ckpt.load_model_state(self.model, model_state)
         ckpt.optimizer_from_tensors(self.optimizer, self.param_names, tensors, meta["optimizer"])
+        if reader.world_size == self.rt.world_size:  # at another world size the memory starts empty
+            own = tensors if self.rt.rank == 0 else reader.load(rank=self.rt.rank)[0]
+            self.reducer.codec.load_state_dict(
+                {k[len("compression."):]: v.to(self.rt.device) for k, v in own.items() if k.startswith("compression.")})
 
     def full_model_state(self):
         if self.rt.rank != 0:

@@ -122,6 +122,7 @@ class ShardReducer(GradientReducer):
         return b.buffer[self.rank * size:(self.rank + 1) * size]
 
     def _communicate(self, b: Bucket):
+        b.buffer.div_(self.world)
         return reduce_scatter(self.own_slice(b), b.buffer, f"zero-grad-bucket-{b.index}", self.group)
 
 

@@ -1,0 +1,310 @@
+"""Where each step's time and bytes go, on every rank: a cheap, always-on timeline.
+
+What a strategy calls (through `self.profiler`; the trainer sets it, the Strategy base has a no-op):
+
+    with self.profiler.phase("forward"):       # time spent in a phase; a phase nested in another
+        ...                                     # is subtracted from the outer one (exclusive times)
+    self.profiler.comm("all_reduce", buffer, group)   # bytes handed to a collective (tensor or int)
+
+Phases of one step (anything else in the step counts as "other"):
+
+    data       waiting for the batch (sampling, loading, host -> device)
+    forward    forward pass and loss
+    backward   backward compute (launching async collectives from hooks included)
+    compress   gradient compression arithmetic (parallel/compression.py)
+    comm       exposed communication: time blocked waiting on collectives (work.wait(), or a
+               blocking collective); communication hidden behind compute costs nothing here
+    optimizer  gradient clipping and the optimizer step
+    idle       pipeline bubbles: a stage waiting for its neighbour's activations or gradients
+
+Bytes: each comm() call adds its payload to the op's count and the op's theoretical minimum of
+bytes this rank must send for it (ring all-reduce 2(N-1)/N of the buffer, reduce-scatter and
+all-gather (N-1)/N of the full buffer, send all of it). On Linux the bytes the process really wrote
+to sockets during the step (`wchar` of /proc/self/io: gloo's TCP writes) are measured beside them.
+
+Cost: two perf_counter() calls and a list append per phase, one pread per step; the records stay
+on the rank until the trainer's next log point, where one all_gather of a float64 tensor per kind
+(step records, trace spans) brings them to rank 0, which appends RUN_DIR/profile.jsonl (one line
+per step: every rank's breakdown and bytes) and RUN_DIR/trace.json (Chrome/Perfetto trace event
+format, one pid per rank, the first TRACE_STEPS steps of the run). Rank clocks are aligned by a
+barrier when the profiler starts. On CUDA a phase ends with a sync of the current stream, so the
+times are the device's, not the launch queue's (communication streams keep overlapping).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+
+PHASES = ("data", "forward", "backward", "compress", "comm", "optimizer", "idle")
+COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send", "recv")
+TRACE_STEPS = 1000  # trace.json covers this many steps; profile.jsonl covers every step
+
+
+def min_bytes_sent(op: str, nbytes: int, n: int) -> float:
+    """The fewest bytes one of n ranks must send for `op` on an nbytes buffer (bandwidth-optimal ring)."""
+    if n <= 1 or op == "recv":
+        return 0.0
+    if op == "send":
+        return float(nbytes)
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n * nbytes
+    return (n - 1) / n * nbytes  # reduce_scatter, all_gather: nbytes is the full (unsharded) buffer
+
+
+class NullProfiler:
+    """The default: every call does nothing (strategies call the profiler unconditionally)."""
+
+    _null = contextlib.nullcontext()
+
+    def phase(self, name: str, index: int | None = None):
+        return self._null
+
+    def comm(self, op: str, data, group=None) -> None:
+        pass
+
+
+NULL_PROFILER = NullProfiler()
+
+
+class _Phase:
+    """Context manager for one phase; keeps a stack so nested phases are subtracted from their parent."""
+
+    __slots__ = ("prof", "code", "index", "start", "child")
+
+    def __init__(self, prof: "Profiler", code: int, index: int | None):
+        self.prof, self.code, self.index = prof, code, index
+
+    def __enter__(self):
+        self.child = 0.0
+        self.prof._stack.append(self)
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        prof = self.prof
+        if prof._sync is not None:
+            prof._sync()
+        end = time.perf_counter()
+        prof._stack.pop()
+        elapsed = end - self.start
+        prof._phase_s[self.code] += elapsed - self.child
+        if prof._stack:
+            prof._stack[-1].child += elapsed
+        if prof._tracing:
+            prof._spans.append((prof._step, self.code, self.start - prof.t0, end - prof.t0,
+                                -1 if self.index is None else self.index))
+        return False
+
+
+# layout of one step record (a float64 row): step, start, seconds, phases..., sent, payload/op, min/op
+_P, _O = len(PHASES), len(COMM_OPS)
+_PHASE0, _SENT = 3, 3 + _P
+_PAYLOAD0 = _SENT + 1
+_MIN0 = _PAYLOAD0 + _O
+_WIDTH = _MIN0 + _O
+
+
+class Profiler:
+    """One rank's profiler. Collective methods (start, flush, close) are called by every rank."""
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int, device: torch.device,
+                 start_step: int = 0, torch_profiler: bool = False):
+        self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
+        self.device = device
+        self._codes = {name: i for i, name in enumerate(PHASES)}
+        self._ops = {name: i for i, name in enumerate(COMM_OPS)}
+        self._sync = torch.cuda.current_stream().synchronize if device.type == "cuda" else None
+        self._stack: list[_Phase] = []
+        self._rows: list[list[float]] = []
+        self._spans: list[tuple] = []
+        self._step = start_step
+        self._first_step = start_step
+        self._phase_s = [0.0] * _P
+        self._payload = [0.0] * _O
+        self._min = [0.0] * _O
+        self._tracing = False
+        self._io = _open_proc_io() if device.type == "cpu" else None
+        self._torch_prof = None
+        if world_size > 1:
+            collectives.barrier("profiler start")  # a common time origin for all ranks' traces
+        self.t0 = time.perf_counter()
+        if rank == 0:
+            self._profile_file = _open_profile(self.run_dir / "profile.jsonl", start_step)
+            self._trace_file = open(self.run_dir / "trace.json", "w")
+            self._trace_file.write("[\n")
+            self._trace_first = True
+            self._trace_events([{"name": "process_name", "ph": "M", "pid": r, "tid": 0,
+                                 "args": {"name": f"rank {r}"}} for r in range(world_size)]
+                               + [{"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0,
+                                   "args": {"sort_index": r}} for r in range(world_size)])
+        if torch_profiler:
+            self._torch_prof = _start_torch_profiler(self.run_dir / "torch_profiler", rank)
+
+    # -- what strategies call ---------------------------------------------------------------------
+    def phase(self, name: str, index: int | None = None) -> _Phase:
+        """Time a phase of the current step; `index` (e.g. a micro-batch) labels it in the trace."""
+        return _Phase(self, self._codes[name], index)
+
+    def comm(self, op: str, data, group=None) -> None:
+        """Count a collective: `data` is the tensor handed to it (or its size in bytes)."""
+        nbytes = data if isinstance(data, int) else data.numel() * data.element_size()
+        i = self._ops[op]
+        self._payload[i] += nbytes
+        self._min[i] += min_bytes_sent(op, nbytes, dist.get_world_size(group) if self.world > 1 else 1)
+
+    # -- what the trainer calls -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """One training step; `step` is its number as metrics.jsonl counts it (1 = the first)."""
+        self._step = step
+        self._tracing = step - self._first_step <= TRACE_STEPS
+        self._phase_s = [0.0] * _P
+        self._payload = [0.0] * _O
+        self._min = [0.0] * _O
+        io_before = _read_wchar(self._io)
+        start = time.perf_counter()
+        yield self
+        if self._sync is not None:
+            self._sync()
+        end = time.perf_counter()
+        sent = _read_wchar(self._io) - io_before if self._io is not None else -1.0
+        self._rows.append([step, start - self.t0, end - start, *self._phase_s, sent, *self._payload, *self._min])
+        if self._tracing:
+            self._spans.append((step, -1, start - self.t0, end - self.t0, -1))
+        if self._torch_prof is not None:
+            self._torch_prof.step()
+
+    def flush(self, group=None) -> dict:
+        """Collective over `group` (default: every rank; a parameter server passes its live ranks):
+        bring the ranks' records since the last flush to rank 0 and write them.
+
+        Returns (on rank 0) the means over ranks and steps for metrics.jsonl: step_s, comm_s,
+        bytes_sent (measured; absent where it cannot be), bytes_min."""
+        rows = torch.tensor(self._rows, dtype=torch.float64).reshape(-1, _WIDTH)
+        spans = torch.tensor(self._spans, dtype=torch.float64).reshape(-1, 5)
+        self._rows, self._spans = [], []
+        all_rows = self._gather(rows, group)
+        all_spans = self._gather(spans, group)
+        if self.rank != 0 or not min(len(r) for r in all_rows):
+            return {}
+        ranks = list(range(len(all_rows))) if group is None else [dist.get_global_rank(group, i) for i in range(len(all_rows))]
+        self._write_profile(dict(zip(ranks, all_rows)))
+        self._write_trace(dict(zip(ranks, all_spans)))
+        stacked = torch.stack([r[:min(len(x) for x in all_rows)] for r in all_rows])  # ranks x steps x fields
+        summary = {"step_s": stacked[:, :, 2].mean().item(),
+                   "comm_s": stacked[:, :, _PHASE0 + self._codes["comm"]].mean().item(),
+                   "bytes_min": stacked[:, :, _MIN0:_WIDTH].sum(-1).mean().item()}
+        if (stacked[:, :, _SENT] >= 0).all():
+            summary["bytes_sent"] = stacked[:, :, _SENT].mean().item()
+        return summary
+
+    def close(self) -> None:
+        if self._torch_prof is not None:
+            self._torch_prof.stop()
+            self._torch_prof = None
+        if self.rank == 0:
+            self._profile_file.close()
+            self._trace_file.write("\n]\n")
+            self._trace_file.close()
+        if self._io is not None:
+            os.close(self._io)
+            self._io = None
+
+    # -- gathering and writing (rank 0) -----------------------------------------------------------
+    def _gather(self, rows: torch.Tensor, group=None) -> list[torch.Tensor]:
+        """all_gather rows of possibly different counts per rank (as tensors: no pickles)."""
+        if self.world == 1:
+            return [rows]
+        size = dist.get_world_size(group)
+        count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=self.device)
+        counts = [torch.zeros_like(count) for _ in range(size)]
+        collectives.all_gather(counts, count, "profile record counts", group=group)
+        counts = [int(c.item()) for c in counts]
+        width = rows.shape[1]
+        padded = torch.zeros(max(counts), width, dtype=torch.float64, device=self.device)
+        padded[:rows.shape[0]] = rows.to(self.device)
+        out = [torch.empty_like(padded) for _ in range(size)]
+        collectives.all_gather(out, padded, "profile records", group=group)
+        return [t[:c].cpu() for t, c in zip(out, counts)]
+
+    def _write_profile(self, all_rows: dict[int, torch.Tensor]) -> None:
+        for i in range(min(len(rows) for rows in all_rows.values())):
+            ranks = []
+            for r, rows in all_rows.items():
+                row = rows[i].tolist()
+                phases = dict(zip(PHASES, row[_PHASE0:_SENT]))
+                phases["other"] = max(row[2] - sum(row[_PHASE0:_SENT]), 0.0)
+                comm = {op: {"payload": int(row[_PAYLOAD0 + j]), "min_sent": int(row[_MIN0 + j])}
+                        for j, op in enumerate(COMM_OPS) if row[_PAYLOAD0 + j]}
+                entry = {"rank": r, "start_s": round(row[1], 6), "step_s": row[2], "phases": phases,
+                         "comm": comm, "bytes_min": int(sum(row[_MIN0:_WIDTH]))}
+                if row[_SENT] >= 0:
+                    entry["bytes_sent"] = int(row[_SENT])
+                ranks.append(entry)
+            self._profile_file.write(json.dumps({"step": int(all_rows[0][i, 0]), "ranks": ranks}) + "\n")
+        self._profile_file.flush()
+
+    def _write_trace(self, all_spans: dict[int, torch.Tensor]) -> None:
+        events = []
+        for r, spans in all_spans.items():
+            for step, code, start, end, index in spans.tolist():
+                name = f"step {int(step)}" if code < 0 else PHASES[int(code)]
+                args = {"step": int(step)}
+                if index >= 0:
+                    args["index"] = int(index)
+                events.append({"name": name, "cat": "step" if code < 0 else "phase", "ph": "X", "pid": r,
+                               "tid": 0, "ts": round(start * 1e6, 3), "dur": round((end - start) * 1e6, 3),
+                               "args": args})
+        self._trace_events(events)
+
+    def _trace_events(self, events: list[dict]) -> None:
+        for event in events:
+            self._trace_file.write(("" if self._trace_first else ",\n") + json.dumps(event))
+            self._trace_first = False
+        self._trace_file.flush()
+
+
+def _open_profile(path: Path, start_step: int):
+    """A fresh run starts the file anew; a resumed one keeps the steps before its checkpoint."""
+    if start_step and path.is_file():
+        kept = [line for line in path.read_text().splitlines(keepends=True)
+                if json.loads(line)["step"] <= start_step]
+        path.write_text("".join(kept))
+        return open(path, "a")
+    return open(path, "w")
+
+
+def _open_proc_io() -> int | None:
+    try:
+        return os.open("/proc/self/io", os.O_RDONLY)
+    except OSError:
+        return None
+
+
+def _read_wchar(fd: int | None) -> float:
+    """Bytes this process has written so far, sockets included (gloo's TCP traffic)."""
+    if fd is None:
+        return 0.0
+    text = os.pread(fd, 512, 0)
+    start = text.index(b"wchar:") + 6
+    return float(text[start:text.index(b"\n", start)])
+
+
+def _start_torch_profiler(out_dir: Path, rank: int):
+    """torch.profiler over steps 2-4 of the run (after one step of warm-up), Chrome traces per rank."""
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                   on_trace_ready=tensorboard_trace_handler(str(out_dir), worker_name=f"rank{rank}"),
+                   record_shapes=False)
+    prof.start()
+    return prof
