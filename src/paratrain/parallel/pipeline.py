@@ -149,7 +149,7 @@ class PipelineEngine:
         self.boundary_shapes = boundary_shapes  # microbatch input -> [(shape, dtype) entering stage s]
         self.device = device
         self.p2p = P2P(group, n_stages)
-        self.timeline: list[tuple[str, float, float]] | None = None  # (kind, start, end) when recording
+        self.timeline: list[tuple[str, float, float]] | None = None  # (F | B | step, start, end) if recording
 
     def run(self, actions: list[Action], inputs: list[torch.Tensor], targets: list[torch.Tensor],
             loss_fn, autocast, train: bool, before_backward=None) -> list:
@@ -192,6 +192,7 @@ class PipelineEngine:
             work.wait()
             return buf
 
+        t_begin = time.perf_counter()
         post(LOOKAHEAD, [])
         for i, a in enumerate(actions):
             s = self.stage_ids[a.chunk]
@@ -228,6 +229,8 @@ class PipelineEngine:
                 self.timeline.append((a.kind, t0, time.perf_counter()))
             post(i + 1 + LOOKAHEAD, sends)
         self.p2p.finish()
+        if self.timeline is not None:
+            self.timeline.append(("step", t_begin, time.perf_counter()))
         return results
 
 
