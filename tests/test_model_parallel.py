@@ -80,16 +80,21 @@ def check_equal(tmp_path, name, reference):
     assert abs(metrics(tmp_path / name)[-1]["val_loss"] - val_loss) <= 1e-4 * val_loss, name
 
 
-def test_tensor_parallel_then_resumed_as_tp2_pp2(tmp_path, gpt_reference):
-    """tp = 2 equals one process; its checkpoint resumes at world 4 as tp 2 x pp 2 (the same tp
-    shards, now cut into pipeline stages) and still ends equal to one process."""
-    hybrid = ["parallel.strategy='hybrid'", "parallel.tp=2"]
-    run(tmp_path, "tp", 2, *hybrid, "checkpoint.every=10")
+def test_tensor_parallel_then_hybrid_resumes(tmp_path, gpt_reference):
+    """tp = 2 equals one process; its step-10 checkpoint resumes at world 4 both as tp 2 x pp 2
+    (the same shards, now cut into stages) and as dp 2 x pp 2 (shards joined: tp 2 -> 1), and
+    both still end equal to one process."""
+    run(tmp_path, "tp", 2, "parallel.strategy='hybrid'", "parallel.tp=2", "checkpoint.every=10")
     check_equal(tmp_path, "tp", gpt_reference)
-    proc = run(tmp_path, "tp-pp", 4, *hybrid, "parallel.pp=2", "parallel.schedule='gpipe'",
-               resume=tmp_path / "tp" / "checkpoints" / "step-10")
+    step10 = tmp_path / "tp" / "checkpoints" / "step-10"
+    proc = run(tmp_path, "tp-pp", 4, "parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2",
+               "parallel.schedule='gpipe'", resume=step10)
     assert "at step 10" in proc.stdout
     check_equal(tmp_path, "tp-pp", gpt_reference)
+    # dp 2 x pp 2: gradients all-reduced over the dp sub-group only, per chunk, in its last backward
+    run(tmp_path, "dp-pp", 4, "parallel.strategy='hybrid'", "parallel.pp=2", "parallel.microbatches=2",
+        resume=step10)
+    check_equal(tmp_path, "dp-pp", gpt_reference)
 
 
 def test_pipeline_schedules(tmp_path, gpt_reference):
@@ -105,12 +110,6 @@ def test_pipeline_schedules(tmp_path, gpt_reference):
                resume=tmp_path / "interleaved" / "checkpoints" / "step-10")
     assert "pipeline split by params into 2 stages" in proc.stdout and "at step 10" in proc.stdout
     check_equal(tmp_path, "gpipe", gpt_reference)
-
-
-def test_hybrid_dp2_pp2(tmp_path, gpt_reference):
-    """Gradients all-reduced over the dp sub-group only, per pipeline chunk, during its last backward."""
-    run(tmp_path, "hybrid", 4, "parallel.strategy='hybrid'", "parallel.pp=2", "parallel.microbatches=2")
-    check_equal(tmp_path, "hybrid", gpt_reference)
 
 
 MLP = """

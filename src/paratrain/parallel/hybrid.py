@@ -31,7 +31,7 @@ from .pipeline import (PipelineEngine, StageChunk, allowed_cuts, boundary_shape_
 from .pipeline_schedules import SCHEDULES, forward_only, one_f_one_b
 from .tensor_parallel import (apply_tensor_parallel, check_plan, full_width, output_is_sharded,
                               parallel_loss, plan_for)
-from .tp_comm import all_gather_dim, gather_from_tp
+from .tp_comm import all_gather_dim, gather_from_tp, shard_range
 
 
 def virtual_stages(cfg: Config) -> int:
@@ -215,39 +215,60 @@ class ModelParallel(Strategy):
         return {k: own[k] for k in self.owned_keys}
 
     def state_dict(self):
-        """dp rank 0 of every (pp, tp) position writes its shards under the unsplit model's names."""
+        """dp rank 0 of every (pp, tp) position writes its shards under the unsplit model's names,
+        with the dimension each sharded tensor is split along."""
         if self.mesh.dp_rank != 0:
             return {}, {}
         tensors = {f"model.{k}": v for k, v in self._local_state().items()}
         opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self.param_names)
         tensors.update(opt_tensors)
-        return tensors, {"optimizer": opt_meta}
+        return tensors, {"optimizer": opt_meta, "shard_dims": self.shard_dims}
 
     def load_state_dict(self, reader) -> None:
-        """Any dp and any pp (or split) can resume any other: each rank reads every saved stage of
-        its tp slice and takes the names it now holds. tp itself must match."""
+        """Any layout resumes any other: each rank reads the saved shards of every stage, joins a
+        tensor's tp shards when the saved tp differs from ours, and cuts out its own slice."""
         saved = reader.manifest["config"]["parallel"]
         old_tp, old_pp = int(saved.get("tp", 1)), int(saved.get("pp", 1))
-        if old_tp != self.mesh.tp:
-            raise ckpt.CheckpointMismatch("resume", f"checkpoint was saved with tp {old_tp}, this run uses "
-                                                    f"tp {self.mesh.tp} (tensor-parallel resharding is not supported)")
         old_dp = reader.world_size // (old_tp * old_pp)
-        tensors, scalars, groups = {}, {}, None
+        same_tp = old_tp == self.mesh.tp
+        pieces: dict[str, list[torch.Tensor]] = {}
+        scalars, groups, old_dims = {}, None, {}
         for q in range(old_pp):
-            t, meta = reader.load(rank=q * old_dp * old_tp + self.mesh.tp_rank)
-            tensors.update(t)
-            scalars.update(meta["optimizer"]["scalars"])
-            groups = groups or meta["optimizer"]["param_groups"]
+            for t in [self.mesh.tp_rank] if same_tp else range(old_tp):
+                tensors, meta = reader.load(rank=(q * old_dp) * old_tp + t)
+                for k, v in tensors.items():
+                    pieces.setdefault(k, []).append(v)
+                scalars.update(meta["optimizer"]["scalars"])
+                groups = groups or meta["optimizer"]["param_groups"]
+                old_dims.update(meta.get("shard_dims", {}))
+
+        def mine(key: str, name: str) -> torch.Tensor | None:
+            """The saved tensor `key` (of parameter or buffer `name`) as this rank holds it."""
+            parts = pieces.get(key)
+            if parts is None or same_tp or parts[0].dim() == 0:
+                return parts[0] if parts else None
+            whole = torch.cat(parts, dim=old_dims[name]) if name in old_dims else parts[0]
+            if name not in self.shard_dims:
+                return whole
+            dim = self.shard_dims[name]
+            start, end = shard_range(whole.shape[dim], self.mesh.tp, self.mesh.tp_rank)
+            return whole.narrow(dim, start, end - start)
+
         local = self._local_state()
-        missing = [k for k in local if f"model.{k}" not in tensors]
-        wrong = [k for k in local if f"model.{k}" in tensors and tensors[f"model.{k}"].shape != local[k].shape]
+        state = {k: mine(f"model.{k}", k) for k in local}
+        missing = [k for k, v in state.items() if v is None]
+        wrong = [k for k, v in state.items() if v is not None and v.shape != local[k].shape]
         if missing or wrong:
             raise ckpt.CheckpointMismatch("resume", "checkpoint does not match the model: "
                                                     f"missing {missing[:5]}, shape differs {wrong[:5]}")
         with torch.no_grad():
             for k, t in local.items():
-                t.copy_(tensors[f"model.{k}"])
-        ckpt.optimizer_from_tensors(self.optimizer, self.param_names, tensors,
+                t.copy_(state[k])
+        optim = {}
+        for name in self.param_names:
+            prefix = f"optim.{name}."
+            optim.update({key: mine(key, name) for key in pieces if key.startswith(prefix)})
+        ckpt.optimizer_from_tensors(self.optimizer, self.param_names, optim,
                                     {"param_groups": groups, "scalars": scalars})
 
     def full_model_state(self):
