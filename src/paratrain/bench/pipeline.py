@@ -180,28 +180,27 @@ def worker(argv=None) -> None:
                 torch_schedule.step()
             torch_opt.step()
 
+        def ours_recorded():
+            ours.engine.timeline = []
+            ours_step()
+            spans, ours.engine.timeline = ours.engine.timeline, None
+            busy = sum(e - s for kind, s, e in spans if kind in "FB")
+            idle.append(1 - busy / sum(e - s for kind, s, e in spans if kind == "step"))
+
+        def alone_step():  # the ideal's unit, taken under the same machine noise as the steps
+            alone.append(max(stage_alone_seconds(chunk, x[:rows], repeats=3) for chunk in ours.chunks))
+
         timed(ours_step, args.warmup)
         timed(torch_step, args.warmup)
-        t_ours, t_torch = [], []
-        for _ in range(args.rounds):
-            t_ours += timed(ours_step, args.steps)
+        t_ours, t_torch, idle, alone = [], [], [], []
+        for _ in range(args.rounds):  # rounds alternate the engines so both see the same noise
+            t_ours += timed(ours_recorded, args.steps)
             t_torch += timed(torch_step, args.steps)
-
-        # bubble: idle share of each stage's schedule wall time, over a few recorded steps
-        idle = []
-        for _ in range(args.steps):
-            ours.engine.timeline = []
-            dist.barrier()
-            ours_step()
-            spans = ours.engine.timeline
-            ours.engine.timeline = None
-            busy = sum(e - s for kind, s, e in spans if kind in "FB")
-            step = sum(e - s for kind, s, e in spans if kind == "step")
-            idle.append(1 - busy / step)
+            timed(alone_step, args.steps)
         memory = SavedActivations(ours.params)
         with memory.hooks():
             ours_step()
-        alone = max(stage_alone_seconds(chunk, x[:rows]) for chunk in ours.chunks)
+        alone = statistics.median(alone)
 
         stats = torch.tensor([statistics.median(t_ours), statistics.median(t_torch), statistics.median(idle),
                               memory.peak, alone], dtype=torch.float64)

@@ -43,6 +43,13 @@ def microbatch_count(cfg: Config) -> int:
     return cfg.train.grad_accum * (cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1)
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """The model's structure with every tensor on the meta device (no copy of the weights)."""
+    memo = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad) for t in model.parameters()}
+    memo.update({id(t): torch.empty_like(t, device="meta") for t in model.buffers()})
+    return copy.deepcopy(model, memo)
+
+
 def check_model(cfg: Config, model: nn.Module) -> None:
     """Preflight (on a meta-device model): the plan fits the model and the model has enough layers."""
     p = cfg.parallel
@@ -69,7 +76,7 @@ class ModelParallel(Strategy):
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
         self.reports_loss = mesh.pp_rank == mesh.pp - 1 and mesh.tp_rank == 0
         broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=0)
-        self.full_meta = copy.deepcopy(model).to("meta")  # the unsplit model's keys, shapes and dtypes
+        self.full_meta = meta_copy(model)  # the unsplit model's keys, shapes and dtypes
         self.m = microbatch_count(cfg)
         self.v = virtual_stages(cfg)
         self.n_stages = p.pp * self.v
@@ -111,8 +118,8 @@ class ModelParallel(Strategy):
         self.optimizer = build_optimizer(params, cfg.train)
 
         if self.sharded_output:
-            self.train_loss = parallel_loss(loss_fn, mesh.tp_group, full_width(model))
             width = full_width(model)
+            self.train_loss = parallel_loss(loss_fn, mesh.tp_group, width)
             self.full_output = lambda out: gather_from_tp(out, mesh.tp_group, width)
         else:
             self.train_loss, self.full_output = loss_fn, (lambda out: out)
