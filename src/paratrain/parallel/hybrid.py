@@ -124,8 +124,7 @@ class ModelParallel(Strategy):
         else:
             self.train_loss, self.full_output = loss_fn, (lambda out: out)
         meta_layers = pipeline_layers(self.full_meta) if p.pp > 1 else [self.full_meta]
-        shapes = boundary_shape_fn([meta_layers[self.bounds[s]:self.bounds[s + 1]] for s in range(self.n_stages)],
-                                   self.autocast)
+        shapes = boundary_shape_fn([meta_layers[self.bounds[s]:self.bounds[s + 1]] for s in range(self.n_stages)])
         self.engine = PipelineEngine(self.chunks, self.stage_ids, self.n_stages,
                                      lambda s: mesh.stage_rank(s % p.pp), mesh.pp_group, shapes, rt.device)
         schedule = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b

@@ -53,9 +53,6 @@ class Mesh:
     def next_rank(self) -> int:
         return self.stage_rank(self.pp_rank + 1)
 
-    def describe(self) -> str:
-        return f"pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp} tp {self.tp_rank}/{self.tp}"
-
 
 def build_mesh(tp: int, pp: int, device_type: str) -> Mesh:
     """Collective: every rank builds the same mesh from parallel.tp, parallel.pp and the world size."""

@@ -234,7 +234,7 @@ class PipelineEngine:
         return results
 
 
-def boundary_shape_fn(meta_layers: list[list[nn.Module]], autocast):
+def boundary_shape_fn(meta_layers: list[list[nn.Module]]):
     """Shapes and dtypes of the activation entering each virtual stage, for a microbatch input,
     found by running the unsplit model on the meta device (no memory, no communication)."""
     cache: dict[tuple, list] = {}
