@@ -11,12 +11,14 @@ import torch.nn.functional as F
 
 def train_reference(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *, steps: int,
                     batch_size: int, lr: float, optimizer: str = "sgd", clip: float = 0.0,
-                    loss_fn=None) -> dict[str, torch.Tensor]:
+                    loss_fn=None, skip_steps=()) -> dict[str, torch.Tensor]:
     loss_fn = loss_fn or (lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)))
     opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0))
     n = len(inputs)
     for step in range(steps):
+        if step in skip_steps:  # a step whose batch had a non-finite value: no update
+            continue
         idx = torch.arange(step * batch_size, (step + 1) * batch_size) % n
         opt.zero_grad()
         loss_fn(model(inputs[idx]), targets[idx]).backward()

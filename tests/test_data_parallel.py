@@ -106,3 +106,62 @@ def test_resume_at_another_world_size(tmp_path):
     check_ok(run_cli("run", str(cfg), "--nproc", "1", "--resume", str(tmp_path / "split" / "checkpoints" / "step-8"),
                      "--run-dir", str(tmp_path / "one")))
     assert max_rel_error(final_weights(tmp_path / "one"), final_weights(tmp_path / "straight")) <= 1e-4
+
+
+def test_under_plain_torchrun_with_adamw_and_clipping(tmp_path):
+    """The worker entry runs under torchrun as is; clipping uses the global norm of the averaged gradients."""
+    cfg = write_config(tmp_path / "c.toml", EQUIV.replace('optimizer = "sgd"\nlr = 0.1',
+                                                          'optimizer = "adamw"\nlr = 0.01\nclip_grad_norm = 0.5'))
+    check_ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "paratrain.trainer", str(cfg), "--run-dir", str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=300))
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    expected = train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y, steps=20, batch_size=24,
+                               lr=0.01, optimizer="adamw", clip=0.5)
+    assert max_rel_error(final_weights(tmp_path / "run"), expected) <= 1e-4
+
+
+PARTLY_USED = '''
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class PartlyUsed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(64, 10)
+        self.never = nn.Linear(64, 10)       # no gradient on any rank, ever
+        self.rank0_only = nn.Linear(10, 10)  # a gradient on rank 0 only
+
+    def forward(self, x):
+        out = self.body(x)
+        if dist.is_initialized() and dist.get_rank() == 0:
+            out = out + self.rank0_only(out)
+        return out
+
+
+def build():
+    return PartlyUsed()
+'''
+
+
+def test_parameters_without_gradient_neither_hang_nor_corrupt(tmp_path):
+    (tmp_path / "partly.py").write_text(PARTLY_USED)
+    cfg = write_config(tmp_path / "c.toml", EQUIV.replace('factory = "mlp"\nhidden = 32', 'factory = "partly:build"'))
+    check_ok(run_cli("run", str(cfg), "--set", "parallel.timeout_s=30", "--run-dir", str(tmp_path / "run"), timeout=120))
+    weights = final_weights(tmp_path / "run")
+    torch.manual_seed(0)
+    initial = {k: v for k, v in __import__("runpy").run_path(str(tmp_path / "partly.py"))["build"]().state_dict().items()}
+    assert torch.equal(weights["never.weight"], initial["never.weight"])
+    assert not torch.equal(weights["rank0_only.weight"], initial["rank0_only.weight"])
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_cnn_in_bf16(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", EQUIV.replace('factory = "mlp"\nhidden = 32', 'factory = "cnn"\nchannels = 8'))
+    check_ok(run_cli("run", str(cfg), "--set", "train.precision='bf16'", "--set", "train.steps=30",
+                     "--run-dir", str(tmp_path / "run")))
+    log = metrics(tmp_path / "run")
+    assert log[-1]["loss"] < log[0]["loss"] and all(torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values())

@@ -45,3 +45,13 @@ eval_every = 75
     check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run")))
     final = metrics(tmp_path / "run")[-1]
     assert final["step"] == 150 and final["val_acc"] >= 0.90, final
+
+
+def test_corpus_from_an_fsspec_url(tmp_path):
+    from paratrain.data.datasets import corpus
+
+    (tmp_path / "t.txt").write_text("abcabcabd" * 100)
+    ds = corpus(block_size=8, path=f"file://{tmp_path / 't.txt'}")
+    assert ds.vocab_size == 4 and len(ds) == (900 * 9 // 10 - 1) // 8
+    x, y = ds[0]
+    assert x.shape == (8,) and (x[1:] == y[:-1]).all()

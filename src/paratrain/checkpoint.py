@@ -22,6 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
+from . import collectives, faults
 from .config import ConfigError
 
 FORMAT = "paratrain-checkpoint/1"
@@ -98,13 +99,13 @@ def _gather_digests(digest: str, size: int, device: torch.device) -> list[tuple[
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [(digest, size)]
     out = [torch.empty_like(payload) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, payload)
+    collectives.all_gather(out, payload, "checkpoint-digests")
     return [(bytes(t[:32].tolist()).hex(), int.from_bytes(bytes(t[32:].tolist()), "little")) for t in out]
 
 
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        collectives.barrier("checkpoint")
 
 
 def save(run_dir: Path, step: int, tensors: dict, meta: dict, *, rank: int, world_size: int,
@@ -120,6 +121,8 @@ def save(run_dir: Path, step: int, tensors: dict, meta: dict, *, rank: int, worl
     _barrier()
     data = encode(tensors, meta)
     write_bytes_durably(tmp / rank_file(rank), data)
+    if faults.active("exit_in_save", rank=rank, step=step):
+        os._exit(17)  # a crash between the shards and the manifest
     digests = _gather_digests(hashlib.sha256(data).hexdigest(), len(data), device)
     del data
     if rank == 0:

@@ -74,6 +74,7 @@ class TrainConfig:
     log_every: int = opt(10, check=_positive)
     eval_every: int = opt(0, check=_non_negative, doc="0 = only after the last step")
     device: str = opt("auto", choices=("auto", "cpu", "cuda"))
+    max_bad_steps: int = opt(5, check=_non_negative, doc="consecutive non-finite steps skipped before the run stops")
 
 
 @dataclass

@@ -49,12 +49,17 @@ def launch(module: str, args: list[str], *, nproc: int, nnodes: int = 1, node_ra
         rdzv_backend="c10d", rdzv_endpoint=rdzv or f"127.0.0.1:{free_port()}",
         rdzv_configs={"is_host": node_rank == 0} if not local else {},
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
-        local_addr="127.0.0.1" if local else None,
+        # Where the other nodes reach this one. Node 0 hosts the rendezvous at --rdzv, so that
+        # address is reachable by construction; a hostname lookup may give one that is not.
+        local_addr="127.0.0.1" if local else (rdzv.rsplit(":", 1)[0] if node_rank == 0 else None),
     )
     try:
         elastic_launch(config, sys.executable)("-u", "-m", module, *args)
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        # The agent stops the other workers once one fails: blame a worker that failed by itself
+        # (an exit code > 0, with an error report), the earliest one, not one it terminated.
+        own = [(f.timestamp, r, f) for r, f in exc.failures.items() if f.exitcode > 0]
+        _, rank, failure = min(own, key=lambda t: (t[0], t[1])) if own else (0, *exc.get_first_failure())
         cause = failure.message
         if isinstance(cause, dict):
             cause = cause.get("message", "<unknown>")

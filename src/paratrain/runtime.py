@@ -46,12 +46,26 @@ def init(device_kind: str = "auto", timeout_s: float = 300.0) -> Runtime:
     device = pick_device(device_kind, local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # a lone process started by hand
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+        dist.init_process_group(backend, store=_store(rank, world, timeout_s), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     return Runtime(rank, world, local_rank, device, backend,
                    int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+
+def _store(rank: int, world: int, timeout_s: float) -> dist.Store:
+    """The rendezvous store, under a prefix of its own for each restart of the worker group.
+
+    The elastic agent keeps one store across restarts; without the prefix a restarted worker can
+    read the address its dead predecessor published and try to connect to nobody.
+    """
+    if "MASTER_ADDR" not in os.environ:  # a lone process started by hand
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_hosts_store, timeout=timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return dist.PrefixStore(f"paratrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

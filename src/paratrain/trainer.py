@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import checkpoint as ckpt
+from . import collectives
 from . import config as config_mod
 from . import runtime
 from .config import Config, ConfigError
@@ -79,6 +79,10 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         tensors, meta = self.strategy.state_dict()
+        # Skipped steps keep weights finite; this makes sure, agreed by all ranks, before writing.
+        finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
+        if all_reduce_sum(torch.tensor([0.0 if finite else 1.0]), self.rt, "checkpoint-finite").item():
+            raise NonFiniteError(f"not saving step {self.step}: the model or optimizer state holds non-finite values")
         rng = runtime.rng_state()
         tensors = {**tensors, **rng["tensors"]}
         meta = {**meta, "rng": rng["json"], "trainer": {"step": self.step}}
@@ -98,7 +102,7 @@ class Trainer:
         for chunk in torch.split(order, per_rank):
             x, y = load_batch(self.val_set, chunk)
             sums += self.strategy.eval_step(x.to(self.rt.device), y.to(self.rt.device))
-        sums = all_reduce_sum(sums, self.rt)
+        sums = all_reduce_sum(sums, self.rt, "eval-sums")
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}
         if sums[3] > 0:
             out["val_acc"] = sums[2].item() / sums[3].item()
@@ -110,35 +114,49 @@ class Trainer:
         total = cfg.train.steps
         log = MetricsLog(self.run_dir, total, self.step, enabled=rt.is_main)
         t_start = time.perf_counter()
-        t_last, steps_since = t_start, 0
+        t_last, steps_since, bad_in_a_row, skipped = t_start, 0, 0, 0
         loss_sum = torch.zeros(2, dtype=torch.float64)  # summed loss of reporting ranks, their count
         last = {}
         try:
             while self.step < total:
+                collectives.LOG.step = self.step
                 lr = cfg.train.lr * self.lr_at(self.step)
                 self.strategy.set_lr(lr)
                 idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
                 x, y = load_batch(self.train_set, idx)
                 loss = self.strategy.train_step((x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)))
-                if self.strategy.reports_loss:
-                    loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
                 self.step += 1
                 steps_since += 1
+                if self.strategy.skipped_step:  # the same decision on every rank
+                    bad_in_a_row += 1
+                    skipped += 1
+                    log.print(f"step {self.step}: non-finite loss or gradient, update skipped "
+                              f"({bad_in_a_row} in a row, at most {cfg.train.max_bad_steps})")
+                    if bad_in_a_row > cfg.train.max_bad_steps:
+                        raise NonFiniteError(f"{bad_in_a_row} steps in a row had a non-finite loss or gradient "
+                                             f"(train.max_bad_steps = {cfg.train.max_bad_steps}); last at step "
+                                             f"{self.step}, lr {lr:.3e}: lower train.lr or clip gradients")
+                else:
+                    bad_in_a_row = 0
+                    if self.strategy.reports_loss:
+                        loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
                 log.advance()
                 done = self.step == total
                 evaluate = done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
                 if done or evaluate or self.step % cfg.train.log_every == 0:
-                    total_loss, reports = all_reduce_sum(loss_sum, rt).tolist()
-                    mean_loss = total_loss / max(reports, 1)
+                    total_loss, reports = reduce_loss_checking_sequences(loss_sum, rt)
                     now = time.perf_counter()
-                    entry = {"step": self.step, "loss": mean_loss, "lr": lr,
-                             "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),
-                             "time": now - t_start}
+                    entry = {"step": self.step, "loss": total_loss / reports if reports else float("nan"),
+                             "lr": lr, "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),
+                             "time": now - t_start, "wall": time.time()}
+                    if skipped:
+                        entry["skipped_steps"] = skipped
                     if evaluate:
                         entry.update(self.evaluate())
                     log.record(entry)
                     last = entry
-                    t_last, steps_since, loss_sum = time.perf_counter(), 0, torch.zeros_like(loss_sum)
+                    t_last, steps_since, skipped = time.perf_counter(), 0, 0
+                    loss_sum = torch.zeros_like(loss_sum)
                 if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
                     self.save_checkpoint()
         finally:
@@ -153,7 +171,11 @@ class Trainer:
             ckpt.export_final(self.run_dir, state, step=self.step, config=self.cfg.to_dict(),
                               extra={"strategy": self.cfg.parallel.strategy, "world_size": self.rt.world_size,
                                      "parameters": sum(v.numel() for v in state.values())})
-        barrier(self.rt)
+        barrier(self.rt, "export")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a non-finite loss or gradient."""
 
 
 def drop_metrics_after(path: Path, step: int) -> None:
@@ -164,12 +186,33 @@ def drop_metrics_after(path: Path, step: int) -> None:
 
 
 # -- small collectives on scalars -----------------------------------------------------------------
-def all_reduce_sum(t: torch.Tensor, rt: runtime.Runtime) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, rt: runtime.Runtime, what: str) -> torch.Tensor:
     if rt.world_size == 1:
         return t
     dev = t.to(rt.device)
-    dist.all_reduce(dev)
+    collectives.all_reduce(dev, what)
     return dev.cpu()
+
+
+def reduce_loss_checking_sequences(loss_sum: torch.Tensor, rt: runtime.Runtime) -> tuple[float, float]:
+    """Sum the logged loss over ranks, and in the same message compare every rank's collective
+    fingerprint: ranks whose collectives drifted apart without a hang (same sizes, wrong order)
+    are caught here instead of silently averaging the wrong gradients."""
+    if rt.world_size == 1:
+        return loss_sum[0].item(), loss_sum[1].item()
+    fp = int(collectives.LOG.fingerprint, 16)
+    mine = torch.cat([loss_sum, torch.tensor([fp >> 32, fp & 0xFFFFFFFF], dtype=torch.float64)]).to(rt.device)
+    rows = [torch.empty_like(mine) for _ in range(rt.world_size)]
+    collectives.all_gather(rows, mine, "log-loss")
+    table = torch.stack(rows).cpu()
+    prints = [tuple(r[2:].tolist()) for r in table]
+    if len(set(prints)) > 1:
+        majority = max(set(prints), key=prints.count)
+        odd = [r for r, p in enumerate(prints) if p != majority]
+        raise collectives.CollectiveFailure(
+            f"rank {rt.rank}: collective sequences differ at step {collectives.LOG.step}: rank(s) "
+            f"{', '.join(map(str, odd))} issued different collectives than their peers")
+    return table[:, 0].sum().item(), table[:, 1].sum().item()
 
 
 def broadcast_str(text: str, rt: runtime.Runtime) -> str:
@@ -177,17 +220,17 @@ def broadcast_str(text: str, rt: runtime.Runtime) -> str:
         return text
     raw = text.encode()
     size = torch.tensor([len(raw)], dtype=torch.long, device=rt.device)
-    dist.broadcast(size, src=0)
+    collectives.broadcast(size, 0, "resume-path-size")
     buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=rt.device)
     if rt.is_main:
         buf.copy_(torch.tensor(list(raw), dtype=torch.uint8))
-    dist.broadcast(buf, src=0)
+    collectives.broadcast(buf, 0, "resume-path")
     return bytes(buf.cpu().tolist()).decode()
 
 
-def barrier(rt: runtime.Runtime) -> None:
+def barrier(rt: runtime.Runtime, what: str) -> None:
     if rt.world_size > 1:
-        dist.barrier()
+        collectives.barrier(what)
 
 
 def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:
@@ -225,7 +268,7 @@ def main(argv=None) -> int:
         if rt.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-        barrier(rt)
+        barrier(rt, "start")
         trainer = Trainer(cfg, run_dir, rt)
         trainer.resume(args.resume)
         result = trainer.fit()

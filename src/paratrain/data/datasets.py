@@ -107,10 +107,18 @@ class CharCorpus(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+def read_text(url: str, max_chars: int) -> str:
+    """A text file from any fsspec URL (local path, file://, s3://, gs://, http://, memory://...)."""
+    import fsspec
+
+    with fsspec.open(url, "rt", encoding="utf-8") as fh:
+        return fh.read(max_chars)
+
+
 def corpus(split: str = "train", block_size: int = 64, max_chars: int = 2_000_000,
-           val_fraction: float = 0.1) -> CharCorpus:
-    """Character-level corpus from the standard library's own source text."""
-    text = stdlib_text(max_chars)
+           val_fraction: float = 0.1, path: str | None = None) -> CharCorpus:
+    """Character-level corpus: the standard library's own source text, or the text at `path`."""
+    text = read_text(path, max_chars) if path else stdlib_text(max_chars)
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     alphabet, tokens = np.unique(codes, return_inverse=True)
     vocab = [chr(c) for c in alphabet]

@@ -8,7 +8,10 @@ and reads three attributes:
     dp_rank, dp_size  which share of each global batch this rank reads (ranks of one model replica,
                       e.g. the tp or pp ranks of it, read the same share);
     reports_loss      whether this rank's train_step loss and eval_step sums count: exactly one rank
-                      per replica reports (e.g. the last pipeline stage), the others return zeros.
+                      per replica reports (e.g. the last pipeline stage), the others return zeros;
+    skipped_step      set by train_step when a loss or gradient was not finite and the optimizer
+                      step was skipped; every rank must agree on it.
+Collectives go through `paratrain.collectives` so that a hang names the rank, operation and step.
 """
 from __future__ import annotations
 
@@ -16,9 +19,9 @@ import contextlib
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from .. import collectives
 from ..config import Config
 from ..optim import accuracy_counts, set_lr
 from ..runtime import Runtime
@@ -36,6 +39,7 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.dp_rank, self.dp_size = rt.rank, rt.world_size
         self.reports_loss = True
+        self.skipped_step = False  # set by train_step; the same on every rank (an agreed decision)
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):
@@ -84,11 +88,16 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group=None) -> 
         by_dtype.setdefault(t.dtype, []).append(t)
     for group_tensors in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-        dist.broadcast(flat, src=src, group=group)
+        collectives.broadcast(flat, src, "initial-weights", group=group)
         offset = 0
         for t in group_tensors:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor torch.nn.utils.clip_grad_norm_ multiplies gradients by."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 def unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..optim import build_optimizer
-from .base import Strategy, broadcast_tensors, unique_parameters
 from .. import checkpoint as ckpt
+from .. import collectives
+from ..optim import build_optimizer
+from .base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 
 
 class Bucket:
@@ -93,17 +94,27 @@ class GradientReducer:
                 return
             if self.world > 1:
                 b.buffer.div_(self.world)
-                b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)
+                b.work = collectives.all_reduce(b.buffer, f"grad-bucket-{b.index}", group=self.group, async_op=True)
             self.next_to_launch += 1
 
-    def finish(self) -> None:
-        """After the syncing backward: launch what is left (unused parameters) and wait for all."""
+    def finish(self) -> torch.Tensor:
+        """After the syncing backward: launch what is left (unused parameters), wait for all, and
+        return the global gradient norm. Each bucket's norm is taken while later buckets are still
+        on the wire; every rank holds the same averaged gradients, so every rank gets the same norm
+        and takes the same decisions from it (clip, skip a non-finite step) without talking."""
         self._launch(until=len(self.buckets), only_ready=False)
+        norms = []
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
+            norms.append(torch.linalg.vector_norm(b.buffer))
         self.sync = False
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        for b in self.buckets:
+            b.buffer.mul_(factor)
 
 
 class DataParallel(Strategy):
@@ -130,10 +141,12 @@ class DataParallel(Strategy):
                 loss = self.loss_fn(self.model(x), y)
             (loss / len(micro)).backward()
             total += loss.detach()
-        self.reducer.finish()
-        if self.cfg.train.clip_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.clip_grad_norm, foreach=True)
-        self.optimizer.step()
+        norm = self.reducer.finish()
+        self.skipped_step = not bool(torch.isfinite(norm))
+        if not self.skipped_step:
+            if self.cfg.train.clip_grad_norm > 0:
+                self.reducer.scale_(clip_factor(norm, self.cfg.train.clip_grad_norm))
+            self.optimizer.step()
         return total / len(micro)
 
     # -- state: every rank holds the same model and optimizer, so rank 0 writes them ----------

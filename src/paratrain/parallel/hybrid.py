@@ -21,9 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint as ckpt
+from .. import collectives
 from ..config import Config, ConfigError
 from ..optim import build_optimizer
-from .base import Strategy, broadcast_tensors, eval_sums, unique_parameters
+from .base import Strategy, broadcast_tensors, clip_factor, eval_sums, unique_parameters
 from .data_parallel import GradientReducer
 from .mesh import build_mesh
 from .pipeline import (PipelineEngine, StageChunk, allowed_cuts, boundary_shape_fn, decide_split,
@@ -178,26 +179,29 @@ class ModelParallel(Strategy):
                                  self.train_loss, self.autocast, train=True, before_backward=before_backward)
         for r in self.reducers:
             r.finish()
-        if self.cfg.train.clip_grad_norm > 0:
-            self._clip_grad_norm(self.cfg.train.clip_grad_norm)
-        self.optimizer.step()
+        norm = self._global_grad_norm()
+        self.skipped_step = not math.isfinite(norm)  # the same norm, so the same decision, on every rank
+        if not self.skipped_step:
+            if self.cfg.train.clip_grad_norm > 0:
+                factor = clip_factor(torch.tensor(norm, device=self.rt.device), self.cfg.train.clip_grad_norm)
+                for t in self.params:
+                    if t.grad is not None:
+                        t.grad.mul_(factor)
+            self.optimizer.step()
         if self.stage_ids[-1] == self.n_stages - 1:
             return torch.stack([l.detach().float() for l in losses]).mean()
         return torch.zeros((), device=self.rt.device)
 
-    def _clip_grad_norm(self, max_norm: float) -> None:
-        """The global norm over all shards: a replicated tensor counts once (on tp rank 0), and
-        dp replicas hold equal gradients, so the world-wide sum is divided by dp."""
+    def _global_grad_norm(self) -> float:
+        """The norm over all shards of the model: a replicated tensor counts once (on tp rank 0),
+        and dp replicas hold equal gradients, so the world-wide sum of squares is divided by dp."""
         squares = torch.zeros((), dtype=torch.float64, device=self.rt.device)
         for name, t in zip(self.param_names, self.params):
             if t.grad is not None and (name in self.shard_dims or self.mesh.tp_rank == 0):
                 squares += t.grad.double().pow(2).sum()
-        dist.all_reduce(squares)
-        norm = math.sqrt(squares.item() / self.mesh.dp)
-        coef = min(max_norm / (norm + 1e-6), 1.0)
-        for t in self.params:
-            if t.grad is not None:
-                t.grad.mul_(coef)
+        if dist.get_world_size() > 1:
+            collectives.all_reduce(squares, "grad-norm")
+        return math.sqrt(squares.item() / self.mesh.dp)
 
     @torch.no_grad()
     def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import collectives
 from .pipeline_comm import P2P
 from .pipeline_schedules import Action
 
@@ -121,7 +122,7 @@ def decide_split(layers, n_stages: int, allowed, balance: str, sample_fn, autoca
             costs = torch.tensor(measured_costs(layers, sample_fn(), autocast), dtype=torch.float64)
         if dist.get_world_size() > 1:
             costs = costs.to(device)
-            dist.broadcast(costs, src=0)
+            collectives.broadcast(costs, 0, "pipeline-layer-costs")
         costs = costs.cpu().tolist()
     return partition(costs, n_stages, allowed), costs
 

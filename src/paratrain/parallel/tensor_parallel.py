@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .. import collectives
 from ..config import ConfigError
 from .tp_comm import copy_to_tp, gather_from_tp, reduce_from_tp, shard_range
 
@@ -168,14 +169,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         end = start + logits.shape[-1]
         peak = logits.max(dim=-1).values
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        collectives.all_reduce(peak, "tp-ce-max", group=group, op=dist.ReduceOp.MAX)
         shifted = logits - peak.unsqueeze(-1)
         exp = shifted.exp()
         mine = (target >= start) & (target < end)
         local_target = (target - start).masked_fill(~mine, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         both = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
-        dist.all_reduce(both, group=group)
+        collectives.all_reduce(both, "tp-ce-sums", group=group)
         sum_exp, target_logit = both
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
         ctx.save_for_backward(exp, mine, local_target)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import collectives
+
 
 def shard_sizes(n: int, parts: int) -> list[int]:
     """`n` split into `parts` contiguous pieces that differ by at most one (the first ones larger)."""
@@ -34,7 +36,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        collectives.all_reduce(grad, "tp-input-grad", group=ctx.group)
         return grad, None
 
 
@@ -42,7 +44,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        collectives.all_reduce(x, "tp-row-output", group=group)
         return x
 
     @staticmethod
@@ -58,7 +60,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, full: int, group) -> torch.Tensor:
     padded = torch.zeros(*x.shape[:-1], max(sizes), dtype=x.dtype, device=x.device)
     padded[..., :x.shape[-1]] = x  # equal sizes on the wire: the last shards may be one shorter
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
+    collectives.all_gather(parts, padded, "tp-gather", group=group)
     return torch.cat([p[..., :s] for p, s in zip(parts, sizes)], dim=-1).movedim(-1, dim)
 
 

@@ -1,0 +1,158 @@
+"""Recovery benchmark: kill a dp worker with SIGKILL mid-run; how long until training goes on?
+
+Runs `paratrain run` with --max-restarts 1 and checkpoints every K steps, waits for a checkpoint,
+kills rank 1 from outside, and reads metrics.jsonl (one entry per step, with wall-clock times):
+recovery time = first step completed after the kill - the kill; steps recomputed = last step done
+before the kill - the checkpoint step the restart resumed from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SLOW_MODEL = '''
+import time
+from torch import nn
+from paratrain.models.mlp import mlp
+
+
+class Slow(nn.Module):
+    """The built-in MLP, with a fixed pause per forward so steps take long enough to be killed."""
+
+    def __init__(self, pause):
+        super().__init__()
+        self.pause = pause
+        self.net = mlp(64, hidden=64, n_layers=2, out_features=10)
+
+    def forward(self, x):
+        time.sleep(self.pause)
+        return self.net(x)
+
+
+def slow_mlp(pause=0.02):
+    return Slow(pause)
+'''
+
+
+def config_text(steps: int, every: int, pause: float) -> str:
+    return f"""
+name = "recovery"
+[model]
+factory = "slowmodel:slow_mlp"
+pause = {pause}
+[data]
+factory = "digits"
+batch_size = 32
+[train]
+steps = {steps}
+optimizer = "adamw"
+lr = 0.003
+log_every = 1
+[checkpoint]
+every = {every}
+keep = 2
+"""
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """{rank: pid} of the paratrain workers the agent process `agent_pid` started."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid or b"paratrain.trainer" not in (entry / "cmdline").read_bytes():
+                continue
+            env = dict(kv.split(b"=", 1) for kv in (entry / "environ").read_bytes().split(b"\0") if b"=" in kv)
+            out[int(env[b"RANK"])] = int(entry.name)
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return out
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def run_and_kill(workdir: Path, *, steps: int, every: int, pause: float, kill_after_step: int,
+                 extra_args: tuple = (), nproc: int = 2) -> dict:
+    """Start a run, SIGKILL rank 1 once `kill_after_step` is logged, let the agent restart it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "slowmodel.py").write_text(SLOW_MODEL)
+    cfg = workdir / "recovery.toml"
+    cfg.write_text(config_text(steps, every, pause))
+    run_dir = workdir / "run"
+    metrics = run_dir / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", str(nproc),
+                             "--max-restarts", "1", "--run-dir", str(run_dir), *extra_args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def logged() -> list[dict]:
+        try:
+            return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        except (OSError, ValueError):
+            return []
+
+    try:
+        wait_for(lambda: any(e["step"] >= kill_after_step for e in logged()), 120, f"step {kill_after_step}")
+        victim = worker_pids(proc.pid)[1]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.time()
+        before = max(e["step"] for e in logged())
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    entries = logged()
+    after = [e for e in entries if e["wall"] > killed_at]
+    resumed_from = next((int(l.split("at step ")[1].split()[0]) for l in output.splitlines() if "resumed from" in l), None)
+    return {"returncode": proc.returncode, "output": output, "run_dir": run_dir, "killed_at": killed_at,
+            "last_step_before_kill": before, "resumed_from": resumed_from,
+            "recovery_s": (after[0]["wall"] - killed_at) if after else None,
+            "steps_recomputed": (before - resumed_from) if resumed_from is not None else None}
+
+
+def add_parser(which) -> None:
+    p = which.add_parser("recovery", help="time from a killed worker to the next completed step (dp, world 2)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--every", type=int, default=10, help="checkpoint.every")
+    p.add_argument("--kill-after", type=int, default=25, help="kill rank 1 once this step is logged")
+    p.add_argument("--pause", type=float, default=0.05, help="seconds of sleep per forward (step length)")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="paratrain-recovery-") as tmp:
+        r = run_and_kill(Path(tmp), steps=args.steps, every=args.every, pause=args.pause,
+                         kill_after_step=args.kill_after)
+    if r["returncode"] != 0:
+        print(r["output"], file=sys.stderr)
+        print("paratrain: error: the run did not recover", file=sys.stderr)
+        return 1
+    result = {"benchmark": "recovery", "strategy": "dp", "world_size": 2, "checkpoint_every": args.every,
+              "killed_after_step": r["last_step_before_kill"], "resumed_from_step": r["resumed_from"],
+              "steps_recomputed": r["steps_recomputed"], "recovery_s": r["recovery_s"],
+              "target_recovery_s": 15.0}
+    print(f"recovery benchmark: dp, world 2, SIGKILL to rank 1, checkpoint every {args.every} steps")
+    print(f"{'kill -> next completed step':<32}{result['recovery_s']:>8.2f} s   (target <= 15 s)")
+    print(f"{'steps recomputed':<32}{result['steps_recomputed']:>8d}     (target <= {args.every})")
+    print(f"{'last step before kill / resumed':<32}{result['killed_after_step']:>8d} / {result['resumed_from_step']}")
+    if args.json == "-":
+        print(json.dumps(result))
+    elif args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0

@@ -1,0 +1,28 @@
+"""Fault injection for tests and benchmarks: make one rank misbehave at one step, on purpose.
+
+PARATRAIN_FAULTS holds `;`-separated faults, each `name@key=value,key=value`, e.g.
+    skip_collective@rank=1,step=3,what=grad-bucket-0     rank 1 never issues that all-reduce
+    exit_in_save@rank=0,step=8                           rank 0 dies mid-checkpoint
+A fault fires when every key it names matches; unset (the normal case) costs one dict lookup.
+"""
+from __future__ import annotations
+
+import os
+
+
+def _parse(text: str) -> dict[str, list[dict[str, str]]]:
+    out: dict[str, list[dict[str, str]]] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, _, args = item.partition("@")
+        out.setdefault(name, []).append(dict(kv.split("=", 1) for kv in args.split(",") if kv))
+    return out
+
+
+_FAULTS = _parse(os.environ.get("PARATRAIN_FAULTS", ""))
+
+
+def active(name: str, **context) -> bool:
+    for spec in _FAULTS.get(name, ()):
+        if all(str(context.get(k)) == v for k, v in spec.items()):
+            return True
+    return False

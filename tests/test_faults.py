@@ -1,0 +1,129 @@
+"""Fault tolerance: killed workers, hung collectives, non-finite steps, corrupt and half-written checkpoints."""
+import shutil
+import time
+
+import pytest
+import torch
+
+from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
+from reference import train_reference
+
+from paratrain.bench.recovery import run_and_kill
+from paratrain.data.datasets import digits
+from paratrain.models.mlp import mlp
+
+BASE = """
+name = "faults"
+[model]
+factory = "mlp"
+hidden = 32
+[data]
+factory = "digits"
+batch_size = 24
+shuffle = false
+[train]
+steps = 16
+optimizer = "sgd"
+lr = 0.1
+log_every = 4
+[checkpoint]
+every = 4
+keep = 4
+"""
+
+
+def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path):
+    killed = run_and_kill(tmp_path / "killed", steps=30, every=5, pause=0.03, kill_after_step=12)
+    assert killed["returncode"] == 0, killed["output"]
+    assert killed["resumed_from"] is not None and killed["steps_recomputed"] <= 5
+    # the same run, never interrupted (its checkpoints are where a restart would resume from)
+    straight = run_and_kill.__globals__["config_text"](30, 5, 0.0)
+    cfg = write_config(tmp_path / "killed" / "straight.toml", straight)
+    check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "straight"), cwd=tmp_path / "killed"))
+    a, b = final_weights(killed["run_dir"]), final_weights(tmp_path / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in a), "the restarted run differs from the uninterrupted one"
+    logged = [m["step"] for m in metrics(killed["run_dir"])]
+    assert logged == list(range(1, 31)), "every step is logged exactly once"
+
+
+def test_skipped_collective_is_reported_with_rank_operation_and_step(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", BASE)
+    t0 = time.monotonic()
+    proc = run_cli("run", str(cfg), "--set", "parallel.timeout_s=5", "--run-dir", str(tmp_path / "run"),
+                   env={"PARATRAIN_FAULTS": "skip_collective@rank=1,step=2,what=grad-bucket-0"})
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "training failed" in last and "rank 1 issued a different collective" in last, last
+    assert "grad-bucket-0" in last and "all_reduce" in last, last
+    assert "step 2" in last or "step 3" in last, last
+    assert elapsed < 60, f"the hang took {elapsed:.0f}s to be reported"
+
+
+def nan_factory(tmp_path, bad):
+    (tmp_path / "nandigits.py").write_text(
+        "from paratrain.data.datasets import digits\n"
+        "def nan_digits(split='train', bad=()):\n"
+        "    ds = digits(split)\n"
+        "    if split == 'train':\n"
+        "        x = ds.tensors[0].clone()\n"
+        "        x[list(bad)] = float('nan')\n"
+        "        ds.tensors = (x, ds.tensors[1])\n"
+        "    return ds\n")
+    return BASE.replace('factory = "digits"', f'factory = "nandigits:nan_digits"\nbad = {bad}')
+
+
+def test_non_finite_step_is_skipped_on_every_rank(tmp_path):
+    # sample 90 is in rank 1's half of step 3 (samples 72..95): only rank 1 sees the NaN
+    cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
+    proc = check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run")))
+    assert "step 4: non-finite loss or gradient, update skipped" in proc.stdout
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    expected = train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y, steps=16, batch_size=24,
+                               lr=0.1, skip_steps={3})
+    weights = final_weights(tmp_path / "run")
+    assert max_rel_error(weights, expected) <= 1e-4
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert metrics(tmp_path / "run")[0]["skipped_steps"] == 1
+
+
+def test_too_many_non_finite_steps_stop_the_run(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90, 114, 138]))  # steps 4, 5, 6
+    proc = run_cli("run", str(cfg), "--set", "train.max_bad_steps=2", "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "non-finite" in last and "train.max_bad_steps" in last, last
+    # the checkpoint at step 4 was written after a skipped step: finite, and nothing later exists
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-4"]
+
+
+def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", BASE)
+    check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "straight")))
+    expected = final_weights(tmp_path / "straight")
+
+    # 1. rank 0 dies after writing its shard of step 8, before the manifest: no half checkpoint
+    proc = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "crash"),
+                   env={"PARATRAIN_FAULTS": "exit_in_save@rank=0,step=8"})
+    assert proc.returncode == 1
+    ckpts = tmp_path / "crash" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) == ["step-4"]
+    proc = check_ok(run_cli("run", str(cfg), "--resume", "auto", "--run-dir", str(tmp_path / "crash")))
+    assert "at step 4" in proc.stdout
+    assert all(torch.equal(expected[k], final_weights(tmp_path / "crash")[k]) for k in expected)
+
+    # 2. corrupt the two newest checkpoints of the straight run: one altered, one truncated
+    ckpts = tmp_path / "straight" / "checkpoints"
+    altered = ckpts / "step-16" / "rank-00000.safetensors"
+    data = bytearray(altered.read_bytes())
+    data[-1] ^= 0xFF
+    altered.write_bytes(bytes(data))
+    truncated = ckpts / "step-12" / "rank-00001.safetensors"
+    truncated.write_bytes(truncated.read_bytes()[:10])
+    proc = run_cli("run", str(cfg), "--resume", str(ckpts / "step-16"), "--run-dir", str(tmp_path / "other"))
+    assert proc.returncode == 2 and "sha256" in proc.stderr and "--resume" in proc.stderr
+    proc = check_ok(run_cli("run", str(cfg), "--resume", "auto", "--run-dir", str(tmp_path / "straight")))
+    assert "skipping checkpoint step 16" in proc.stderr and "skipping checkpoint step 12" in proc.stderr
+    assert "at step 8" in proc.stdout
+    assert all(torch.equal(expected[k], final_weights(tmp_path / "straight")[k]) for k in expected)
