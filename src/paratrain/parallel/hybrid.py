@@ -195,10 +195,11 @@ class ModelParallel(Strategy):
     def _global_grad_norm(self) -> float:
         """The norm over all shards of the model: a replicated tensor counts once (on tp rank 0),
         and dp replicas hold equal gradients, so the world-wide sum of squares is divided by dp."""
+        grads = [t.grad for name, t in zip(self.param_names, self.params)
+                 if t.grad is not None and (name in self.shard_dims or self.mesh.tp_rank == 0)]
         squares = torch.zeros((), dtype=torch.float64, device=self.rt.device)
-        for name, t in zip(self.param_names, self.params):
-            if t.grad is not None and (name in self.shard_dims or self.mesh.tp_rank == 0):
-                squares += t.grad.double().pow(2).sum()
+        if grads:
+            squares += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         if dist.get_world_size() > 1:
             collectives.all_reduce(squares, "grad-norm")
         return math.sqrt(squares.item() / self.mesh.dp)
