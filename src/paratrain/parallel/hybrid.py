@@ -177,9 +177,8 @@ class ModelParallel(Strategy):
 
         losses = self.engine.run(self.actions, list(torch.chunk(inputs, self.m)), list(torch.chunk(targets, self.m)),
                                  self.train_loss, self.autocast, train=True, before_backward=before_backward)
-        for r in self.reducers:
-            r.finish()
-        norm = self._global_grad_norm()
+        chunk_norms = [r.finish() for r in self.reducers]
+        norm = self._global_grad_norm(chunk_norms)
         self.skipped_step = not math.isfinite(norm)  # the same norm, so the same decision, on every rank
         if not self.skipped_step:
             if self.cfg.train.clip_grad_norm > 0:
@@ -192,14 +191,19 @@ class ModelParallel(Strategy):
             return torch.stack([l.detach().float() for l in losses]).mean()
         return torch.zeros((), device=self.rt.device)
 
-    def _global_grad_norm(self) -> float:
-        """The norm over all shards of the model: a replicated tensor counts once (on tp rank 0),
-        and dp replicas hold equal gradients, so the world-wide sum of squares is divided by dp."""
-        grads = [t.grad for name, t in zip(self.param_names, self.params)
-                 if t.grad is not None and (name in self.shard_dims or self.mesh.tp_rank == 0)]
+    def _global_grad_norm(self, chunk_norms: list[torch.Tensor]) -> float:
+        """The norm over all shards of the model. dp replicas hold equal gradients, so the
+        world-wide sum of squares is divided by dp. Without tp the reducers' norms of their chunks
+        are exact; with tp a replicated tensor (layer norms, row-parallel biases) counts once, on
+        tp rank 0."""
         squares = torch.zeros((), dtype=torch.float64, device=self.rt.device)
-        if grads:
-            squares += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+        if self.mesh.tp == 1:
+            squares += sum(n.double() ** 2 for n in chunk_norms)
+        else:
+            grads = [t.grad for name, t in zip(self.param_names, self.params)
+                     if t.grad is not None and (name in self.shard_dims or self.mesh.tp_rank == 0)]
+            if grads:
+                squares += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         if dist.get_world_size() > 1:
             collectives.all_reduce(squares, "grad-norm")
         return math.sqrt(squares.item() / self.mesh.dp)
