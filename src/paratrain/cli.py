@@ -24,6 +24,7 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
     from .data import build_dataset
     from .models import build_model
     from .optim import build_loss
+    from .parallel import check_model
 
     config_mod.check_world(cfg, world)
     train_set = build_dataset(cfg, "train")
@@ -32,7 +33,7 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
                                              f"training samples of {cfg.data.factory}")
     build_dataset(cfg, "val")
     with torch.device("meta"):  # shapes only: no memory, no time
-        build_model(cfg, train_set)
+        check_model(cfg, build_model(cfg, train_set))
     build_loss(cfg)
 
 

@@ -46,11 +46,15 @@ class CollectiveLog:
         self.step = 0
         self._fingerprint = hashlib.blake2b(digest_size=8)
 
-    def add(self, op: str, tensor: torch.Tensor, what: str) -> Record:
+    def add(self, op: str, tensor: torch.Tensor, what: str, world: bool = True) -> Record:
+        """`world`: issued on the whole world. Sub-group collectives (model parallelism: a tp group,
+        the dp group of one pipeline stage) differ legitimately between ranks of different groups,
+        so they are logged but kept out of the fingerprint that every rank must share."""
         rec = Record(self.seq, op, tensor.numel(), str(tensor.dtype).removeprefix("torch."), what, self.step)
         self.seq += 1
         self.records.append(rec)
-        self._fingerprint.update(repr(rec.signature()).encode())
+        if world:
+            self._fingerprint.update(repr(rec.signature()).encode())
         return rec
 
     @property
@@ -88,7 +92,7 @@ class _Tracked:
 def _issue(kind: str, fn, tensor: torch.Tensor, what: str, **kwargs):
     if faults.active("skip_collective", rank=dist.get_rank(), step=LOG.step, what=what):
         return _Done() if kwargs.get("async_op") else None  # as if this rank never issued it
-    record = LOG.add(kind, tensor, what)
+    record = LOG.add(kind, tensor, what, world=kwargs.get("group") in (None, dist.group.WORLD))
     try:
         work = fn(tensor, **kwargs)
     except RuntimeError as exc:

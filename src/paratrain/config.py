@@ -93,6 +93,9 @@ class ParallelConfig:
     pp: int = opt(1, check=_positive)
     microbatches: int = opt(4, check=_positive)
     schedule: str = opt("1f1b", choices=("gpipe", "1f1b", "interleaved"))
+    virtual_stages: int = opt(2, check=_positive, doc="model chunks per pipeline rank (interleaved only)")
+    balance: str = opt("time", choices=("time", "params"), doc="pipeline cut: measured layer time or parameters")
+    tp_plan: dict = opt({}, doc="module name -> colwise | rowwise (tensor parallelism of user models)")
     bucket_mb: float = opt(25.0, check=_positive)
     compression: str = opt("none", choices=("none", "bf16", "fp16", "topk", "powersgd"))
     topk_ratio: float = opt(0.01, check=_ratio, doc="topk: share of each bucket's entries sent")
@@ -253,6 +256,15 @@ def check_world(cfg: Config, world_size: int) -> None:
         raise ConfigError("data.batch_size",
                           f"{cfg.data.batch_size} is not divisible by data-parallel degree {dp} "
                           f"x train.grad_accum {cfg.train.grad_accum}")
+    if p.strategy in ("pp", "hybrid") and p.pp > 1:
+        per_replica, micro = cfg.data.batch_size // dp, p.microbatches * cfg.train.grad_accum
+        if per_replica % micro:
+            raise ConfigError("parallel.microbatches",
+                              f"{p.microbatches} microbatches x train.grad_accum {cfg.train.grad_accum} do not "
+                              f"divide the per-replica batch of {per_replica} samples")
+        if p.schedule == "interleaved" and micro % p.pp:
+            raise ConfigError("parallel.microbatches",
+                              f"the interleaved schedule needs microbatches ({micro}) divisible by pp {p.pp}")
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -8,13 +8,26 @@ from .base import Strategy
 # strategy name -> "module:class" under paratrain.parallel (imported only when used)
 STRATEGIES: dict[str, str] = {"dp": "data_parallel:DataParallel",
                               "zero1": "zero:Zero1", "zero2": "zero:Zero2", "zero3": "zero:Zero3",
+                              "tp": "hybrid:ModelParallel", "pp": "hybrid:ModelParallel",
+                              "hybrid": "hybrid:ModelParallel",
                               "ps": "parameter_server:ParameterServer"}
 
 
+def _module(name: str):
+    return importlib.import_module(f"{__name__}.{STRATEGIES[name].partition(':')[0]}")
+
+
 def strategy_class(name: str) -> type[Strategy]:
-    module, _, cls = STRATEGIES[name].partition(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+    return getattr(_module(name), STRATEGIES[name].partition(":")[2])
 
 
 def build_strategy(model, loss_fn, cfg, rt) -> Strategy:
     return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+
+
+def check_model(cfg, model) -> None:
+    """Strategy-specific checks of the (meta-device) model before any worker starts, for the
+    strategies whose module defines `check_model(cfg, model)`."""
+    module = _module(cfg.parallel.strategy)
+    if hasattr(module, "check_model"):
+        module.check_model(cfg, model)

@@ -1,0 +1,276 @@
+"""paratrain's pipeline against torch.distributed.pipelining, same model and schedule, interleaved rounds.
+
+Model: `--layers` blocks of Linear(width, width) + GELU as an nn.Sequential, cut into `--nproc`
+stages (2 chunks per rank for interleaved), `--microbatches` microbatches of `--rows` rows, MSE
+loss, SGD. A timed step is zero-grad + the schedule + the optimizer step, for both engines.
+For every schedule the table gives:
+  * step time, ours and torch's (ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B), and ratio;
+  * the ideal: (m*v + p - 1) x the slowest stage chunk's forward+backward for one microbatch,
+    measured alone on each rank (small CPU microbatches cost more per row, so this is the honest
+    lower bound), and our ratio to it;
+  * the measured bubble: each stage's idle fraction of the schedule (1 - compute / wall time),
+    against the theory (p - 1) / (v*m + p - 1);
+  * the peak bytes of activations saved for backward (1f1b keeps at most p microbatches alive).
+Then tensor parallelism: per-rank parameter bytes of the built-in gpt at tp = world size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def add_parser(which) -> None:
+    p = which.add_parser("pipeline", help="paratrain pipeline vs torch.distributed.pipelining (bubble, "
+                                          "memory, step time, ideal) and tp parameter bytes")
+    add_options(p)
+    p.add_argument("--nproc", type=int, default=2)
+    p.set_defaults(func=run)
+
+
+def add_options(p) -> None:
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round per engine and schedule")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--rows", type=int, default=8, help="rows per microbatch")
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="also write the results as JSON (to stdout without PATH)")
+
+
+def run(args) -> int:
+    from ..launch import WorkerFailure, launch
+
+    argv = [f"--steps={args.steps}", f"--rounds={args.rounds}", f"--warmup={args.warmup}",
+            f"--layers={args.layers}", f"--width={args.width}", f"--microbatches={args.microbatches}",
+            f"--rows={args.rows}", f"--schedules={args.schedules}"]
+    if args.json:
+        argv.append(f"--json={args.json}")
+    try:
+        launch("paratrain.bench.pipeline", argv, nproc=args.nproc, run_id="bench-pipeline")
+    except WorkerFailure as exc:
+        print(f"paratrain: error: benchmark failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build(args) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(args.width, args.width), nn.GELU()) for _ in range(args.layers)])
+
+
+class _Saved:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class SavedActivations:
+    """Peak bytes of tensors autograd saves for backward (parameters and their views excluded)."""
+
+    def __init__(self, params):
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.live = self.peak = 0
+
+    def _pack(self, t):
+        if t.untyped_storage().data_ptr() in self.param_storages:
+            return t
+        holder = _Saved(t)
+        self.live += t.numel() * t.element_size()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(holder, self._free, t.numel() * t.element_size())
+        return holder
+
+    def _free(self, nbytes):
+        self.live -= nbytes
+
+    @staticmethod
+    def _unpack(x):
+        return x.tensor if isinstance(x, _Saved) else x
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+def timed(step_fn, n: int) -> list[float]:
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step_fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def stage_alone_seconds(module: nn.Module, x: torch.Tensor, repeats: int = 15) -> float:
+    """Median forward+backward of one stage chunk on one microbatch, no communication."""
+    times = []
+    for i in range(repeats + 2):
+        inp = x.detach().requires_grad_()
+        t0 = time.perf_counter()
+        module(inp).sum().backward()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    module.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def worker(argv=None) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from .. import config as config_mod
+    from .. import runtime
+    from ..optim import mse
+    from ..parallel.hybrid import ModelParallel
+
+    p = argparse.ArgumentParser()
+    add_options(p)
+    args = p.parse_args(argv)
+    rt = runtime.init("cpu")
+    world, rank = rt.world_size, rt.rank
+    m, rows = args.microbatches, args.rows
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(m * rows, args.width, generator=g)
+    y = torch.randn(m * rows, args.width, generator=g)
+    torch_classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+    results = []
+    for schedule in args.schedules.split(","):
+        v = 2 if schedule == "interleaved" else 1
+        n_stages = world * v
+        cfg = config_mod.from_dict({
+            "data": {"batch_size": m * rows}, "train": {"optimizer": "sgd", "lr": 1e-4, "loss": "mse"},
+            "parallel": {"strategy": "pp", "pp": world, "microbatches": m, "schedule": schedule,
+                         "virtual_stages": v, "balance": "params"}})
+        ours = ModelParallel(build(args), mse, cfg, rt)
+
+        # torch.distributed.pipelining on the same cut of the same weights
+        blocks = list(build(args).children())
+        per = len(blocks) // n_stages
+        mine = [s for s in range(n_stages) if s % world == rank]
+        modules = [nn.Sequential(*blocks[s * per:(s + 1) * per]) for s in mine]
+        stages = [PipelineStage(mod, s, n_stages, rt.device)
+                  for s, mod in zip(mine, modules)]
+        torch_schedule = torch_classes[schedule](stages if v > 1 else stages[0], n_microbatches=m, loss_fn=mse)
+        torch_opt = torch.optim.SGD([q for mod in modules for q in mod.parameters()], lr=1e-4)
+
+        def ours_step():
+            ours.train_step((x, y))
+
+        def torch_step():
+            torch_opt.zero_grad(set_to_none=False)
+            if rank == 0:
+                torch_schedule.step(x)
+            elif rank == world - 1:
+                torch_schedule.step(target=y, losses=[])
+            else:
+                torch_schedule.step()
+            torch_opt.step()
+
+        def ours_recorded():
+            ours.engine.timeline = []
+            ours_step()
+            spans, ours.engine.timeline = ours.engine.timeline, None
+            busy = sum(e - s for kind, s, e in spans if kind in "FB")
+            idle.append(1 - busy / sum(e - s for kind, s, e in spans if kind == "step"))
+
+        def alone_step():  # the ideal's unit, taken under the same machine noise as the steps
+            alone.append(max(stage_alone_seconds(chunk, x[:rows], repeats=3) for chunk in ours.chunks))
+
+        timed(ours_step, args.warmup)
+        timed(torch_step, args.warmup)
+        t_ours, t_torch, idle, alone = [], [], [], []
+        for _ in range(args.rounds):  # rounds alternate the engines so both see the same noise
+            t_ours += timed(ours_recorded, args.steps)
+            t_torch += timed(torch_step, args.steps)
+            timed(alone_step, args.steps)
+        memory = SavedActivations(ours.params)
+        with memory.hooks():
+            ours_step()
+        alone = statistics.median(alone)
+
+        stats = torch.tensor([statistics.median(t_ours), statistics.median(t_torch), statistics.median(idle),
+                              memory.peak, alone], dtype=torch.float64)
+        gathered = [torch.zeros_like(stats) for _ in range(world)]
+        dist.all_gather(gathered, stats)
+        if rank == 0:
+            per_rank = torch.stack(gathered)
+            step_ours, step_torch = per_rank[:, 0].max().item(), per_rank[:, 1].max().item()
+            slowest = per_rank[:, 4].max().item()
+            ideal = (m * v + world - 1) * slowest
+            results.append({
+                "schedule": schedule, "stages": world, "virtual_stages": v, "microbatches": m, "rows": rows,
+                "paratrain_step_ms": step_ours * 1e3, "torch_step_ms": step_torch * 1e3,
+                "ratio_vs_torch": step_ours / step_torch, "ideal_ms": ideal * 1e3,
+                "ratio_vs_ideal": step_ours / ideal, "torch_ratio_vs_ideal": step_torch / ideal,
+                "bubble_measured": per_rank[:, 2].tolist(),
+                "bubble_theory": (world - 1) / (m * v + world - 1),
+                "peak_saved_activation_bytes": per_rank[:, 3].tolist(),
+            })
+        del ours, torch_schedule, stages
+
+    tp_result = tensor_parallel_bytes(rt, world)
+    if rank == 0:
+        report(results, tp_result, args, world)
+    runtime.shutdown()
+
+
+def tensor_parallel_bytes(rt, world: int) -> dict:
+    """Per-rank parameter bytes of the built-in gpt (d_model 128, 4 layers) at tp = world."""
+    from .. import config as config_mod
+    from ..models.gpt import gpt
+    from ..optim import cross_entropy
+    from ..parallel.hybrid import ModelParallel
+
+    torch.manual_seed(0)
+    full = gpt(vocab_size=96, n_layer=4, n_head=4, d_model=128, block_size=64)
+    full_bytes = sum(t.numel() * t.element_size() for t in full.parameters())
+    cfg = config_mod.from_dict({"data": {"batch_size": 8}, "parallel": {"strategy": "tp", "tp": world}})
+    tp = ModelParallel(full, cross_entropy, cfg, rt)
+    mine = torch.tensor([float(sum(t.numel() * t.element_size() for t in tp.params))], dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    per_rank = [t.item() for t in gathered]
+    return {"tp": world, "full_bytes": full_bytes, "per_rank_bytes": per_rank,
+            "per_rank_fraction": [b / full_bytes for b in per_rank]}
+
+
+def report(results: list[dict], tp: dict, args, world: int) -> None:
+    print(f"pipeline benchmark: {args.layers} x Linear({args.width}, {args.width})+GELU, {world} stages, "
+          f"{args.microbatches} microbatches of {args.rows} rows, gloo; medians of "
+          f"{args.rounds * args.steps} interleaved steps per engine")
+    head = (f"{'schedule':<12}{'ours ms':>9}{'torch ms':>10}{'ours/torch':>11}{'ideal ms':>10}{'ours/ideal':>11}"
+            f"{'torch/ideal':>12}{'bubble (per stage)':>22}{'theory':>8}{'peak act MiB':>15}")
+    print(head)
+    for r in results:
+        bubble = " ".join(f"{b * 100:.1f}%" for b in r["bubble_measured"])
+        memory = " ".join(f"{b / 2**20:.1f}" for b in r["peak_saved_activation_bytes"])
+        print(f"{r['schedule']:<12}{r['paratrain_step_ms']:>9.1f}{r['torch_step_ms']:>10.1f}{r['ratio_vs_torch']:>11.2f}"
+              f"{r['ideal_ms']:>10.1f}{r['ratio_vs_ideal']:>11.2f}{r['torch_ratio_vs_ideal']:>12.2f}"
+              f"{bubble:>22}{r['bubble_theory'] * 100:>7.1f}%{memory:>15}")
+    fractions = " ".join(f"{f:.3f}" for f in tp["per_rank_fraction"])
+    print(f"tensor parallel gpt (4 layers, d_model 128, vocab 96) at tp {tp['tp']}: "
+          f"{tp['full_bytes'] / 2**20:.2f} MiB of parameters, per rank {fractions} of it (1/tp = {1 / tp['tp']:.3f})")
+    out = {"benchmark": "pipeline", "world_size": world, "schedules": results, "tensor_parallel": tp}
+    if args.json == "-":
+        print(json.dumps(out))
+    elif args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    worker()

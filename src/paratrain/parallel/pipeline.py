@@ -1,0 +1,255 @@
+"""Pipeline parallelism: the model cut into stages of consecutive layers, and the engine that runs
+a schedule over them.
+
+Splitting. The layers are `model.pipeline_layers()` (the built-in gpt: embedding, blocks, head) or
+the children of an nn.Sequential. They are cut into p*v contiguous stages (v virtual stages per
+rank when interleaved) minimising the most expensive stage, where a layer's cost is its measured
+forward+backward time on a sample microbatch (balance = "time", measured by rank 0 and broadcast,
+so every rank takes the same decision) or its parameter count (balance = "params"). A cut never
+falls between a column-parallel layer and the row-parallel layer that consumes its slices.
+
+Engine. Each rank runs its schedule's actions in order. Before an action it posts the receives of
+the next few actions (so their data arrives during this one), computes, and sends its result
+without waiting. The last stage computes the loss of each microbatch (scaled by 1/m so that the
+summed gradients are those of the whole batch); backward of a stage starts from the gradient of
+its output received from the next stage.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import collectives
+from .pipeline_comm import P2P
+from .pipeline_schedules import Action
+
+LOOKAHEAD = 4  # actions whose receives are posted ahead of time
+
+
+def pipeline_layers(model: nn.Module) -> list[nn.Module] | None:
+    if hasattr(model, "pipeline_layers"):
+        return list(model.pipeline_layers())
+    if isinstance(model, nn.Sequential):
+        return list(model.children())
+    return None
+
+
+def allowed_cuts(model: nn.Module, layers: list[nn.Module], plan: dict) -> list[bool]:
+    """allowed[i]: may a stage end after layer i (not inside a colwise -> rowwise pair)?"""
+    name_of = {id(m): n for n, m in model.named_modules()}
+    sharded, allowed = False, []
+    for layer in layers:
+        for module in layer.modules():
+            style = plan.get(name_of.get(id(module)))
+            if style == "colwise":
+                sharded = True
+            elif style == "rowwise":
+                sharded = False
+        allowed.append(not sharded)
+    allowed[-1] = True
+    return allowed
+
+
+def partition(costs: list[float], n_stages: int, allowed: list[bool]) -> list[int]:
+    """Stage boundaries [0, b1, ..., n] minimising the largest stage cost (exact, by dynamic
+    programming over cut positions); every stage gets at least one layer."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the smallest max-cost of splitting layers[:i] into k stages
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for i in range(k, n + 1):
+            if not allowed[i - 1]:
+                continue
+            for j in range(k - 1, i):
+                if best[k - 1][j] == inf:
+                    continue
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], choice[k][i] = cost, j
+    if best[n_stages][n] == inf:
+        raise ValueError(f"cannot cut {n} layers into {n_stages} stages")
+    bounds = [n]
+    for k in range(n_stages, 0, -1):
+        bounds.append(choice[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def splittable_layers(model: nn.Module, plan: dict) -> int:
+    layers = pipeline_layers(model)
+    return sum(allowed_cuts(model, layers, plan)) if layers else 1
+
+
+def parameter_costs(layers: list[nn.Module]) -> list[float]:
+    return [float(sum(p.numel() for p in layer.parameters())) + 1.0 for layer in layers]
+
+
+def measured_costs(layers: list[nn.Module], sample: torch.Tensor, autocast, repeats: int = 3) -> list[float]:
+    """Median forward+backward seconds of each layer on `sample`, fed through the layers in turn."""
+    costs, x = [], sample
+    for layer in layers:
+        times = []
+        for attempt in range(repeats + 1):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            t0 = time.perf_counter()
+            with autocast():
+                out = layer(inp)
+            out.float().sum().backward()
+            if attempt:  # the first run warms up allocators and kernels
+                times.append(time.perf_counter() - t0)
+        layer.zero_grad(set_to_none=True)
+        costs.append(statistics.median(times))
+        x = out.detach()
+    return costs
+
+
+def decide_split(layers, n_stages: int, allowed, balance: str, sample_fn, autocast, device) -> tuple[list[int], list[float]]:
+    """Boundaries and per-layer costs; identical on every rank (rank 0 measures and broadcasts)."""
+    if balance == "params":
+        costs = parameter_costs(layers)
+    else:
+        costs = torch.zeros(len(layers), dtype=torch.float64)
+        if dist.get_rank() == 0:
+            costs = torch.tensor(measured_costs(layers, sample_fn(), autocast), dtype=torch.float64)
+        if dist.get_world_size() > 1:
+            costs = costs.to(device)
+            collectives.broadcast(costs, 0, "pipeline-layer-costs")
+        costs = costs.cpu().tolist()
+    return partition(costs, n_stages, allowed), costs
+
+
+class StageChunk(nn.Module):
+    """Consecutive layers of the model that one rank runs as one virtual stage."""
+
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class PipelineEngine:
+    """Runs a schedule's actions over this rank's chunks, moving tensors to and from neighbours."""
+
+    def __init__(self, chunks: list[nn.Module], stage_ids: list[int], n_stages: int, stage_rank, group,
+                 boundary_shapes, device: torch.device):
+        self.chunks, self.stage_ids, self.n_stages = chunks, stage_ids, n_stages
+        self.stage_rank = stage_rank          # virtual stage -> global rank holding it
+        self.boundary_shapes = boundary_shapes  # microbatch input -> [(shape, dtype) entering stage s]
+        self.device = device
+        self.p2p = P2P(group, n_stages)
+        self.timeline: list[tuple[str, float, float]] | None = None  # (F | B | step, start, end) if recording
+
+    def run(self, actions: list[Action], inputs: list[torch.Tensor], targets: list[torch.Tensor],
+            loss_fn, autocast, train: bool, before_backward=None) -> list:
+        """Returns, on the last stage, each microbatch's loss (train) or loss_fn's value (eval)."""
+        m = len(inputs)
+        shapes = [self.boundary_shapes(x) for x in inputs]
+        first, last = 0, self.n_stages - 1
+        recv_work: dict[tuple, tuple[torch.Tensor, object]] = {}
+        saved: dict[tuple[int, int], tuple] = {}
+        results: list = [None] * m
+        posted = 0
+
+        def needs_recv(a: Action):
+            s = self.stage_ids[a.chunk]
+            if a.kind == "F" and s != first:
+                shape, dtype = shapes[a.mb][s]
+                return torch.empty(shape, dtype=dtype, device=self.device), self.stage_rank(s - 1), \
+                    self.p2p.tag(P2P.ACTIVATION, s - 1, a.mb)
+            if a.kind == "B" and s != last:
+                shape, dtype = shapes[a.mb][s + 1]
+                return torch.empty(shape, dtype=dtype, device=self.device), self.stage_rank(s + 1), \
+                    self.p2p.tag(P2P.GRADIENT, s, a.mb)
+            return None
+
+        def post(upto: int, sends: list) -> None:
+            nonlocal posted
+            recvs, keys = [], []
+            while posted < min(upto, len(actions)):
+                a = actions[posted]
+                if (r := needs_recv(a)) is not None:
+                    recvs.append(r)
+                    keys.append(a)
+                posted += 1
+            works = self.p2p.post(sends, recvs)
+            for a, (buf, _, _), w in zip(keys, recvs, works):
+                recv_work[a] = (buf, w)
+
+        def received(a: Action) -> torch.Tensor:
+            buf, work = recv_work.pop(a)
+            work.wait()
+            return buf
+
+        t_begin = time.perf_counter()
+        post(LOOKAHEAD, [])
+        for i, a in enumerate(actions):
+            s = self.stage_ids[a.chunk]
+            t0 = time.perf_counter()
+            if a.kind == "F":
+                x = inputs[a.mb] if s == first else received(a)
+                t0 = time.perf_counter()
+                if train and s != first:
+                    x.requires_grad_()
+                with autocast():
+                    out = self.chunks[a.chunk](x)
+                sends = []
+                if s == last:
+                    value = loss_fn(out, targets[a.mb])
+                    results[a.mb] = value
+                    if train:
+                        saved[(a.chunk, a.mb)] = (x, value / m)
+                else:
+                    _, dtype = shapes[a.mb][s + 1]
+                    sends.append((out.detach().to(dtype), self.stage_rank(s + 1), self.p2p.tag(P2P.ACTIVATION, s, a.mb)))
+                    if train:
+                        saved[(a.chunk, a.mb)] = (x, out)
+            else:
+                x, out = saved.pop((a.chunk, a.mb))
+                grad = None if s == last else received(a).to(out.dtype)
+                t0 = time.perf_counter()
+                if before_backward is not None:
+                    before_backward(a)
+                torch.autograd.backward(out, grad)
+                sends = []
+                if s != first:
+                    sends.append((x.grad, self.stage_rank(s - 1), self.p2p.tag(P2P.GRADIENT, s - 1, a.mb)))
+            if self.timeline is not None:
+                self.timeline.append((a.kind, t0, time.perf_counter()))
+            post(i + 1 + LOOKAHEAD, sends)
+        self.p2p.finish()
+        if self.timeline is not None:
+            self.timeline.append(("step", t_begin, time.perf_counter()))
+        return results
+
+
+def boundary_shape_fn(meta_layers: list[list[nn.Module]]):
+    """Shapes and dtypes of the activation entering each virtual stage, for a microbatch input,
+    found by running the unsplit model on the meta device (no memory, no communication)."""
+    cache: dict[tuple, list] = {}
+
+    def shapes(x: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
+        key = (tuple(x.shape), x.dtype)
+        if key not in cache:
+            out, act = [], torch.empty(x.shape, dtype=x.dtype, device="meta")
+            with torch.no_grad():
+                for layers in meta_layers:
+                    out.append((act.shape, act.dtype))
+                    for layer in layers:
+                        act = layer(act)
+            cache[key] = out
+        return cache[key]
+
+    return shapes

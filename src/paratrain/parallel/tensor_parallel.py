@@ -1,0 +1,207 @@
+"""Tensor parallelism (Megatron-style): layers split inside, across the ranks of the tp group.
+
+    column-parallel Linear  W = [W_0; W_1; ...] by output rows: each rank computes its slice of the
+                            output; input through copy_to_tp (its gradient is all-reduced)
+    row-parallel Linear     W = [W_0, W_1, ...] by input columns: each rank takes its slice of the
+                            input, the partial products are all-reduced; bias added once, after
+    vocab-parallel Embedding  each rank holds a contiguous range of the vocabulary; ids outside it
+                            give zeros, and one all-reduce assembles the rows
+    vocab-parallel cross-entropy  on logits split by vocabulary (a column-parallel head): global max,
+                            sum of exponentials and target logit by all-reduces of per-token scalars,
+                            so the full logits are never gathered
+
+A plan maps module names to "colwise" / "rowwise" (and, for the built-in gpt, "vocab"). A column
+split followed by a row split (q/k/v then proj; fc then proj) needs one all-reduce each way. The
+modules are replaced in place, under the same names, so the state dict keeps the user's keys; the
+shards are slices of the same initial weights every rank built, so training starts where one
+process would.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .. import collectives
+from ..config import ConfigError
+from .tp_comm import copy_to_tp, gather_from_tp, reduce_from_tp, shard_range
+
+USER_STYLES = ("colwise", "rowwise")
+
+
+class ColumnParallelLinear(nn.Module):
+    shard_dims = {"weight": 0, "bias": 0}
+
+    def __init__(self, linear: nn.Linear, group, rank: int, world: int):
+        super().__init__()
+        self.group = group
+        self.in_features, self.full_out_features = linear.in_features, linear.out_features
+        start, end = shard_range(linear.out_features, world, rank)
+        self.out_features = end - start  # local: attention derives its local head count from it
+        self.weight = nn.Parameter(linear.weight.detach()[start:end].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[start:end].clone()) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    shard_dims = {"weight": 1}
+
+    def __init__(self, linear: nn.Linear, group, rank: int, world: int):
+        super().__init__()
+        self.group = group
+        self.full_in_features, self.out_features = linear.in_features, linear.out_features
+        start, end = shard_range(linear.in_features, world, rank)
+        self.in_features = end - start
+        self.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    shard_dims = {"weight": 0}
+
+    def __init__(self, emb: nn.Embedding, group, rank: int, world: int):
+        super().__init__()
+        self.group = group
+        self.num_embeddings = emb.num_embeddings
+        self.start, self.end = shard_range(emb.num_embeddings, world, rank)
+        self.weight = nn.Parameter(emb.weight.detach()[self.start:self.end].clone())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.start) | (idx >= self.end)
+        rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+STYLES = {"colwise": ColumnParallelLinear, "rowwise": RowParallelLinear, "vocab": VocabParallelEmbedding}
+
+
+def gpt_plan(model) -> dict[str, str]:
+    """The built-in gpt: heads split across ranks (q/k/v by column, proj by row), the MLP likewise,
+    the vocabulary split in the embedding and the head."""
+    plan = {"embed.tok": "vocab", "head.lm_head": "colwise"}
+    for i in range(len(model.blocks)):
+        plan.update({f"blocks.{i}.attn.q": "colwise", f"blocks.{i}.attn.k": "colwise",
+                     f"blocks.{i}.attn.v": "colwise", f"blocks.{i}.attn.proj": "rowwise",
+                     f"blocks.{i}.mlp.fc": "colwise", f"blocks.{i}.mlp.proj": "rowwise"})
+    return plan
+
+
+def plan_for(model: nn.Module, user_plan: dict) -> dict[str, str]:
+    from ..models.gpt import GPT
+
+    if user_plan:
+        return dict(user_plan)
+    if isinstance(model, GPT):
+        return gpt_plan(model)
+    return {}
+
+
+def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
+    """Every planned module exists, is a Linear, and splits evenly (ConfigError otherwise)."""
+    from ..models.gpt import GPT
+
+    key = "parallel.tp_plan"
+    if tp > 1 and not plan:
+        raise ConfigError(key, f"tp = {tp} needs a plan for this model: a table of module name -> "
+                               f"colwise | rowwise (e.g. {{ \"0\" = \"colwise\", \"2\" = \"rowwise\" }})")
+    modules = dict(model.named_modules())
+    for name, style in plan.items():
+        if style not in (USER_STYLES if user else STYLES):
+            raise ConfigError(key, f"{name!r}: style must be one of {' | '.join(USER_STYLES)}, got {style!r}")
+        if name not in modules or name == "":
+            raise ConfigError(key, f"{name!r} is not a module of the model")
+        module = modules[name]
+        want = nn.Embedding if style == "vocab" else nn.Linear
+        if not isinstance(module, want):
+            raise ConfigError(key, f"{name!r} is a {type(module).__name__}, not a {want.__name__}")
+        # User plans split evenly; the built-in gpt's vocabulary may split unevenly (by one row).
+        size = module.out_features if style == "colwise" else module.in_features if style == "rowwise" else tp
+        if user and size % tp:
+            dim = "out_features" if style == "colwise" else "in_features"
+            raise ConfigError("parallel.tp", f"tp {tp} does not divide {name}.{dim} = {size}")
+    if isinstance(model, GPT):
+        heads = model.blocks[0].attn.q.out_features // model.blocks[0].attn.head_dim if len(model.blocks) else 0
+        if heads % tp:
+            raise ConfigError("parallel.tp", f"tp {tp} does not divide the gpt's {heads} attention heads")
+
+
+def apply_tensor_parallel(model: nn.Module, plan: dict, group) -> dict[str, int]:
+    """Replace the planned modules by their parallel versions, in place.
+
+    Returns {state-dict key: dimension it is split along} for every sharded tensor."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    modules = dict(model.named_modules())
+    shard_dims = {}
+    for name, style in plan.items():
+        parent_name, _, attr = name.rpartition(".")
+        parallel = STYLES[style](modules[name], group, rank, world)
+        setattr(modules[parent_name], attr, parallel)
+        prefix = f"{name}." if name else ""
+        shard_dims.update({prefix + p: d for p, d in parallel.shard_dims.items()
+                           if getattr(parallel, p, None) is not None})
+    return shard_dims
+
+
+def output_is_sharded(model: nn.Module) -> bool:
+    """A model whose last Linear is column-parallel returns its last dimension split across ranks."""
+    last = None
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
+            last = module
+    return isinstance(last, ColumnParallelLinear)
+
+
+def full_width(model: nn.Module) -> int:
+    last = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)][-1]
+    return last.full_out_features
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, start: int):
+        logits = logits.float()
+        end = start + logits.shape[-1]
+        peak = logits.max(dim=-1).values
+        collectives.all_reduce(peak, "tp-ce-max", group=group, op=dist.ReduceOp.MAX)
+        shifted = logits - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        mine = (target >= start) & (target < end)
+        local_target = (target - start).masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        both = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
+        collectives.all_reduce(both, "tp-ce-sums", group=group)
+        sum_exp, target_logit = both
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, mine, local_target)
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, mine, local_target = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local_target] -= mine.to(g.dtype)
+        return g * (grad / g.shape[0]), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, full: int) -> torch.Tensor:
+    """Mean cross-entropy over all tokens, from this rank's vocabulary slice of the logits."""
+    start, _ = shard_range(full, dist.get_world_size(group), dist.get_rank(group))
+    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, start)
+
+
+def parallel_loss(loss_fn, group, full: int):
+    """The loss on a sharded output: vocab-parallel for the built-in cross-entropy, else on the
+    gathered output (a user loss sees exactly what the unsplit model would return)."""
+    from ..optim import cross_entropy
+
+    if loss_fn is cross_entropy:
+        return lambda out, y: vocab_parallel_cross_entropy(out, y, group, full)
+    return lambda out, y: loss_fn(gather_from_tp(out, group, full), y)

@@ -1,0 +1,175 @@
+"""tp, pp (gpipe, 1f1b, interleaved) and hybrid dp x tp x pp against single-process training.
+
+World-4 runs on 2 cores are slow, so each run checks several things: final weights against the
+reference, the validation loss against the reference model's, and (where a checkpoint is written)
+resuming it at another layout.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import check_ok, final_weights, metrics, run_cli, write_config
+from reference import train_reference
+
+from paratrain.cli import main
+from paratrain.data import load_batch
+from paratrain.data.datasets import corpus, digits
+from paratrain.models.gpt import gpt
+from paratrain.models.mlp import mlp
+
+STEPS, BATCH = 20, 8
+GPT = f"""
+name = "mp"
+[model]
+factory = "gpt"
+n_layer = 2
+n_head = 4
+d_model = 32
+[data]
+factory = "corpus"
+block_size = 16
+max_chars = 20000
+batch_size = {BATCH}
+shuffle = false
+[train]
+steps = {STEPS}
+optimizer = "sgd"
+lr = 0.1
+log_every = 10
+[parallel]
+microbatches = 4
+"""
+
+
+def rel_error(a: dict, b: dict) -> float:
+    """Largest per-tensor relative error. The attention's key bias gets an exactly zero gradient
+    (softmax ignores a shift shared by all keys), so it holds only rounding noise of ~1e-12 that
+    differs with summation order: tensors that small are compared by absolute error instead."""
+    assert a.keys() == b.keys(), f"keys differ: {sorted(set(a) ^ set(b))}"
+    return max(((a[k].double() - b[k].double()).norm() / max(b[k].double().norm().item(), 1e-6)).item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    train = corpus("train", block_size=16, max_chars=20000)
+    x, y = load_batch(train, torch.arange(STEPS * BATCH) % len(train))
+    torch.manual_seed(0)
+    model = gpt(train.vocab_size, n_layer=2, n_head=4, d_model=32, block_size=16)
+    weights = train_reference(model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1)
+    val = corpus("val", block_size=16, max_chars=20000)
+    vx, vy = load_batch(val, torch.arange(len(val)))
+    with torch.no_grad():
+        logits = model(vx)
+        val_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), vy.reshape(-1)).item()
+    return weights, val_loss
+
+
+def run(tmp_path, name, world, *sets, resume=None):
+    cfg = write_config(tmp_path / "gpt.toml", GPT)
+    args = ["run", str(cfg), "--nproc", str(world), "--run-dir", str(tmp_path / name)]
+    for s in sets:
+        args += ["--set", s]
+    if resume:
+        args += ["--resume", str(resume)]
+    return check_ok(run_cli(*args))
+
+
+def check_equal(tmp_path, name, reference):
+    weights, val_loss = reference
+    assert rel_error(final_weights(tmp_path / name), weights) <= 1e-4, name
+    assert abs(metrics(tmp_path / name)[-1]["val_loss"] - val_loss) <= 1e-4 * val_loss, name
+
+
+def test_tensor_parallel_then_hybrid_resumes(tmp_path, gpt_reference):
+    """tp = 2 equals one process; its step-10 checkpoint resumes at world 4 both as tp 2 x pp 2
+    (the same shards, now cut into stages) and as dp 2 x pp 2 (shards joined: tp 2 -> 1), and
+    both still end equal to one process."""
+    run(tmp_path, "tp", 2, "parallel.strategy='hybrid'", "parallel.tp=2", "checkpoint.every=10")
+    check_equal(tmp_path, "tp", gpt_reference)
+    step10 = tmp_path / "tp" / "checkpoints" / "step-10"
+    proc = run(tmp_path, "tp-pp", 4, "parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2",
+               "parallel.schedule='gpipe'", resume=step10)
+    assert "at step 10" in proc.stdout
+    check_equal(tmp_path, "tp-pp", gpt_reference)
+    # dp 2 x pp 2: gradients all-reduced over the dp sub-group only, per chunk, in its last backward
+    run(tmp_path, "dp-pp", 4, "parallel.strategy='hybrid'", "parallel.pp=2", "parallel.microbatches=2",
+        resume=step10)
+    check_equal(tmp_path, "dp-pp", gpt_reference)
+
+
+def test_pipeline_schedules(tmp_path, gpt_reference):
+    """pp = 2 with each schedule; interleaved runs 2 virtual stages per rank (4 stages, one layer
+    each); gpipe resumes interleaved's checkpoint under another cut, balanced by parameters."""
+    pp = ["parallel.strategy='pp'", "parallel.pp=2"]
+    proc = run(tmp_path, "interleaved", 2, *pp, "parallel.schedule='interleaved'", "checkpoint.every=10")
+    assert "pipeline split by time into 4 stages" in proc.stdout
+    check_equal(tmp_path, "interleaved", gpt_reference)
+    run(tmp_path, "1f1b", 2, *pp, "parallel.schedule='1f1b'")
+    check_equal(tmp_path, "1f1b", gpt_reference)
+    proc = run(tmp_path, "gpipe", 2, *pp, "parallel.schedule='gpipe'", "parallel.balance='params'",
+               resume=tmp_path / "interleaved" / "checkpoints" / "step-10")
+    assert "pipeline split by params into 2 stages" in proc.stdout and "at step 10" in proc.stdout
+    check_equal(tmp_path, "gpipe", gpt_reference)
+
+
+MLP = """
+name = "tp-plan"
+[model]
+factory = "mlp"
+hidden = 32
+[data]
+factory = "digits"
+batch_size = 24
+shuffle = false
+[train]
+steps = 20
+optimizer = "sgd"
+lr = 0.1
+clip_grad_norm = 0.5
+[parallel]
+strategy = "tp"
+tp = 2
+tp_plan = { "0" = "colwise", "2" = "rowwise", "4" = "colwise" }
+"""
+
+
+def test_user_model_tp_plan(tmp_path):
+    """An nn.Sequential split by a tp_plan (its output split too: the loss gathers nothing, it is
+    vocab-parallel), with gradient clipping over the global norm of all shards."""
+    cfg = write_config(tmp_path / "mlp.toml", MLP)
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    ref = train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y, steps=20, batch_size=24,
+                          lr=0.1, clip=0.5)
+    assert rel_error(final_weights(tmp_path / "run"), ref) <= 1e-4
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["parallel.strategy='pp'", "parallel.tp=1", "parallel.pp=2", "model.n_layers=0"], "parallel.pp"),  # 1 Linear
+    (["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'", "parallel.virtual_stages=3",
+      "model.n_layer=2"], "parallel.pp"),                                                 # 6 stages, 4 layers
+    (["parallel.strategy='tp'", "parallel.tp=2", "model.n_head=3", "model.d_model=24"], "parallel.tp"),
+    (["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=3"], "parallel.microbatches"),
+    (["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'", "parallel.microbatches=1"],
+     "parallel.microbatches"),
+    (["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={nope='colwise'}"], "parallel.tp_plan"),
+    (["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={'blocks.0.ln1'='colwise'}"], "parallel.tp_plan"),
+    (["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={'head.lm_head'='diagonal'}"], "parallel.tp_plan"),
+    (["parallel.strategy='hybrid'", "parallel.tp=3"], "parallel.tp"),                    # tp x pp does not divide 2
+    (["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='flops'"], "parallel.balance"),
+])
+def test_bad_model_parallel_config_exits_2(tmp_path, capsys, sets, key):
+    cfg = write_config(tmp_path / "c.toml", MLP if "model.n_layers=0" in sets else GPT)
+    args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r")]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], lines
+
+
+def test_user_plan_must_divide_evenly(tmp_path, capsys):
+    cfg = write_config(tmp_path / "mlp.toml", MLP.replace("hidden = 32", "hidden = 33"))
+    assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "parallel.tp" in capsys.readouterr().err
