@@ -1,5 +1,4 @@
 """Fault tolerance: killed workers, hung collectives, non-finite steps, corrupt and half-written checkpoints."""
-import shutil
 import time
 
 import pytest

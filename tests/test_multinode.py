@@ -1,5 +1,4 @@
 """A real two-node run: two network namespaces joined by a veth pair, c10d rendezvous across it."""
-import os
 import subprocess
 import sys
 

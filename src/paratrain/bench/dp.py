@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .common import relaunch
 
 
 def add_parser(which) -> None:
@@ -37,19 +38,7 @@ def add_options(p) -> None:
 
 
 def run(args) -> int:
-    from ..launch import WorkerFailure, launch
-
-    argv = [f"--steps={args.steps}", f"--rounds={args.rounds}", f"--warmup={args.warmup}",
-            f"--batch={args.batch}", f"--hidden={args.hidden}", f"--layers={args.layers}",
-            f"--in-features={args.in_features}", f"--bucket-mb={args.bucket_mb}"]
-    if args.json:
-        argv.append(f"--json={args.json}")
-    try:
-        launch("paratrain.bench.dp", argv, nproc=args.nproc, run_id="bench-dp")
-    except WorkerFailure as exc:
-        print(f"paratrain: error: benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return relaunch("paratrain.bench.dp", args, add_options, nproc=args.nproc, run_id="bench-dp")
 
 
 def build(args) -> nn.Module:

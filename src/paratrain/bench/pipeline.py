@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .common import relaunch
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -51,19 +52,7 @@ def add_options(p) -> None:
 
 
 def run(args) -> int:
-    from ..launch import WorkerFailure, launch
-
-    argv = [f"--steps={args.steps}", f"--rounds={args.rounds}", f"--warmup={args.warmup}",
-            f"--layers={args.layers}", f"--width={args.width}", f"--microbatches={args.microbatches}",
-            f"--rows={args.rows}", f"--schedules={args.schedules}"]
-    if args.json:
-        argv.append(f"--json={args.json}")
-    try:
-        launch("paratrain.bench.pipeline", argv, nproc=args.nproc, run_id="bench-pipeline")
-    except WorkerFailure as exc:
-        print(f"paratrain: error: benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return relaunch("paratrain.bench.pipeline", args, add_options, nproc=args.nproc, run_id="bench-pipeline")
 
 
 def build(args) -> nn.Sequential:

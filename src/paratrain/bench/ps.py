@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+
+from .common import relaunch
 
 ENGINES = ["sync", "async", "ssp", "dp"]
 
@@ -47,19 +48,7 @@ def add_options(p) -> None:
 
 
 def run(args) -> int:
-    from ..launch import WorkerFailure, launch
-
-    argv = [f"--steps={args.steps}", f"--rounds={args.rounds}", f"--batch={args.batch}",
-            f"--hidden={args.hidden}", f"--lr={args.lr}", f"--staleness={args.staleness}",
-            f"--factor={args.factor}", f"--target={args.target}", f"--plot={args.plot}"]
-    if args.json:
-        argv.append(f"--json={args.json}")
-    try:
-        launch("paratrain.bench.ps", argv, nproc=1 + args.workers, run_id="bench-ps")
-    except WorkerFailure as exc:
-        print(f"paratrain: error: benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return relaunch("paratrain.bench.ps", args, add_options, nproc=1 + args.workers, run_id="bench-ps")
 
 
 def compute_time(args, data) -> float:

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 
+from .dp import add_options as dp_options
 from .dp import build, timed_steps
+from .common import relaunch
 
 
 def add_parser(which) -> None:
@@ -25,32 +26,12 @@ def add_parser(which) -> None:
 
 
 def add_options(p) -> None:
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round per engine")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--batch", type=int, default=32, help="samples per rank")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--in-features", type=int, default=512)
-    p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="also write the results as JSON (to stdout without PATH)")
+    dp_options(p)  # the same model and knobs as the dp benchmark, fewer steps (zero3 is slower)
+    p.set_defaults(steps=5, warmup=2)
 
 
 def run(args) -> int:
-    from ..launch import WorkerFailure, launch
-
-    argv = [f"--steps={args.steps}", f"--rounds={args.rounds}", f"--warmup={args.warmup}",
-            f"--batch={args.batch}", f"--hidden={args.hidden}", f"--layers={args.layers}",
-            f"--in-features={args.in_features}", f"--bucket-mb={args.bucket_mb}"]
-    if args.json:
-        argv.append(f"--json={args.json}")
-    try:
-        launch("paratrain.bench.zero", argv, nproc=args.nproc, run_id="bench-zero")
-    except WorkerFailure as exc:
-        print(f"paratrain: error: benchmark failed: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return relaunch("paratrain.bench.zero", args, add_options, nproc=args.nproc, run_id="bench-zero")
 
 
 def worker(argv=None) -> None:
