@@ -128,3 +128,7 @@ def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path):
     assert "skipping checkpoint step 16" in proc.stderr and "skipping checkpoint step 12" in proc.stderr
     assert "at step 8" in proc.stdout
     assert all(torch.equal(expected[k], final_weights(tmp_path / "straight")[k]) for k in expected)
+    # 3. --resume auto onto a checkpoint of another strategy: exit 2, not a failed run
+    proc = run_cli("run", str(cfg), "--resume", "auto", "--set", "parallel.strategy='zero2'",
+                   "--run-dir", str(tmp_path / "straight"))
+    assert proc.returncode == 2 and "strategy 'dp'" in proc.stderr, proc.stderr[-500:]

@@ -101,7 +101,7 @@ def cmd_run(args) -> int:
         launch("paratrain.trainer", worker_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                rdzv=args.rdzv, max_restarts=args.max_restarts, run_id=cfg.name)
     except WorkerFailure as exc:
-        if exc.all_exitcodes == {2}:
+        if exc.own_exitcodes == {2}:
             return 2  # the worker printed which key was wrong
         return _error(f"training failed: {exc} [rank {exc.rank} was a {config_mod.role_of(cfg, exc.rank)}]", 1)
     return 0

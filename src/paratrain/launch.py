@@ -19,7 +19,7 @@ class WorkerFailure(Exception):
     rank: int
     exitcode: int
     cause: str
-    all_exitcodes: set
+    own_exitcodes: set  # of the workers that failed by themselves (not those the agent then stopped)
 
     def __str__(self) -> str:
         return f"rank {self.rank} failed (exit code {self.exitcode}): {self.cause}"
@@ -68,4 +68,4 @@ def launch(module: str, args: list[str], *, nproc: int, nnodes: int = 1, node_ra
         elif not cause or cause.startswith("To enable traceback"):
             cause = f"exited with code {failure.exitcode} (see its output above)"
         raise WorkerFailure(rank, failure.exitcode, str(cause).strip().splitlines()[-1],
-                            {f.exitcode for f in exc.failures.values()}) from None
+                            {f.exitcode for f in exc.failures.values() if f.exitcode > 0}) from None
