@@ -32,4 +32,5 @@ for step in range(args.steps):
     opt.step()
 if rank == 0:
     save_file({k: v.contiguous() for k, v in model.module.state_dict().items()}, args.out)
+dist.barrier()  # leave together: a rank tearing gloo down while its peer still talks can abort
 dist.destroy_process_group()

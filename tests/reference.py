@@ -26,3 +26,32 @@ def train_reference(model: torch.nn.Module, inputs: torch.Tensor, targets: torch
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# The job most equivalence tests share: a small MLP on digits, the contract's unshuffled batches.
+DIGITS_MLP = """
+name = "equiv"
+[model]
+factory = "mlp"
+hidden = 32
+[data]
+factory = "digits"
+batch_size = 24
+shuffle = false
+[train]
+steps = 20
+optimizer = "sgd"
+lr = 0.1
+log_every = 10
+"""
+
+
+def digits_mlp_reference(steps: int = 20, lr: float = 0.1, **kwargs) -> dict[str, torch.Tensor]:
+    """DIGITS_MLP trained in one plain process (kwargs: optimizer, clip, skip_steps)."""
+    from paratrain.data.datasets import digits
+    from paratrain.models.mlp import mlp
+
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    return train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y, steps=steps,
+                           batch_size=24, lr=lr, **kwargs)

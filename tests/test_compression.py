@@ -2,23 +2,11 @@
 import pytest
 
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
+from reference import DIGITS_MLP
 
 from paratrain.cli import main
 
-EQUIV = """
-name = "compressed"
-[model]
-factory = "mlp"
-hidden = 32
-[data]
-factory = "digits"
-batch_size = 24
-shuffle = false
-[train]
-steps = 20
-optimizer = "sgd"
-lr = 0.1
-log_every = 10
+EQUIV = DIGITS_MLP + """
 [parallel]
 bucket_mb = 0.002
 """

@@ -6,25 +6,10 @@ import pytest
 import torch
 
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
-from reference import train_reference
+from reference import DIGITS_MLP, digits_mlp_reference
 
-from paratrain.data.datasets import digits
-from paratrain.models.mlp import mlp
 
-EQUIV = """
-name = "equiv"
-[model]
-factory = "mlp"
-hidden = 32
-[data]
-factory = "digits"
-batch_size = 24
-shuffle = false
-[train]
-steps = 20
-optimizer = "sgd"
-lr = 0.1
-log_every = 5
+EQUIV = DIGITS_MLP + """
 [parallel]
 strategy = "dp"
 bucket_mb = 0.002   # a few KB: many buckets even for this small model
@@ -33,10 +18,7 @@ bucket_mb = 0.002   # a few KB: many buckets even for this small model
 
 @pytest.fixture(scope="module")
 def reference_weights():
-    x, y = digits("train").tensors
-    torch.manual_seed(0)
-    return train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y,
-                           steps=20, batch_size=24, lr=0.1)
+    return digits_mlp_reference()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -115,10 +97,7 @@ def test_under_plain_torchrun_with_adamw_and_clipping(tmp_path):
     check_ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "-m", "paratrain.trainer", str(cfg), "--run-dir", str(tmp_path / "run")],
                             capture_output=True, text=True, timeout=300))
-    x, y = digits("train").tensors
-    torch.manual_seed(0)
-    expected = train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y, steps=20, batch_size=24,
-                               lr=0.01, optimizer="adamw", clip=0.5)
+    expected = digits_mlp_reference(lr=0.01, optimizer="adamw", clip=0.5)
     assert max_rel_error(final_weights(tmp_path / "run"), expected) <= 1e-4
 
 

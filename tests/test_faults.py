@@ -5,26 +5,11 @@ import pytest
 import torch
 
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
-from reference import train_reference
+from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.bench.recovery import run_and_kill
-from paratrain.data.datasets import digits
-from paratrain.models.mlp import mlp
 
-BASE = """
-name = "faults"
-[model]
-factory = "mlp"
-hidden = 32
-[data]
-factory = "digits"
-batch_size = 24
-shuffle = false
-[train]
-steps = 16
-optimizer = "sgd"
-lr = 0.1
-log_every = 4
+BASE = DIGITS_MLP.replace("steps = 20", "steps = 16").replace("log_every = 10", "log_every = 4") + """
 [checkpoint]
 every = 4
 keep = 4
@@ -79,10 +64,7 @@ def test_non_finite_step_is_skipped_on_every_rank(tmp_path):
     cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
     proc = check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run")))
     assert "step 4: non-finite loss or gradient, update skipped" in proc.stdout
-    x, y = digits("train").tensors
-    torch.manual_seed(0)
-    expected = train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y, steps=16, batch_size=24,
-                               lr=0.1, skip_steps={3})
+    expected = digits_mlp_reference(steps=16, skip_steps={3})
     weights = final_weights(tmp_path / "run")
     assert max_rel_error(weights, expected) <= 1e-4
     assert all(torch.isfinite(w).all() for w in weights.values())

@@ -5,24 +5,11 @@ import sys
 import pytest
 
 from helpers import check_ok, final_weights, max_rel_error, run_cli, write_config
+from reference import DIGITS_MLP
 
 from paratrain import netns
 
-CFG = """
-name = "two-nodes"
-[model]
-factory = "mlp"
-hidden = 32
-[data]
-factory = "digits"
-batch_size = 24
-shuffle = false
-[train]
-steps = 12
-optimizer = "sgd"
-lr = 0.1
-log_every = 4
-"""
+CFG = DIGITS_MLP.replace("steps = 20", "steps = 12").replace("log_every = 10", "log_every = 4")
 
 ok, why = netns.available()
 

@@ -3,29 +3,13 @@ a vanished async worker is dropped; bad input exits 2; checkpoints resume, also 
 import functools
 
 import pytest
-import torch
 
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
-from reference import train_reference
+from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
-from paratrain.data.datasets import digits
-from paratrain.models.mlp import mlp
 
-PS = """
-name = "ps"
-[model]
-factory = "mlp"
-hidden = 32
-[data]
-factory = "digits"
-batch_size = 24
-shuffle = false
-[train]
-steps = 20
-optimizer = "sgd"
-lr = 0.1
-log_every = 5
+PS = DIGITS_MLP.replace("log_every = 10", "log_every = 5") + """
 [parallel]
 strategy = "ps"
 [ps]
@@ -36,10 +20,7 @@ mode = "sync"
 
 @functools.lru_cache
 def reference_weights(clip: float) -> dict:
-    x, y = digits("train").tensors
-    torch.manual_seed(0)
-    return train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y,
-                           steps=20, batch_size=24, lr=0.1, clip=clip)
+    return digits_mlp_reference(clip=clip)
 
 
 # 2 servers: with clipping that binds, so the global norm must span both shards.

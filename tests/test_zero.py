@@ -5,29 +5,15 @@ import pytest
 import torch
 
 from helpers import check_ok, final_weights, max_rel_error, run_cli, write_config
-from reference import train_reference
+from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
-from paratrain.data.datasets import digits
 from paratrain.models.cnn import cnn
 from paratrain.models.gpt import gpt
 from paratrain.models.materialize import materialize
 from paratrain.models.mlp import mlp
 
-EQUIV = """
-name = "zero-equiv"
-[model]
-factory = "mlp"
-hidden = 32
-[data]
-factory = "digits"
-batch_size = 24
-shuffle = false
-[train]
-steps = 20
-optimizer = "sgd"
-lr = 0.1
-log_every = 10
+EQUIV = DIGITS_MLP + """
 [parallel]
 strategy = "zero1"
 bucket_mb = 0.002   # a few KB: several units even for this small model
@@ -43,10 +29,7 @@ WORLD3 = ["--set", "train.optimizer='adamw'", "--set", "train.lr=0.01", "--set",
 
 
 def reference(optimizer="sgd", lr=0.1, clip=0.0):
-    x, y = digits("train").tensors
-    torch.manual_seed(0)
-    return train_reference(mlp(64, hidden=32, n_layers=2, out_features=10), x, y, steps=20, batch_size=24,
-                           lr=lr, optimizer=optimizer, clip=clip)
+    return digits_mlp_reference(lr=lr, optimizer=optimizer, clip=clip)
 
 
 @pytest.fixture(scope="module")
