@@ -3,6 +3,7 @@ the user gave, through the same elastic launch as training."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -25,3 +26,17 @@ def relaunch(module: str, args, add_options, nproc: int, run_id: str) -> int:
         print(f"paratrain: error: benchmark failed: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def add_json_option(p) -> None:
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="also write the results as JSON (to stdout without PATH)")
+
+
+def emit_json(result, dest: str | None) -> None:
+    """The `--json` output: stdout for "-", else the file `dest`; nothing without the option."""
+    if dest == "-":
+        print(json.dumps(result))
+    elif dest:
+        with open(dest, "w") as fh:
+            json.dump(result, fh, indent=1)

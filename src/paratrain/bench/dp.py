@@ -6,7 +6,6 @@ shows the median step time of each and the ratio (ours / DDP, lower is better).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import relaunch
+from .common import add_json_option, emit_json, relaunch
 
 
 def add_parser(which) -> None:
@@ -33,8 +32,7 @@ def add_options(p) -> None:
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--in-features", type=int, default=512)
     p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="also write the results as JSON (to stdout without PATH)")
+    add_json_option(p)
 
 
 def run(args) -> int:
@@ -121,11 +119,7 @@ def worker(argv=None) -> None:
         print(f"{'torch DDP':<12}{result['ddp_step_ms']:>10.1f}{result['ddp_samples_per_s']:>12.1f}")
         print(f"ratio paratrain/DDP step time: {result['ratio']:.3f} (<= 1.00 means not slower); "
               f"weights agree to {drift:.1e}")
-        if args.json == "-":
-            print(json.dumps(result))
-        elif args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
+        emit_json(result, args.json)
     runtime.shutdown()
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from .common import add_json_option, emit_json
 
 STRATEGIES = ["dp", "zero1", "zero2", "zero3", "fsdp2"]
 
@@ -28,8 +29,7 @@ def add_parser(which) -> None:
     add_model_options(p)
     p.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="also write the results as JSON (to stdout without PATH)")
+    add_json_option(p)
     p.set_defaults(func=run)
 
 
@@ -61,10 +61,7 @@ def run(args) -> int:
                 results.append(json.loads(out.read_text()))
                 print(f"  measured {strategy} at world {world}", file=sys.stderr, flush=True)
     print_table(results)
-    if args.json == "-":
-        print(json.dumps(results))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    emit_json(results, args.json)
     return 0
 
 

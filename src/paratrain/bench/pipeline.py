@@ -16,7 +16,6 @@ Then tensor parallelism: per-rank parameter bytes of the built-in gpt at tp = wo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import weakref
@@ -25,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import relaunch
+from .common import add_json_option, emit_json, relaunch
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -47,8 +46,7 @@ def add_options(p) -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rows", type=int, default=8, help="rows per microbatch")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="also write the results as JSON (to stdout without PATH)")
+    add_json_option(p)
 
 
 def run(args) -> int:
@@ -254,11 +252,7 @@ def report(results: list[dict], tp: dict, args, world: int) -> None:
     print(f"tensor parallel gpt (4 layers, d_model 128, vocab 96) at tp {tp['tp']}: "
           f"{tp['full_bytes'] / 2**20:.2f} MiB of parameters, per rank {fractions} of it (1/tp = {1 / tp['tp']:.3f})")
     out = {"benchmark": "pipeline", "world_size": world, "schedules": results, "tensor_parallel": tp}
-    if args.json == "-":
-        print(json.dumps(out))
-    elif args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    emit_json(out, args.json)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ each copy is evaluated on the validation set. Time to target = the first copy at
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from .common import relaunch
+from .common import add_json_option, emit_json, relaunch
 
 ENGINES = ["sync", "async", "ssp", "dp"]
 
@@ -43,8 +42,7 @@ def add_options(p) -> None:
     p.add_argument("--factor", type=float, default=3.0, help="how much slower the straggler is")
     p.add_argument("--target", type=float, default=0.5, help="validation loss to reach")
     p.add_argument("--plot", default="bench-ps.png", help="loss-vs-time PNG")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="also write the results as JSON (to stdout without PATH)")
+    add_json_option(p)
 
 
 def run(args) -> int:
@@ -207,11 +205,7 @@ def report(results: dict, curves: dict, args, workers: int) -> None:
     print(f"loss-vs-time plot: {args.plot}")
     out = {"benchmark": "ps", "workers": workers, "servers": 1, "target_val_loss": args.target,
            "steps": args.steps, "rounds": args.rounds, "straggler_factor": args.factor, "results": rows}
-    if args.json == "-":
-        print(json.dumps(out))
-    elif args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    emit_json(out, args.json)
 
 
 def plot(curves: dict, args) -> None:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from .common import add_json_option, emit_json
 
 SLOW_MODEL = '''
 import time
@@ -131,7 +132,7 @@ def add_parser(which) -> None:
     p.add_argument("--every", type=int, default=10, help="checkpoint.every")
     p.add_argument("--kill-after", type=int, default=25, help="kill rank 1 once this step is logged")
     p.add_argument("--pause", type=float, default=0.05, help="seconds of sleep per forward (step length)")
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH")
+    add_json_option(p)
     p.set_defaults(func=run)
 
 
@@ -151,8 +152,5 @@ def run(args) -> int:
     print(f"{'kill -> next completed step':<32}{result['recovery_s']:>8.2f} s   (target <= 15 s)")
     print(f"{'steps recomputed':<32}{result['steps_recomputed']:>8d}     (target <= {args.every})")
     print(f"{'last step before kill / resumed':<32}{result['killed_after_step']:>8d} / {result['resumed_from_step']}")
-    if args.json == "-":
-        print(json.dumps(result))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    emit_json(result, args.json)
     return 0

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .dp import build
+from .common import add_json_option, emit_json
 
 SCALING_DEFAULT = "1,2,4"
 
@@ -60,8 +61,7 @@ def add_options(p) -> None:
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--topk-ratio", type=float, default=0.01)
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="also write the results as JSON (to stdout without PATH)")
+    add_json_option(p)
 
 
 def _model_argv(args) -> list[str]:
@@ -138,10 +138,7 @@ def _run(args, launcher: Launcher, setting: str) -> int:
     png = Path(args.png or f"bench-suite-{'slow-link' if args.slow_link else 'loopback'}.png")
     plot(result, png)
     print(f"plots: {png}")
-    if args.json == "-":
-        print(json.dumps(result))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    emit_json(result, args.json)
     return 0
 
 

@@ -7,7 +7,6 @@ median step times and the ratios zero2/dp, zero3/dp and zero3/FSDP2 (lower is be
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 from .dp import add_options as dp_options
 from .dp import build, timed_steps
-from .common import relaunch
+from .common import emit_json, relaunch
 
 
 def add_parser(which) -> None:
@@ -111,11 +110,7 @@ def worker(argv=None) -> None:
               f"zero3/FSDP2 {result['zero3_vs_fsdp2']:.3f}")
         print("final weights vs dp (max abs difference / max abs weight): "
               + ", ".join(f"{k} {v:.1e}" for k, v in result["rel_weight_diff_vs_dp"].items()))
-        if args.json == "-":
-            print(json.dumps(result))
-        elif args.json:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
+        emit_json(result, args.json)
     runtime.shutdown()
 
 
