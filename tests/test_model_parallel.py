@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import check_ok, final_weights, metrics, run_cli, write_config
-from reference import digits_mlp_reference, train_reference
+from reference import DIGITS_MLP, digits_mlp_reference, train_reference
 
 from paratrain.cli import main
 from paratrain.data import load_batch
@@ -111,20 +111,7 @@ def test_pipeline_schedules(tmp_path, gpt_reference):
     check_equal(tmp_path, "gpipe", gpt_reference)
 
 
-MLP = """
-name = "tp-plan"
-[model]
-factory = "mlp"
-hidden = 32
-[data]
-factory = "digits"
-batch_size = 24
-shuffle = false
-[train]
-steps = 20
-optimizer = "sgd"
-lr = 0.1
-clip_grad_norm = 0.5
+MLP = DIGITS_MLP + """clip_grad_norm = 0.5
 [parallel]
 strategy = "tp"
 tp = 2
