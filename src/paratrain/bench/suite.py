@@ -285,10 +285,14 @@ def _ours(args, rt, compression: str):
 
 def _compute_only(args):
     """The same step with no communication at all: the floor every engine sits above."""
+    return _sgd_step(build(args), args.lr)
+
+
+def _sgd_step(model, lr: float):
+    """One plain training step of a module (a bare model or a DDP wrapper), returning the loss."""
     from ..optim import cross_entropy
 
-    model = build(args)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
     def step(x, y):
         opt.zero_grad(set_to_none=False)
@@ -305,8 +309,6 @@ def _ddp(args, hook: str | None):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ..optim import cross_entropy
-
     # torch's PowerSGD hook on gloo needs all gradients in one bucket (else: collective mismatch)
     model = DDP(build(args), bucket_cap_mb=1e4 if hook == "powersgd" else args.bucket_mb)
     if hook == "powersgd":
@@ -314,16 +316,7 @@ def _ddp(args, hook: str | None):
         model.register_comm_hook(state, psgd.powerSGD_hook)
     elif hook:
         model.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=False)
-        loss = cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step
+    return _sgd_step(model, args.lr)
 
 
 def bus_bandwidth(world: int, sizes_mib=(1, 4, 16, 38), reps: int = 5) -> list[dict]:
