@@ -104,6 +104,10 @@ def set_rng_state(tensors: dict, meta: dict) -> None:
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
 
 
-def shutdown() -> None:
+def shutdown(together: bool = False) -> None:
+    """Leave the process group; `together` (on a success path only) waits for every rank first:
+    a rank tearing gloo down while a peer still talks to it can abort the peer."""
     if dist.is_initialized():
+        if together and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

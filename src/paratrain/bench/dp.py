@@ -120,7 +120,7 @@ def worker(argv=None) -> None:
         print(f"ratio paratrain/DDP step time: {result['ratio']:.3f} (<= 1.00 means not slower); "
               f"weights agree to {drift:.1e}")
         emit_json(result, args.json)
-    runtime.shutdown()
+    runtime.shutdown(together=True)
 
 
 if __name__ == "__main__":

@@ -194,7 +194,7 @@ def worker(argv=None) -> None:
             "bucket_mb": args.bucket_mb, "params_bytes": params, "grads_bytes": grads, "optim_bytes": optim,
             "tensor_bytes": params + grads + optim, "peak_rss_bytes": peak, "base_rss_bytes": base,
             "seconds": elapsed}))
-    runtime.shutdown()
+    runtime.shutdown(together=True)
 
 
 if __name__ == "__main__":

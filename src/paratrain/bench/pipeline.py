@@ -212,7 +212,7 @@ def worker(argv=None) -> None:
     tp_result = tensor_parallel_bytes(rt, world)
     if rank == 0:
         report(results, tp_result, args, world)
-    runtime.shutdown()
+    runtime.shutdown(together=True)
 
 
 def tensor_parallel_bytes(rt, world: int) -> dict:

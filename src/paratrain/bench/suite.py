@@ -461,7 +461,7 @@ def worker(argv=None) -> None:
         result["profiler_overhead"] = profiler_overhead(args, rt, dp, data)
     if rt.is_main:
         Path(args.out).write_text(json.dumps(result))
-    runtime.shutdown()
+    runtime.shutdown(together=True)
 
 
 def agent(argv) -> int:

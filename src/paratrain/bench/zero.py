@@ -111,7 +111,7 @@ def worker(argv=None) -> None:
         print("final weights vs dp (max abs difference / max abs weight): "
               + ", ".join(f"{k} {v:.1e}" for k, v in result["rel_weight_diff_vs_dp"].items()))
         emit_json(result, args.json)
-    runtime.shutdown()
+    runtime.shutdown(together=True)
 
 
 if __name__ == "__main__":
