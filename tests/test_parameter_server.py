@@ -1,5 +1,5 @@
 """Parameter servers: sync equals single-process training; async and ssp learn; the ssp bound holds;
-a vanished async worker is dropped; bad input exits 2; checkpoints resume, also on other servers."""
+a crashed async worker is dropped and checkpoints go on without it; bad input exits 2; checkpoints resume, also on other servers."""
 import functools
 
 import pytest
@@ -61,15 +61,22 @@ def test_ssp_bound_holds_with_a_straggler(tmp_path):
     assert log[-1]["val_loss"] < 2.0
 
 
-def test_vanished_async_worker_is_dropped(tmp_path):
-    # Rank 3 leaves at its step 10 (a clean exit, so the elastic agent lets the others go on).
-    proc = run_mode(tmp_path, "async", 4, "--set", "ps.drop_after_s=5.0",
-                    env={"PARATRAIN_FAULTS": "ps_vanish@rank=3,step=10"})
+def test_crashed_async_worker_is_dropped_and_checkpoints_go_on(tmp_path):
+    # Rank 3 SIGKILLs itself at its step 10: the elastic agent must not stop the others, and the
+    # checkpoints after the drop (written by the servers alone) must succeed and resume.
+    proc = run_mode(tmp_path, "async", 4, "--set", "ps.drop_after_s=5.0", "--set", "checkpoint.every=20",
+                    "--set", "checkpoint.keep=3", env={"PARATRAIN_FAULTS": "ps_kill@rank=3,step=10"})
+    assert "worker rank 3 died (killed by SIGKILL)" in proc.stderr, proc.stderr
     assert "drops worker rank 3" in proc.stderr, proc.stderr
     assert "finished with 2 of 3 workers" in proc.stdout
     log = metrics(tmp_path / "run")
     assert log[-1]["step"] == 60 and log[-1]["dropped_workers"] == [3]
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert check_ok(run_cli("inspect", str(tmp_path / "run" / "checkpoints" / "step-40"))).returncode == 0
+    # A new run of 4 continues from the checkpoint written after the drop.
+    proc = run_mode(tmp_path, "async", 4, "--set", "train.steps=50", "--resume",
+                    str(tmp_path / "run" / "checkpoints" / "step-40"))
+    assert "at step 40" in proc.stdout
 
 
 def test_vanished_server_fails_the_run_naming_it(tmp_path):

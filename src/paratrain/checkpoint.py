@@ -92,25 +92,26 @@ def sha256_file(path: Path) -> str:
 
 
 # -- saving ---------------------------------------------------------------------------------------
-def _gather_digests(digest: str, size: int, device: torch.device) -> list[tuple[str, int]]:
-    """Every rank's (sha256, bytes), gathered as tensors (no pickled objects on the wire)."""
+def _gather_digests(digest: str, size: int, device: torch.device, world_size: int, group) -> list[tuple[str, int]]:
+    """Every saving rank's (sha256, bytes), gathered as tensors (no pickled objects on the wire)."""
     payload = torch.tensor(list(bytes.fromhex(digest)) + list(size.to_bytes(8, "little")),
                            dtype=torch.uint8, device=device)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or world_size == 1:
         return [(digest, size)]
-    out = [torch.empty_like(payload) for _ in range(dist.get_world_size())]
-    collectives.all_gather(out, payload, "checkpoint-digests")
+    out = [torch.empty_like(payload) for _ in range(world_size)]
+    collectives.all_gather(out, payload, "checkpoint-digests", group=group)
     return [(bytes(t[:32].tolist()).hex(), int.from_bytes(bytes(t[32:].tolist()), "little")) for t in out]
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        collectives.barrier("checkpoint")
+def _barrier(world_size: int, group) -> None:
+    if dist.is_initialized() and world_size > 1:
+        collectives.barrier("checkpoint", group=group)
 
 
 def save(run_dir: Path, step: int, tensors: dict, meta: dict, *, rank: int, world_size: int,
-         strategy: str, config: dict, keep: int, device: torch.device) -> Path:
-    """Collective: every rank calls it with its own shard."""
+         strategy: str, config: dict, keep: int, device: torch.device, group=None) -> Path:
+    """Collective over the saving ranks 0..world_size-1 (`group`: them; None: the world group),
+    each with its own shard."""
     root = Path(run_dir) / "checkpoints"
     tmp = root / f".tmp-step-{step}"
     final = root / f"step-{step}"
@@ -118,12 +119,12 @@ def save(run_dir: Path, step: int, tensors: dict, meta: dict, *, rank: int, worl
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    _barrier()
+    _barrier(world_size, group)
     data = encode(tensors, meta)
     write_bytes_durably(tmp / rank_file(rank), data)
     if faults.active("exit_in_save", rank=rank, step=step):
         os._exit(17)  # a crash between the shards and the manifest
-    digests = _gather_digests(hashlib.sha256(data).hexdigest(), len(data), device)
+    digests = _gather_digests(hashlib.sha256(data).hexdigest(), len(data), device, world_size, group)
     del data
     if rank == 0:
         manifest = {
@@ -138,7 +139,7 @@ def save(run_dir: Path, step: int, tensors: dict, meta: dict, *, rank: int, worl
         os.rename(tmp, final)
         _fsync_dir(root)
         prune(root, keep)
-    _barrier()
+    _barrier(world_size, group)
     return final
 
 

@@ -4,6 +4,7 @@ PARATRAIN_FAULTS holds `;`-separated faults, each `name@key=value,key=value`, e.
     skip_collective@rank=1,step=3,what=grad-bucket-0     rank 1 never issues that all-reduce
     exit_in_save@rank=0,step=8                           rank 0 dies mid-checkpoint
     ps_vanish@rank=3,step=10                             parameter-server rank 3 leaves (exit 0) at step 10
+    ps_kill@rank=3,step=10                               parameter-server rank 3 SIGKILLs itself at step 10
 A fault fires when every key it names matches; unset (the normal case) costs one dict lookup.
 """
 from __future__ import annotations

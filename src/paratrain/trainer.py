@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from . import checkpoint as ckpt
 from . import collectives
 from . import config as config_mod
+from . import guard
 from . import runtime
 from .config import Config, ConfigError
 from .data import GlobalBatchSampler, build_dataset, load_batch
@@ -85,17 +87,23 @@ class Trainer:
             print(f"resumed from {path} at step {self.step} (saved by {reader.world_size} ranks)", flush=True)
 
     def save_checkpoint(self) -> None:
+        savers, group = self.strategy.checkpoint_ranks, self.strategy.checkpoint_group
+        if self.rt.rank >= savers:
+            return
         tensors, meta = self.strategy.state_dict()
-        # Skipped steps keep weights finite; this makes sure, agreed by all ranks, before writing.
+        # Skipped steps keep weights finite; this makes sure, agreed by all savers, before writing.
         finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
-        if all_reduce_sum(torch.tensor([0.0 if finite else 1.0]), self.rt, "checkpoint-finite").item():
+        flag = torch.tensor([0.0 if finite else 1.0])
+        if savers > 1:
+            flag = all_reduce_sum(flag, self.rt, "checkpoint-finite", group)
+        if flag.item():
             raise NonFiniteError(f"not saving step {self.step}: the model or optimizer state holds non-finite values")
         rng = runtime.rng_state()
         tensors = {**tensors, **rng["tensors"]}
         meta = {**meta, "rng": rng["json"], "trainer": {"step": self.step}}
-        ckpt.save(self.run_dir, self.step, tensors, meta, rank=self.rt.rank, world_size=self.rt.world_size,
+        ckpt.save(self.run_dir, self.step, tensors, meta, rank=self.rt.rank, world_size=savers,
                   strategy=self.cfg.parallel.strategy, config=self.cfg.to_dict(),
-                  keep=self.cfg.checkpoint.keep, device=self.rt.device)
+                  keep=self.cfg.checkpoint.keep, device=self.rt.device, group=group)
 
     # -- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -284,6 +292,9 @@ def main(argv=None) -> int:
         os.environ.setdefault("PARATRAIN_CONFIG_DIR", str(Path(args.config).resolve().parent))
     try:
         cfg = config_mod.load(args.config, args.overrides)
+        rank = int(os.environ.get("RANK", 0))
+        if strategy_class(cfg.parallel.strategy).expendable(cfg, rank) and not guard.is_guarded_child():
+            return guard.run_guarded(sys.argv[1:] if argv is None else argv, f"worker rank {rank}")
         rt = runtime.init(cfg.train.device, cfg.parallel.timeout_s)
         config_mod.check_world(cfg, rt.world_size)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
@@ -305,7 +316,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
+    try:
+        code = main()
+    except guard.FailsRun:  # an expendable rank whose failure must fail the run: tell its guard
+        traceback.print_exc()
+        code = guard.FAILS_RUN_EXIT if guard.is_guarded_child() else 1
     # Everything is closed and flushed by now; skipping the interpreter's teardown of torch saves
     # most of a second per worker, which every run and every test pays.
     sys.stdout.flush()

@@ -20,7 +20,11 @@ Hooks with defaults that fit strategies whose ranks run in lockstep (override wh
                       logged step, checking every rank's collective sequence with them; a strategy
                       whose ranks do not run in lockstep returns the total on rank 0 itself;
     step_metrics()    extra entries for metrics.jsonl, called on every rank at each logged step
-                      (rank 0's dict is logged; default: none).
+                      (rank 0's dict is logged; default: none);
+    checkpoint_ranks, checkpoint_group
+                      ranks 0..checkpoint_ranks-1 write a checkpoint, meeting in checkpoint_group
+                      (default: every rank, the world group); a strategy whose other ranks hold
+                      nothing to save (async ps workers) lets them run on instead of waiting.
 Collectives go through `paratrain.collectives` so that a hang names the rank, operation and step.
 
 and sets one: `profiler` (paratrain/profile.py), which a strategy reports to from train_step; the
@@ -65,6 +69,13 @@ class Strategy:
         self.skipped_step = False  # set by train_step; the same on every rank (an agreed decision)
         self.reads_data = True
         self.trainer_group = None
+        self.checkpoint_ranks = rt.world_size
+        self.checkpoint_group = None
+
+    @classmethod
+    def expendable(cls, cfg: Config, rank: int) -> bool:
+        """Whether the run goes on without this rank should its process die (see paratrain/guard.py)."""
+        return False
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):

@@ -24,14 +24,19 @@ pushes until every live worker has finished step k, so rank 0 logs at the slowes
 its last train_step serves until every live worker is done and then sends all of them the final
 parameters, so the run ends in lockstep (evaluation, export) even though it ran asynchronously.
 
-Faults: async/ssp servers drop a worker that stays silent for ps.drop_after_s (and say so), and the
-trainer's collectives then run over the live ranks only; a sync server, or a worker whose server
-does not answer within parallel.timeout_s, fails with a message naming the missing rank.
+Faults: async/ssp servers drop a worker whose connection breaks or that stays silent for
+ps.drop_after_s (and say so), and the trainer's collectives then run over the live ranks only;
+checkpoints are the servers' alone. A worker process that crashes is kept from failing the whole
+job by `guard_worker` (its parent reports the death and leaves cleanly, so the elastic agent lets the
+others go on). A sync server, or a worker whose server does not answer within parallel.timeout_s,
+fails with a message naming the missing rank.
 """
 from __future__ import annotations
 
 import os
 import queue
+import re
+import signal
 import sys
 import threading
 import time
@@ -43,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint as ckpt
-from .. import faults
+from .. import faults, guard
 from ..optim import build_optimizer, set_lr
 from .base import Strategy, clip_factor, unique_parameters
 
@@ -129,6 +134,10 @@ class ParameterServer(Strategy):
         self.shards = [FlatShard([params[i] for i in idx]) for idx in self.shard_index]
         # Servers that must agree on something (sync clipping, the live set, metrics) talk in here.
         self.server_group = dist.new_group(self.servers, backend="gloo") if len(self.servers) > 1 else None
+        if self.mode != "sync":
+            # Only servers hold state, and async workers must not wait for a checkpoint (nor for a
+            # dropped worker at one): the servers write it among themselves.
+            self.checkpoint_ranks, self.checkpoint_group = len(self.servers), self.server_group
         self.step_index = 0  # the trainer step the next train_step is for
         self.total_steps = cfg.train.steps
         self.stats = PushStats()
@@ -137,6 +146,10 @@ class ParameterServer(Strategy):
             self._init_server()
         else:
             self._init_worker()
+
+    @classmethod
+    def expendable(cls, cfg, rank: int) -> bool:
+        return cfg.ps.mode != "sync" and rank >= cfg.ps.servers
 
     # -- setup ----------------------------------------------------------------------------------
     def _init_server(self) -> None:
@@ -181,6 +194,8 @@ class ParameterServer(Strategy):
         if faults.active("ps_vanish", rank=self.rt.rank, step=self.step_index):  # tests: leave with exit 0
             print(f"ps: {self._role(self.rt.rank)} vanishes at step {self.step_index} (fault injection)", flush=True)
             os._exit(0)
+        if faults.active("ps_kill", rank=self.rt.rank, step=self.step_index):  # tests: a crash
+            os.kill(os.getpid(), signal.SIGKILL)
         final = self.step_index == self.total_steps - 1
         if self.is_server:
             loss = self._serve_sync() if self.mode == "sync" else self._serve_async(final)
@@ -227,16 +242,21 @@ class ParameterServer(Strategy):
         try:
             return op(buf, peer, group=self.comm_group, tag=tag)
         except RuntimeError as exc:
-            raise RuntimeError(f"ps: {self._role(peer)} is gone: {first_line(exc)}") from None
+            raise self._lost(peer, f"is gone: {first_line(exc)}") from None
 
     def _wait(self, work, peer: int) -> None:
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
             if "Timed out" in str(exc):
-                raise RuntimeError(f"ps: no answer from {self._role(peer)} within parallel.timeout_s = "
-                                   f"{self.timeout.total_seconds():g}s") from None
-            raise RuntimeError(f"ps: {self._role(peer)} is gone: {first_line(exc)}") from None
+                raise self._lost(peer, f"did not answer within parallel.timeout_s = "
+                                       f"{self.timeout.total_seconds():g}s") from None
+            raise self._lost(peer, f"is gone: {first_line(exc)}") from None
+
+    def _lost(self, peer: int, what: str) -> RuntimeError:
+        """A lost server fails the run, also when a guarded (expendable) worker is the one to notice."""
+        kind = guard.FailsRun if peer in self.servers else RuntimeError
+        return kind(f"ps: {self._role(peer)} {what}")
 
     def _role(self, rank: int) -> str:
         return f"parameter server rank {rank}" if rank in self.servers else f"worker rank {rank}"
@@ -333,9 +353,6 @@ class ParameterServer(Strategy):
         self.stats.dropped.append(w)
         print(f"ps: server rank {self.rt.rank} drops worker rank {w}: {why}; training goes on with "
               f"{len(self.live)} workers", file=sys.stderr, flush=True)
-        if self.cfg.checkpoint.every:
-            print("ps: warning: periodic checkpoints need every rank, so the next one will fail this run; "
-                  "continue it from the last one with --resume auto", file=sys.stderr, flush=True)
         if not self.live:
             raise RuntimeError("ps: every worker is gone")
         self._release_held()
@@ -507,4 +524,9 @@ class PushStats:
 
 
 def first_line(exc: Exception) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    """The gist of a gloo error: its first sentence, without the source location in front."""
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])
+    return text.split(". ")[0]
