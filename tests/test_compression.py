@@ -1,4 +1,5 @@
-"""Gradient compression in dp: 16-bit casts stay close to exact; top-k and PowerSGD still learn."""
+"""Gradient compression in dp (and 16-bit casts in zero's reduce-scatter): 16-bit casts stay close to
+exact; top-k and PowerSGD still learn."""
 import pytest
 
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
@@ -37,11 +38,11 @@ def exact(tmp_path_factory):
     return final_weights(tmp / "run")
 
 
-@pytest.mark.parametrize("codec", ["bf16", "fp16"])
-def test_16_bit_casts_end_close_to_uncompressed(tmp_path, exact, codec):
+@pytest.mark.parametrize("strategy, codec", [("dp", "bf16"), ("dp", "fp16"), ("zero1", "fp16"), ("zero2", "bf16")])
+def test_16_bit_casts_end_close_to_uncompressed(tmp_path, exact, strategy, codec):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
     check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
-                     "--set", f"parallel.compression='{codec}'"))
+                     "--set", f"parallel.strategy='{strategy}'", "--set", f"parallel.compression='{codec}'"))
     err = max_rel_error(final_weights(tmp_path / "run"), exact)
     assert 0 < err <= 1e-2, err  # lossy (not bit-equal) but only by rounding
 
@@ -73,6 +74,15 @@ def test_bad_compression_options_exit_2(tmp_path, capsys, override, key):
     code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
+
+
+@pytest.mark.parametrize("strategy, codec", [("zero2", "powersgd"), ("tp", "bf16"), ("ps", "fp16")])
+def test_compression_a_strategy_cannot_use_exits_2(tmp_path, capsys, strategy, codec):
+    cfg = write_config(tmp_path / "c.toml", EQUIV)
+    code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"),
+                 "--set", f"parallel.strategy='{strategy}'", "--set", f"parallel.compression='{codec}'"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "parallel.compression" in err, err
 
 
 RESUME = EQUIV.replace("steps = 20", "steps = 8").replace("log_every = 10", "log_every = 4") + """

@@ -218,6 +218,14 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError("parallel.strategy",
                           f"{cfg.parallel.strategy!r} is not available in this version "
                           f"(available: {', '.join(sorted(STRATEGIES))})")
+    strategy, compression = cfg.parallel.strategy, cfg.parallel.compression
+    if compression != "none" and strategy != "dp":
+        if not strategy.startswith("zero"):
+            raise ConfigError("parallel.compression", f"compresses dp's and zero's gradient averaging; "
+                                                      f"strategy {strategy!r} takes only 'none'")
+        if compression not in ("bf16", "fp16"):
+            raise ConfigError("parallel.compression", f"{compression!r} needs an all-reduce of whole gradients; "
+                                                      f"{strategy}'s reduce-scatter takes 'none', 'bf16' or 'fp16'")
 
 
 def data_parallel_degree(cfg: Config, world_size: int) -> int:

@@ -9,7 +9,9 @@ For every schedule the table gives:
     measured alone on each rank (small CPU microbatches cost more per row, so this is the honest
     lower bound), and our ratio to it;
   * the measured bubble: each stage's idle fraction of the schedule (1 - compute / wall time),
-    against the theory (p - 1) / (v*m + p - 1);
+    against the theory (p - 1) / (v*m + p - 1), which assumes stages of equal cost; beside it the
+    same theory for the stage costs measured in the run (a lighter stage idles by its lightness
+    too: 1 - busy_s / ((v*m + p - 1) / (v*m) * busy_max), which is the theory for the slowest);
   * the peak bytes of activations saved for backward (1f1b keeps at most p microbatches alive).
 Then tensor parallelism: per-rank parameter bytes of the built-in gpt at tp = world size.
 """
@@ -173,13 +175,14 @@ def worker(argv=None) -> None:
             spans, ours.engine.timeline = ours.engine.timeline, None
             busy = sum(e - s for kind, s, e in spans if kind in "FB")
             idle.append(1 - busy / sum(e - s for kind, s, e in spans if kind == "step"))
+            busy_s.append(busy)
 
         def alone_step():  # the ideal's unit, taken under the same machine noise as the steps
             alone.append(max(stage_alone_seconds(chunk, x[:rows], repeats=3) for chunk in ours.chunks))
 
         timed(ours_step, args.warmup)
         timed(torch_step, args.warmup)
-        t_ours, t_torch, idle, alone = [], [], [], []
+        t_ours, t_torch, idle, busy_s, alone = [], [], [], [], []
         for _ in range(args.rounds):  # rounds alternate the engines so both see the same noise
             t_ours += timed(ours_recorded, args.steps)
             t_torch += timed(torch_step, args.steps)
@@ -190,7 +193,7 @@ def worker(argv=None) -> None:
         alone = statistics.median(alone)
 
         stats = torch.tensor([statistics.median(t_ours), statistics.median(t_torch), statistics.median(idle),
-                              memory.peak, alone], dtype=torch.float64)
+                              memory.peak, alone, statistics.median(busy_s)], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats)
         if rank == 0:
@@ -198,6 +201,8 @@ def worker(argv=None) -> None:
             step_ours, step_torch = per_rank[:, 0].max().item(), per_rank[:, 1].max().item()
             slowest = per_rank[:, 4].max().item()
             ideal = (m * v + world - 1) * slowest
+            busy = per_rank[:, 5]
+            span = (m * v + world - 1) / (m * v) * busy.max().item()  # the slowest stage's ideal wall time
             results.append({
                 "schedule": schedule, "stages": world, "virtual_stages": v, "microbatches": m, "rows": rows,
                 "paratrain_step_ms": step_ours * 1e3, "torch_step_ms": step_torch * 1e3,
@@ -205,6 +210,7 @@ def worker(argv=None) -> None:
                 "ratio_vs_ideal": step_ours / ideal, "torch_ratio_vs_ideal": step_torch / ideal,
                 "bubble_measured": per_rank[:, 2].tolist(),
                 "bubble_theory": (world - 1) / (m * v + world - 1),
+                "bubble_theory_measured_loads": (1 - busy / span).tolist(),
                 "peak_saved_activation_bytes": per_rank[:, 3].tolist(),
             })
         del ours, torch_schedule, stages
@@ -240,14 +246,15 @@ def report(results: list[dict], tp: dict, args, world: int) -> None:
           f"{args.microbatches} microbatches of {args.rows} rows, gloo; medians of "
           f"{args.rounds * args.steps} interleaved steps per engine")
     head = (f"{'schedule':<12}{'ours ms':>9}{'torch ms':>10}{'ours/torch':>11}{'ideal ms':>10}{'ours/ideal':>11}"
-            f"{'torch/ideal':>12}{'bubble (per stage)':>22}{'theory':>8}{'peak act MiB':>15}")
+            f"{'torch/ideal':>12}{'bubble (per stage)':>22}{'theory':>8}{'at measured loads':>20}{'peak act MiB':>15}")
     print(head)
     for r in results:
         bubble = " ".join(f"{b * 100:.1f}%" for b in r["bubble_measured"])
         memory = " ".join(f"{b / 2**20:.1f}" for b in r["peak_saved_activation_bytes"])
+        loads = " ".join(f"{b * 100:.1f}%" for b in r["bubble_theory_measured_loads"])
         print(f"{r['schedule']:<12}{r['paratrain_step_ms']:>9.1f}{r['torch_step_ms']:>10.1f}{r['ratio_vs_torch']:>11.2f}"
               f"{r['ideal_ms']:>10.1f}{r['ratio_vs_ideal']:>11.2f}{r['torch_ratio_vs_ideal']:>12.2f}"
-              f"{bubble:>22}{r['bubble_theory'] * 100:>7.1f}%{memory:>15}")
+              f"{bubble:>22}{r['bubble_theory'] * 100:>7.1f}%{loads:>20}{memory:>15}")
     fractions = " ".join(f"{f:.3f}" for f in tp["per_rank_fraction"])
     print(f"tensor parallel gpt (4 layers, d_model 128, vocab 96) at tp {tp['tp']}: "
           f"{tp['full_bytes'] / 2**20:.2f} MiB of parameters, per rank {fractions} of it (1/tp = {1 / tp['tp']:.3f})")

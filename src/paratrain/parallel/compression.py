@@ -1,13 +1,16 @@
 """Gradient compression: how one bucket of gradients is averaged across a group.
 
 The seam (like a DDP comm hook): before the backward, a strategy clears each bucket's flat gradient
-buffer with `codec.reset(key, flat, shapes)` (not zero_(): codecs with error feedback put last step's
-error there, so backward accumulates grad + error at no extra pass over memory). It then hands it to
-`codec.launch(key, flat, shapes, group, profiler)` the moment the bucket is ready, keeps the
-returned handle, and later calls `handle.wait()`, after which `flat` holds the average over the
-group (exactly, or approximately for lossy codecs). `key` names the bucket across steps, so codecs
-with memory (error feedback, warm start) keep per-bucket state. A sharding strategy (zero2) can
-average through the same seam and keep its shard of the result.
+buffer with `codec.reset(key, flat, shapes)` (not zero_(): codecs with error feedback keep last
+step's error there, so backward accumulates grad + error at no extra pass over memory). It then hands
+it to `codec.launch(key, flat, shapes, group, profiler)` the moment the bucket is ready and keeps the
+returned handle. After the backward it calls `handle.advance()` on every bucket (a codec with a
+second round of communication starts it there, so that round overlaps the next buckets' work), then
+`handle.wait()`, after which `codec.result(key, flat)` holds the average over the group (exactly,
+or approximately for lossy codecs): `flat` itself, or for PowerSGD a second buffer, since `flat`
+keeps the error. `key` names the bucket across steps, so codecs with memory (error feedback, warm
+start) keep per-bucket state. A sharding strategy (zero2) can average through the same seam and
+keep its shard of the result.
 
     parallel.compression   what crosses the wire per bucket           exact?
     none                   the fp32 buffer, one all-reduce            yes (the equivalence promise)
@@ -23,11 +26,14 @@ Codecs with memory save it per rank through state_dict() / load_state_dict(tenso
 with the codec's name, so a checkpoint of another codec is ignored): a resumed run continues with
 the same error feedback and warm start as an uninterrupted one.
 
-PowerSGD of one bucket, phase by phase (arrows are all-reduces; only P's overlaps backward):
-    reset  (before)        M = error  (backward then adds the gradient)
-    launch (in backward)   P = M Q;  ----P---->  ----dense---->
-    wait   (after)         P = orthonormal(P);  Q = M^T P;  ----Q---->  Q /= N
-                           error = M - P Q^T;  grad = P Q^T
+PowerSGD of one bucket, phase by phase (arrows are all-reduces; P's overlaps backward, Q's the
+next buckets' advance):
+    reset   (before)        M = error, already in place in `flat` (backward then adds the gradient)
+    launch  (in backward)   P = M Q;  ----P---->  ----dense---->
+    advance (after)         P = orthonormal(P);  Q = M^T P;  ----Q---->
+    wait                    Q /= N;  out = M;  M -= P Q^T (the error, left in flat);  out -= M (= P Q^T)
+Per matrix that is two reads of M for the products and five passes for error and result; keeping
+the error in `flat` saves the copy back into it that a separate error buffer would cost each step.
 """
 from __future__ import annotations
 
@@ -43,18 +49,34 @@ from ..config import ParallelConfig
 class Done:
     """Handle of a reduction that needed no communication (a group of one)."""
 
+    def advance(self) -> None:
+        pass
+
     def wait(self) -> None:
         pass
 
 
 class _Work:
-    def __init__(self, works, profiler, finish=None):
-        self.works, self.profiler, self.finish = works, profiler, finish
+    """Waits for `works`, then runs `finish`; with `second` (a function that starts another round
+    and returns its finishing function), advance() runs that round's start early."""
 
-    def wait(self) -> None:
+    def __init__(self, works, profiler, finish=None, second=None):
+        self.works, self.profiler, self.finish, self.second = works, profiler, finish, second
+
+    def _wait_works(self) -> None:
         with self.profiler.phase("comm"):
             for w in self.works:
                 w.wait()
+        self.works = []
+
+    def advance(self) -> None:
+        if self.second is not None:
+            self._wait_works()
+            self.finish, self.second = self.second(), None
+
+    def wait(self) -> None:
+        self.advance()
+        self._wait_works()
         if self.finish is not None:
             self.finish()
 
@@ -62,6 +84,9 @@ class _Work:
 class Stateless:
     def reset(self, key, flat: torch.Tensor, shapes) -> None:
         flat.zero_()
+
+    def result(self, key, flat: torch.Tensor) -> torch.Tensor:
+        return flat
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
@@ -128,6 +153,9 @@ class TopK:
         else:
             flat.copy_(error)
 
+    def result(self, key, flat: torch.Tensor) -> torch.Tensor:
+        return flat
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"topk.{key}.error": error for key, error in self.error.items()}
 
@@ -183,10 +211,11 @@ class TopK:
 
 
 class _PowerBucket:
-    """PowerSGD state of one bucket: which views are matrices, their error, P and Q."""
+    """PowerSGD state of one bucket: which views are matrices, P and Q, and the result buffer.
+    The error of each matrix lives in the reducer's own buffer `flat` between steps."""
 
     def __init__(self, flat: torch.Tensor, shapes, rank: int, seed: int):
-        self.matrices, self.dense = [], []  # (offset, n, m) and (offset, numel)
+        self.matrices, self.dense = [], []  # (offset, n, m, r) and (offset, numel)
         offset = 0
         for shape in shapes:
             numel = math.prod(shape)
@@ -199,7 +228,8 @@ class _PowerBucket:
                 self.dense.append((offset, numel))
             offset += numel
         kw = dict(dtype=flat.dtype, device=flat.device)
-        self.error = [torch.zeros(n, m, **kw) for _, n, m, _ in self.matrices]
+        self.flat = flat
+        self.out = torch.zeros_like(flat)
         self.p_flat = torch.zeros(sum(n * r for _, n, _, r in self.matrices), **kw)
         self.q_flat = torch.zeros(sum(m * r for _, _, m, r in self.matrices), **kw)
         self.dense_flat = torch.zeros(sum(numel for _, numel in self.dense), **kw)
@@ -217,8 +247,11 @@ class _PowerBucket:
     def fill_random_q(self) -> None:
         self.q_flat.copy_(torch.randn(self.q_flat.numel(), generator=self.gen, dtype=self.q_flat.dtype))
 
-    def views(self, flat: torch.Tensor):
-        return [flat[o:o + n * m].view(n, m) for o, n, m, _ in self.matrices]
+    def views(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [t[o:o + n * m].view(n, m) for o, n, m, _ in self.matrices]
+
+    def dense_views(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [t[o:o + numel] for o, numel in self.dense]
 
 
 class PowerSGD:
@@ -230,20 +263,24 @@ class PowerSGD:
         self.restored: dict[str, torch.Tensor] = {}  # loaded before the buckets' first launch
 
     def reset(self, key, flat: torch.Tensor, shapes) -> None:
-        if key not in self.state and not self.restored:
+        st = self.state.get(key)
+        if st is None and f"powersgd.{key}.q" in self.restored:
+            st = self._bucket(key, flat, shapes)  # puts the saved error into flat
+        if st is None:
             flat.zero_()  # the first step: no error yet
             return
-        st = self._bucket(key, flat, shapes)
-        for M, error in zip(st.views(flat), st.error):
-            M.copy_(error)
-        for o, numel in st.dense:
-            flat[o:o + numel].zero_()
+        for d in st.dense_views(flat):  # the matrices keep their error: backward adds to it
+            d.zero_()
+
+    def result(self, key, flat: torch.Tensor) -> torch.Tensor:
+        st = self.state.get(key)
+        return flat if st is None else st.out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {}
         for key, st in self.state.items():
             out[f"powersgd.{key}.q"] = st.q_flat
-            out.update({f"powersgd.{key}.error{i}": e for i, e in enumerate(st.error)})
+            out.update({f"powersgd.{key}.error{i}": e for i, e in enumerate(st.views(st.flat))})
         return out
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -254,14 +291,11 @@ class PowerSGD:
         st = self.state.get(key)
         if st is None:
             st = self.state[key] = _PowerBucket(flat, shapes, self.rank, self.seed + key)
-            self._restore(key, st)
+            if f"powersgd.{key}.q" in self.restored:
+                st.q_flat.copy_(self.restored[f"powersgd.{key}.q"])
+                for i, M in enumerate(st.views(flat)):
+                    M.copy_(self.restored[f"powersgd.{key}.error{i}"])
         return st
-
-    def _restore(self, key: int, st: _PowerBucket) -> None:
-        if f"powersgd.{key}.q" in self.restored:
-            st.q_flat.copy_(self.restored[f"powersgd.{key}.q"])
-            for i, e in enumerate(st.error):
-                e.copy_(self.restored[f"powersgd.{key}.error{i}"])
 
     def launch(self, key, flat: torch.Tensor, shapes, group, profiler):
         world = dist.get_world_size(group)
@@ -273,39 +307,43 @@ class PowerSGD:
             if not (fresh or self.warm_start):
                 st.fill_random_q()
             ms = st.views(flat)
-            for M, Pt, Qt in zip(ms, st.ps, st.qs):  # M = grad + error (reset() put the error there)
+            for M, Pt, Qt in zip(ms, st.ps, st.qs):  # M = grad + error (reset() left the error there)
                 torch.mm(Qt, M.t(), out=Pt)  # P = M Q
             if st.dense:
-                torch.cat([flat[o:o + numel] for o, numel in st.dense], out=st.dense_flat)
+                torch.cat(st.dense_views(flat), out=st.dense_flat)
         works = []
         for what, buf in (("P", st.p_flat), ("dense", st.dense_flat)):
             if buf.numel():
                 profiler.comm("all_reduce", buf, group)
                 works.append(collectives.all_reduce(buf, f"powersgd-{what}-{key}", group=group, async_op=True))
 
-        def finish():
+        def second_round():  # P has arrived: Q = M^T P, and send Q
             with profiler.phase("compress"):
                 for M, Pt, Qt in zip(ms, st.ps, st.qs):
                     Pt.copy_(torch.linalg.qr(Pt.t()).Q.t())  # orthonormal columns of P
                     torch.mm(Pt, M, out=Qt)  # Q = M^T P
             if st.q_flat.numel():
                 profiler.comm("all_reduce", st.q_flat, group)
-                work = collectives.all_reduce(st.q_flat, f"powersgd-Q-{key}", group=group, async_op=True)
-                with profiler.phase("comm"):
-                    work.wait()
+                handle.works.append(collectives.all_reduce(st.q_flat, f"powersgd-Q-{key}", group=group,
+                                                           async_op=True))
+            return finish
+
+        def finish():
             with profiler.phase("compress"):
                 st.q_flat.div_(world)
-                for M, error, Pt, Qt in zip(ms, st.error, st.ps, st.qs):
-                    torch.addmm(M, Pt.t(), Qt, alpha=-1, out=error)  # error = M - P Q^T
-                    M.sub_(error)  # grad = P Q^T (a subtraction is ~2x cheaper than the rank-r product)
+                for M, out, Pt, Qt in zip(ms, st.views(st.out), st.ps, st.qs):
+                    out.copy_(M)
+                    M.addmm_(Pt.t(), Qt, alpha=-1)  # the error M - P Q^T, kept in flat for next step
+                    out.sub_(M)  # = P Q^T (a copy and a subtraction beat writing the product on CPU)
                 if st.dense:
                     st.dense_flat.div_(world)
                     o2 = 0
-                    for o, numel in st.dense:
-                        flat[o:o + numel].copy_(st.dense_flat[o2:o2 + numel])
-                        o2 += numel
+                    for out in st.dense_views(st.out):
+                        out.copy_(st.dense_flat[o2:o2 + out.numel()])
+                        o2 += out.numel()
 
-        return _Work(works, profiler, finish)
+        handle = _Work(works, profiler, second=second_round)
+        return handle
 
 
 def build_codec(p: ParallelConfig, seed: int = 0):

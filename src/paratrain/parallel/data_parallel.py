@@ -45,6 +45,7 @@ class Bucket:
         used = sum(p.numel() for p in params)
         self.numel = -(-used // pad_to) * pad_to
         self.buffer: torch.Tensor | None = None
+        self.bound: torch.Tensor | None = None  # the buffer the parameters' .grad views point into
         self.pending = len(params)
         self.work = None
 
@@ -52,11 +53,16 @@ class Bucket:
         self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         return self.buffer
 
-    def bind_grads(self) -> None:
+    def bind_grads(self, flat: torch.Tensor | None = None) -> None:
+        """Point every parameter's .grad at its slice of `flat` (default: the bucket's buffer)."""
+        flat = self.buffer if flat is None else flat
+        if flat is self.bound:
+            return
         offset = 0
         for p in self.params:
-            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            p.grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+        self.bound = flat
 
 
 def make_buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device,
@@ -96,6 +102,7 @@ class GradientReducer:
     def zero_grad(self) -> None:
         for b in self.buckets:
             self.codec.reset(b.index, b.buffer, b.shapes)
+            b.bind_grads()  # backward accumulates into the buffer (finish may have pointed elsewhere)
 
     def prepare(self, sync: bool) -> None:
         """Before a backward: `sync` says whether this backward should communicate."""
@@ -132,18 +139,22 @@ class GradientReducer:
         on the wire; every rank holds the same averaged gradients, so every rank gets the same norm
         and takes the same decisions from it (clip, skip a non-finite step) without talking."""
         self._launch(until=len(self.buckets), only_ready=False)
+        for b in self.buckets:  # a codec's second round of communication starts for every bucket
+            if b.work is not None:
+                b.work.advance()
         norms = []
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
-            norms.append(torch.linalg.vector_norm(b.buffer))
+            b.bind_grads(self.codec.result(b.index, b.buffer))  # the optimizer reads the average
+            norms.append(torch.linalg.vector_norm(b.bound))
         self.sync = False
         return torch.linalg.vector_norm(torch.stack(norms))
 
     def scale_(self, factor: torch.Tensor) -> None:
         for b in self.buckets:
-            b.buffer.mul_(factor)
+            b.bound.mul_(factor)
 
 
 class DataParallel(Strategy):

@@ -47,6 +47,12 @@ from .zero_comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their children are
 
 
+def wire_dtype(cfg) -> torch.dtype | None:
+    """parallel.compression for ZeRO: bf16 / fp16 reduce-scatter a 16-bit copy of each gradient
+    bucket (the other codecs need an all-reduce of every rank's whole gradient: config rejects them)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.parallel.compression)
+
+
 def on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters())
 
@@ -162,7 +168,8 @@ class Zero(Strategy):
     def _setup_communication(self, model) -> None:
         """Stage 1: dp's persistent buckets, reduce-scattered in place; the shard's grad is a view."""
         params = [p for u in reversed(self.units) for p in reversed(u.params)]  # registration order
-        self.reducer = ShardReducer(params, self.cfg.parallel.bucket_mb, self.device, self.group)
+        self.reducer = ShardReducer(params, self.cfg.parallel.bucket_mb, self.device, self.group,
+                                    wire_dtype(self.cfg))
         for u, b in zip(self.units, self.reducer.buckets):
             assert [id(p) for p in u.params] == [id(p) for p in b.params], "bucket and unit layouts differ"
             u.shard.grad = self.reducer.own_slice(b)
@@ -310,7 +317,7 @@ class Zero2(Zero):
     stage = 2
 
     def _setup_communication(self, model) -> None:
-        self.reducer = StreamingShardReducer(self.units, self.group, in_order=True)
+        self.reducer = StreamingShardReducer(self.units, self.group, in_order=True, wire_dtype=wire_dtype(self.cfg))
         for u in self.units:
             u.shard.grad = u.grad_shard
 
@@ -358,7 +365,7 @@ class Zero3(Zero2):
     def _setup_communication(self, model) -> None:
         self.gatherer = ParameterGatherer(self.units, model, self.group)
         self.reducer = StreamingShardReducer(self.units, self.group, in_order=False,
-                                             on_launch=self.gatherer.reshard)
+                                             on_launch=self.gatherer.reshard, wire_dtype=wire_dtype(self.cfg))
         for u in self.units:
             u.shard.grad = u.grad_shard
 

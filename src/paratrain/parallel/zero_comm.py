@@ -37,6 +37,9 @@ class Works:
     def __init__(self, works: list, then=None):
         self.works, self.then = works, then
 
+    def advance(self) -> None:  # one round only (GradientReducer.finish calls it on every handle)
+        pass
+
     def wait(self) -> bool:
         for w in self.works:
             w.wait()
@@ -50,9 +53,15 @@ def _on_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, what: str, group) -> Works:
-    """Async: `output` (this rank's chunk of `flat`, or a tensor of its size) gets the chunk's sum."""
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, what: str, group, wire_dtype=None) -> Works:
+    """Async: `output` (this rank's chunk of `flat`, or a tensor of its size) gets the chunk's sum.
+    `wire_dtype` (parallel.compression bf16 | fp16): reduce a 16-bit copy, half the bytes."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if wire_dtype is not None and wire_dtype != flat.dtype:
+        small = flat.to(wire_dtype)
+        own_small = small.chunk(world)[rank]
+        return Works([reduce_scatter(own_small, small, f"{what}-{wire_dtype}", group)],
+                     then=lambda: output.copy_(own_small))
     if not _on_gloo(group):
         return Works([collectives.reduce_scatter(output, flat, what, group=group, async_op=True)])
     own = flat.chunk(world)[rank]
@@ -113,9 +122,10 @@ class ShardReducer(GradientReducer):
     bucket is reduce-scattered in place: afterwards this rank's slice of it holds the average (the
     rest is whatever the collective left there, and unused)."""
 
-    def __init__(self, params, bucket_mb, device, group=None):
+    def __init__(self, params, bucket_mb, device, group=None, wire_dtype=None):
         super().__init__(params, bucket_mb, device, group, pad_to=dist.get_world_size(group))
         self.rank = dist.get_rank(group)
+        self.wire_dtype = wire_dtype
 
     def own_slice(self, b: Bucket) -> torch.Tensor:
         size = b.numel // self.world
@@ -123,7 +133,8 @@ class ShardReducer(GradientReducer):
 
     def _communicate(self, b: Bucket):
         b.buffer.div_(self.world)
-        return reduce_scatter(self.own_slice(b), b.buffer, f"zero-grad-bucket-{b.index}", self.group)
+        return reduce_scatter(self.own_slice(b), b.buffer, f"zero-grad-bucket-{b.index}", self.group,
+                              self.wire_dtype)
 
 
 
@@ -142,8 +153,10 @@ class StreamingShardReducer:
     `on_launch(unit)` runs when a unit's gradients are all in (stage 3 frees its parameters then).
     """
 
-    def __init__(self, units: list[FlatUnit], group=None, in_order: bool = True, on_launch=None):
+    def __init__(self, units: list[FlatUnit], group=None, in_order: bool = True, on_launch=None,
+                 wire_dtype=None):
         self.units, self.group, self.in_order = units, group, in_order
+        self.wire_dtype = wire_dtype
         self.world = dist.get_world_size(group)
         self.slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self.on_launch = on_launch or (lambda unit: None)
@@ -193,7 +206,8 @@ class StreamingShardReducer:
             self._allocate(unit)
         unit.grad_full.div_(self.world)
         own = unit.grad_full[unit.lo:unit.hi]
-        unit.work = reduce_scatter(own, unit.grad_full, f"zero-grad-unit-{unit.index}", self.group)  # in place
+        unit.work = reduce_scatter(own, unit.grad_full, f"zero-grad-unit-{unit.index}", self.group,  # in place
+                                   self.wire_dtype)
         self.on_launch(unit)
         self.launched.append(unit)
 
