@@ -8,10 +8,12 @@ For every schedule the table gives:
   * the ideal: (m*v + p - 1) x the slowest stage chunk's forward+backward for one microbatch,
     measured alone on each rank (small CPU microbatches cost more per row, so this is the honest
     lower bound), and our ratio to it;
-  * the measured bubble: each stage's idle fraction of the schedule (1 - compute / wall time),
-    against the theory (p - 1) / (v*m + p - 1), which assumes stages of equal cost; beside it the
-    same theory for the stage costs measured in the run (a lighter stage idles by its lightness
-    too: 1 - busy_s / ((v*m + p - 1) / (v*m) * busy_max), which is the theory for the slowest);
+  * the measured bubble: each stage's idle fraction of the schedule (1 - its compute / the schedule's
+    wall time, which is the slowest rank's: every rank starts the step off the same barrier, and a
+    stage that finishes early idles until the last one is done), against the theory
+    (p - 1) / (v*m + p - 1), which assumes stages of equal cost; beside it the same theory for the
+    stage costs measured in the run (a lighter stage idles by its lightness too:
+    1 - busy_s / ((v*m + p - 1) / (v*m) * busy_max), which is the theory for the slowest);
   * the peak bytes of activations saved for backward (1f1b keeps at most p microbatches alive).
 Then tensor parallelism: per-rank parameter bytes of the built-in gpt at tp = world size.
 """
@@ -173,16 +175,15 @@ def worker(argv=None) -> None:
             ours.engine.timeline = []
             ours_step()
             spans, ours.engine.timeline = ours.engine.timeline, None
-            busy = sum(e - s for kind, s, e in spans if kind in "FB")
-            idle.append(1 - busy / sum(e - s for kind, s, e in spans if kind == "step"))
-            busy_s.append(busy)
+            busy_s.append(sum(e - s for kind, s, e in spans if kind in "FB"))
+            wall_s.append(sum(e - s for kind, s, e in spans if kind == "step"))
 
         def alone_step():  # the ideal's unit, taken under the same machine noise as the steps
             alone.append(max(stage_alone_seconds(chunk, x[:rows], repeats=3) for chunk in ours.chunks))
 
         timed(ours_step, args.warmup)
         timed(torch_step, args.warmup)
-        t_ours, t_torch, idle, busy_s, alone = [], [], [], [], []
+        t_ours, t_torch, busy_s, wall_s, alone = [], [], [], [], []
         for _ in range(args.rounds):  # rounds alternate the engines so both see the same noise
             t_ours += timed(ours_recorded, args.steps)
             t_torch += timed(torch_step, args.steps)
@@ -192,7 +193,11 @@ def worker(argv=None) -> None:
             ours_step()
         alone = statistics.median(alone)
 
-        stats = torch.tensor([statistics.median(t_ours), statistics.median(t_torch), statistics.median(idle),
+        # the schedule's wall time of each recorded step is the slowest rank's
+        walls = torch.tensor(wall_s, dtype=torch.float64)
+        dist.all_reduce(walls, op=dist.ReduceOp.MAX)
+        idle = statistics.median((1 - torch.tensor(busy_s, dtype=torch.float64) / walls).tolist())
+        stats = torch.tensor([statistics.median(t_ours), statistics.median(t_torch), idle,
                               memory.peak, alone, statistics.median(busy_s)], dtype=torch.float64)
         gathered = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(gathered, stats)
