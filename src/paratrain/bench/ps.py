@@ -186,7 +186,7 @@ def report(results: dict, curves: dict, args, workers: int) -> None:
     print(f"ps benchmark: digits MLP (hidden {args.hidden}), 1 server + {workers} workers, {args.batch} "
           f"samples/worker/step, {args.steps} steps/worker, SGD lr {args.lr}, ssp staleness {args.staleness}, "
           f"straggler {args.factor:g}x slower; medians of {args.rounds} interleaved rounds")
-    print(f"{'engine':<20}{'samples/s':>11}{f'time to val {args.target:g} (s)':>24}{'final val':>11}"
+    print(f"{'engine':<26}{'samples/s':>11}{f'time to val {args.target:g} (s)':>24}{'final val':>11}"
           f"{'vs sync ps':>12}{'vs dp':>8}")
     for straggler in ("", " +straggler"):
         base_sync = rows[f"sync{straggler}"]["time_to_target_s"]
@@ -198,7 +198,7 @@ def report(results: dict, curves: dict, args, workers: int) -> None:
             speed = lambda base: f"{base / ttt:.2f}x" if ttt and base else "-"
             r["speedup_vs_sync_ps"] = base_sync / ttt if ttt and base_sync else None
             r["speedup_vs_dp"] = base_dp / ttt if ttt and base_dp else None
-            print(f"{(engine if engine != 'dp' else 'dp all-reduce') + straggler:<20}{r['samples_per_s']:>11.0f}"
+            print(f"{(engine if engine != 'dp' else 'dp all-reduce') + straggler:<26}{r['samples_per_s']:>11.0f}"
                   f"{(f'{ttt:.2f}' if ttt else 'not reached'):>24}{r['final_val_loss']:>11.3f}"
                   f"{speed(base_sync):>12}{speed(base_dp):>8}")
     plot(curves, args)
