@@ -63,14 +63,14 @@ def gpt_reference():
     return weights, val_loss
 
 
-def run(tmp_path, name, world, *sets, resume=None):
+def run(tmp_path, name, world, *sets, resume=None, env=None):
     cfg = write_config(tmp_path / "gpt.toml", GPT)
     args = ["run", str(cfg), "--nproc", str(world), "--run-dir", str(tmp_path / name)]
     for s in sets:
         args += ["--set", s]
     if resume:
         args += ["--resume", str(resume)]
-    return check_ok(run_cli(*args))
+    return check_ok(run_cli(*args, env=env))
 
 
 def check_equal(tmp_path, name, reference):
@@ -109,6 +109,15 @@ def test_pipeline_schedules(tmp_path, gpt_reference):
                resume=tmp_path / "interleaved" / "checkpoints" / "step-10")
     assert "pipeline split by params into 2 stages" in proc.stdout and "at step 10" in proc.stdout
     check_equal(tmp_path, "gpipe", gpt_reference)
+
+
+def test_interleaved_in_nccl_message_order(tmp_path, gpt_reference):
+    """NCCL ignores tags and matches a rank pair's messages in posting order. With every tag 0
+    (PARATRAIN_P2P_TAGS=0 does that on gloo), interleaved (8 microbatches, 2 chunks per rank) must
+    still equal one process: each rank posts a neighbour's messages in the neighbour's order."""
+    run(tmp_path, "untagged", 2, "parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'",
+        "parallel.microbatches=8", env={"PARATRAIN_P2P_TAGS": "0"})
+    check_equal(tmp_path, "untagged", gpt_reference)
 
 
 MLP = DIGITS_MLP + """clip_grad_norm = 0.5

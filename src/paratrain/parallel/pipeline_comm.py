@@ -3,10 +3,18 @@
 Everything is asynchronous: receives are posted ahead of the action that needs them (the data
 arrives while the stage computes something else), sends return at once and are only waited for at
 the end of the step. With gloo a message costs 130-400 us, so the one thing never to do is wait
-for a send or post a receive only when its data is needed. Messages are matched by tag
-(boundary, microbatch, direction), so the order in which neighbours post them does not matter.
+for a send or post a receive only when its data is needed.
+
+Matching. gloo matches messages by tag (boundary, microbatch, direction). NCCL ignores tags: it
+matches a rank pair's sends and receives in the order they were posted. Both work because every
+schedule here (interleaved included, as in Megatron) has each rank post the messages for a given
+neighbour in the same order as that neighbour posts the matching ones: sends and receives both
+follow the action order. PARATRAIN_P2P_TAGS=0 sends every message with tag 0 on gloo too (NCCL's
+semantics), which lets the CPU tests check that invariant.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -18,22 +26,20 @@ class P2P:
     def __init__(self, group, n_stages: int):
         self.group = group
         self.n_stages = n_stages
+        self.use_tags = os.environ.get("PARATRAIN_P2P_TAGS", "1") != "0"
         self.pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def tag(self, kind: int, boundary: int, mb: int) -> int:
         """`boundary` b lies between virtual stages b and b+1."""
-        return (mb * self.n_stages + boundary) * 2 + kind
+        return (mb * self.n_stages + boundary) * 2 + kind if self.use_tags else 0
 
     def post(self, sends: list[tuple[torch.Tensor, int, int]], recvs: list[tuple[torch.Tensor, int, int]]) -> list:
-        """Start sends (tensor, dst, tag) and receives (buffer, src, tag) in one batch; returns the
-        receives' work handles in order. Sends are remembered until `finish`."""
-        ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends]
-        ops += [dist.P2POp(dist.irecv, t, peer, self.group, tag) for t, peer, tag in recvs]
-        if not ops:
-            return []
-        works = dist.batch_isend_irecv(ops)
-        self.pending_sends += [(w, t) for w, (t, _, _) in zip(works, sends)]
-        return works[len(sends):]
+        """Start sends (tensor, dst, tag) and receives (buffer, src, tag); returns the receives' work
+        handles in order. Sends are remembered until `finish`. (One call per message, not
+        batch_isend_irecv: on NCCL that returns a single handle for the whole batch.)"""
+        for t, peer, tag in sends:
+            self.pending_sends.append((dist.isend(t, peer, group=self.group, tag=tag), t))
+        return [dist.irecv(t, peer, group=self.group, tag=tag) for t, peer, tag in recvs]
 
     def finish(self) -> None:
         for work, _ in self.pending_sends:
