@@ -71,6 +71,17 @@ def test_non_finite_step_is_skipped_on_every_rank(tmp_path):
     assert metrics(tmp_path / "run")[0]["skipped_steps"] == 1
 
 
+@pytest.mark.parametrize("codec", ["powersgd", "topk"])
+def test_a_skipped_step_does_not_poison_error_feedback(tmp_path, codec):
+    """Error feedback would carry the NaN of step 4 into every later step; the skip drops it."""
+    cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
+    proc = check_ok(run_cli("run", str(cfg), "--set", f"parallel.compression='{codec}'",
+                            "--run-dir", str(tmp_path / "run")))
+    assert "step 4: non-finite" in proc.stdout and "step 5: non-finite" not in proc.stdout, proc.stdout
+    assert sum(m.get("skipped_steps", 0) for m in metrics(tmp_path / "run")) == 1
+    assert all(torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values())
+
+
 def test_too_many_non_finite_steps_stop_the_run(tmp_path):
     cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90, 114, 138]))  # steps 4, 5, 6
     proc = run_cli("run", str(cfg), "--set", "train.max_bad_steps=2", "--run-dir", str(tmp_path / "run"))

@@ -9,8 +9,8 @@ second round of communication starts it there, so that round overlaps the next b
 `handle.wait()`, after which `codec.result(key, flat)` holds the average over the group (exactly,
 or approximately for lossy codecs): `flat` itself, or for PowerSGD a second buffer, since `flat`
 keeps the error. `key` names the bucket across steps, so codecs with memory (error feedback, warm
-start) keep per-bucket state. A sharding strategy (zero2) can average through the same seam and
-keep its shard of the result.
+start) keep per-bucket state; after a step skipped for a non-finite gradient, `codec.discard(key)` (with
+`flat` zeroed) drops that memory, which the bad gradient would otherwise poison for good.
 
     parallel.compression   what crosses the wire per bucket           exact?
     none                   the fp32 buffer, one all-reduce            yes (the equivalence promise)
@@ -89,6 +89,9 @@ class Stateless:
     def result(self, key, flat: torch.Tensor) -> torch.Tensor:
         return flat
 
+    def discard(self, key) -> None:
+        pass
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {}
 
@@ -156,6 +159,9 @@ class TopK:
 
     def result(self, key, flat: torch.Tensor) -> torch.Tensor:
         return flat
+
+    def discard(self, key) -> None:
+        self.error.pop(key, None)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"topk.{key}.error": error for key, error in self.error.items()}
@@ -286,6 +292,13 @@ class PowerSGD:
     def result(self, key, flat: torch.Tensor) -> torch.Tensor:
         st = self.state.get(key)
         return flat if st is None else st.out
+
+    def discard(self, key) -> None:
+        """After a skipped (non-finite) step: the error in `flat` is cleared by the caller, and Q,
+        computed from the bad gradient, starts afresh (the same on every rank)."""
+        st = self.state.get(key)
+        if st is not None:
+            st.fill_random_q()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         out = {}

@@ -152,6 +152,12 @@ class GradientReducer:
         self.sync = False
         return torch.linalg.vector_norm(torch.stack(norms))
 
+    def discard(self) -> None:
+        """After a skipped step: forget this step's gradients and the codec's memory of them."""
+        for b in self.buckets:
+            b.buffer.zero_()
+            self.codec.discard(b.index)
+
     def scale_(self, factor: torch.Tensor) -> None:
         for b in self.buckets:
             b.bound.mul_(factor)
@@ -198,6 +204,7 @@ class DataParallel(Strategy):
         with prof.phase("optimizer"):
             self.skipped_step = not bool(torch.isfinite(norm))
             if self.skipped_step:
+                self.reducer.discard()
                 return total / len(micro)
             if self.cfg.train.clip_grad_norm > 0:
                 self.reducer.scale_(clip_factor(norm, self.cfg.train.clip_grad_norm))
