@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .common import emit_json
+from .dp import add_options as dp_options
 from .dp import build
-from .common import add_json_option, emit_json
 
 SCALING_DEFAULT = "1,2,4"
 
@@ -50,18 +51,11 @@ def add_parser(which) -> None:
 
 
 def add_options(p) -> None:
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round per engine")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=32, help="samples per rank")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--in-features", type=int, default=512)
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    dp_options(p)  # the dp benchmark's model and timing knobs, more rounds of fewer steps
+    p.set_defaults(steps=5, rounds=6)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--powersgd-rank", type=int, default=4)
     p.add_argument("--topk-ratio", type=float, default=0.01)
-    add_json_option(p)
 
 
 def _model_argv(args) -> list[str]:
