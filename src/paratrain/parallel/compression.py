@@ -371,12 +371,15 @@ class PowerSGD:
         return handle
 
 
+CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 16-bit codecs' wire dtypes
+
+
 def build_codec(p: ParallelConfig, seed: int = 0):
     """The codec parallel.compression names (the config has checked the name and its options)."""
     if p.compression == "none":
         return Uncompressed()
-    if p.compression in ("bf16", "fp16"):
-        return Cast(torch.bfloat16 if p.compression == "bf16" else torch.float16)
+    if p.compression in CAST_DTYPES:
+        return Cast(CAST_DTYPES[p.compression])
     if p.compression == "topk":
         return TopK(p.topk_ratio, seed)
     return PowerSGD(p.powersgd_rank, p.powersgd_warm_start, seed)

@@ -41,6 +41,7 @@ from .. import collectives
 from ..models.materialize import materialize
 from ..optim import build_optimizer
 from .base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from .compression import CAST_DTYPES
 from .data_parallel import make_buckets
 from .zero_comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
 
@@ -50,7 +51,7 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their ch
 def wire_dtype(cfg) -> torch.dtype | None:
     """parallel.compression for ZeRO: bf16 / fp16 reduce-scatter a 16-bit copy of each gradient
     bucket (the other codecs need an all-reduce of every rank's whole gradient: config rejects them)."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.parallel.compression)
+    return CAST_DTYPES.get(cfg.parallel.compression)
 
 
 def on_meta(model: nn.Module) -> bool:
