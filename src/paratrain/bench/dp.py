@@ -56,25 +56,34 @@ def timed_steps(step_fn, n: int) -> list[float]:
     return times
 
 
-def worker(argv=None) -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def setup(argv, add_options, optimizer: str, lr: float):
+    """A benchmark worker's start: its options, the runtime, the dp config for this MLP and one
+    batch of random data per rank. Returns (args, rt, cfg, (x, y))."""
     from .. import config as config_mod
     from .. import runtime
-    from ..optim import cross_entropy
-    from ..parallel.data_parallel import DataParallel
 
     p = argparse.ArgumentParser()
     add_options(p)
     args = p.parse_args(argv)
     rt = runtime.init("cpu")
-    world = rt.world_size
-    cfg = config_mod.from_dict({"data": {"batch_size": args.batch * world},
-                                "train": {"optimizer": "sgd", "lr": 0.01},
+    cfg = config_mod.from_dict({"data": {"batch_size": args.batch * rt.world_size},
+                                "train": {"optimizer": optimizer, "lr": lr},
                                 "parallel": {"bucket_mb": args.bucket_mb}})
     g = torch.Generator().manual_seed(1 + rt.rank)
     x = torch.randn(args.batch, args.in_features, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
+    return args, rt, cfg, (x, y)
+
+
+def worker(argv=None) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .. import runtime
+    from ..optim import cross_entropy
+    from ..parallel.data_parallel import DataParallel
+
+    args, rt, cfg, (x, y) = setup(argv, add_options, optimizer="sgd", lr=0.01)
+    world = rt.world_size
 
     ours = DataParallel(build(args), cross_entropy, cfg, rt)
     ddp_model = DDP(build(args), bucket_cap_mb=args.bucket_mb)

@@ -6,14 +6,13 @@ median step times and the ratios zero2/dp, zero3/dp and zero3/FSDP2 (lower is be
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 import torch.distributed as dist
 
 from .dp import add_options as dp_options
-from .dp import build, timed_steps
+from .dp import build, setup, timed_steps
 from .common import emit_json, relaunch
 
 
@@ -36,23 +35,13 @@ def run(args) -> int:
 def worker(argv=None) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from .. import config as config_mod
     from .. import runtime
     from ..optim import cross_entropy
     from ..parallel.data_parallel import DataParallel
     from ..parallel.zero import Zero2, Zero3
 
-    p = argparse.ArgumentParser()
-    add_options(p)
-    args = p.parse_args(argv)
-    rt = runtime.init("cpu")
+    args, rt, cfg, (x, y) = setup(argv, add_options, optimizer="adamw", lr=1e-4)
     world = rt.world_size
-    cfg = config_mod.from_dict({"data": {"batch_size": args.batch * world},
-                                "train": {"optimizer": "adamw", "lr": 1e-4},
-                                "parallel": {"bucket_mb": args.bucket_mb}})
-    g = torch.Generator().manual_seed(1 + rt.rank)
-    x = torch.randn(args.batch, args.in_features, generator=g)
-    y = torch.randint(0, 10, (args.batch,), generator=g)
 
     engines = {name: cls(build(args), cross_entropy, cfg, rt)
                for name, cls in (("dp", DataParallel), ("zero2", Zero2), ("zero3", Zero3))}
