@@ -100,3 +100,24 @@ def test_powersgd_resume_equals_uninterrupted(tmp_path):
     check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", "train.steps=4", "--run-dir", str(tmp_path / "split")))
     check_ok(run_cli("run", str(cfg), "--nproc", "2", "--resume", "auto", "--run-dir", str(tmp_path / "split")))
     assert max_rel_error(final_weights(tmp_path / "split"), final_weights(tmp_path / "straight")) <= 1e-6
+
+
+@pytest.mark.parametrize("shape", [(37, 11), (300, 2000), (3, 600_000)])
+def test_powersgd_blocked_reconstruction_equals_one_product(shape):
+    """P Q^T and the error are made a cache-sized block of rows at a time; the blocks must add up to
+    exactly the one-product result (rows that do not divide, a row wider than a block)."""
+    import torch
+
+    from paratrain.parallel.compression import _PowerBucket
+
+    torch.manual_seed(0)
+    n, m = shape
+    flat = torch.randn(n * m)
+    st = _PowerBucket(flat, [torch.Size(shape)], rank=2, seed=0)
+    st.block = torch.empty(max(1000, m), dtype=torch.bfloat16)  # several blocks even for small shapes
+    M, out, Pt, Qt = st.views(flat)[0], st.views(st.out)[0], torch.randn(2, n), torch.randn(2, m)
+    before = M.clone()
+    st.reconstruct(M, out, Pt, Qt)
+    expected = (Pt.t().bfloat16() @ Qt.bfloat16()).float()
+    assert torch.equal(out, expected)
+    assert torch.equal(M, before - expected)

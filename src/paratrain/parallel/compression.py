@@ -20,7 +20,7 @@ start) keep per-bucket state; after a step skipped for a non-finite gradient, `c
     powersgd               per matrix M (n x m): P = M Q (n x r) and     no: error feedback, and Q is
                            Q = M^T P (m x r), two all-reduces; 1-D       warm-started from the last
                            tensors and matrices too small to gain go     step (Vogels et al. 2019)
-                           uncompressed in a third
+                           uncompressed, in P's all-reduce
 
 Codecs with memory save it per rank through state_dict() / load_state_dict(tensors) (keys start
 with the codec's name, so a checkpoint of another codec is ignored): a resumed run continues with
@@ -29,11 +29,12 @@ the same error feedback and warm start as an uninterrupted one.
 PowerSGD of one bucket, phase by phase (arrows are all-reduces; P's overlaps backward, Q's the
 next buckets' advance):
     reset   (before)        M = error, already in place in `flat` (backward then adds the gradient)
-    launch  (in backward)   P = M Q;  ----P---->  ----dense---->
+    launch  (in backward)   P = M Q;  ----P + dense---->
     advance (after)         P = orthonormal(P);  Q = M^T P;  ----Q---->
     wait                    Q /= N;  out = P Q^T;  M -= out (the error, left in flat)
-Products run on a bf16 copy of M (P, Q and P Q^T); per matrix that is one cast, two reads of the
-copy, and three passes for the result and the error. Keeping the error in `flat` saves the copy back
+Products run in bf16: P and Q on a bf16 copy of M, P Q^T a cache-sized block of rows at a time;
+per matrix that is one cast, two reads of the copy, and one trip to memory for the result and the
+error. Keeping the error in `flat` saves the copy back
 into it that a separate error buffer would cost each step.
 """
 from __future__ import annotations
@@ -237,19 +238,24 @@ class _PowerBucket:
         kw = dict(dtype=flat.dtype, device=flat.device)
         self.flat = flat
         self.out = torch.zeros_like(flat)
-        # The products work in bf16 (a copy of each matrix, then P Q^T into the same buffer): half
+        # The products work in bf16 (a copy of each matrix for P and Q; P Q^T by blocks): half
         # the bytes, and bf16 products are 2-6x faster on CPUs with bf16 instructions. The factors
         # only approximate M anyway, and the error is taken against the full-precision M and the
         # result as sent to the optimizer, so error feedback absorbs the rounding.
         self.low = torch.empty(sum(n * m for _, n, m, _ in self.matrices), dtype=torch.bfloat16,
                                device=flat.device)
+        # P Q^T is made a block of rows at a time: 1 MiB of bf16, about one core's L2 cache
+        self.block = torch.empty(max([1 << 19] + [m for _, _, m, _ in self.matrices]), dtype=torch.bfloat16,
+                                 device=flat.device)
         self.low_views, lo = [], 0
         for _, n, m, _ in self.matrices:
             self.low_views.append(self.low[lo:lo + n * m].view(n, m))
             lo += n * m
-        self.p_flat = torch.zeros(sum(n * r for _, n, _, r in self.matrices), **kw)
+        # P and the uncompressed tensors travel in one all-reduce (one round trip fewer per bucket)
+        n_p = sum(n * r for _, n, _, r in self.matrices)
+        self.first_round = torch.zeros(n_p + sum(numel for _, numel in self.dense), **kw)
+        self.p_flat, self.dense_flat = self.first_round[:n_p], self.first_round[n_p:]
         self.q_flat = torch.zeros(sum(m * r for _, _, m, r in self.matrices), **kw)
-        self.dense_flat = torch.zeros(sum(numel for _, numel in self.dense), **kw)
         # P and Q are kept transposed (r x n, r x m): every product then reads M row by row
         # (M^T P as a strided read of M is ~7x slower on CPU)
         self.ps, self.qs = [], []
@@ -260,6 +266,21 @@ class _PowerBucket:
             po, qo = po + n * r, qo + m * r
         self.gen = torch.Generator().manual_seed(seed)  # identical on every rank: Q starts equal
         self.fill_random_q()
+
+    def reconstruct(self, M: torch.Tensor, out: torch.Tensor, Pt: torch.Tensor, Qt: torch.Tensor) -> None:
+        """out = P Q^T (the averaged gradient the optimizer reads); M -= out (the error: exactly
+        what `out` leaves out of M, kept for the next step).
+
+        A block of rows at a time, so that the bf16 product is still in cache when it is widened
+        into `out`, and `out` when it is taken from M: M and `out` make one trip to memory instead
+        of three (measured 20-30 % faster per 2048 x 2048 matrix, both ranks busy)."""
+        P, Q = Pt.t().to(torch.bfloat16), Qt.to(torch.bfloat16)
+        n, m = M.shape
+        rows = max(1, self.block.numel() // m)
+        for i in range(0, n, rows):
+            block = torch.mm(P[i:i + rows], Q, out=self.block[:min(rows, n - i) * m].view(-1, m))
+            out[i:i + rows].copy_(block)
+            M[i:i + rows].sub_(out[i:i + rows])
 
     def fill_random_q(self) -> None:
         self.q_flat.copy_(torch.randn(self.q_flat.numel(), generator=self.gen, dtype=self.q_flat.dtype))
@@ -336,11 +357,8 @@ class PowerSGD:
                 Pt.copy_(torch.mm(Qt.to(low.dtype), low.t()))  # P = M Q
             if st.dense:
                 torch.cat(st.dense_views(flat), out=st.dense_flat)
-        works = []
-        for what, buf in (("P", st.p_flat), ("dense", st.dense_flat)):
-            if buf.numel():
-                profiler.comm("all_reduce", buf, group)
-                works.append(collectives.all_reduce(buf, f"powersgd-{what}-{key}", group=group, async_op=True))
+        profiler.comm("all_reduce", st.first_round, group)
+        works = [collectives.all_reduce(st.first_round, f"powersgd-P-{key}", group=group, async_op=True)]
 
         def second_round():  # P has arrived: Q = M^T P, and send Q
             with profiler.phase("compress"):
@@ -356,10 +374,8 @@ class PowerSGD:
         def finish():
             with profiler.phase("compress"):
                 st.q_flat.div_(world)
-                for M, low, out, Pt, Qt in zip(ms, st.low_views, st.views(st.out), st.ps, st.qs):
-                    torch.mm(Pt.t().to(low.dtype), Qt.to(low.dtype), out=low)  # P Q^T, in bf16
-                    out.copy_(low)  # the averaged gradient the optimizer reads
-                    M.sub_(out)  # the error: exactly what `out` leaves out of M, kept for next step
+                for M, out, Pt, Qt in zip(ms, st.views(st.out), st.ps, st.qs):
+                    st.reconstruct(M, out, Pt, Qt)
                 if st.dense:
                     st.dense_flat.div_(world)
                     o2 = 0
