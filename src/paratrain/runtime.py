@@ -48,7 +48,7 @@ def keep_freed_memory() -> bool:
 
     By default a freed block of over a few MiB goes back to the kernel (munmap, or a trim of the
     heap's top), so the next step's same-sized temporary (a weight gradient of a 2048 x 2048 layer
-    is 16 MiB) is fresh memory again and faults in page by page: measured, 26-32 MiB of page
+    is 16 MiB) is fresh memory again and faults in page by page: measured, 8-32 MiB of page
     faults per step per rank in the bench MLP, several ms of a ~90 ms step. Keeping blocks up to
     glibc's ceiling of 32 MiB on the heap and never trimming it is what jemalloc/tcmalloc preloads
     buy CPU training elsewhere; a process's resident memory stays at its peak, as with a CUDA

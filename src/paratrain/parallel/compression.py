@@ -34,8 +34,8 @@ next buckets' advance):
     wait                    Q /= N;  out = P Q^T;  M -= out (the error, left in flat)
 Products run in bf16: P and Q on a bf16 copy of M, P Q^T a cache-sized block of rows at a time;
 per matrix that is one cast, two reads of the copy, and one trip to memory for the result and the
-error. Keeping the error in `flat` saves the copy back
-into it that a separate error buffer would cost each step.
+error. Keeping the error in `flat` saves the copy back into it that a separate error buffer would
+cost each step.
 """
 from __future__ import annotations
 
