@@ -79,7 +79,7 @@ def worker(argv=None) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .. import runtime
-    from ..optim import cross_entropy
+    from ..optim import build_optimizer, cross_entropy
     from ..parallel.data_parallel import DataParallel
 
     args, rt, cfg, (x, y) = setup(argv, add_options, optimizer="sgd", lr=0.01)
@@ -87,7 +87,7 @@ def worker(argv=None) -> None:
 
     ours = DataParallel(build(args), cross_entropy, cfg, rt)
     ddp_model = DDP(build(args), bucket_cap_mb=args.bucket_mb)
-    ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
+    ddp_opt = build_optimizer(ddp_model.parameters(), cfg.train)  # the same optimizer as ours
 
     def ours_step():
         ours.train_step((x, y))

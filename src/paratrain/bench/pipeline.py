@@ -124,7 +124,7 @@ def worker(argv=None) -> None:
 
     from .. import config as config_mod
     from .. import runtime
-    from ..optim import mse
+    from ..optim import build_optimizer, mse
     from ..parallel.hybrid import ModelParallel
 
     p = argparse.ArgumentParser()
@@ -156,7 +156,7 @@ def worker(argv=None) -> None:
         stages = [PipelineStage(mod, s, n_stages, rt.device)
                   for s, mod in zip(mine, modules)]
         torch_schedule = torch_classes[schedule](stages if v > 1 else stages[0], n_microbatches=m, loss_fn=mse)
-        torch_opt = torch.optim.SGD([q for mod in modules for q in mod.parameters()], lr=1e-4)
+        torch_opt = build_optimizer([q for mod in modules for q in mod.parameters()], cfg.train)  # as ours
 
         def ours_step():
             ours.train_step((x, y))

@@ -15,7 +15,9 @@ network namespaces joined by a veth pair that tc shapes to that rate (paratrain.
 the reason where namespaces cannot be made), one worker per host.
 
 Model and data: bench/dp.py's MLP (9.5M parameters by default), SGD with momentum on a fixed pool of
-teacher-labelled random batches, so the loss falls and "equal loss" can be checked.
+teacher-labelled random batches, so the loss falls and "equal loss" can be checked. Every engine,
+torch's included, steps with the optimizer paratrain builds (optim.build_optimizer: torch's fused
+SGD), so the comparison is about communication.
 """
 from __future__ import annotations
 
@@ -263,6 +265,11 @@ def _data(args, rank: int, n_batches: int = 8):
     return out
 
 
+def _train_section(args) -> dict:
+    """The optimizer every engine here uses (ours through its config, torch's peers directly)."""
+    return {"optimizer": "sgd", "lr": args.lr, "momentum": 0.9}
+
+
 def _ours(args, rt, compression: str):
     from .. import config as config_mod
     from ..optim import cross_entropy
@@ -270,7 +277,7 @@ def _ours(args, rt, compression: str):
 
     cfg = config_mod.from_dict({
         "data": {"batch_size": args.batch * rt.world_size},
-        "train": {"optimizer": "sgd", "lr": args.lr, "momentum": 0.9},
+        "train": _train_section(args),
         "parallel": {"bucket_mb": args.bucket_mb, "compression": compression,
                      "powersgd_rank": args.powersgd_rank, "topk_ratio": args.topk_ratio}})
     dp = DataParallel(build(args), cross_entropy, cfg, rt)
@@ -279,14 +286,15 @@ def _ours(args, rt, compression: str):
 
 def _compute_only(args):
     """The same step with no communication at all: the floor every engine sits above."""
-    return _sgd_step(build(args), args.lr)
+    return _sgd_step(build(args), args)
 
 
-def _sgd_step(model, lr: float):
+def _sgd_step(model, args):
     """One plain training step of a module (a bare model or a DDP wrapper), returning the loss."""
-    from ..optim import cross_entropy
+    from .. import config as config_mod
+    from ..optim import build_optimizer, cross_entropy
 
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    opt = build_optimizer(model.parameters(), config_mod.from_dict({"train": _train_section(args)}).train)
 
     def step(x, y):
         opt.zero_grad(set_to_none=False)
@@ -310,7 +318,7 @@ def _ddp(args, hook: str | None):
         model.register_comm_hook(state, psgd.powerSGD_hook)
     elif hook:
         model.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
-    return _sgd_step(model, args.lr)
+    return _sgd_step(model, args)
 
 
 def bus_bandwidth(world: int, sizes_mib=(1, 4, 16, 38), reps: int = 5) -> list[dict]:

@@ -36,7 +36,7 @@ def worker(argv=None) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from .. import runtime
-    from ..optim import cross_entropy
+    from ..optim import build_optimizer, cross_entropy
     from ..parallel.data_parallel import DataParallel
     from ..parallel.zero import Zero2, Zero3
 
@@ -50,7 +50,7 @@ def worker(argv=None) -> None:
         if any(True for _ in layer.parameters()):
             fully_shard(layer)
     fully_shard(fsdp_model)
-    fsdp_opt = torch.optim.AdamW(fsdp_model.parameters(), lr=1e-4)
+    fsdp_opt = build_optimizer(fsdp_model.parameters(), cfg.train)  # the same optimizer as ours
 
     def fsdp_step():
         cross_entropy(fsdp_model(x), y).backward()
