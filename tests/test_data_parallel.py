@@ -144,3 +144,34 @@ def test_cnn_in_bf16(tmp_path):
                      "--run-dir", str(tmp_path / "run")))
     log = metrics(tmp_path / "run")
     assert log[-1]["loss"] < log[0]["loss"] and all(torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values())
+
+
+def test_optimizer_state_resumes_across_fused_and_foreach():
+    """A checkpoint keeps hyperparameters and state, not how this machine computes the update: state
+    saved by a foreach AdamW resumes into a fused one (and back) and steps identically."""
+    import torch
+
+    from paratrain import checkpoint as ckpt
+
+    def trained(**impl):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(8, 8))
+        opt = torch.optim.AdamW([p], lr=0.01, **impl)
+        for _ in range(3):
+            p.grad = torch.randn(8, 8)
+            opt.step()
+        return p, opt
+
+    for saved_impl, resumed_impl in (({"foreach": True}, {"fused": True}), ({"fused": True}, {"foreach": True})):
+        p, opt = trained(**saved_impl)
+        tensors, meta = ckpt.optimizer_to_tensors(opt, ["w"])
+        tensors = {k: v.clone() for k, v in tensors.items()}  # as read back from the checkpoint file
+        q = torch.nn.Parameter(p.detach().clone())
+        resumed = torch.optim.AdamW([q], lr=0.5, **resumed_impl)
+        ckpt.optimizer_from_tensors(resumed, ["w"], tensors, meta)
+        group = resumed.param_groups[0]
+        assert group["lr"] == 0.01 and bool(group["fused"]) == ("fused" in resumed_impl)
+        p.grad = q.grad = torch.randn(8, 8)
+        opt.step()
+        resumed.step()
+        assert torch.allclose(p, q, rtol=0, atol=1e-6)

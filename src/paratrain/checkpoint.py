@@ -247,8 +247,14 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: list[str], t
         entry.update(meta["scalars"].get(name, {}))
         if entry:
             state[index] = entry
-    groups = [dict(saved, params=cur["params"]) for saved, cur in zip(meta["param_groups"], current["param_groups"])]
+    # hyperparameters come from the checkpoint; how the update is computed (fused or not, ...) is
+    # this process's choice, so a run saved on one kind of machine resumes on another
+    groups = [dict(saved, params=cur["params"], **{k: cur[k] for k in _IMPLEMENTATION_KEYS if k in cur})
+              for saved, cur in zip(meta["param_groups"], current["param_groups"])]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 # -- the consolidated export ---------------------------------------------------------------------

@@ -59,7 +59,7 @@ def keep_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
