@@ -238,6 +238,10 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> 
     return tensors, {"param_groups": groups, "scalars": scalars}
 
 
+# how an optimizer computes its update, not what it has learnt: never taken from a checkpoint
+_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
 def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: list[str], tensors: dict, meta: dict) -> None:
     current = optimizer.state_dict()
     state: dict[int, dict] = {}
@@ -252,9 +256,6 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: list[str], t
     groups = [dict(saved, params=cur["params"], **{k: cur[k] for k in _IMPLEMENTATION_KEYS if k in cur})
               for saved, cur in zip(meta["param_groups"], current["param_groups"])]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-_IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 # -- the consolidated export ---------------------------------------------------------------------
