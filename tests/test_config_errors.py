@@ -82,3 +82,23 @@ def test_overrides_parse_toml_values():
 
     raw = apply_overrides({}, ["train.lr=0.5", "name=plain", "train.shuffle=false", "model.sizes=[1, 2]"])
     assert raw == {"train": {"lr": 0.5, "shuffle": False}, "name": "plain", "model": {"sizes": [1, 2]}}
+
+
+def test_nodes_sharing_a_run_dir_prepare_it_at_once(tmp_path):
+    """The nodes of a multi-node run may share one run folder (a shared file system, or the
+    two-namespace test on one machine): preparing it at the same moment must not fail either."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from paratrain import config as config_mod
+    from paratrain.cli import prepare_run_dir
+
+    cfg = config_mod.load(write_config(tmp_path / "c.toml", ""))
+
+    def prepare(node_rank):
+        for _ in range(200):
+            prepare_run_dir(tmp_path / "shared", cfg, "auto", node_rank)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(prepare, range(4)))  # re-raises the first error of any node
+    assert config_mod.load(tmp_path / "shared" / "config.toml") == cfg
+    assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["config.toml"]

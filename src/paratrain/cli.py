@@ -5,7 +5,9 @@ import argparse
 import os
 import shutil
 import sys
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from . import config as config_mod
@@ -40,14 +42,18 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
 def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_rank: int) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        # A probe file of this process's own: the nodes of a multi-node run may share this
+        # folder, and one node's unlink must not pull a shared name from under another.
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-") as probe:
+            probe.write(b"ok")
     except OSError as exc:
         raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
     if shutil.disk_usage(run_dir).free < 64 * 2**20:
         raise ConfigError("--run-dir", f"{run_dir} has less than 64 MiB free")
-    (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+    # Written aside and renamed into place, so a node reading it never sees another's half-write.
+    aside = run_dir / f".config-{uuid.uuid4().hex}.toml"
+    aside.write_text(config_mod.to_toml(cfg))
+    os.replace(aside, run_dir / "config.toml")
     if resume == "none" and node_rank == 0:
         old = run_dir / "checkpoints"
         if old.is_dir() and any(old.iterdir()):
@@ -82,12 +88,13 @@ def check_resume_path(resume: str, cfg: config_mod.Config) -> None:
 
 
 def cmd_run(args) -> int:
-    from .launch import WorkerFailure, default_nproc, launch
+    from .launch import WorkerFailure, default_nproc, launch, start_worker_server
 
     try:
         if args.config:
             os.environ["PARATRAIN_CONFIG_DIR"] = str(Path(args.config).resolve().parent)
         cfg = config_mod.load(args.config, args.overrides)
+        start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc = args.nproc or default_nproc(cfg.train.device)
         preflight(cfg, nproc * args.nnodes)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
@@ -98,7 +105,9 @@ def cmd_run(args) -> int:
     worker_args = [str(run_dir / "config.toml"), "--run-dir", str(run_dir),
                    "--resume", str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume]
     try:
-        launch("paratrain.trainer", worker_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+        from .trainer import forked_worker
+
+        launch(forked_worker, worker_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                rdzv=args.rdzv, max_restarts=args.max_restarts, run_id=cfg.name)
     except WorkerFailure as exc:
         if exc.own_exitcodes == {2}:
@@ -124,7 +133,7 @@ def cmd_report(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain", description="Distributed training of PyTorch models.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train: one TOML file picks model, data and parallel strategy")
@@ -150,14 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="where to write (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
 
-    from .bench import add_bench_parser
+    if with_benchmarks:  # the benchmark modules import torch: only when they may be asked for
+        from .bench import add_bench_parser
 
-    add_bench_parser(sub)
+        add_bench_parser(sub)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["inspect"], ["report"])).parse_args(argv)
     if getattr(args, "nproc", 1) is not None and getattr(args, "nproc", 1) < 1:
         return _error("--nproc: must be >= 1", 2)
     if getattr(args, "nnodes", 1) < 1:
@@ -165,5 +176,14 @@ def main(argv=None) -> int:
     return args.func(args)
 
 
+def console_main() -> None:
+    """The `paratrain` command: main(), then out without the interpreter's teardown of torch
+    (half a second), since all the command opened is closed and flushed by the time main returns."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -5,7 +5,7 @@ PARATRAIN_FAULTS holds `;`-separated faults, each `name@key=value,key=value`, e.
     exit_in_save@rank=0,step=8                           rank 0 dies mid-checkpoint
     ps_vanish@rank=3,step=10                             parameter-server rank 3 leaves (exit 0) at step 10
     ps_kill@rank=3,step=10                               parameter-server rank 3 SIGKILLs itself at step 10
-A fault fires when every key it names matches; unset (the normal case) costs one dict lookup.
+A fault fires when every key it names matches; unset (the normal case) costs one environment lookup.
 """
 from __future__ import annotations
 
@@ -20,11 +20,13 @@ def _parse(text: str) -> dict[str, list[dict[str, str]]]:
     return out
 
 
-_FAULTS = _parse(os.environ.get("PARATRAIN_FAULTS", ""))
-
-
 def active(name: str, **context) -> bool:
-    for spec in _FAULTS.get(name, ()):
+    # Read at each call, not at import: a worker forked from the worker server imported this
+    # module before its own environment was set.
+    text = os.environ.get("PARATRAIN_FAULTS")
+    if not text:
+        return False
+    for spec in _parse(text).get(name, ()):
         if all(str(context.get(k)) == v for k, v in spec.items()):
             return True
     return False

@@ -1,7 +1,8 @@
 """The training loop, run by every worker process: data -> strategy.train_step -> metrics -> checkpoints.
 
-Entry point of each worker (`python -m paratrain.trainer CONFIG --run-dir DIR`); it also runs
-under a plain `torchrun -m paratrain.trainer ...` since it only reads the standard environment.
+Entry point of each worker: `forked_worker` for `paratrain run`, or `python -m paratrain.trainer
+CONFIG --run-dir DIR`, which also runs under a plain `torchrun -m paratrain.trainer ...` since it
+only reads the standard environment.
 The trainer never asks which strategy it holds.
 """
 from __future__ import annotations
@@ -315,12 +316,28 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run_worker(argv: list[str] | None = None) -> int:
+    """main(), with the exit code an expendable rank's guard expects when the run itself failed."""
     try:
-        code = main()
+        return main(argv)
     except guard.FailsRun:  # an expendable rank whose failure must fail the run: tell its guard
         traceback.print_exc()
-        code = guard.FAILS_RUN_EXIT if guard.is_guarded_child() else 1
+        return guard.FAILS_RUN_EXIT if guard.is_guarded_child() else 1
+
+
+def forked_worker(*argv: str) -> None:
+    """The entry point `paratrain run` hands the elastic agent: a worker forked from the worker
+    server (see launch.py), which exits like `python -m paratrain.trainer ARGV` would."""
+    from .launch import prepare_forked_worker
+
+    prepare_forked_worker(f"paratrain-r{os.environ.get('RANK', '?')}")
+    code = run_worker(list(argv))
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    code = run_worker()
     # Everything is closed and flushed by now; skipping the interpreter's teardown of torch saves
     # most of a second per worker, which every run and every test pays.
     sys.stdout.flush()

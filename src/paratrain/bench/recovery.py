@@ -62,20 +62,28 @@ keep = 2
 
 
 def worker_pids(agent_pid: int) -> dict[int, int]:
-    """{rank: pid} of the paratrain workers the agent process `agent_pid` started."""
-    out = {}
+    """{rank: pid} of the paratrain workers under the agent process `agent_pid`.
+
+    Workers are forked from the agent's worker server, so they are the agent's grandchildren,
+    named `paratrain-rN` after their rank (launch.prepare_forked_worker)."""
+    parent, name = {}, {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != agent_pid or b"paratrain.trainer" not in (entry / "cmdline").read_bytes():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                name[int(entry.name)] = (entry / "comm").read_text().strip()
+            except (OSError, ValueError, IndexError):
                 continue
-            env = dict(kv.split(b"=", 1) for kv in (entry / "environ").read_bytes().split(b"\0") if b"=" in kv)
-            out[int(env[b"RANK"])] = int(entry.name)
-        except (OSError, ValueError, KeyError, IndexError):
-            continue
-    return out
+
+    def under_agent(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 0)
+            if pid == agent_pid:
+                return True
+        return False
+
+    return {int(n.removeprefix("paratrain-r")): pid for pid, n in name.items()
+            if n.startswith("paratrain-r") and n.removeprefix("paratrain-r").isdigit() and under_agent(pid)}
 
 
 def wait_for(predicate, timeout: float, what: str):

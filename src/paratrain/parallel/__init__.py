@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from .base import Strategy
+if TYPE_CHECKING:  # importing base imports torch; the registry below must not (config reads it)
+    from .base import Strategy
 
 # strategy name -> "module:class" under paratrain.parallel (imported only when used)
 STRATEGIES: dict[str, str] = {"dp": "data_parallel:DataParallel",
@@ -17,11 +19,11 @@ def _module(name: str):
     return importlib.import_module(f"{__name__}.{STRATEGIES[name].partition(':')[0]}")
 
 
-def strategy_class(name: str) -> type[Strategy]:
+def strategy_class(name: str) -> type["Strategy"]:
     return getattr(_module(name), STRATEGIES[name].partition(":")[2])
 
 
-def build_strategy(model, loss_fn, cfg, rt) -> Strategy:
+def build_strategy(model, loss_fn, cfg, rt) -> "Strategy":
     return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
 
 
