@@ -114,9 +114,10 @@ def test_pipeline_schedules(tmp_path, gpt_reference):
 def test_interleaved_in_nccl_message_order(tmp_path, gpt_reference):
     """NCCL ignores tags and matches a rank pair's messages in posting order. With every tag 0
     (PARATRAIN_P2P_TAGS=0 does that on gloo), interleaved (8 microbatches, 2 chunks per rank) must
-    still equal one process: each rank posts a neighbour's messages in the neighbour's order."""
+    still equal one process: each rank posts a neighbour's messages in the neighbour's order.
+    (Through gloo, not shared memory, which matches in order anyway and checks every tag.)"""
     run(tmp_path, "untagged", 2, "parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'",
-        "parallel.microbatches=8", env={"PARATRAIN_P2P_TAGS": "0"})
+        "parallel.microbatches=8", env={"PARATRAIN_P2P_TAGS": "0", "PARATRAIN_P2P_SHM": "0"})
     check_equal(tmp_path, "untagged", gpt_reference)
 
 
@@ -165,3 +166,50 @@ def test_user_plan_must_divide_evenly(tmp_path, capsys):
     cfg = write_config(tmp_path / "mlp.toml", MLP.replace("hidden = 32", "hidden = 33"))
     assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r")]) == 2
     assert "parallel.tp" in capsys.readouterr().err
+
+
+def _channel_worker(rank: int, port: int, capacity: int) -> None:
+    """Rank 0 sends 120 messages (more bytes than the ring holds) to rank 1, which starts late and
+    receives them into buffers of its own, one of them not contiguous; then a message out of order."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from paratrain.parallel import shm_p2p
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    senders, receivers = shm_p2p.connect(None, {1 - rank}, timeout_s=30, capacity=capacity)
+    assert set(senders) == set(receivers) == {1 - rank}
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.randint(1, capacity // 8, (120,), generator=g).tolist()
+    messages = [torch.randn(n, generator=g).to(torch.bfloat16 if i % 3 == 0 else torch.float32)
+                for i, n in enumerate(sizes)]
+    assert sum(t.nbytes for t in messages) > 10 * capacity
+    if rank == 0:
+        for i, t in enumerate(messages):
+            senders[1].send(t, tag=i)  # blocks whenever the ring is full, until rank 1 takes some
+        senders[1].send(torch.ones(4), tag=1000)
+    else:
+        time.sleep(0.5)  # rank 0 fills the ring meanwhile
+        bufs = [torch.empty_like(t) for t in messages]
+        bufs[7] = torch.empty(2, messages[7].numel(), dtype=messages[7].dtype)[0]  # a strided view
+        bufs[8] = torch.empty(messages[8].numel() * 2, dtype=messages[8].dtype)[::2]  # not contiguous
+        posted = [receivers[0].post(b, i) for i, b in enumerate(bufs)]
+        for i, (r, t) in enumerate(zip(posted, messages)):
+            r.wait()
+            assert torch.equal(r.buf, t), f"message {i} differs"
+        with pytest.raises(shm_p2p.ChannelError, match="different orders"):
+            receivers[0].post(torch.empty(4), tag=999).wait()
+    dist.destroy_process_group()
+
+
+def test_shared_memory_channel_moves_every_message_in_order():
+    """The same-host pipeline transport: a small ring (wrap-around, a sender that waits for space),
+    bf16 and fp32 payloads, a non-contiguous receive buffer, and a tag that does not match."""
+    import torch.multiprocessing as mp
+
+    from paratrain.runtime import free_port
+
+    mp.start_processes(_channel_worker, args=(free_port(), 64 * 1024), nprocs=2, start_method="spawn")

@@ -127,7 +127,12 @@ class ModelParallel(Strategy):
         meta_layers = pipeline_layers(self.full_meta) if p.pp > 1 else [self.full_meta]
         shapes = boundary_shape_fn([meta_layers[self.bounds[s]:self.bounds[s + 1]] for s in range(self.n_stages)])
         self.engine = PipelineEngine(self.chunks, self.stage_ids, self.n_stages,
-                                     lambda s: mesh.stage_rank(s % p.pp), mesh.pp_group, shapes, rt.device)
+                                     lambda s: mesh.stage_rank(s % p.pp), mesh.pp_group, shapes, rt.device,
+                                     p.timeout_s)
+        if rt.is_main and p.pp > 1:
+            shm = sorted(self.engine.p2p.shm_senders)
+            print(f"pipeline messages of rank 0: shared memory with ranks {shm}, torch.distributed otherwise"
+                  if shm else "pipeline messages: torch.distributed", flush=True)
         schedule = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b
         self.actions = schedule(p.pp, mesh.pp_rank, self.m, self.v)
         last_backward = {}

@@ -144,12 +144,13 @@ class PipelineEngine:
     """Runs a schedule's actions over this rank's chunks, moving tensors to and from neighbours."""
 
     def __init__(self, chunks: list[nn.Module], stage_ids: list[int], n_stages: int, stage_rank, group,
-                 boundary_shapes, device: torch.device):
+                 boundary_shapes, device: torch.device, timeout_s: float):
         self.chunks, self.stage_ids, self.n_stages = chunks, stage_ids, n_stages
         self.stage_rank = stage_rank          # virtual stage -> global rank holding it
         self.boundary_shapes = boundary_shapes  # microbatch input -> [(shape, dtype) entering stage s]
         self.device = device
-        self.p2p = P2P(group, n_stages)
+        neighbours = {stage_rank(t) for s in stage_ids for t in (s - 1, s + 1) if 0 <= t < n_stages}
+        self.p2p = P2P(group, n_stages, neighbours, timeout_s)
         self.timeline: list[tuple[str, float, float]] | None = None  # (F | B | step, start, end) if recording
 
     def run(self, actions: list[Action], inputs: list[torch.Tensor], targets: list[torch.Tensor],
