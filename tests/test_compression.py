@@ -1,6 +1,7 @@
 """Gradient compression in dp (and 16-bit casts in zero's reduce-scatter): 16-bit casts stay close to
 exact; top-k and PowerSGD still learn."""
 import pytest
+import torch
 
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP
@@ -121,3 +122,40 @@ def test_powersgd_blocked_reconstruction_equals_one_product(shape):
     expected = (Pt.t().bfloat16() @ Qt.bfloat16()).float()
     assert torch.equal(out, expected)
     assert torch.equal(M, before - expected)
+
+
+def _local_sum_worker(rank: int, port: int, world: int) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from paratrain.parallel.shm_p2p import LocalSum
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    local = LocalSum(None, timeout_s=30, capacity=64 * 1024)
+    assert local.usable
+    g = torch.Generator().manual_seed(rank)
+    parts = [torch.randn(n, generator=g) for n in (1000, 7, 3000)]
+    expected = [p.clone() for p in parts]
+    for e in expected:
+        dist.all_reduce(e)
+    works = [local.start(p) for p in parts]
+    for i in (2, 0, 1):  # waited out of order: a later wait takes the earlier messages too
+        works[i].wait()
+    for p, e in zip(parts, expected):
+        assert torch.allclose(p, e, rtol=1e-6, atol=1e-6)
+    gathered = [torch.empty_like(parts[2]) for _ in range(world)]
+    dist.all_gather(gathered, parts[2])
+    assert all(torch.equal(gathered[0], t) for t in gathered), "ranks disagree on the sum"
+    dist.destroy_process_group()
+
+
+def test_shared_memory_sum_equals_all_reduce_on_every_rank():
+    """PowerSGD's small rounds on one host: the shared-memory sum at world 3 equals gloo's
+    all-reduce, is bit-identical on every rank, and tolerates waits out of posting order."""
+    import torch.multiprocessing as mp
+
+    from paratrain.runtime import free_port
+
+    mp.start_processes(_local_sum_worker, args=(free_port(), 3), nprocs=3, start_method="spawn")

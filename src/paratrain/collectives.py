@@ -104,6 +104,12 @@ def all_reduce(tensor: torch.Tensor, what: str, group=None, async_op: bool = Fal
     return _issue("all_reduce", dist.all_reduce, tensor, what, group=group, async_op=async_op, op=op)
 
 
+def all_reduce_via(start, tensor: torch.Tensor, what: str, group=None):
+    """An asynchronous SUM all-reduce through another transport's `start(tensor) -> work` (e.g.
+    shm_p2p.LocalSum), logged, fault-injected and explained like every other collective."""
+    return _issue("all_reduce", lambda t, **_: start(t), tensor, what, group=group, async_op=True)
+
+
 def broadcast(tensor: torch.Tensor, src: int, what: str, group=None, async_op: bool = False):
     return _issue("broadcast", dist.broadcast, tensor, what, src=src, group=group, async_op=async_op)
 

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .parallel.shm_p2p import SENT
 
 PHASES = ("data", "forward", "backward", "compress", "comm", "optimizer", "idle")
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send", "recv")
@@ -290,12 +291,13 @@ def _open_proc_io() -> int | None:
 
 
 def _read_wchar(fd: int | None) -> float:
-    """Bytes this process has written so far, sockets included (gloo's TCP traffic)."""
+    """Bytes this process has sent so far: written to sockets and pipes (gloo's TCP traffic), plus
+    the payloads it copied into peers' shared-memory rings (shm_p2p), which no write call sees."""
     if fd is None:
         return 0.0
     text = os.pread(fd, 512, 0)
     start = text.index(b"wchar:") + 6
-    return float(text[start:text.index(b"\n", start)])
+    return float(text[start:text.index(b"\n", start)]) + SENT.bytes_sent
 
 
 def _start_torch_profiler(out_dir: Path, rank: int):

@@ -4,7 +4,8 @@ One run measures, in the same worker processes, interleaved in rounds (same mach
   (a) paratrain dp against torch DDP;
   (b) each gradient compression against torch's equivalent DDP comm hook (bf16/fp16_compress_hook,
       powerSGD_hook at the same rank; top-k has no torch hook): step time, bytes each rank really
-      sent per step (socket writes, /proc/self/io), and the loss after the same steps;
+      sent per step (socket writes, /proc/self/io, plus payloads copied into a peer's shared-memory
+      ring), and the loss after the same steps;
   (c) scaling: samples/s at 1, 2 and 4 processes (one thread each) and the scaling efficiency;
   (d) the backend's all-reduce bus bandwidth (nccl-tests' definition: 2(N-1)/N x size / time),
       the ceiling every figure above sits under;
@@ -228,12 +229,16 @@ def plot(r: dict, path: Path) -> None:
 
 
 # -- the workers ------------------------------------------------------------------------------------
-def _wchar() -> int:
+def _bytes_sent() -> int:
+    """Bytes this process has written to sockets and pipes (/proc/self/io), plus the payloads it
+    copied into a peer's shared-memory ring (shm_p2p), which no write call sees."""
+    from ..parallel.shm_p2p import SENT
+
     with open("/proc/self/io", "rb") as fh:
         for line in fh:
             if line.startswith(b"wchar:"):
-                return int(line.split()[1])
-    return 0
+                return int(line.split()[1]) + SENT.bytes_sent
+    return SENT.bytes_sent
 
 
 class Engine:
@@ -247,10 +252,10 @@ class Engine:
         for _ in range(n):
             x, y = data[len(self.losses) % len(data)]
             dist.barrier()
-            w0, t0 = _wchar(), time.perf_counter()
+            w0, t0 = _bytes_sent(), time.perf_counter()
             loss = self.step_fn(x, y)
             self.times.append(time.perf_counter() - t0)
-            self.sent.append(_wchar() - w0)
+            self.sent.append(_bytes_sent() - w0)
             self.losses.append(float(loss))
 
 

@@ -40,11 +40,13 @@ cost each step.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
 
 from .. import collectives
+from . import shm_p2p
 from ..config import ParallelConfig
 
 
@@ -295,10 +297,23 @@ class _PowerBucket:
 class PowerSGD:
     """Rank-r PowerSGD with error feedback and (optionally) warm start, per bucket."""
 
-    def __init__(self, rank: int, warm_start: bool, seed: int = 0):
-        self.rank, self.warm_start, self.seed = rank, warm_start, seed
+    def __init__(self, rank: int, warm_start: bool, seed: int = 0, timeout_s: float = 300.0):
+        self.rank, self.warm_start, self.seed, self.timeout_s = rank, warm_start, seed, timeout_s
         self.state: dict = {}
         self.restored: dict[str, torch.Tensor] = {}  # loaded before the buckets' first launch
+        self.local_sums: dict = {}  # group -> shm_p2p.LocalSum, made at the first launch
+
+    def _all_reduce(self, t: torch.Tensor, what: str, group):
+        """P, Q and the dense tensors are small: on one host they are summed through shared memory
+        (shm_p2p.LocalSum), elsewhere, or when large, through torch.distributed."""
+        if group not in self.local_sums:
+            use_shm = (t.device.type == "cpu" and dist.get_backend(group) == "gloo"
+                       and os.environ.get("PARATRAIN_SMALL_SHM", "1") != "0")
+            self.local_sums[group] = shm_p2p.LocalSum(group, self.timeout_s) if use_shm else None
+        local = self.local_sums[group]
+        if local is not None and local.usable and t.nbytes <= local.max_bytes:
+            return collectives.all_reduce_via(local.start, t, what, group=group)
+        return collectives.all_reduce(t, what, group=group, async_op=True)
 
     def reset(self, key, flat: torch.Tensor, shapes) -> None:
         st = self.state.get(key)
@@ -358,7 +373,7 @@ class PowerSGD:
             if st.dense:
                 torch.cat(st.dense_views(flat), out=st.dense_flat)
         profiler.comm("all_reduce", st.first_round, group)
-        works = [collectives.all_reduce(st.first_round, f"powersgd-P-{key}", group=group, async_op=True)]
+        works = [self._all_reduce(st.first_round, f"powersgd-P-{key}", group)]
 
         def second_round():  # P has arrived: Q = M^T P, and send Q
             with profiler.phase("compress"):
@@ -367,8 +382,7 @@ class PowerSGD:
                     Qt.copy_(torch.mm(Pt.to(low.dtype), low))  # Q = M^T P
             if st.q_flat.numel():
                 profiler.comm("all_reduce", st.q_flat, group)
-                handle.works.append(collectives.all_reduce(st.q_flat, f"powersgd-Q-{key}", group=group,
-                                                           async_op=True))
+                handle.works.append(self._all_reduce(st.q_flat, f"powersgd-Q-{key}", group))
             return finish
 
         def finish():
@@ -398,4 +412,4 @@ def build_codec(p: ParallelConfig, seed: int = 0):
         return Cast(CAST_DTYPES[p.compression])
     if p.compression == "topk":
         return TopK(p.topk_ratio, seed)
-    return PowerSGD(p.powersgd_rank, p.powersgd_warm_start, seed)
+    return PowerSGD(p.powersgd_rank, p.powersgd_warm_start, seed, p.timeout_s)
