@@ -1,4 +1,5 @@
-"""Pipeline messages between two processes on one host, through shared memory.
+"""Messages between processes on one host, through shared memory: pipeline activations and
+gradients (pipeline_comm.py), and the small sums of PowerSGD's rounds (`LocalSum`, below).
 
 Why not gloo. gloo hands every received message to a helper thread of the receiving process
 (its TCP loop), which must get a core before the waiting thread can go on. With every core busy
@@ -66,8 +67,6 @@ def _ring(path: Path, capacity: int) -> torch.Tensor:
     return ring
 
 
-
-
 class Sender:
     def __init__(self, ring: torch.Tensor, data_fd: int, ack_fd: int, peer: int, timeout_s: float):
         self.ring, self.capacity, self.ring_ptr = ring, ring.numel(), ring.data_ptr()
@@ -111,7 +110,7 @@ class Receiver:
         self.ring, self.ring_ptr = ring, ring.data_ptr()
         self.data_fd, self.ack_fd = data_fd, ack_fd
         self.peer, self.timeout_s = peer, timeout_s
-        self.posted = self.received = 0
+        self.posted = 0
         self.pending: deque[Receive] = deque()
 
     def post(self, buf: torch.Tensor, tag: int) -> "Receive":
@@ -141,7 +140,6 @@ class Receiver:
         ctypes.memmove(dest.data_ptr(), self.ring_ptr + offset, n)
         if dest is not r.buf:
             r.buf.copy_(dest)
-        self.received += 1
         os.write(self.ack_fd, b"\x01")
 
 
