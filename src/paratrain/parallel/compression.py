@@ -92,6 +92,10 @@ class Stateless:
     def result(self, key, flat: torch.Tensor) -> torch.Tensor:
         return flat
 
+    def result_norm(self, key) -> torch.Tensor | None:
+        """The 2-norm of result(key) where the codec had it at hand anyway, else None."""
+        return None
+
     def discard(self, key) -> None:
         pass
 
@@ -162,6 +166,9 @@ class TopK:
 
     def result(self, key, flat: torch.Tensor) -> torch.Tensor:
         return flat
+
+    def result_norm(self, key) -> None:
+        return None
 
     def discard(self, key) -> None:
         self.error.pop(key, None)
@@ -266,12 +273,13 @@ class _PowerBucket:
             self.ps.append(self.p_flat[po:po + n * r].view(r, n))
             self.qs.append(self.q_flat[qo:qo + m * r].view(r, m))
             po, qo = po + n * r, qo + m * r
+        self.out_norm: torch.Tensor | None = None  # of this step's `out`, once it is made
         self.gen = torch.Generator().manual_seed(seed)  # identical on every rank: Q starts equal
         self.fill_random_q()
 
-    def reconstruct(self, M: torch.Tensor, out: torch.Tensor, Pt: torch.Tensor, Qt: torch.Tensor) -> None:
+    def reconstruct(self, M: torch.Tensor, out: torch.Tensor, Pt: torch.Tensor, Qt: torch.Tensor) -> list:
         """out = P Q^T (the averaged gradient the optimizer reads); M -= out (the error: exactly
-        what `out` leaves out of M, kept for the next step).
+        what `out` leaves out of M, kept for the next step). Returns the 2-norms of out's blocks.
 
         A block of rows at a time, so that the bf16 product is still in cache when it is widened
         into `out`, and `out` when it is taken from M: M and `out` make one trip to memory instead
@@ -279,10 +287,13 @@ class _PowerBucket:
         P, Q = Pt.t().to(torch.bfloat16), Qt.to(torch.bfloat16)
         n, m = M.shape
         rows = max(1, self.block.numel() // m)
+        norms = []
         for i in range(0, n, rows):
             block = torch.mm(P[i:i + rows], Q, out=self.block[:min(rows, n - i) * m].view(-1, m))
             out[i:i + rows].copy_(block)
             M[i:i + rows].sub_(out[i:i + rows])
+            norms.append(torch.linalg.vector_norm(out[i:i + rows]))
+        return norms
 
     def fill_random_q(self) -> None:
         self.q_flat.copy_(torch.randn(self.q_flat.numel(), generator=self.gen, dtype=self.q_flat.dtype))
@@ -329,6 +340,12 @@ class PowerSGD:
         st = self.state.get(key)
         return flat if st is None else st.out
 
+    def result_norm(self, key) -> torch.Tensor | None:
+        """Taken block by block while reconstructing, when each block of `out` was still in cache:
+        a pass over the whole result fewer than the reducer's own norm."""
+        st = self.state.get(key)
+        return None if st is None else st.out_norm
+
     def discard(self, key) -> None:
         """After a skipped (non-finite) step: the error in `flat` is cleared by the caller, and Q,
         computed from the bad gradient, starts afresh (the same on every rank)."""
@@ -364,6 +381,7 @@ class PowerSGD:
         with profiler.phase("compress"):
             fresh = key not in self.state
             st = self._bucket(key, flat, shapes)
+            st.out_norm = None
             if not (fresh or self.warm_start):
                 st.fill_random_q()
             ms = st.views(flat)
@@ -388,14 +406,17 @@ class PowerSGD:
         def finish():
             with profiler.phase("compress"):
                 st.q_flat.div_(world)
+                norms = []
                 for M, out, Pt, Qt in zip(ms, st.views(st.out), st.ps, st.qs):
-                    st.reconstruct(M, out, Pt, Qt)
+                    norms += st.reconstruct(M, out, Pt, Qt)
                 if st.dense:
                     st.dense_flat.div_(world)
+                    norms.append(torch.linalg.vector_norm(st.dense_flat))
                     o2 = 0
                     for out in st.dense_views(st.out):
                         out.copy_(st.dense_flat[o2:o2 + out.numel()])
                         o2 += out.numel()
+                st.out_norm = torch.linalg.vector_norm(torch.stack(norms))
 
         handle = _Work(works, profiler, second=second_round)
         return handle

@@ -148,7 +148,8 @@ class GradientReducer:
                 b.work.wait()
                 b.work = None
             b.bind_grads(self.codec.result(b.index, b.buffer))  # the optimizer reads the average
-            norms.append(torch.linalg.vector_norm(b.bound))
+            norm = self.codec.result_norm(b.index)
+            norms.append(torch.linalg.vector_norm(b.bound) if norm is None else norm)
         self.sync = False
         return torch.linalg.vector_norm(torch.stack(norms))
 
