@@ -8,7 +8,8 @@ returned handle. After the backward it calls `handle.advance()` on every bucket 
 second round of communication starts it there, so that round overlaps the next buckets' work), then
 `handle.wait()`, after which `codec.result(key, flat)` holds the average over the group (exactly,
 or approximately for lossy codecs): `flat` itself, or for PowerSGD a second buffer, since `flat`
-keeps the error. `key` names the bucket across steps, so codecs with memory (error feedback, warm
+keeps the error; `codec.result_norm(key)` is its 2-norm where the codec took it on the way (else
+None). `key` names the bucket across steps, so codecs with memory (error feedback, warm
 start) keep per-bucket state; after a step skipped for a non-finite gradient, `codec.discard(key)` (with
 `flat` zeroed) drops that memory, which the bad gradient would otherwise poison for good.
 
