@@ -132,7 +132,7 @@ class Profiler:
         self._payload = [0.0] * _O
         self._min = [0.0] * _O
         self._tracing = False
-        self._io = _open_proc_io() if device.type == "cpu" else None
+        self._io = open_proc_io() if device.type == "cpu" else None
         self._torch_prof = None
         if world_size > 1:
             collectives.barrier("profiler start")  # a common time origin for all ranks' traces
@@ -170,13 +170,13 @@ class Profiler:
         self._phase_s = [0.0] * _P
         self._payload = [0.0] * _O
         self._min = [0.0] * _O
-        io_before = _read_wchar(self._io)
+        io_before = bytes_sent(self._io)
         start = time.perf_counter()
         yield self
         if self._sync is not None:
             self._sync()
         end = time.perf_counter()
-        sent = _read_wchar(self._io) - io_before if self._io is not None else -1.0
+        sent = bytes_sent(self._io) - io_before if self._io is not None else -1.0
         self._rows.append([step, start - self.t0, end - start, *self._phase_s, sent, *self._payload, *self._min])
         if self._tracing:
             self._spans.append((step, -1, start - self.t0, end - self.t0, -1))
@@ -283,16 +283,17 @@ def _open_profile(path: Path, start_step: int):
     return open(path, "w")
 
 
-def _open_proc_io() -> int | None:
+def open_proc_io() -> int | None:
     try:
         return os.open("/proc/self/io", os.O_RDONLY)
     except OSError:
         return None
 
 
-def _read_wchar(fd: int | None) -> float:
+def bytes_sent(fd: int | None) -> float:
     """Bytes this process has sent so far: written to sockets and pipes (gloo's TCP traffic), plus
-    the payloads it copied into peers' shared-memory rings (shm_p2p), which no write call sees."""
+    the payloads it copied into peers' shared-memory rings (shm_p2p), which no write call sees.
+    `fd`: from open_proc_io()."""
     if fd is None:
         return 0.0
     text = os.pread(fd, 512, 0)

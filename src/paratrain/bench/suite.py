@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..profile import bytes_sent, open_proc_io
 from .common import emit_json
 from .dp import add_options as dp_options
 from .dp import build
@@ -229,33 +230,22 @@ def plot(r: dict, path: Path) -> None:
 
 
 # -- the workers ------------------------------------------------------------------------------------
-def _bytes_sent() -> int:
-    """Bytes this process has written to sockets and pipes (/proc/self/io), plus the payloads it
-    copied into a peer's shared-memory ring (shm_p2p), which no write call sees."""
-    from ..parallel.shm_p2p import SENT
-
-    with open("/proc/self/io", "rb") as fh:
-        for line in fh:
-            if line.startswith(b"wchar:"):
-                return int(line.split()[1]) + SENT.bytes_sent
-    return SENT.bytes_sent
-
-
 class Engine:
     """One model replica trained by one engine; records step times, bytes sent and losses."""
 
     def __init__(self, step_fn):
         self.step_fn = step_fn
+        self.io = open_proc_io()  # what the profiler counts bytes sent with
         self.times, self.sent, self.losses = [], [], []
 
     def run(self, n: int, data) -> None:
         for _ in range(n):
             x, y = data[len(self.losses) % len(data)]
             dist.barrier()
-            w0, t0 = _bytes_sent(), time.perf_counter()
+            w0, t0 = bytes_sent(self.io), time.perf_counter()
             loss = self.step_fn(x, y)
             self.times.append(time.perf_counter() - t0)
-            self.sent.append(_bytes_sent() - w0)
+            self.sent.append(bytes_sent(self.io) - w0)
             self.losses.append(float(loss))
 
 

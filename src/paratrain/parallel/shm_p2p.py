@@ -214,11 +214,18 @@ def connect(group, neighbours: set[int], timeout_s: float,
     for path in created:  # open descriptors and mappings keep them alive; nothing is left behind
         path.unlink(missing_ok=True)
     if any(failures):
-        for ch in [*senders.values(), *receivers.values()]:
-            os.close(ch.data_fd)
-            os.close(ch.ack_fd)
+        close(senders, receivers)
         return {}, {}
     return senders, receivers
+
+
+def close(senders: dict, receivers: dict) -> None:
+    """Give back channels from connect(): their FIFOs now, their rings with the last reference."""
+    for ch in [*senders.values(), *receivers.values()]:
+        os.close(ch.data_fd)
+        os.close(ch.ack_fd)
+    senders.clear()
+    receivers.clear()
 
 
 
@@ -240,6 +247,8 @@ class LocalSum:
                         else list(range(dist.get_world_size())))
         self.senders, self.receivers = connect(group, set(self.members), timeout_s, capacity)
         self.usable = len(self.members) > 1 and len(self.senders) == len(self.members) - 1
+        if not self.usable:  # some members on another host: channels to the rest go unused
+            close(self.senders, self.receivers)
         self.max_bytes = capacity // 8  # several rounds in flight never fill a ring
         self.started = 0
 
