@@ -214,12 +214,17 @@ class PipelineEngine:
                         saved[(a.chunk, a.mb)] = (x, value / m)
                 else:
                     _, dtype = shapes[a.mb][s + 1]
-                    sends.append((out.detach().to(dtype), self.stage_rank(s + 1), self.p2p.tag(P2P.ACTIVATION, s, a.mb)))
+                    # Sent as it is (P2P only reads it) unless the dtype differs: right after heavy
+                    # compute every tensor op costs several microseconds, and actions are many
+                    sends.append((out if out.dtype == dtype else out.to(dtype), self.stage_rank(s + 1),
+                                  self.p2p.tag(P2P.ACTIVATION, s, a.mb)))
                     if train:
                         saved[(a.chunk, a.mb)] = (x, out)
             else:
                 x, out = saved.pop((a.chunk, a.mb))
-                grad = None if s == last else received(a).to(out.dtype)
+                grad = None if s == last else received(a)
+                if grad is not None and grad.dtype != out.dtype:
+                    grad = grad.to(out.dtype)
                 t0 = time.perf_counter()
                 if before_backward is not None:
                     before_backward(a)

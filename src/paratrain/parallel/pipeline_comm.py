@@ -61,6 +61,7 @@ class P2P:
             if (channel := self._shm(self.shm_senders, t, peer)) is not None:
                 channel.send(t, tag)  # in the ring when this returns: nothing to wait for later
             else:
+                t = t.detach()  # the engine hands over outputs still attached to autograd
                 self.pending_sends.append((dist.isend(t, peer, group=self.group, tag=tag), t))
         works = []
         for t, peer, tag in recvs:
