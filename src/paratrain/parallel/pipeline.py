@@ -152,6 +152,19 @@ class PipelineEngine:
         neighbours = {stage_rank(t) for s in stage_ids for t in (s - 1, s + 1) if 0 <= t < n_stages}
         self.p2p = P2P(group, n_stages, neighbours, timeout_s)
         self.timeline: list[tuple[str, float, float]] | None = None  # (F | B | step, start, end) if recording
+        # Receive buffers that are done with, by (shape, dtype), for the next receives: taking one
+        # costs a few microseconds where torch.empty right after heavy compute costs 10-20
+        self.spare_buffers: dict[tuple, list[torch.Tensor]] = {}
+
+    def _buffer(self, shape, dtype) -> torch.Tensor:
+        spare = self.spare_buffers.get((shape, dtype))
+        return spare.pop() if spare else torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        """`buf` (a receive buffer) is referenced by nothing that will read it again."""
+        buf.grad = None
+        buf.requires_grad_(False)  # an activation's buffer may next receive a gradient
+        self.spare_buffers.setdefault((buf.shape, buf.dtype), []).append(buf)
 
     def run(self, actions: list[Action], inputs: list[torch.Tensor], targets: list[torch.Tensor],
             loss_fn, autocast, train: bool, before_backward=None) -> list:
@@ -168,11 +181,11 @@ class PipelineEngine:
             s = self.stage_ids[a.chunk]
             if a.kind == "F" and s != first:
                 shape, dtype = shapes[a.mb][s]
-                return torch.empty(shape, dtype=dtype, device=self.device), self.stage_rank(s - 1), \
+                return self._buffer(shape, dtype), self.stage_rank(s - 1), \
                     self.p2p.tag(P2P.ACTIVATION, s - 1, a.mb)
             if a.kind == "B" and s != last:
                 shape, dtype = shapes[a.mb][s + 1]
-                return torch.empty(shape, dtype=dtype, device=self.device), self.stage_rank(s + 1), \
+                return self._buffer(shape, dtype), self.stage_rank(s + 1), \
                     self.p2p.tag(P2P.GRADIENT, s, a.mb)
             return None
 
@@ -222,7 +235,7 @@ class PipelineEngine:
                         saved[(a.chunk, a.mb)] = (x, out)
             else:
                 x, out = saved.pop((a.chunk, a.mb))
-                grad = None if s == last else received(a)
+                received_grad = grad = None if s == last else received(a)
                 if grad is not None and grad.dtype != out.dtype:
                     grad = grad.to(out.dtype)
                 t0 = time.perf_counter()
@@ -235,6 +248,14 @@ class PipelineEngine:
             if self.timeline is not None:
                 self.timeline.append((a.kind, t0, time.perf_counter()))
             post(i + 1 + LOOKAHEAD, sends)
+            # After a backward its receive buffers are free: the graph is gone and x.grad is in the
+            # neighbour's ring. Not while a torch.distributed send is in flight, which may still be
+            # reading a tensor that shares memory with one of them (a stage that returns its input)
+            if a.kind == "B" and not self.p2p.pending_sends:
+                if received_grad is not None:
+                    self._give_back(received_grad)
+                if s != first:
+                    self._give_back(x)
         self.p2p.finish()
         if self.timeline is not None:
             self.timeline.append(("step", t_begin, time.perf_counter()))
