@@ -9,7 +9,8 @@ One run measures, in the same worker processes, interleaved in rounds (same mach
   (c) scaling: samples/s at 1, 2 and 4 processes (one thread each) and the scaling efficiency;
   (d) the backend's all-reduce bus bandwidth (nccl-tests' definition: 2(N-1)/N x size / time),
       the ceiling every figure above sits under;
-  plus the profiler's own cost per step.
+  plus the profiler's own cost per step, and, for each of our codecs, the steps and time it takes
+  to reach dp's loss (lossy codecs need more steps; "faster at equal loss" counts them).
 
 Settings: loopback (this machine, gloo over 127.0.0.1), or `--slow-link 1gbit`: two hosts in
 network namespaces joined by a veth pair that tc shapes to that rate (paratrain.netns; skipped with
@@ -163,6 +164,15 @@ def print_tables(r: dict) -> None:
             right = (f"{peer:<27}{t['step_ms']:>9.1f}{t['mb_sent']:>9.2f}{t['final_loss']:>8.4f}"
                      f"{e['step_ms'] / t['step_ms']:>11.2f}")
         print(left + right)
+    eq = r.get("equal_loss")
+    if eq:
+        parts = []
+        for name, e in eq["engines"].items():
+            label = name.replace("paratrain ", "")
+            parts.append(f"{label} {e['steps']} steps, {e['speedup_at_equal_loss']:.2f}x" if e["steps"]
+                         else f"{label} not within {eq['max_steps']} steps")
+        print(f"at equal loss: dp's loss {eq['dp_loss']:.4f} (mean of one pass of the {eq['window']}-batch pool) "
+              f"after {eq['dp_steps']} steps; to reach it within 0.1 % (speed-up over dp in time): " + ", ".join(parts))
     floor = r["engines"]["compute only"]
     print(f"{'compute only (no comm.)':<26}{floor['step_ms']:>9.1f}{base / floor['step_ms']:>7.2f}"
           f"{floor['mb_sent']:>9.2f}{'':>8}   (each rank's local gradients: the floor, not a valid training)")
@@ -398,6 +408,41 @@ def _summary(engines: dict, world: int, batch: int) -> dict:
     return out
 
 
+def _pool_curve(losses: list[float], world: int, window: int) -> list[float]:
+    """After each step from the window-th on: the loss averaged over the ranks and over the last
+    `window` steps, one pass of the batch pool (single batches differ more than engines do).
+    Collective."""
+    t = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(t)
+    t /= world
+    return [t[i - window:i].mean().item() for i in range(window, len(t) + 1)]
+
+
+def equal_loss(engines: dict, codecs: list[str], data, summary: dict, world: int) -> dict:
+    """How many steps each codec needs to reach the loss dp reached, and what that makes its
+    speed-up over dp at equal loss: (dp's steps x dp's step time) / (its steps x its step time).
+    "Reached" is within 0.1 % (bf16's loss equals dp's to 4 digits but can sit a hair above it).
+    The codecs train on past dp's step count, up to twice it. Collective."""
+    window, dp = len(data), engines["paratrain dp"]
+    dp_curve = _pool_curve(dp.losses, world, window)
+    target = dp_curve[-1] * 1.001
+    dp_steps = next(i + window for i, loss in enumerate(dp_curve) if loss <= target)
+    dp_ms = summary["paratrain dp"]["step_ms"]
+    out = {"window": window, "dp_loss": dp_curve[-1], "tolerance": 1e-3, "dp_steps": dp_steps, "max_steps": 2 * len(dp.losses),
+           "engines": {}}
+    for name in codecs:
+        e = engines[name]
+        if isinstance(e, str):
+            continue
+        e.run(2 * len(dp.losses) - len(e.losses), data)
+        curve = _pool_curve(e.losses, world, window)
+        steps = next((i + window for i, loss in enumerate(curve) if loss <= target), None)
+        out["engines"][name] = {
+            "steps": steps, "steps_vs_dp": steps / dp_steps if steps else None,
+            "speedup_at_equal_loss": dp_steps * dp_ms / (steps * summary[name]["step_ms"]) if steps else None}
+    return out
+
+
 def worker(argv=None) -> None:
     from .. import runtime
 
@@ -453,6 +498,7 @@ def worker(argv=None) -> None:
     result["timed_steps"] = rounds * steps
     result["engines"] = _summary(engines, world, args.batch)
     if args.mode == "engines":
+        result["equal_loss"] = equal_loss(engines, [ours for ours, _ in pairs[1:]], data, result["engines"], world)
         result["parameters"] = sum(p.numel() for p in dp.params)
         result["bus_bandwidth"] = bus_bandwidth(world)
         result["profiler_overhead"] = profiler_overhead(args, rt, dp, data)
