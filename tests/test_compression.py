@@ -159,3 +159,51 @@ def test_shared_memory_sum_equals_all_reduce_on_every_rank():
     from paratrain.runtime import free_port
 
     mp.start_processes(_local_sum_worker, args=(free_port(), 3), nprocs=3, start_method="spawn")
+
+
+class _ScriptedEngine:
+    """Stands in for a bench suite engine: its loss at step s is `loss(s)`."""
+
+    def __init__(self, loss):
+        self.loss, self.losses = loss, []
+
+    def run(self, n: int, data) -> None:
+        for _ in range(n):
+            self.losses.append(self.loss(len(self.losses) + 1))
+
+
+def _equal_loss_worker(rank: int, port: int) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from paratrain.bench.suite import equal_loss
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    offset = 1.0 if rank == 0 else -1.0  # the ranks' losses differ; their mean is what counts
+    dp = _ScriptedEngine(lambda s: 100 - s + offset)       # pool mean after step s: 101.5 - s
+    slow = _ScriptedEngine(lambda s: 100 - s / 2 + offset)  # 100.75 - s / 2: twice the steps, nearly
+    flat = _ScriptedEngine(lambda s: 95.0)
+    for e in (dp, slow, flat):
+        e.run(12, None)
+    summary = {"paratrain dp": {"step_ms": 100.0}, "slow": {"step_ms": 50.0}, "flat": {"step_ms": 10.0}}
+    out = equal_loss({"paratrain dp": dp, "slow": slow, "flat": flat}, ["slow", "flat"], [None] * 4, summary, 2)
+    # dp's loss after 12 steps: 89.5; within 0.1 % means <= 89.5895, which "slow" reaches at step 23
+    assert (out["window"], out["dp_steps"], out["max_steps"]) == (4, 12, 24)
+    assert out["dp_loss"] == pytest.approx(89.5)
+    assert out["engines"]["slow"]["steps"] == 23
+    assert out["engines"]["slow"]["speedup_at_equal_loss"] == pytest.approx(12 * 100.0 / (23 * 50.0))
+    assert out["engines"]["flat"] == {"steps": None, "steps_vs_dp": None, "speedup_at_equal_loss": None}
+    assert len(flat.losses) == 24  # trained on up to twice dp's steps before giving up
+    dist.destroy_process_group()
+
+
+def test_bench_suite_equal_loss_counts_the_extra_steps():
+    """The suite's "at equal loss" line: steps to dp's final loss (mean over ranks and the last pass
+    of the batch pool) and the speed-up in time that leaves; an engine that never gets there says so."""
+    import torch.multiprocessing as mp
+
+    from paratrain.runtime import free_port
+
+    mp.start_processes(_equal_loss_worker, args=(free_port(),), nprocs=2, start_method="spawn")
