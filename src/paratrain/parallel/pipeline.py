@@ -251,7 +251,7 @@ class PipelineEngine:
             # After a backward its receive buffers are free: the graph is gone and x.grad is in the
             # neighbour's ring. Not while a torch.distributed send is in flight, which may still be
             # reading a tensor that shares memory with one of them (a stage that returns its input)
-            if a.kind == "B" and not self.p2p.pending_sends:
+            if a.kind == "B" and not self.p2p.sends_in_flight():
                 if received_grad is not None:
                     self._give_back(received_grad)
                 if s != first:

@@ -71,6 +71,11 @@ class P2P:
                 works.append(dist.irecv(t, peer, group=self.group, tag=tag))
         return works
 
+    def sends_in_flight(self) -> bool:
+        """Whether a torch.distributed send may still be reading its tensor (shared-memory sends
+        are complete when post returns)."""
+        return bool(self.pending_sends)
+
     def finish(self) -> None:
         for work, _ in self.pending_sends:
             work.wait()
