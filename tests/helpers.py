@@ -18,9 +18,16 @@ def write_config(path: Path, text: str) -> Path:
     return path
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`paratrain ARGS` in a fresh process (which starts real workers on a free port)."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+# The suite tests the CPU path (gloo), the same on every machine: its processes see no GPU.
+# tests/test_gpu.py covers CUDA and NCCL where there is a GPU.
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None,
+            gpus: bool = False) -> subprocess.CompletedProcess:
+    """`paratrain ARGS` in a fresh process (which starts real workers on a free port), on CPU
+    unless `gpus`."""
+    full_env = {**os.environ, **({} if gpus else CPU_ONLY), "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "paratrain.cli", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -102,3 +102,16 @@ def test_nodes_sharing_a_run_dir_prepare_it_at_once(tmp_path):
         list(pool.map(prepare, range(4)))  # re-raises the first error of any node
     assert config_mod.load(tmp_path / "shared" / "config.toml") == cfg
     assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["config.toml"]
+
+
+def test_cuda_without_a_gpu_per_process_exits_2(tmp_path, capsys):
+    """NCCL takes one GPU per rank, so train.device = 'cuda' with more processes than this node has
+    GPUs (on a machine with none, one is already too many) is refused before any worker starts."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cfg = write_config(tmp_path / "c.toml", DIGITS)
+    code, err = run_main(capsys, "run", str(cfg), "--nproc", str(gpus + 1), "--run-dir", str(tmp_path / "r"),
+                         "--set", 'train.device="cuda"')
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "train.device" in err, err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()

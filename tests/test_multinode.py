@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from helpers import check_ok, final_weights, max_rel_error, run_cli, write_config
+from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, run_cli, write_config
 from reference import DIGITS_MLP
 
 from paratrain import netns
@@ -24,7 +24,7 @@ def test_two_nodes_over_veth_equal_one_node(tmp_path):
         for node in (0, 1):
             argv = [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nnodes", "2", "--nproc", "1",
                     "--node-rank", str(node), "--rdzv", endpoint, "--run-dir", str(tmp_path / "multi")]
-            procs.append(hosts.popen(node, argv, env={**hosts.env(node), "PYTHONUNBUFFERED": "1"},
+            procs.append(hosts.popen(node, argv, env={**hosts.env(node), **CPU_ONLY, "PYTHONUNBUFFERED": "1"},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         try:
             outs = [p.communicate(timeout=240)[0] for p in procs]

@@ -89,6 +89,7 @@ def check_resume_path(resume: str, cfg: config_mod.Config) -> None:
 
 def cmd_run(args) -> int:
     from .launch import WorkerFailure, default_nproc, launch, start_worker_server
+    from .runtime import resolve_device
 
     try:
         if args.config:
@@ -96,12 +97,15 @@ def cmd_run(args) -> int:
         cfg = config_mod.load(args.config, args.overrides)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc = args.nproc or default_nproc(cfg.train.device)
+        cfg.train.device, device_note = resolve_device(cfg.train.device, nproc)  # the run dir's config names it
         preflight(cfg, nproc * args.nnodes)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
         check_resume_path(args.resume, cfg)
         prepare_run_dir(run_dir, cfg, args.resume, args.node_rank)
     except ConfigError as exc:
         return _error(str(exc), 2)
+    if device_note:  # after the checks, so that a bad config still gets its one line
+        print(f"paratrain: {device_note}", file=sys.stderr)
     worker_args = [str(run_dir / "config.toml"), "--run-dir", str(run_dir),
                    "--resume", str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume]
     try:

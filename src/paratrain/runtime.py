@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -29,14 +30,42 @@ class Runtime:
         return self.rank == 0
 
 
-def pick_device(kind: str, local_rank: int) -> torch.device:
-    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device = 'cuda' but no CUDA device is available")
-        index = local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+def resolve_device(device: str, nproc: int) -> tuple[str, str | None]:
+    """The device this node's workers train on, 'cpu' or 'cuda', decided before any of them starts,
+    and a note for the user when 'auto' could not pick the GPU it found.
+
+    NCCL takes one GPU per rank: two ranks on one GPU fail at init ("Duplicate GPU detected"). So
+    'auto' picks CUDA only when this node has a GPU for each of its processes and otherwise
+    trains on CPU with gloo, saying so; an explicit 'cuda' that cannot be honoured is a config
+    error. Raises ConfigError.
+    """
+    from .config import ConfigError
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        return "cpu", None
+    if gpus == 0:
+        raise ConfigError("train.device", "'cuda' but no CUDA device is available")
+    if nproc > gpus:
+        if device == "cuda":
+            raise ConfigError("train.device", f"'cuda' needs one GPU per process (NCCL): {nproc} processes "
+                                              f"per node, {gpus} GPU{'s' * (gpus > 1)} here; lower --nproc "
+                                              f"or set train.device = 'cpu'")
+        return "cpu", (f"train.device 'auto': {nproc} processes per node but {gpus} GPU{'s' * (gpus > 1)} "
+                       f"(NCCL takes one GPU per process), so training on CPU with gloo")
+    return "cuda", None
+
+
+def pick_device(kind: str, local_rank: int, local_world: int) -> torch.device:
+    """This worker's device. `paratrain run` has resolved 'auto' already; under plain torchrun the
+    worker resolves it here, from how many processes share this node."""
+    kind, note = resolve_device(kind, local_world)
+    if note and local_rank == 0:
+        print(f"paratrain: {note}", file=sys.stderr)
+    if kind == "cpu":
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 # glibc's mallopt parameters (malloc.h)
@@ -69,7 +98,7 @@ def init(device_kind: str = "auto", timeout_s: float = 300.0) -> Runtime:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = pick_device(device_kind, local_rank)
+    device = pick_device(device_kind, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if device.type == "cpu":
         keep_freed_memory()
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -297,6 +297,7 @@ def main(argv=None) -> int:
         if strategy_class(cfg.parallel.strategy).expendable(cfg, rank) and not guard.is_guarded_child():
             return guard.run_guarded(sys.argv[1:] if argv is None else argv, f"worker rank {rank}")
         rt = runtime.init(cfg.train.device, cfg.parallel.timeout_s)
+        cfg.train.device = rt.device.type  # 'auto' resolved, as the run dir's config records it
         config_mod.check_world(cfg, rt.world_size)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
         if rt.is_main:
