@@ -12,6 +12,7 @@ import torch
 
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
+from test_data_parallel import RESUME
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -45,6 +46,24 @@ def test_bf16_on_the_gpu_trains_the_default_gpt(tmp_path):
     assert losses[-1] < 0.8 * losses[0], losses
     weights = final_weights(tmp_path / "run")
     assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in weights.values())
+
+
+@needs_gpus(1)
+def test_gpu_checkpoints_resume_on_the_gpu_and_on_cpu(tmp_path):
+    """A checkpoint written on the GPU (CUDA RNG state included) resumes there like an
+    uninterrupted run, and also on CPU."""
+    cfg = write_config(tmp_path / "c.toml", RESUME)
+    on_gpu = ("--nproc", "1")
+    check_ok(run_cli("run", str(cfg), *on_gpu, "--run-dir", str(tmp_path / "straight"), gpus=True))
+    check_ok(run_cli("run", str(cfg), *on_gpu, "--set", "train.steps=8", "--run-dir", str(tmp_path / "split"), gpus=True))
+    proc = check_ok(run_cli("run", str(cfg), *on_gpu, "--resume", "auto", "--run-dir", str(tmp_path / "split"), gpus=True))
+    assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
+    straight = final_weights(tmp_path / "straight")
+    assert max_rel_error(final_weights(tmp_path / "split"), straight) <= 1e-6
+    check_ok(run_cli("run", str(cfg), *on_gpu, "--set", 'train.device="cpu"', "--resume",
+                     str(tmp_path / "split" / "checkpoints" / "step-12"), "--run-dir", str(tmp_path / "cpu"), gpus=True))
+    assert 'device = "cpu"' in (tmp_path / "cpu" / "config.toml").read_text()
+    assert max_rel_error(final_weights(tmp_path / "cpu"), straight) <= 1e-4
 
 
 @needs_gpus(1)
