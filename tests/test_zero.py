@@ -55,6 +55,16 @@ def test_zero_equals_single_process_and_dp(tmp_path, dp_weights, stage, world):
         assert max_rel_error(got, dp_weights) <= 1e-5
 
 
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_zero_with_native_collectives_equals_single_process(tmp_path, stage):
+    """NCCL's path: the native reduce-scatter and all-gather, in place (output = this rank's slice
+    of the input), taken on gloo here by PARATRAIN_NATIVE_COLLECTIVES=1."""
+    cfg = write_config(tmp_path / "c.toml", EQUIV)
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", f"parallel.strategy='{stage}'",
+                     "--run-dir", str(tmp_path / "run"), env={"PARATRAIN_NATIVE_COLLECTIVES": "1"}))
+    assert max_rel_error(final_weights(tmp_path / "run"), reference()) <= 1e-4
+
+
 GPT = """
 name = "zero-gpt"
 [model]

@@ -21,6 +21,7 @@ the memory ZeRO saves), so on gloo we build them from in-place primitives:
 """
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import torch
@@ -50,7 +51,9 @@ class Works:
 
 
 def _on_gloo(group) -> bool:
-    return dist.get_backend(group) == "gloo"
+    """Whether to build the collectives from in-place primitives. PARATRAIN_NATIVE_COLLECTIVES=1
+    takes the native ones (NCCL's path) on gloo too, so that a CPU test covers that path."""
+    return dist.get_backend(group) == "gloo" and os.environ.get("PARATRAIN_NATIVE_COLLECTIVES", "0") != "1"
 
 
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, what: str, group, wire_dtype=None) -> Works:
