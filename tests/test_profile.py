@@ -6,7 +6,6 @@ import pytest
 from helpers import check_ok, metrics, run_cli, write_config
 
 from paratrain.cli import main
-from paratrain.report import plot_timeline
 
 RUN = """
 name = "profiled"
@@ -87,17 +86,65 @@ def test_report_writes_plots_and_summary(run_dir, capsys):
     assert "| rank | step |" in text and "all_reduce" in text and "val acc" in text
 
 
-def test_pipeline_timeline_from_trace_records(tmp_path):
-    """The pipeline strategy's spans (micro-batch indices, idle bubbles) draw without a pp run."""
-    trace = []
-    for rank in range(2):
-        trace.append({"name": "step 1", "cat": "step", "ph": "X", "pid": rank, "ts": 0, "dur": 100, "args": {"step": 1}})
-        for mb in range(4):
-            start = 10 * mb + 10 * rank
-            trace.append({"name": "forward", "cat": "phase", "ph": "X", "pid": rank, "ts": start, "dur": 10,
-                          "args": {"step": 1, "index": mb}})
-        trace.append({"name": "idle", "cat": "phase", "ph": "X", "pid": rank, "ts": 50, "dur": 20, "args": {"step": 1}})
-    assert plot_timeline(trace, pp=2, name="pp", path=tmp_path / "t.png").stat().st_size > 10_000
+PIPELINE = (RUN.replace("torch_profiler = true", "").replace("tensorboard = true", "tensorboard = false")
+            .replace("[parallel]\n", '[parallel]\nstrategy = "pp"\npp = 2\nmicrobatches = 4\n'))
+
+
+@pytest.mark.parametrize("extra", [[], ["--set", "parallel.tp=2", "--set", "parallel.strategy='hybrid'",
+                                               "--set", 'parallel.tp_plan={ "0" = "colwise", "2" = "rowwise" }']],
+                         ids=["pp", "tp-x-pp"])
+def test_model_parallel_steps_are_profiled_per_microbatch(tmp_path, extra):
+    """Every strategy reports to the profiler; here the pipeline: forward and backward of each
+    microbatch, idle while a neighbour's message is not there yet, messages counted as sent and
+    received, collectives (tp's, the gradient norm's) as communication."""
+    cfg = write_config(tmp_path / "c.toml", PIPELINE)
+    world = 4 if extra else 2
+    check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--run-dir", str(tmp_path / "run"), *extra))
+    records = [json.loads(line) for line in (tmp_path / "run" / "profile.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    idle = [0.0] * world
+    for record in records:
+        ranks = record["ranks"]
+        for r in ranks:
+            phases = r["phases"]
+            assert phases["forward"] > 0 and phases["backward"] > 0 and phases["optimizer"] > 0
+            assert sum(phases.values()) == pytest.approx(r["step_s"], rel=1e-6, abs=1e-6)
+            assert r["comm"]["all_reduce"]["payload"] > 0  # the gradient norm, tp's activations
+            idle[r["rank"]] += phases["idle"]
+        # pipeline rank 0 sends activations that rank 1 receives, and receives their gradients
+        first, last = ranks[0]["comm"], ranks[-1]["comm"]
+        assert first["send"]["payload"] == last["recv"]["payload"] > 0
+        assert first["recv"]["payload"] == last["send"]["payload"] == first["send"]["payload"]
+    assert all(t > 0 for t in idle), idle  # each stage waits on the other at some point
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    forwards = {(e["pid"], e["args"]["index"]) for e in trace if e.get("name") == "forward"}
+    assert forwards == {(rank, mb) for rank in range(world) for mb in range(4)}
+    assert main(["report", str(tmp_path / "run")]) == 0
+    assert (tmp_path / "run" / "report" / "timeline.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("strategy, world", [("zero2", 2), ("ps", 3)])
+def test_sharded_and_parameter_server_steps_are_profiled(tmp_path, strategy, world):
+    """ZeRO: compute phases, and its gradient reduce-scatter (an in-place all-reduce on gloo) counted
+    in full. Parameter server: workers' compute and their pushes (send) and pulls (recv) of every
+    parameter, the server's optimizer."""
+    cfg = write_config(tmp_path / "c.toml", RUN.replace("torch_profiler = true", "").replace("tensorboard = true", "tensorboard = false"))
+    check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--set", f"parallel.strategy='{strategy}'",
+                     "--run-dir", str(tmp_path / "run")))
+    records = [json.loads(line) for line in (tmp_path / "run" / "profile.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for record in records:
+        for r in record["ranks"]:
+            phases, comm = r["phases"], r["comm"]
+            assert sum(phases.values()) == pytest.approx(r["step_s"], rel=1e-6, abs=1e-6)
+            if strategy == "ps" and r["rank"] == 0:  # the server
+                assert phases["optimizer"] > 0 and comm["recv"]["payload"] >= 2 * 4 * PARAMS
+                continue
+            assert phases["forward"] > 0 and phases["backward"] > 0
+            if strategy == "ps":
+                assert comm["send"]["payload"] >= 4 * PARAMS and comm["recv"]["payload"] >= 4 * PARAMS
+            else:
+                assert phases["optimizer"] > 0 and comm["all_reduce"]["payload"] >= 4 * PARAMS
 
 
 def test_report_on_a_directory_that_is_not_a_run(tmp_path, capsys):

@@ -10,6 +10,7 @@ fell behind, or never answered.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -67,6 +68,24 @@ class CollectiveLog:
 
 
 LOG = CollectiveLog()
+# The process's step profiler (paratrain/profile.py sets it while one is open): every collective's
+# payload is counted here and time blocked on one is its "comm" phase, whichever strategy issued it
+PROFILER = None
+
+# op name in the profile, and the payload as the byte accounting defines it (for the gathers: the
+# whole gathered buffer), from (kind, tensor, world)
+_ACCOUNTED = {
+    "all_reduce": ("all_reduce", lambda t, n: t.nbytes),
+    "broadcast": ("broadcast", lambda t, n: t.nbytes),
+    "reduce_scatter": ("reduce_scatter", lambda t, n: t.nbytes),
+    "all_gather": ("all_gather", lambda t, n: t.nbytes * n),
+    "all_gather_into": ("all_gather", lambda t, n: t.nbytes * n),
+}
+
+
+def _blocked():
+    """The "comm" phase of the open profiler (nothing without one)."""
+    return PROFILER.phase("comm") if PROFILER is not None else contextlib.nullcontext()
 
 
 class _Done:
@@ -84,7 +103,8 @@ class _Tracked:
 
     def wait(self):
         try:
-            return self.work.wait()
+            with _blocked():
+                return self.work.wait()
         except RuntimeError as exc:
             raise CollectiveFailure(explain_failure(exc, self.record)) from exc
 
@@ -92,9 +112,14 @@ class _Tracked:
 def _issue(kind: str, fn, tensor: torch.Tensor, what: str, **kwargs):
     if faults.active("skip_collective", rank=dist.get_rank(), step=LOG.step, what=what):
         return _Done() if kwargs.get("async_op") else None  # as if this rank never issued it
-    record = LOG.add(kind, tensor, what, world=kwargs.get("group") in (None, dist.group.WORLD))
+    group = kwargs.get("group")
+    record = LOG.add(kind, tensor, what, world=group in (None, dist.group.WORLD))
+    if PROFILER is not None and kind in _ACCOUNTED:
+        op, payload = _ACCOUNTED[kind]
+        PROFILER.comm(op, payload(tensor, dist.get_world_size(group)), group)
     try:
-        work = fn(tensor, **kwargs)
+        with contextlib.nullcontext() if kwargs.get("async_op") else _blocked():
+            work = fn(tensor, **kwargs)
     except RuntimeError as exc:
         raise CollectiveFailure(explain_failure(exc, record)) from exc
     return _Tracked(work, record) if work is not None else None

@@ -132,6 +132,7 @@ class Profiler:
         self._payload = [0.0] * _O
         self._min = [0.0] * _O
         self._tracing = False
+        self._in_step = False
         self._io = open_proc_io() if device.type == "cpu" else None
         self._torch_prof = None
         if world_size > 1:
@@ -148,14 +149,18 @@ class Profiler:
                                    "args": {"sort_index": r}} for r in range(world_size)])
         if torch_profiler:
             self._torch_prof = _start_torch_profiler(self.run_dir / "torch_profiler", rank)
+        collectives.PROFILER = self  # every collective is counted and its waits timed (see there)
 
     # -- what strategies call ---------------------------------------------------------------------
-    def phase(self, name: str, index: int | None = None) -> _Phase:
-        """Time a phase of the current step; `index` (e.g. a micro-batch) labels it in the trace."""
-        return _Phase(self, self._codes[name], index)
+    def phase(self, name: str, index: int | None = None):
+        """Time a phase of the current step; `index` (e.g. a micro-batch) labels it in the trace.
+        Outside a step (evaluation, checkpoints, logging) nothing is recorded."""
+        return _Phase(self, self._codes[name], index) if self._in_step else NullProfiler._null
 
     def comm(self, op: str, data, group=None) -> None:
-        """Count a collective: `data` is the tensor handed to it (or its size in bytes)."""
+        """Count a collective or message: `data` is the tensor handed to it (or its size in bytes)."""
+        if not self._in_step:
+            return
         nbytes = data if isinstance(data, int) else data.numel() * data.element_size()
         i = self._ops[op]
         self._payload[i] += nbytes
@@ -172,7 +177,11 @@ class Profiler:
         self._min = [0.0] * _O
         io_before = bytes_sent(self._io)
         start = time.perf_counter()
-        yield self
+        self._in_step = True
+        try:
+            yield self
+        finally:
+            self._in_step = False
         if self._sync is not None:
             self._sync()
         end = time.perf_counter()
@@ -208,6 +217,8 @@ class Profiler:
         return summary
 
     def close(self) -> None:
+        if collectives.PROFILER is self:
+            collectives.PROFILER = None
         if self._torch_prof is not None:
             self._torch_prof.stop()
             self._torch_prof = None

@@ -31,12 +31,14 @@ and sets one: `profiler` (paratrain/profile.py), which a strategy reports to fro
 default does nothing, so a strategy calls it unconditionally:
     with self.profiler.phase("forward"): ...     # phases: forward | backward | compress | comm |
                                                  # optimizer | idle (pipeline bubbles); "comm" is
-                                                 # time BLOCKED on collectives (wait(), blocking ops)
-    self.profiler.comm("all_reduce", buffer, group)   # each collective's payload, for byte accounting
+                                                 # time BLOCKED on communication
+    self.profiler.comm("send", buffer, group)    # a message's payload, for byte accounting
                                                  # (all_reduce | reduce_scatter | all_gather |
                                                  #  broadcast | all_to_all | send | recv)
-Phases nest (an inner phase's time is taken out of the outer one); `phase(name, index=i)` labels a
-span (e.g. micro-batch i) on the trace's timeline.
+Collectives issued through `paratrain.collectives` need neither: it counts each one's payload and
+times waits on it (and blocking calls) as "comm" itself. Phases nest (an inner phase's time is
+taken out of the outer one); `phase(name, index=i)` labels a span (e.g. micro-batch i) on the
+trace's timeline.
 """
 from __future__ import annotations
 

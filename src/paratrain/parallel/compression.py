@@ -65,13 +65,12 @@ class _Work:
     """Waits for `works`, then runs `finish`; with `second` (a function that starts another round
     and returns its finishing function), advance() runs that round's start early."""
 
-    def __init__(self, works, profiler, finish=None, second=None):
-        self.works, self.profiler, self.finish, self.second = works, profiler, finish, second
+    def __init__(self, works, finish=None, second=None):
+        self.works, self.finish, self.second = works, finish, second
 
-    def _wait_works(self) -> None:
-        with self.profiler.phase("comm"):
-            for w in self.works:
-                w.wait()
+    def _wait_works(self) -> None:  # the waits are the profile's "comm" (paratrain.collectives)
+        for w in self.works:
+            w.wait()
         self.works = []
 
     def advance(self) -> None:
@@ -115,8 +114,7 @@ class Uncompressed(Stateless):
         if world == 1:
             return Done()
         flat.div_(world)
-        profiler.comm("all_reduce", flat, group)
-        return _Work([collectives.all_reduce(flat, f"grad-bucket-{key}", group=group, async_op=True)], profiler)
+        return _Work([collectives.all_reduce(flat, f"grad-bucket-{key}", group=group, async_op=True)])
 
 
 class Cast(Stateless):
@@ -132,14 +130,13 @@ class Cast(Stateless):
             return Done()
         with profiler.phase("compress"):
             small = flat.to(self.dtype).div_(world)
-        profiler.comm("all_reduce", small, group)
         work = collectives.all_reduce(small, f"grad-bucket-{key}-{self.dtype}", group=group, async_op=True)
 
         def unpack():
             with profiler.phase("compress"):
                 flat.copy_(small)
 
-        return _Work([work], profiler, unpack)
+        return _Work([work], unpack)
 
 
 class TopK:
@@ -214,8 +211,6 @@ class TopK:
             error.index_fill_(0, idx, 0)  # what is sent leaves the error; the rest waits for later steps
         all_values = torch.empty(world * k, dtype=flat.dtype, device=flat.device)
         all_indices = torch.empty(world * k, dtype=torch.int32, device=flat.device)
-        profiler.comm("all_gather", all_values, group)
-        profiler.comm("all_gather", all_indices, group)
         works = [collectives.all_gather_into(all_values, values, f"topk-values-{key}", group, async_op=True),
                  collectives.all_gather_into(all_indices, indices, f"topk-indices-{key}", group, async_op=True)]
 
@@ -225,7 +220,7 @@ class TopK:
                 flat.index_add_(0, all_indices.long(), all_values)
                 flat.div_(world)
 
-        return _Work(works, profiler, unpack)
+        return _Work(works, unpack)
 
 
 class _PowerBucket:
@@ -391,7 +386,6 @@ class PowerSGD:
                 Pt.copy_(torch.mm(Qt.to(low.dtype), low.t()))  # P = M Q
             if st.dense:
                 torch.cat(st.dense_views(flat), out=st.dense_flat)
-        profiler.comm("all_reduce", st.first_round, group)
         works = [self._all_reduce(st.first_round, f"powersgd-P-{key}", group)]
 
         def second_round():  # P has arrived: Q = M^T P, and send Q
@@ -400,7 +394,6 @@ class PowerSGD:
                     Pt.copy_(torch.linalg.qr(Pt.t()).Q.t())  # orthonormal columns of P
                     Qt.copy_(torch.mm(Pt.to(low.dtype), low))  # Q = M^T P
             if st.q_flat.numel():
-                profiler.comm("all_reduce", st.q_flat, group)
                 handle.works.append(self._all_reduce(st.q_flat, f"powersgd-Q-{key}", group))
             return finish
 
@@ -419,7 +412,7 @@ class PowerSGD:
                         o2 += out.numel()
                 st.out_norm = torch.linalg.vector_norm(torch.stack(norms))
 
-        handle = _Work(works, profiler, second=second_round)
+        handle = _Work(works, second=second_round)
         return handle
 
 

@@ -172,6 +172,16 @@ class ModelParallel(Strategy):
         print(f"pipeline split by {p.balance} into {self.n_stages} stages: " + "; ".join(parts), flush=True)
 
     # -- the step -------------------------------------------------------------------------------
+    @property
+    def profiler(self):
+        return self.engine.profiler
+
+    @profiler.setter
+    def profiler(self, profiler) -> None:  # the engine times the microbatches, the reducers their codecs
+        self.engine.profiler = profiler
+        for r in self.reducers:
+            r.profiler = profiler
+
     def train_step(self, batch) -> torch.Tensor:
         for r in self.reducers:
             r.zero_grad()
@@ -183,15 +193,16 @@ class ModelParallel(Strategy):
         losses = self.engine.run(self.actions, list(torch.chunk(inputs, self.m)), list(torch.chunk(targets, self.m)),
                                  self.train_loss, self.autocast, train=True, before_backward=before_backward)
         chunk_norms = [r.finish() for r in self.reducers]
-        norm = self._global_grad_norm(chunk_norms)
-        self.skipped_step = not math.isfinite(norm)  # the same norm, so the same decision, on every rank
-        if not self.skipped_step:
-            if self.cfg.train.clip_grad_norm > 0:
-                factor = clip_factor(torch.tensor(norm, device=self.rt.device), self.cfg.train.clip_grad_norm)
-                for t in self.params:
-                    if t.grad is not None:
-                        t.grad.mul_(factor)
-            self.optimizer.step()
+        with self.profiler.phase("optimizer"):
+            norm = self._global_grad_norm(chunk_norms)
+            self.skipped_step = not math.isfinite(norm)  # the same norm, so the same decision, on every rank
+            if not self.skipped_step:
+                if self.cfg.train.clip_grad_norm > 0:
+                    factor = clip_factor(torch.tensor(norm, device=self.rt.device), self.cfg.train.clip_grad_norm)
+                    for t in self.params:
+                        if t.grad is not None:
+                            t.grad.mul_(factor)
+                self.optimizer.step()
         if self.stage_ids[-1] == self.n_stages - 1:
             return torch.stack([l.detach().float() for l in losses]).mean()
         return torch.zeros((), device=self.rt.device)

@@ -211,9 +211,10 @@ class ParameterServer(Strategy):
         micro = self.micro_batches(batch)
         total = torch.zeros((), device=self.rt.device)
         for x, y in micro:
-            with self.autocast():
+            with self.profiler.phase("forward"), self.autocast():
                 loss = self.loss_fn(self.model(x), y)
-            (loss / len(micro)).backward()
+            with self.profiler.phase("backward"):
+                (loss / len(micro)).backward()
             total += loss.detach().float()
         loss = total / len(micro)
         if self.mode != "sync" and self.cfg.train.clip_grad_norm > 0:  # sync clips the average on the servers
@@ -239,6 +240,7 @@ class ParameterServer(Strategy):
         return loss
 
     def _p2p(self, op, buf: torch.Tensor, peer: int, tag: int):
+        self.profiler.comm("send" if op is dist.isend else "recv", buf, self.comm_group)
         try:
             return op(buf, peer, group=self.comm_group, tag=tag)
         except RuntimeError as exc:
@@ -246,7 +248,8 @@ class ParameterServer(Strategy):
 
     def _wait(self, work, peer: int) -> None:
         try:
-            work.wait(self.timeout)
+            with self.profiler.phase("comm"):
+                work.wait(self.timeout)
         except RuntimeError as exc:
             if "Timed out" in str(exc):
                 raise self._lost(peer, f"did not answer within parallel.timeout_s = "
@@ -293,7 +296,8 @@ class ParameterServer(Strategy):
 
     def _update(self) -> None:
         if self.optimizer is not None:
-            self.optimizer.step()
+            with self.profiler.phase("optimizer"):
+                self.optimizer.step()
         self.version += 1
 
     # -- server: async and ssp -------------------------------------------------------------------

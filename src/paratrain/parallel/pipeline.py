@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import collectives
+from ..profile import NULL_PROFILER
 from .pipeline_comm import P2P
 from .pipeline_schedules import Action
 
@@ -152,6 +153,7 @@ class PipelineEngine:
         neighbours = {stage_rank(t) for s in stage_ids for t in (s - 1, s + 1) if 0 <= t < n_stages}
         self.p2p = P2P(group, n_stages, neighbours, timeout_s)
         self.timeline: list[tuple[str, float, float]] | None = None  # (F | B | step, start, end) if recording
+        self.profiler = NULL_PROFILER  # forward/backward per microbatch, idle = waiting on a neighbour
         # Receive buffers that are done with, by (shape, dtype), for the next receives: taking one
         # costs a few microseconds where torch.empty right after heavy compute costs 10-20
         self.spare_buffers: dict[tuple, list[torch.Tensor]] = {}
@@ -176,6 +178,7 @@ class PipelineEngine:
         saved: dict[tuple[int, int], tuple] = {}
         results: list = [None] * m
         posted = 0
+        prof = self.profiler
 
         def needs_recv(a: Action):
             s = self.stage_ids[a.chunk]
@@ -198,13 +201,18 @@ class PipelineEngine:
                     recvs.append(r)
                     keys.append(a)
                 posted += 1
+            for t, _, _ in sends:
+                prof.comm("send", t)
+            for buf, _, _ in recvs:
+                prof.comm("recv", buf)
             works = self.p2p.post(sends, recvs)
             for a, (buf, _, _), w in zip(keys, recvs, works):
                 recv_work[a] = (buf, w)
 
         def received(a: Action) -> torch.Tensor:
             buf, work = recv_work.pop(a)
-            work.wait()
+            with prof.phase("idle"):  # the pipeline's bubble: the neighbour has not sent it yet
+                work.wait()
             return buf
 
         t_begin = time.perf_counter()
@@ -217,11 +225,12 @@ class PipelineEngine:
                 t0 = time.perf_counter()
                 if train and s != first:
                     x.requires_grad_()
-                with autocast():
-                    out = self.chunks[a.chunk](x)
+                with prof.phase("forward", a.mb):
+                    with autocast():
+                        out = self.chunks[a.chunk](x)
+                    value = loss_fn(out, targets[a.mb]) if s == last else None
                 sends = []
                 if s == last:
-                    value = loss_fn(out, targets[a.mb])
                     results[a.mb] = value
                     if train:
                         saved[(a.chunk, a.mb)] = (x, value / m)
@@ -239,9 +248,10 @@ class PipelineEngine:
                 if grad is not None and grad.dtype != out.dtype:
                     grad = grad.to(out.dtype)
                 t0 = time.perf_counter()
-                if before_backward is not None:
-                    before_backward(a)
-                torch.autograd.backward(out, grad)
+                with prof.phase("backward", a.mb):
+                    if before_backward is not None:
+                        before_backward(a)
+                    torch.autograd.backward(out, grad)
                 sends = []
                 if s != first:
                     sends.append((x.grad, self.stage_rank(s - 1), self.p2p.tag(P2P.GRADIENT, s - 1, a.mb)))
@@ -256,7 +266,8 @@ class PipelineEngine:
                     self._give_back(received_grad)
                 if s != first:
                     self._give_back(x)
-        self.p2p.finish()
+        with prof.phase("comm"):  # the last sends' completion
+            self.p2p.finish()
         if self.timeline is not None:
             self.timeline.append(("step", t_begin, time.perf_counter()))
         return results

@@ -180,24 +180,27 @@ class Zero(Strategy):
         self.reducer.zero_grad()
         micro = self.micro_batches(batch)
         total = torch.zeros((), device=self.device)
+        prof = self.profiler  # waits on gathers and reduce-scatters are its "comm" (paratrain.collectives)
         for i, (x, y) in enumerate(micro):
             self._before_backward(i, last=i == len(micro) - 1)
-            with self.autocast():
+            with prof.phase("forward"), self.autocast():
                 loss = self.loss_fn(self.model(x), y)
-            (loss / len(micro)).backward()
+            with prof.phase("backward"):
+                (loss / len(micro)).backward()
             self._after_backward(last=i == len(micro) - 1)
             total += loss.detach()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
-        grads = [u.shard.grad for u in self.units]
-        norm = sharded_grad_norm(grads, self.group)
-        self.skipped_step = not bool(torch.isfinite(norm))  # the same on every rank: the norm is global
-        if not self.skipped_step:
-            if self.cfg.train.clip_grad_norm > 0:
-                factor = clip_factor(norm, self.cfg.train.clip_grad_norm)
-                for g in grads:
-                    g.mul_(factor.to(g.dtype))
-            self.optimizer.step()
-            self._after_step()
+        with prof.phase("optimizer"):
+            grads = [u.shard.grad for u in self.units]
+            norm = sharded_grad_norm(grads, self.group)
+            self.skipped_step = not bool(torch.isfinite(norm))  # the same on every rank: the norm is global
+            if not self.skipped_step:
+                if self.cfg.train.clip_grad_norm > 0:
+                    factor = clip_factor(norm, self.cfg.train.clip_grad_norm)
+                    for g in grads:
+                        g.mul_(factor.to(g.dtype))
+                self.optimizer.step()
+                self._after_step()
         return total / len(micro)
 
     def _before_backward(self, micro: int, last: bool) -> None:
