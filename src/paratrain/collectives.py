@@ -117,8 +117,12 @@ def _issue(kind: str, fn, tensor: torch.Tensor, what: str, **kwargs):
     if PROFILER is not None and kind in _ACCOUNTED:
         op, payload = _ACCOUNTED[kind]
         PROFILER.comm(op, payload(tensor, dist.get_world_size(group)), group)
+    # A blocking call holds the host only on CPU (gloo); NCCL's merely enqueues, and timing it would
+    # cost a stream sync per call (tp issues two per layer and microbatch): on a GPU its time stays
+    # in the phase around it
+    blocks_host = not kwargs.get("async_op") and tensor.device.type == "cpu"
     try:
-        with contextlib.nullcontext() if kwargs.get("async_op") else _blocked():
+        with _blocked() if blocks_host else contextlib.nullcontext():
             work = fn(tensor, **kwargs)
     except RuntimeError as exc:
         raise CollectiveFailure(explain_failure(exc, record)) from exc
