@@ -159,6 +159,7 @@ def plot_timeline(trace: list[dict], pp: int, name: str, path: Path) -> Path | N
     t0 = min(e["ts"] for e in spans)
     ranks = sorted({e["pid"] for e in spans})
     plt, fig, ax = _figure(11, 1.2 + 0.7 * len(ranks))
+    min_label_ms = (max(e["ts"] + e["dur"] for e in spans) - t0) / 1e3 / 80  # narrower: no room for text
     seen = set()
     for e in sorted(spans, key=lambda e: (e["cat"] != "step", -e["dur"])):  # outer spans first, nested on top
         y = ranks.index(e["pid"])
@@ -169,7 +170,7 @@ def plot_timeline(trace: list[dict], pp: int, name: str, path: Path) -> Path | N
         label = e["name"] if e["name"] not in seen else None
         seen.add(e["name"])
         ax.broken_barh([(x, w)], (y - 0.3, 0.6), facecolor=PHASE_COLORS[e["name"]], label=label)
-        if "index" in e["args"] and w > 0:
+        if "index" in e["args"] and w >= min_label_ms:
             ax.text(x + w / 2, y, str(e["args"]["index"]), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
