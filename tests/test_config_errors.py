@@ -115,3 +115,28 @@ def test_cuda_without_a_gpu_per_process_exits_2(tmp_path, capsys):
                          "--set", 'train.device="cuda"')
     assert code == 2 and len(err.strip().splitlines()) == 1 and "train.device" in err, err
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("gpus, device, nproc, expected", [
+    (0, "auto", 2, "cpu"), (1, "auto", 1, "cuda"), (1, "auto", 2, "cpu (note)"), (4, "auto", 4, "cuda"),
+    (1, "cuda", 1, "cuda"), (1, "cuda", 2, "exit 2"), (0, "cuda", 1, "exit 2"), (2, "cpu", 1, "cpu"),
+])
+def test_device_resolution_against_the_gpus_a_node_has(monkeypatch, gpus, device, nproc, expected):
+    """The rule behind train.device (CI has no GPU, so the GPU count is made up): CUDA only with a
+    GPU for each of the node's processes; 'auto' falls back to CPU and says so, 'cuda' is an error."""
+    import torch
+
+    from paratrain.config import ConfigError
+    from paratrain.runtime import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    if expected == "exit 2":
+        with pytest.raises(ConfigError, match="train.device"):
+            resolve_device(device, nproc)
+        return
+    chosen, note = resolve_device(device, nproc)
+    assert chosen == expected.split()[0]
+    assert (note is not None) == expected.endswith("(note)")
+    if note:
+        assert f"{nproc} processes per node but {gpus} GPU" in note
