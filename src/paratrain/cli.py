@@ -87,18 +87,32 @@ def check_resume_path(resume: str, cfg: config_mod.Config) -> None:
             check(reader, build_model(cfg, build_dataset(cfg, "train")))
 
 
-def cmd_run(args) -> int:
-    from .launch import WorkerFailure, default_nproc, launch, start_worker_server
+def load_config(args) -> config_mod.Config:
+    """The config file (or the default job) with the --set overrides; ConfigError if invalid."""
+    if args.config:
+        os.environ["PARATRAIN_CONFIG_DIR"] = str(Path(args.config).resolve().parent)
+    return config_mod.load(args.config, args.overrides)
+
+
+def place(cfg: config_mod.Config, args) -> tuple[int, str | None]:
+    """Processes per node and the device (set in cfg, with a note when `auto` fell back to CPU),
+    then every check that needs the world size. ConfigError if the run cannot start."""
+    from .launch import default_nproc
     from .runtime import resolve_device
 
+    nproc = args.nproc or default_nproc(cfg.train.device)
+    cfg.train.device, device_note = resolve_device(cfg.train.device, nproc)  # the run dir's config names it
+    preflight(cfg, nproc * args.nnodes)
+    return nproc, device_note
+
+
+def cmd_run(args) -> int:
+    from .launch import WorkerFailure, launch, start_worker_server
+
     try:
-        if args.config:
-            os.environ["PARATRAIN_CONFIG_DIR"] = str(Path(args.config).resolve().parent)
-        cfg = config_mod.load(args.config, args.overrides)
+        cfg = load_config(args)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
-        nproc = args.nproc or default_nproc(cfg.train.device)
-        cfg.train.device, device_note = resolve_device(cfg.train.device, nproc)  # the run dir's config names it
-        preflight(cfg, nproc * args.nnodes)
+        nproc, device_note = place(cfg, args)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
         check_resume_path(args.resume, cfg)
         prepare_run_dir(run_dir, cfg, args.resume, args.node_rank)
@@ -120,6 +134,26 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    import torch
+
+    from .data import build_dataset
+    from .models import build_model
+    from .plan import emit, make_plan
+
+    try:
+        cfg = load_config(args)
+        nproc, device_note = place(cfg, args)
+        with torch.device("meta"):  # shapes only: no memory, no time
+            model = build_model(cfg, build_dataset(cfg, "train"))
+    except ConfigError as exc:
+        return _error(str(exc), 2)
+    if device_note:
+        print(f"paratrain: {device_note}", file=sys.stderr)
+    emit(make_plan(cfg, model, nproc, args.nnodes, cfg.train.device), args.json)
+    return 0
+
+
 def cmd_inspect(args) -> int:
     from .inspect_checkpoint import inspect
 
@@ -137,21 +171,33 @@ def cmd_report(args) -> int:
     return 0
 
 
+def add_job_options(p) -> None:
+    """What `run` and `plan` share: the job and where it runs."""
+    p.add_argument("config", nargs="?", help="TOML config (default: the built-in default job)")
+    p.add_argument("--nproc", type=int, default=None, help="processes per node (default: 2 on CPU, one per GPU)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=0.01")
+
+
 def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain", description="Distributed training of PyTorch models.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train: one TOML file picks model, data and parallel strategy")
-    r.add_argument("config", nargs="?", help="TOML config (default: the built-in default job)")
-    r.add_argument("--nproc", type=int, default=None, help="processes per node (default: 2 on CPU, one per GPU)")
-    r.add_argument("--nnodes", type=int, default=1)
+    add_job_options(r)
     r.add_argument("--node-rank", type=int, default=0)
     r.add_argument("--rdzv", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (multi-node)")
     r.add_argument("--max-restarts", type=int, default=0)
     r.add_argument("--run-dir", default=None, help="default: runs/NAME")
     r.add_argument("--resume", default="none", help="auto | none | PATH")
-    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.lr=0.01")
     r.set_defaults(func=cmd_run)
+
+    pl = sub.add_parser("plan", help="the layout of a run before it starts: rank grid, pipeline cut, "
+                                     "per-rank bytes of parameters, gradients and optimizer state")
+    add_job_options(pl)
+    pl.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                    help="also write the plan as JSON (to stdout alone without PATH)")
+    pl.set_defaults(func=cmd_plan)
 
     i = sub.add_parser("inspect", help="what a checkpoint holds (step, world size, strategy, tensors, bytes); "
                                        "verifies its checksums (exit 2 if one fails)")
@@ -172,7 +218,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["inspect"], ["report"])).parse_args(argv)
+    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"])).parse_args(argv)
     if getattr(args, "nproc", 1) is not None and getattr(args, "nproc", 1) < 1:
         return _error("--nproc: must be >= 1", 2)
     if getattr(args, "nnodes", 1) < 1:

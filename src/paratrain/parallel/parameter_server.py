@@ -79,6 +79,7 @@ class FlatShard:
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
+        self.shapes = [p.shape for p in params]  # a server empties the parameters it does not hold
         self.numel = sum(p.numel() for p in params)
         self.nbytes = (HEADER + self.numel) * 4
 
@@ -87,9 +88,10 @@ class FlatShard:
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         out, offset = [], HEADER
-        for p in self.params:
-            out.append(buf[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for shape in self.shapes:
+            n = shape.numel()
+            out.append(buf[offset:offset + n].view(shape))
+            offset += n
         return out
 
     def bind_data(self, buf: torch.Tensor) -> None:
@@ -159,6 +161,12 @@ class ParameterServer(Strategy):
         self.grad_buf = self.shard.new_buffer()
         self.shard.bind_grads(self.grad_buf)
         self.own_names = [self.names[i] for i in self.shard_index[self.rt.rank]]
+        # A server computes nothing with the model: it keeps its own shard only (rank 0 receives
+        # the other shards when it exports the final model)
+        own = {id(p) for p in self.shard.params}
+        for p in self.model.parameters():
+            if id(p) not in own:
+                p.data = torch.empty(0, dtype=p.dtype)
         self.optimizer = build_optimizer(self.shard.params, self.cfg.train) if self.shard.params else None
         self.version = 0
         self.live = set(self.workers)
@@ -477,7 +485,7 @@ class ParameterServer(Strategy):
         if missing:
             raise ckpt.CheckpointMismatch("resume", "checkpoint does not match the model: missing " + ", ".join(missing))
         with torch.no_grad():
-            for n in self.names:
+            for n in self.own_names if self.is_server else self.names:
                 named[n].copy_(tensors[f"model.{n}"])
         start = reader.step
         self.step_index = start

@@ -1,0 +1,240 @@
+"""`paratrain plan`: how a run would be laid out, before any worker starts.
+
+From the config and the process count alone — the model is built on the meta device, so no memory
+and no compute — the plan gives the rank grid (node, local rank, pp/dp/tp coordinates, role), the
+pipeline cut, the batch each replica and microbatch gets, and per rank the bytes of model state
+the strategy keeps for good: parameters, gradients and optimizer state, the numbers that decide
+whether a job fits. Not counted: activations (they depend on the batch and the schedule), the
+short-lived buffers of communication (ZeRO's units while gathered or reduced, named in a note), and
+the memory of the top-k and PowerSGD codecs.
+
+The layout comes from the functions the strategies themselves call (dp's buckets, ZeRO's units and
+their padding, the pipeline's partition, the tp plan's shard dimensions, the parameter servers'
+dealing), so the plan is what the run does: tests/test_plan.py builds every rank's strategy on a
+fake process group and counts the tensors it really holds.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .config import Config, data_parallel_degree
+
+MIB = 2**20
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    node: int
+    local_rank: int
+    role: str
+    pp: int = 0
+    dp: int = 0
+    tp: int = 0
+    stages: list[int] = field(default_factory=list)  # virtual pipeline stages held
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_bytes: int = 0
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def optimizer_slots(cfg: Config) -> int:
+    """Tensors of optimizer state per parameter: AdamW's two moments, SGD's momentum buffer."""
+    if cfg.train.optimizer == "adamw":
+        return 2
+    return 1 if cfg.train.momentum > 0 else 0
+
+
+def _nbytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _padded_bytes(groups: list[list[nn.Parameter]], world: int) -> tuple[int, int]:
+    """(whole, per-rank shard) bytes of flat units padded to a multiple of `world`, as FlatUnit does."""
+    whole = 0
+    for params in groups:
+        numel = sum(p.numel() for p in params)
+        whole += -(-numel // world) * world * params[0].element_size()
+    return whole, whole // world
+
+
+def _zero_state(cfg: Config, model: nn.Module, params: list[nn.Parameter], world: int) -> tuple[int, int, int, str]:
+    from .parallel.data_parallel import make_buckets
+    from .parallel.zero import module_units
+
+    stage = int(cfg.parallel.strategy[-1])
+    bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
+    if stage == 3:
+        groups = [g for _, g in module_units(model, params, bucket_bytes)]
+    else:
+        groups = [b.params for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
+    whole, shard = _padded_bytes(groups, world)
+    biggest = max(_padded_bytes([g], world)[0] for g in groups)
+    param_bytes = whole if stage < 3 else shard
+    grad_bytes = whole if stage == 1 else shard
+    transient = {1: "", 2: f"plus one unit's full gradients while reduced (at most {biggest / MIB:.3g} MiB)",
+                 3: f"plus units gathered for their forward and backward, and one unit's full gradients "
+                    f"while reduced (the largest unit: {biggest / MIB:.3g} MiB)"}[stage]
+    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient
+
+
+def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPlan]) -> list[dict]:
+    """tp, pp, hybrid: which stages and which tp shard of each parameter every rank holds."""
+    from .parallel.base import unique_parameters
+    from .parallel.hybrid import virtual_stages
+    from .parallel.pipeline import allowed_cuts, parameter_costs, partition, pipeline_layers
+    from .parallel.tensor_parallel import STYLES, plan_for
+    from .parallel.tp_comm import shard_range
+
+    p = cfg.parallel
+    dp = world // (p.tp * p.pp)
+    v = virtual_stages(cfg)
+    n_stages = p.pp * v
+    tp_plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
+    if p.pp > 1:
+        layers = pipeline_layers(model)
+        bounds = partition(parameter_costs(layers), n_stages, allowed_cuts(model, layers, tp_plan))
+        stage_layers = [layers[bounds[s]:bounds[s + 1]] for s in range(n_stages)]
+    else:
+        bounds, stage_layers = [0, 1], [[model]]
+    # the dimension each planned module's tensors are split along, by parameter name
+    shard_dims = {f"{name}.{t}": d for name, style in tp_plan.items() for t, d in STYLES[style].shard_dims.items()}
+    name_of = {id(t): n for n, t in model.named_parameters()}
+
+    def stage_bytes(s: int, tp_rank: int) -> int:
+        seen, total = set(), 0
+        for layer in stage_layers[s]:
+            for _, t in unique_parameters(layer):
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                numel, dim = t.numel(), shard_dims.get(name_of[id(t)])
+                if dim is not None:
+                    start, end = shard_range(t.shape[dim], p.tp, tp_rank)
+                    numel = numel // t.shape[dim] * (end - start)
+                total += numel * t.element_size()
+        return total
+
+    slots = optimizer_slots(cfg)
+    for r in ranks:
+        r.pp, rest = divmod(r.rank, dp * p.tp)
+        r.dp, r.tp = divmod(rest, p.tp)
+        r.stages = [c * p.pp + r.pp for c in range(v)]
+        held = sum(stage_bytes(s, r.tp) for s in r.stages)
+        r.param_bytes, r.grad_bytes, r.optimizer_bytes = held, held, slots * held
+    if p.pp == 1:
+        return []
+    return [{"stage": s, "pp_rank": s % p.pp, "layers": [bounds[s], bounds[s + 1] - 1],
+             "parameters": sum(t.numel() for layer in stage_layers[s] for _, t in unique_parameters(layer))}
+            for s in range(n_stages)]
+
+
+def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: str) -> dict:
+    """The layout of a run of `cfg` on nnodes x nproc processes (`model` on the meta device)."""
+    from .parallel.base import unique_parameters
+
+    world = nproc * nnodes
+    p = cfg.parallel
+    params = [t for _, t in unique_parameters(model)]
+    ranks = [RankPlan(r, r // nproc, r % nproc, "worker") for r in range(world)]
+    total = _nbytes(params)
+    slots = optimizer_slots(cfg)
+    stages, notes = [], []
+    if p.strategy == "dp":
+        for r in ranks:
+            r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, total, total, slots * total
+    elif p.strategy.startswith("zero"):
+        param_b, grad_b, opt_b, transient = _zero_state(cfg, model, params, world)
+        for r in ranks:
+            r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
+        if transient:
+            notes.append(f"{p.strategy}: {transient}")
+    elif p.strategy == "ps":
+        from .parallel.parameter_server import HEADER, assign_shards
+
+        shards = assign_shards([t.numel() for t in params], cfg.ps.servers)
+        header = HEADER * 4  # each flat shard buffer starts with a small float32 header
+        for r in ranks:
+            if r.rank < cfg.ps.servers:
+                own = _nbytes([params[i] for i in shards[r.rank]])
+                r.role = "parameter server"
+                r.param_bytes, r.grad_bytes, r.optimizer_bytes = own + header, own + header, slots * own
+            else:
+                r.role, r.dp = "ps worker", r.rank - cfg.ps.servers
+                r.param_bytes = r.grad_bytes = total + header * cfg.ps.servers
+    else:
+        stages = _model_parallel(cfg, model, world, ranks)
+        if p.pp > 1 and p.balance == "time":
+            notes.append("pipeline cut shown by parameter count; the run times each layer at start "
+                         "(parallel.balance = 'time') and may cut elsewhere")
+    if p.compression in ("topk", "powersgd"):
+        notes.append(f"not counted: the {p.compression} codec's buffers (error feedback, factors)")
+
+    dp = data_parallel_degree(cfg, world)
+    per_replica = cfg.data.batch_size // dp
+    micro = cfg.train.grad_accum * (p.microbatches if p.strategy in ("pp", "hybrid") and p.pp > 1 else 1)
+    return {
+        "name": cfg.name, "strategy": p.strategy, "device": device,
+        "world_size": world, "nnodes": nnodes, "nproc_per_node": nproc,
+        "mesh": {"dp": dp, "tp": p.tp, "pp": p.pp} if p.strategy != "ps" else
+                {"servers": cfg.ps.servers, "workers": world - cfg.ps.servers},
+        "model": {"factory": cfg.model.factory, "parameters": sum(t.numel() for t in params), "bytes": total},
+        "batch": {"global": cfg.data.batch_size, "per_replica": per_replica, "microbatches": micro,
+                  "rows_per_microbatch": per_replica // micro},
+        "optimizer": {"name": cfg.train.optimizer, "state_tensors_per_parameter": slots},
+        "stages": stages,
+        "ranks": [{**asdict(r), "model_state_bytes": r.model_state_bytes} for r in ranks],
+        "notes": notes,
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.2f}"
+
+
+def render(plan: dict) -> str:
+    m, b = plan["model"], plan["batch"]
+    lines = [f"plan: {plan['name']}, strategy {plan['strategy']}, {plan['world_size']} processes "
+             f"({plan['nnodes']} node(s) x {plan['nproc_per_node']}), device {plan['device']}",
+             f"model: {m['factory']}, {m['parameters']:,} parameters, {_mib(m['bytes'])} MiB; optimizer "
+             f"{plan['optimizer']['name']} ({plan['optimizer']['state_tensors_per_parameter']} state tensor(s) "
+             f"per parameter)"]
+    mesh = plan["mesh"]
+    if plan["strategy"] == "ps":
+        lines.append(f"ranks: {mesh['servers']} parameter server(s), {mesh['workers']} worker(s)")
+    else:
+        lines.append(f"mesh: dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} "
+                     f"(global rank = (pp * {mesh['dp']} + dp) * {mesh['tp']} + tp)")
+    lines.append(f"batch: {b['global']} samples per step, {b['per_replica']} per data-parallel replica, "
+                 f"{b['microbatches']} microbatch(es) of {b['rows_per_microbatch']}")
+    for s in plan["stages"]:
+        lines.append(f"  stage {s['stage']} on pp rank {s['pp_rank']}: layers {s['layers'][0]}-{s['layers'][1]}, "
+                     f"{s['parameters']:,} parameters")
+    held = "stages"
+    lines.append(f"{'rank':>5}{'node':>5}{'local':>6}{'pp':>4}{'dp':>4}{'tp':>4}  {'role':<17}{held:<21}"
+                 f"{'params MiB':>11}{'grads MiB':>10}{'optim MiB':>10}{'total MiB':>10}")
+    for r in plan["ranks"]:
+        stages = ",".join(map(str, r["stages"])) if r["stages"] else "-"
+        if len(stages) > 20:
+            stages = stages[:17] + "..."
+        lines.append(f"{r['rank']:>5}{r['node']:>5}{r['local_rank']:>6}{r['pp']:>4}{r['dp']:>4}{r['tp']:>4}  "
+                     f"{r['role']:<17}{stages:<21}{_mib(r['param_bytes']):>11}{_mib(r['grad_bytes']):>10}"
+                     f"{_mib(r['optimizer_bytes']):>10}{_mib(r['model_state_bytes']):>10}")
+    lines.append("model state only: activations and communication buffers come on top")
+    lines += [f"note: {n}" for n in plan["notes"]]
+    return "\n".join(lines)
+
+
+def emit(plan: dict, json_dest: str | None) -> None:
+    """The table, and with `--json` the plan as JSON: alone on stdout for "-", else to that file."""
+    from .bench.common import emit_json
+
+    if json_dest != "-":
+        print(render(plan))
+    emit_json(plan, json_dest)

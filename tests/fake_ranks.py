@@ -1,0 +1,82 @@
+"""What every rank's strategy really holds, built one rank at a time in this one process on torch's
+fake process group (collectives do nothing, so no peers are needed): the oracle for `paratrain plan`.
+
+    python tests/fake_ranks.py CASES_JSON   ->  JSON on stdout: for each case, a list with each rank's counts
+
+where CASES_JSON is a list of [world size, [KEY=VALUE overrides of the default job]].
+
+Counted by storage, so a view (a parameter inside a flat bucket) counts its whole buffer once.
+The optimizer takes one step on whatever the gradients hold, so that its state exists."""
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from paratrain import config as config_mod
+from paratrain.data import build_dataset
+from paratrain.models import build_model
+from paratrain.optim import build_loss
+from paratrain.parallel import build_strategy, strategy_class
+from paratrain.runtime import Runtime
+
+
+def storage_bytes(tensors, seen: set) -> int:
+    total = 0
+    for t in tensors:
+        if t is None or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+_new_group = dist.new_group
+
+
+def _new_group_any_backend(*args, backend=None, **kwargs):
+    """The parameter server asks for gloo groups by name; the fake backend is the only one here."""
+    return _new_group(*args, **kwargs)
+
+
+dist.new_group = _new_group_any_backend
+
+
+def held(world: int, rank: int, cfg) -> dict:
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        rt = Runtime(rank, world, rank, torch.device("cpu"), "gloo", 0)
+        torch.manual_seed(cfg.train.seed)
+        on_meta = getattr(strategy_class(cfg.parallel.strategy), "materializes_builtin_models", False)
+        with torch.device("meta") if on_meta else torch.device("cpu"):
+            model = build_model(cfg, build_dataset(cfg, "train"))
+        s = build_strategy(model, build_loss(cfg), cfg, rt)
+        opt_params = [p for g in s.optimizer.param_groups for p in g["params"]] if s.optimizer else []
+        params = opt_params + list(s.model.parameters())
+        seen: set = set()
+        out = {"rank": rank, "param_bytes": storage_bytes(params, seen)}
+        out["grad_bytes"] = storage_bytes([p.grad for p in params], seen)
+        if s.optimizer:
+            s.optimizer.step()
+        state = [t for st in (s.optimizer.state.values() if s.optimizer else []) for t in st.values()
+                 if torch.is_tensor(t) and t.dim() > 0]
+        out["optimizer_bytes"] = storage_bytes(state, seen)
+        mesh = getattr(s, "mesh", None)
+        if mesh is not None:
+            out.update(pp=mesh.pp_rank, dp=mesh.dp_rank, tp=mesh.tp_rank, stages=list(s.stage_ids))
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    results = []
+    for world, sets in json.loads(sys.argv[1]):
+        cfg = config_mod.load(None, sets)
+        results.append([held(world, r, cfg) for r in range(world)])
+    print(json.dumps(results))

@@ -1,0 +1,91 @@
+"""`paratrain plan` against what the strategies really hold.
+
+The oracle (tests/fake_ranks.py) builds every rank's strategy, one rank at a time, on torch's fake
+process group, and counts the storage of its parameters, gradients and optimizer state; the plan
+must give the same bytes, the same mesh coordinates and the same pipeline stages, rank by rank."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import CPU_ONLY, ROOT
+
+from paratrain.cli import main
+
+# (world size, overrides of the default job: gpt with 2 blocks, 4 pipeline layers, AdamW)
+CASES = {
+    "dp": (2, []),
+    "zero1": (4, ["parallel.strategy='zero1'", "parallel.bucket_mb=0.2"]),
+    "zero2": (4, ["parallel.strategy='zero2'", "parallel.bucket_mb=0.2", "train.optimizer='sgd'",
+                  "train.momentum=0.9"]),
+    "zero3": (4, ["parallel.strategy='zero3'", "parallel.bucket_mb=0.1"]),
+    "tp": (2, ["parallel.strategy='tp'", "parallel.tp=2"]),
+    "interleaved": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'",
+                        "parallel.balance='params'"]),
+    "tp2xpp2": (4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2", "parallel.balance='params'"]),
+    "dp2xpp2": (4, ["parallel.strategy='hybrid'", "parallel.pp=2", "parallel.balance='params'",
+                    "train.optimizer='sgd'"]),
+    "ps": (4, ["parallel.strategy='ps'", "ps.servers=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def held():
+    """What each rank holds, for every case, from one oracle process."""
+    cases = json.dumps(list(CASES.values()))
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_ranks.py"), cases],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **CPU_ONLY})
+    assert proc.returncode == 0, proc.stderr
+    return dict(zip(CASES, json.loads(proc.stdout.splitlines()[-1])))
+
+
+def plan(tmp_path, world: int, sets: list[str], nnodes: int = 1) -> dict:
+    out = tmp_path / "plan.json"
+    args = ["plan", "--nproc", str(world // nnodes), "--nnodes", str(nnodes), "--json", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_plan_is_what_every_rank_holds(tmp_path, held, case):
+    world, sets = CASES[case]
+    ranks = plan(tmp_path, world, sets)["ranks"]
+    assert len(ranks) == world
+    for predicted, real in zip(ranks, held[case]):
+        for key, value in real.items():
+            assert predicted[key] == value, f"{case} rank {real['rank']}: {key} planned {predicted[key]}, held {value}"
+    if case.startswith("zero"):  # sharded optimizer state: 1/world of dp's, up to the padding
+        dp = plan(tmp_path, world, [s for s in sets if not s.startswith("parallel.strategy")])["ranks"][0]
+        assert dp["optimizer_bytes"] <= ranks[0]["optimizer_bytes"] * world < 1.01 * dp["optimizer_bytes"]
+
+
+def test_plan_grid_cut_and_batch(tmp_path, capsys):
+    """Two nodes of two: ranks 2, 3 on node 1; tp innermost; the cut by parameters, each stage
+    on its pp rank; 32 samples = dp 1 replica of 4 microbatches of 8; time balance noted."""
+    p = plan(tmp_path, 4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2"], nnodes=2)
+    assert [(r["node"], r["local_rank"], r["pp"], r["tp"]) for r in p["ranks"]] == \
+        [(0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 1, 0), (1, 1, 1, 1)]
+    assert [(s["stage"], s["pp_rank"], s["layers"]) for s in p["stages"]] == [(0, 0, [0, 1]), (1, 1, [2, 3])]
+    assert sum(s["parameters"] for s in p["stages"]) == p["model"]["parameters"]
+    assert p["batch"] == {"global": 32, "per_replica": 32, "microbatches": 4, "rows_per_microbatch": 8}
+    assert any("balance = 'time'" in n for n in p["notes"])
+    text = capsys.readouterr().out
+    assert "mesh: dp 1 x tp 2 x pp 2" in text and "stage 1 on pp rank 1: layers 2-3" in text
+
+
+@pytest.mark.parametrize("sets, key", [
+    (["parallel.strategy='hybrid'", "parallel.tp=3"], "parallel.tp"),
+    (["train.lrr=1"], "train.lrr"),
+    (["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=5"], "parallel.microbatches"),
+])
+def test_plan_rejects_what_run_rejects(capsys, sets, key):
+    args = ["plan", "--nproc", "4"]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert key in err and "Traceback" not in err
