@@ -6,18 +6,22 @@ fake process group (collectives do nothing, so no peers are needed): the oracle 
 where CASES_JSON is a list of [world size, [KEY=VALUE overrides of the default job]].
 
 Counted by storage, so a view (a parameter inside a flat bucket) counts its whole buffer once.
-The optimizer takes one step on whatever the gradients hold, so that its state exists."""
+The optimizer takes one step on whatever the gradients hold, so that its state exists. Activations:
+the peak of what autograd keeps saved for backward during one train_step (each storage once,
+parameters and the batch excluded), the data being whatever the fake collectives leave in the buffers."""
 from __future__ import annotations
 
 import json
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from paratrain import config as config_mod
-from paratrain.data import build_dataset
+from paratrain.config import data_parallel_degree
+from paratrain.data import build_dataset, load_batch
 from paratrain.models import build_model
 from paratrain.optim import build_loss
 from paratrain.parallel import build_strategy, strategy_class
@@ -47,6 +51,45 @@ def _new_group_any_backend(*args, backend=None, **kwargs):
 dist.new_group = _new_group_any_backend
 
 
+class _Saved:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class SavedPeak:
+    """Peak bytes of the storages autograd holds for backward, each storage once."""
+
+    def __init__(self, model, batch):
+        self.model = model
+        self.data = {t.untyped_storage().data_ptr() for t in batch}
+        self.refs: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.data or key in {p.untyped_storage().data_ptr() for p in self.model.parameters()}:
+            return t  # the batch, a parameter, or a view of a gathered flat of parameters
+        if not self.refs.get(key):
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        holder = _Saved(t)
+        weakref.finalize(holder, self._unref, key, storage.nbytes())
+        return holder
+
+    def _unref(self, key: int, nbytes: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.live -= nbytes
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(
+            self.pack, lambda x: x.tensor if isinstance(x, _Saved) else x)
+
+
 def held(world: int, rank: int, cfg) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -66,6 +109,13 @@ def held(world: int, rank: int, cfg) -> dict:
         state = [t for st in (s.optimizer.state.values() if s.optimizer else []) for t in st.values()
                  if torch.is_tensor(t) and t.dim() > 0]
         out["optimizer_bytes"] = storage_bytes(state, seen)
+        if cfg.parallel.strategy != "ps":  # ps workers need live servers to step
+            train_set = build_dataset(cfg, "train")
+            x, y = load_batch(train_set, torch.arange(cfg.data.batch_size // data_parallel_degree(cfg, world)))
+            saved = SavedPeak(s.model, (x, y))
+            with saved.hooks():
+                s.train_step((x, y))
+            out["activation_bytes"] = saved.peak
         mesh = getattr(s, "mesh", None)
         if mesh is not None:
             out.update(pp=mesh.pp_rank, dp=mesh.dp_rank, tp=mesh.tp_rank, stages=list(s.stage_ids))

@@ -1,8 +1,9 @@
 """`paratrain plan` against what the strategies really hold.
 
 The oracle (tests/fake_ranks.py) builds every rank's strategy, one rank at a time, on torch's fake
-process group, and counts the storage of its parameters, gradients and optimizer state; the plan
-must give the same bytes, the same mesh coordinates and the same pipeline stages, rank by rank."""
+process group, counts the storage of its parameters, gradients and optimizer state, and the peak
+of activations saved for backward in one train_step; the plan must give the same bytes, the same
+mesh coordinates and the same pipeline stages, rank by rank."""
 import json
 import os
 import subprocess
@@ -24,6 +25,11 @@ CASES = {
     "tp": (2, ["parallel.strategy='tp'", "parallel.tp=2"]),
     "interleaved": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'",
                         "parallel.balance='params'"]),
+    "gpipe": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='gpipe'", "parallel.microbatches=8",
+                  "parallel.balance='params'"]),
+    "1f1b-accum": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=4", "train.grad_accum=2",
+                       "parallel.balance='params'"]),
+    "1f1b-bf16": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'", "train.precision='bf16'"]),
     "tp2xpp2": (4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2", "parallel.balance='params'"]),
     "dp2xpp2": (4, ["parallel.strategy='hybrid'", "parallel.pp=2", "parallel.balance='params'",
                     "train.optimizer='sgd'"]),
@@ -57,6 +63,9 @@ def test_plan_is_what_every_rank_holds(tmp_path, held, case):
     assert len(ranks) == world
     for predicted, real in zip(ranks, held[case]):
         for key, value in real.items():
+            if key == "activation_bytes" and predicted[key] is None:
+                assert "parallel.tp=2" in sets, "activations go unestimated under tp only"
+                continue
             assert predicted[key] == value, f"{case} rank {real['rank']}: {key} planned {predicted[key]}, held {value}"
     if case.startswith("zero"):  # sharded optimizer state: 1/world of dp's, up to the padding
         dp = plan(tmp_path, world, [s for s in sets if not s.startswith("parallel.strategy")])["ranks"][0]

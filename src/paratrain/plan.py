@@ -3,10 +3,16 @@
 From the config and the process count alone — the model is built on the meta device, so no memory
 and no compute — the plan gives the rank grid (node, local rank, pp/dp/tp coordinates, role), the
 pipeline cut, the batch each replica and microbatch gets, and per rank the bytes of model state
-the strategy keeps for good: parameters, gradients and optimizer state, the numbers that decide
-whether a job fits. Not counted: activations (they depend on the batch and the schedule), the
-short-lived buffers of communication (ZeRO's units while gathered or reduced, named in a note), and
-the memory of the top-k and PowerSGD codecs.
+the strategy keeps for good (parameters, gradients, optimizer state) and the peak bytes of
+activations saved for backward: the numbers that decide whether a job fits. Activations come from
+a forward of one microbatch in fake tensors (torch's FakeTensorMode: shapes, dtypes and the CPU's
+own choice of kernels, no memory; the meta device would run attention by the math path, which
+saves other tensors than the CPU's flash attention) with autograd's saved-tensor hooks, stage by
+stage, each tensor once (parameters excluded); a pipeline rank's peak plays its own schedule out,
+adding a stage's activations at each forward and dropping them at its backward. Not counted: temporaries
+inside an operation, the short-lived buffers of communication (ZeRO's units while gathered or
+reduced, named in a note), the memory of the top-k and PowerSGD codecs, and activations under tp
+(its sharded layers need a process group to run).
 
 The layout comes from the functions the strategies themselves call (dp's buckets, ZeRO's units and
 their padding, the pipeline's partition, the tp plan's shard dimensions, the parameter servers'
@@ -15,6 +21,7 @@ fake process group and counts the tensors it really holds.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -38,6 +45,7 @@ class RankPlan:
     param_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0
+    activation_bytes: int | None = None  # peak saved for backward; None: not estimated (tp)
 
     @property
     def model_state_bytes(self) -> int:
@@ -84,7 +92,71 @@ def _zero_state(cfg: Config, model: nn.Module, params: list[nn.Parameter], world
     return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient
 
 
-def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPlan]) -> list[dict]:
+def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = None) -> list[int]:
+    """Bytes autograd saves for backward in the forward of one microbatch of `rows` samples through
+    each pipeline stage (`bounds` over pipeline_layers; None: the whole model as one), the loss in
+    the last stage's; each tensor once (views count as their base), parameters and the batch never.
+    All in fake tensors on the CPU: no memory, no arithmetic."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .data import build_dataset, load_batch
+    from .models import build_model
+    from .optim import build_loss
+    from .parallel.pipeline import pipeline_layers
+
+    dataset = build_dataset(cfg, "train")
+    x, y = load_batch(dataset, torch.arange(rows))
+    mode = FakeTensorMode()
+    with mode:
+        model = build_model(cfg, dataset)
+    x, y = mode.from_tensor(x), mode.from_tensor(y)
+    if bounds is None:
+        stages = [[model]]
+    else:
+        layers = pipeline_layers(model)
+        stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+    # the strategies' own autocast for train.precision = "bf16" (on the CPU, as the fake tensors are)
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16"
+                else contextlib.nullcontext())
+    with mode, autocast:
+        return _saved_per_stage(stages, x, y, build_loss(cfg))
+
+
+def _saved_per_stage(stages: list[list[nn.Module]], x: torch.Tensor, y: torch.Tensor, loss_fn) -> list[int]:
+    # not activations: parameters, and the batch itself (it is the data, held anyway)
+    params = {id(t) for layers in stages for layer in layers for t in layer.parameters()} | {id(x), id(y)}
+    out, act = [], x
+    for s, layers in enumerate(stages):
+        seen: dict[int, torch.Tensor] = {}  # keeps what it counted alive, so no id is reused
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            base = t._base if t._base is not None else t
+            if id(base) not in params and id(base) not in seen:
+                seen[id(base)] = base
+            return t
+
+        inp = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())  # as the engine does
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            act = inp
+            for layer in layers:
+                act = layer(act)
+            if s == len(stages) - 1:
+                loss_fn(act, y)
+        out.append(sum(t.numel() * t.element_size() for t in seen.values()))
+    return out
+
+
+def peak_in_schedule(actions, stage_of_chunk: list[int], stage_bytes: list[int]) -> int:
+    """The most activation bytes alive at once while a rank plays its actions: a forward adds its
+    stage's, the backward of the same (chunk, microbatch) drops them."""
+    alive = peak = 0
+    for a in actions:
+        alive += stage_bytes[stage_of_chunk[a.chunk]] * (1 if a.kind == "F" else -1)
+        peak = max(peak, alive)
+    return peak
+
+
+def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPlan], rows: int) -> list[dict]:
     """tp, pp, hybrid: which stages and which tp shard of each parameter every rank holds."""
     from .parallel.base import unique_parameters
     from .parallel.hybrid import virtual_stages
@@ -122,12 +194,23 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
         return total
 
     slots = optimizer_slots(cfg)
+    activations = None
+    if p.tp == 1:
+        from .parallel.hybrid import microbatch_count
+        from .parallel.pipeline_schedules import SCHEDULES, one_f_one_b
+
+        # the engine plays one_f_one_b without pp: each microbatch's forward, then its backward
+
+        activations = saved_activation_bytes(cfg, rows, bounds if p.pp > 1 else None)
+        schedule, m = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b, microbatch_count(cfg)
     for r in ranks:
         r.pp, rest = divmod(r.rank, dp * p.tp)
         r.dp, r.tp = divmod(rest, p.tp)
         r.stages = [c * p.pp + r.pp for c in range(v)]
         held = sum(stage_bytes(s, r.tp) for s in r.stages)
         r.param_bytes, r.grad_bytes, r.optimizer_bytes = held, held, slots * held
+        if activations is not None:
+            r.activation_bytes = peak_in_schedule(schedule(p.pp, r.pp, m, v), r.stages, activations)
     if p.pp == 1:
         return []
     return [{"stage": s, "pp_rank": s % p.pp, "layers": [bounds[s], bounds[s + 1] - 1],
@@ -138,14 +221,22 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
 def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: str) -> dict:
     """The layout of a run of `cfg` on nnodes x nproc processes (`model` on the meta device)."""
     from .parallel.base import unique_parameters
+    from .parallel.hybrid import microbatch_count
 
     world = nproc * nnodes
     p = cfg.parallel
+    dp = data_parallel_degree(cfg, world)
+    per_replica, micro = cfg.data.batch_size // dp, microbatch_count(cfg)
+    rows = per_replica // micro
     params = [t for _, t in unique_parameters(model)]
     ranks = [RankPlan(r, r // nproc, r % nproc, "worker") for r in range(world)]
     total = _nbytes(params)
     slots = optimizer_slots(cfg)
     stages, notes = [], []
+    if p.strategy in ("dp", "zero1", "zero2", "zero3", "ps"):  # one microbatch through the whole model
+        activations = saved_activation_bytes(cfg, rows)[0]
+        for r in ranks:
+            r.activation_bytes = activations
     if p.strategy == "dp":
         for r in ranks:
             r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, total, total, slots * total
@@ -163,22 +254,20 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
         for r in ranks:
             if r.rank < cfg.ps.servers:
                 own = _nbytes([params[i] for i in shards[r.rank]])
-                r.role = "parameter server"
+                r.role, r.activation_bytes = "parameter server", 0
                 r.param_bytes, r.grad_bytes, r.optimizer_bytes = own + header, own + header, slots * own
             else:
                 r.role, r.dp = "ps worker", r.rank - cfg.ps.servers
                 r.param_bytes = r.grad_bytes = total + header * cfg.ps.servers
     else:
-        stages = _model_parallel(cfg, model, world, ranks)
+        stages = _model_parallel(cfg, model, world, ranks, rows)
+        if p.tp > 1:
+            notes.append("activations not estimated under tp")
         if p.pp > 1 and p.balance == "time":
             notes.append("pipeline cut shown by parameter count; the run times each layer at start "
                          "(parallel.balance = 'time') and may cut elsewhere")
     if p.compression in ("topk", "powersgd"):
         notes.append(f"not counted: the {p.compression} codec's buffers (error feedback, factors)")
-
-    dp = data_parallel_degree(cfg, world)
-    per_replica = cfg.data.batch_size // dp
-    micro = cfg.train.grad_accum * (p.microbatches if p.strategy in ("pp", "hybrid") and p.pp > 1 else 1)
     return {
         "name": cfg.name, "strategy": p.strategy, "device": device,
         "world_size": world, "nnodes": nnodes, "nproc_per_node": nproc,
@@ -186,7 +275,7 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
                 {"servers": cfg.ps.servers, "workers": world - cfg.ps.servers},
         "model": {"factory": cfg.model.factory, "parameters": sum(t.numel() for t in params), "bytes": total},
         "batch": {"global": cfg.data.batch_size, "per_replica": per_replica, "microbatches": micro,
-                  "rows_per_microbatch": per_replica // micro},
+                  "rows_per_microbatch": rows},
         "optimizer": {"name": cfg.train.optimizer, "state_tensors_per_parameter": slots},
         "stages": stages,
         "ranks": [{**asdict(r), "model_state_bytes": r.model_state_bytes} for r in ranks],
@@ -216,17 +305,18 @@ def render(plan: dict) -> str:
     for s in plan["stages"]:
         lines.append(f"  stage {s['stage']} on pp rank {s['pp_rank']}: layers {s['layers'][0]}-{s['layers'][1]}, "
                      f"{s['parameters']:,} parameters")
-    held = "stages"
-    lines.append(f"{'rank':>5}{'node':>5}{'local':>6}{'pp':>4}{'dp':>4}{'tp':>4}  {'role':<17}{held:<21}"
-                 f"{'params MiB':>11}{'grads MiB':>10}{'optim MiB':>10}{'total MiB':>10}")
+    lines.append(f"{'rank':>5}{'node':>5}{'local':>6}{'pp':>4}{'dp':>4}{'tp':>4}  {'role':<17}{'stages':<9}"
+                 f"{'params MiB':>11}{'grads MiB':>10}{'optim MiB':>10}{'state MiB':>10}{'activ MiB':>10}")
     for r in plan["ranks"]:
         stages = ",".join(map(str, r["stages"])) if r["stages"] else "-"
-        if len(stages) > 20:
-            stages = stages[:17] + "..."
+        if len(stages) > 8:
+            stages = stages[:5] + "..."
+        activations = "-" if r["activation_bytes"] is None else _mib(r["activation_bytes"])
         lines.append(f"{r['rank']:>5}{r['node']:>5}{r['local_rank']:>6}{r['pp']:>4}{r['dp']:>4}{r['tp']:>4}  "
-                     f"{r['role']:<17}{stages:<21}{_mib(r['param_bytes']):>11}{_mib(r['grad_bytes']):>10}"
-                     f"{_mib(r['optimizer_bytes']):>10}{_mib(r['model_state_bytes']):>10}")
-    lines.append("model state only: activations and communication buffers come on top")
+                     f"{r['role']:<17}{stages:<9}{_mib(r['param_bytes']):>11}{_mib(r['grad_bytes']):>10}"
+                     f"{_mib(r['optimizer_bytes']):>10}{_mib(r['model_state_bytes']):>10}{activations:>10}")
+    lines.append("state = parameters + gradients + optimizer state, kept for good; activ = the peak of "
+                 "activations saved for backward. Communication buffers come on top")
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
 
