@@ -98,3 +98,18 @@ def test_plan_rejects_what_run_rejects(capsys, sets, key):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert key in err and "Traceback" not in err
+
+
+def test_plan_says_whether_it_fits_this_machine(tmp_path, capsys):
+    """On CPU the busiest node's ranks share host memory: the default job fits, a 39B-parameter gpt
+    in dp over 4 ranks a node (2.5 TB a node) does not."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    small = plan(tmp_path, 2, [])
+    need = sum(r["model_state_bytes"] + r["activation_bytes"] for r in small["ranks"])
+    assert small["capacity"] == {"kind": "host memory", "bytes": host, "where": "node 0", "needed": need,
+                                 "fits": True, "activations_counted": True}
+    huge = plan(tmp_path, 8, ["model.n_layer=48", "model.d_model=8192", "model.n_head=64"], nnodes=2)
+    assert huge["model"]["parameters"] > 38e9 and not huge["capacity"]["fits"]
+    assert huge["capacity"]["needed"] == sum(r["model_state_bytes"] + r["activation_bytes"]
+                                             for r in huge["ranks"] if r["node"] == 0)
+    assert "DOES NOT FIT: node 0 needs" in capsys.readouterr().out

@@ -22,6 +22,7 @@ fake process group and counts the tensors it really holds.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -218,6 +219,27 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
             for s in range(n_stages)]
 
 
+def capacity(ranks: list[RankPlan], device: str) -> dict:
+    """Whether the plan fits this machine (every node taken to be like it): on a GPU, the busiest
+    rank against its GPU's memory; on CPU, the busiest node's ranks together against host memory."""
+    def need(r: RankPlan) -> int:
+        return r.model_state_bytes + (r.activation_bytes or 0)
+
+    if device == "cuda":
+        worst = max(ranks, key=need)
+        have, where, needed = torch.cuda.get_device_properties(0).total_memory, f"rank {worst.rank}", need(worst)
+        kind = "GPU memory"
+    else:
+        per_node: dict[int, int] = {}
+        for r in ranks:
+            per_node[r.node] = per_node.get(r.node, 0) + need(r)
+        node = max(per_node, key=per_node.get)
+        have, where, needed = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"node {node}", per_node[node]
+        kind = "host memory"
+    return {"kind": kind, "bytes": have, "where": where, "needed": needed, "fits": needed <= have,
+            "activations_counted": all(r.activation_bytes is not None for r in ranks)}
+
+
 def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: str) -> dict:
     """The layout of a run of `cfg` on nnodes x nproc processes (`model` on the meta device)."""
     from .parallel.base import unique_parameters
@@ -269,6 +291,7 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
     if p.compression in ("topk", "powersgd"):
         notes.append(f"not counted: the {p.compression} codec's buffers (error feedback, factors)")
     return {
+        "capacity": capacity(ranks, device),
         "name": cfg.name, "strategy": p.strategy, "device": device,
         "world_size": world, "nnodes": nnodes, "nproc_per_node": nproc,
         "mesh": {"dp": dp, "tp": p.tp, "pp": p.pp} if p.strategy != "ps" else
@@ -285,6 +308,10 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
 
 def _mib(n: int) -> str:
     return f"{n / MIB:.2f}"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
 
 
 def render(plan: dict) -> str:
@@ -317,6 +344,10 @@ def render(plan: dict) -> str:
                      f"{_mib(r['optimizer_bytes']):>10}{_mib(r['model_state_bytes']):>10}{activations:>10}")
     lines.append("state = parameters + gradients + optimizer state, kept for good; activ = the peak of "
                  "activations saved for backward. Communication buffers come on top")
+    c = plan["capacity"]
+    what = "model state + activations" if c["activations_counted"] else "model state (activations not estimated)"
+    lines.append(f"{'fits' if c['fits'] else 'DOES NOT FIT'}: {c['where']} needs {_gib(c['needed'])} GiB for "
+                 f"{what} of this machine's {_gib(c['bytes'])} GiB of {c['kind']}")
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
 
