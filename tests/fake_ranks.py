@@ -8,9 +8,13 @@ where CASES_JSON is a list of [world size, [KEY=VALUE overrides of the default j
 Counted by storage, so a view (a parameter inside a flat bucket) counts its whole buffer once.
 The optimizer takes one step on whatever the gradients hold, so that its state exists. Activations:
 the peak of what autograd keeps saved for backward during one train_step (each storage once,
-parameters and the batch excluded), the data being whatever the fake collectives leave in the buffers."""
+parameters and the batch excluded), the data being whatever the fake collectives leave in the buffers.
+Communication: what a second train_step hands the profiler (every collective through
+paratrain.collectives, every pipeline message), by op, with the profiler's own minimum; on the fake
+backend ZeRO takes the native collectives, NCCL's path."""
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import weakref
@@ -19,12 +23,14 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from paratrain import collectives
 from paratrain import config as config_mod
 from paratrain.config import data_parallel_degree
 from paratrain.data import build_dataset, load_batch
 from paratrain.models import build_model
 from paratrain.optim import build_loss
 from paratrain.parallel import build_strategy, strategy_class
+from paratrain.profile import min_bytes_sent
 from paratrain.runtime import Runtime
 
 
@@ -90,6 +96,25 @@ class SavedPeak:
             self.pack, lambda x: x.tensor if isinstance(x, _Saved) else x)
 
 
+class CommRecorder:
+    """Stands in for the profiler: sums each op's payload and minimum bytes, as profile.py does."""
+
+    def __init__(self):
+        self.ops: dict[str, list] = {}
+
+    def phase(self, name, index=None):
+        return contextlib.nullcontext()
+
+    def comm(self, op: str, data, group=None) -> None:
+        nbytes = data if isinstance(data, int) else data.numel() * data.element_size()
+        entry = self.ops.setdefault(op, [0, 0.0])
+        entry[0] += nbytes
+        entry[1] += min_bytes_sent(op, nbytes, dist.get_world_size(group))
+
+    def result(self) -> dict:
+        return {op: {"payload": n, "min_sent": int(m)} for op, (n, m) in self.ops.items()}
+
+
 def held(world: int, rank: int, cfg) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -116,6 +141,13 @@ def held(world: int, rank: int, cfg) -> dict:
             with saved.hooks():
                 s.train_step((x, y))
             out["activation_bytes"] = saved.peak
+            recorder = CommRecorder()
+            collectives.PROFILER = s.profiler = recorder
+            try:
+                s.train_step((x, y))
+            finally:
+                collectives.PROFILER = None
+            out["comm"] = recorder.result()
         mesh = getattr(s, "mesh", None)
         if mesh is not None:
             out.update(pp=mesh.pp_rank, dp=mesh.dp_rank, tp=mesh.tp_rank, stages=list(s.stage_ids))

@@ -1,9 +1,10 @@
 """`paratrain plan` against what the strategies really hold.
 
 The oracle (tests/fake_ranks.py) builds every rank's strategy, one rank at a time, on torch's fake
-process group, counts the storage of its parameters, gradients and optimizer state, and the peak
-of activations saved for backward in one train_step; the plan must give the same bytes, the same
-mesh coordinates and the same pipeline stages, rank by rank."""
+process group, counts the storage of its parameters, gradients and optimizer state, the peak of
+activations saved for backward in one train_step, and what the next train_step hands the profiler
+(payload and minimum bytes sent, by collective); the plan must give the same bytes, the same mesh
+coordinates and the same pipeline stages, rank by rank."""
 import json
 import os
 import subprocess
@@ -18,10 +19,12 @@ from paratrain.cli import main
 # (world size, overrides of the default job: gpt with 2 blocks, 4 pipeline layers, AdamW)
 CASES = {
     "dp": (2, []),
-    "zero1": (4, ["parallel.strategy='zero1'", "parallel.bucket_mb=0.2"]),
+    "dp-bf16-wire": (2, ["parallel.compression='bf16'", "parallel.bucket_mb=0.3"]),
+    "zero1": (4, ["parallel.strategy='zero1'", "parallel.bucket_mb=0.2", "train.grad_accum=2"]),
     "zero2": (4, ["parallel.strategy='zero2'", "parallel.bucket_mb=0.2", "train.optimizer='sgd'",
                   "train.momentum=0.9"]),
-    "zero3": (4, ["parallel.strategy='zero3'", "parallel.bucket_mb=0.1"]),
+    "zero3": (4, ["parallel.strategy='zero3'", "parallel.bucket_mb=0.1", "train.grad_accum=2",
+                  "parallel.compression='fp16'"]),
     "tp": (2, ["parallel.strategy='tp'", "parallel.tp=2"]),
     "interleaved": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'",
                         "parallel.balance='params'"]),
@@ -63,8 +66,8 @@ def test_plan_is_what_every_rank_holds(tmp_path, held, case):
     assert len(ranks) == world
     for predicted, real in zip(ranks, held[case]):
         for key, value in real.items():
-            if key == "activation_bytes" and predicted[key] is None:
-                assert "parallel.tp=2" in sets, "activations go unestimated under tp only"
+            if key in ("activation_bytes", "comm") and predicted[key] is None:
+                assert "parallel.tp=2" in sets, f"{key} goes unestimated under tp only"
                 continue
             assert predicted[key] == value, f"{case} rank {real['rank']}: {key} planned {predicted[key]}, held {value}"
     if case.startswith("zero"):  # sharded optimizer state: 1/world of dp's, up to the padding

@@ -30,6 +30,13 @@ tensorboard = true
 PARAMS = 64 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10  # mlp(64, hidden=32, n_layers=2, out=10)
 
 
+def planned_comm(config, world: int, *sets: str) -> list[dict]:
+    """`paratrain plan`'s bytes per step for each rank, to hold against what the profiler measured."""
+    out = config.parent / "plan.json"
+    assert main(["plan", str(config), "--nproc", str(world), "--json", str(out), *sets]) == 0
+    return [r["comm"] for r in json.loads(out.read_text())["ranks"]]
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("profiled")
@@ -55,6 +62,9 @@ def test_profile_jsonl_has_every_step_of_every_rank(run_dir):
             assert r["bytes_sent"] >= 0.9 * r["bytes_min"]  # measured socket writes, plus headers
     entries = metrics(run_dir)
     assert all({"step_s", "comm_s", "bytes_min"} <= e.keys() for e in entries)
+    # and `paratrain plan` said so before the run: the same collectives, payloads and minimum
+    planned = planned_comm(run_dir.parent / "c.toml", 2)
+    assert all(r["comm"] == planned[r["rank"]] for record in records for r in record["ranks"])
 
 
 def test_trace_is_chrome_trace_format_with_one_pid_per_rank(run_dir):
@@ -116,6 +126,9 @@ def test_model_parallel_steps_are_profiled_per_microbatch(tmp_path, extra):
         assert first["send"]["payload"] == last["recv"]["payload"] > 0
         assert first["recv"]["payload"] == last["send"]["payload"] == first["send"]["payload"]
     assert all(t > 0 for t in idle), idle  # each stage waits on the other at some point
+    if not extra:  # `paratrain plan` foresaw every message and collective (it leaves tp's out)
+        planned = planned_comm(cfg, world)
+        assert all(r["comm"] == planned[r["rank"]] for record in records for r in record["ranks"])
     trace = json.loads((tmp_path / "run" / "trace.json").read_text())
     forwards = {(e["pid"], e["args"]["index"]) for e in trace if e.get("name") == "forward"}
     assert forwards == {(rank, mb) for rank in range(world) for mb in range(4)}
@@ -145,6 +158,9 @@ def test_sharded_and_parameter_server_steps_are_profiled(tmp_path, strategy, wor
                 assert comm["send"]["payload"] >= 4 * PARAMS and comm["recv"]["payload"] >= 4 * PARAMS
             else:
                 assert phases["optimizer"] > 0 and comm["all_reduce"]["payload"] >= 4 * PARAMS
+    if strategy == "ps":  # every push and pull as `paratrain plan` foresaw them
+        planned = planned_comm(cfg, world, "--set", "parallel.strategy='ps'")
+        assert all(r["comm"] == planned[r["rank"]] for record in records for r in record["ranks"])
 
 
 def test_report_on_a_directory_that_is_not_a_run(tmp_path, capsys):

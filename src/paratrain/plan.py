@@ -47,6 +47,28 @@ class RankPlan:
     grad_bytes: int = 0
     optimizer_bytes: int = 0
     activation_bytes: int | None = None  # peak saved for backward; None: not estimated (tp)
+    # per step, by collective: {"payload": bytes handed to it, "min_sent": bytes this rank must send},
+    # as the profiler accounts them (ps: a sync step; async and ssp move as much per worker step);
+    # None: not estimated (tp, top-k and PowerSGD)
+    comm: dict[str, dict[str, int]] | None = None
+
+    def add_comm(self, op: str, payload: int, group_size: int, times: int = 1) -> None:
+        from .profile import min_bytes_sent
+
+        if self.comm is None:
+            self.comm = {}
+        entry = self.comm.setdefault(op, {"payload": 0, "min_sent": 0.0})
+        entry["payload"] += payload * times
+        entry["min_sent"] += min_bytes_sent(op, payload, group_size) * times
+
+    def as_dict(self) -> dict:
+        """With the minimum bytes in whole bytes, as profile.jsonl has them."""
+        out = asdict(self)
+        if self.comm is not None:
+            out["comm"] = {op: {"payload": e["payload"], "min_sent": int(e["min_sent"])} for op, e in self.comm.items()}
+        out["model_state_bytes"] = self.model_state_bytes
+        out["comm_min_bytes"] = None if self.comm is None else sum(e["min_sent"] for e in out["comm"].values())
+        return out
 
     @property
     def model_state_bytes(self) -> int:
@@ -91,6 +113,44 @@ def _zero_state(cfg: Config, model: nn.Module, params: list[nn.Parameter], world
                  3: f"plus units gathered for their forward and backward, and one unit's full gradients "
                     f"while reduced (the largest unit: {biggest / MIB:.3g} MiB)"}[stage]
     return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient
+
+
+def _wire_bytes(numel: int, dtype_bytes: int, cfg: Config) -> int:
+    """A gradient buffer's bytes on the wire: bf16 / fp16 compression sends 2 bytes a number."""
+    return numel * (2 if cfg.parallel.compression in ("bf16", "fp16") else dtype_bytes)
+
+
+def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: int) -> None:
+    """dp's gradient buckets, each all-reduced once a step (the last microbatch's backward)."""
+    from .parallel.data_parallel import make_buckets
+
+    if group_size > 1:
+        for b in make_buckets(params, int(cfg.parallel.bucket_mb * MIB), torch.device("meta")):
+            r.add_comm("all_reduce", _wire_bytes(b.numel, b.params[0].element_size(), cfg), group_size)
+
+
+def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parameter], world: int) -> None:
+    """What the native collectives (NCCL's path) carry. Per unit: its gradients reduce-scattered (stage 1
+    once a step, 2 and 3 every microbatch) and its parameters all-gathered (stages 1 and 2 after the
+    step; stage 3 before each module's forward and again before its backward, the root unit, kept
+    gathered through both, once); plus the squared gradient norm, one float32 all-reduced."""
+    from .parallel.data_parallel import make_buckets
+    from .parallel.zero import module_units
+
+    if world == 1:
+        return
+    stage, micro = int(cfg.parallel.strategy[-1]), cfg.train.grad_accum
+    bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
+    if stage == 3:
+        units = [(g, 1 if module is model else 2) for module, g in module_units(model, params, bucket_bytes)]
+    else:
+        units = [(b.params, 0) for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
+    for group, gathers in units:
+        numel = -(-sum(p.numel() for p in group) // world) * world
+        size = group[0].element_size()
+        r.add_comm("reduce_scatter", _wire_bytes(numel, size, cfg), world, times=1 if stage == 1 else micro)
+        r.add_comm("all_gather", numel * size, world, times=gathers * micro if stage == 3 else 1)
+    r.add_comm("all_reduce", 4, world)
 
 
 def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = None) -> list[int]:
@@ -157,6 +217,39 @@ def peak_in_schedule(actions, stage_of_chunk: list[int], stage_bytes: list[int])
     return peak
 
 
+def _boundary_bytes(cfg: Config, model: nn.Module, stage_layers: list[list[nn.Module]], rows: int) -> list[int]:
+    """Bytes of one microbatch's activation entering each stage, as the engine sends it (its dtype
+    from the same meta-device pass the engine uses)."""
+    from .data import build_dataset, load_batch
+    from .parallel.hybrid import meta_copy
+    from .parallel.pipeline import boundary_shape_fn, pipeline_layers
+
+    meta = pipeline_layers(meta_copy(model))
+    bounds = [0]
+    for layers in stage_layers:
+        bounds.append(bounds[-1] + len(layers))
+    x, _ = load_batch(build_dataset(cfg, "train"), torch.arange(rows))
+    shapes = boundary_shape_fn([meta[a:b] for a, b in zip(bounds, bounds[1:])])(x)
+    return [shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]
+
+
+def pipeline_comm(r: RankPlan, actions, boundary: list[int], n_stages: int, world: int) -> None:
+    """Each forward sends its output to the next stage and each backward its input's gradient to
+    the previous one (receives mirror them); the profiler counts them on the world group."""
+    for a in actions:
+        s = r.stages[a.chunk]
+        if a.kind == "F":
+            if s > 0:
+                r.add_comm("recv", boundary[s], world)
+            if s < n_stages - 1:
+                r.add_comm("send", boundary[s + 1], world)
+        else:
+            if s < n_stages - 1:
+                r.add_comm("recv", boundary[s + 1], world)
+            if s > 0:
+                r.add_comm("send", boundary[s], world)
+
+
 def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPlan], rows: int) -> list[dict]:
     """tp, pp, hybrid: which stages and which tp shard of each parameter every rank holds."""
     from .parallel.base import unique_parameters
@@ -195,6 +288,7 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
         return total
 
     slots = optimizer_slots(cfg)
+    boundary = _boundary_bytes(cfg, model, stage_layers, rows) if p.pp > 1 else []
     activations = None
     if p.tp == 1:
         from .parallel.hybrid import microbatch_count
@@ -211,7 +305,13 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
         held = sum(stage_bytes(s, r.tp) for s in r.stages)
         r.param_bytes, r.grad_bytes, r.optimizer_bytes = held, held, slots * held
         if activations is not None:
-            r.activation_bytes = peak_in_schedule(schedule(p.pp, r.pp, m, v), r.stages, activations)
+            actions = schedule(p.pp, r.pp, m, v)
+            r.activation_bytes = peak_in_schedule(actions, r.stages, activations)
+            pipeline_comm(r, actions, boundary, n_stages, world)
+            for s in r.stages:  # each chunk's gradients, averaged over the dp group
+                dp_comm(r, cfg, [t for layer in stage_layers[s] for _, t in unique_parameters(layer)], dp)
+            if world > 1:
+                r.add_comm("all_reduce", 8, world)  # the global gradient norm (float64)
     if p.pp == 1:
         return []
     return [{"stage": s, "pp_rank": s % p.pp, "layers": [bounds[s], bounds[s + 1] - 1],
@@ -262,10 +362,16 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
     if p.strategy == "dp":
         for r in ranks:
             r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, total, total, slots * total
+            if p.compression in ("none", "bf16", "fp16"):
+                dp_comm(r, cfg, params, world)
     elif p.strategy.startswith("zero"):
         param_b, grad_b, opt_b, transient = _zero_state(cfg, model, params, world)
         for r in ranks:
             r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
+            zero_comm(r, cfg, model, params, world)
+        if device == "cpu":
+            notes.append(f"{p.strategy} on gloo: the reduce-scatters run as all-reduces and the all-gathers as "
+                         f"broadcasts (gloo has neither in place), so it sends more than the minimum shown")
         if transient:
             notes.append(f"{p.strategy}: {transient}")
     elif p.strategy == "ps":
@@ -273,23 +379,31 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
 
         shards = assign_shards([t.numel() for t in params], cfg.ps.servers)
         header = HEADER * 4  # each flat shard buffer starts with a small float32 header
+        message = [_nbytes([params[i] for i in shard]) + header for shard in shards]  # a push or pull
+        workers = world - cfg.ps.servers
         for r in ranks:
             if r.rank < cfg.ps.servers:
                 own = _nbytes([params[i] for i in shards[r.rank]])
                 r.role, r.activation_bytes = "parameter server", 0
                 r.param_bytes, r.grad_bytes, r.optimizer_bytes = own + header, own + header, slots * own
+                r.add_comm("recv", message[r.rank], world, times=workers)  # every worker's push
+                r.add_comm("send", message[r.rank], world, times=workers)  # and its pull
             else:
                 r.role, r.dp = "ps worker", r.rank - cfg.ps.servers
                 r.param_bytes = r.grad_bytes = total + header * cfg.ps.servers
+                for size in message:  # a push to every server, and its reply
+                    r.add_comm("send", size, world)
+                    r.add_comm("recv", size, world)
     else:
         stages = _model_parallel(cfg, model, world, ranks, rows)
         if p.tp > 1:
-            notes.append("activations not estimated under tp")
+            notes.append("activations and bytes sent not estimated under tp")
         if p.pp > 1 and p.balance == "time":
             notes.append("pipeline cut shown by parameter count; the run times each layer at start "
                          "(parallel.balance = 'time') and may cut elsewhere")
     if p.compression in ("topk", "powersgd"):
-        notes.append(f"not counted: the {p.compression} codec's buffers (error feedback, factors)")
+        notes.append(f"not counted: the {p.compression} codec's buffers (error feedback, factors); what it sends "
+                     f"depends on its arithmetic: the profiler measures it")
     return {
         "capacity": capacity(ranks, device),
         "name": cfg.name, "strategy": p.strategy, "device": device,
@@ -301,7 +415,7 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
                   "rows_per_microbatch": rows},
         "optimizer": {"name": cfg.train.optimizer, "state_tensors_per_parameter": slots},
         "stages": stages,
-        "ranks": [{**asdict(r), "model_state_bytes": r.model_state_bytes} for r in ranks],
+        "ranks": [r.as_dict() for r in ranks],
         "notes": notes,
     }
 
@@ -333,17 +447,21 @@ def render(plan: dict) -> str:
         lines.append(f"  stage {s['stage']} on pp rank {s['pp_rank']}: layers {s['layers'][0]}-{s['layers'][1]}, "
                      f"{s['parameters']:,} parameters")
     lines.append(f"{'rank':>5}{'node':>5}{'local':>6}{'pp':>4}{'dp':>4}{'tp':>4}  {'role':<17}{'stages':<9}"
-                 f"{'params MiB':>11}{'grads MiB':>10}{'optim MiB':>10}{'state MiB':>10}{'activ MiB':>10}")
+                 f"{'params MiB':>11}{'grads MiB':>10}{'optim MiB':>10}{'state MiB':>10}{'activ MiB':>10}"
+                 f"{'sent MiB':>10}")
     for r in plan["ranks"]:
         stages = ",".join(map(str, r["stages"])) if r["stages"] else "-"
         if len(stages) > 8:
             stages = stages[:5] + "..."
         activations = "-" if r["activation_bytes"] is None else _mib(r["activation_bytes"])
+        sent = "-" if r["comm_min_bytes"] is None else _mib(r["comm_min_bytes"])
         lines.append(f"{r['rank']:>5}{r['node']:>5}{r['local_rank']:>6}{r['pp']:>4}{r['dp']:>4}{r['tp']:>4}  "
                      f"{r['role']:<17}{stages:<9}{_mib(r['param_bytes']):>11}{_mib(r['grad_bytes']):>10}"
-                     f"{_mib(r['optimizer_bytes']):>10}{_mib(r['model_state_bytes']):>10}{activations:>10}")
+                     f"{_mib(r['optimizer_bytes']):>10}{_mib(r['model_state_bytes']):>10}{activations:>10}"
+                     f"{sent:>10}")
     lines.append("state = parameters + gradients + optimizer state, kept for good; activ = the peak of "
-                 "activations saved for backward. Communication buffers come on top")
+                 "activations saved for backward (communication buffers come on top); sent = the fewest bytes "
+                 "a step's collectives and messages need this rank to send")
     c = plan["capacity"]
     what = "model state + activations" if c["activations_counted"] else "model state (activations not estimated)"
     lines.append(f"{'fits' if c['fits'] else 'DOES NOT FIT'}: {c['where']} needs {_gib(c['needed'])} GiB for "
