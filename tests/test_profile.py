@@ -126,9 +126,9 @@ def test_model_parallel_steps_are_profiled_per_microbatch(tmp_path, extra):
         assert first["send"]["payload"] == last["recv"]["payload"] > 0
         assert first["recv"]["payload"] == last["send"]["payload"] == first["send"]["payload"]
     assert all(t > 0 for t in idle), idle  # each stage waits on the other at some point
-    if not extra:  # `paratrain plan` foresaw every message and collective (it leaves tp's out)
-        planned = planned_comm(cfg, world)
-        assert all(r["comm"] == planned[r["rank"]] for record in records for r in record["ranks"])
+    # `paratrain plan` foresaw every message and collective, tp's all-reduces included
+    planned = planned_comm(cfg, world, *extra)
+    assert all(r["comm"] == planned[r["rank"]] for record in records for r in record["ranks"])
     trace = json.loads((tmp_path / "run" / "trace.json").read_text())
     forwards = {(e["pid"], e["args"]["index"]) for e in trace if e.get("name") == "forward"}
     assert forwards == {(rank, mb) for rank in range(world) for mb in range(4)}

@@ -49,7 +49,7 @@ class RankPlan:
     activation_bytes: int | None = None  # peak saved for backward; None: not estimated (tp)
     # per step, by collective: {"payload": bytes handed to it, "min_sent": bytes this rank must send},
     # as the profiler accounts them (ps: a sync step; async and ssp move as much per worker step);
-    # None: not estimated (tp, top-k and PowerSGD)
+    # None: not estimated (top-k and PowerSGD; tp with a user loss on its sharded output)
     comm: dict[str, dict[str, int]] | None = None
 
     def add_comm(self, op: str, payload: int, group_size: int, times: int = 1) -> None:
@@ -233,6 +233,67 @@ def _boundary_bytes(cfg: Config, model: nn.Module, stage_layers: list[list[nn.Mo
     return [shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]
 
 
+def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: dict) -> list[list[int]] | None:
+    """Per stage, the payloads of the all-reduces tensor parallelism runs for one microbatch
+    (tp_comm's paired operators): a row-parallel layer's output in forward, a column-parallel
+    layer's input gradient in backward (when that input needs one), a vocabulary-parallel
+    embedding's rows, and the vocabulary-parallel cross-entropy's per-token max and sums. Their
+    shapes and dtypes are the unsplit layers' own, from one forward in fake tensors. None when a
+    user loss takes a sharded output (it gathers the output first; not modelled)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .data import build_dataset, load_batch
+    from .models import build_model
+    from .optim import build_loss, cross_entropy
+    from .parallel.pipeline import pipeline_layers
+
+    dataset = build_dataset(cfg, "train")
+    x, y = load_batch(dataset, torch.arange(rows))
+    mode = FakeTensorMode()
+    with mode:
+        model = build_model(cfg, dataset)
+    x, y = mode.from_tensor(x), mode.from_tensor(y)
+    modules = dict(model.named_modules())
+    last_linear = [n for n, m in modules.items() if isinstance(m, nn.Linear)][-1]
+    sharded_output = tp_plan.get(last_linear) == "colwise"
+    loss_fn = build_loss(cfg)
+    if sharded_output and loss_fn is not cross_entropy:
+        return None
+    if bounds is None:
+        stages = [[model]]
+    else:
+        layers = pipeline_layers(model)
+        stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+    stage_of = {id(m): s for s, layers in enumerate(stages) for layer in layers for m in layer.modules()}
+    payloads: list[list[int]] = [[] for _ in stages]
+
+    def record(name: str, style: str):
+        def hook(module, args, out):
+            if style in ("rowwise", "vocab"):
+                payloads[stage_of[id(module)]].append(out.numel() * out.element_size())
+            elif args[0].requires_grad:
+                payloads[stage_of[id(module)]].append(args[0].numel() * args[0].element_size())
+        return hook
+
+    handles = [modules[name].register_forward_hook(record(name, style)) for name, style in tp_plan.items()]
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16"
+                else contextlib.nullcontext())
+    try:
+        with mode, autocast:
+            act = x
+            for s, layers in enumerate(stages):
+                act = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())
+                for layer in layers:
+                    act = layer(act)
+    finally:
+        for h in handles:
+            h.remove()
+    if sharded_output:  # the vocabulary-parallel cross-entropy: max, then (sum of exp, target logit)
+        tokens = y.numel()
+        payloads[-1] += [tokens * 4, 2 * tokens * 4]
+    return payloads
+
+
 def pipeline_comm(r: RankPlan, actions, boundary: list[int], n_stages: int, world: int) -> None:
     """Each forward sends its output to the next stage and each backward its input's gradient to
     the previous one (receives mirror them); the profiler counts them on the world group."""
@@ -273,45 +334,50 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
     shard_dims = {f"{name}.{t}": d for name, style in tp_plan.items() for t, d in STYLES[style].shard_dims.items()}
     name_of = {id(t): n for n, t in model.named_parameters()}
 
-    def stage_bytes(s: int, tp_rank: int) -> int:
-        seen, total = set(), 0
+    def stage_params(s: int, tp_rank: int) -> list[torch.Tensor]:
+        """The parameters of stage s as tp rank `tp_rank` holds them (meta tensors of its shapes)."""
+        seen, out = set(), []
         for layer in stage_layers[s]:
             for _, t in unique_parameters(layer):
                 if id(t) in seen:
                     continue
                 seen.add(id(t))
-                numel, dim = t.numel(), shard_dims.get(name_of[id(t)])
+                shape, dim = list(t.shape), shard_dims.get(name_of[id(t)])
                 if dim is not None:
                     start, end = shard_range(t.shape[dim], p.tp, tp_rank)
-                    numel = numel // t.shape[dim] * (end - start)
-                total += numel * t.element_size()
-        return total
+                    shape[dim] = end - start
+                out.append(torch.empty(shape, dtype=t.dtype, device="meta"))
+        return out
+
+    from .parallel.hybrid import microbatch_count
+    from .parallel.pipeline_schedules import SCHEDULES, one_f_one_b
 
     slots = optimizer_slots(cfg)
+    cut = bounds if p.pp > 1 else None
     boundary = _boundary_bytes(cfg, model, stage_layers, rows) if p.pp > 1 else []
-    activations = None
-    if p.tp == 1:
-        from .parallel.hybrid import microbatch_count
-        from .parallel.pipeline_schedules import SCHEDULES, one_f_one_b
-
-        # the engine plays one_f_one_b without pp: each microbatch's forward, then its backward
-
-        activations = saved_activation_bytes(cfg, rows, bounds if p.pp > 1 else None)
-        schedule, m = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b, microbatch_count(cfg)
+    activations = saved_activation_bytes(cfg, rows, cut) if p.tp == 1 else None
+    tp_payloads = tp_all_reduces(cfg, rows, cut, tp_plan) if p.tp > 1 else [[] for _ in stage_layers]
+    # without pp the engine plays one_f_one_b: each microbatch's forward, then its backward
+    schedule, m = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b, microbatch_count(cfg)
     for r in ranks:
         r.pp, rest = divmod(r.rank, dp * p.tp)
         r.dp, r.tp = divmod(rest, p.tp)
         r.stages = [c * p.pp + r.pp for c in range(v)]
-        held = sum(stage_bytes(s, r.tp) for s in r.stages)
-        r.param_bytes, r.grad_bytes, r.optimizer_bytes = held, held, slots * held
+        held = {s: stage_params(s, r.tp) for s in r.stages}
+        r.param_bytes = r.grad_bytes = sum(_nbytes(t) for t in held.values())
+        r.optimizer_bytes = slots * r.param_bytes
+        actions = schedule(p.pp, r.pp, m, v)
         if activations is not None:
-            actions = schedule(p.pp, r.pp, m, v)
             r.activation_bytes = peak_in_schedule(actions, r.stages, activations)
-            pipeline_comm(r, actions, boundary, n_stages, world)
-            for s in r.stages:  # each chunk's gradients, averaged over the dp group
-                dp_comm(r, cfg, [t for layer in stage_layers[s] for _, t in unique_parameters(layer)], dp)
-            if world > 1:
-                r.add_comm("all_reduce", 8, world)  # the global gradient norm (float64)
+        if tp_payloads is None:  # a user loss on a sharded output: its gathers are not modelled
+            continue
+        pipeline_comm(r, actions, boundary, n_stages, world)
+        for s in r.stages:
+            for payload in tp_payloads[s]:
+                r.add_comm("all_reduce", payload, p.tp, times=m)
+            dp_comm(r, cfg, held[s], dp)  # each chunk's gradients, averaged over the dp group
+        if world > 1:
+            r.add_comm("all_reduce", 8, world)  # the global gradient norm (float64)
     if p.pp == 1:
         return []
     return [{"stage": s, "pp_rank": s % p.pp, "layers": [bounds[s], bounds[s + 1] - 1],
@@ -397,7 +463,7 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
     else:
         stages = _model_parallel(cfg, model, world, ranks, rows)
         if p.tp > 1:
-            notes.append("activations and bytes sent not estimated under tp")
+            notes.append("activations not estimated under tp")
         if p.pp > 1 and p.balance == "time":
             notes.append("pipeline cut shown by parameter count; the run times each layer at start "
                          "(parallel.balance = 'time') and may cut elsewhere")
