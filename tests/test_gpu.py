@@ -97,3 +97,16 @@ def test_two_gpus_equal_single_process_cpu_training(tmp_path, sets):
     run_dir, _ = run_digits(tmp_path, 2, *sets)
     assert 'device = "cuda"' in (run_dir / "config.toml").read_text()
     assert max_rel_error(final_weights(run_dir), digits_mlp_reference()) <= 1e-4
+
+
+@needs_gpus(1)
+def test_plan_on_a_gpu_checks_the_gpu_memory():
+    """`paratrain plan` on a GPU node: one process per GPU, each rank against its GPU's memory."""
+    import json
+
+    proc = check_ok(run_cli("plan", "--nproc", "1", "--json", gpus=True))
+    plan = json.loads(proc.stdout)
+    assert plan["device"] == "cuda"
+    capacity = plan["capacity"]
+    assert capacity["kind"] == "GPU memory" and capacity["bytes"] == torch.cuda.get_device_properties(0).total_memory
+    assert capacity["where"] == "rank 0" and capacity["fits"]

@@ -1,23 +1,24 @@
 """`paratrain plan`: how a run would be laid out, before any worker starts.
 
-From the config and the process count alone — the model is built on the meta device, so no memory
-and no compute — the plan gives the rank grid (node, local rank, pp/dp/tp coordinates, role), the
-pipeline cut, the batch each replica and microbatch gets, and per rank the bytes of model state
-the strategy keeps for good (parameters, gradients, optimizer state) and the peak bytes of
-activations saved for backward: the numbers that decide whether a job fits. Activations come from
-a forward of one microbatch in fake tensors (torch's FakeTensorMode: shapes, dtypes and the CPU's
-own choice of kernels, no memory; the meta device would run attention by the math path, which
-saves other tensors than the CPU's flash attention) with autograd's saved-tensor hooks, stage by
-stage, each tensor once (parameters excluded); a pipeline rank's peak plays its own schedule out,
-adding a stage's activations at each forward and dropping them at its backward. Not counted: temporaries
-inside an operation, the short-lived buffers of communication (ZeRO's units while gathered or
-reduced, named in a note), the memory of the top-k and PowerSGD codecs, and activations under tp
-(its sharded layers need a process group to run).
+From the config and the process count alone (the model is built on the meta device and in fake
+tensors: no memory, no arithmetic), the plan gives the rank grid (node, local rank, pp/dp/tp
+coordinates, role), the pipeline cut, the batch each replica and microbatch gets, and per rank:
+  * the bytes of model state the strategy keeps for good: parameters, gradients, optimizer state;
+  * the peak bytes of activations saved for backward: one microbatch's forward through each stage
+    in fake tensors (FakeRun) under autograd's saved-tensor hooks, each tensor once; a pipeline
+    rank's peak plays its own schedule out, adding a stage's activations at each forward and
+    dropping them at its backward;
+  * the bytes its collectives and messages carry in a step, by op, with the fewest it must send,
+    exactly as the profiler accounts them (profile.min_bytes_sent).
+Not counted: temporaries inside an operation, the short-lived buffers of communication (ZeRO's
+units while gathered or reduced, named in a note), what the top-k and PowerSGD codecs keep and
+send, and activations under tp (its sharded layers need a process group to run).
 
 The layout comes from the functions the strategies themselves call (dp's buckets, ZeRO's units and
-their padding, the pipeline's partition, the tp plan's shard dimensions, the parameter servers'
-dealing), so the plan is what the run does: tests/test_plan.py builds every rank's strategy on a
-fake process group and counts the tensors it really holds.
+their padding, the pipeline's partition and schedules, the tp plan's shard dimensions, the
+parameter servers' dealing), so the plan is what the run does: tests/test_plan.py builds every
+rank's strategy on a fake process group and counts what it holds, saves and sends, and
+tests/test_profile.py holds the bytes to real runs' profile.jsonl.
 """
 from __future__ import annotations
 
@@ -153,34 +154,51 @@ def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parame
     r.add_comm("all_reduce", 4, world)
 
 
+@dataclass
+class FakeRun:
+    """The model and one microbatch in fake tensors (torch's FakeTensorMode: shapes, dtypes and the
+    CPU's own choice of kernels, no memory and no arithmetic; the meta device would run attention by
+    its math path, which saves other tensors than the CPU's flash attention), cut into stages."""
+    mode: object
+    model: nn.Module
+    stages: list[list[nn.Module]]
+    x: torch.Tensor
+    y: torch.Tensor
+    autocast: object  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
+
+    @classmethod
+    def build(cls, cfg: Config, rows: int, bounds: list[int] | None) -> "FakeRun":
+        """`bounds` over pipeline_layers; None: the whole model as one stage."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from .data import build_dataset, load_batch
+        from .models import build_model
+        from .parallel.pipeline import pipeline_layers
+
+        dataset = build_dataset(cfg, "train")
+        x, y = load_batch(dataset, torch.arange(rows))
+        mode = FakeTensorMode()
+        with mode:
+            model = build_model(cfg, dataset)
+        if bounds is None:
+            stages = [[model]]
+        else:
+            layers = pipeline_layers(model)
+            stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16"
+                    else contextlib.nullcontext())
+        return cls(mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast)
+
+
 def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = None) -> list[int]:
     """Bytes autograd saves for backward in the forward of one microbatch of `rows` samples through
-    each pipeline stage (`bounds` over pipeline_layers; None: the whole model as one), the loss in
-    the last stage's; each tensor once (views count as their base), parameters and the batch never.
-    All in fake tensors on the CPU: no memory, no arithmetic."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .data import build_dataset, load_batch
-    from .models import build_model
+    each pipeline stage, the loss in the last stage's; each tensor once (views count as their
+    base), parameters and the batch never."""
     from .optim import build_loss
-    from .parallel.pipeline import pipeline_layers
 
-    dataset = build_dataset(cfg, "train")
-    x, y = load_batch(dataset, torch.arange(rows))
-    mode = FakeTensorMode()
-    with mode:
-        model = build_model(cfg, dataset)
-    x, y = mode.from_tensor(x), mode.from_tensor(y)
-    if bounds is None:
-        stages = [[model]]
-    else:
-        layers = pipeline_layers(model)
-        stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
-    # the strategies' own autocast for train.precision = "bf16" (on the CPU, as the fake tensors are)
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16"
-                else contextlib.nullcontext())
-    with mode, autocast:
-        return _saved_per_stage(stages, x, y, build_loss(cfg))
+    run = FakeRun.build(cfg, rows, bounds)
+    with run.mode, run.autocast:
+        return _saved_per_stage(run.stages, run.x, run.y, build_loss(cfg))
 
 
 def _saved_per_stage(stages: list[list[nn.Module]], x: torch.Tensor, y: torch.Tensor, loss_fn) -> list[int]:
@@ -240,34 +258,18 @@ def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: di
     embedding's rows, and the vocabulary-parallel cross-entropy's per-token max and sums. Their
     shapes and dtypes are the unsplit layers' own, from one forward in fake tensors. None when a
     user loss takes a sharded output (it gathers the output first; not modelled)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .data import build_dataset, load_batch
-    from .models import build_model
     from .optim import build_loss, cross_entropy
-    from .parallel.pipeline import pipeline_layers
 
-    dataset = build_dataset(cfg, "train")
-    x, y = load_batch(dataset, torch.arange(rows))
-    mode = FakeTensorMode()
-    with mode:
-        model = build_model(cfg, dataset)
-    x, y = mode.from_tensor(x), mode.from_tensor(y)
-    modules = dict(model.named_modules())
+    run = FakeRun.build(cfg, rows, bounds)
+    modules = dict(run.model.named_modules())
     last_linear = [n for n, m in modules.items() if isinstance(m, nn.Linear)][-1]
     sharded_output = tp_plan.get(last_linear) == "colwise"
-    loss_fn = build_loss(cfg)
-    if sharded_output and loss_fn is not cross_entropy:
+    if sharded_output and build_loss(cfg) is not cross_entropy:
         return None
-    if bounds is None:
-        stages = [[model]]
-    else:
-        layers = pipeline_layers(model)
-        stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
-    stage_of = {id(m): s for s, layers in enumerate(stages) for layer in layers for m in layer.modules()}
-    payloads: list[list[int]] = [[] for _ in stages]
+    stage_of = {id(m): s for s, layers in enumerate(run.stages) for layer in layers for m in layer.modules()}
+    payloads: list[list[int]] = [[] for _ in run.stages]
 
-    def record(name: str, style: str):
+    def record(style: str):
         def hook(module, args, out):
             if style in ("rowwise", "vocab"):
                 payloads[stage_of[id(module)]].append(out.numel() * out.element_size())
@@ -275,13 +277,11 @@ def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: di
                 payloads[stage_of[id(module)]].append(args[0].numel() * args[0].element_size())
         return hook
 
-    handles = [modules[name].register_forward_hook(record(name, style)) for name, style in tp_plan.items()]
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16"
-                else contextlib.nullcontext())
+    handles = [modules[name].register_forward_hook(record(style)) for name, style in tp_plan.items()]
     try:
-        with mode, autocast:
-            act = x
-            for s, layers in enumerate(stages):
+        with run.mode, run.autocast:
+            act = run.x
+            for s, layers in enumerate(run.stages):
                 act = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())
                 for layer in layers:
                     act = layer(act)
@@ -289,7 +289,7 @@ def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: di
         for h in handles:
             h.remove()
     if sharded_output:  # the vocabulary-parallel cross-entropy: max, then (sum of exp, target logit)
-        tokens = y.numel()
+        tokens = run.y.numel()
         payloads[-1] += [tokens * 4, 2 * tokens * 4]
     return payloads
 
@@ -467,6 +467,8 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
         if p.pp > 1 and p.balance == "time":
             notes.append("pipeline cut shown by parameter count; the run times each layer at start "
                          "(parallel.balance = 'time') and may cut elsewhere")
+    if device == "cuda":
+        notes.append("activations counted with the CPU's kernels: CUDA's attention kernels may save other tensors")
     if p.compression in ("topk", "powersgd"):
         notes.append(f"not counted: the {p.compression} codec's buffers (error feedback, factors); what it sends "
                      f"depends on its arithmetic: the profiler measures it")
