@@ -20,6 +20,9 @@ from paratrain.cli import main
 CASES = {
     "dp": (2, []),
     "dp-bf16-wire": (2, ["parallel.compression='bf16'", "parallel.bucket_mb=0.3"]),
+    "dp-topk": (2, ["parallel.compression='topk'", "parallel.bucket_mb=0.3", "parallel.topk_ratio=0.01"]),
+    "dp-powersgd": (3, ["parallel.compression='powersgd'", "parallel.bucket_mb=0.3", "parallel.powersgd_rank=2",
+                        "data.batch_size=33"]),
     "zero1": (4, ["parallel.strategy='zero1'", "parallel.bucket_mb=0.2", "train.grad_accum=2"]),
     "zero2": (4, ["parallel.strategy='zero2'", "parallel.bucket_mb=0.2", "train.optimizer='sgd'",
                   "train.momentum=0.9"]),

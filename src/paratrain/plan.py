@@ -11,8 +11,8 @@ coordinates, role), the pipeline cut, the batch each replica and microbatch gets
   * the bytes its collectives and messages carry in a step, by op, with the fewest it must send,
     exactly as the profiler accounts them (profile.min_bytes_sent).
 Not counted: temporaries inside an operation, the short-lived buffers of communication (ZeRO's
-units while gathered or reduced, named in a note), what the top-k and PowerSGD codecs keep and
-send, and activations under tp (its sharded layers need a process group to run).
+units while gathered or reduced, named in a note), what the top-k and PowerSGD codecs keep, and
+activations under tp (its sharded layers need a process group to run).
 
 The layout comes from the functions the strategies themselves call (dp's buckets, ZeRO's units and
 their padding, the pipeline's partition and schedules, the tp plan's shard dimensions, the
@@ -23,6 +23,7 @@ tests/test_profile.py holds the bytes to real runs' profile.jsonl.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -50,7 +51,7 @@ class RankPlan:
     activation_bytes: int | None = None  # peak saved for backward; None: not estimated (tp)
     # per step, by collective: {"payload": bytes handed to it, "min_sent": bytes this rank must send},
     # as the profiler accounts them (ps: a sync step; async and ssp move as much per worker step);
-    # None: not estimated (top-k and PowerSGD; tp with a user loss on its sharded output)
+    # None: not estimated (tp with a user loss on its sharded output)
     comm: dict[str, dict[str, int]] | None = None
 
     def add_comm(self, op: str, payload: int, group_size: int, times: int = 1) -> None:
@@ -122,12 +123,28 @@ def _wire_bytes(numel: int, dtype_bytes: int, cfg: Config) -> int:
 
 
 def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: int) -> None:
-    """dp's gradient buckets, each all-reduced once a step (the last microbatch's backward)."""
+    """dp's gradient buckets, each averaged once a step (the last microbatch's backward) as the
+    codec does it: one all-reduce (bf16/fp16: of 16-bit numbers); top-k: all-gathers of each rank's
+    k values and k int32 indices; PowerSGD: all-reduces of P with the uncompressed tensors, then Q."""
+    from .parallel.compression import round_numels
     from .parallel.data_parallel import make_buckets
 
-    if group_size > 1:
-        for b in make_buckets(params, int(cfg.parallel.bucket_mb * MIB), torch.device("meta")):
-            r.add_comm("all_reduce", _wire_bytes(b.numel, b.params[0].element_size(), cfg), group_size)
+    if group_size == 1:
+        return
+    p = cfg.parallel
+    for b in make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta")):
+        size = b.params[0].element_size()
+        if p.compression == "topk":
+            k = max(1, math.ceil(p.topk_ratio * b.numel))
+            r.add_comm("all_gather", k * size * group_size, group_size)
+            r.add_comm("all_gather", k * 4 * group_size, group_size)
+        elif p.compression == "powersgd":
+            first, second = round_numels(b.shapes, p.powersgd_rank)
+            r.add_comm("all_reduce", first * size, group_size)
+            if second:
+                r.add_comm("all_reduce", second * size, group_size)
+        else:
+            r.add_comm("all_reduce", _wire_bytes(b.numel, size, cfg), group_size)
 
 
 def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parameter], world: int) -> None:
@@ -428,8 +445,7 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
     if p.strategy == "dp":
         for r in ranks:
             r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, total, total, slots * total
-            if p.compression in ("none", "bf16", "fp16"):
-                dp_comm(r, cfg, params, world)
+            dp_comm(r, cfg, params, world)
     elif p.strategy.startswith("zero"):
         param_b, grad_b, opt_b, transient = _zero_state(cfg, model, params, world)
         for r in ranks:
@@ -470,8 +486,7 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
     if device == "cuda":
         notes.append("activations counted with the CPU's kernels: CUDA's attention kernels may save other tensors")
     if p.compression in ("topk", "powersgd"):
-        notes.append(f"not counted: the {p.compression} codec's buffers (error feedback, factors); what it sends "
-                     f"depends on its arithmetic: the profiler measures it")
+        notes.append(f"not counted: the {p.compression} codec's buffers (error feedback, factors)")
     return {
         "capacity": capacity(ranks, device),
         "name": cfg.name, "strategy": p.strategy, "device": device,

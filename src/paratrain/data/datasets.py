@@ -118,14 +118,20 @@ def read_text(url: str, max_chars: int) -> str:
 def corpus(split: str = "train", block_size: int = 64, max_chars: int = 2_000_000,
            val_fraction: float = 0.1, path: str | None = None) -> CharCorpus:
     """Character-level corpus: the standard library's own source text, or the text at `path`."""
+    vocab, tokens = _encoded(path, max_chars)
+    n_train = int(len(tokens) * (1 - val_fraction))
+    part = tokens[:n_train] if split == "train" else tokens[n_train:]
+    return CharCorpus(part, block_size, list(vocab))
+
+
+@functools.lru_cache(maxsize=2)
+def _encoded(path: str | None, max_chars: int) -> tuple[tuple[str, ...], torch.Tensor]:
+    """The text's alphabet and its characters as indices into it (read-only, shared by the splits:
+    a process builds both, often more than once, and sorting 2M characters takes 0.2 s)."""
     text = read_text(path, max_chars) if path else stdlib_text(max_chars)
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     alphabet, tokens = np.unique(codes, return_inverse=True)
-    vocab = [chr(c) for c in alphabet]
-    tokens = torch.from_numpy(tokens.astype(np.int64))
-    n_train = int(len(tokens) * (1 - val_fraction))
-    part = tokens[:n_train] if split == "train" else tokens[n_train:]
-    return CharCorpus(part, block_size, vocab)
+    return tuple(chr(c) for c in alphabet), torch.from_numpy(tokens.astype(np.int64))
 
 
 BUILTIN = {"digits": digits, "corpus": corpus, "synthetic": synthetic}

@@ -223,23 +223,37 @@ class TopK:
         return _Work(works, unpack)
 
 
+def power_layout(shapes, rank: int) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
+    """Which tensors of a bucket PowerSGD factors, (offset, n, m, r) each, reshaped to shape[0] x
+    rest as torch's hook does, and which it sends whole, (offset, numel): a tensor is factored only
+    where its rank-r factors are smaller than itself."""
+    matrices, dense, offset = [], [], 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        n = shape[0] if len(shape) else 1
+        m = numel // max(n, 1)
+        r = min(rank, n, m)
+        if len(shape) >= 2 and (n + m) * r < n * m:
+            matrices.append((offset, n, m, r))
+        else:
+            dense.append((offset, numel))
+        offset += numel
+    return matrices, dense
+
+
+def round_numels(shapes, rank: int) -> tuple[int, int]:
+    """Numbers in PowerSGD's two all-reduces of a bucket: P with the uncompressed tensors, then Q."""
+    matrices, dense = power_layout(shapes, rank)
+    return (sum(n * r for _, n, _, r in matrices) + sum(numel for _, numel in dense),
+            sum(m * r for _, _, m, r in matrices))
+
+
 class _PowerBucket:
     """PowerSGD state of one bucket: which views are matrices, P and Q, and the result buffer.
     The error of each matrix lives in the reducer's own buffer `flat` between steps."""
 
     def __init__(self, flat: torch.Tensor, shapes, rank: int, seed: int):
-        self.matrices, self.dense = [], []  # (offset, n, m, r) and (offset, numel)
-        offset = 0
-        for shape in shapes:
-            numel = math.prod(shape)
-            n = shape[0] if len(shape) else 1
-            m = numel // max(n, 1)
-            r = min(rank, n, m)
-            if len(shape) >= 2 and (n + m) * r < n * m:  # only where the factors are smaller
-                self.matrices.append((offset, n, m, r))
-            else:
-                self.dense.append((offset, numel))
-            offset += numel
+        self.matrices, self.dense = power_layout(shapes, rank)
         kw = dict(dtype=flat.dtype, device=flat.device)
         self.flat = flat
         self.out = torch.zeros_like(flat)
@@ -258,9 +272,10 @@ class _PowerBucket:
             lo += n * m
         # P and the uncompressed tensors travel in one all-reduce (one round trip fewer per bucket)
         n_p = sum(n * r for _, n, _, r in self.matrices)
-        self.first_round = torch.zeros(n_p + sum(numel for _, numel in self.dense), **kw)
+        first, second = round_numels(shapes, rank)
+        self.first_round = torch.zeros(first, **kw)
         self.p_flat, self.dense_flat = self.first_round[:n_p], self.first_round[n_p:]
-        self.q_flat = torch.zeros(sum(m * r for _, _, m, r in self.matrices), **kw)
+        self.q_flat = torch.zeros(second, **kw)
         # P and Q are kept transposed (r x n, r x m): every product then reads M row by row
         # (M^T P as a strided read of M is ~7x slower on CPU)
         self.ps, self.qs = [], []
