@@ -9,6 +9,7 @@ Counted by storage, so a view (a parameter inside a flat bucket) counts its whol
 The optimizer takes one step on whatever the gradients hold, so that its state exists. Activations:
 the peak of what autograd keeps saved for backward during one train_step (each storage once,
 parameters and the batch excluded), the data being whatever the fake collectives leave in the buffers.
+Codec: the storages a gradient codec holds after two steps, besides the gradients.
 Communication: what a second train_step hands the profiler (every collective through
 paratrain.collectives, every pipeline message), by op, with the profiler's own minimum; on the fake
 backend ZeRO takes the native collectives, NCCL's path."""
@@ -115,6 +116,17 @@ class CommRecorder:
         return {op: {"payload": n, "min_sent": int(m)} for op, (n, m) in self.ops.items()}
 
 
+def tensors_in(obj, depth: int = 0):
+    """Every tensor reachable from `obj` through attributes, dicts, lists and tuples."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif depth < 4:
+        children = (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple))
+                    else vars(obj).values() if hasattr(obj, "__dict__") else ())
+        for child in children:
+            yield from tensors_in(child, depth + 1)
+
+
 def held(world: int, rank: int, cfg) -> dict:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
@@ -148,6 +160,8 @@ def held(world: int, rank: int, cfg) -> dict:
             finally:
                 collectives.PROFILER = None
             out["comm"] = recorder.result()
+            codec = getattr(getattr(s, "reducer", None), "codec", None)
+            out["codec_bytes"] = storage_bytes([t for t in tensors_in(codec) if t.dim() > 0], seen)
         mesh = getattr(s, "mesh", None)
         if mesh is not None:
             out.update(pp=mesh.pp_rank, dp=mesh.dp_rank, tp=mesh.tp_rank, stages=list(s.stage_ids))

@@ -3,7 +3,8 @@
 From the config and the process count alone (the model is built on the meta device and in fake
 tensors: no memory, no arithmetic), the plan gives the rank grid (node, local rank, pp/dp/tp
 coordinates, role), the pipeline cut, the batch each replica and microbatch gets, and per rank:
-  * the bytes of model state the strategy keeps for good: parameters, gradients, optimizer state;
+  * the bytes of model state the strategy keeps for good: parameters, gradients, optimizer state,
+    and what a top-k or PowerSGD codec keeps (error feedback, factors, result);
   * the peak bytes of activations saved for backward: one microbatch's forward through each stage
     in fake tensors (FakeRun) under autograd's saved-tensor hooks, each tensor once; a pipeline
     rank's peak plays its own schedule out, adding a stage's activations at each forward and
@@ -11,8 +12,7 @@ coordinates, role), the pipeline cut, the batch each replica and microbatch gets
   * the bytes its collectives and messages carry in a step, by op, with the fewest it must send,
     exactly as the profiler accounts them (profile.min_bytes_sent).
 Not counted: temporaries inside an operation, the short-lived buffers of communication (ZeRO's
-units while gathered or reduced, named in a note), what the top-k and PowerSGD codecs keep, and
-activations under tp (its sharded layers need a process group to run).
+units while gathered or reduced, named in a note), and activations under tp (its sharded layers need a process group to run).
 
 The layout comes from the functions the strategies themselves call (dp's buckets, ZeRO's units and
 their padding, the pipeline's partition and schedules, the tp plan's shard dimensions, the
@@ -48,6 +48,7 @@ class RankPlan:
     param_bytes: int = 0
     grad_bytes: int = 0
     optimizer_bytes: int = 0
+    codec_bytes: int = 0  # what a top-k or PowerSGD codec keeps between steps
     activation_bytes: int | None = None  # peak saved for backward; None: not estimated (tp)
     # per step, by collective: {"payload": bytes handed to it, "min_sent": bytes this rank must send},
     # as the profiler accounts them (ps: a sync step; async and ssp move as much per worker step);
@@ -74,7 +75,7 @@ class RankPlan:
 
     @property
     def model_state_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.codec_bytes
 
 
 def optimizer_slots(cfg: Config) -> int:
@@ -126,7 +127,7 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
     """dp's gradient buckets, each averaged once a step (the last microbatch's backward) as the
     codec does it: one all-reduce (bf16/fp16: of 16-bit numbers); top-k: all-gathers of each rank's
     k values and k int32 indices; PowerSGD: all-reduces of P with the uncompressed tensors, then Q."""
-    from .parallel.compression import round_numels
+    from .parallel.compression import kept_bytes, round_numels
     from .parallel.data_parallel import make_buckets
 
     if group_size == 1:
@@ -134,6 +135,7 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
     p = cfg.parallel
     for b in make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta")):
         size = b.params[0].element_size()
+        r.codec_bytes += kept_bytes(p, b.shapes, size)
         if p.compression == "topk":
             k = max(1, math.ceil(p.topk_ratio * b.numel))
             r.add_comm("all_gather", k * size * group_size, group_size)
@@ -485,8 +487,6 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
                          "(parallel.balance = 'time') and may cut elsewhere")
     if device == "cuda":
         notes.append("activations counted with the CPU's kernels: CUDA's attention kernels may save other tensors")
-    if p.compression in ("topk", "powersgd"):
-        notes.append(f"not counted: the {p.compression} codec's buffers (error feedback, factors)")
     return {
         "capacity": capacity(ranks, device),
         "name": cfg.name, "strategy": p.strategy, "device": device,
@@ -542,6 +542,9 @@ def render(plan: dict) -> str:
                      f"{r['role']:<17}{stages:<9}{_mib(r['param_bytes']):>11}{_mib(r['grad_bytes']):>10}"
                      f"{_mib(r['optimizer_bytes']):>10}{_mib(r['model_state_bytes']):>10}{activations:>10}"
                      f"{sent:>10}")
+    codec = max(r["codec_bytes"] for r in plan["ranks"])
+    if codec:
+        lines.append(f"state includes the gradient codec's buffers: {_mib(codec)} MiB a rank")
     lines.append("state = parameters + gradients + optimizer state, kept for good; activ = the peak of "
                  "activations saved for backward (communication buffers come on top); sent = the fewest bytes "
                  "a step's collectives and messages need this rank to send")

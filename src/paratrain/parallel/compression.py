@@ -241,6 +241,12 @@ def power_layout(shapes, rank: int) -> tuple[list[tuple[int, int, int, int]], li
     return matrices, dense
 
 
+def block_numel(matrices) -> int:
+    """P Q^T is made a block of rows at a time: 1 MiB of bf16 (about one core's L2 cache), or one
+    row of the widest matrix."""
+    return max([1 << 19] + [m for _, _, m, _ in matrices])
+
+
 def round_numels(shapes, rank: int) -> tuple[int, int]:
     """Numbers in PowerSGD's two all-reduces of a bucket: P with the uncompressed tensors, then Q."""
     matrices, dense = power_layout(shapes, rank)
@@ -263,9 +269,7 @@ class _PowerBucket:
         # result as sent to the optimizer, so error feedback absorbs the rounding.
         self.low = torch.empty(sum(n * m for _, n, m, _ in self.matrices), dtype=torch.bfloat16,
                                device=flat.device)
-        # P Q^T is made a block of rows at a time: 1 MiB of bf16, about one core's L2 cache
-        self.block = torch.empty(max([1 << 19] + [m for _, _, m, _ in self.matrices]), dtype=torch.bfloat16,
-                                 device=flat.device)
+        self.block = torch.empty(block_numel(self.matrices), dtype=torch.bfloat16, device=flat.device)
         self.low_views, lo = [], 0
         for _, n, m, _ in self.matrices:
             self.low_views.append(self.low[lo:lo + n * m].view(n, m))
@@ -429,6 +433,22 @@ class PowerSGD:
 
         handle = _Work(works, second=second_round)
         return handle
+
+
+def kept_bytes(p: ParallelConfig, shapes, element_size: int) -> int:
+    """Bytes a codec keeps between steps for one bucket of tensors of `shapes`: top-k its error;
+    PowerSGD the averaged result, the bf16 copy of its matrices, the block of P Q^T, P with the
+    uncompressed tensors, and Q (its error lives in the bucket itself)."""
+    numel = sum(math.prod(shape) for shape in shapes)
+    if p.compression == "topk":
+        return numel * element_size
+    if p.compression == "powersgd":
+        matrices, _ = power_layout(shapes, p.powersgd_rank)
+        first, second = round_numels(shapes, p.powersgd_rank)
+        bf16 = 2
+        return ((numel + first + second) * element_size + sum(n * m for _, n, m, _ in matrices) * bf16
+                + block_numel(matrices) * bf16)
+    return 0
 
 
 CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 16-bit codecs' wire dtypes
