@@ -545,7 +545,7 @@ def render(plan: dict) -> str:
     codec = max(r["codec_bytes"] for r in plan["ranks"])
     if codec:
         lines.append(f"state includes the gradient codec's buffers: {_mib(codec)} MiB a rank")
-    lines.append("state = parameters + gradients + optimizer state, kept for good; activ = the peak of "
+    lines.append("state = parameters + gradients + optimizer state (+ codec), kept for good; activ = the peak of "
                  "activations saved for backward (communication buffers come on top); sent = the fewest bytes "
                  "a step's collectives and messages need this rank to send")
     c = plan["capacity"]
