@@ -140,7 +140,8 @@ def held(world: int, rank: int, cfg) -> dict:
         params = opt_params + list(s.model.parameters())
         seen: set = set()
         out = {"rank": rank, "param_bytes": storage_bytes(params, seen)}
-        out["grad_bytes"] = storage_bytes([p.grad for p in params], seen)
+        # a parameter server's receive buffers hold its workers' gradients
+        out["grad_bytes"] = storage_bytes([p.grad for p in params] + list(getattr(s, "recv_bufs", {}).values()), seen)
         if s.optimizer:
             s.optimizer.step()
         state = [t for st in (s.optimizer.state.values() if s.optimizer else []) for t in st.values()

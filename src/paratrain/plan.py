@@ -469,7 +469,8 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
             if r.rank < cfg.ps.servers:
                 own = _nbytes([params[i] for i in shards[r.rank]])
                 r.role, r.activation_bytes = "parameter server", 0
-                r.param_bytes, r.grad_bytes, r.optimizer_bytes = own + header, own + header, slots * own
+                # gradients: its shard's, and a receive buffer for each worker's pushes
+                r.param_bytes, r.grad_bytes, r.optimizer_bytes = own + header, (own + header) * (1 + workers), slots * own
                 r.add_comm("recv", message[r.rank], world, times=workers)  # every worker's push
                 r.add_comm("send", message[r.rank], world, times=workers)  # and its pull
             else:
