@@ -115,10 +115,10 @@ def test_powersgd_blocked_reconstruction_equals_one_product(shape):
     n, m = shape
     flat = torch.randn(n * m)
     st = _PowerBucket(flat, [torch.Size(shape)], rank=2, seed=0)
-    st.block = torch.empty(max(1000, m), dtype=torch.bfloat16)  # several blocks even for small shapes
+    block = torch.empty(max(1000, m), dtype=torch.bfloat16)  # several blocks even for small shapes
     M, out, Pt, Qt = st.views(flat)[0], st.views(st.out)[0], torch.randn(2, n), torch.randn(2, m)
     before = M.clone()
-    st.reconstruct(M, out, Pt, Qt)
+    st.reconstruct(M, out, Pt, Qt, block)
     expected = (Pt.t().bfloat16() @ Qt.bfloat16()).float()
     assert torch.equal(out, expected)
     assert torch.equal(M, before - expected)

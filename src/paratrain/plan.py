@@ -133,9 +133,10 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
     if group_size == 1:
         return
     p = cfg.parallel
-    for b in make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta")):
+    buckets = make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta"))
+    r.codec_bytes += kept_bytes(p, [b.shapes for b in buckets], params[0].element_size())
+    for b in buckets:
         size = b.params[0].element_size()
-        r.codec_bytes += kept_bytes(p, b.shapes, size)
         if p.compression == "topk":
             k = max(1, math.ceil(p.topk_ratio * b.numel))
             r.add_comm("all_gather", k * size * group_size, group_size)

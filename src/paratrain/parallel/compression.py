@@ -269,7 +269,6 @@ class _PowerBucket:
         # result as sent to the optimizer, so error feedback absorbs the rounding.
         self.low = torch.empty(sum(n * m for _, n, m, _ in self.matrices), dtype=torch.bfloat16,
                                device=flat.device)
-        self.block = torch.empty(block_numel(self.matrices), dtype=torch.bfloat16, device=flat.device)
         self.low_views, lo = [], 0
         for _, n, m, _ in self.matrices:
             self.low_views.append(self.low[lo:lo + n * m].view(n, m))
@@ -292,7 +291,8 @@ class _PowerBucket:
         self.gen = torch.Generator().manual_seed(seed)  # identical on every rank: Q starts equal
         self.fill_random_q()
 
-    def reconstruct(self, M: torch.Tensor, out: torch.Tensor, Pt: torch.Tensor, Qt: torch.Tensor) -> list:
+    def reconstruct(self, M: torch.Tensor, out: torch.Tensor, Pt: torch.Tensor, Qt: torch.Tensor,
+                    block_buffer: torch.Tensor) -> list:
         """out = P Q^T (the averaged gradient the optimizer reads); M -= out (the error: exactly
         what `out` leaves out of M, kept for the next step). Returns the 2-norms of out's blocks.
 
@@ -301,10 +301,10 @@ class _PowerBucket:
         of three (measured 20-30 % faster per 2048 x 2048 matrix, both ranks busy)."""
         P, Q = Pt.t().to(torch.bfloat16), Qt.to(torch.bfloat16)
         n, m = M.shape
-        rows = max(1, self.block.numel() // m)
+        rows = max(1, block_buffer.numel() // m)
         norms = []
         for i in range(0, n, rows):
-            block = torch.mm(P[i:i + rows], Q, out=self.block[:min(rows, n - i) * m].view(-1, m))
+            block = torch.mm(P[i:i + rows], Q, out=block_buffer[:min(rows, n - i) * m].view(-1, m))
             out[i:i + rows].copy_(block)
             M[i:i + rows].sub_(out[i:i + rows])
             norms.append(torch.linalg.vector_norm(out[i:i + rows]))
@@ -328,6 +328,8 @@ class PowerSGD:
         self.state: dict = {}
         self.restored: dict[str, torch.Tensor] = {}  # loaded before the buckets' first launch
         self.local_sums: dict = {}  # group -> shm_p2p.LocalSum, made at the first launch
+        # P Q^T's block of rows, one for all buckets (their reconstructions run one after another)
+        self.block: torch.Tensor | None = None
 
     def _all_reduce(self, t: torch.Tensor, what: str, group):
         """P, Q and the dense tensors are small: on one host they are summed through shared memory
@@ -383,6 +385,8 @@ class PowerSGD:
         st = self.state.get(key)
         if st is None:
             st = self.state[key] = _PowerBucket(flat, shapes, self.rank, self.seed + key)
+            if self.block is None or self.block.numel() < block_numel(st.matrices):
+                self.block = torch.empty(block_numel(st.matrices), dtype=torch.bfloat16, device=flat.device)
             if f"powersgd.{key}.q" in self.restored:
                 st.q_flat.copy_(self.restored[f"powersgd.{key}.q"])
                 for i, M in enumerate(st.views(flat)):
@@ -421,7 +425,7 @@ class PowerSGD:
                 st.q_flat.div_(world)
                 norms = []
                 for M, out, Pt, Qt in zip(ms, st.views(st.out), st.ps, st.qs):
-                    norms += st.reconstruct(M, out, Pt, Qt)
+                    norms += st.reconstruct(M, out, Pt, Qt, self.block)
                 if st.dense:
                     st.dense_flat.div_(world)
                     norms.append(torch.linalg.vector_norm(st.dense_flat))
@@ -435,20 +439,22 @@ class PowerSGD:
         return handle
 
 
-def kept_bytes(p: ParallelConfig, shapes, element_size: int) -> int:
-    """Bytes a codec keeps between steps for one bucket of tensors of `shapes`: top-k its error;
-    PowerSGD the averaged result, the bf16 copy of its matrices, the block of P Q^T, P with the
-    uncompressed tensors, and Q (its error lives in the bucket itself)."""
-    numel = sum(math.prod(shape) for shape in shapes)
+def kept_bytes(p: ParallelConfig, buckets: list, element_size: int) -> int:
+    """Bytes a codec keeps between steps for buckets of tensors of the given shapes: top-k each
+    bucket's error; PowerSGD each bucket's averaged result, bf16 copy of its matrices, P with the
+    uncompressed tensors, and Q (the error lives in the bucket itself), and one block of P Q^T."""
+    numels = [sum(math.prod(shape) for shape in shapes) for shapes in buckets]
     if p.compression == "topk":
-        return numel * element_size
-    if p.compression == "powersgd":
+        return sum(numels) * element_size
+    if p.compression != "powersgd" or not buckets:
+        return 0
+    bf16, total, block = 2, 0, 0
+    for shapes, numel in zip(buckets, numels):
         matrices, _ = power_layout(shapes, p.powersgd_rank)
         first, second = round_numels(shapes, p.powersgd_rank)
-        bf16 = 2
-        return ((numel + first + second) * element_size + sum(n * m for _, n, m, _ in matrices) * bf16
-                + block_numel(matrices) * bf16)
-    return 0
+        total += (numel + first + second) * element_size + sum(n * m for _, n, m, _ in matrices) * bf16
+        block = max(block, block_numel(matrices))
+    return total + block * bf16
 
 
 CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 16-bit codecs' wire dtypes
