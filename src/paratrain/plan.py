@@ -130,7 +130,7 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
     from .parallel.compression import kept_bytes, round_numels
     from .parallel.data_parallel import make_buckets
 
-    if group_size == 1:
+    if group_size == 1 or not params:
         return
     p = cfg.parallel
     buckets = make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta"))
