@@ -158,9 +158,9 @@ def test_sharded_and_parameter_server_steps_are_profiled(tmp_path, strategy, wor
                 assert comm["send"]["payload"] >= 4 * PARAMS and comm["recv"]["payload"] >= 4 * PARAMS
             else:
                 assert phases["optimizer"] > 0 and comm["all_reduce"]["payload"] >= 4 * PARAMS
-    if strategy == "ps":  # every push and pull as `paratrain plan` foresaw them
-        planned = planned_comm(cfg, world, "--set", "parallel.strategy='ps'")
-        assert all(r["comm"] == planned[r["rank"]] for record in records for r in record["ranks"])
+    # every collective, push and pull as `paratrain plan` foresaw them (ZeRO's built from gloo's primitives)
+    planned = planned_comm(cfg, world, "--set", f"parallel.strategy='{strategy}'")
+    assert all(r["comm"] == planned[r["rank"]] for record in records for r in record["ranks"])
 
 
 def test_report_on_a_directory_that_is_not_a_run(tmp_path, capsys):

@@ -150,13 +150,16 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
             r.add_comm("all_reduce", _wire_bytes(b.numel, size, cfg), group_size)
 
 
-def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parameter], world: int) -> None:
-    """What the native collectives (NCCL's path) carry. Per unit: its gradients reduce-scattered (stage 1
-    once a step, 2 and 3 every microbatch) and its parameters all-gathered (stages 1 and 2 after the
-    step; stage 3 before each module's forward and again before its backward, the root unit, kept
-    gathered through both, once); plus the squared gradient norm, one float32 all-reduced."""
+def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parameter], world: int,
+              backend: str) -> None:
+    """Per unit: its gradients reduce-scattered (stage 1 once a step, 2 and 3 every microbatch) and
+    its parameters all-gathered (stages 1 and 2 after the step; stage 3 before each module's forward
+    and again before its backward, the root unit, kept gathered through both, once); plus the
+    squared gradient norm, one float32 all-reduced. On gloo, as zero_comm builds them: each
+    reduce-scatter an all-reduce of the whole unit, each all-gather a broadcast from every rank."""
     from .parallel.data_parallel import make_buckets
     from .parallel.zero import module_units
+    from .parallel.zero_comm import from_primitives
 
     if world == 1:
         return
@@ -166,11 +169,18 @@ def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parame
         units = [(g, 1 if module is model else 2) for module, g in module_units(model, params, bucket_bytes)]
     else:
         units = [(b.params, 0) for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
+    primitives = from_primitives(backend)
     for group, gathers in units:
         numel = -(-sum(p.numel() for p in group) // world) * world
         size = group[0].element_size()
-        r.add_comm("reduce_scatter", _wire_bytes(numel, size, cfg), world, times=1 if stage == 1 else micro)
-        r.add_comm("all_gather", numel * size, world, times=gathers * micro if stage == 3 else 1)
+        reduces, gathers = 1 if stage == 1 else micro, gathers * micro if stage == 3 else 1
+        wire = _wire_bytes(numel, size, cfg)
+        if primitives:
+            r.add_comm("all_reduce", wire, world, times=reduces)
+            r.add_comm("broadcast", numel // world * size, world, times=gathers * world)
+        else:
+            r.add_comm("reduce_scatter", wire, world, times=reduces)
+            r.add_comm("all_gather", numel * size, world, times=gathers)
     r.add_comm("all_reduce", 4, world)
 
 
@@ -453,10 +463,7 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
         param_b, grad_b, opt_b, transient = _zero_state(cfg, model, params, world)
         for r in ranks:
             r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
-            zero_comm(r, cfg, model, params, world)
-        if device == "cpu":
-            notes.append(f"{p.strategy} on gloo: the reduce-scatters run as all-reduces and the all-gathers as "
-                         f"broadcasts (gloo has neither in place), so it sends more than the minimum shown")
+            zero_comm(r, cfg, model, params, world, "nccl" if device == "cuda" else "gloo")
         if transient:
             notes.append(f"{p.strategy}: {transient}")
     elif p.strategy == "ps":

@@ -50,10 +50,15 @@ class Works:
         return True
 
 
+def from_primitives(backend: str) -> bool:
+    """Whether to build reduce-scatter and all-gather from in-place primitives (an all-reduce; one
+    broadcast per chunk), as gloo needs. PARATRAIN_NATIVE_COLLECTIVES=1 takes the native ones
+    (NCCL's path) on gloo too, so that a CPU test covers that path."""
+    return backend == "gloo" and os.environ.get("PARATRAIN_NATIVE_COLLECTIVES", "0") != "1"
+
+
 def _on_gloo(group) -> bool:
-    """Whether to build the collectives from in-place primitives. PARATRAIN_NATIVE_COLLECTIVES=1
-    takes the native ones (NCCL's path) on gloo too, so that a CPU test covers that path."""
-    return dist.get_backend(group) == "gloo" and os.environ.get("PARATRAIN_NATIVE_COLLECTIVES", "0") != "1"
+    return from_primitives(dist.get_backend(group))
 
 
 def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, what: str, group, wire_dtype=None) -> Works:
