@@ -89,12 +89,14 @@ def _nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+def _padded_numel(params: list[nn.Parameter], world: int) -> int:
+    """A flat unit's numbers, padded to a multiple of `world` as FlatUnit and Bucket pad them."""
+    return -(-sum(p.numel() for p in params) // world) * world
+
+
 def _padded_bytes(groups: list[list[nn.Parameter]], world: int) -> tuple[int, int]:
-    """(whole, per-rank shard) bytes of flat units padded to a multiple of `world`, as FlatUnit does."""
-    whole = 0
-    for params in groups:
-        numel = sum(p.numel() for p in params)
-        whole += -(-numel // world) * world * params[0].element_size()
+    """(whole, per-rank shard) bytes of flat units padded to a multiple of `world`."""
+    whole = sum(_padded_numel(params, world) * params[0].element_size() for params in groups)
     return whole, whole // world
 
 
@@ -171,7 +173,7 @@ def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parame
         units = [(b.params, 0) for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
     primitives = from_primitives(backend)
     for group, gathers in units:
-        numel = -(-sum(p.numel() for p in group) // world) * world
+        numel = _padded_numel(group, world)
         size = group[0].element_size()
         reduces, gathers = 1 if stage == 1 else micro, gathers * micro if stage == 3 else 1
         wire = _wire_bytes(numel, size, cfg)
@@ -219,23 +221,33 @@ class FakeRun:
                     else contextlib.nullcontext())
         return cls(mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast)
 
+    def forward(self, loss_fn=None, around_stage=lambda s: contextlib.nullcontext()) -> None:
+        """One forward through the stages as the pipeline engine runs them: a stage after the first
+        starts from a detached input that needs its gradient; the loss (if given) in the last
+        stage. `around_stage(s)` is a context each stage's compute runs in."""
+        with self.mode, self.autocast:
+            act = self.x
+            for s, layers in enumerate(self.stages):
+                act = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())
+                with around_stage(s):
+                    for layer in layers:
+                        act = layer(act)
+                    if loss_fn is not None and s == len(self.stages) - 1:
+                        loss_fn(act, self.y)
+
 
 def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = None) -> list[int]:
     """Bytes autograd saves for backward in the forward of one microbatch of `rows` samples through
     each pipeline stage, the loss in the last stage's; each tensor once (views count as their
-    base), parameters and the batch never."""
+    base), parameters and the batch never (the batch is the data, held anyway)."""
     from .optim import build_loss
 
     run = FakeRun.build(cfg, rows, bounds)
-    with run.mode, run.autocast:
-        return _saved_per_stage(run.stages, run.x, run.y, build_loss(cfg))
+    params = {id(t) for t in run.model.parameters()} | {id(run.x), id(run.y)}
+    out: list[int] = []
 
-
-def _saved_per_stage(stages: list[list[nn.Module]], x: torch.Tensor, y: torch.Tensor, loss_fn) -> list[int]:
-    # not activations: parameters, and the batch itself (it is the data, held anyway)
-    params = {id(t) for layers in stages for layer in layers for t in layer.parameters()} | {id(x), id(y)}
-    out, act = [], x
-    for s, layers in enumerate(stages):
+    @contextlib.contextmanager
+    def counting(s: int):
         seen: dict[int, torch.Tensor] = {}  # keeps what it counted alive, so no id is reused
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -244,14 +256,11 @@ def _saved_per_stage(stages: list[list[nn.Module]], x: torch.Tensor, y: torch.Te
                 seen[id(base)] = base
             return t
 
-        inp = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())  # as the engine does
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            act = inp
-            for layer in layers:
-                act = layer(act)
-            if s == len(stages) - 1:
-                loss_fn(act, y)
+            yield
         out.append(sum(t.numel() * t.element_size() for t in seen.values()))
+
+    run.forward(build_loss(cfg), counting)
     return out
 
 
@@ -265,7 +274,7 @@ def peak_in_schedule(actions, stage_of_chunk: list[int], stage_bytes: list[int])
     return peak
 
 
-def _boundary_bytes(cfg: Config, model: nn.Module, stage_layers: list[list[nn.Module]], rows: int) -> list[int]:
+def _boundary_bytes(cfg: Config, model: nn.Module, bounds: list[int], rows: int) -> list[int]:
     """Bytes of one microbatch's activation entering each stage, as the engine sends it (its dtype
     from the same meta-device pass the engine uses)."""
     from .data import build_dataset, load_batch
@@ -273,9 +282,6 @@ def _boundary_bytes(cfg: Config, model: nn.Module, stage_layers: list[list[nn.Mo
     from .parallel.pipeline import boundary_shape_fn, pipeline_layers
 
     meta = pipeline_layers(meta_copy(model))
-    bounds = [0]
-    for layers in stage_layers:
-        bounds.append(bounds[-1] + len(layers))
     x, _ = load_batch(build_dataset(cfg, "train"), torch.arange(rows))
     shapes = boundary_shape_fn([meta[a:b] for a, b in zip(bounds, bounds[1:])])(x)
     return [shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]
@@ -309,12 +315,7 @@ def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: di
 
     handles = [modules[name].register_forward_hook(record(style)) for name, style in tp_plan.items()]
     try:
-        with run.mode, run.autocast:
-            act = run.x
-            for s, layers in enumerate(run.stages):
-                act = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())
-                for layer in layers:
-                    act = layer(act)
+        run.forward()
     finally:
         for h in handles:
             h.remove()
@@ -384,7 +385,7 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
 
     slots = optimizer_slots(cfg)
     cut = bounds if p.pp > 1 else None
-    boundary = _boundary_bytes(cfg, model, stage_layers, rows) if p.pp > 1 else []
+    boundary = _boundary_bytes(cfg, model, bounds, rows) if p.pp > 1 else []
     activations = saved_activation_bytes(cfg, rows, cut) if p.tp == 1 else None
     tp_payloads = tp_all_reduces(cfg, rows, cut, tp_plan) if p.tp > 1 else [[] for _ in stage_layers]
     # without pp the engine plays one_f_one_b: each microbatch's forward, then its backward
