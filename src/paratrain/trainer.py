@@ -338,9 +338,4 @@ def forked_worker(*argv: str) -> None:
 
 
 if __name__ == "__main__":
-    code = run_worker()
-    # Everything is closed and flushed by now; skipping the interpreter's teardown of torch saves
-    # most of a second per worker, which every run and every test pays.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    runtime.leave(run_worker())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -198,6 +197,7 @@ def worker(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from .. import runtime
+
     worker()
-    sys.stdout.flush()
-    os._exit(0)
+    runtime.leave()

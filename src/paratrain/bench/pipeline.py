@@ -268,4 +268,7 @@ def report(results: list[dict], tp: dict, args, world: int) -> None:
 
 
 if __name__ == "__main__":
+    from .. import runtime
+
     worker()
+    runtime.leave()

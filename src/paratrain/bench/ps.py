@@ -231,4 +231,7 @@ def plot(curves: dict, args) -> None:
 
 
 if __name__ == "__main__":
+    from .. import runtime
+
     worker()
+    runtime.leave()

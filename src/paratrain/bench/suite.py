@@ -559,6 +559,9 @@ def agent(argv) -> int:
 
 
 if __name__ == "__main__":
+    from .. import runtime
+
     if sys.argv[1] == "agent":
         sys.exit(agent(sys.argv[2:]))
     worker(sys.argv[2:])
+    runtime.leave()

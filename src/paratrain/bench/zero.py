@@ -104,4 +104,7 @@ def worker(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from .. import runtime
+
     worker()
+    runtime.leave()
