@@ -9,6 +9,8 @@ import torch
 from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
+from paratrain.cli import main
+
 
 EQUIV = DIGITS_MLP + """
 [parallel]
@@ -90,6 +92,13 @@ def test_resume_at_another_world_size(tmp_path):
     check_ok(run_cli("run", str(cfg), "--nproc", "1", "--resume", str(tmp_path / "split" / "checkpoints" / "step-8"),
                      "--run-dir", str(tmp_path / "one")))
     assert max_rel_error(final_weights(tmp_path / "one"), final_weights(tmp_path / "straight")) <= 1e-4
+    # In place: the run directory keeps the first 8 steps' profile at world 2, and its report
+    # describes the world it ended at.
+    check_ok(run_cli("run", str(cfg), "--nproc", "1", "--resume", "auto", "--run-dir", str(tmp_path / "split")))
+    assert max_rel_error(final_weights(tmp_path / "split"), final_weights(tmp_path / "straight")) <= 1e-4
+    assert main(["report", str(tmp_path / "split")]) == 0
+    text = (tmp_path / "split" / "report" / "report.md").read_text()
+    assert "1 ranks, 16 steps" in text and "steps 9-16 ran at world size 1" in text
 
 
 def test_under_plain_torchrun_with_adamw_and_clipping(tmp_path):

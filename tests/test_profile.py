@@ -93,7 +93,8 @@ def test_report_writes_plots_and_summary(run_dir, capsys):
     for name in ("loss.png", "throughput.png", "breakdown.png", "timeline.png"):
         assert (out / name).stat().st_size > 10_000, name
     text = (out / "report.md").read_text()
-    assert "| rank | step |" in text and "all_reduce" in text and "val acc" in text
+    assert "| rank | steps | step |" in text and "all_reduce" in text and "val acc" in text
+    assert "| 0 | 11 |" in text and "| 1 | 11 |" in text  # 12 steps, less the first (warm-up)
 
 
 PIPELINE = (RUN.replace("torch_profiler = true", "").replace("tensorboard = true", "tensorboard = false")

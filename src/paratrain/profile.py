@@ -261,7 +261,8 @@ class Profiler:
                 if row[_SENT] >= 0:
                     entry["bytes_sent"] = int(row[_SENT])
                 ranks.append(entry)
-            self._profile_file.write(json.dumps({"step": int(all_rows[0][i, 0]), "ranks": ranks}) + "\n")
+            record = {"step": int(all_rows[0][i, 0]), "world": self.world, "ranks": ranks}
+            self._profile_file.write(json.dumps(record) + "\n")
         self._profile_file.flush()
 
     def _write_trace(self, all_spans: dict[int, torch.Tensor]) -> None:

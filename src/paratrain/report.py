@@ -52,18 +52,34 @@ def load_run(run_dir: Path) -> dict:
 
 
 # -- numbers --------------------------------------------------------------------------------------
+def latest_world(profile: list[dict]) -> list[dict]:
+    """The records of the world size the run ended at. A run resumed at another world size keeps
+    the records of the steps before its checkpoint, which describe other ranks; a parameter server
+    run whose worker left keeps its world size but lists fewer ranks."""
+    world = profile[-1].get("world", len(profile[-1]["ranks"]))
+    start = len(profile)
+    while start and profile[start - 1].get("world", len(profile[start - 1]["ranks"])) == world:
+        start -= 1
+    return profile[start:]
+
+
 def per_rank_breakdown(profile: list[dict]) -> list[dict]:
-    """Per rank: mean seconds per step by phase, and mean bytes per step (skipping step 1: warm-up)."""
-    records = [r for r in profile if r["step"] > profile[0]["step"]] or profile
+    """Per rank of the latest world size: mean seconds per step by phase, and mean bytes per step,
+    over the steps it took part in (skipping the first: warm-up)."""
+    records = latest_world(profile)
+    records = records[1:] or records
+    rows_of: dict[int, list[dict]] = {}
+    for record in records:
+        for row in record["ranks"]:
+            rows_of.setdefault(row["rank"], []).append(row)
     out = []
-    for rank in range(len(records[0]["ranks"])):
-        rows = [r["ranks"][rank] for r in records]
+    for rank, rows in sorted(rows_of.items()):
         phases = {p: statistics.fmean(row["phases"].get(p, 0.0) for row in rows) for p in PHASE_ORDER}
         ops = sorted({op for row in rows for op in row["comm"]})
         comm = {op: {k: statistics.fmean(row["comm"].get(op, {}).get(k, 0) for row in rows)
                      for k in ("payload", "min_sent")} for op in ops}
-        entry = {"rank": rank, "step_s": statistics.fmean(row["step_s"] for row in rows), "phases": phases,
-                 "comm": comm, "bytes_min": statistics.fmean(row["bytes_min"] for row in rows)}
+        entry = {"rank": rank, "steps": len(rows), "step_s": statistics.fmean(row["step_s"] for row in rows),
+                 "phases": phases, "comm": comm, "bytes_min": statistics.fmean(row["bytes_min"] for row in rows)}
         if all("bytes_sent" in row for row in rows):
             entry["bytes_sent"] = statistics.fmean(row["bytes_sent"] for row in rows)
         out.append(entry)
@@ -186,6 +202,15 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.3f}"
 
 
+def _resumed_note(profile: list[dict]) -> list[str]:
+    kept = latest_world(profile) if profile else []
+    if len(kept) == len(profile):
+        return []
+    return ["", f"Resumed at another world size: steps {kept[0]['step']}-{kept[-1]['step']} ran at world size "
+                f"{kept[-1].get('world', len(kept[-1]['ranks']))}; the per-rank tables and the breakdown plot leave out the "
+                f"{len(profile) - len(kept)} steps before."]
+
+
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     run = load_run(run_dir)
     out = Path(out_dir or Path(run_dir) / "report")
@@ -195,6 +220,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     par = cfg.get("parallel", {})
     images = [plot_loss(metrics, name, out / "loss.png"), plot_throughput(metrics, name, out / "throughput.png")]
     ranks = per_rank_breakdown(profile) if profile else []
+    world = profile[-1].get("world", len(ranks)) if profile else None
     if ranks:
         images.append(plot_breakdown(ranks, name, out / "breakdown.png"))
     timeline = plot_timeline(run["trace"], par.get("pp", 1), name, out / "timeline.png")
@@ -205,8 +231,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     lines = [f"# Run report: {name}", "",
              f"Run directory `{run['dir']}`: strategy `{par.get('strategy', 'dp')}`, "
              f"compression `{par.get('compression', 'none')}`, "
-             f"{len(ranks) or '?'} ranks, {last['step']} steps, global batch {cfg.get('data', {}).get('batch_size')}.",
-             "", "| final | value |", "|---|---:|", f"| training loss | {last.get('loss', float('nan')):.4f} |"]
+             f"{world or '?'} ranks, {last['step']} steps, global batch {cfg.get('data', {}).get('batch_size')}.",
+             *_resumed_note(profile), "", "| final | value |", "|---|---:|", f"| training loss | {last.get('loss', float('nan')):.4f} |"]
     for key in ("val_loss", "val_acc"):
         vals = [m[key] for m in metrics if key in m]
         if vals:
@@ -214,11 +240,11 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     sps = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     lines += [f"| median samples/s | {statistics.median(sps):,.1f} |", ""]
     if ranks:
-        lines += ["## Time per step by rank (ms, mean over steps after the first)", "",
-                  "| rank | step | " + " | ".join(PHASE_ORDER) + " |",
-                  "|---:|---:|" + "---:|" * len(PHASE_ORDER)]
+        lines += ["## Time per step by rank (ms, mean over the steps it took part in, after the first)", "",
+                  "| rank | steps | step | " + " | ".join(PHASE_ORDER) + " |",
+                  "|---:|---:|---:|" + "---:|" * len(PHASE_ORDER)]
         for r in ranks:
-            lines.append(f"| {r['rank']} | {r['step_s'] * 1e3:.2f} | "
+            lines.append(f"| {r['rank']} | {r['steps']} | {r['step_s'] * 1e3:.2f} | "
                          + " | ".join(f"{r['phases'][p] * 1e3:.2f}" for p in PHASE_ORDER) + " |")
         comm_share = statistics.fmean(r["phases"]["comm"] / r["step_s"] for r in ranks if r["step_s"] > 0)
         lines += ["", f"Exposed communication (time blocked on collectives): {comm_share:.1%} of a step.", "",
