@@ -53,6 +53,37 @@ def test_bad_config_exits_2_naming_the_key(tmp_path, capsys, override, key):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("override, key", [
+    ("model.hidden=0", "model.hidden"),             # built-in factories check their arguments
+    ("model.n_layers=-1", "model.n_layers"),
+    ("model.in_features=10", "model.in_features"),  # the digits have 64
+    ("model.out_features=5", "model.out_features"),  # ... and 10 classes
+    ("model.factory='cnn'\nmodel.channels=0", "model.channels"),
+    ("data.val_fraction=1.2", "data.val_fraction"),
+    ("data.val_fraction=-0.1", "data.val_fraction"),
+])
+def test_bad_builtin_arguments_exit_2_naming_the_key(tmp_path, capsys, override, key):
+    sets = [a for o in override.split("\n") for a in ("--set", o)]
+    cfg = write_config(tmp_path / "c.toml", DIGITS)
+    code, err = run_main(capsys, "run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *sets)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.n_head=3", "model.n_head"),             # 128 wide
+    ("model.d_model=0", "model.d_model"),
+    ("model.block_size=16", "model.block_size"),    # shorter than the data's blocks of 64
+    ("model.vocab_size=10", "model.vocab_size"),    # fewer symbols than the corpus has
+    ("data.block_size=0", "data.block_size"),
+    ("data.max_chars=0", "data.max_chars"),
+    ("data.val_fraction=1", "data.val_fraction"),
+    ("data.path='/nonexistent/text.txt'", "data.path"),
+])
+def test_bad_default_job_arguments_exit_2_naming_the_key(tmp_path, capsys, override, key):
+    code, err = run_main(capsys, "run", "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
+
+
 def test_bad_toml_and_missing_file(tmp_path, capsys):
     bad = write_config(tmp_path / "bad.toml", "name = [unclosed")
     code, err = run_main(capsys, "run", str(bad))

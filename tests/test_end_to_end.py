@@ -55,3 +55,10 @@ def test_corpus_from_an_fsspec_url(tmp_path):
     assert ds.vocab_size == 4 and len(ds) == (900 * 9 // 10 - 1) // 8
     x, y = ds[0]
     assert x.shape == (8,) and (x[1:] == y[:-1]).all()
+
+
+def test_val_fraction_zero_trains_on_every_sample_without_validation():
+    from paratrain.data.datasets import corpus, digits
+
+    assert len(digits("train", val_fraction=0.0)) == 1797 and len(digits("val", val_fraction=0.0)) == 0
+    assert len(corpus("val", val_fraction=0.0)) == 0  # the trainer skips evaluating an empty split

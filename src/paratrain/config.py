@@ -23,6 +23,20 @@ class ConfigError(ValueError):
         self.why = why
 
 
+class ArgumentError(ValueError):
+    """A built-in factory's argument out of range: `arg` is its name, which the caller puts under
+    the config section it came from (model.n_head, data.block_size)."""
+
+    def __init__(self, arg: str, why: str):
+        super().__init__(why)
+        self.arg = arg
+
+
+def require(ok: bool, arg: str, why: str) -> None:
+    if not ok:
+        raise ArgumentError(arg, why)
+
+
 def opt(default, choices: tuple | None = None, check=None, doc: str = ""):
     """A config field with allowed `choices` or a `check(value) -> error or None`."""
     if isinstance(default, (dict, list)):

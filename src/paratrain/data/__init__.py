@@ -6,7 +6,7 @@ import inspect
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from ..config import Config, ConfigError
+from ..config import ArgumentError, Config, ConfigError
 from ..resolve import check_kwargs, resolve_callable
 from .datasets import BUILTIN
 from .sampler import GlobalBatchSampler
@@ -27,7 +27,9 @@ def build_dataset(cfg: Config, split: str = "train") -> Dataset | None:
         return None
     try:
         ds = fn(**kwargs)
-    except TypeError as exc:
+    except ArgumentError as exc:
+        raise ConfigError(f"data.{exc.arg}", str(exc)) from None
+    except (TypeError, ValueError, OSError) as exc:
         raise ConfigError("data.factory", f"{name} failed: {exc}") from None
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
         raise ConfigError("data.factory", f"{name} returned {type(ds).__name__}, not a map-style Dataset")

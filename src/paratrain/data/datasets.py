@@ -7,6 +7,7 @@ themselves from the data.
 from __future__ import annotations
 
 import functools
+import math
 import sysconfig
 from pathlib import Path
 
@@ -14,17 +15,20 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from ..config import ArgumentError, require
+
 
 class ArrayDataset(TensorDataset):
     """A TensorDataset that also says what a model needs to know about it."""
 
     def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, num_classes: int | None = None):
         super().__init__(inputs, targets)
-        self.in_features = int(inputs[0].numel())
+        self.in_features = math.prod(inputs.shape[1:])  # also for an empty split
         self.num_classes = num_classes
 
 
 def _split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    require(0 <= val_fraction < 1, "val_fraction", f"must be in [0, 1) (0: no validation), got {val_fraction}")
     order = np.random.default_rng(seed).permutation(n)
     n_val = int(round(n * val_fraction))
     return np.sort(order[n_val:]), np.sort(order[:n_val])
@@ -61,6 +65,10 @@ def digits(split: str = "train", val_fraction: float = 0.2, split_seed: int = 0)
 def synthetic(split: str = "train", n_samples: int = 2048, in_features: int = 32,
               num_classes: int = 10, seed: int = 1234, task: str = "classification") -> ArrayDataset:
     """Inputs from N(0, 1) labelled by a fixed random linear teacher (classification or regression)."""
+    require(n_samples >= 1, "n_samples", f"must be >= 1, got {n_samples}")
+    require(in_features >= 1, "in_features", f"must be >= 1, got {in_features}")
+    require(num_classes >= 1, "num_classes", f"must be >= 1, got {num_classes}")
+    require(task in ("classification", "regression"), "task", f"must be classification or regression, got {task!r}")
     g = torch.Generator().manual_seed(seed + (0 if split == "train" else 1))
     teacher = torch.randn(in_features, num_classes, generator=torch.Generator().manual_seed(seed))
     x = torch.randn(n_samples if split == "train" else max(n_samples // 4, 1), in_features, generator=g)
@@ -99,7 +107,7 @@ class CharCorpus(Dataset):
         self.vocab_size = len(vocab)
 
     def __len__(self) -> int:
-        return (len(self.tokens) - 1) // self.block_size
+        return max(len(self.tokens) - 1, 0) // self.block_size
 
     def __getitem__(self, i: int):
         start = i * self.block_size
@@ -118,7 +126,13 @@ def read_text(url: str, max_chars: int) -> str:
 def corpus(split: str = "train", block_size: int = 64, max_chars: int = 2_000_000,
            val_fraction: float = 0.1, path: str | None = None) -> CharCorpus:
     """Character-level corpus: the standard library's own source text, or the text at `path`."""
-    vocab, tokens = _encoded(path, max_chars)
+    require(block_size >= 1, "block_size", f"must be >= 1, got {block_size}")
+    require(max_chars >= 1, "max_chars", f"must be >= 1, got {max_chars}")
+    require(0 <= val_fraction < 1, "val_fraction", f"must be in [0, 1) (0: no validation), got {val_fraction}")
+    try:
+        vocab, tokens = _encoded(path, max_chars)
+    except OSError as exc:
+        raise ArgumentError("path", f"cannot read {path}: {exc.strerror or exc}") from None
     n_train = int(len(tokens) * (1 - val_fraction))
     part = tokens[:n_train] if split == "train" else tokens[n_train:]
     return CharCorpus(part, block_size, list(vocab))

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import inspect
+import operator
 
 from torch import nn
 
-from ..config import Config, ConfigError
+from ..config import ArgumentError, Config, ConfigError
 from ..resolve import check_kwargs, resolve_callable
 from .cnn import cnn
 from .gpt import gpt
@@ -13,8 +14,12 @@ from .mlp import mlp
 
 BUILTIN = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
 
-# Built-in factory arguments taken from the dataset when the config does not give them.
-_FROM_DATASET = {"in_features": "in_features", "out_features": "num_classes", "vocab_size": "vocab_size"}
+# Built-in factory arguments taken from the dataset when the config does not give them, and how a
+# value the config gives must compare with the data's: (the dataset's attribute, the test, the rule).
+_FROM_DATASET = {"in_features": ("in_features", operator.eq, "the data's inputs have {} features"),
+                 "out_features": ("num_classes", operator.ge, "the data has {} classes"),
+                 "vocab_size": ("vocab_size", operator.ge, "the data has {} symbols"),
+                 "block_size": ("block_size", operator.ge, "the data's blocks are {} long")}
 
 
 def model_kwargs(cfg: Config, dataset) -> dict:
@@ -22,11 +27,14 @@ def model_kwargs(cfg: Config, dataset) -> dict:
     fn = BUILTIN.get(cfg.model.factory)
     if fn is not None:
         params = inspect.signature(fn).parameters
-        for arg, attr in _FROM_DATASET.items():
-            if arg in params and arg not in kwargs and getattr(dataset, attr, None) is not None:
-                kwargs[arg] = getattr(dataset, attr)
-        if cfg.model.factory == "gpt" and "block_size" not in kwargs and hasattr(dataset, "block_size"):
-            kwargs["block_size"] = dataset.block_size
+        for arg, (attr, fits, what) in _FROM_DATASET.items():
+            data = getattr(dataset, attr, None)
+            if arg not in params or data is None:
+                continue
+            if arg not in kwargs:
+                kwargs[arg] = data
+            elif isinstance(kwargs[arg], int) and not fits(kwargs[arg], data):
+                raise ConfigError(f"model.{arg}", f"{kwargs[arg]}, but {what.format(data)} ({cfg.data.factory})")
     return kwargs
 
 
@@ -38,6 +46,8 @@ def build_model(cfg: Config, dataset) -> nn.Module:
     kwargs = model_kwargs(cfg, dataset)
     try:
         model = fn(**kwargs)
+    except ArgumentError as exc:
+        raise ConfigError(f"model.{exc.arg}", str(exc)) from None
     except (TypeError, ValueError) as exc:
         raise ConfigError("model.factory", f"{name} failed: {exc}") from None
     if not isinstance(model, nn.Module):

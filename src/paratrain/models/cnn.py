@@ -1,11 +1,15 @@
 """A small convolutional net for 8x8 single-channel images given as flat 64-vectors (digits)."""
 from torch import nn
 
+from ..config import require
+
 
 def cnn(in_features: int = 64, channels: int = 32, hidden: int = 128, out_features: int = 10) -> nn.Sequential:
-    side = int(round(in_features ** 0.5))
-    if side * side != in_features or side % 2:
-        raise ValueError(f"cnn expects square images of even side, got {in_features} features")
+    for arg, value in (("channels", channels), ("hidden", hidden), ("out_features", out_features)):
+        require(value >= 1, arg, f"must be >= 1, got {value}")
+    side = int(round(max(in_features, 0) ** 0.5))
+    require(side * side == in_features and side and side % 2 == 0, "in_features",
+            f"cnn expects square images of even side, got {in_features} features")
     return nn.Sequential(
         nn.Unflatten(1, (1, side, side)),
         nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(),

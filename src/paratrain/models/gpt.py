@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import require
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, block_size: int):
@@ -80,8 +82,11 @@ class GPT(nn.Module):
     def __init__(self, vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128,
                  block_size: int = 64):
         super().__init__()
-        if d_model % n_head:
-            raise ValueError(f"d_model {d_model} is not divisible by n_head {n_head}")
+        for arg, value in (("vocab_size", vocab_size), ("n_head", n_head), ("d_model", d_model),
+                           ("block_size", block_size)):
+            require(value >= 1, arg, f"must be >= 1, got {value}")
+        require(n_layer >= 0, "n_layer", f"must be >= 0, got {n_layer}")
+        require(d_model % n_head == 0, "n_head", f"d_model {d_model} is not divisible by n_head {n_head}")
         self.block_size = block_size
         self.embed = Embedding(vocab_size, d_model, block_size)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
