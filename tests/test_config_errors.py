@@ -84,6 +84,19 @@ def test_bad_default_job_arguments_exit_2_naming_the_key(tmp_path, capsys, overr
     assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
 
 
+@pytest.mark.parametrize("options, key", [
+    (["--nnodes", "2"], "--rdzv"),                  # the nodes would never find each other
+    (["--nnodes", "2", "--rdzv", "node0"], "--rdzv"),
+    (["--nnodes", "2", "--rdzv", "node0:70000"], "--rdzv"),
+    (["--nnodes", "2", "--rdzv", "node0:29400", "--node-rank", "2"], "--node-rank"),
+    (["--max-restarts", "-1"], "--max-restarts"),
+])
+def test_bad_launch_options_exit_2_naming_the_option(tmp_path, capsys, options, key):
+    cfg = write_config(tmp_path / "c.toml", DIGITS)
+    code, err = run_main(capsys, "run", str(cfg), "--run-dir", str(tmp_path / "r"), *options)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
+
+
 def test_bad_toml_and_missing_file(tmp_path, capsys):
     bad = write_config(tmp_path / "bad.toml", "name = [unclosed")
     code, err = run_main(capsys, "run", str(bad))

@@ -106,10 +106,25 @@ def place(cfg: config_mod.Config, args) -> tuple[int, str | None]:
     return nproc, device_note
 
 
+def check_launch(args) -> None:
+    """The multi-node options, which no config check sees."""
+    if args.nnodes > 1 and args.rdzv is None:
+        raise ConfigError("--rdzv", f"required with --nnodes {args.nnodes}: HOST:PORT of node 0, where the nodes meet")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError("--node-rank", f"must be in [0, {args.nnodes}) for --nnodes {args.nnodes}, got {args.node_rank}")
+    if args.rdzv is not None:
+        host, _, port = args.rdzv.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError("--rdzv", f"expected HOST:PORT, got {args.rdzv!r}")
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
+
+
 def cmd_run(args) -> int:
     from .launch import WorkerFailure, launch, start_worker_server
 
     try:
+        check_launch(args)
         cfg = load_config(args)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc, device_note = place(cfg, args)
@@ -120,6 +135,9 @@ def cmd_run(args) -> int:
         return _error(str(exc), 2)
     if device_note:  # after the checks, so that a bad config still gets its one line
         print(f"paratrain: {device_note}", file=sys.stderr)
+    if args.nnodes > 1:  # the rendezvous waits for every node, silently
+        print(f"paratrain: node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}",
+              file=sys.stderr, flush=True)
     worker_args = [str(run_dir / "config.toml"), "--run-dir", str(run_dir),
                    "--resume", str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume]
     try:
