@@ -191,6 +191,21 @@ def test_inspect_lists_and_verifies(tmp_path, straight, capsys):
     captured = capsys.readouterr()
     assert "CORRUPT" in captured.out and "rank-00001" in captured.out
     assert main(["inspect", str(tmp_path)]) == 2
+    capsys.readouterr()
+    # the final export, and a whole run directory: a line for each checkpoint and the export
+    assert main(["inspect", str(run / "final")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("final export") and "model.safetensors" in out and "all checksums ok" in out
+    assert main(["inspect", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[1:]] == [
+        f"checkpoints/{p.name}" for p in sorted((run / "checkpoints").iterdir(), key=lambda p: int(p.name[5:]))
+    ] + ["final"] and all(line.endswith("| ok") for line in lines[1:])
+    shutil.copytree(run, tmp_path / "run")
+    shutil.copy(broken / "rank-00001.safetensors", tmp_path / "run" / "checkpoints" / "step-6")
+    assert main(["inspect", str(tmp_path / "run")]) == 2
+    out = capsys.readouterr().out
+    assert "checkpoints/step-6" in out and "INVALID" in out and "sha256" in out
 
 
 def test_resume_with_another_strategy_exits_2(tmp_path, straight, capsys):

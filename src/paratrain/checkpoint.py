@@ -26,6 +26,7 @@ from . import collectives, faults
 from .config import ConfigError
 
 FORMAT = "paratrain-checkpoint/1"
+FINAL_FORMAT = "paratrain-final/1"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -155,33 +156,44 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
 
 
 # -- reading --------------------------------------------------------------------------------------
+def read_manifest(path: Path, formats: tuple[str, ...] = (FORMAT,)) -> dict:
+    """The manifest of a checkpoint (or, among `formats`, of a final export) directory."""
+    manifest_path = Path(path) / "manifest.json"
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{path}: no manifest.json (not a checkpoint, or an unfinished save)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{manifest_path}: unreadable manifest: {exc}") from None
+    if manifest.get("format") not in formats:
+        raise CheckpointError(f"{manifest_path}: unknown format {manifest.get('format')!r}")
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict) -> None:
+    """Every file the manifest lists is there, with its size and sha256."""
+    for name, entry in manifest["files"].items():
+        file = Path(path) / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing")
+        if file.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, manifest says {entry['bytes']}")
+        if sha256_file(file) != entry["sha256"]:
+            raise CheckpointError(f"{file}: sha256 does not match the manifest")
+
+
 class CheckpointReader:
     """A checkpoint directory: its manifest, checksum verification, and each rank's shard."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        manifest_path = self.path / "manifest.json"
-        if not manifest_path.is_file():
-            raise CheckpointError(f"{self.path}: no manifest.json (not a checkpoint, or an unfinished save)")
-        try:
-            self.manifest = json.loads(manifest_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{manifest_path}: unreadable manifest: {exc}") from None
-        if self.manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{manifest_path}: unknown format {self.manifest.get('format')!r}")
+        self.manifest = read_manifest(self.path)
         self.step = int(self.manifest["step"])
         self.world_size = int(self.manifest["world_size"])
         self.strategy = self.manifest["strategy"]
 
     def verify(self) -> None:
-        for name, entry in self.manifest["files"].items():
-            path = self.path / name
-            if not path.is_file():
-                raise CheckpointError(f"{path}: missing")
-            if path.stat().st_size != entry["bytes"]:
-                raise CheckpointError(f"{path}: {path.stat().st_size} bytes, manifest says {entry['bytes']}")
-            if sha256_file(path) != entry["sha256"]:
-                raise CheckpointError(f"{path}: sha256 does not match the manifest")
+        verify_files(self.path, self.manifest)
 
     def load(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
         name = rank_file(rank)
@@ -267,7 +279,7 @@ def export_final(run_dir: Path, state: dict[str, torch.Tensor], *, step: int, co
     tmp.mkdir(parents=True)
     data = st_save(_unshared(state), metadata={"format": "pt"})
     write_bytes_durably(tmp / "model.safetensors", data)
-    manifest = {"format": "paratrain-final/1", "step": step, "config": config,
+    manifest = {"format": FINAL_FORMAT, "step": step, "config": config,
                 "files": {"model.safetensors": {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}},
                 "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
                             for k, v in state.items()},

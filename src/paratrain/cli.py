@@ -219,7 +219,8 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="what a checkpoint holds (step, world size, strategy, tensors, bytes); "
                                        "verifies its checksums (exit 2 if one fails)")
-    i.add_argument("checkpoint", help="a checkpoint directory, e.g. RUN_DIR/checkpoints/step-100")
+    i.add_argument("checkpoint", help="a checkpoint directory (RUN_DIR/checkpoints/step-100), a final export "
+                                      "(RUN_DIR/final), or a run directory: a line for each of its checkpoints")
     i.add_argument("--tensors", action="store_true", help="also list every tensor with dtype, shape and bytes")
     i.set_defaults(func=cmd_inspect)
     rep = sub.add_parser("report", help="plots and a markdown summary of a run directory")
@@ -247,8 +248,11 @@ def main(argv=None) -> int:
 def console_main() -> None:
     """The `paratrain` command: main(), then out without the interpreter's teardown of torch
     (half a second), since all the command opened is closed and flushed by the time main returns."""
-    code = main()
-    sys.stdout.flush()
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # its reader left early (`paratrain inspect ... | head`): no traceback
+        code = 0
     sys.stderr.flush()
     os._exit(code or 0)
 

@@ -1,8 +1,9 @@
-"""`paratrain inspect CHECKPOINT`: what a checkpoint holds, and whether its files match their checksums.
+"""`paratrain inspect PATH`: what a checkpoint or final export holds, and whether its files match
+their checksums; given a run directory, every checkpoint and the final export of it, a line each.
 
 Reads only the manifest and the safetensors headers (no tensor is loaded), hashes every file, and
 prints step, world size, strategy, per-file tensor counts and bytes, and the tensors grouped by kind.
-Exit 0 when every checksum holds, 2 when the directory is not a checkpoint or a file is missing or
+Exit 0 when every checksum holds, 2 when the directory is none of these or a file is missing or
 corrupt.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from .checkpoint import CheckpointError, CheckpointReader, sha256_file
+from .checkpoint import (FINAL_FORMAT, FORMAT, CheckpointError, list_checkpoints, read_manifest, sha256_file,
+                         verify_files)
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
@@ -39,22 +41,27 @@ def kind(name: str) -> str:
 
 
 def inspect(path: str | Path, show_tensors: bool = False, out=sys.stdout) -> int:
+    path = Path(path)
+    if not (path / "manifest.json").exists() and ((path / "checkpoints").is_dir() or (path / "final").is_dir()):
+        return inspect_run(path, out)
     try:
-        reader = CheckpointReader(path)
+        m = read_manifest(path, (FORMAT, FINAL_FORMAT))
     except CheckpointError as exc:
         print(f"paratrain: error: {exc}", file=sys.stderr)
         return 2
-    m = reader.manifest
+    final = m["format"] == FINAL_FORMAT
+    group = (lambda name: "model") if final else kind  # a final export holds the model alone
     saved = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m["time"])) if "time" in m else "?"
-    print(f"checkpoint {reader.path}", file=out)
-    print(f"step {reader.step} | world size {reader.world_size} | strategy {reader.strategy} | saved {saved}", file=out)
+    print(f"{'final export' if final else 'checkpoint'} {path}", file=out)
+    print(f"step {m['step']} | world size {m.get('world_size', '?')} | strategy {m.get('strategy', '?')} | "
+          + (f"{m['parameters']:,} parameters" if final and "parameters" in m else f"saved {saved}"), file=out)
     print(f"{'file':<26}{'tensors':>8}{'bytes':>14}  sha256", file=out)
     bad, total_tensors, total_bytes = 0, 0, 0
     kinds: Counter = Counter()
     kind_bytes: Counter = Counter()
     listing = []
     for name, entry in sorted(m["files"].items()):
-        file = reader.path / name
+        file = path / name
         if not file.is_file():
             print(f"{name:<26}{'-':>8}{'-':>14}  MISSING", file=out)
             bad += 1
@@ -70,8 +77,8 @@ def inspect(path: str | Path, show_tensors: bool = False, out=sys.stdout) -> int
         total_tensors += len(headers)
         total_bytes += file.stat().st_size
         for tname, dtype, shape, nbytes in headers:
-            kinds[kind(tname)] += 1
-            kind_bytes[kind(tname)] += nbytes
+            kinds[group(tname)] += 1
+            kind_bytes[group(tname)] += nbytes
             listing.append((name, tname, dtype, shape, nbytes))
         status = "ok" if ok else "CORRUPT (does not match the manifest)"
         print(f"{name:<26}{len(headers):>8}{file.stat().st_size:>14,}  {status}", file=out)
@@ -82,6 +89,30 @@ def inspect(path: str | Path, show_tensors: bool = False, out=sys.stdout) -> int
         for file, tname, dtype, shape, nbytes in listing:
             print(f"  {file}  {tname}  {dtype}{list(shape)}  {nbytes:,} B", file=out)
     if bad:
-        print(f"paratrain: error: {reader.path}: {bad} file(s) missing or corrupt", file=sys.stderr)
+        print(f"paratrain: error: {path}: {bad} file(s) missing or corrupt", file=sys.stderr)
+        return 2
+    return 0
+
+
+def inspect_run(run_dir: Path, out=sys.stdout) -> int:
+    """A line for each checkpoint of a run directory and its final export: what, and whether valid."""
+    entries = [(f"checkpoints/{p.name}", p) for _, p in list_checkpoints(run_dir / "checkpoints")]
+    if (run_dir / "final").is_dir():
+        entries.append(("final", run_dir / "final"))
+    print(f"run directory {run_dir}", file=out)
+    bad = 0
+    for label, entry in entries:
+        try:
+            m = read_manifest(entry, (FORMAT, FINAL_FORMAT))
+            verify_files(entry, m)
+            status = f"step {m['step']} | world size {m['world_size']} | strategy {m['strategy']} | ok"
+        except (CheckpointError, KeyError) as exc:
+            status, bad = f"INVALID: {exc}", bad + 1
+        print(f"{label:<26}{status}", file=out)
+    if not entries:
+        print(f"paratrain: error: {run_dir}: no checkpoint and no final export", file=sys.stderr)
+        return 2
+    if bad:
+        print(f"paratrain: error: {run_dir}: {bad} of {len(entries)} invalid", file=sys.stderr)
         return 2
     return 0
