@@ -1,10 +1,14 @@
 """Fault tolerance: killed workers, hung collectives, non-finite steps, corrupt and half-written checkpoints."""
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
+from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.bench.recovery import run_and_kill
@@ -125,3 +129,32 @@ def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path):
     proc = run_cli("run", str(cfg), "--resume", "auto", "--set", "parallel.strategy='zero2'",
                    "--run-dir", str(tmp_path / "straight"))
     assert proc.returncode == 2 and "strategy 'dp'" in proc.stderr, proc.stderr[-500:]
+
+
+def test_ctrl_c_stops_every_process_at_once(tmp_path):
+    """Ctrl-C reaches the terminal's whole process group: the launcher says what happened (exit 130,
+    one line, the checkpoint to go on from) and the workers stop with it, not when the elastic
+    agent gives up on them 30 s later (they ignored SIGINT, inherited from the fork server)."""
+    cfg = write_config(tmp_path / "c.toml", BASE.replace("steps = 16", "steps = 1000000"))
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--run-dir", str(tmp_path / "run")],
+                            env={**os.environ, **CPU_ONLY}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run" / "checkpoints" / "step-8" / "manifest.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert time.monotonic() - t0 < 15, "the workers outlived Ctrl-C"
+    last = err.strip().splitlines()[-1]
+    assert "stopped by SIGINT" in last and "--resume auto" in last and "Traceback" not in err, err
+    for _ in range(100):  # the fork server leaves once the launcher is gone
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("processes of the run outlived it")

@@ -121,7 +121,7 @@ def check_launch(args) -> None:
 
 
 def cmd_run(args) -> int:
-    from .launch import WorkerFailure, launch, start_worker_server
+    from .launch import Interrupted, WorkerFailure, launch, start_worker_server
 
     try:
         check_launch(args)
@@ -145,11 +145,23 @@ def cmd_run(args) -> int:
 
         launch(forked_worker, worker_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                rdzv=args.rdzv, max_restarts=args.max_restarts, run_id=cfg.name)
+    except Interrupted as exc:
+        return _error(f"stopped by {exc}; the workers were stopped. {newest_checkpoint_note(run_dir)}",
+                      128 + exc.signum)
     except WorkerFailure as exc:
         if exc.own_exitcodes == {2}:
             return 2  # the worker printed which key was wrong
         return _error(f"training failed: {exc} [rank {exc.rank} was a {config_mod.role_of(cfg, exc.rank)}]", 1)
     return 0
+
+
+def newest_checkpoint_note(run_dir: Path) -> str:
+    from .checkpoint import list_checkpoints
+
+    found = list_checkpoints(run_dir / "checkpoints")
+    if not found:
+        return "No checkpoint was written (checkpoint.every sets how often)."
+    return f"The newest checkpoint is {found[-1][1]}: go on from it with --resume auto."
 
 
 def cmd_plan(args) -> int:

@@ -18,6 +18,7 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -32,6 +33,14 @@ class WorkerFailure(Exception):
 
     def __str__(self) -> str:
         return f"rank {self.rank} failed (exit code {self.exitcode}): {self.cause}"
+
+
+class Interrupted(Exception):
+    """The launcher got a stop signal (Ctrl-C: SIGINT; SIGTERM, SIGHUP); its workers were stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def default_nproc(device: str) -> int:
@@ -66,8 +75,12 @@ def prepare_forked_worker(name: str) -> None:
 
     The server imported torch before this run's OMP_NUM_THREADS reached it, so the thread count is
     set from the worker's own environment; output is line-buffered; and the process is named
-    (`ps`, `top`) after its rank, since every forked worker shares the server's command line."""
+    (`ps`, `top`) after its rank, since every forked worker shares the server's command line.
+    Ctrl-C stops it again: multiprocessing's fork server ignores SIGINT, and its children inherit
+    that, so they trained on until the agent's SIGKILL 30 s later."""
     import torch
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
@@ -89,6 +102,7 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
 
     target: a module-level function, called in workers forked from the worker server (where the
     platform has one, else spawned), or a module name, run as `python -u -m target *args`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -115,6 +129,10 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
             elastic_launch(config, target)(*args)
         else:
             elastic_launch(config, sys.executable)("-u", "-m", target, *args)
+    except SignalException as exc:  # the agent has stopped the workers already
+        raise Interrupted(exc.sigval) from None
+    except KeyboardInterrupt:  # before the agent took the signals over (at the rendezvous)
+        raise Interrupted(signal.SIGINT) from None
     except ChildFailedError as exc:
         # The agent stops the other workers once one fails: blame a worker that failed by itself
         # (an exit code > 0, with an error report), the earliest one, not one it terminated.

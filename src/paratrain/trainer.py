@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -321,6 +322,8 @@ def run_worker(argv: list[str] | None = None) -> int:
     """main(), with the exit code an expendable rank's guard expects when the run itself failed."""
     try:
         return main(argv)
+    except KeyboardInterrupt:  # Ctrl-C (or the agent passing it on): `paratrain run` says what happened
+        return 128 + signal.SIGINT
     except guard.FailsRun:  # an expendable rank whose failure must fail the run: tell its guard
         traceback.print_exc()
         return guard.FAILS_RUN_EXIT if guard.is_guarded_child() else 1
