@@ -158,3 +158,29 @@ def test_ctrl_c_stops_every_process_at_once(tmp_path):
         time.sleep(0.05)
     else:
         pytest.fail("processes of the run outlived it")
+
+
+def test_the_worker_blamed_is_the_one_whose_error_is_its_own(tmp_path):
+    """Ranks whose peer died fail too, in the same second: the one to name is the rank whose error
+    is not a lost connection, whatever its rank number; a rank the agent stopped is never named."""
+    import json
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from paratrain.launch import blame
+
+    def failed(rank, exitcode, message, timestamp=100):
+        path = tmp_path / f"error-{rank}.json"
+        path.write_text(json.dumps({"message": {"message": message, "extraInfo": {"timestamp": str(timestamp)}}}))
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
+
+    gone = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
+    failures = {0: failed(0, 1, gone), 1: failed(1, 1, gone), 3: failed(3, 1, "RuntimeError: stack expects a "
+                                                                          "non-empty TensorList"), 2: failed(2, -15, "")}
+    culprit = blame(failures)
+    assert (culprit.rank, culprit.cause) == (3, "RuntimeError: stack expects a non-empty TensorList")
+    assert culprit.own_exitcodes == {1}
+    failures[3] = failed(3, 1, "RuntimeError: stack expects a non-empty TensorList", timestamp=101)
+    assert blame(failures).rank == 3  # a lost connection is a consequence, even when reported first
+    del failures[3]
+    assert blame(failures).rank == 0  # only consequences: the earliest, then the lowest rank

@@ -121,6 +121,35 @@ def test_interleaved_in_nccl_message_order(tmp_path, gpt_reference):
     check_equal(tmp_path, "untagged", gpt_reference)
 
 
+FOUR_LAYERS = """
+from torch import nn
+
+
+def build():
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 10))
+"""
+
+
+def test_a_stage_without_parameters(tmp_path):
+    """Interleaved pp = 2 cuts these four layers into four stages of one: the ReLU's stage has no
+    parameters, so no gradient to average and a norm of zero (it crashed the step), and the run
+    still equals one process."""
+    import runpy
+
+    from paratrain.data.datasets import digits
+
+    (tmp_path / "fourlayers.py").write_text(FOUR_LAYERS)
+    cfg = write_config(tmp_path / "c.toml", DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "fourlayers:build"')
+                       + "clip_grad_norm = 0.5\n[parallel]\nstrategy = 'pp'\npp = 2\nschedule = 'interleaved'\n")
+    proc = check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
+    assert "layers 1-1" in proc.stdout, proc.stdout  # the ReLU, alone
+    torch.manual_seed(0)
+    x, y = digits("train").tensors
+    ref = train_reference(runpy.run_path(str(tmp_path / "fourlayers.py"))["build"](), x, y, steps=20, batch_size=24,
+                          lr=0.1, clip=0.5)
+    assert rel_error(final_weights(tmp_path / "run"), ref) <= 1e-4
+
+
 MLP = DIGITS_MLP + """clip_grad_norm = 0.5
 [parallel]
 strategy = "tp"

@@ -18,6 +18,7 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -134,16 +135,38 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
     except KeyboardInterrupt:  # before the agent took the signals over (at the rendezvous)
         raise Interrupted(signal.SIGINT) from None
     except ChildFailedError as exc:
-        # The agent stops the other workers once one fails: blame a worker that failed by itself
-        # (an exit code > 0, with an error report), the earliest one, not one it terminated.
-        own = [(f.timestamp, r, f) for r, f in exc.failures.items() if f.exitcode > 0]
-        _, rank, failure = min(own, key=lambda t: (t[0], t[1])) if own else (0, *exc.get_first_failure())
-        cause = failure.message
-        if isinstance(cause, dict):
-            cause = cause.get("message", "<unknown>")
-        if failure.exitcode < 0:
-            cause = f"killed by signal {failure.signal_name()}"
-        elif not cause or cause.startswith("To enable traceback"):
-            cause = f"exited with code {failure.exitcode} (see its output above)"
-        raise WorkerFailure(rank, failure.exitcode, str(cause).strip().splitlines()[-1],
-                            {f.exitcode for f in exc.failures.values() if f.exitcode > 0}) from None
+        raise blame(exc.failures) from None
+
+
+def blame(failures: dict) -> WorkerFailure:
+    """The worker to name for a failed group (rank -> the agent's ProcessFailure).
+
+    The agent stops the other workers once one fails: blame a worker that failed by itself (an
+    exit code > 0, with an error report), not one it terminated; and among those, one whose error
+    is its own rather than a peer's going away (the peers' connections break within the same
+    second, and the timestamps count whole seconds), the earliest."""
+    own = [(_lost_a_peer(_cause(f)), f.timestamp, r) for r, f in failures.items() if f.exitcode > 0]
+    rank = min(own)[2] if own else min(failures, key=lambda r: (failures[r].timestamp, r))
+    return WorkerFailure(rank, failures[rank].exitcode, _cause(failures[rank]),
+                         {f.exitcode for f in failures.values() if f.exitcode > 0})
+
+
+# What a worker's collective or message says when the process at the other end has died.
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|peer .*(gone|died|exited)",
+                        re.IGNORECASE)
+
+
+def _lost_a_peer(cause: str) -> bool:
+    return bool(_PEER_GONE.search(cause))
+
+
+def _cause(failure) -> str:
+    """The last line of a failed worker's error report, or what became of it."""
+    cause = failure.message
+    if isinstance(cause, dict):
+        cause = cause.get("message", "<unknown>")
+    if failure.exitcode < 0:
+        cause = f"killed by signal {failure.signal_name()}"
+    elif not cause or cause.startswith("To enable traceback"):
+        cause = f"exited with code {failure.exitcode} (see its output above)"
+    return str(cause).strip().splitlines()[-1]

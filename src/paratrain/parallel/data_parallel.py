@@ -86,6 +86,7 @@ class GradientReducer:
     def __init__(self, params: list[nn.Parameter], bucket_mb: float, device: torch.device, group=None,
                  codec=None, pad_to: int = 1):
         self.group = group
+        self.device = device
         self.codec = codec or Uncompressed()
         self.profiler = NULL_PROFILER
         self.world = dist.get_world_size(group)
@@ -151,6 +152,8 @@ class GradientReducer:
             norm = self.codec.result_norm(b.index)
             norms.append(torch.linalg.vector_norm(b.bound) if norm is None else norm)
         self.sync = False
+        if not norms:  # no parameters here (a pipeline chunk of activations alone)
+            return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(torch.stack(norms))
 
     def discard(self) -> None:
