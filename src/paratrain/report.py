@@ -158,7 +158,11 @@ def plot_breakdown(ranks: list[dict], name: str, path: Path) -> Path:
         bx.bar([x + width / 2 for x in xs], [r["bytes_sent"] / scale for r in ranks], width,
                label="measured (socket writes)", color="#c44e52")
     bx.set_xticks(list(xs), labels)
-    bx.set_ylim(0, top / scale * 1.3)  # room for the legend above the bars
+    if top:
+        bx.set_ylim(0, top / scale * 1.3)  # room for the legend above the bars
+    else:  # a single rank: nothing to send
+        bx.set_ylim(0, 1)
+        bx.text(0.5, 0.5, "no communication", ha="center", va="center", transform=bx.transAxes)
     bx.set_ylabel(f"{unit} sent per step")
     bx.set_title("bytes each rank sent per step")
     bx.legend(fontsize=9)
