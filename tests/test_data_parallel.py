@@ -76,6 +76,7 @@ def test_resume_equals_uninterrupted(tmp_path):
     check_ok(run_cli("run", str(cfg), "--set", "train.steps=8", "--run-dir", str(tmp_path / "split")))
     proc = check_ok(run_cli("run", str(cfg), "--resume", "auto", "--run-dir", str(tmp_path / "split")))
     assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
+    assert "done: steps 9-16 in" in proc.stdout  # what this run trained, and its samples/s
     straight, split = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
     assert all(torch.equal(straight[k], split[k]) for k in straight), "resumed run differs from uninterrupted"
     # keep = 2: only the newest two checkpoints remain; metrics continue without duplicate steps

@@ -133,7 +133,7 @@ class Trainer:
         prof = Profiler(self.run_dir, rt.rank, rt.world_size, rt.device, start_step=self.step,
                         torch_profiler=cfg.train.torch_profiler)
         self.strategy.profiler = prof
-        t_start = time.perf_counter()
+        t_start, first_step = time.perf_counter(), self.step
         t_last, steps_since, bad_in_a_row, skipped = t_start, 0, 0, 0
         loss_sum = torch.zeros(2, dtype=torch.float64)  # summed loss of reporting ranks, their count
         last = {}
@@ -195,7 +195,7 @@ class Trainer:
             prof.close()
         elapsed = time.perf_counter() - t_start
         self.export()
-        return {**last, "elapsed": elapsed}
+        return {**last, "elapsed": elapsed, "first_step": first_step, "last_step": self.step}
 
     def export(self) -> None:
         state = self.strategy.full_model_state()
@@ -266,14 +266,18 @@ def barrier(rt: runtime.Runtime, what: str, group=None) -> None:
 
 
 def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:
-    parts = [f"done: {result.get('step', 0)} steps in {result['elapsed']:.1f}s"]
+    first, last = result["first_step"], result["last_step"]
+    if last == first:  # resumed at or past train.steps
+        return (f"done: nothing to train (the checkpoint is at step {last}, train.steps = {cfg.train.steps}) | "
+                f"model: {run_dir / 'final' / 'model.safetensors'}")
+    steps = f"steps {first + 1}-{last}" if first else f"{last} steps"
+    parts = [f"done: {steps} in {result['elapsed']:.1f}s"]
     if "loss" in result:
         parts.append(f"loss {result['loss']:.4f}")
     for key in ("val_loss", "val_acc"):
         if key in result:
             parts.append(f"{key} {result[key]:.4f}")
-    if result.get("step"):
-        parts.append(f"{result['step'] * cfg.data.batch_size / max(result['elapsed'], 1e-9):.1f} samples/s")
+    parts.append(f"{(last - first) * cfg.data.batch_size / max(result['elapsed'], 1e-9):.1f} samples/s")
     parts.append(f"model: {run_dir / 'final' / 'model.safetensors'}")
     return " | ".join(parts)
 
