@@ -61,6 +61,8 @@ def test_bad_config_exits_2_naming_the_key(tmp_path, capsys, override, key):
     ("model.factory='cnn'\nmodel.channels=0", "model.channels"),
     ("data.val_fraction=1.2", "data.val_fraction"),
     ("data.val_fraction=-0.1", "data.val_fraction"),
+    ("data.factory='synthetic'\ndata.task='ranking'", "data.task"),
+    ("data.factory='synthetic'\ndata.task='regression'", "train.loss"),  # cross_entropy on real targets
 ])
 def test_bad_builtin_arguments_exit_2_naming_the_key(tmp_path, capsys, override, key):
     sets = [a for o in override.split("\n") for a in ("--set", o)]

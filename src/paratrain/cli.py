@@ -37,6 +37,22 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
     with torch.device("meta"):  # shapes only: no memory, no time
         check_model(cfg, build_model(cfg, train_set))
     build_loss(cfg)
+    check_targets(cfg, train_set)
+
+
+def check_targets(cfg: config_mod.Config, train_set) -> None:
+    """The built-in cross-entropy takes class indices: real-valued targets (a regression task) would
+    only fail in the workers, on a shape mismatch at the first step."""
+    import torch
+
+    if cfg.train.loss != "cross_entropy" or len(train_set) == 0:
+        return
+    sample = train_set[0]
+    target = sample[1] if isinstance(sample, (tuple, list)) and len(sample) == 2 else None
+    if isinstance(target, torch.Tensor) and target.is_floating_point():
+        raise ConfigError("train.loss", f"cross_entropy takes class indices, but the targets of {cfg.data.factory} "
+                                        f"are {str(target.dtype).removeprefix('torch.')} (a regression task: use "
+                                        f"'mse'; soft labels: a module:function loss)")
 
 
 def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_rank: int) -> None:
