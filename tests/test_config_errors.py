@@ -186,3 +186,18 @@ def test_device_resolution_against_the_gpus_a_node_has(monkeypatch, gpus, device
     assert (note is not None) == expected.endswith("(note)")
     if note:
         assert f"{nproc} processes per node but {gpus} GPU" in note
+
+
+@pytest.mark.parametrize("args, option", [
+    (["dp", "--steps", "0"], "--steps"),
+    (["pipeline", "--microbatches", "-2"], "--microbatches"),
+    (["suite", "--topk-ratio", "1.5"], "--topk-ratio"),
+    (["suite", "--powersgd-rank", "0"], "--powersgd-rank"),
+    (["ps", "--factor", "0"], "--factor"),
+    (["zero", "--hidden", "wide"], "--hidden"),
+])
+def test_bad_benchmark_options_exit_2_naming_the_option(capsys, args, option):
+    """Before any benchmark worker starts (they failed, each with a traceback, and the bench exit 1)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *args])
+    assert exit_.value.code == 2 and f"argument {option}:" in capsys.readouterr().err

@@ -7,6 +7,39 @@ import json
 import sys
 
 
+def at_least(low, kind=int):
+    """An argparse type: a number of `kind` no smaller than `low` (a bad one exits 2 naming the option)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+def positive(text: str) -> float:
+    """An argparse type: a number above 0."""
+    value = at_least(0.0, float)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    value = positive(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+COUNT, NONNEG, POSITIVE = at_least(1), at_least(0), positive
+
+
 def relaunch(module: str, args, add_options, nproc: int, run_id: str) -> int:
     """`python -m module` on `nproc` workers, passing on every option `add_options` defines."""
     from ..launch import WorkerFailure, launch

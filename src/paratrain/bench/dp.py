@@ -13,25 +13,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import add_json_option, emit_json, relaunch
+from .common import COUNT, NONNEG, POSITIVE, add_json_option, emit_json, relaunch
 
 
 def add_parser(which) -> None:
     p = which.add_parser("dp", help="paratrain dp vs torch DDP (step time, samples/s, ratio)")
     add_options(p)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=COUNT, default=2)
     p.set_defaults(func=run)
 
 
 def add_options(p) -> None:
-    p.add_argument("--steps", type=int, default=10, help="timed steps per round per engine")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=32, help="samples per rank")
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--in-features", type=int, default=512)
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--steps", type=COUNT, default=10, help="timed steps per round per engine")
+    p.add_argument("--rounds", type=COUNT, default=4)
+    p.add_argument("--warmup", type=NONNEG, default=3)
+    p.add_argument("--batch", type=COUNT, default=32, help="samples per rank")
+    p.add_argument("--hidden", type=COUNT, default=2048)
+    p.add_argument("--layers", type=COUNT, default=3)
+    p.add_argument("--in-features", type=COUNT, default=512)
+    p.add_argument("--bucket-mb", type=POSITIVE, default=25.0)
     add_json_option(p)
 
 

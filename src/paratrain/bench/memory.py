@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from .common import add_json_option, emit_json
+from .common import COUNT, POSITIVE, add_json_option, emit_json
 
 STRATEGIES = ["dp", "zero1", "zero2", "zero3", "fsdp2"]
 
@@ -33,12 +33,12 @@ def add_parser(which) -> None:
 
 
 def add_model_options(p) -> None:
-    p.add_argument("--in-features", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=4, help="hidden layers of the MLP (default: 54.6M parameters)")
-    p.add_argument("--batch", type=int, default=8, help="samples per rank")
-    p.add_argument("--steps", type=int, default=3, help="AdamW steps before reading the peak")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--in-features", type=COUNT, default=1024)
+    p.add_argument("--hidden", type=COUNT, default=4096)
+    p.add_argument("--layers", type=COUNT, default=4, help="hidden layers of the MLP (default: 54.6M parameters)")
+    p.add_argument("--batch", type=COUNT, default=8, help="samples per rank")
+    p.add_argument("--steps", type=COUNT, default=3, help="AdamW steps before reading the peak")
+    p.add_argument("--bucket-mb", type=POSITIVE, default=25.0)
 
 
 def run(args) -> int:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import add_json_option, emit_json, relaunch
+from .common import COUNT, NONNEG, add_json_option, emit_json, relaunch
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -37,18 +37,18 @@ def add_parser(which) -> None:
     p = which.add_parser("pipeline", help="paratrain pipeline vs torch.distributed.pipelining (bubble, "
                                           "memory, step time, ideal) and tp parameter bytes")
     add_options(p)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=COUNT, default=2)
     p.set_defaults(func=run)
 
 
 def add_options(p) -> None:
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round per engine and schedule")
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--rows", type=int, default=8, help="rows per microbatch")
+    p.add_argument("--steps", type=COUNT, default=5, help="timed steps per round per engine and schedule")
+    p.add_argument("--rounds", type=COUNT, default=4)
+    p.add_argument("--warmup", type=NONNEG, default=2)
+    p.add_argument("--layers", type=COUNT, default=8)
+    p.add_argument("--width", type=COUNT, default=1024)
+    p.add_argument("--microbatches", type=COUNT, default=8)
+    p.add_argument("--rows", type=COUNT, default=8, help="rows per microbatch")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     add_json_option(p)
 

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .common import add_json_option, emit_json, relaunch
+from .common import COUNT, NONNEG, POSITIVE, add_json_option, emit_json, relaunch
 
 ENGINES = ["sync", "async", "ssp", "dp"]
 
@@ -28,18 +28,18 @@ ENGINES = ["sync", "async", "ssp", "dp"]
 def add_parser(which) -> None:
     p = which.add_parser("ps", help="sync / async / ssp parameter server vs dp all-reduce, with a straggler")
     add_options(p)
-    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--workers", type=COUNT, default=3)
     p.set_defaults(func=run)
 
 
 def add_options(p) -> None:
-    p.add_argument("--steps", type=int, default=200, help="steps per worker per run")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batch", type=int, default=64, help="samples per worker per step")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--staleness", type=int, default=3)
-    p.add_argument("--factor", type=float, default=3.0, help="how much slower the straggler is")
+    p.add_argument("--steps", type=COUNT, default=200, help="steps per worker per run")
+    p.add_argument("--rounds", type=COUNT, default=3)
+    p.add_argument("--batch", type=COUNT, default=64, help="samples per worker per step")
+    p.add_argument("--hidden", type=COUNT, default=512)
+    p.add_argument("--lr", type=POSITIVE, default=0.1)
+    p.add_argument("--staleness", type=NONNEG, default=3)
+    p.add_argument("--factor", type=POSITIVE, default=3.0, help="how much slower the straggler is")
     p.add_argument("--target", type=float, default=0.5, help="validation loss to reach")
     p.add_argument("--plot", default="bench-ps.png", help="loss-vs-time PNG")
     add_json_option(p)

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from .common import add_json_option, emit_json
+from .common import COUNT, add_json_option, at_least, emit_json
 
 SLOW_MODEL = '''
 import time
@@ -136,10 +136,10 @@ def run_and_kill(workdir: Path, *, steps: int, every: int, pause: float, kill_af
 
 def add_parser(which) -> None:
     p = which.add_parser("recovery", help="time from a killed worker to the next completed step (dp, world 2)")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--every", type=int, default=10, help="checkpoint.every")
-    p.add_argument("--kill-after", type=int, default=25, help="kill rank 1 once this step is logged")
-    p.add_argument("--pause", type=float, default=0.05, help="seconds of sleep per forward (step length)")
+    p.add_argument("--steps", type=COUNT, default=60)
+    p.add_argument("--every", type=COUNT, default=10, help="checkpoint.every")
+    p.add_argument("--kill-after", type=COUNT, default=25, help="kill rank 1 once this step is logged")
+    p.add_argument("--pause", type=at_least(0.0, float), default=0.05, help="seconds of sleep per forward (step length)")
     add_json_option(p)
     p.set_defaults(func=run)
 

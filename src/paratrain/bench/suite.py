@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..profile import bytes_sent, open_proc_io
-from .common import emit_json
+from .common import COUNT, POSITIVE, emit_json, fraction
 from .dp import add_options as dp_options
 from .dp import build
 
@@ -47,7 +47,7 @@ SCALING_DEFAULT = "1,2,4"
 def add_parser(which) -> None:
     p = which.add_parser("suite", help="dp vs DDP, compression vs torch's hooks, scaling, bus bandwidth (table + PNG)")
     add_options(p)
-    p.add_argument("--nproc", type=int, default=2, help="processes for (a), (b), (d) (split over the hosts)")
+    p.add_argument("--nproc", type=COUNT, default=2, help="processes for (a), (b), (d) (split over the hosts)")
     p.add_argument("--scaling", default=SCALING_DEFAULT, help="process counts for (c); empty to skip")
     p.add_argument("--slow-link", default=None, metavar="RATE",
                    help="run across two network namespaces joined by a veth pair shaped to RATE (e.g. 1gbit)")
@@ -58,9 +58,9 @@ def add_parser(which) -> None:
 def add_options(p) -> None:
     dp_options(p)  # the dp benchmark's model and timing knobs, more rounds of fewer steps
     p.set_defaults(steps=5, rounds=6)
-    p.add_argument("--lr", type=float, default=0.02)
-    p.add_argument("--powersgd-rank", type=int, default=4)
-    p.add_argument("--topk-ratio", type=float, default=0.01)
+    p.add_argument("--lr", type=POSITIVE, default=0.02)
+    p.add_argument("--powersgd-rank", type=COUNT, default=4)
+    p.add_argument("--topk-ratio", type=fraction, default=0.01)
 
 
 def _model_argv(args) -> list[str]:
@@ -542,7 +542,7 @@ def agent(argv) -> int:
     from ..launch import WorkerFailure, launch
 
     p = argparse.ArgumentParser()
-    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--nproc", type=COUNT, default=1)
     p.add_argument("--nnodes", type=int, default=1)
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--rdzv", default=None)
