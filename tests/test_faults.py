@@ -136,8 +136,8 @@ def test_ctrl_c_stops_every_process_at_once(tmp_path):
     one line, the checkpoint to go on from) and the workers stop with it, not when the elastic
     agent gives up on them 30 s later (they ignored SIGINT, inherited from the fork server)."""
     cfg = write_config(tmp_path / "c.toml", BASE.replace("steps = 16", "steps = 1000000"))
-    proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--run-dir", str(tmp_path / "run")],
-                            env={**os.environ, **CPU_ONLY}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    argv = [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(argv, env={**os.environ, **CPU_ONLY}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "run" / "checkpoints" / "step-8" / "manifest.json").exists():
@@ -175,12 +175,12 @@ def test_the_worker_blamed_is_the_one_whose_error_is_its_own(tmp_path):
         return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(path))
 
     gone = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
-    failures = {0: failed(0, 1, gone), 1: failed(1, 1, gone), 3: failed(3, 1, "RuntimeError: stack expects a "
-                                                                          "non-empty TensorList"), 2: failed(2, -15, "")}
+    own = "RuntimeError: stack expects a non-empty TensorList"
+    failures = {0: failed(0, 1, gone), 1: failed(1, 1, gone), 3: failed(3, 1, own), 2: failed(2, -15, "")}
     culprit = blame(failures)
-    assert (culprit.rank, culprit.cause) == (3, "RuntimeError: stack expects a non-empty TensorList")
+    assert (culprit.rank, culprit.cause) == (3, own)
     assert culprit.own_exitcodes == {1}
-    failures[3] = failed(3, 1, "RuntimeError: stack expects a non-empty TensorList", timestamp=101)
+    failures[3] = failed(3, 1, own, timestamp=101)
     assert blame(failures).rank == 3  # a lost connection is a consequence, even when reported first
     del failures[3]
     assert blame(failures).rank == 0  # only consequences: the earliest, then the lowest rank

@@ -139,7 +139,8 @@ def test_a_stage_without_parameters(tmp_path):
     from paratrain.data.datasets import digits
 
     (tmp_path / "fourlayers.py").write_text(FOUR_LAYERS)
-    cfg = write_config(tmp_path / "c.toml", DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "fourlayers:build"')
+    job = DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "fourlayers:build"')
+    cfg = write_config(tmp_path / "c.toml", job
                        + "clip_grad_norm = 0.5\n[parallel]\nstrategy = 'pp'\npp = 2\nschedule = 'interleaved'\n")
     proc = check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
     assert "layers 1-1" in proc.stdout, proc.stdout  # the ReLU, alone

@@ -127,7 +127,8 @@ def check_launch(args) -> None:
     if args.nnodes > 1 and args.rdzv is None:
         raise ConfigError("--rdzv", f"required with --nnodes {args.nnodes}: HOST:PORT of node 0, where the nodes meet")
     if not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError("--node-rank", f"must be in [0, {args.nnodes}) for --nnodes {args.nnodes}, got {args.node_rank}")
+        raise ConfigError("--node-rank", f"must be in [0, {args.nnodes}) for --nnodes {args.nnodes}, "
+                                         f"got {args.node_rank}")
     if args.rdzv is not None:
         host, _, port = args.rdzv.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -210,9 +210,10 @@ def _resumed_note(profile: list[dict]) -> list[str]:
     kept = latest_world(profile) if profile else []
     if len(kept) == len(profile):
         return []
+    world = kept[-1].get("world", len(kept[-1]["ranks"]))
     return ["", f"Resumed at another world size: steps {kept[0]['step']}-{kept[-1]['step']} ran at world size "
-                f"{kept[-1].get('world', len(kept[-1]['ranks']))}; the per-rank tables and the breakdown plot leave out the "
-                f"{len(profile) - len(kept)} steps before."]
+                f"{world}; the per-rank tables and the breakdown plot leave out the {len(profile) - len(kept)} "
+                f"steps before."]
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
@@ -236,7 +237,8 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
              f"Run directory `{run['dir']}`: strategy `{par.get('strategy', 'dp')}`, "
              f"compression `{par.get('compression', 'none')}`, "
              f"{world or '?'} ranks, {last['step']} steps, global batch {cfg.get('data', {}).get('batch_size')}.",
-             *_resumed_note(profile), "", "| final | value |", "|---|---:|", f"| training loss | {last.get('loss', float('nan')):.4f} |"]
+             *_resumed_note(profile), "", "| final | value |", "|---|---:|",
+             f"| training loss | {last.get('loss', float('nan')):.4f} |"]
     for key in ("val_loss", "val_acc"):
         vals = [m[key] for m in metrics if key in m]
         if vals:

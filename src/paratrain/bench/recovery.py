@@ -139,7 +139,8 @@ def add_parser(which) -> None:
     p.add_argument("--steps", type=COUNT, default=60)
     p.add_argument("--every", type=COUNT, default=10, help="checkpoint.every")
     p.add_argument("--kill-after", type=COUNT, default=25, help="kill rank 1 once this step is logged")
-    p.add_argument("--pause", type=at_least(0.0, float), default=0.05, help="seconds of sleep per forward (step length)")
+    p.add_argument("--pause", type=at_least(0.0, float), default=0.05,
+                   help="seconds of sleep per forward (step length)")
     add_json_option(p)
     p.set_defaults(func=run)
 
