@@ -216,6 +216,13 @@ def test_resume_with_another_strategy_exits_2(tmp_path, straight, capsys):
     assert code == 2 and "'zero3'" in err and "'zero2'" in err
 
 
+def test_resume_from_a_final_export_exits_2_saying_what_it_is(tmp_path, straight, capsys):
+    cfg, run = straight
+    code = main(["run", str(cfg), "--resume", str(run / "final"), "--run-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--resume" in err and "is a final export" in err and "checkpoints" in err
+
+
 def test_resume_with_another_model_exits_2_naming_the_parameters(tmp_path, straight, capsys):
     cfg, run = straight
     code = main(["run", str(cfg), "--set", "model.hidden=48", "--resume", str(run / "checkpoints" / "step-6"),

@@ -165,6 +165,9 @@ def read_manifest(path: Path, formats: tuple[str, ...] = (FORMAT,)) -> dict:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{manifest_path}: unreadable manifest: {exc}") from None
+    if manifest.get("format") == FINAL_FORMAT and FINAL_FORMAT not in formats:
+        raise CheckpointError(f"{path} is a final export (the model alone, without optimizer or data "
+                              f"position): resume from a checkpoint, e.g. {Path(path).parent / 'checkpoints'}/step-N")
     if manifest.get("format") not in formats:
         raise CheckpointError(f"{manifest_path}: unknown format {manifest.get('format')!r}")
     return manifest
