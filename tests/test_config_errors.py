@@ -201,3 +201,47 @@ def test_bad_benchmark_options_exit_2_naming_the_option(capsys, args, option):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", *args])
     assert exit_.value.code == 2 and f"argument {option}:" in capsys.readouterr().err
+
+
+SAMPLES = """
+import torch
+
+
+class Items(torch.utils.data.Dataset):
+    def __init__(self, item):
+        self.item = item
+
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, i):
+        if self.item == "broken":
+            raise KeyError("no such sample")
+        x, y = torch.zeros(64), i % 10
+        return {"dict": {"x": x, "y": y}, "triple": (x, y, i)}[self.item]
+
+
+def dicts():
+    return Items("dict")
+
+
+def triples():
+    return Items("triple")
+
+
+def broken():
+    return Items("broken")
+"""
+
+
+@pytest.mark.parametrize("factory, says", [
+    ("dicts", "got a dict with keys ['x', 'y']"),
+    ("triples", "got a tuple of 3"),
+    ("broken", "reading sample 0 failed: KeyError"),
+])
+def test_samples_that_are_not_input_target_pairs_exit_2(tmp_path, capsys, factory, says):
+    """Caught from the first sample before any worker starts (each worker failed at its first step)."""
+    (tmp_path / "samples.py").write_text(SAMPLES)
+    cfg = write_config(tmp_path / "c.toml", DIGITS.replace('factory = "digits"', f'factory = "samples:{factory}"'))
+    code, err = run_main(capsys, "run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and "data.factory" in err and says in err, err

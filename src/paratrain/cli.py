@@ -37,19 +37,28 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
     with torch.device("meta"):  # shapes only: no memory, no time
         check_model(cfg, build_model(cfg, train_set))
     build_loss(cfg)
-    check_targets(cfg, train_set)
+    check_samples(cfg, train_set)
 
 
-def check_targets(cfg: config_mod.Config, train_set) -> None:
-    """The built-in cross-entropy takes class indices: real-valued targets (a regression task) would
-    only fail in the workers, on a shape mismatch at the first step."""
+def check_samples(cfg: config_mod.Config, train_set) -> None:
+    """The first training sample, as the workers will see it: an (input, target) pair, and for the
+    built-in cross-entropy a class index, not a real-valued target (a regression task). Either
+    would otherwise fail in every worker at the first step."""
     import torch
 
-    if cfg.train.loss != "cross_entropy" or len(train_set) == 0:
+    if len(train_set) == 0:
         return
-    sample = train_set[0]
-    target = sample[1] if isinstance(sample, (tuple, list)) and len(sample) == 2 else None
-    if isinstance(target, torch.Tensor) and target.is_floating_point():
+    try:
+        sample = train_set[0]
+    except Exception as exc:  # the user's __getitem__
+        raise ConfigError("data.factory", f"{cfg.data.factory}: reading sample 0 failed: "
+                                          f"{type(exc).__name__}: {exc}") from None
+    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+        what = f"a dict with keys {sorted(sample)}" if isinstance(sample, dict) else \
+            f"a {type(sample).__name__}" + (f" of {len(sample)}" if isinstance(sample, (tuple, list)) else "")
+        raise ConfigError("data.factory", f"{cfg.data.factory}'s samples must be (input, target) pairs, got {what}")
+    target = sample[1]
+    if cfg.train.loss == "cross_entropy" and isinstance(target, torch.Tensor) and target.is_floating_point():
         raise ConfigError("train.loss", f"cross_entropy takes class indices, but the targets of {cfg.data.factory} "
                                         f"are {str(target.dtype).removeprefix('torch.')} (a regression task: use "
                                         f"'mse'; soft labels: a module:function loss)")
