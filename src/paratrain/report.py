@@ -52,13 +52,16 @@ def load_run(run_dir: Path) -> dict:
 
 
 # -- numbers --------------------------------------------------------------------------------------
+def world_of(record: dict) -> int:
+    return record.get("world", len(record["ranks"]))  # records written before they carried it
+
+
 def latest_world(profile: list[dict]) -> list[dict]:
     """The records of the world size the run ended at. A run resumed at another world size keeps
     the records of the steps before its checkpoint, which describe other ranks; a parameter server
     run whose worker left keeps its world size but lists fewer ranks."""
-    world = profile[-1].get("world", len(profile[-1]["ranks"]))
     start = len(profile)
-    while start and profile[start - 1].get("world", len(profile[start - 1]["ranks"])) == world:
+    while start and world_of(profile[start - 1]) == world_of(profile[-1]):
         start -= 1
     return profile[start:]
 
@@ -210,9 +213,8 @@ def _resumed_note(profile: list[dict]) -> list[str]:
     kept = latest_world(profile) if profile else []
     if len(kept) == len(profile):
         return []
-    world = kept[-1].get("world", len(kept[-1]["ranks"]))
     return ["", f"Resumed at another world size: steps {kept[0]['step']}-{kept[-1]['step']} ran at world size "
-                f"{world}; the per-rank tables and the breakdown plot leave out the {len(profile) - len(kept)} "
+                f"{world_of(kept[-1])}; the per-rank tables and the breakdown plot leave out the {len(profile) - len(kept)} "
                 f"steps before."]
 
 
@@ -225,7 +227,7 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     par = cfg.get("parallel", {})
     images = [plot_loss(metrics, name, out / "loss.png"), plot_throughput(metrics, name, out / "throughput.png")]
     ranks = per_rank_breakdown(profile) if profile else []
-    world = profile[-1].get("world", len(ranks)) if profile else None
+    world = world_of(profile[-1]) if profile else None
     if ranks:
         images.append(plot_breakdown(ranks, name, out / "breakdown.png"))
     timeline = plot_timeline(run["trace"], par.get("pp", 1), name, out / "timeline.png")
