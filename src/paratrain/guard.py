@@ -51,7 +51,10 @@ def run_guarded(argv: list[str], what: str) -> int:
 
     def forward(signum, _frame):  # the agent stopping this rank stops the worker first
         child.send_signal(signum)
-        child.wait()
+        try:  # not child.wait(): the wait this handler interrupts holds its lock (a deadlock until SIGKILL)
+            os.waitpid(child.pid, 0)
+        except ChildProcessError:  # already reaped
+            pass
         os._exit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -76,12 +76,8 @@ def prepare_forked_worker(name: str) -> None:
 
     The server imported torch before this run's OMP_NUM_THREADS reached it, so the thread count is
     set from the worker's own environment; output is line-buffered; and the process is named
-    (`ps`, `top`) after its rank, since every forked worker shares the server's command line.
-    Ctrl-C stops it again: multiprocessing's fork server ignores SIGINT, and its children inherit
-    that, so they trained on until the agent's SIGKILL 30 s later."""
+    (`ps`, `top`) after its rank, since every forked worker shares the server's command line."""
     import torch
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:

@@ -322,8 +322,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def _interrupt_once(signum, frame) -> None:
+    """Ctrl-C, once. The same SIGINT often comes twice (the terminal's to the whole process group,
+    then the agent's or an async worker's guard's passing it on), and a second KeyboardInterrupt
+    would break the way out with a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def run_worker(argv: list[str] | None = None) -> int:
     """main(), with the exit code an expendable rank's guard expects when the run itself failed."""
+    # A worker forked from the worker server inherits the fork server's ignored SIGINT: without
+    # this it trained on after Ctrl-C until the agent's SIGKILL 30 s later.
+    signal.signal(signal.SIGINT, _interrupt_once)
     try:
         return main(argv)
     except KeyboardInterrupt:  # Ctrl-C (or the agent passing it on): `paratrain run` says what happened
