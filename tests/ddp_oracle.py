@@ -1,7 +1,5 @@
 """torch DDP on the same data split as paratrain dp: run under torchrun, writes the final weights."""
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -11,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.data.datasets import digits
 from paratrain.models.mlp import mlp
+from paratrain.runtime import leave
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
@@ -39,6 +38,4 @@ dist.destroy_process_group()
 # DDP's reducer still holds the gloo group, so it would only be freed in the interpreter's own
 # teardown, where gloo's threads can abort the process ("terminate called without an active
 # exception": seen once in CI, 1 in 30 runs here). Leave as paratrain's workers do, skipping it.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave()
