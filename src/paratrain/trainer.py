@@ -325,8 +325,9 @@ def main(argv=None) -> int:
 def _interrupt_once(signum, frame) -> None:
     """Ctrl-C, once. The same SIGINT often comes twice (the terminal's to the whole process group,
     then the agent's or an async worker's guard's passing it on), and a second KeyboardInterrupt
-    would break the way out with a traceback."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    would break the way out with a traceback. The later ones go to a handler that does nothing:
+    with SIG_IGN instead, one already pending raises "Signal 2 ignored due to race condition"."""
+    signal.signal(signal.SIGINT, lambda *_: None)
     raise KeyboardInterrupt
 
 
