@@ -37,6 +37,12 @@ def require(ok: bool, arg: str, why: str) -> None:
         raise ArgumentError(arg, why)
 
 
+def require_at_least(low: int, **values: int) -> None:
+    """Each named argument is >= `low`; the first that is not is named."""
+    for arg, value in values.items():
+        require(value >= low, arg, f"must be >= {low}, got {value}")
+
+
 def opt(default, choices: tuple | None = None, check=None, doc: str = ""):
     """A config field with allowed `choices` or a `check(value) -> error or None`."""
     if isinstance(default, (dict, list)):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from ..config import ArgumentError, require
+from ..config import ArgumentError, require, require_at_least
 
 
 class ArrayDataset(TensorDataset):
@@ -65,9 +65,7 @@ def digits(split: str = "train", val_fraction: float = 0.2, split_seed: int = 0)
 def synthetic(split: str = "train", n_samples: int = 2048, in_features: int = 32,
               num_classes: int = 10, seed: int = 1234, task: str = "classification") -> ArrayDataset:
     """Inputs from N(0, 1) labelled by a fixed random linear teacher (classification or regression)."""
-    require(n_samples >= 1, "n_samples", f"must be >= 1, got {n_samples}")
-    require(in_features >= 1, "in_features", f"must be >= 1, got {in_features}")
-    require(num_classes >= 1, "num_classes", f"must be >= 1, got {num_classes}")
+    require_at_least(1, n_samples=n_samples, in_features=in_features, num_classes=num_classes)
     require(task in ("classification", "regression"), "task", f"must be classification or regression, got {task!r}")
     g = torch.Generator().manual_seed(seed + (0 if split == "train" else 1))
     teacher = torch.randn(in_features, num_classes, generator=torch.Generator().manual_seed(seed))
@@ -126,8 +124,7 @@ def read_text(url: str, max_chars: int) -> str:
 def corpus(split: str = "train", block_size: int = 64, max_chars: int = 2_000_000,
            val_fraction: float = 0.1, path: str | None = None) -> CharCorpus:
     """Character-level corpus: the standard library's own source text, or the text at `path`."""
-    require(block_size >= 1, "block_size", f"must be >= 1, got {block_size}")
-    require(max_chars >= 1, "max_chars", f"must be >= 1, got {max_chars}")
+    require_at_least(1, block_size=block_size, max_chars=max_chars)
     require(0 <= val_fraction < 1, "val_fraction", f"must be in [0, 1) (0: no validation), got {val_fraction}")
     try:
         vocab, tokens = _encoded(path, max_chars)

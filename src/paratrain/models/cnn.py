@@ -1,12 +1,11 @@
 """A small convolutional net for 8x8 single-channel images given as flat 64-vectors (digits)."""
 from torch import nn
 
-from ..config import require
+from ..config import require, require_at_least
 
 
 def cnn(in_features: int = 64, channels: int = 32, hidden: int = 128, out_features: int = 10) -> nn.Sequential:
-    for arg, value in (("channels", channels), ("hidden", hidden), ("out_features", out_features)):
-        require(value >= 1, arg, f"must be >= 1, got {value}")
+    require_at_least(1, channels=channels, hidden=hidden, out_features=out_features)
     side = int(round(max(in_features, 0) ** 0.5))
     require(side * side == in_features and side and side % 2 == 0, "in_features",
             f"cnn expects square images of even side, got {in_features} features")

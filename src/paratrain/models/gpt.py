@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import require
+from ..config import require, require_at_least
 
 
 class Embedding(nn.Module):
@@ -82,10 +82,8 @@ class GPT(nn.Module):
     def __init__(self, vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128,
                  block_size: int = 64):
         super().__init__()
-        for arg, value in (("vocab_size", vocab_size), ("n_head", n_head), ("d_model", d_model),
-                           ("block_size", block_size)):
-            require(value >= 1, arg, f"must be >= 1, got {value}")
-        require(n_layer >= 0, "n_layer", f"must be >= 0, got {n_layer}")
+        require_at_least(1, vocab_size=vocab_size, n_head=n_head, d_model=d_model, block_size=block_size)
+        require_at_least(0, n_layer=n_layer)
         require(d_model % n_head == 0, "n_head", f"d_model {d_model} is not divisible by n_head {n_head}")
         self.block_size = block_size
         self.embed = Embedding(vocab_size, d_model, block_size)
