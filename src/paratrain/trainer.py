@@ -267,8 +267,9 @@ def barrier(rt: runtime.Runtime, what: str, group=None) -> None:
 
 def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:
     first, last = result["first_step"], result["last_step"]
-    if last == first:  # resumed at or past train.steps
-        return (f"done: nothing to train (the checkpoint is at step {last}, train.steps = {cfg.train.steps}) | "
+    if last == first:  # train.steps = 0, or resumed at or past it
+        why = f"the checkpoint is at step {last}, " if last else ""
+        return (f"done: nothing to train ({why}train.steps = {cfg.train.steps}) | "
                 f"model: {run_dir / 'final' / 'model.safetensors'}")
     steps = f"steps {first + 1}-{last}" if first else f"{last} steps"
     parts = [f"done: {steps} in {result['elapsed']:.1f}s"]
