@@ -11,7 +11,7 @@ import torch
 from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
-from paratrain.bench.recovery import run_and_kill
+from paratrain.bench.recovery import SLOW_MODEL, config_text, run_and_kill, worker_pids
 
 BASE = DIGITS_MLP.replace("steps = 20", "steps = 16").replace("log_every = 10", "log_every = 4") + """
 [checkpoint]
@@ -27,7 +27,7 @@ def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, strategy):
     assert killed["returncode"] == 0, killed["output"]
     assert killed["resumed_from"] is not None and killed["steps_recomputed"] <= 5
     # the same run, never interrupted (its checkpoints are where a restart would resume from)
-    straight = run_and_kill.__globals__["config_text"](30, 5, 0.0)
+    straight = config_text(30, 5, 0.0)
     cfg = write_config(tmp_path / "killed" / "straight.toml", straight)
     check_ok(run_cli("run", str(cfg), *choose, "--run-dir", str(tmp_path / "straight"), cwd=tmp_path / "killed"))
     a, b = final_weights(killed["run_dir"]), final_weights(tmp_path / "straight")
@@ -187,11 +187,61 @@ def test_the_worker_blamed_is_the_one_whose_error_is_its_own(tmp_path):
 
     gone = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
     own = "RuntimeError: stack expects a non-empty TensorList"
-    failures = {0: failed(0, 1, gone), 1: failed(1, 1, gone), 3: failed(3, 1, own), 2: failed(2, -15, "")}
+    failures = {0: failed(0, 1, gone), 1: failed(1, 1, gone), 3: failed(3, 1, own), 2: failed(2, -15, ""),
+                4: failed(4, 128 + signal.SIGTERM, "")}  # 4 stopped on the SIGTERM the agent sent it
     culprit = blame(failures)
     assert (culprit.rank, culprit.cause) == (3, own)
-    assert culprit.own_exitcodes == {1}
+    assert culprit.own_exitcodes == {1, 128 + signal.SIGTERM}
+    del failures[4]
     failures[3] = failed(3, 1, own, timestamp=101)
     assert blame(failures).rank == 3  # a lost connection is a consequence, even when reported first
     del failures[3]
     assert blame(failures).rank == 0  # only consequences: the earliest, then the lowest rank
+
+
+@pytest.mark.parametrize("who", ["process-group", "rank-1"])
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, who):
+    """Preemption: SIGTERM to the whole job (a scheduler) or to one worker alone. Every rank stops
+    at the same step, and only after saving it (checkpoint.every = 0: no checkpoint but this one);
+    the run resumed from it ends equal to one never stopped."""
+    STEPS = 100  # the signal comes after step 10: ample time left to stop before the end, under load too
+    (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
+    cfg = write_config(tmp_path / "c.toml", config_text(steps=STEPS, every=0, pause=0.02))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--run-dir", str(run_dir)],
+                            cwd=tmp_path, env={**os.environ, **CPU_ONLY}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").is_file() or len(metrics(run_dir)) < 10:
+            assert proc.poll() is None and time.monotonic() < deadline, "no step 10 after 120 s"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        if who == "process-group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(worker_pids(proc.pid)[1], signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, out + err
+        assert time.monotonic() - t0 < 15, "stopping took too long"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+    saved = [p.name for p in (run_dir / "checkpoints").iterdir()]
+    assert len(saved) == 1 and saved[0].startswith("step-"), saved
+    step = int(saved[0].removeprefix("step-"))
+    assert 10 <= step < STEPS and metrics(run_dir)[-1]["step"] == step, (step, metrics(run_dir)[-1])
+    assert f"SIGTERM: stopped after step {step}" in out, out
+    last = err.strip().splitlines()[-1]
+    assert "stopped by SIGTERM" in last and saved[0] in last and "--resume auto" in last, err
+    assert "Traceback" not in err, err
+
+    check_ok(run_cli("run", str(cfg), "--resume", "auto", "--run-dir", str(run_dir), cwd=tmp_path))
+    assert [m["step"] for m in metrics(run_dir)] == list(range(1, STEPS + 1)), "every step is logged exactly once"
+    straight = write_config(tmp_path / "straight.toml", config_text(steps=STEPS, every=0, pause=0.0))
+    check_ok(run_cli("run", str(straight), "--run-dir", str(tmp_path / "straight"), cwd=tmp_path))
+    a, b = final_weights(run_dir), final_weights(tmp_path / "straight")
+    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run differs from the uninterrupted one"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -147,7 +148,7 @@ def check_launch(args) -> None:
 
 
 def cmd_run(args) -> int:
-    from .launch import Interrupted, WorkerFailure, launch, start_worker_server
+    from .launch import STOPPED_EXITS, Interrupted, WorkerFailure, launch, start_worker_server
 
     try:
         check_launch(args)
@@ -177,6 +178,10 @@ def cmd_run(args) -> int:
     except WorkerFailure as exc:
         if exc.own_exitcodes == {2}:
             return 2  # the worker printed which key was wrong
+        if exc.own_exitcodes and exc.own_exitcodes <= STOPPED_EXITS:  # the workers were sent the signal
+            signum = max(exc.own_exitcodes) - 128
+            return _error(f"stopped by {signal.Signals(signum).name} (sent to the workers). "
+                          f"{newest_checkpoint_note(run_dir)}", 128 + signum)
         return _error(f"training failed: {exc} [rank {exc.rank} was a {config_mod.role_of(cfg, exc.rank)}]", 1)
     return 0
 

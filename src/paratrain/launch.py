@@ -106,6 +106,7 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
     from .runtime import free_port
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_a_stopped_worker)
     # Each worker gets an equal share of the cores (torchrun does the same), so N processes
     # on N cores do not each spawn N compute threads and thrash.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -134,14 +135,27 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
         raise blame(exc.failures) from None
 
 
+# A worker's exit code when it stopped on a signal it was sent (trainer.run_worker), not by failing.
+STOPPED_EXITS = {128 + signal.SIGINT, 128 + signal.SIGTERM}
+
+
+def _not_a_stopped_worker(record: logging.LogRecord) -> bool:
+    """Keep the agent from logging a worker that stopped on a signal sent to it as a failure, with a
+    traceback of the agent's own (`paratrain run` says what happened in one line)."""
+    return not (str(record.msg).startswith("failed (exitcode: ") and record.args
+                and record.args[0] in STOPPED_EXITS)
+
+
 def blame(failures: dict) -> WorkerFailure:
     """The worker to name for a failed group (rank -> the agent's ProcessFailure).
 
     The agent stops the other workers once one fails: blame a worker that failed by itself (an
-    exit code > 0, with an error report), not one it terminated; and among those, one whose error
-    is its own rather than a peer's going away (the peers' connections break within the same
-    second, and the timestamps count whole seconds), the earliest."""
-    own = [(_lost_a_peer(_cause(f)), f.timestamp, r) for r, f in failures.items() if f.exitcode > 0]
+    exit code > 0, with an error report), not one that was stopped (by the agent or a signal
+    sent to it); and among those, one whose error is its own rather than a peer's going away
+    (the peers' connections break within the same second, and the timestamps count whole
+    seconds), the earliest."""
+    own = [(_lost_a_peer(_cause(f)), f.timestamp, r) for r, f in failures.items()
+           if f.exitcode > 0 and f.exitcode not in STOPPED_EXITS]
     rank = min(own)[2] if own else min(failures, key=lambda r: (failures[r].timestamp, r))
     return WorkerFailure(rank, failures[rank].exitcode, _cause(failures[rank]),
                          {f.exitcode for f in failures.values() if f.exitcode > 0})

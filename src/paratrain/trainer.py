@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from . import collectives
 from . import config as config_mod
 from . import guard
 from . import runtime
+from . import stop
 from .config import Config, ConfigError
 from .data import GlobalBatchSampler, build_dataset, load_batch
 from .metrics import MetricsLog
@@ -136,7 +138,9 @@ class Trainer:
         t_start, first_step = time.perf_counter(), self.step
         t_last, steps_since, bad_in_a_row, skipped = t_start, 0, 0, 0
         loss_sum = torch.zeros(2, dtype=torch.float64)  # summed loss of reporting ranks, their count
-        last = {}
+        last, stopped_by = {}, 0
+        stops = (stop.StopAgreement(rt.world_size, self.step, timedelta(seconds=cfg.parallel.timeout_s))
+                 if self.strategy.lockstep else None)
         try:
             while self.step < total:
                 collectives.LOG.step = self.step
@@ -188,14 +192,24 @@ class Trainer:
                     last = entry
                     t_last, steps_since, skipped = time.perf_counter(), 0, 0
                     loss_sum = torch.zeros_like(loss_sum)
-                if cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0:
+                saved = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
+                if saved:
                     self.save_checkpoint()
+                stopped_by = stops.after_step(self.step) if stops else 0
+                if stopped_by:  # preempted: keep this step's work, and leave without the final export
+                    if not saved:
+                        self.save_checkpoint()
+                    break
+            if stops:
+                stops.close()
         finally:
             log.close()
             prof.close()
         elapsed = time.perf_counter() - t_start
-        self.export()
-        return {**last, "elapsed": elapsed, "first_step": first_step, "last_step": self.step}
+        if not stopped_by:
+            self.export()
+        return {**last, "elapsed": elapsed, "first_step": first_step, "last_step": self.step,
+                "stopped_by": stopped_by}
 
     def export(self) -> None:
         state = self.strategy.full_model_state()
@@ -313,6 +327,12 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg, run_dir, rt)
         trainer.resume(args.resume)
         result = trainer.fit()
+        if result["stopped_by"]:
+            if rt.is_main:
+                step = result["last_step"]
+                print(f"{signal.Signals(result['stopped_by']).name}: stopped after step {step}, "
+                      f"saved as {run_dir / 'checkpoints' / f'step-{step}'}", flush=True)
+            return 128 + result["stopped_by"]
         if rt.is_main:
             print(summary_line(result, cfg, run_dir), flush=True)
     except ConfigError as exc:
@@ -334,9 +354,11 @@ def _interrupt_once(signum, frame) -> None:
 
 def run_worker(argv: list[str] | None = None) -> int:
     """main(), with the exit code an expendable rank's guard expects when the run itself failed."""
-    # A worker forked from the worker server inherits the fork server's ignored SIGINT: without
-    # this it trained on after Ctrl-C until the agent's SIGKILL 30 s later.
+    # A worker forked from the worker server inherits the fork server's ignored SIGINT and SIGTERM:
+    # without this it trained on after Ctrl-C until the agent's SIGKILL 30 s later. (SIGTERM stops
+    # a worker at once until its training loop begins, then after a checkpoint: paratrain/stop.py.)
     signal.signal(signal.SIGINT, _interrupt_once)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         return main(argv)
     except KeyboardInterrupt:  # Ctrl-C (or the agent passing it on): `paratrain run` says what happened
@@ -344,6 +366,10 @@ def run_worker(argv: list[str] | None = None) -> int:
     except guard.FailsRun:  # an expendable rank whose failure must fail the run: tell its guard
         traceback.print_exc()
         return guard.FAILS_RUN_EXIT if guard.is_guarded_child() else 1
+    except Exception:
+        if stop.received():  # asked to stop, and a peer left first (the agent stopping a failed group)
+            return 128 + stop.received()
+        raise
 
 
 def forked_worker(*argv: str) -> None:

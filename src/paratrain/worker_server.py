@@ -6,6 +6,7 @@ returns, never through the exit handlers, so the handler below is the server's a
 """
 import atexit
 import os
+import signal
 
 import torch._dynamo  # noqa: F401  imported by torch.optim's step on its first call (~1 s)
 
@@ -14,3 +15,10 @@ import paratrain.trainer  # noqa: F401  torch, the training loop and what it imp
 # The server is done when the command that started it is: skip the interpreter's teardown of
 # torch (about a second), which the caller would otherwise wait for on the server's output pipes.
 atexit.register(os._exit, 0)
+
+# A SIGTERM sent to the whole process group (a scheduler stopping the job) must not take the server
+# down before the workers it forked: the agent tracks them through the server's pipes, takes a
+# vanished server for dead workers and leaves at once, while the workers are still saving their
+# checkpoint (paratrain/stop.py). The server leaves anyway when the command does (its pipe closes).
+# Workers forked from it put the default back first thing (trainer.run_worker).
+signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -21,6 +21,9 @@ Hooks with defaults that fit strategies whose ranks run in lockstep (override wh
                       whose ranks do not run in lockstep returns the total on rank 0 itself;
     step_metrics()    extra entries for metrics.jsonl, called on every rank at each logged step
                       (rank 0's dict is logged; default: none);
+    lockstep          True (default) when every rank runs every step, meeting its peers in each:
+                      then a SIGTERM stops the run at an agreed step with a checkpoint
+                      (paratrain/stop.py); False for ranks that run at their own pace;
     checkpoint_ranks, checkpoint_group
                       ranks 0..checkpoint_ranks-1 write a checkpoint, meeting in checkpoint_group
                       (default: every rank, the world group); a strategy whose other ranks hold
@@ -71,6 +74,7 @@ class Strategy:
         self.skipped_step = False  # set by train_step; the same on every rank (an agreed decision)
         self.reads_data = True
         self.trainer_group = None
+        self.lockstep = True
         self.checkpoint_ranks = rt.world_size
         self.checkpoint_group = None
 

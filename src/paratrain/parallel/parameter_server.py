@@ -140,6 +140,7 @@ class ParameterServer(Strategy):
             # Only servers hold state, and async workers must not wait for a checkpoint (nor for a
             # dropped worker at one): the servers write it among themselves.
             self.checkpoint_ranks, self.checkpoint_group = len(self.servers), self.server_group
+            self.lockstep = False
         self.step_index = 0  # the trainer step the next train_step is for
         self.total_steps = cfg.train.steps
         self.stats = PushStats()
