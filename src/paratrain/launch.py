@@ -106,7 +106,8 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
     from .runtime import free_port
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_a_stopped_worker)
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_not_a_stop)
     # Each worker gets an equal share of the cores (torchrun does the same), so N processes
     # on N cores do not each spawn N compute threads and thrash.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -139,11 +140,18 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
 STOPPED_EXITS = {128 + signal.SIGINT, 128 + signal.SIGTERM}
 
 
-def _not_a_stopped_worker(record: logging.LogRecord) -> bool:
-    """Keep the agent from logging a worker that stopped on a signal sent to it as a failure, with a
-    traceback of the agent's own (`paratrain run` says what happened in one line)."""
-    return not (str(record.msg).startswith("failed (exitcode: ") and record.args
-                and record.args[0] in STOPPED_EXITS)
+# What the agent logs when it stops the workers on a signal, or finds one stopped by a signal
+# sent to it: `paratrain run` says it in one line (with the checkpoint to go on from).
+_STOP_CHATTER = ("Received %s death signal", "Closing process %s via signal %s")
+
+
+def _not_a_stop(record: logging.LogRecord) -> bool:
+    """Keep the agent's logging of a stop out of the output: what it says as it passes a signal on,
+    and a worker that stopped on a signal reported as a failure with the agent's own traceback."""
+    msg = str(record.msg)
+    if msg.startswith(_STOP_CHATTER):
+        return False
+    return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in STOPPED_EXITS)
 
 
 def blame(failures: dict) -> WorkerFailure:
