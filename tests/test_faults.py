@@ -26,6 +26,9 @@ def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, strategy):
     killed = run_and_kill(tmp_path / "killed", steps=30, every=5, pause=0.03, kill_after_step=12, extra_args=choose)
     assert killed["returncode"] == 0, killed["output"]
     assert killed["resumed_from"] is not None and killed["steps_recomputed"] <= 5
+    # ~2 s here. The survivor must not linger when the agent stops it for the restart: it did for
+    # 10 s, diagnosing its failed all-reduce, while it took SIGTERM for a request to save.
+    assert killed["recovery_s"] < 8, f"recovery took {killed['recovery_s']:.1f} s"
     # the same run, never interrupted (its checkpoints are where a restart would resume from)
     straight = config_text(30, 5, 0.0)
     cfg = write_config(tmp_path / "killed" / "straight.toml", straight)

@@ -22,6 +22,10 @@ the next check, about CHECK_EVERY_S apart:
 So a run stops within about CHECK_EVERY_S of the signal (or at the end of the step in progress,
 where a step takes longer), well inside a scheduler's grace period.
 
+Once a collective has failed, no step can be agreed on any more (a peer is dead or stuck), and
+the agent stopping the group to restart it must not wait on this rank: from then on SIGTERM ends
+the process at once, as by default (`on_collective_failure`).
+
 Ranks that do not run in lockstep (asynchronous parameter-server workers) keep the default
 SIGTERM: they have nothing to save, and their servers save on their own schedule.
 A SIGTERM that comes while a rank sets up (before its first step) stops it at once as before:
@@ -29,7 +33,9 @@ there is nothing to save yet.
 """
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import time
 from datetime import timedelta
 
@@ -49,6 +55,16 @@ def received() -> int:
 def _flag(signum, _frame) -> None:
     global _received
     _received = _received or signum
+
+
+def on_collective_failure() -> None:
+    """Called where a collective failed, before its diagnosis (which waits up to 10 s on the peers):
+    SIGTERM is fatal again, and one received already ends the process now."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _received:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + _received)
 
 
 class StopAgreement:
