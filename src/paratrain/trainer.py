@@ -170,9 +170,10 @@ class Trainer:
                     if self.strategy.reports_loss:
                         loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
                 log.advance()
+                stopped_by = stops.after_step(self.step) if stops else 0  # preempted: log, save, leave
                 done = self.step == total
                 evaluate = done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
-                if done or evaluate or self.step % cfg.train.log_every == 0:
+                if done or stopped_by or evaluate or self.step % cfg.train.log_every == 0:
                     reduced = self.strategy.reduce_loss(loss_sum)
                     total_loss, reports = (reduce_loss_checking_sequences(loss_sum, rt) if reduced is None
                                            else reduced.tolist())
@@ -182,7 +183,7 @@ class Trainer:
                              "time": now - t_start, "wall": time.time(), **self.strategy.step_metrics()}
                     # A strategy that reduces its own loss (async ps) has ranks that do not meet at
                     # every logged step: its profile travels once, at the end, where they all meet.
-                    if reduced is None or done:
+                    if reduced is None or done or stopped_by:
                         entry.update(prof.flush(self.strategy.trainer_group))
                     if skipped:
                         entry["skipped_steps"] = skipped
@@ -192,13 +193,9 @@ class Trainer:
                     last = entry
                     t_last, steps_since, skipped = time.perf_counter(), 0, 0
                     loss_sum = torch.zeros_like(loss_sum)
-                saved = cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0
-                if saved:
+                if stopped_by or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save_checkpoint()
-                stopped_by = stops.after_step(self.step) if stops else 0
-                if stopped_by:  # preempted: keep this step's work, and leave without the final export
-                    if not saved:
-                        self.save_checkpoint()
+                if stopped_by:  # without the final export: the run is not over
                     break
             if stops:
                 stops.close()
