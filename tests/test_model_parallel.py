@@ -180,6 +180,7 @@ def test_user_model_tp_plan(tmp_path):
     (["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={'blocks.0.ln1'='colwise'}"], "parallel.tp_plan"),
     (["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={'head.lm_head'='diagonal'}"], "parallel.tp_plan"),
     (["parallel.strategy='hybrid'", "parallel.tp=3"], "parallel.tp"),                    # tp x pp does not divide 2
+    (["parallel.strategy='pp'", "parallel.pp=3"], "parallel.pp"),                        # the degree that was set
     (["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='flops'"], "parallel.balance"),
 ])
 def test_bad_model_parallel_config_exits_2(tmp_path, capsys, sets, key):

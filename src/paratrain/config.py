@@ -276,8 +276,9 @@ def check_world(cfg: Config, world_size: int) -> None:
             raise ConfigError("parallel.tp", f"must be 1 for strategy {p.strategy!r}")
         if p.strategy not in ("pp", "hybrid") and p.pp != 1:
             raise ConfigError("parallel.pp", f"must be 1 for strategy {p.strategy!r}")
-        if world_size % (p.tp * p.pp):
-            raise ConfigError("parallel.tp", f"tp {p.tp} x pp {p.pp} does not divide the world size {world_size}")
+        if world_size % (p.tp * p.pp):  # name the degree that is set (pp when tp is 1)
+            raise ConfigError("parallel.pp" if p.tp == 1 else "parallel.tp",
+                              f"tp {p.tp} x pp {p.pp} does not divide the world size {world_size}")
     dp = data_parallel_degree(cfg, world_size)
     per_step = dp * cfg.train.grad_accum
     if cfg.data.batch_size % per_step:
