@@ -132,6 +132,13 @@ def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path):
     proc = run_cli("run", str(cfg), "--resume", "auto", "--set", "parallel.strategy='zero2'",
                    "--run-dir", str(tmp_path / "straight"))
     assert proc.returncode == 2 and "strategy 'dp'" in proc.stderr, proc.stderr[-500:]
+    # 4. ... or of another optimizer (its state is SGD's, not Adam's): exit 2 naming train.optimizer,
+    # up front for a named checkpoint
+    for resume in ("auto", str(ckpts / "step-8")):
+        proc = run_cli("run", str(cfg), "--resume", resume, "--set", "train.optimizer='adamw'",
+                       "--run-dir", str(tmp_path / "straight"))
+        assert proc.returncode == 2 and "train.optimizer" in proc.stderr and "'sgd'" in proc.stderr, proc.stderr[-500:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 @pytest.mark.parametrize("how", [[], ["--nproc", "3", "--set", "parallel.strategy='ps'", "--set", "ps.mode='async'"]],

@@ -206,6 +206,16 @@ class CheckpointReader:
         return decode(data)
 
 
+def check_optimizer(reader: CheckpointReader, optimizer: str) -> None:
+    """The optimizer state in a checkpoint is that optimizer's own (Adam's moments, SGD's momentum):
+    another optimizer cannot take it over. CheckpointMismatch naming train.optimizer if it differs."""
+    saved = reader.manifest.get("config", {}).get("train", {}).get("optimizer")
+    if saved is not None and saved != optimizer:
+        raise CheckpointMismatch("train.optimizer", f"checkpoint {reader.path} holds the state of optimizer "
+                                                    f"{saved!r}, this run uses {optimizer!r}: resume with "
+                                                    f"train.optimizer = {saved!r}")
+
+
 def latest_valid(run_dir: Path, log=print) -> CheckpointReader | None:
     """The newest checkpoint whose manifest and checksums hold; corrupt ones are reported and skipped."""
     for step, path in reversed(list_checkpoints(Path(run_dir) / "checkpoints")):

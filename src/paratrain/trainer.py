@@ -80,6 +80,7 @@ class Trainer:
             raise ckpt.CheckpointMismatch(
                 "resume", f"checkpoint {path} was written by strategy {reader.strategy!r}, "
                           f"this run uses {self.cfg.parallel.strategy!r}")
+        ckpt.check_optimizer(reader, self.cfg.train.optimizer)
         self.strategy.load_state_dict(reader)
         _, meta0 = reader.load(rank=0)
         self.step = int(meta0["trainer"]["step"])
