@@ -25,7 +25,8 @@ start) keep per-bucket state; after a step skipped for a non-finite gradient, `c
 
 Codecs with memory save it per rank through state_dict() / load_state_dict(tensors) (keys start
 with the codec's name, so a checkpoint of another codec is ignored): a resumed run continues with
-the same error feedback and warm start as an uninterrupted one.
+the same error feedback and warm start as an uninterrupted one. Memory saved for other buckets
+(another parallel.bucket_mb, or powersgd_rank) is dropped: that run's codec starts empty.
 
 PowerSGD of one bucket, phase by phase (arrows are all-reduces; P's overlaps backward, Q's the
 next buckets' advance):
@@ -157,7 +158,8 @@ class TopK:
 
     def reset(self, key, flat: torch.Tensor, shapes) -> None:
         error = self.error.get(key)
-        if error is None:
+        if error is None or error.shape != flat.shape:  # none yet, or restored for other buckets
+            self.error.pop(key, None)
             flat.zero_()
         else:
             flat.copy_(error)
@@ -387,10 +389,16 @@ class PowerSGD:
             st = self.state[key] = _PowerBucket(flat, shapes, self.rank, self.seed + key)
             if self.block is None or self.block.numel() < block_numel(st.matrices):
                 self.block = torch.empty(block_numel(st.matrices), dtype=torch.bfloat16, device=flat.device)
-            if f"powersgd.{key}.q" in self.restored:
-                st.q_flat.copy_(self.restored[f"powersgd.{key}.q"])
-                for i, M in enumerate(st.views(flat)):
-                    M.copy_(self.restored[f"powersgd.{key}.error{i}"])
+            q = self.restored.get(f"powersgd.{key}.q")
+            views = st.views(flat)
+            errors = [self.restored.get(f"powersgd.{key}.error{i}") for i in range(len(views))]
+            # A checkpoint's memory fits only the same buckets and rank: with another bucket_mb or
+            # powersgd_rank it starts empty, as at another world size.
+            if (q is not None and q.shape == st.q_flat.shape
+                    and all(e is not None and e.shape == M.shape for e, M in zip(errors, views))):
+                st.q_flat.copy_(q)
+                for M, e in zip(views, errors):
+                    M.copy_(e)
         return st
 
     def launch(self, key, flat: torch.Tensor, shapes, group, profiler):
