@@ -209,12 +209,25 @@ def test_the_worker_blamed_is_the_one_whose_error_is_its_own(tmp_path):
     assert blame(failures).rank == 0  # only consequences: the earliest, then the lowest rank
 
 
+SIGTERM_STEPS = 100  # the signal comes after step 10: ample time left to stop before the end, under load too
+
+
+@pytest.fixture(scope="module")
+def never_stopped(tmp_path_factory):
+    """The final weights of the SIGTERM test's run, trained without a stop."""
+    workdir = tmp_path_factory.mktemp("never-stopped")
+    (workdir / "slowmodel.py").write_text(SLOW_MODEL)
+    cfg = write_config(workdir / "c.toml", config_text(steps=SIGTERM_STEPS, every=0, pause=0.0))
+    check_ok(run_cli("run", str(cfg), "--run-dir", str(workdir / "run"), cwd=workdir))
+    return final_weights(workdir / "run")
+
+
 @pytest.mark.parametrize("who", ["process-group", "rank-1"])
-def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, who):
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, who, never_stopped):
     """Preemption: SIGTERM to the whole job (a scheduler) or to one worker alone. Every rank stops
     at the same step, and only after saving it (checkpoint.every = 0: no checkpoint but this one);
     the run resumed from it ends equal to one never stopped."""
-    STEPS = 100  # the signal comes after step 10: ample time left to stop before the end, under load too
+    STEPS = SIGTERM_STEPS
     (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
     cfg = write_config(tmp_path / "c.toml", config_text(steps=STEPS, every=0, pause=0.02))
     run_dir = tmp_path / "run"
@@ -251,7 +264,5 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, who):
 
     check_ok(run_cli("run", str(cfg), "--resume", "auto", "--run-dir", str(run_dir), cwd=tmp_path))
     assert [m["step"] for m in metrics(run_dir)] == list(range(1, STEPS + 1)), "every step is logged exactly once"
-    straight = write_config(tmp_path / "straight.toml", config_text(steps=STEPS, every=0, pause=0.0))
-    check_ok(run_cli("run", str(straight), "--run-dir", str(tmp_path / "straight"), cwd=tmp_path))
-    a, b = final_weights(run_dir), final_weights(tmp_path / "straight")
-    assert all(torch.equal(a[k], b[k]) for k in a), "the resumed run differs from the uninterrupted one"
+    a = final_weights(run_dir)
+    assert all(torch.equal(a[k], never_stopped[k]) for k in a), "the resumed run differs from the uninterrupted one"
