@@ -33,16 +33,15 @@ there is nothing to save yet.
 """
 from __future__ import annotations
 
-import os
 import signal
-import sys
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM,)
+from . import runtime
+
 CHECK_EVERY_S = 0.5
 _received = 0  # the stop signal this process got (0: none)
 
@@ -62,9 +61,7 @@ def on_collective_failure() -> None:
     SIGTERM is fatal again, and one received already ends the process now."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if _received:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(128 + _received)
+        runtime.leave(128 + _received)
 
 
 class StopAgreement:
@@ -73,8 +70,7 @@ class StopAgreement:
     def __init__(self, world_size: int, step: int, timeout: timedelta):
         global _received
         _received = 0
-        for sig in SIGNALS:
-            signal.signal(sig, _flag)
+        signal.signal(signal.SIGTERM, _flag)
         # new_group is collective: every rank builds the trainer, so every rank gets here.
         self.group = dist.new_group(backend="gloo", timeout=timeout) if world_size > 1 else None
         self.next_check, self.every = step + 1, 1
@@ -100,5 +96,4 @@ class StopAgreement:
     def close(self) -> None:
         """Once training is over: SIGTERM gets its default back, since what follows (the final
         export) is short and has no step boundary to stop at."""
-        for sig in SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
