@@ -206,9 +206,13 @@ class CheckpointReader:
         return decode(data)
 
 
-def check_optimizer(reader: CheckpointReader, optimizer: str) -> None:
-    """The optimizer state in a checkpoint is that optimizer's own (Adam's moments, SGD's momentum):
-    another optimizer cannot take it over. CheckpointMismatch naming train.optimizer if it differs."""
+def check_resumable(reader: CheckpointReader, strategy: str, optimizer: str, key: str) -> None:
+    """A checkpoint resumes only under the strategy that wrote it (its files are that strategy's
+    shards) and with the same optimizer (its state is that optimizer's own: Adam's moments, SGD's
+    momentum). CheckpointMismatch naming `key`, or train.optimizer, otherwise."""
+    if reader.strategy != strategy:
+        raise CheckpointMismatch(key, f"checkpoint {reader.path} was written by strategy {reader.strategy!r}, "
+                                      f"this run uses {strategy!r}")
     saved = reader.manifest.get("config", {}).get("train", {}).get("optimizer")
     if saved is not None and saved != optimizer:
         raise CheckpointMismatch("train.optimizer", f"checkpoint {reader.path} holds the state of optimizer "

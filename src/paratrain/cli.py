@@ -94,7 +94,7 @@ def check_resume_path(resume: str, cfg: config_mod.Config) -> None:
         return
     import torch
 
-    from .checkpoint import CheckpointError, CheckpointReader, check_optimizer
+    from .checkpoint import CheckpointError, CheckpointReader, check_resumable
     from .data import build_dataset
     from .models import build_model
     from .parallel import strategy_class
@@ -104,10 +104,7 @@ def check_resume_path(resume: str, cfg: config_mod.Config) -> None:
         reader.verify()
     except CheckpointError as exc:
         raise ConfigError("--resume", str(exc)) from None
-    if reader.strategy != cfg.parallel.strategy:
-        raise ConfigError("--resume", f"checkpoint {resume} was written by strategy {reader.strategy!r}, "
-                                      f"this run uses {cfg.parallel.strategy!r}")
-    check_optimizer(reader, cfg.train.optimizer)
+    check_resumable(reader, cfg.parallel.strategy, cfg.train.optimizer, "--resume")
     check = getattr(strategy_class(cfg.parallel.strategy), "check_checkpoint", None)
     if check is not None:  # names and shapes against the model, built on meta (no memory)
         with torch.device("meta"):

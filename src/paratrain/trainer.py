@@ -76,11 +76,7 @@ class Trainer:
         else:
             path = how
         reader = ckpt.CheckpointReader(path)
-        if reader.strategy != self.cfg.parallel.strategy:
-            raise ckpt.CheckpointMismatch(
-                "resume", f"checkpoint {path} was written by strategy {reader.strategy!r}, "
-                          f"this run uses {self.cfg.parallel.strategy!r}")
-        ckpt.check_optimizer(reader, self.cfg.train.optimizer)
+        ckpt.check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
         self.strategy.load_state_dict(reader)
         _, meta0 = reader.load(rank=0)
         self.step = int(meta0["trainer"]["step"])
