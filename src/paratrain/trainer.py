@@ -167,8 +167,9 @@ class Trainer:
                     if self.strategy.reports_loss:
                         loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
                 log.advance()
-                stopped_by = stops.after_step(self.step) if stops else 0  # preempted: log, save, leave
                 done = self.step == total
+                # preempted: log, save, leave (the last step finishes the run as usual instead)
+                stopped_by = stops.after_step(self.step) if stops and not done else 0
                 evaluate = done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
                 if done or stopped_by or evaluate or self.step % cfg.train.log_every == 0:
                     reduced = self.strategy.reduce_loss(loss_sum)
