@@ -39,6 +39,26 @@ def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, strategy):
     assert logged == list(range(1, 31)), "every step is logged exactly once"
 
 
+def test_restart_of_a_run_resumed_from_a_path_goes_on_from_its_own_newest_checkpoint(tmp_path):
+    """--resume PATH with --max-restarts: a restart went back to PATH, redoing every step since; and
+    the checkpoints past PATH already in the run directory (the future of the run resumed from)
+    would be taken for this run's own. They are moved aside; the restart resumes from this run's."""
+    (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
+    cfg = write_config(tmp_path / "earlier.toml", config_text(steps=20, every=5, pause=0.0))
+    check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=tmp_path))  # keeps steps 15, 20
+    start = tmp_path / "run" / "checkpoints" / "step-15"
+    killed = run_and_kill(tmp_path, steps=30, every=5, pause=0.03, kill_after_step=27,
+                          extra_args=("--resume", str(start)))
+    assert killed["returncode"] == 0, killed["output"]
+    assert "the checkpoints past it here (step 20) moved to" in killed["output"], killed["output"]
+    resumed = [line for line in killed["output"].splitlines() if line.startswith("resumed from")]
+    assert len(resumed) == 2 and "at step 15 " in resumed[0], resumed
+    restart_step = int(resumed[1].split("at step ")[1].split()[0])
+    assert restart_step >= 25 and str(start) not in resumed[1], resumed
+    # steps 1-15 are the earlier run's, the rest this run's: each logged once
+    assert [m["step"] for m in metrics(killed["run_dir"])] == list(range(1, 31))
+
+
 def test_skipped_collective_is_reported_with_rank_operation_and_step(tmp_path):
     cfg = write_config(tmp_path / "c.toml", BASE)
     t0 = time.monotonic()

@@ -65,7 +65,12 @@ def check_samples(cfg: config_mod.Config, train_set) -> None:
                                         f"'mse'; soft labels: a module:function loss)")
 
 
-def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_rank: int) -> None:
+def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_rank: int,
+                    resume_step: int | None = None) -> None:
+    """Make the run directory (writable, with room), write its config.toml, and put earlier work
+    that this run must not mix with aside: every checkpoint for a fresh start, and those past
+    `resume_step` for --resume PATH, which are another run's future. Elastic restarts and a later
+    --resume auto go on from the newest checkpoint here, so it must be this run's own."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         # A probe file of this process's own: the nodes of a multi-node run may share this
@@ -80,35 +85,66 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
     aside = run_dir / f".config-{uuid.uuid4().hex}.toml"
     aside.write_text(config_mod.to_toml(cfg))
     os.replace(aside, run_dir / "config.toml")
-    if resume == "none" and node_rank == 0:
-        old = run_dir / "checkpoints"
+    if node_rank != 0:  # node 0 tidies a folder the nodes share
+        return
+    old = run_dir / "checkpoints"
+    if resume == "none":
         if old.is_dir() and any(old.iterdir()):
             aside = run_dir / f"checkpoints.prev-{int(time.time())}"
             old.rename(aside)
             print(f"paratrain: starting fresh; checkpoints of the earlier run moved to {aside}", flush=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    elif resume_step is not None:
+        from .checkpoint import list_checkpoints
+
+        later = [(step, path) for step, path in list_checkpoints(old) if step > resume_step]
+        if later:
+            aside = run_dir / f"checkpoints.prev-{int(time.time())}"
+            aside.mkdir()
+            for _, path in later:
+                path.rename(aside / path.name)
+            print(f"paratrain: resuming from step {resume_step}; the checkpoints past it here "
+                  f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}", flush=True)
 
 
-def check_resume_path(resume: str, cfg: config_mod.Config) -> None:
-    if resume in ("none", "auto"):
-        return
+def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | None:
+    """Check the checkpoint the run will resume from before any worker starts, and return its step.
+
+    --resume PATH: that checkpoint, files verified. auto: the newest in the run directory whose
+    manifest reads; the workers verify its files and fall back to an older one if they fail, but
+    all of them were written by one run, under one strategy and optimizer. None when there is
+    nothing to resume from. ConfigError (exit 2) for a checkpoint this run cannot resume."""
+    if resume == "none":
+        return None
     import torch
 
-    from .checkpoint import CheckpointError, CheckpointReader, check_resumable
+    from .checkpoint import CheckpointError, CheckpointReader, check_resumable, list_checkpoints
     from .data import build_dataset
     from .models import build_model
     from .parallel import strategy_class
 
-    try:
-        reader = CheckpointReader(resume)
-        reader.verify()
-    except CheckpointError as exc:
-        raise ConfigError("--resume", str(exc)) from None
+    if resume == "auto":
+        reader = None
+        for _, path in reversed(list_checkpoints(run_dir / "checkpoints")):
+            try:
+                reader = CheckpointReader(path)
+                break
+            except (CheckpointError, KeyError, ValueError):
+                continue  # the workers say why, as they skip it
+        if reader is None:
+            return None
+    else:
+        try:
+            reader = CheckpointReader(resume)
+            reader.verify()
+        except CheckpointError as exc:
+            raise ConfigError("--resume", str(exc)) from None
     check_resumable(reader, cfg.parallel.strategy, cfg.train.optimizer, "--resume")
     check = getattr(strategy_class(cfg.parallel.strategy), "check_checkpoint", None)
     if check is not None:  # names and shapes against the model, built on meta (no memory)
         with torch.device("meta"):
             check(reader, build_model(cfg, build_dataset(cfg, "train")))
+    return reader.step
 
 
 def load_config(args) -> config_mod.Config:
@@ -154,8 +190,9 @@ def cmd_run(args) -> int:
         start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc, device_note = place(cfg, args)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
-        check_resume_path(args.resume, cfg)
-        prepare_run_dir(run_dir, cfg, args.resume, args.node_rank)
+        resume_step = check_resume(args.resume, cfg, run_dir)
+        prepare_run_dir(run_dir, cfg, args.resume, args.node_rank,
+                        resume_step if args.resume not in ("none", "auto") else None)
     except ConfigError as exc:
         return _error(str(exc), 2)
     if device_note:  # after the checks, so that a bad config still gets its one line

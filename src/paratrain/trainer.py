@@ -58,23 +58,24 @@ class Trainer:
 
     # -- resume ---------------------------------------------------------------------------------
     def resume(self, how: str) -> None:
-        """`how`: none | auto | PATH. An elastic restart always resumes from the newest checkpoint."""
-        if how == "none" and self.rt.restart_count > 0:
-            how = "auto"
-        if how == "none":
+        """`how`: none | auto | PATH. An elastic restart goes on from the newest checkpoint in the
+        run directory, or from PATH while the run has saved none past it (the launcher moved any
+        other run's later checkpoints aside: cli.prepare_run_dir)."""
+        restarted = self.rt.restart_count > 0
+        if how == "none" and not restarted:
             return
-        path = None
-        if how == "auto":
+        path = how
+        if how == "auto" or restarted:
             if self.rt.is_main:
                 reader = ckpt.latest_valid(self.run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
                 path = str(reader.path) if reader else ""
-            path = broadcast_str(path or "", self.rt)
+                if how not in ("none", "auto") and (reader is None or reader.step <= _step_of(how)):
+                    path = how
+            path = broadcast_str(path, self.rt)
             if not path:
                 if self.rt.is_main:
                     print("no checkpoint to resume from: starting fresh", flush=True)
                 return
-        else:
-            path = how
         reader = ckpt.CheckpointReader(path)
         ckpt.check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
         self.strategy.load_state_dict(reader)
@@ -254,6 +255,15 @@ def reduce_loss_checking_sequences(loss_sum: torch.Tensor, rt: runtime.Runtime) 
             f"rank {rt.rank}: collective sequences differ at step {collectives.LOG.step}: rank(s) "
             f"{', '.join(map(str, odd))} issued different collectives than their peers")
     return table[:, 0].sum().item(), table[:, 1].sum().item()
+
+
+def _step_of(path: str) -> int:
+    """The step of checkpoint `path`; -1 if it is gone: pruned (checkpoint.keep) because this run
+    saved that many newer ones into the same directory."""
+    try:
+        return ckpt.CheckpointReader(path).step
+    except ckpt.CheckpointError:
+        return -1
 
 
 def broadcast_str(text: str, rt: runtime.Runtime) -> str:
