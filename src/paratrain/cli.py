@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import signal
@@ -90,7 +91,7 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
     old = run_dir / "checkpoints"
     if resume == "none":
         if old.is_dir() and any(old.iterdir()):
-            aside = run_dir / f"checkpoints.prev-{int(time.time())}"
+            aside = new_aside_dir(run_dir)
             old.rename(aside)
             print(f"paratrain: starting fresh; checkpoints of the earlier run moved to {aside}", flush=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -99,12 +100,21 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
 
         later = [(step, path) for step, path in list_checkpoints(old) if step > resume_step]
         if later:
-            aside = run_dir / f"checkpoints.prev-{int(time.time())}"
+            aside = new_aside_dir(run_dir)
             aside.mkdir()
             for _, path in later:
                 path.rename(aside / path.name)
             print(f"paratrain: resuming from step {resume_step}; the checkpoints past it here "
                   f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}", flush=True)
+
+
+def new_aside_dir(run_dir: Path) -> Path:
+    """checkpoints.prev-TIME, a name not taken yet (two runs may put checkpoints aside in one second)."""
+    stamp = int(time.time())
+    for n in itertools.count(1):
+        aside = run_dir / (f"checkpoints.prev-{stamp}" + (f"-{n}" if n > 1 else ""))
+        if not aside.exists():
+            return aside
 
 
 def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | None:
