@@ -80,10 +80,26 @@ def test_bad_builtin_arguments_exit_2_naming_the_key(tmp_path, capsys, override,
     ("data.max_chars=0", "data.max_chars"),
     ("data.val_fraction=1", "data.val_fraction"),
     ("data.path='/nonexistent/text.txt'", "data.path"),
+    ("data.path='memory://nonexistent.txt'", "data.path"),    # an fsspec URL
+    ("data.path='nosuch://text.txt'", "data.path"),           # a scheme fsspec does not know
+    ("data.path='dropbox://text.txt'", "data.path"),          # ... or whose package is not installed
 ])
 def test_bad_default_job_arguments_exit_2_naming_the_key(tmp_path, capsys, override, key):
     code, err = run_main(capsys, "run", "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override)
     assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
+
+
+def test_unreadable_inputs_exit_2_naming_the_key(tmp_path, capsys, monkeypatch):
+    """Not UTF-8 text, and a user factory whose import fails: one line each, not a traceback."""
+    (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
+    code, err = run_main(capsys, "run", "--run-dir", str(tmp_path / "r"), "--set", f"data.path='{tmp_path / 'binary.txt'}'")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "data.path" in err and "UTF-8" in err, err
+    (tmp_path / "needs.py").write_text("def build(split='train'):\n    import a_package_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for key, builtin in (("data.factory", "digits"), ("model.factory", "mlp")):
+        cfg = write_config(tmp_path / "c.toml", DIGITS.replace(f'factory = "{builtin}"', 'factory = "needs:build"'))
+        code, err = run_main(capsys, "run", str(cfg), "--run-dir", str(tmp_path / "r"))
+        assert code == 2 and len(err.strip().splitlines()) == 1 and key in err and "a_package_not_installed" in err, err
 
 
 @pytest.mark.parametrize("options, key", [

@@ -29,7 +29,7 @@ def build_dataset(cfg: Config, split: str = "train") -> Dataset | None:
         ds = fn(**kwargs)
     except ArgumentError as exc:
         raise ConfigError(f"data.{exc.arg}", str(exc)) from None
-    except (TypeError, ValueError, OSError) as exc:
+    except (TypeError, ValueError, OSError, ImportError) as exc:
         raise ConfigError("data.factory", f"{name} failed: {exc}") from None
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
         raise ConfigError("data.factory", f"{name} returned {type(ds).__name__}, not a map-style Dataset")

@@ -129,7 +129,12 @@ def corpus(split: str = "train", block_size: int = 64, max_chars: int = 2_000_00
     try:
         vocab, tokens = _encoded(path, max_chars)
     except OSError as exc:
-        raise ArgumentError("path", f"cannot read {path}: {exc.strerror or exc}") from None
+        why = exc.strerror or ("no such file" if isinstance(exc, FileNotFoundError) else exc)
+        raise ArgumentError("path", f"cannot read {path}: {why}") from None
+    except UnicodeDecodeError as exc:
+        raise ArgumentError("path", f"{path} is not UTF-8 text: {exc}") from None
+    except (ImportError, ValueError) as exc:  # fsspec: a scheme it does not know, or whose package is missing
+        raise ArgumentError("path", f"cannot read {path}: {exc}") from None
     n_train = int(len(tokens) * (1 - val_fraction))
     part = tokens[:n_train] if split == "train" else tokens[n_train:]
     return CharCorpus(part, block_size, list(vocab))

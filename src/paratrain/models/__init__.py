@@ -48,7 +48,7 @@ def build_model(cfg: Config, dataset) -> nn.Module:
         model = fn(**kwargs)
     except ArgumentError as exc:
         raise ConfigError(f"model.{exc.arg}", str(exc)) from None
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, ImportError) as exc:
         raise ConfigError("model.factory", f"{name} failed: {exc}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError("model.factory", f"{name} returned {type(model).__name__}, not a torch.nn.Module")
