@@ -151,6 +151,52 @@ def test_a_stage_without_parameters(tmp_path):
     assert rel_error(final_weights(tmp_path / "run"), ref) <= 1e-4
 
 
+TIED = """
+from torch import nn
+
+
+def build():
+    shared, tied = nn.Linear(32, 32), nn.Linear(32, 32)
+    tied.weight = shared.weight  # one parameter, used by layers 2 and 4
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), shared, nn.ReLU(), tied, nn.ReLU(), nn.Linear(32, 32),
+                         nn.ReLU(), nn.Linear(32, 10))
+
+
+def both_ends():
+    same = nn.Linear(64, 64)  # the first and the last layer
+    return nn.Sequential(same, nn.ReLU(), same)
+"""
+
+
+def test_tied_weights_stay_in_one_stage(tmp_path, capsys):
+    """A parameter shared by two layers (an embedding tied to the output projection): split
+    between stages, each rank trained its own copy and the copies drifted apart, silently. The cut
+    keeps the layers between them in one stage (balanced by parameters, the best cut otherwise
+    falls after layer 2, between them), and the run equals one process; a tie that leaves too few layers to cut
+    exits 2 saying so."""
+    import runpy
+
+    from paratrain.data.datasets import digits
+
+    (tmp_path / "tied.py").write_text(TIED)
+    job = DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "tied:both_ends"') + \
+        "[parallel]\nstrategy = 'pp'\npp = 2\nbalance = 'params'\n"
+    cfg = write_config(tmp_path / "c.toml", job)
+    assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pp" in err and "layers 0-2 share 0.weight (tied weights)" in err, err
+
+    cfg = write_config(tmp_path / "c.toml", job.replace("tied:both_ends", "tied:build"))
+    proc = check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
+    assert "stage 0 (rank 0): layers 0-1, " in proc.stdout, proc.stdout
+    torch.manual_seed(0)
+    x, y = digits("train").tensors
+    ref = train_reference(runpy.run_path(str(tmp_path / "tied.py"))["build"](), x, y, steps=20, batch_size=24, lr=0.1)
+    weights = final_weights(tmp_path / "run")
+    assert torch.equal(weights["2.weight"], weights["4.weight"])
+    assert rel_error(weights, ref) <= 1e-4
+
+
 MLP = DIGITS_MLP + """clip_grad_norm = 0.5
 [parallel]
 strategy = "tp"

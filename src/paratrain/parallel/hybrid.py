@@ -28,7 +28,7 @@ from .base import Strategy, broadcast_tensors, clip_factor, eval_sums, unique_pa
 from .data_parallel import GradientReducer
 from .mesh import build_mesh
 from .pipeline import (PipelineEngine, StageChunk, allowed_cuts, boundary_shape_fn, decide_split,
-                       pipeline_layers, splittable_layers)
+                       pipeline_layers, splittable_layers, tied_spans)
 from .pipeline_schedules import SCHEDULES, forward_only, one_f_one_b
 from .tensor_parallel import (apply_tensor_parallel, check_plan, full_width, output_is_sharded,
                               parallel_loss, plan_for)
@@ -63,8 +63,10 @@ def check_model(cfg: Config, model: nn.Module) -> None:
                                              f"nn.Sequential or a module with pipeline_layers()")
         stages, layers = p.pp * virtual_stages(cfg), splittable_layers(model, plan)
         if stages > layers:
+            tied = "".join(f"; layers {a}-{b} share {name} (tied weights) and stay in one stage"
+                           for a, b, name in tied_spans(model, pipeline_layers(model)))
             raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp {p.pp} x {virtual_stages(cfg)} virtual) "
-                                             f"but the model has only {layers} layers to split")
+                                             f"but the model has only {layers} layer{'' if layers == 1 else 's'} to split{tied}")
 
 
 class ModelParallel(Strategy):

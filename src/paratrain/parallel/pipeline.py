@@ -35,12 +35,13 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module] | None:
     if hasattr(model, "pipeline_layers"):
         return list(model.pipeline_layers())
     if isinstance(model, nn.Sequential):
-        return list(model.children())
+        return list(model)  # as forward runs them: children() lists a module used twice once
     return None
 
 
 def allowed_cuts(model: nn.Module, layers: list[nn.Module], plan: dict) -> list[bool]:
-    """allowed[i]: may a stage end after layer i (not inside a colwise -> rowwise pair)?"""
+    """allowed[i]: may a stage end after layer i? Not inside a colwise -> rowwise pair, and not
+    between two layers that share a parameter (tied_spans)."""
     name_of = {id(m): n for n, m in model.named_modules()}
     sharded, allowed = False, []
     for layer in layers:
@@ -51,8 +52,23 @@ def allowed_cuts(model: nn.Module, layers: list[nn.Module], plan: dict) -> list[
             elif style == "rowwise":
                 sharded = False
         allowed.append(not sharded)
+    for first, last, _ in tied_spans(model, layers):
+        for i in range(first, last):
+            allowed[i] = False
     allowed[-1] = True
     return allowed
+
+
+def tied_spans(model: nn.Module, layers: list[nn.Module]) -> list[tuple[int, int, str]]:
+    """(first layer, last layer, parameter name) of each parameter that several layers share, such
+    as an embedding tied to the output projection. Stages on different ranks would each hold a
+    copy of it and train the copies apart, so the layers from first to last stay in one stage."""
+    name_of = {id(t): n for n, t in model.named_parameters()}
+    users: dict[int, list[int]] = {}
+    for i, layer in enumerate(layers):
+        for t in layer.parameters():
+            users.setdefault(id(t), []).append(i)
+    return [(min(idx), max(idx), name_of.get(key, "?")) for key, idx in users.items() if min(idx) < max(idx)]
 
 
 def partition(costs: list[float], n_stages: int, allowed: list[bool]) -> list[int]:
