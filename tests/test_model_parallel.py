@@ -168,19 +168,20 @@ def both_ends():
 """
 
 
-def test_tied_weights_stay_in_one_stage(tmp_path, capsys):
-    """A parameter shared by two layers (an embedding tied to the output projection): split
-    between stages, each rank trained its own copy and the copies drifted apart, silently. The cut
-    keeps the layers between them in one stage (balanced by parameters, the best cut otherwise
-    falls after layer 2, between them), and the run equals one process; a tie that leaves too few layers to cut
-    exits 2 saying so."""
+def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
+    """A parameter two layers share (an embedding tied to the output projection): split between
+    stages, each rank trained its own copy and the copies drifted apart, silently. Now the stages
+    holding a copy sum its gradient every step (balanced by parameters, the cut falls between the
+    two layers), and the run equals one process, with clipping on the global norm, which counts the
+    parameter once. A module used twice cannot be split (its weights leave a rank with either use):
+    too few layers then exits 2 saying why."""
     import runpy
 
     from paratrain.data.datasets import digits
 
     (tmp_path / "tied.py").write_text(TIED)
     job = DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "tied:both_ends"') + \
-        "[parallel]\nstrategy = 'pp'\npp = 2\nbalance = 'params'\n"
+        "clip_grad_norm = 0.1\n[parallel]\nstrategy = 'pp'\npp = 2\nbalance = 'params'\n"
     cfg = write_config(tmp_path / "c.toml", job)
     assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
@@ -188,13 +189,16 @@ def test_tied_weights_stay_in_one_stage(tmp_path, capsys):
 
     cfg = write_config(tmp_path / "c.toml", job.replace("tied:both_ends", "tied:build"))
     proc = check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
-    assert "stage 0 (rank 0): layers 0-1, " in proc.stdout, proc.stdout
+    assert "stage 0 (rank 0): layers 0-2, " in proc.stdout, proc.stdout
+    assert "tied weights: 2.weight is shared by stages [0, 1]" in proc.stdout, proc.stdout
     torch.manual_seed(0)
     x, y = digits("train").tensors
-    ref = train_reference(runpy.run_path(str(tmp_path / "tied.py"))["build"](), x, y, steps=20, batch_size=24, lr=0.1)
+    ref = train_reference(runpy.run_path(str(tmp_path / "tied.py"))["build"](), x, y, steps=20, batch_size=24,
+                          lr=0.1, clip=0.1)
     weights = final_weights(tmp_path / "run")
     assert torch.equal(weights["2.weight"], weights["4.weight"])
-    assert rel_error(weights, ref) <= 1e-4
+    # 4e-8 here; 2e-4 with the tied parameter's gradient counted twice in the clipping norm
+    assert rel_error(weights, ref) <= 1e-6
 
 
 MLP = DIGITS_MLP + """clip_grad_norm = 0.5

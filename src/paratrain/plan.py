@@ -345,8 +345,8 @@ def pipeline_comm(r: RankPlan, actions, boundary: list[int], n_stages: int, worl
 def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPlan], rows: int) -> list[dict]:
     """tp, pp, hybrid: which stages and which tp shard of each parameter every rank holds."""
     from .parallel.base import unique_parameters
-    from .parallel.hybrid import virtual_stages
-    from .parallel.pipeline import allowed_cuts, parameter_costs, partition, pipeline_layers
+    from .parallel.hybrid import sync_ties, virtual_stages
+    from .parallel.pipeline import allowed_cuts, parameter_costs, partition, pipeline_layers, shared_parameters
     from .parallel.tensor_parallel import STYLES, plan_for
     from .parallel.tp_comm import shard_range
 
@@ -357,10 +357,14 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
     tp_plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
     if p.pp > 1:
         layers = pipeline_layers(model)
-        bounds = partition(parameter_costs(layers), n_stages, allowed_cuts(model, layers, tp_plan))
+        bounds = partition(parameter_costs(layers), n_stages, allowed_cuts(model, layers, tp_plan, sync_ties(cfg)))
         stage_layers = [layers[bounds[s]:bounds[s + 1]] for s in range(n_stages)]
+        # parameters shared by layers of different stages: each holder sums its copy's gradient
+        ties = [(_nbytes([t]), sorted({s for s in range(n_stages) for i in idx if bounds[s] <= i < bounds[s + 1]}))
+                for t, _, idx, _ in shared_parameters(model, layers)]
+        ties = [(nbytes, holders) for nbytes, holders in ties if len(holders) > 1]
     else:
-        bounds, stage_layers = [0, 1], [[model]]
+        bounds, stage_layers, ties = [0, 1], [[model]], []
     # the dimension each planned module's tensors are split along, by parameter name
     shard_dims = {f"{name}.{t}": d for name, style in tp_plan.items() for t, d in STYLES[style].shard_dims.items()}
     name_of = {id(t): n for n, t in model.named_parameters()}
@@ -407,6 +411,9 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
             for payload in tp_payloads[s]:
                 r.add_comm("all_reduce", payload, p.tp, times=m)
             dp_comm(r, cfg, held[s], dp)  # each chunk's gradients, averaged over the dp group
+        for nbytes, holders in ties:
+            if r.pp in holders:
+                r.add_comm("all_reduce", nbytes, len(holders))
         if world > 1:
             r.add_comm("all_reduce", 8, world)  # the global gradient norm (float64)
     if p.pp == 1:

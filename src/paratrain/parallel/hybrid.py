@@ -13,6 +13,7 @@ each chunk's reducer communicates during that chunk's last backward, overlapped 
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 
@@ -28,7 +29,7 @@ from .base import Strategy, broadcast_tensors, clip_factor, eval_sums, unique_pa
 from .data_parallel import GradientReducer
 from .mesh import build_mesh
 from .pipeline import (PipelineEngine, StageChunk, allowed_cuts, boundary_shape_fn, decide_split,
-                       pipeline_layers, splittable_layers, tied_spans)
+                       pipeline_layers, shared_parameters, splittable_layers, tied_spans)
 from .pipeline_schedules import SCHEDULES, forward_only, one_f_one_b
 from .tensor_parallel import (apply_tensor_parallel, check_plan, full_width, output_is_sharded,
                               parallel_loss, plan_for)
@@ -38,6 +39,12 @@ from .tp_comm import all_gather_dim, gather_from_tp, shard_range
 def virtual_stages(cfg: Config) -> int:
     p = cfg.parallel
     return p.virtual_stages if p.schedule == "interleaved" and p.pp > 1 else 1
+
+
+def sync_ties(cfg: Config) -> bool:
+    """Whether the engine sums the gradients of a parameter shared by layers of different stages
+    (ModelParallel._sum_tied_grads): with one stage per rank and no tp, each rank holds one copy."""
+    return cfg.parallel.tp == 1 and virtual_stages(cfg) == 1
 
 
 def microbatch_count(cfg: Config) -> int:
@@ -61,10 +68,10 @@ def check_model(cfg: Config, model: nn.Module) -> None:
         if pipeline_layers(model) is None:
             raise ConfigError("parallel.pp", f"pp = {p.pp} needs a model that can be cut into layers: an "
                                              f"nn.Sequential or a module with pipeline_layers()")
-        stages, layers = p.pp * virtual_stages(cfg), splittable_layers(model, plan)
+        stages, layers = p.pp * virtual_stages(cfg), splittable_layers(model, plan, sync_ties(cfg))
         if stages > layers:
             tied = "".join(f"; layers {a}-{b} share {name} (tied weights) and stay in one stage"
-                           for a, b, name in tied_spans(model, pipeline_layers(model)))
+                           for a, b, name in tied_spans(model, pipeline_layers(model), sync_ties(cfg)))
             raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp {p.pp} x {virtual_stages(cfg)} virtual) "
                                              f"but the model has only {layers} layer{'' if layers == 1 else 's'} to split{tied}")
 
@@ -88,13 +95,15 @@ class ModelParallel(Strategy):
         # 2. the cut
         if p.pp > 1:
             layers = pipeline_layers(model)
-            self.bounds, costs = decide_split(layers, self.n_stages, allowed_cuts(model, layers, plan),
+            self.bounds, costs = decide_split(layers, self.n_stages, allowed_cuts(model, layers, plan, sync_ties(cfg)),
                                               p.balance, self._sample_input, self.autocast, rt.device)
             if rt.is_main:
                 self._log_split(costs)
         else:
             self.bounds = [0, 1]
         stage_of_key = self._stage_of_keys(model)
+        self.tie_names = _tie_names(model)
+        self.tied = self._tie_groups(model) if p.pp > 1 and sync_ties(cfg) else []
 
         # 3. tensor parallelism (same names, sharded tensors)
         self.shard_dims = apply_tensor_parallel(model, plan, mesh.tp_group) if p.tp > 1 else {}
@@ -153,6 +162,41 @@ class ModelParallel(Strategy):
         x, _ = load_batch(dataset, torch.arange(min(rows, len(dataset))))
         return x.to(self.rt.device)
 
+    def _tie_groups(self, model: nn.Module) -> list[tuple[nn.Parameter, object, bool]]:
+        """Collective. For each parameter that layers of different stages share: (this rank's copy,
+        the group of the ranks holding a copy in this rank's (dp, tp) column, whether this rank is
+        the first of them), for the ties this rank holds. Every rank makes every group, in one order."""
+        mesh, mine = self.mesh, []
+        for param, name, idx, _ in shared_parameters(model, pipeline_layers(model)):
+            holders = sorted({bisect.bisect_right(self.bounds, i) - 1 for i in idx})  # stage = pp rank here
+            if len(holders) < 2:
+                continue
+            for d in range(mesh.dp):
+                for t in range(mesh.tp):
+                    ranks = [mesh.global_rank(q, d, t) for q in holders]
+                    group = dist.new_group(ranks)
+                    if self.rt.rank in ranks:
+                        mine.append((param, group, self.rt.rank == ranks[0]))
+            if self.rt.is_main:
+                print(f"tied weights: {name} is shared by stages {holders}; their copies' gradients are summed "
+                      f"every step", flush=True)
+        return mine
+
+    def _sum_tied_grads(self) -> torch.Tensor:
+        """Sum each tied parameter's gradient over the stages holding a copy, so that every copy
+        takes the step the one parameter of the unsplit model takes. Returns the change to this
+        rank's share of the squared gradient norm: its copy's part out, the sum in, once (on the
+        tie's first stage)."""
+        change = torch.zeros((), dtype=torch.float64, device=self.rt.device)
+        for param, group, first in self.tied:
+            if param.grad is None:
+                continue
+            change -= param.grad.double().pow(2).sum()
+            collectives.all_reduce(param.grad, "tied-weight-grad", group)
+            if first:
+                change += param.grad.double().pow(2).sum()
+        return change
+
     def _stage_of_keys(self, model: nn.Module) -> dict[str, int]:
         """State-dict key -> the virtual stage holding it (keys outside every layer: stage 0)."""
         if self.cfg.parallel.pp == 1:
@@ -196,7 +240,7 @@ class ModelParallel(Strategy):
                                  self.train_loss, self.autocast, train=True, before_backward=before_backward)
         chunk_norms = [r.finish() for r in self.reducers]
         with self.profiler.phase("optimizer"):
-            norm = self._global_grad_norm(chunk_norms)
+            norm = self._global_grad_norm(chunk_norms, self._sum_tied_grads())
             self.skipped_step = not math.isfinite(norm)  # the same norm, so the same decision, on every rank
             if not self.skipped_step:
                 if self.cfg.train.clip_grad_norm > 0:
@@ -209,12 +253,12 @@ class ModelParallel(Strategy):
             return torch.stack([l.detach().float() for l in losses]).mean()
         return torch.zeros((), device=self.rt.device)
 
-    def _global_grad_norm(self, chunk_norms: list[torch.Tensor]) -> float:
+    def _global_grad_norm(self, chunk_norms: list[torch.Tensor], tied_change: torch.Tensor) -> float:
         """The norm over all shards of the model. dp replicas hold equal gradients, so the
         world-wide sum of squares is divided by dp. Without tp the reducers' norms of their chunks
-        are exact; with tp a replicated tensor (layer norms, row-parallel biases) counts once, on
-        tp rank 0."""
-        squares = torch.zeros((), dtype=torch.float64, device=self.rt.device)
+        are exact (corrected for tied copies: `tied_change`); with tp a replicated tensor (layer
+        norms, row-parallel biases) counts once, on tp rank 0."""
+        squares = tied_change.clone()
         if self.mesh.tp == 1:
             squares += sum(n.double() ** 2 for n in chunk_norms)
         else:
@@ -299,8 +343,14 @@ class ModelParallel(Strategy):
                 t.copy_(state[k])
         optim = {}
         for name in self.param_names:
-            prefix = f"optim.{name}."
-            optim.update({key: mine(key, name) for key in pieces if key.startswith(prefix)})
+            # A tied parameter's state may be saved under another of its names: the name of the
+            # copy a stage held, or the first name when one stage held all its uses.
+            for saved in (name, *self.tie_names.get(name, ())):
+                prefix = f"optim.{saved}."
+                found = {f"optim.{name}.{key[len(prefix):]}": mine(key, saved) for key in pieces if key.startswith(prefix)}
+                if found:
+                    optim.update(found)
+                    break
         ckpt.optimizer_from_tensors(self.optimizer, self.param_names, optim,
                                     {"param_groups": groups, "scalars": scalars})
 
@@ -345,6 +395,14 @@ class ModelParallel(Strategy):
         for k in full:
             per_rank[stage_of_key[k] % self.mesh.pp].append(k)
         return per_rank
+
+
+def _tie_names(model: nn.Module) -> dict[str, list[str]]:
+    """For each name of a parameter known by several names (tied), its other names."""
+    names: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(t), []).append(name)
+    return {n: [o for o in group if o != n] for group in names.values() if len(group) > 1 for n in group}
 
 
 def _group_by_dtype(tensors) -> dict[torch.dtype, list[int]]:

@@ -39,9 +39,10 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module] | None:
     return None
 
 
-def allowed_cuts(model: nn.Module, layers: list[nn.Module], plan: dict) -> list[bool]:
+def allowed_cuts(model: nn.Module, layers: list[nn.Module], plan: dict, sync_ties: bool = False) -> list[bool]:
     """allowed[i]: may a stage end after layer i? Not inside a colwise -> rowwise pair, and not
-    between two layers that share a parameter (tied_spans)."""
+    between two layers that share a parameter unless the engine keeps the copies in sync
+    (tied_spans)."""
     name_of = {id(m): n for n, m in model.named_modules()}
     sharded, allowed = False, []
     for layer in layers:
@@ -52,23 +53,40 @@ def allowed_cuts(model: nn.Module, layers: list[nn.Module], plan: dict) -> list[
             elif style == "rowwise":
                 sharded = False
         allowed.append(not sharded)
-    for first, last, _ in tied_spans(model, layers):
+    for first, last, _ in tied_spans(model, layers, sync_ties):
         for i in range(first, last):
             allowed[i] = False
     allowed[-1] = True
     return allowed
 
 
-def tied_spans(model: nn.Module, layers: list[nn.Module]) -> list[tuple[int, int, str]]:
-    """(first layer, last layer, parameter name) of each parameter that several layers share, such
-    as an embedding tied to the output projection. Stages on different ranks would each hold a
-    copy of it and train the copies apart, so the layers from first to last stay in one stage."""
+def shared_parameters(model: nn.Module, layers: list[nn.Module]) -> list[tuple[nn.Parameter, str, list[int], bool]]:
+    """Each parameter that several layers use, such as an embedding tied to the output projection:
+    (the parameter, its name, those layers, whether a module holding it is itself used by several
+    layers), in layer order."""
     name_of = {id(t): n for n, t in model.named_parameters()}
     users: dict[int, list[int]] = {}
+    owners: dict[int, set[int]] = {}
+    params: dict[int, nn.Parameter] = {}
     for i, layer in enumerate(layers):
-        for t in layer.parameters():
-            users.setdefault(id(t), []).append(i)
-    return [(min(idx), max(idx), name_of.get(key, "?")) for key, idx in users.items() if min(idx) < max(idx)]
+        for module in layer.modules():
+            for t in module.parameters(recurse=False):
+                params[id(t)] = t
+                owners.setdefault(id(t), set()).add(id(module))
+                if i not in users.setdefault(id(t), []):
+                    users[id(t)].append(i)
+    found = [(params[k], name_of.get(k, "?"), idx, len(owners[k]) < len(idx)) for k, idx in users.items() if len(idx) > 1]
+    return sorted(found, key=lambda f: (f[2], f[1]))
+
+
+def tied_spans(model: nn.Module, layers: list[nn.Module], sync_ties: bool = False) -> list[tuple[int, int, str]]:
+    """(first layer, last layer, parameter name) of each shared parameter whose layers must stay in
+    one stage. A parameter that two modules share can be split across stages on different ranks
+    when the engine sums its copies' gradients (`sync_ties`: the plain pipeline, one stage per
+    rank and no tp); otherwise each stage would train its own copy apart. A module used twice
+    always stays whole: moving one use's weights off a rank would take the other's with them."""
+    return [(idx[0], idx[-1], name) for _, name, idx, reused in shared_parameters(model, layers)
+            if reused or not sync_ties]
 
 
 def partition(costs: list[float], n_stages: int, allowed: list[bool]) -> list[int]:
@@ -101,9 +119,9 @@ def partition(costs: list[float], n_stages: int, allowed: list[bool]) -> list[in
     return bounds[::-1]
 
 
-def splittable_layers(model: nn.Module, plan: dict) -> int:
+def splittable_layers(model: nn.Module, plan: dict, sync_ties: bool = False) -> int:
     layers = pipeline_layers(model)
-    return sum(allowed_cuts(model, layers, plan)) if layers else 1
+    return sum(allowed_cuts(model, layers, plan, sync_ties)) if layers else 1
 
 
 def parameter_costs(layers: list[nn.Module]) -> list[float]:
