@@ -174,7 +174,7 @@ def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
     holding a copy sum its gradient every step (balanced by parameters, the cut falls between the
     two layers), and the run equals one process, with clipping on the global norm, which counts the
     parameter once. A module used twice cannot be split (its weights leave a rank with either use):
-    too few layers then exits 2 saying why."""
+    too few layers then exits 2 saying why; so does a tp plan that would shard a tied parameter."""
     import runpy
 
     from paratrain.data.datasets import digits
@@ -186,8 +186,14 @@ def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
     assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert "parallel.pp" in err and "layers 0-2 share 0.weight (tied weights)" in err, err
-
+    # tp cannot shard a tied parameter: one holder got a shard and the other the whole (it drifted 0.29)
+    tp = ["--set", "parallel.strategy='tp'", "--set", "parallel.pp=1", "--set", "parallel.tp=2",
+          "--set", "parallel.tp_plan={'2'='colwise','4'='rowwise'}"]
     cfg = write_config(tmp_path / "c.toml", job.replace("tied:both_ends", "tied:build"))
+    assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *tp]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.tp_plan" in err and "'2' shares its weights with '4'" in err, err
+
     proc = check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
     assert "stage 0 (rank 0): layers 0-2, " in proc.stdout, proc.stdout
     assert "tied weights: 2.weight is shared by stages [0, 1]" in proc.stdout, proc.stdout

@@ -111,7 +111,11 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
     if tp > 1 and not plan:
         raise ConfigError(key, f"tp = {tp} needs a plan for this model: a table of module name -> "
                                f"colwise | rowwise (e.g. {{ \"0\" = \"colwise\", \"2\" = \"rowwise\" }})")
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))
+    holders: dict[int, list[str]] = {}  # parameter -> the modules holding it (several: tied)
+    for owner, module in modules.items():
+        for t in module.parameters(recurse=False):
+            holders.setdefault(id(t), []).append(owner)
     for name, style in plan.items():
         if style not in (USER_STYLES if user else STYLES):
             raise ConfigError(key, f"{name!r}: style must be one of {' | '.join(USER_STYLES)}, got {style!r}")
@@ -121,6 +125,10 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
         want = nn.Embedding if style == "vocab" else nn.Linear
         if not isinstance(module, want):
             raise ConfigError(key, f"{name!r} is a {type(module).__name__}, not a {want.__name__}")
+        shared = sorted({o for t in module.parameters(recurse=False) for o in holders[id(t)]} - {name})
+        if shared:  # each holder would get its own tensor: one sharded (or sharded otherwise), one not
+            raise ConfigError(key, f"{name!r} shares its weights with {', '.join(map(repr, shared))} (tied "
+                                   f"weights or one module used twice), which tensor parallelism cannot split")
         # User plans split evenly; the built-in gpt's vocabulary may split unevenly (by one row).
         size = module.out_features if style == "colwise" else module.in_features if style == "rowwise" else tp
         if user and size % tp:
