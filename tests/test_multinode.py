@@ -1,6 +1,10 @@
 """A real two-node run: two network namespaces joined by a veth pair, c10d rendezvous across it."""
+import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -8,6 +12,7 @@ from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, run_cli, w
 from reference import DIGITS_MLP
 
 from paratrain import netns
+from paratrain.bench.recovery import SLOW_MODEL, config_text, worker_pids
 
 CFG = DIGITS_MLP.replace("steps = 20", "steps = 12").replace("log_every = 10", "log_every = 4")
 
@@ -38,3 +43,49 @@ def test_two_nodes_over_veth_equal_one_node(tmp_path):
     # this test's own namespaces: other test processes may be probing for namespaces of theirs
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not set(hosts.names) & set(left), "namespaces were not torn down"
+
+
+@pytest.mark.skipif(not ok, reason=f"two-host test skipped: {why}")
+def test_two_nodes_restart_after_a_killed_worker_and_resume(tmp_path):
+    """--max-restarts across nodes: the worker of node 1 is killed; both nodes restart their workers
+    and resume from the last checkpoint. They hung until the timeout: the agent whose worker died
+    counted a restart, the other restarted its running worker as a membership change, which it does
+    not count, and the workers keyed their store by those counts (runtime._rendezvous_round)."""
+    (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
+    cfg = write_config(tmp_path / "c.toml", config_text(steps=30, every=5, pause=0.03))
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "single"), cwd=tmp_path))
+    run_dir = tmp_path / "multi"
+    with netns.TwoHosts() as hosts:
+        procs = []
+        for node in (0, 1):
+            argv = [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nnodes", "2", "--nproc", "1",
+                    "--node-rank", str(node), "--rdzv", f"{hosts.addr(0)}:29517", "--max-restarts", "1",
+                    "--run-dir", str(run_dir)]
+            procs.append(hosts.popen(node, argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**hosts.env(node), **CPU_ONLY, "PYTHONUNBUFFERED": "1"}))
+        try:
+            deadline = time.monotonic() + 120
+            while not any(json.loads(line)["step"] >= 12 for line in _lines(run_dir / "metrics.jsonl")):
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 12"
+                time.sleep(0.05)
+            os.kill(next(iter(worker_pids(procs[1].pid).values())), signal.SIGKILL)
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+                p.communicate()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    assert "resumed from" in outs[0] and "at step 10 " in outs[0], outs[0]
+    steps = [json.loads(line)["step"] for line in _lines(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, 31)), "every step is logged exactly once"
+    assert max_rel_error(final_weights(run_dir), final_weights(tmp_path / "single")) <= 1e-4
+
+
+def _lines(path) -> list[str]:
+    """The complete lines of a file another process is appending to (none yet: no lines)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return text.splitlines()[:-1] if not text.endswith("\n") else text.splitlines()

@@ -93,6 +93,77 @@ def prepare_forked_worker(name: str) -> None:
         pass
 
 
+RDZV_BACKEND = "paratrain-c10d"  # torch's c10d rendezvous, telling each worker its round (below)
+
+
+def round_key(group_rank: int) -> str:
+    """Where the agent of node `group_rank` puts the rendezvous round in the workers' store."""
+    return f"paratrain/rendezvous-round/node-{group_rank}"
+
+
+def _register_rendezvous() -> None:
+    """Register RDZV_BACKEND: torch's c10d rendezvous, which after each round writes its number to
+    the store the workers share (MASTER_ADDR:MASTER_PORT) under this node's round_key, before this
+    node's agent starts its workers.
+
+    Why: that store lives as long as the job, so each restart of the worker group needs keys of its
+    own, and the agents' restart counts cannot name them: an agent whose workers failed counts a
+    restart, but one whose workers were still running when the other nodes came back to the
+    rendezvous restarts them as a membership change, which it does not count. The workers of one
+    round then used different keys and waited for each other until the timeout (a two-node run,
+    one worker killed). The round is the same on every node."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry  # noqa: F401  registers "c10d"
+    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+
+    class RoundPublishing(RendezvousHandler):
+        def __init__(self, inner: RendezvousHandler):
+            self.inner, self.rounds = inner, 0
+
+        def next_rendezvous(self):
+            info = self.inner.next_rendezvous()
+            holder = getattr(self.inner, "_state_holder", None)  # torch's own round number, if it shows it
+            number = holder.state.round if holder is not None else self.rounds
+            self.rounds += 1
+            where = info.bootstrap_store_info
+            store = TCPStore(where.master_addr, where.master_port, is_master=False, wait_for_workers=False)
+            store.set(round_key(info.rank), str(number))
+            return info
+
+        def get_backend(self) -> str:
+            return RDZV_BACKEND
+
+        @property
+        def use_agent_store(self) -> bool:
+            return self.inner.use_agent_store
+
+        def is_closed(self) -> bool:
+            return self.inner.is_closed()
+
+        def set_closed(self):
+            return self.inner.set_closed()
+
+        def num_nodes_waiting(self) -> int:
+            return self.inner.num_nodes_waiting()
+
+        def get_run_id(self) -> str:
+            return self.inner.get_run_id()
+
+        def shutdown(self) -> bool:
+            return self.inner.shutdown()
+
+    def create(params: RendezvousParameters) -> RendezvousHandler:
+        c10d = RendezvousParameters("c10d", params.endpoint, params.run_id, params.min_nodes, params.max_nodes,
+                                    params.local_addr, **params.config)
+        return RoundPublishing(rendezvous_handler_registry.create_handler(c10d))
+
+    try:
+        rendezvous_handler_registry.register(RDZV_BACKEND, create)
+    except ValueError:  # registered already, by an earlier launch in this process
+        pass
+
+
 def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,
            rdzv: str | None = None, max_restarts: int = 0, run_id: str = "paratrain") -> None:
     """Run `target(*args)` on nproc x nnodes workers; raise WorkerFailure if they fail.
@@ -105,6 +176,7 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
 
     from .runtime import free_port
 
+    _register_rendezvous()
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
         logging.getLogger(name).addFilter(_not_a_stop)
@@ -114,7 +186,7 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
     local = rdzv is None
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
-        rdzv_backend="c10d", rdzv_endpoint=rdzv or f"127.0.0.1:{free_port()}",
+        rdzv_backend=RDZV_BACKEND, rdzv_endpoint=rdzv or f"127.0.0.1:{free_port()}",
         rdzv_configs={"is_host": node_rank == 0} if not local else {},
         max_restarts=max_restarts, monitor_interval=0.1,
         start_method="forkserver" if callable(target) and _forkserver_available() else "spawn",

@@ -102,27 +102,41 @@ def init(device_kind: str = "auto", timeout_s: float = 300.0) -> Runtime:
     if device.type == "cpu":
         keep_freed_memory()
     backend = "nccl" if device.type == "cuda" else "gloo"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if not dist.is_initialized():
-        dist.init_process_group(backend, store=_store(rank, world, timeout_s), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s),
+        store = _store(rank, world, timeout_s)
+        attempt = _rendezvous_round(store, attempt)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"paratrain/attempt-{attempt}", store), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    return Runtime(rank, world, local_rank, device, backend,
-                   int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    return Runtime(rank, world, local_rank, device, backend, attempt)
 
 
-def _store(rank: int, world: int, timeout_s: float) -> dist.Store:
-    """The rendezvous store, under a prefix of its own for each restart of the worker group.
-
-    The elastic agent keeps one store across restarts; without the prefix a restarted worker can
-    read the address its dead predecessor published and try to connect to nobody.
-    """
+def _store(rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """The store the workers meet in (the elastic agent's, when it hosts one)."""
     if "MASTER_ADDR" not in os.environ:  # a lone process started by hand
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=rank == 0 and not agent_hosts_store, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
-    return dist.PrefixStore(f"paratrain/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=rank == 0 and not agent_hosts_store, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def _rendezvous_round(store: dist.TCPStore, restart_count: int) -> int:
+    """Which start of the worker group this is, the same number on every node: the rendezvous
+    round, which paratrain's launcher puts in the store (launch.round_key); under another launcher
+    (plain torchrun), the agent's restart count.
+
+    The agent's store lives as long as the job, so each start of the group gets a key prefix of its
+    own: without one, a restarted worker can read the address its dead predecessor published and
+    try to connect to nobody. The agents' restart counts disagree across nodes after a membership
+    change, which only the nodes whose workers failed count."""
+    from .launch import round_key
+
+    key = round_key(int(os.environ.get("GROUP_RANK", 0)))
+    if os.environ.get("TORCHELASTIC_RUN_ID") and store.check([key]):
+        return int(store.get(key))
+    return restart_count
 
 
 def free_port(host: str = "127.0.0.1") -> int:
