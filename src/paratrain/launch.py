@@ -22,6 +22,7 @@ import re
 import signal
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 
@@ -126,9 +127,11 @@ def _register_rendezvous() -> None:
             holder = getattr(self.inner, "_state_holder", None)  # torch's own round number, if it shows it
             number = holder.state.round if holder is not None else self.rounds
             self.rounds += 1
-            where = info.bootstrap_store_info
-            store = TCPStore(where.master_addr, where.master_port, is_master=False, wait_for_workers=False)
-            store.set(round_key(info.rank), str(number))
+            if self.inner.use_agent_store:  # else rank 0's worker will host the store: nothing to write to yet
+                where = info.bootstrap_store_info
+                store = TCPStore(where.master_addr, where.master_port, is_master=False, wait_for_workers=False,
+                                 timeout=timedelta(seconds=60))
+                store.set(round_key(info.rank), str(number))
             return info
 
         def get_backend(self) -> str:
