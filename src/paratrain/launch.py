@@ -97,11 +97,6 @@ def prepare_forked_worker(name: str) -> None:
 RDZV_BACKEND = "paratrain-c10d"  # torch's c10d rendezvous, telling each worker its round (below)
 
 
-def round_key(group_rank: int) -> str:
-    """Where the agent of node `group_rank` puts the rendezvous round in the workers' store."""
-    return f"paratrain/rendezvous-round/node-{group_rank}"
-
-
 def _register_rendezvous() -> None:
     """Register RDZV_BACKEND: torch's c10d rendezvous, which after each round writes its number to
     the store the workers share (MASTER_ADDR:MASTER_PORT) under this node's round_key, before this
@@ -117,6 +112,8 @@ def _register_rendezvous() -> None:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry  # noqa: F401  registers "c10d"
     from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+
+    from .runtime import round_key
 
     class RoundPublishing(RendezvousHandler):
         def __init__(self, inner: RendezvousHandler):

@@ -122,17 +122,20 @@ def _store(rank: int, world: int, timeout_s: float) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
+def round_key(group_rank: int) -> str:
+    """Where the agent of node `group_rank` puts the rendezvous round in the workers' store."""
+    return f"paratrain/rendezvous-round/node-{group_rank}"
+
+
 def _rendezvous_round(store: dist.TCPStore, restart_count: int) -> int:
     """Which start of the worker group this is, the same number on every node: the rendezvous
-    round, which paratrain's launcher puts in the store (launch.round_key); under another launcher
+    round, which paratrain's launcher puts in the store (launch._register_rendezvous); under another launcher
     (plain torchrun), the agent's restart count.
 
     The agent's store lives as long as the job, so each start of the group gets a key prefix of its
     own: without one, a restarted worker can read the address its dead predecessor published and
     try to connect to nobody. The agents' restart counts disagree across nodes after a membership
     change, which only the nodes whose workers failed count."""
-    from .launch import round_key
-
     key = round_key(int(os.environ.get("GROUP_RANK", 0)))
     if os.environ.get("TORCHELASTIC_RUN_ID") and store.check([key]):
         return int(store.get(key))
