@@ -192,7 +192,7 @@ def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
     cfg = write_config(tmp_path / "c.toml", job.replace("tied:both_ends", "tied:build"))
     assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *tp]) == 2
     err = capsys.readouterr().err
-    assert "parallel.tp_plan" in err and "'2' shares its weights with '4'" in err, err
+    assert "parallel.tp_plan" in err and "'2' shares its weight with '4'" in err, err
 
     proc = check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
     assert "stage 0 (rank 0): layers 0-2, " in proc.stdout, proc.stdout
@@ -205,6 +205,30 @@ def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
     assert torch.equal(weights["2.weight"], weights["4.weight"])
     # 4e-8 here; 2e-4 with the tied parameter's gradient counted twice in the clipping norm
     assert rel_error(weights, ref) <= 1e-6
+
+
+def test_gpt_with_tied_embeddings_under_tp_pp_and_zero3(tmp_path, capsys):
+    """model.tie_embeddings (GPT-2's tying of the head to the token embedding): tp keeps the tie
+    (both shard the same vocabulary rows), pp sums the copies' gradients across the first and last
+    stage, zero3 rebuilds the tied weight on the meta device as a plain build makes it; each equals
+    one process. tp x pp cannot split it: exit 2 naming the tie."""
+    train = corpus("train", block_size=16, max_chars=20000)
+    x, y = load_batch(train, torch.arange(STEPS * BATCH) % len(train))
+    torch.manual_seed(0)
+    model = gpt(train.vocab_size, n_layer=2, n_head=4, d_model=32, block_size=16, tie_embeddings=True)
+    reference = train_reference(model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1)
+    tied = "model.tie_embeddings=true"
+    cfg = write_config(tmp_path / "gpt.toml", GPT)
+    assert main(["run", str(cfg), "--nproc", "4", "--run-dir", str(tmp_path / "r"), "--set", tied,
+                 "--set", "parallel.strategy='hybrid'", "--set", "parallel.tp=2", "--set", "parallel.pp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pp" in err and "share embed.tok.weight (tied weights)" in err, err
+    for name, sets in [("tp", ["parallel.strategy='tp'", "parallel.tp=2"]), ("pp", ["parallel.strategy='pp'", "parallel.pp=2"]),
+                       ("zero3", ["parallel.strategy='zero3'"])]:
+        run(tmp_path, name, 2, tied, *sets)
+        weights = final_weights(tmp_path / name)
+        assert torch.equal(weights["embed.tok.weight"], weights["head.lm_head.weight"]), name
+        assert rel_error(weights, reference) <= 1e-4, name
 
 
 MLP = DIGITS_MLP + """clip_grad_norm = 0.5

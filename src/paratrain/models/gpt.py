@@ -80,7 +80,7 @@ class Head(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128,
-                 block_size: int = 64):
+                 block_size: int = 64, tie_embeddings: bool = False):
         super().__init__()
         require_at_least(1, vocab_size=vocab_size, n_head=n_head, d_model=d_model, block_size=block_size)
         require_at_least(0, n_layer=n_layer)
@@ -89,6 +89,10 @@ class GPT(nn.Module):
         self.embed = Embedding(vocab_size, d_model, block_size)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
         self.head = Head(d_model, vocab_size)
+        if tie_embeddings:  # GPT-2's weight tying: the output projection is the token embedding
+            # Tied before the init pass, which then writes it twice (the head last), as a sharded
+            # strategy's replay of that pass on the meta device does (models/materialize.py).
+            self.head.lm_head.weight = self.embed.tok.weight
         self.apply(self._init_weights)
 
     @staticmethod
@@ -109,5 +113,7 @@ class GPT(nn.Module):
         return x
 
 
-def gpt(vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128, block_size: int = 64) -> GPT:
-    return GPT(vocab_size, n_layer=n_layer, n_head=n_head, d_model=d_model, block_size=block_size)
+def gpt(vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128, block_size: int = 64,
+        tie_embeddings: bool = False) -> GPT:
+    return GPT(vocab_size, n_layer=n_layer, n_head=n_head, d_model=d_model, block_size=block_size,
+               tie_embeddings=tie_embeddings)

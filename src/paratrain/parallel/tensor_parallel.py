@@ -125,10 +125,17 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
         want = nn.Embedding if style == "vocab" else nn.Linear
         if not isinstance(module, want):
             raise ConfigError(key, f"{name!r} is a {type(module).__name__}, not a {want.__name__}")
-        shared = sorted({o for t in module.parameters(recurse=False) for o in holders[id(t)]} - {name})
-        if shared:  # each holder would get its own tensor: one sharded (or sharded otherwise), one not
-            raise ConfigError(key, f"{name!r} shares its weights with {', '.join(map(repr, shared))} (tied "
-                                   f"weights or one module used twice), which tensor parallelism cannot split")
+        if sum(m is module for m in modules.values()) > 1:
+            raise ConfigError(key, f"{name!r} is one module used in several places, which tensor parallelism "
+                                   f"cannot split")
+        for attr, t in module.named_parameters(recurse=False):
+            others = [o for o in holders[id(t)] if o != name]
+            # Tied weights stay tied only if every holder shards them alike (the gpt's vocab-parallel
+            # embedding and column-parallel head both split rows of one (vocab, d) matrix):
+            # otherwise each would get its own tensor, one sharded (or sharded otherwise), one not.
+            if others and any(o not in plan or _shard_dim(plan[o], attr) != _shard_dim(style, attr) for o in others):
+                raise ConfigError(key, f"{name!r} shares its {attr} with {', '.join(map(repr, others))} (tied "
+                                       f"weights or one module used twice), which this plan would split apart")
         # User plans split evenly; the built-in gpt's vocabulary may split unevenly (by one row).
         size = module.out_features if style == "colwise" else module.in_features if style == "rowwise" else tp
         if user and size % tp:
@@ -140,12 +147,20 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
             raise ConfigError("parallel.tp", f"tp {tp} does not divide the gpt's {heads} attention heads")
 
 
+def _shard_dim(style: str, attr: str) -> int | None:
+    return STYLES[style].shard_dims.get(attr) if style in STYLES else None
+
+
 def apply_tensor_parallel(model: nn.Module, plan: dict, group) -> dict[str, int]:
     """Replace the planned modules by their parallel versions, in place.
 
     Returns {state-dict key: dimension it is split along} for every sharded tensor."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     modules = dict(model.named_modules())
+    tied: dict[int, list[tuple[str, str]]] = {}  # parameter -> the planned (module, attribute) holding it
+    for name in plan:
+        for attr, t in modules[name].named_parameters(recurse=False):
+            tied.setdefault(id(t), []).append((name, attr))
     shard_dims = {}
     for name, style in plan.items():
         parent_name, _, attr = name.rpartition(".")
@@ -154,6 +169,11 @@ def apply_tensor_parallel(model: nn.Module, plan: dict, group) -> dict[str, int]
         prefix = f"{name}." if name else ""
         shard_dims.update({prefix + p: d for p, d in parallel.shard_dims.items()
                            if getattr(parallel, p, None) is not None})
+    # Each holder of a tied parameter cut the same slice of it (check_plan): tie the slices again.
+    modules = dict(model.named_modules())
+    for (first, first_attr), *rest in tied.values():
+        for name, attr in rest:
+            setattr(modules[name], attr, getattr(modules[first], first_attr))
     return shard_dims
 
 
