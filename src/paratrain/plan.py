@@ -346,7 +346,7 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
     """tp, pp, hybrid: which stages and which tp shard of each parameter every rank holds."""
     from .parallel.base import unique_parameters
     from .parallel.hybrid import sync_ties, virtual_stages
-    from .parallel.pipeline import allowed_cuts, parameter_costs, partition, pipeline_layers, shared_parameters
+    from .parallel.pipeline import allowed_cuts, parameter_costs, partition, pipeline_layers, split_ties
     from .parallel.tensor_parallel import STYLES, plan_for
     from .parallel.tp_comm import shard_range
 
@@ -360,9 +360,7 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
         bounds = partition(parameter_costs(layers), n_stages, allowed_cuts(model, layers, tp_plan, sync_ties(cfg)))
         stage_layers = [layers[bounds[s]:bounds[s + 1]] for s in range(n_stages)]
         # parameters shared by layers of different stages: each holder sums its copy's gradient
-        ties = [(_nbytes([t]), sorted({s for s in range(n_stages) for i in idx if bounds[s] <= i < bounds[s + 1]}))
-                for t, _, idx, _ in shared_parameters(model, layers)]
-        ties = [(nbytes, holders) for nbytes, holders in ties if len(holders) > 1]
+        ties = [(_nbytes([t]), stages) for t, _, stages in split_ties(model, layers, bounds)]
     else:
         bounds, stage_layers, ties = [0, 1], [[model]], []
     # the dimension each planned module's tensors are split along, by parameter name

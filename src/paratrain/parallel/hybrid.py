@@ -13,7 +13,6 @@ each chunk's reducer communicates during that chunk's last backward, overlapped 
 """
 from __future__ import annotations
 
-import bisect
 import copy
 import math
 
@@ -29,7 +28,7 @@ from .base import Strategy, broadcast_tensors, clip_factor, eval_sums, unique_pa
 from .data_parallel import GradientReducer
 from .mesh import build_mesh
 from .pipeline import (PipelineEngine, StageChunk, allowed_cuts, boundary_shape_fn, decide_split,
-                       pipeline_layers, shared_parameters, splittable_layers, tied_spans)
+                       pipeline_layers, split_ties, splittable_layers, tied_spans)
 from .pipeline_schedules import SCHEDULES, forward_only, one_f_one_b
 from .tensor_parallel import (apply_tensor_parallel, check_plan, full_width, output_is_sharded,
                               parallel_loss, plan_for)
@@ -167,10 +166,7 @@ class ModelParallel(Strategy):
         the group of the ranks holding a copy in this rank's (dp, tp) column, whether this rank is
         the first of them), for the ties this rank holds. Every rank makes every group, in one order."""
         mesh, mine = self.mesh, []
-        for param, name, idx, _ in shared_parameters(model, pipeline_layers(model)):
-            holders = sorted({bisect.bisect_right(self.bounds, i) - 1 for i in idx})  # stage = pp rank here
-            if len(holders) < 2:
-                continue
+        for param, name, holders in split_ties(model, pipeline_layers(model), self.bounds):  # stage = pp rank here
             for d in range(mesh.dp):
                 for t in range(mesh.tp):
                     ranks = [mesh.global_rank(q, d, t) for q in holders]
@@ -258,7 +254,7 @@ class ModelParallel(Strategy):
         world-wide sum of squares is divided by dp. Without tp the reducers' norms of their chunks
         are exact (corrected for tied copies: `tied_change`); with tp a replicated tensor (layer
         norms, row-parallel biases) counts once, on tp rank 0."""
-        squares = tied_change.clone()
+        squares = tied_change
         if self.mesh.tp == 1:
             squares += sum(n.double() ** 2 for n in chunk_norms)
         else:

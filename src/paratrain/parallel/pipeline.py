@@ -16,6 +16,8 @@ its output received from the next stage.
 """
 from __future__ import annotations
 
+import bisect
+
 import statistics
 import time
 
@@ -87,6 +89,17 @@ def tied_spans(model: nn.Module, layers: list[nn.Module], sync_ties: bool = Fals
     always stays whole: moving one use's weights off a rank would take the other's with them."""
     return [(idx[0], idx[-1], name) for _, name, idx, reused in shared_parameters(model, layers)
             if reused or not sync_ties]
+
+
+def split_ties(model: nn.Module, layers: list[nn.Module], bounds: list[int]) -> list[tuple[nn.Parameter, str, list[int]]]:
+    """(parameter, name, the stages holding a copy) for each shared parameter that the cut `bounds`
+    splits across stages."""
+    found = []
+    for param, name, idx, _ in shared_parameters(model, layers):
+        stages = sorted({bisect.bisect_right(bounds, i) - 1 for i in idx})
+        if len(stages) > 1:
+            found.append((param, name, stages))
+    return found
 
 
 def partition(costs: list[float], n_stages: int, allowed: list[bool]) -> list[int]:
