@@ -210,25 +210,35 @@ def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
 def test_gpt_with_tied_embeddings_under_tp_pp_and_zero3(tmp_path, capsys):
     """model.tie_embeddings (GPT-2's tying of the head to the token embedding): tp keeps the tie
     (both shard the same vocabulary rows), pp sums the copies' gradients across the first and last
-    stage, zero3 rebuilds the tied weight on the meta device as a plain build makes it; each equals
-    one process. tp x pp cannot split it: exit 2 naming the tie."""
+    stage, tp x pp sums each tp rank's shard of them (clipped: the norm counts the tie once), zero3
+    rebuilds the tied weight on the meta device as a plain build makes it; each equals one process.
+    Interleaved stages cannot split it: exit 2 naming the tie."""
     train = corpus("train", block_size=16, max_chars=20000)
     x, y = load_batch(train, torch.arange(STEPS * BATCH) % len(train))
     torch.manual_seed(0)
     model = gpt(train.vocab_size, n_layer=2, n_head=4, d_model=32, block_size=16, tie_embeddings=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
     reference = train_reference(model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1)
+    model.load_state_dict(state)
+    clipped = train_reference(model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1, clip=0.05)
     tied = "model.tie_embeddings=true"
     cfg = write_config(tmp_path / "gpt.toml", GPT)
-    assert main(["run", str(cfg), "--nproc", "4", "--run-dir", str(tmp_path / "r"), "--set", tied,
-                 "--set", "parallel.strategy='hybrid'", "--set", "parallel.tp=2", "--set", "parallel.pp=2"]) == 2
+    assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", tied,
+                 "--set", "parallel.strategy='pp'", "--set", "parallel.pp=2", "--set", "parallel.schedule='interleaved'"]) == 2
     err = capsys.readouterr().err
     assert "parallel.pp" in err and "share embed.tok.weight (tied weights)" in err, err
-    for name, sets in [("tp", ["parallel.strategy='tp'", "parallel.tp=2"]), ("pp", ["parallel.strategy='pp'", "parallel.pp=2"]),
-                       ("zero3", ["parallel.strategy='zero3'"])]:
-        run(tmp_path, name, 2, tied, *sets)
+    for name, world, sets, ref in [
+            ("tp", 2, ["parallel.strategy='tp'", "parallel.tp=2"], reference),
+            ("pp", 2, ["parallel.strategy='pp'", "parallel.pp=2"], reference),
+            ("tpxpp", 4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2", "train.clip_grad_norm=0.05"],
+             clipped),
+            ("zero3", 2, ["parallel.strategy='zero3'"], reference)]:
+        proc = run(tmp_path, name, world, tied, *sets)
         weights = final_weights(tmp_path / name)
         assert torch.equal(weights["embed.tok.weight"], weights["head.lm_head.weight"]), name
-        assert rel_error(weights, reference) <= 1e-4, name
+        assert rel_error(weights, ref) <= 1e-4, name
+        if name == "tpxpp":
+            assert "tied weights: embed.tok.weight is shared by stages [0, 1]" in proc.stdout, proc.stdout
 
 
 MLP = DIGITS_MLP + """clip_grad_norm = 0.5

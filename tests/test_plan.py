@@ -39,6 +39,8 @@ CASES = {
                        "parallel.balance='params'"]),
     "1f1b-bf16": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'", "train.precision='bf16'"]),
     "tp2xpp2": (4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2", "parallel.balance='params'"]),
+    "tp2xpp2-tied": (4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2", "parallel.balance='params'",
+                         "model.tie_embeddings=true"]),
     "dp2xpp2": (4, ["parallel.strategy='hybrid'", "parallel.pp=2", "parallel.balance='params'",
                     "train.optimizer='sgd'"]),
     "ps": (4, ["parallel.strategy='ps'", "ps.servers=2"]),

@@ -360,26 +360,29 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
         bounds = partition(parameter_costs(layers), n_stages, allowed_cuts(model, layers, tp_plan, sync_ties(cfg)))
         stage_layers = [layers[bounds[s]:bounds[s + 1]] for s in range(n_stages)]
         # parameters shared by layers of different stages: each holder sums its copy's gradient
-        ties = [(_nbytes([t]), stages) for t, _, stages in split_ties(model, layers, bounds)]
+        ties = [(t, stages) for t, _, stages in split_ties(model, layers, bounds)]
     else:
         bounds, stage_layers, ties = [0, 1], [[model]], []
     # the dimension each planned module's tensors are split along, by parameter name
     shard_dims = {f"{name}.{t}": d for name, style in tp_plan.items() for t, d in STYLES[style].shard_dims.items()}
     name_of = {id(t): n for n, t in model.named_parameters()}
 
+    def shard_of(t: torch.Tensor, tp_rank: int) -> torch.Tensor:
+        """Parameter t as tp rank `tp_rank` holds it (a meta tensor of its shard's shape)."""
+        shape, dim = list(t.shape), shard_dims.get(name_of[id(t)])
+        if dim is not None:
+            start, end = shard_range(t.shape[dim], p.tp, tp_rank)
+            shape[dim] = end - start
+        return torch.empty(shape, dtype=t.dtype, device="meta")
+
     def stage_params(s: int, tp_rank: int) -> list[torch.Tensor]:
-        """The parameters of stage s as tp rank `tp_rank` holds them (meta tensors of its shapes)."""
+        """The parameters of stage s as tp rank `tp_rank` holds them."""
         seen, out = set(), []
         for layer in stage_layers[s]:
             for _, t in unique_parameters(layer):
-                if id(t) in seen:
-                    continue
-                seen.add(id(t))
-                shape, dim = list(t.shape), shard_dims.get(name_of[id(t)])
-                if dim is not None:
-                    start, end = shard_range(t.shape[dim], p.tp, tp_rank)
-                    shape[dim] = end - start
-                out.append(torch.empty(shape, dtype=t.dtype, device="meta"))
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    out.append(shard_of(t, tp_rank))
         return out
 
     from .parallel.hybrid import microbatch_count
@@ -409,9 +412,9 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
             for payload in tp_payloads[s]:
                 r.add_comm("all_reduce", payload, p.tp, times=m)
             dp_comm(r, cfg, held[s], dp)  # each chunk's gradients, averaged over the dp group
-        for nbytes, holders in ties:
+        for t, holders in ties:
             if r.pp in holders:
-                r.add_comm("all_reduce", nbytes, len(holders))
+                r.add_comm("all_reduce", _nbytes([shard_of(t, r.tp)]), len(holders))
         if world > 1:
             r.add_comm("all_reduce", 8, world)  # the global gradient norm (float64)
     if p.pp == 1:

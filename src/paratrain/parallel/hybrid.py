@@ -42,8 +42,9 @@ def virtual_stages(cfg: Config) -> int:
 
 def sync_ties(cfg: Config) -> bool:
     """Whether the engine sums the gradients of a parameter shared by layers of different stages
-    (ModelParallel._sum_tied_grads): with one stage per rank and no tp, each rank holds one copy."""
-    return cfg.parallel.tp == 1 and virtual_stages(cfg) == 1
+    (ModelParallel._sum_tied_grads): with one stage per rank each rank holds one copy (with tp, one
+    shard of it, the same rows at every holder: tensor_parallel.check_plan)."""
+    return virtual_stages(cfg) == 1
 
 
 def microbatch_count(cfg: Config) -> int:
@@ -102,7 +103,6 @@ class ModelParallel(Strategy):
             self.bounds = [0, 1]
         stage_of_key = self._stage_of_keys(model)
         self.tie_names = _tie_names(model)
-        self.tied = self._tie_groups(model) if p.pp > 1 and sync_ties(cfg) else []
 
         # 3. tensor parallelism (same names, sharded tensors)
         self.shard_dims = apply_tensor_parallel(model, plan, mesh.tp_group) if p.tp > 1 else {}
@@ -127,6 +127,7 @@ class ModelParallel(Strategy):
             params += chunk_params
         self.params = params
         self.optimizer = build_optimizer(params, cfg.train)
+        self.tied = self._tie_groups(model) if p.pp > 1 and sync_ties(cfg) else []
 
         if self.sharded_output:
             width = full_width(model)
@@ -164,15 +165,22 @@ class ModelParallel(Strategy):
     def _tie_groups(self, model: nn.Module) -> list[tuple[nn.Parameter, object, bool]]:
         """Collective. For each parameter that layers of different stages share: (this rank's copy,
         the group of the ranks holding a copy in this rank's (dp, tp) column, whether this rank is
-        the first of them), for the ties this rank holds. Every rank makes every group, in one order."""
+        the first of them), for the ties this rank holds. Every rank makes every group, in one order.
+        Called once the model is cut and sharded: the copy is this rank's (sharded) tensor, found
+        under whichever of the parameter's names its own stage uses."""
         mesh, mine = self.mesh, []
-        for param, name, holders in split_ties(model, pipeline_layers(model), self.bounds):  # stage = pp rank here
+        names: dict[int, list[str]] = {}
+        for n, t in self.full_meta.named_parameters(remove_duplicate=False):
+            names.setdefault(id(t), []).append(n)
+        layers = pipeline_layers(self.full_meta)
+        for param, name, holders in split_ties(self.full_meta, layers, self.bounds):  # stage = pp rank here
+            mine_copy = next((t for t in map(model.get_parameter, names[id(param)]) if not t.is_meta), None)
             for d in range(mesh.dp):
                 for t in range(mesh.tp):
                     ranks = [mesh.global_rank(q, d, t) for q in holders]
                     group = dist.new_group(ranks)
                     if self.rt.rank in ranks:
-                        mine.append((param, group, self.rt.rank == ranks[0]))
+                        mine.append((mine_copy, group, self.rt.rank == ranks[0]))
             if self.rt.is_main:
                 print(f"tied weights: {name} is shared by stages {holders}; their copies' gradients are summed "
                       f"every step", flush=True)
@@ -253,13 +261,16 @@ class ModelParallel(Strategy):
         """The norm over all shards of the model. dp replicas hold equal gradients, so the
         world-wide sum of squares is divided by dp. Without tp the reducers' norms of their chunks
         are exact (corrected for tied copies: `tied_change`); with tp a replicated tensor (layer
-        norms, row-parallel biases) counts once, on tp rank 0."""
-        squares = tied_change
+        norms, row-parallel biases) counts once, on tp rank 0, and a tied tensor (its copies
+        already summed) once, on its first stage."""
         if self.mesh.tp == 1:
-            squares += sum(n.double() ** 2 for n in chunk_norms)
+            squares = tied_change + sum(n.double() ** 2 for n in chunk_norms)
         else:
+            squares = torch.zeros((), dtype=torch.float64, device=self.rt.device)
+            later_copies = {id(param) for param, _, first in self.tied if not first}
             grads = [t.grad for name, t in zip(self.param_names, self.params)
-                     if t.grad is not None and (name in self.shard_dims or self.mesh.tp_rank == 0)]
+                     if t.grad is not None and id(t) not in later_copies
+                     and (name in self.shard_dims or self.mesh.tp_rank == 0)]
             if grads:
                 squares += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         if dist.get_world_size() > 1:
