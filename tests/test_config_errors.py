@@ -261,3 +261,27 @@ def test_samples_that_are_not_input_target_pairs_exit_2(tmp_path, capsys, factor
     cfg = write_config(tmp_path / "c.toml", DIGITS.replace('factory = "digits"', f'factory = "samples:{factory}"'))
     code, err = run_main(capsys, "run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"))
     assert code == 2 and "data.factory" in err and says in err, err
+
+
+@pytest.mark.parametrize("world, sets", [
+    (2, []),                                                       # dp: rank 0 saves the whole model
+    (2, ["parallel.strategy='tp'", "parallel.tp=2"]),              # tp shards: whole shapes are their sum
+    (3, ["parallel.strategy='ps'"]),                               # a server saves parameters only
+])
+def test_resume_with_another_model_exits_2_before_any_worker_starts(tmp_path, capsys, world, sets):
+    """A checkpoint whose parameter names or shapes are not the model's is refused up front under
+    every strategy (only ZeRO did; dp and pp workers each printed the error, ps failed with exit 1)."""
+    from helpers import check_ok, run_cli
+
+    args = ["--nproc", str(world), "--run-dir", str(tmp_path / "run"), "--set", "train.steps=2",
+            "--set", "checkpoint.every=2", "--set", "model.d_model=32", "--set", "model.block_size=16",
+            "--set", "data.block_size=16", "--set", "data.max_chars=20000"]
+    for s in sets:
+        args += ["--set", s]
+    check_ok(run_cli("run", *args))
+    code, err = run_main(capsys, "run", *args, "--set", "train.steps=4", "--set", "model.d_model=64",
+                         "--resume", "auto")
+    assert code == 2, err
+    line, = err.strip().splitlines()  # one line, printed by the CLI, not by each worker
+    assert line.startswith("paratrain: error: --resume: ") and "checkpoint does not match the model: shape differs: " in line
+    assert "(32,) vs (64,)" in line and " more" in line, line

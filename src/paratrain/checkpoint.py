@@ -220,6 +220,53 @@ def check_resumable(reader: CheckpointReader, strategy: str, optimizer: str, key
                                                     f"train.optimizer = {saved!r}")
 
 
+def saved_model_shapes(reader: CheckpointReader) -> dict[str, list[int]]:
+    """The whole shape of each `model.` tensor in a checkpoint, from the files' headers alone (no
+    tensor is read): a tensor saved as tp shards (hybrid: its split dimension in the `shard_dims`
+    metadata) is the sum of its shards along that dimension."""
+    from safetensors import safe_open
+
+    shapes: dict[str, list[int]] = {}
+    for rank in range(reader.world_size):
+        path = reader.path / rank_file(rank)
+        if not path.is_file():
+            continue
+        with safe_open(str(path), framework="pt") as fh:
+            dims = json.loads((fh.metadata() or {}).get("json", "{}")).get("shard_dims", {})
+            for key in fh.keys():
+                if not key.startswith("model."):
+                    continue
+                name, shape = key[len("model."):], list(fh.get_slice(key).get_shape())
+                if name in shapes and name in dims:
+                    shapes[name][dims[name]] += shape[dims[name]]
+                else:
+                    shapes.setdefault(name, shape)
+    return shapes
+
+
+def check_model_shapes(reader: CheckpointReader, model: nn.Module, key: str) -> None:
+    """Before any worker starts (`model` on meta): the checkpoint's parameter names and whole
+    shapes must be the model's. CheckpointMismatch naming `key` otherwise. Every parameter must be
+    saved; buffers may be absent (a parameter server saves parameters only)."""
+    saved = saved_model_shapes(reader)
+    own = {k: list(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(n for n, _ in model.named_parameters() if n not in saved)
+    unexpected = sorted(set(saved) - set(own))
+    shapes = sorted(k for k in set(own) & set(saved) if own[k] != saved[k])
+    def listed(items: list[str], most: int = 4) -> str:  # one readable line, however many differ
+        return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append("missing from checkpoint: " + listed(missing))
+        if unexpected:
+            parts.append("not in the model: " + listed(unexpected))
+        if shapes:
+            parts.append("shape differs: " + listed([f"{k} {tuple(saved[k])} vs {tuple(own[k])}" for k in shapes]))
+        raise CheckpointMismatch(key, f"{reader.path}: checkpoint does not match the model: " + "; ".join(parts))
+
+
 def latest_valid(run_dir: Path, log=print) -> CheckpointReader | None:
     """The newest checkpoint whose manifest and checksums hold; corrupt ones are reported and skipped."""
     for step, path in reversed(list_checkpoints(Path(run_dir) / "checkpoints")):

@@ -128,7 +128,7 @@ def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | No
         return None
     import torch
 
-    from .checkpoint import CheckpointError, CheckpointReader, check_resumable, list_checkpoints
+    from .checkpoint import CheckpointError, CheckpointReader, check_model_shapes, check_resumable, list_checkpoints
     from .data import build_dataset
     from .models import build_model
     from .parallel import strategy_class
@@ -151,9 +151,12 @@ def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | No
             raise ConfigError("--resume", str(exc)) from None
     check_resumable(reader, cfg.parallel.strategy, cfg.train.optimizer, "--resume")
     check = getattr(strategy_class(cfg.parallel.strategy), "check_checkpoint", None)
-    if check is not None:  # names and shapes against the model, built on meta (no memory)
-        with torch.device("meta"):
-            check(reader, build_model(cfg, build_dataset(cfg, "train")))
+    with torch.device("meta"):  # names and shapes against the model, built on meta (no memory)
+        model = build_model(cfg, build_dataset(cfg, "train"))
+    if check is not None:
+        check(reader, model)
+    else:
+        check_model_shapes(reader, model, "--resume")
     return reader.step
 
 
