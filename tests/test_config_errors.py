@@ -63,6 +63,9 @@ def test_bad_config_exits_2_naming_the_key(tmp_path, capsys, override, key):
     ("data.val_fraction=-0.1", "data.val_fraction"),
     ("data.factory='synthetic'\ndata.task='ranking'", "data.task"),
     ("data.factory='synthetic'\ndata.task='regression'", "train.loss"),  # cross_entropy on real targets
+    ("model.hidden='64'", "model.hidden"),          # of the annotated type (it named model.factory)
+    ("model.hidden=64.5", "model.hidden"),
+    ("data.val_fraction='x'", "data.val_fraction"),
 ])
 def test_bad_builtin_arguments_exit_2_naming_the_key(tmp_path, capsys, override, key):
     sets = [a for o in override.split("\n") for a in ("--set", o)]
@@ -83,6 +86,10 @@ def test_bad_builtin_arguments_exit_2_naming_the_key(tmp_path, capsys, override,
     ("data.path='memory://nonexistent.txt'", "data.path"),    # an fsspec URL
     ("data.path='nosuch://text.txt'", "data.path"),           # a scheme fsspec does not know
     ("data.path='dropbox://text.txt'", "data.path"),          # ... or whose package is not installed
+    ("model.n_head=4.0", "model.n_head"),           # a float: the workers' tensor views failed
+    ("model.tie_embeddings='false'", "model.tie_embeddings"),  # a string: it tied the weights
+    ("model.tie_embeddings=0", "model.tie_embeddings"),
+    ("data.block_size='64'", "data.block_size"),
 ])
 def test_bad_default_job_arguments_exit_2_naming_the_key(tmp_path, capsys, override, key):
     code, err = run_main(capsys, "run", "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override)

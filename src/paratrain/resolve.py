@@ -46,3 +46,32 @@ def check_kwargs(fn, kwargs: dict, section: str, name: str) -> None:
         if key not in params:
             known = ", ".join(k for k in params if k != "split")
             raise ConfigError(f"{section}.{key}", f"unknown key: {name} takes {known or 'no arguments'}")
+    check_types(fn, kwargs, section)
+
+
+# What a TOML value must be to fill an argument annotated with these types. An int fills a float;
+# a bool fills nothing else (TOML's `true` is Python's 1, and "false" as a string is truthy).
+_ACCEPTS = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}
+_TOML_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def check_types(fn, kwargs: dict, section: str) -> None:
+    """Each value against its argument's annotation, where that is int, float, bool or str (or
+    one of them | None): a value of another type exits 2 naming the key, before the factory runs
+    (a float n_head reached the workers' tensor views; "false" for a bool tied the gpt's weights)."""
+    import types
+    import typing
+
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # annotations that do not resolve (a user's own types): nothing to check
+        return
+    for key, value in kwargs.items():
+        hint = hints.get(key)
+        if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+            simple = [a for a in typing.get_args(hint) if a is not type(None)]
+            hint = simple[0] if len(simple) == 1 else None
+        if hint not in _ACCEPTS:
+            continue
+        if isinstance(value, bool) and hint is not bool or not isinstance(value, _ACCEPTS[hint]):
+            raise ConfigError(f"{section}.{key}", f"expected {_TOML_NAMES[hint]}, got {value!r}")
