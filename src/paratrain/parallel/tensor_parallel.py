@@ -141,10 +141,32 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
         if user and size % tp:
             dim = "out_features" if style == "colwise" else "in_features"
             raise ConfigError("parallel.tp", f"tp {tp} does not divide {name}.{dim} = {size}")
+    if user and isinstance(model, nn.Sequential):
+        check_pairs(model, plan)
     if isinstance(model, GPT):
         heads = model.blocks[0].attn.q.out_features // model.blocks[0].attn.head_dim if len(model.blocks) else 0
         if heads % tp:
             raise ConfigError("parallel.tp", f"tp {tp} does not divide the gpt's {heads} attention heads")
+
+
+def check_pairs(model: nn.Sequential, plan: dict) -> None:
+    """In an nn.Sequential (forward order = module order) a colwise Linear's output is split
+    across the tp ranks, and only a rowwise Linear can take it (parameter-free modules between them
+    act on each rank's part alike); a rowwise Linear needs such a split input. The model's output
+    may stay split (the loss is vocab-parallel). Before, a plan that broke this passed `plan` and
+    failed in the workers with a shape error."""
+    key, split_by = "parallel.tp_plan", None
+    for name, module in model.named_modules():
+        if list(module.children()) or not any(True for _ in module.parameters(recurse=False)):
+            continue  # containers and parameter-free modules (activations, dropout)
+        style = plan.get(name)
+        if split_by is not None and style != "rowwise":
+            raise ConfigError(key, f"{name!r} takes the split output of colwise {split_by!r}, so it must be "
+                                   f"rowwise (a colwise -> rowwise pair), but it is {style or 'not planned'}")
+        if split_by is None and style == "rowwise":
+            raise ConfigError(key, f"{name!r} is rowwise but its input is whole: a rowwise Linear must follow "
+                                   f"a colwise one (a colwise -> rowwise pair)")
+        split_by = name if style == "colwise" else None
 
 
 def _shard_dim(style: str, attr: str) -> int | None:
