@@ -66,6 +66,9 @@ def test_bad_config_exits_2_naming_the_key(tmp_path, capsys, override, key):
     ("model.hidden='64'", "model.hidden"),          # of the annotated type (it named model.factory)
     ("model.hidden=64.5", "model.hidden"),
     ("data.val_fraction='x'", "data.val_fraction"),
+    ("train.loss='mse'", "train.loss"),             # class indices against 10 outputs (the workers failed)
+    ("data.factory='synthetic'\ndata.task='regression'\ntrain.loss='mse'\nmodel.in_features=32\n"
+     "model.out_features=3", "train.loss"),          # 3 outputs against 10 targets
     # a colwise Linear's split output must go to a rowwise one (the workers failed on a shape)
     ("parallel.strategy='tp'\nparallel.tp=2\nparallel.tp_plan={'0'='colwise'}", "parallel.tp_plan"),
     ("parallel.strategy='tp'\nparallel.tp=2\nparallel.tp_plan={'2'='rowwise'}", "parallel.tp_plan"),

@@ -37,15 +37,17 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
                                              f"training samples of {cfg.data.factory}")
     build_dataset(cfg, "val")
     with torch.device("meta"):  # shapes only: no memory, no time
-        check_model(cfg, build_model(cfg, train_set))
+        model = build_model(cfg, train_set)
+    check_model(cfg, model)
     build_loss(cfg)
-    check_samples(cfg, train_set)
+    check_samples(cfg, train_set, model)
 
 
-def check_samples(cfg: config_mod.Config, train_set) -> None:
+def check_samples(cfg: config_mod.Config, train_set, model=None) -> None:
     """The first training sample, as the workers will see it: an (input, target) pair, and for the
-    built-in cross-entropy a class index, not a real-valued target (a regression task). Either
-    would otherwise fail in every worker at the first step."""
+    built-in cross-entropy a class index, not a real-valued target (a regression task); for a
+    built-in loss, the model's output (`model` on meta) must fit the targets. Each would otherwise
+    fail in every worker at the first step."""
     import torch
 
     if len(train_set) == 0:
@@ -64,6 +66,34 @@ def check_samples(cfg: config_mod.Config, train_set) -> None:
         raise ConfigError("train.loss", f"cross_entropy takes class indices, but the targets of {cfg.data.factory} "
                                         f"are {str(target.dtype).removeprefix('torch.')} (a regression task: use "
                                         f"'mse'; soft labels: a module:function loss)")
+    if model is not None and isinstance(sample[0], torch.Tensor) and isinstance(target, torch.Tensor):
+        check_loss_shapes(cfg, model, sample[0], target)
+
+
+def check_loss_shapes(cfg: config_mod.Config, model, x, target) -> None:
+    """A batch of two samples through the model and a built-in loss, all on the meta device
+    (shapes only): `mse` on class indices, or an output width that is not the targets', fails
+    here instead of in every worker. A model that cannot run on meta is left to the workers."""
+    import torch
+
+    from .optim import BUILTIN_LOSSES
+
+    loss = BUILTIN_LOSSES.get(cfg.train.loss)
+    if loss is None:
+        return
+    xs = torch.empty((2, *x.shape), dtype=x.dtype, device="meta")
+    ys = torch.empty((2, *target.shape), dtype=target.dtype, device="meta")
+    try:
+        with torch.no_grad():
+            out = model(xs)
+    except Exception:
+        return
+    try:
+        loss(out, ys)
+    except (RuntimeError, ValueError) as exc:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError("train.loss", f"{cfg.train.loss} cannot compare the model's output {shape} with "
+                                        f"targets {tuple(ys.shape)} ({str(exc).splitlines()[0]})") from None
 
 
 def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_rank: int,
