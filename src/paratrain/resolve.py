@@ -71,7 +71,7 @@ def check_types(fn, kwargs: dict, section: str) -> None:
         if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
             simple = [a for a in typing.get_args(hint) if a is not type(None)]
             hint = simple[0] if len(simple) == 1 else None
-        if hint not in _ACCEPTS:
+        if not isinstance(hint, type) or hint not in _ACCEPTS:
             continue
         if isinstance(value, bool) and hint is not bool or not isinstance(value, _ACCEPTS[hint]):
             raise ConfigError(f"{section}.{key}", f"expected {_TOML_NAMES[hint]}, got {value!r}")
