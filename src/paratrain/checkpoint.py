@@ -248,23 +248,10 @@ def check_model_shapes(reader: CheckpointReader, model: nn.Module, key: str) -> 
     """Before any worker starts (`model` on meta): the checkpoint's parameter names and whole
     shapes must be the model's. CheckpointMismatch naming `key` otherwise. Every parameter must be
     saved; buffers may be absent (a parameter server saves parameters only)."""
-    saved = saved_model_shapes(reader)
-    own = {k: list(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(n for n, _ in model.named_parameters() if n not in saved)
-    unexpected = sorted(set(saved) - set(own))
-    shapes = sorted(k for k in set(own) & set(saved) if own[k] != saved[k])
-    def listed(items: list[str], most: int = 4) -> str:  # one readable line, however many differ
-        return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
-
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append("missing from checkpoint: " + listed(missing))
-        if unexpected:
-            parts.append("not in the model: " + listed(unexpected))
-        if shapes:
-            parts.append("shape differs: " + listed([f"{k} {tuple(saved[k])} vs {tuple(own[k])}" for k in shapes]))
-        raise CheckpointMismatch(key, f"{reader.path}: checkpoint does not match the model: " + "; ".join(parts))
+    differs = describe_mismatch({k: v.shape for k, v in model.state_dict().items()}, saved_model_shapes(reader),
+                                required=[n for n, _ in model.named_parameters()])
+    if differs:
+        raise CheckpointMismatch(key, f"{reader.path}: {differs}")
 
 
 def latest_valid(run_dir: Path, log=print) -> CheckpointReader | None:
@@ -280,22 +267,35 @@ def latest_valid(run_dir: Path, log=print) -> CheckpointReader | None:
 
 
 # -- model and optimizer state as flat tensors ---------------------------------------------------
+def describe_mismatch(own: dict, saved: dict, required=None) -> str:
+    """"" when a checkpoint's names and shapes (`saved`, name -> shape) are the model's (`own`),
+    else one line: the names of `required` (default: all of `own`) it lacks, the names the model
+    lacks, and the shapes that differ, the first few of each and how many more."""
+    own = {k: tuple(v) for k, v in own.items()}
+    saved = {k: tuple(v) for k, v in saved.items()}
+    missing = sorted(set(own if required is None else required) - set(saved))
+    unexpected = sorted(set(saved) - set(own))
+    shapes = sorted(k for k in set(own) & set(saved) if own[k] != saved[k])
+
+    def listed(items: list[str], most: int = 4) -> str:
+        return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+
+    parts = []
+    if missing:
+        parts.append("missing from checkpoint: " + listed(missing))
+    if unexpected:
+        parts.append("not in the model: " + listed(unexpected))
+    if shapes:
+        parts.append("shape differs: " + listed([f"{k} {saved[k]} vs {own[k]}" for k in shapes]))
+    return "checkpoint does not match the model: " + "; ".join(parts) if parts else ""
+
+
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load with a clear list of what does not match, instead of a traceback."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    shapes = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append("missing from checkpoint: " + ", ".join(missing))
-        if unexpected:
-            parts.append("not in the model: " + ", ".join(unexpected))
-        if shapes:
-            parts.append("shape differs: " + ", ".join(
-                f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in shapes))
-        raise CheckpointMismatch("resume", "checkpoint does not match the model: " + "; ".join(parts))
+    differs = describe_mismatch({k: v.shape for k, v in model.state_dict().items()},
+                                {k: v.shape for k, v in state.items()})
+    if differs:
+        raise CheckpointMismatch("resume", differs)
     model.load_state_dict(state)
 
 

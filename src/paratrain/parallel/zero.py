@@ -407,27 +407,12 @@ def replicated_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def check_layout(model: nn.Module, saved_params: dict, saved_replicated: dict, key: str = "resume") -> None:
-    """Exit 2 naming every parameter or buffer whose name or shape differs from the checkpoint's."""
-    ours = {n: list(p.shape) for n, p in unique_parameters(model)}
-    ours.update({f"replicated:{k}": list(v.shape) for k, v in replicated_state(model).items()})
-    theirs = dict(saved_params)
-    theirs.update({f"replicated:{k}": list(v) for k, v in saved_replicated.items()})
-    missing = sorted(set(ours) - set(theirs))
-    unexpected = sorted(set(theirs) - set(ours))
-    shapes = sorted(k for k in set(ours) & set(theirs) if ours[k] != theirs[k])
-
-    def name(k):
-        return k.removeprefix("replicated:")
-
-    parts = []
-    if missing:
-        parts.append("missing from checkpoint: " + ", ".join(name(k) for k in missing))
-    if unexpected:
-        parts.append("not in the model: " + ", ".join(name(k) for k in unexpected))
-    if shapes:
-        parts.append("shape differs: " + ", ".join(f"{name(k)} {tuple(theirs[k])} vs {tuple(ours[k])}" for k in shapes))
-    if parts:
-        raise ckpt.CheckpointMismatch(key, "checkpoint does not match the model: " + "; ".join(parts))
+    """Exit 2 naming the parameters or buffers whose name or shape differs from the checkpoint's."""
+    ours = {n: p.shape for n, p in unique_parameters(model)}
+    ours.update({k: v.shape for k, v in replicated_state(model).items()})
+    differs = ckpt.describe_mismatch(ours, {**saved_params, **saved_replicated})
+    if differs:
+        raise ckpt.CheckpointMismatch(key, differs)
 
 
 def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -> list[tuple[nn.Module, list]]:
