@@ -112,7 +112,8 @@ def test_powersgd_resume_equals_uninterrupted(tmp_path):
 @pytest.mark.parametrize("shape", [(37, 11), (300, 2000), (3, 600_000)])
 def test_powersgd_blocked_reconstruction_equals_one_product(shape):
     """P Q^T and the error are made a cache-sized block of rows at a time; the blocks must add up to
-    exactly the one-product result (rows that do not divide, a row wider than a block)."""
+    exactly the one-product result (rows that do not divide, a row wider than a block). The squared
+    norm it returns, taken from the factors (the clipping norm), is that of the result it wrote."""
     import torch
 
     from paratrain.parallel.compression import _PowerBucket
@@ -124,10 +125,11 @@ def test_powersgd_blocked_reconstruction_equals_one_product(shape):
     block = torch.empty(max(1000, m), dtype=torch.bfloat16)  # several blocks even for small shapes
     M, out, Pt, Qt = st.views(flat)[0], st.views(st.out)[0], torch.randn(2, n), torch.randn(2, m)
     before = M.clone()
-    st.reconstruct(M, out, Pt, Qt, block)
+    squared_norm = st.reconstruct(M, out, Pt, Qt, block)
     expected = (Pt.t().bfloat16() @ Qt.bfloat16()).float()
     assert torch.equal(out, expected)
     assert torch.equal(M, before - expected)
+    assert squared_norm.sqrt().item() == pytest.approx(torch.linalg.vector_norm(out.double()).item(), rel=1e-4)
 
 
 def _local_sum_worker(rank: int, port: int, world: int) -> None:
