@@ -4,7 +4,7 @@ import shutil
 import pytest
 import torch
 
-from helpers import check_ok, final_weights, max_rel_error, run_cli, write_config
+from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
@@ -234,3 +234,20 @@ def test_resume_with_another_model_exits_2_naming_the_parameters(tmp_path, strai
                  "--run-dir", str(tmp_path / "r")])
     err = capsys.readouterr().err
     assert code == 2 and "missing from checkpoint: 6.bias, 6.weight" in err, err
+
+
+# Digits keeps round(1797 x fraction) samples for validation, dealt round-robin and evaluated
+# 4 x batch_size / world = 48 at a time at world 2: 0.054 keeps 97, two chunks on rank 0 and one on
+# rank 1; 0.001 keeps 2, so at world 3 one rank has none.
+@pytest.mark.parametrize("strategy, world, fraction", [("zero3", 2, 0.054), ("zero3", 3, 0.001), ("dp", 3, 0.001)])
+def test_validation_shares_that_differ_between_ranks_equal_one_process(tmp_path, strategy, world, fraction):
+    """Where the validation set does not split evenly, zero3's ranks must still run the same
+    number of evaluation forwards (each gathers parameters from all: it hung until the timeout), and a
+    rank with no validation sample at all must not turn the loss into NaN."""
+    cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
+    sets = [a for o in (f"data.val_fraction={fraction}", "train.steps=2", "parallel.timeout_s=20") for a in ("--set", o)]
+    check_ok(run_cli("run", str(cfg), "--nproc", "1", *sets, "--run-dir", str(tmp_path / "one")))
+    check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--set", f"parallel.strategy='{strategy}'", *sets,
+                     "--run-dir", str(tmp_path / "many")))
+    one, many = (metrics(tmp_path / d)[-1] for d in ("one", "many"))
+    assert many["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)

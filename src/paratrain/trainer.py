@@ -115,9 +115,21 @@ class Trainer:
             return {}
         per_rank = max(4 * self.cfg.data.batch_size // self.dp_size, 1)  # no activations kept: bigger batches
         order = torch.arange(self.dp_rank, len(self.val_set), self.dp_size)
+        # Every dp rank goes through the same number of chunks (the first rank's): where a forward
+        # is a collective (zero3 gathers each unit from every rank) a rank with one chunk fewer
+        # would leave the others waiting; it runs an empty one. Elsewhere empty chunks are skipped.
+        most = -(-len(self.val_set) // self.dp_size)  # dp rank 0's share, the largest
+        n_chunks = -(-most // per_rank)
+        chunks = [order[i * per_rank:(i + 1) * per_rank] for i in range(n_chunks)] if self.strategy.reads_data else []
         sums = torch.zeros(4, dtype=torch.float64)  # loss*n, n, correct, counted
-        for chunk in torch.split(order, per_rank) if self.strategy.reads_data else ():
-            x, y = load_batch(self.val_set, chunk)
+        for chunk in chunks:
+            if len(chunk) == 0 and not self.strategy.collective_forward:
+                continue
+            # an empty chunk as a batch of no samples (a dataset's collate cannot make one)
+            if len(chunk):
+                x, y = load_batch(self.val_set, chunk)
+            else:
+                x, y = (t[:0] for t in load_batch(self.val_set, torch.zeros(1, dtype=torch.long)))
             sums += self.strategy.eval_step(x.to(self.rt.device), y.to(self.rt.device))
         sums = all_reduce_sum(sums, self.rt, "eval-sums", self.strategy.trainer_group)
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}

@@ -21,6 +21,9 @@ Hooks with defaults that fit strategies whose ranks run in lockstep (override wh
                       whose ranks do not run in lockstep returns the total on rank 0 itself;
     step_metrics()    extra entries for metrics.jsonl, called on every rank at each logged step
                       (rank 0's dict is logged; default: none);
+    collective_forward
+                      False (default); True where a forward meets the other dp ranks (zero3 gathers
+                      parameters): then every dp rank evaluates the same number of chunks, some empty;
     lockstep          True (default) when every rank runs every step, meeting its peers in each:
                       then a SIGTERM stops the run at an agreed step with a checkpoint
                       (paratrain/stop.py); False for ranks that run at their own pace;
@@ -61,6 +64,7 @@ from ..runtime import Runtime
 class Strategy:
     name = "base"
     profiler = NULL_PROFILER
+    collective_forward = False
 
     def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):
         self.model = model
@@ -160,5 +164,7 @@ def unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def eval_sums(loss_fn, output, targets: torch.Tensor) -> torch.Tensor:
     n = targets.shape[0]
+    if n == 0:  # a rank's empty share (its mean loss would be NaN and poison the sum)
+        return torch.zeros(4, dtype=torch.float64)
     correct, counted = accuracy_counts(output, targets) or (0, 0)
     return torch.tensor([float(loss_fn(output, targets)) * n, n, correct, counted], dtype=torch.float64)

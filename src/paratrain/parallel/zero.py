@@ -335,6 +335,7 @@ class Zero2(Zero):
 class Zero3(Zero2):
     name = "zero3"
     stage = 3
+    collective_forward = True  # each unit's parameters are gathered from every rank
 
     def _make_units(self, model, named) -> list[FlatUnit]:
         """One unit per module (see `module_units`), indexed in reverse forward order like buckets."""
