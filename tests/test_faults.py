@@ -98,6 +98,26 @@ def test_non_finite_step_is_skipped_on_every_rank(tmp_path):
     assert metrics(tmp_path / "run")[0]["skipped_steps"] == 1
 
 
+@pytest.mark.parametrize("servers, workers", [(1, 2), (2, 1)])
+def test_sync_parameter_server_skips_a_non_finite_step(tmp_path, servers, workers):
+    """As dp does: the servers drop the step's update together and tell every worker (the NaN
+    update turned the whole model to NaN and the run still ended with exit 0)."""
+    cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
+    proc = check_ok(run_cli("run", str(cfg), "--nproc", str(servers + workers), "--set", "parallel.strategy='ps'",
+                            "--set", f"ps.servers={servers}", "--run-dir", str(tmp_path / "run")))
+    assert "step 4: non-finite loss or gradient, update skipped" in proc.stdout, proc.stdout
+    weights = final_weights(tmp_path / "run")
+    assert max_rel_error(weights, digits_mlp_reference(steps=16, skip_steps={3})) <= 1e-4
+
+
+def test_async_parameter_server_refuses_a_non_finite_push(tmp_path):
+    cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
+    proc = check_ok(run_cli("run", str(cfg), "--nproc", "3", "--set", "parallel.strategy='ps'",
+                            "--set", "ps.mode='async'", "--run-dir", str(tmp_path / "run")))
+    assert "refuses worker rank 2's push for step 4: non-finite" in proc.stderr, proc.stderr
+    assert all(torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values())
+
+
 @pytest.mark.parametrize("codec", ["powersgd", "topk"])
 def test_a_skipped_step_does_not_poison_error_feedback(tmp_path, codec):
     """Error feedback would carry the NaN of step 4 into every later step; the skip drops it."""

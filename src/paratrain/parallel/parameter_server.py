@@ -24,6 +24,11 @@ pushes until every live worker has finished step k, so rank 0 logs at the slowes
 its last train_step serves until every live worker is done and then sends all of them the final
 parameters, so the run ends in lockstep (evaluation, export) even though it ran asynchronously.
 
+Non-finite gradients: a sync step whose averaged gradient (or any worker's loss) is not finite is
+skipped on every server, as dp skips it, and the reply tells each worker so (the trainer counts
+it against train.max_bad_steps); async and ssp servers refuse a non-finite push alone, say so, and
+tell that worker.
+
 Faults: async/ssp servers drop a worker whose connection breaks or that stays silent for
 ps.drop_after_s (and say so), and the trainer's collectives then run over the live ranks only;
 checkpoints are the servers' alone. A worker process that crashes is kept from failing the whole
@@ -55,7 +60,8 @@ from .base import Strategy, clip_factor, unique_parameters
 HEADER = 4  # float32 slots in front of every message (small integers are exact in float32)
 PUSH_TAG, PULL_TAG, EXPORT_TAG = 11, 12, 13
 # push header: [step the gradient is for, server version it was computed on, worker loss, 0]
-# pull header: [server version, 1 if these are the final parameters, 0, 0]
+# pull header: [server version, 1 if these are the final parameters,
+#               1 if the gradient of the worker's last push was not finite and not applied, 0]
 
 
 def assign_shards(sizes: list[int], servers: int) -> list[list[int]]:
@@ -174,6 +180,7 @@ class ParameterServer(Strategy):
         self.clock = dict.fromkeys(self.workers, 0)  # steps each worker has pushed
         self.last_heard = dict.fromkeys(self.workers, time.monotonic())
         self.held: list[int] = []  # ssp: workers whose reply waits for the slowest
+        self.refused: set[int] = set()  # async: workers whose last push was not finite
         self.done: set[int] = set()
         self.max_gap = 0
         self.recv_bufs = {w: self.shard.new_buffer() for w in self.workers}
@@ -239,6 +246,7 @@ class ParameterServer(Strategy):
         for s, work in zip(self.servers + self.servers, sends + recvs):
             self._wait(work, s)
         self.versions = [int(buf[0]) for buf in self.param_bufs]
+        self.skipped_step = any(bool(buf[2]) for buf in self.param_bufs)
         for buf, dev_buf in zip(self.param_bufs, self.dev_param_bufs):
             if dev_buf is not buf:
                 dev_buf.copy_(buf)
@@ -284,14 +292,24 @@ class ParameterServer(Strategy):
         self.stats.pushes += len(self.workers)
         self.stats.bytes += len(self.workers) * 2 * self.shard.nbytes
         self.stats.staleness.update({0: len(self.workers)})  # every gradient was computed on the latest version
-        if self.cfg.train.clip_grad_norm > 0:
-            self._clip_over_servers()
-        self._update()
-        self.param_buf[:HEADER] = torch.tensor([self.version, 0.0, 0.0, 0.0])
+        self.skipped_step = not self._all_finite(self.grad_buf, stacked[:, 2])
+        if not self.skipped_step:
+            if self.cfg.train.clip_grad_norm > 0:
+                self._clip_over_servers()
+            self._update()
+        self.param_buf[:HEADER] = torch.tensor([self.version, 0.0, float(self.skipped_step), 0.0])
         sends = [self._p2p(dist.isend, self.param_buf, w, PULL_TAG) for w in self.workers]
         for w, work in zip(self.workers, sends):
             self._wait(work, w)
         return stacked[:, 2].mean()
+
+    def _all_finite(self, grads: torch.Tensor, losses: torch.Tensor) -> bool:
+        """Whether the losses and the averaged gradient are finite on every server (each holds
+        every worker's loss, and its own shard of the gradient)."""
+        ok = torch.tensor([float(bool(torch.isfinite(grads).all() and torch.isfinite(losses).all()))])
+        if self.server_group is not None:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.server_group)
+        return bool(ok.item())
 
     def _hear_losses(self, losses: torch.Tensor) -> None:
         self.loss_sums += torch.tensor([losses.double().sum().item(), losses.numel()], dtype=torch.float64)
@@ -373,11 +391,16 @@ class ParameterServer(Strategy):
     def _apply(self, buf: torch.Tensor, src: int) -> None:
         step, used = int(buf[0]), int(buf[1])
         self.last_heard[src] = time.monotonic()
-        self.grad_buf[HEADER:].copy_(buf[HEADER:])
-        self.stats.staleness[self.version - used] += 1
         self.stats.pushes += 1
         self.stats.bytes += self.shard.nbytes
-        self._update()
+        if torch.isfinite(buf).all():
+            self.grad_buf[HEADER:].copy_(buf[HEADER:])
+            self.stats.staleness[self.version - used] += 1
+            self._update()
+        else:  # this push alone is refused (another server may hold the finite part of it)
+            self.refused.add(src)
+            print(f"ps: server rank {self.rt.rank} refuses worker rank {src}'s push for step {step + 1}: "
+                  f"non-finite loss or gradient", file=sys.stderr, flush=True)
         self.clock[src] = step + 1
         if self.clock[src] >= self.total_steps:
             self.done.add(src)  # its final parameters go out once everyone is done
@@ -400,7 +423,9 @@ class ParameterServer(Strategy):
                 self._reply(w, final=False)
 
     def _reply(self, w: int, final: bool) -> None:
-        self.param_buf[:HEADER] = torch.tensor([self.version, float(final), 0.0, 0.0])
+        refused = w in self.refused
+        self.refused.discard(w)
+        self.param_buf[:HEADER] = torch.tensor([self.version, float(final), float(refused), 0.0])
         # Wait for the send: the next update must not change the buffer while it is on the wire.
         self._wait(self._p2p(dist.isend, self.param_buf, w, PULL_TAG), w)
         self.stats.bytes += self.shard.nbytes
