@@ -306,3 +306,18 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, who, n
     assert [m["step"] for m in metrics(run_dir)] == list(range(1, STEPS + 1)), "every step is logged exactly once"
     a = final_weights(run_dir)
     assert all(torch.equal(a[k], never_stopped[k]) for k in a), "the resumed run differs from the uninterrupted one"
+
+
+def test_a_reader_that_leaves_early_does_not_stop_the_run(tmp_path):
+    """`paratrain run ... | head -1`: rank 0 died on a BrokenPipeError at its next step line and
+    the command still exited 0, with no final model."""
+    cfg = write_config(tmp_path / "c.toml", BASE.replace("log_every = 4", "log_every = 1"))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--run-dir", str(tmp_path / "run")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().startswith("step")
+    proc.stdout.close()  # the reader leaves
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, err
+    assert [m["step"] for m in metrics(tmp_path / "run")] == list(range(1, 17))
+    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=16)) <= 1e-4

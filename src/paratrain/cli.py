@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import config as config_mod
 from .config import ConfigError
+from .metrics import keep_stdout_when_its_reader_leaves
 
 
 def _error(msg: str, code: int) -> int:
@@ -369,11 +370,9 @@ def main(argv=None) -> int:
 def console_main() -> None:
     """The `paratrain` command: main(), then out without the interpreter's teardown of torch
     (half a second), since all the command opened is closed and flushed by the time main returns."""
-    try:
-        code = main()
-        sys.stdout.flush()
-    except BrokenPipeError:  # its reader left early (`paratrain inspect ... | head`): no traceback
-        code = 0
+    keep_stdout_when_its_reader_leaves()  # `paratrain inspect ... | head`: no traceback, the real exit code
+    code = main()
+    sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code or 0)
 

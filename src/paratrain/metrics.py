@@ -3,8 +3,43 @@ and TensorBoard scalars (RUN_DIR/tensorboard) when log.tensorboard is on."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+
+
+class _OutlivesItsReader:
+    """sys.stdout that turns into /dev/null when its reader goes away (`paratrain run ... | head`):
+    the run goes on, logged to metrics.jsonl, instead of dying on a BrokenPipeError at its next line."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())  # what is still buffered drains there too
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def keep_stdout_when_its_reader_leaves() -> None:
+    if not isinstance(sys.stdout, _OutlivesItsReader):
+        sys.stdout = _OutlivesItsReader(sys.stdout)
 
 
 class MetricsLog:

@@ -29,7 +29,7 @@ from . import runtime
 from . import stop
 from .config import Config, ConfigError
 from .data import GlobalBatchSampler, build_dataset, load_batch
-from .metrics import MetricsLog
+from .metrics import MetricsLog, keep_stdout_when_its_reader_leaves
 from .models import BUILTIN as BUILTIN_MODELS
 from .models import build_model
 from .optim import build_loss, lr_factor
@@ -326,6 +326,7 @@ def parse_args(argv=None):
 @record
 def main(argv=None) -> int:
     args = parse_args(argv)
+    keep_stdout_when_its_reader_leaves()
     if args.config:
         os.environ.setdefault("PARATRAIN_CONFIG_DIR", str(Path(args.config).resolve().parent))
     try:
