@@ -73,7 +73,8 @@ class Trainer:
                     path = how
             path = broadcast_str(path, self.rt)
             if not path:
-                if self.rt.is_main:
+                if self.rt.is_main:  # nor any step an earlier run or attempt logged here
+                    drop_metrics_after(self.run_dir / "metrics.jsonl", 0)
                     print("no checkpoint to resume from: starting fresh", flush=True)
                 return
         reader = ckpt.CheckpointReader(path)
