@@ -232,6 +232,29 @@ def test_bad_benchmark_options_exit_2_naming_the_option(capsys, args, option):
     assert exit_.value.code == 2 and f"argument {option}:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, option", [
+    (["pipeline", "--schedules", "gpipe,bogus"], "--schedules"),
+    (["memory", "--strategies", "zero9"], "--strategies"),
+    (["memory", "--worlds", "2,x"], "--worlds"),
+])
+def test_benchmark_lists_with_an_unknown_item_exit_2(capsys, args, option):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", *args])
+    assert exit_.value.code == 2 and f"argument {option}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--layers", "3", "--schedules", "interleaved"], "--layers"),
+    (["--microbatches", "3", "--schedules", "interleaved"], "--microbatches"),
+    (["--nproc", "3", "--microbatches", "2", "--schedules", "1f1b"], "--microbatches"),
+])
+def test_a_pipeline_benchmark_no_schedule_can_run_exits_2(capsys, args, option):
+    """Checked before its workers start: they failed each with a traceback (a layer count too small
+    for the stages, microbatches the schedule cannot take)."""
+    assert main(["bench", "pipeline", *args]) == 2
+    assert f"paratrain: error: {option}:" in capsys.readouterr().err
+
+
 SAMPLES = """
 import torch
 

@@ -37,6 +37,21 @@ def fraction(text: str) -> float:
     return value
 
 
+def one_or_more_of(allowed, kind=str):
+    """An argparse type: a comma-separated list of `allowed` values (or of `kind`s that pass
+    `allowed`, when it is a type such as COUNT), returned as given, once checked."""
+    def parse(text: str) -> str:
+        items = text.split(",")
+        for item in items:
+            if callable(allowed):
+                allowed(item)
+            elif item not in allowed:
+                raise argparse.ArgumentTypeError(f"{item!r} is not one of {', '.join(allowed)}")
+        return text
+    parse.__name__ = "list"
+    return parse
+
+
 COUNT, NONNEG, POSITIVE = at_least(1), at_least(0), positive
 
 

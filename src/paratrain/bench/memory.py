@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from .common import COUNT, POSITIVE, add_json_option, emit_json
+from .common import COUNT, POSITIVE, add_json_option, emit_json, one_or_more_of
 
 STRATEGIES = ["dp", "zero1", "zero2", "zero3", "fsdp2"]
 
@@ -26,8 +26,8 @@ STRATEGIES = ["dp", "zero1", "zero2", "zero3", "fsdp2"]
 def add_parser(which) -> None:
     p = which.add_parser("memory", help="per-rank memory: dp vs zero1/2/3 vs torch FSDP2")
     add_model_options(p)
-    p.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
-    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--worlds", type=one_or_more_of(COUNT), default="2,4", help="comma-separated world sizes")
+    p.add_argument("--strategies", type=one_or_more_of(STRATEGIES), default=",".join(STRATEGIES))
     add_json_option(p)
     p.set_defaults(func=run)
 

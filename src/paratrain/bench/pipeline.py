@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 import weakref
 
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import COUNT, NONNEG, add_json_option, emit_json, relaunch
+from .common import COUNT, NONNEG, add_json_option, emit_json, one_or_more_of, relaunch
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -49,11 +50,28 @@ def add_options(p) -> None:
     p.add_argument("--width", type=COUNT, default=1024)
     p.add_argument("--microbatches", type=COUNT, default=8)
     p.add_argument("--rows", type=COUNT, default=8, help="rows per microbatch")
-    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--schedules", type=one_or_more_of(SCHEDULES), default=",".join(SCHEDULES))
     add_json_option(p)
 
 
+def shape_error(args) -> str | None:
+    """What makes these options a pipeline neither engine can run (checked before any worker starts)."""
+    schedules = args.schedules.split(",")
+    stages = args.nproc * (2 if "interleaved" in schedules else 1)
+    if args.layers < stages:  # each stage (for interleaved: each of a rank's two chunks) needs a layer
+        return (f"--layers: {args.layers} layers cannot be cut into {stages} stages "
+                f"(--nproc {args.nproc}{', 2 chunks each for interleaved' if stages > args.nproc else ''})")
+    if args.microbatches < args.nproc and {"1f1b", "interleaved"} & set(schedules):
+        return f"--microbatches: 1f1b and interleaved need at least one microbatch per stage ({args.nproc})"
+    if "interleaved" in schedules and args.microbatches % args.nproc:
+        return f"--microbatches: interleaved needs a multiple of --nproc ({args.nproc}), got {args.microbatches}"
+    return None
+
+
 def run(args) -> int:
+    if (error := shape_error(args)) is not None:
+        print(f"paratrain: error: {error}", file=sys.stderr, flush=True)
+        return 2
     return relaunch("paratrain.bench.pipeline", args, add_options, nproc=args.nproc, run_id="bench-pipeline")
 
 
