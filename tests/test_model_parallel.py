@@ -82,8 +82,9 @@ def check_equal(tmp_path, name, reference):
 def test_tensor_parallel_then_hybrid_resumes(tmp_path, gpt_reference):
     """tp = 2 equals one process; its step-10 checkpoint resumes at world 4 both as tp 2 x pp 2
     (the same shards, now cut into stages) and as dp 2 x pp 2 (shards joined: tp 2 -> 1), and
-    both still end equal to one process."""
-    run(tmp_path, "tp", 2, "parallel.strategy='hybrid'", "parallel.tp=2", "checkpoint.every=10")
+    both still end equal to one process. The three names are one engine: a checkpoint written under
+    one resumes under the others."""
+    run(tmp_path, "tp", 2, "parallel.strategy='tp'", "parallel.tp=2", "checkpoint.every=10")
     check_equal(tmp_path, "tp", gpt_reference)
     step10 = tmp_path / "tp" / "checkpoints" / "step-10"
     proc = run(tmp_path, "tp-pp", 4, "parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2",
@@ -91,7 +92,7 @@ def test_tensor_parallel_then_hybrid_resumes(tmp_path, gpt_reference):
     assert "at step 10" in proc.stdout
     check_equal(tmp_path, "tp-pp", gpt_reference)
     # dp 2 x pp 2: gradients all-reduced over the dp sub-group only, per chunk, in its last backward
-    run(tmp_path, "dp-pp", 4, "parallel.strategy='hybrid'", "parallel.pp=2", "parallel.microbatches=2",
+    run(tmp_path, "dp-pp", 4, "parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=2",
         resume=step10)
     check_equal(tmp_path, "dp-pp", gpt_reference)
 
