@@ -208,11 +208,12 @@ class CheckpointReader:
 
 def check_resumable(reader: CheckpointReader, strategy: str, optimizer: str, key: str) -> None:
     """A checkpoint resumes only under the strategy that wrote it (its files are that strategy's
-    shards; tp, pp and hybrid, one engine, take each other's) and with the same optimizer (its state is that optimizer's own: Adam's moments, SGD's
-    momentum). CheckpointMismatch naming `key`, or train.optimizer, otherwise."""
+    shards; tp, pp and hybrid, one engine, take each other's) and with the same optimizer (its
+    state is that optimizer's own: Adam's moments, SGD's momentum). CheckpointMismatch naming
+    `key`, or train.optimizer, otherwise."""
     from .parallel import STRATEGIES
 
-    if STRATEGIES.get(reader.strategy) != STRATEGIES.get(strategy):  # tp, pp and hybrid: one engine, one layout
+    if STRATEGIES.get(reader.strategy) != STRATEGIES.get(strategy):
         raise CheckpointMismatch(key, f"checkpoint {reader.path} was written by strategy {reader.strategy!r}, "
                                       f"this run uses {strategy!r}")
     saved = reader.manifest.get("config", {}).get("train", {}).get("optimizer")

@@ -124,13 +124,12 @@ class Trainer:
         chunks = [order[i * per_rank:(i + 1) * per_rank] for i in range(n_chunks)] if self.strategy.reads_data else []
         sums = torch.zeros(4, dtype=torch.float64)  # loss*n, n, correct, counted
         for chunk in chunks:
-            if len(chunk) == 0 and not self.strategy.collective_forward:
-                continue
-            # an empty chunk as a batch of no samples (a dataset's collate cannot make one)
             if len(chunk):
                 x, y = load_batch(self.val_set, chunk)
-            else:
+            elif self.strategy.collective_forward:  # sample 0 cut to none: a collate cannot make an empty batch
                 x, y = (t[:0] for t in load_batch(self.val_set, torch.zeros(1, dtype=torch.long)))
+            else:
+                continue
             sums += self.strategy.eval_step(x.to(self.rt.device), y.to(self.rt.device))
         sums = all_reduce_sum(sums, self.rt, "eval-sums", self.strategy.trainer_group)
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}

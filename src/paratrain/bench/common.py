@@ -37,9 +37,9 @@ def fraction(text: str) -> float:
     return value
 
 
-def one_or_more_of(allowed, kind=str):
-    """An argparse type: a comma-separated list of `allowed` values (or of `kind`s that pass
-    `allowed`, when it is a type such as COUNT), returned as given, once checked."""
+def one_or_more_of(allowed):
+    """An argparse type: a comma-separated list of `allowed` names, or of values that `allowed`
+    parses when it is itself a type such as COUNT; returned as given, once checked."""
     def parse(text: str) -> str:
         items = text.split(",")
         for item in items:
