@@ -12,6 +12,7 @@ from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, metrics, r
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.bench.recovery import SLOW_MODEL, config_text, run_and_kill, worker_pids
+from paratrain.cli import main
 
 BASE = DIGITS_MLP.replace("steps = 20", "steps = 16").replace("log_every = 10", "log_every = 4") + """
 [checkpoint]
@@ -139,7 +140,8 @@ def test_too_many_non_finite_steps_stop_the_run(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-4"]
 
 
-def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path):
+def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path, capsys):
+    """The refusals (exit 2, before any worker starts) run in this process: no interpreter to start."""
     cfg = write_config(tmp_path / "c.toml", BASE)
     check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "straight")))
     expected = final_weights(tmp_path / "straight")
@@ -162,23 +164,26 @@ def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path):
     altered.write_bytes(bytes(data))
     truncated = ckpts / "step-12" / "rank-00001.safetensors"
     truncated.write_bytes(truncated.read_bytes()[:10])
-    proc = run_cli("run", str(cfg), "--resume", str(ckpts / "step-16"), "--run-dir", str(tmp_path / "other"))
-    assert proc.returncode == 2 and "sha256" in proc.stderr and "--resume" in proc.stderr
+    assert main(["run", str(cfg), "--resume", str(ckpts / "step-16"), "--run-dir", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err
+    assert "sha256" in err and "--resume" in err, err
     proc = check_ok(run_cli("run", str(cfg), "--resume", "auto", "--run-dir", str(tmp_path / "straight")))
     assert "skipping checkpoint step 16" in proc.stderr and "skipping checkpoint step 12" in proc.stderr
     assert "at step 8" in proc.stdout
     assert all(torch.equal(expected[k], final_weights(tmp_path / "straight")[k]) for k in expected)
     # 3. --resume auto onto a checkpoint of another strategy: exit 2, not a failed run
-    proc = run_cli("run", str(cfg), "--resume", "auto", "--set", "parallel.strategy='zero2'",
-                   "--run-dir", str(tmp_path / "straight"))
-    assert proc.returncode == 2 and "strategy 'dp'" in proc.stderr, proc.stderr[-500:]
+    assert main(["run", str(cfg), "--resume", "auto", "--set", "parallel.strategy='zero2'",
+                 "--run-dir", str(tmp_path / "straight")]) == 2
+    err = capsys.readouterr().err
+    assert "strategy 'dp'" in err, err[-500:]
     # 4. ... or of another optimizer (its state is SGD's, not Adam's): exit 2 naming train.optimizer,
     # up front for a named checkpoint
     for resume in ("auto", str(ckpts / "step-8")):
-        proc = run_cli("run", str(cfg), "--resume", resume, "--set", "train.optimizer='adamw'",
-                       "--run-dir", str(tmp_path / "straight"))
-        assert proc.returncode == 2 and "train.optimizer" in proc.stderr and "'sgd'" in proc.stderr, proc.stderr[-500:]
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert main(["run", str(cfg), "--resume", resume, "--set", "train.optimizer='adamw'",
+                     "--run-dir", str(tmp_path / "straight")]) == 2
+        err = capsys.readouterr().err
+        assert "train.optimizer" in err and "'sgd'" in err, err[-500:]
+        assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("how", [[], ["--nproc", "3", "--set", "parallel.strategy='ps'", "--set", "ps.mode='async'"]],
