@@ -194,10 +194,13 @@ def _equal_loss_worker(rank: int, port: int) -> None:
     slow = _ScriptedEngine(lambda s: 100 - s / 2 + offset)  # 100.75 - s / 2: twice the steps, nearly
     flat = _ScriptedEngine(lambda s: 95.0)
     for e in (dp, slow, flat):
-        e.run(12, None)
+        e.run(8, None)  # the timed steps
     summary = {"paratrain dp": {"step_ms": 100.0}, "slow": {"step_ms": 50.0}, "flat": {"step_ms": 10.0}}
-    out = equal_loss({"paratrain dp": dp, "slow": slow, "flat": flat}, ["slow", "flat"], [None] * 4, summary, 2)
-    # dp's loss after 12 steps: 89.5; within 0.1 % means <= 89.5895, which "slow" reaches at step 23
+    out = equal_loss({"paratrain dp": dp, "slow": slow, "flat": flat}, ["slow", "flat"], [None] * 4, summary, 2,
+                     horizon=12)
+    # dp trains on to the horizon: its loss after 12 steps is 89.5; within 0.1 % means <= 89.5895,
+    # which "slow" reaches at step 23
+    assert len(dp.losses) == 12
     assert (out["window"], out["dp_steps"], out["max_steps"]) == (4, 12, 24)
     assert out["dp_loss"] == pytest.approx(89.5)
     assert out["engines"]["slow"]["steps"] == 23

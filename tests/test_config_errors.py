@@ -222,6 +222,7 @@ def test_device_resolution_against_the_gpus_a_node_has(monkeypatch, gpus, device
     (["pipeline", "--microbatches", "-2"], "--microbatches"),
     (["suite", "--topk-ratio", "1.5"], "--topk-ratio"),
     (["suite", "--powersgd-rank", "0"], "--powersgd-rank"),
+    (["suite", "--equal-loss-steps", "0"], "--equal-loss-steps"),
     (["ps", "--factor", "0"], "--factor"),
     (["zero", "--hidden", "wide"], "--hidden"),
     (["pipeline", "--schedules", "gpipe,bogus"], "--schedules"),
