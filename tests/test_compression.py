@@ -196,8 +196,8 @@ def _equal_loss_worker(rank: int, port: int) -> None:
     for e in (dp, slow, flat):
         e.run(8, None)  # the timed steps
     summary = {"paratrain dp": {"step_ms": 100.0}, "slow": {"step_ms": 50.0}, "flat": {"step_ms": 10.0}}
-    out = equal_loss({"paratrain dp": dp, "slow": slow, "flat": flat}, ["slow", "flat"], [None] * 4, summary, 2,
-                     horizon=12)
+    out = equal_loss({"paratrain dp": dp, "slow": slow, "flat": flat}, ["slow", "flat"], None, summary, 2,
+                     horizon=12, window=4)
     # dp trains on to the horizon: its loss after 12 steps is 89.5; within 0.1 % means <= 89.5895,
     # which "slow" reaches at step 23
     assert len(dp.losses) == 12
@@ -211,8 +211,8 @@ def _equal_loss_worker(rank: int, port: int) -> None:
 
 
 def test_bench_suite_equal_loss_counts_the_extra_steps():
-    """The suite's "at equal loss" line: steps to dp's final loss (mean over ranks and the last pass
-    of the batch pool) and the speed-up in time that leaves; an engine that never gets there says so."""
+    """The suite's "at equal loss" line: steps to dp's loss at the horizon (mean over ranks and the
+    last `window` steps) and the speed-up in time that leaves; an engine that never gets there says so."""
     import torch.multiprocessing as mp
 
     from paratrain.runtime import free_port

@@ -16,8 +16,8 @@ Settings: loopback (this machine, gloo over 127.0.0.1), or `--slow-link 1gbit`: 
 network namespaces joined by a veth pair that tc shapes to that rate (paratrain.netns; skipped with
 the reason where namespaces cannot be made), one worker per host.
 
-Model and data: bench/dp.py's MLP (9.5M parameters by default), SGD with momentum on a fixed pool of
-teacher-labelled random batches, so the loss falls and "equal loss" can be checked. Every engine,
+Model and data: bench/dp.py's MLP (9.5M parameters by default), SGD with momentum on a fresh batch of
+teacher-labelled random inputs every step, so the loss falls and "equal loss" can be checked. Every engine,
 torch's included, steps with the optimizer paratrain builds (optim.build_optimizer: torch's fused
 SGD), so the comparison is about communication.
 """
@@ -59,11 +59,11 @@ def add_options(p) -> None:
     dp_options(p)  # the dp benchmark's model and timing knobs, more rounds of fewer steps
     p.set_defaults(steps=5, rounds=6)
     p.add_argument("--lr", type=POSITIVE, default=0.02)
-    # r8, from the README's sweep: r4 and r8 cost the same per step and r16 more, while at step 100
-    # r4 lags dp by 7 steps, r8 by 4 and r16 by 2; r8 reaches dp's loss soonest in time
+    # r8, from the README's sweep: r4 and r8 cost the same per step and r16 more; r8 lagged dp least
+    # for its cost (4 steps at step 100 on a 32-batch pool; 2 at step 200 on fresh batches, as r4)
     p.add_argument("--powersgd-rank", type=COUNT, default=8)
     p.add_argument("--topk-ratio", type=fraction, default=0.01)
-    p.add_argument("--equal-loss-steps", type=COUNT, default=100,
+    p.add_argument("--equal-loss-steps", type=COUNT, default=200,
                    help="dp's steps (its timed ones included) whose loss every codec must reach, in up to twice as many")
 
 
@@ -281,7 +281,7 @@ class Engine:
 
     def run(self, n: int, data) -> None:
         for _ in range(n):
-            x, y = data[len(self.losses) % len(data)]
+            x, y = data[len(self.losses)]
             dist.barrier()
             w0, t0 = bytes_sent(self.io), time.perf_counter()
             loss = self.step_fn(x, y)
@@ -290,18 +290,19 @@ class Engine:
             self.losses.append(float(loss))
 
 
-POOL_BATCHES = 32  # per rank; 8 were all but memorised (loss 0.005) by step 100
+class FreshBatches:
+    """Teacher-labelled random inputs, a learnable task: a fresh batch every step, as a dataset
+    larger than the run gives, different per rank and the same for every engine (batch i of a rank
+    comes from its own seed). A pool of batches cycled over was memorised: 8 batches by step 100,
+    32 by step 200 (loss 0.04), where the lossy codecs could not keep up with dp's memorising."""
 
+    def __init__(self, args, rank: int):
+        self.teacher = torch.randn(args.in_features, 10, generator=torch.Generator().manual_seed(123))
+        self.shape, self.rank = (args.batch, args.in_features), rank
 
-def _data(args, rank: int, n_batches: int = POOL_BATCHES):
-    """Teacher-labelled random inputs: a learnable task, different batches per rank."""
-    teacher = torch.randn(args.in_features, 10, generator=torch.Generator().manual_seed(123))
-    g = torch.Generator().manual_seed(1000 + rank)
-    out = []
-    for _ in range(n_batches):
-        x = torch.randn(args.batch, args.in_features, generator=g)
-        out.append((x, (x @ teacher).argmax(1)))
-    return out
+    def __getitem__(self, i: int):
+        x = torch.randn(*self.shape, generator=torch.Generator().manual_seed(1_000_003 * (1 + self.rank) + i))
+        return x, (x @ self.teacher).argmax(1)
 
 
 def _train_section(args) -> dict:
@@ -442,10 +443,9 @@ def _summary(engines: dict, world: int, batch: int) -> dict:
     return out
 
 
-def _pool_curve(losses: list[float], world: int, window: int) -> list[float]:
+def _loss_curve(losses: list[float], world: int, window: int) -> list[float]:
     """After each step from the window-th on: the loss averaged over the ranks and over the last
-    `window` steps, one pass of the batch pool (single batches differ more than engines do).
-    Collective."""
+    `window` steps (single batches differ more than engines do). Collective."""
     t = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(t)
     t /= world
@@ -453,9 +453,11 @@ def _pool_curve(losses: list[float], world: int, window: int) -> list[float]:
 
 
 EQUAL_LOSS_TOLERANCE = 1e-3  # bf16's loss equals dp's to 4 digits but can sit a hair above it
+EQUAL_LOSS_WINDOW = 32  # steps the loss is averaged over
 
 
-def equal_loss(engines: dict, codecs: list[str], data, summary: dict, world: int, horizon: int) -> dict:
+def equal_loss(engines: dict, codecs: list[str], data, summary: dict, world: int, horizon: int,
+               window: int = EQUAL_LOSS_WINDOW) -> dict:
     """How many steps each codec needs to reach the loss dp reached after `horizon` steps, and what
     that makes its speed-up over dp at equal loss: (dp's steps x dp's step time) / (its steps x its
     step time). "Reached" is within EQUAL_LOSS_TOLERANCE. dp trains on from its timed steps to the
@@ -463,8 +465,8 @@ def equal_loss(engines: dict, codecs: list[str], data, summary: dict, world: int
     lags dp by a roughly constant number of steps, which the 33 timed steps would inflate. Collective."""
     dp = engines["paratrain dp"]
     dp.run(max(0, horizon - len(dp.losses)), data)
-    window = min(len(data), len(dp.losses))  # a short run (few --steps) averages what it has
-    dp_curve = _pool_curve(dp.losses, world, window)
+    window = min(window, len(dp.losses))  # a short run averages what it has
+    dp_curve = _loss_curve(dp.losses, world, window)
     target = dp_curve[-1] * (1 + EQUAL_LOSS_TOLERANCE)
     dp_steps = next(i + window for i, loss in enumerate(dp_curve) if loss <= target)
     dp_ms = summary["paratrain dp"]["step_ms"]
@@ -475,7 +477,7 @@ def equal_loss(engines: dict, codecs: list[str], data, summary: dict, world: int
         if isinstance(e, str):
             continue
         e.run(2 * len(dp.losses) - len(e.losses), data)
-        curve = _pool_curve(e.losses, world, window)
+        curve = _loss_curve(e.losses, world, window)
         steps = next((i + window for i, loss in enumerate(curve) if loss <= target), None)
         out["engines"][name] = {
             "steps": steps, "steps_vs_dp": steps / dp_steps if steps else None,
@@ -493,7 +495,7 @@ def worker(argv=None) -> None:
     args = p.parse_args(argv)
     rt = runtime.init("cpu", timeout_s=300)
     world = rt.world_size
-    data = _data(args, rt.rank)
+    data = FreshBatches(args, rt.rank)
     torch.manual_seed(0)
     result = {"world_size": world, "samples_per_rank": args.batch}
     r = args.powersgd_rank
