@@ -251,6 +251,8 @@ def cmd_run(args) -> int:
 
         launch(forked_worker, worker_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                rdzv=args.rdzv, max_restarts=args.max_restarts, run_id=cfg.name)
+    except ConfigError as exc:  # the rendezvous address cannot be used
+        return _error(str(exc), 2)
     except Interrupted as exc:
         return _error(f"stopped by {exc}; the workers were stopped. {newest_checkpoint_note(run_dir)}",
                       128 + exc.signum)

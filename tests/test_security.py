@@ -1,0 +1,125 @@
+"""What a run exposes: its listening sockets, its processes after its launcher dies, its shared
+memory, its run directory, and the input it trusts (docs/security.md)."""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import CPU_ONLY, run_cli, write_config
+
+from paratrain.bench.recovery import SLOW_MODEL, config_text
+
+
+def _descendants(root: int) -> set[int]:
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [c for c, p in parent.items() if p == pid and c not in found]
+        found.update(children)
+        frontier += children
+    return found
+
+
+def _socket_inodes(pids: set[int]) -> set[str]:
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as /proc/net/tcp* writes it: 32-bit words in host (little-endian) byte order."""
+    raw = bytes.fromhex(hex_addr)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(raw)
+
+
+def listening_addresses(pids: set[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket in state LISTEN held open by one of `pids`."""
+    inodes = _socket_inodes(pids)
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: TCP_LISTEN
+                host, port = fields[1].split(":")
+                out.append((str(_address(host)), int(port, 16)))
+    return out
+
+
+def _is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return ip.is_loopback or (isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None
+                              and ip.ipv4_mapped.is_loopback)
+
+
+def _logged_steps(metrics: Path) -> list[int]:
+    try:
+        return [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def test_a_local_run_listens_on_loopback_only_and_dies_with_its_launcher(tmp_path):
+    """Issue 23, points 1 and 9, on one real run while it trains. torch's TCPStore listened on
+    every interface whatever host it was given, and the elastic rendezvous unpickles what that store
+    holds; gloo listened on the address of the machine's hostname. And a SIGKILLed `paratrain run`
+    left its worker server and its workers training on, reparented to init."""
+    (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
+    cfg = write_config(tmp_path / "c.toml", config_text(steps=2000, every=0, pause=0.02))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", "2",
+                             "--run-dir", str(run_dir)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, **CPU_ONLY})
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 90
+        while max(_logged_steps(run_dir / "metrics.jsonl"), default=0) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.1)
+        pids = _descendants(proc.pid)
+        assert len(pids) >= 4, pids  # the command, its worker server, two workers
+        listening = listening_addresses(pids)
+        assert any(port for _, port in listening), "no listening socket seen: the check sees nothing"
+        exposed = [(a, p) for a, p in listening if not _is_loopback(a)]
+        assert not exposed, f"a local run listens beyond loopback: {exposed} (all: {listening})"
+
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        time.sleep(3)
+        alive = {pid for pid in pids - {proc.pid} if Path(f"/proc/{pid}").exists()
+                 and (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")}
+        assert not alive, f"processes of the run outlived its SIGKILLed launcher: {sorted(alive)}"
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in pids - {proc.pid}:  # what outlived it, so that a failure here leaves nothing behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
