@@ -123,3 +123,55 @@ def test_a_local_run_listens_on_loopback_only_and_dies_with_its_launcher(tmp_pat
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_shared_memory_refuses_a_planted_link_and_stays_private(tmp_path, monkeypatch):
+    """Issue 23, point 2: a ring was opened through any link planted at its predictable name in
+    world-writable /dev/shm (and its target zero-extended), and its FIFOs were created 0644."""
+    from paratrain.parallel import shm_p2p
+
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep me")
+    link = tmp_path / "0to1.ring"
+    link.symlink_to(target)
+    with pytest.raises(FileExistsError):
+        shm_p2p._create_ring(link, 4096)  # the receiver makes its ring anew, never through a link
+    with pytest.raises(OSError):
+        shm_p2p._open_ring(link, 4096)  # the sender does not follow one either
+    assert target.read_bytes() == b"keep me"
+
+    monkeypatch.setattr(shm_p2p, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(shm_p2p.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(shm_p2p.dist, "get_world_size", lambda: 2)
+    modes = {}
+
+    def gather(out, obj, group=None):
+        if isinstance(obj, tuple):  # the facts: rank 1 is on this host too
+            out[:] = [obj, (1, *obj[1:])]
+        else:  # whether a rank failed: note what rank 0 made, before it is removed
+            own = next(tmp_path.glob("paratrain-*"))
+            modes.update({"dir": own.stat().st_mode & 0o777}, **{p.name: p.stat().st_mode & 0o777
+                                                                 for p in own.iterdir()})
+            out[:] = [obj, ""]
+
+    monkeypatch.setattr(shm_p2p.dist, "all_gather_object", gather)
+    assert shm_p2p.connect(None, {1}, timeout_s=1, capacity=4096) == ({}, {})
+    assert modes == {"dir": 0o700, "1to0.ring": 0o600, "1to0.data": 0o600, "1to0.ack": 0o600}, modes
+    assert not list(tmp_path.glob("paratrain-*")), "the private directory was left behind"
+
+
+def test_shared_memory_refuses_a_record_outside_the_ring():
+    """Issue 23, point 2: a record's offset was trusted, so a copy could read any memory."""
+    import torch
+
+    from paratrain.parallel import shm_p2p
+
+    data_r, data_w = os.pipe()
+    ack_r, ack_w = os.pipe()
+    ring = torch.zeros(4096, dtype=torch.uint8)
+    receiver = shm_p2p.Receiver(ring, data_r, ack_w, peer=1, timeout_s=1)
+    os.write(data_w, shm_p2p.RECORD.pack(4096 - 8, 64, 7))
+    with pytest.raises(shm_p2p.ChannelError, match="4096-byte ring"):
+        receiver.post(torch.empty(16, dtype=torch.float32), tag=7).wait()
+    for fd in (data_r, data_w, ack_r, ack_w):
+        os.close(fd)
