@@ -15,6 +15,8 @@ import pytest
 
 from helpers import CPU_ONLY, run_cli, write_config
 
+from reference import DIGITS_MLP
+
 from paratrain.bench.recovery import SLOW_MODEL, config_text
 
 
@@ -85,11 +87,12 @@ def _logged_steps(metrics: Path) -> list[int]:
         return []
 
 
-def test_a_local_run_listens_on_loopback_only_and_dies_with_its_launcher(tmp_path):
-    """Issue 23, points 1 and 9, on one real run while it trains. torch's TCPStore listened on
-    every interface whatever host it was given, and the elastic rendezvous unpickles what that store
-    holds; gloo listened on the address of the machine's hostname. And a SIGKILLed `paratrain run`
-    left its worker server and its workers training on, reparented to init."""
+@pytest.fixture(scope="module")
+def training_run(tmp_path_factory):
+    """A real `paratrain run` of two workers, trained past step 2 and still training: (its process,
+    its run directory, its config, the pids of it and every process under it). The last test of
+    this module SIGKILLs it."""
+    tmp_path = tmp_path_factory.mktemp("training")
     (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
     cfg = write_config(tmp_path / "c.toml", config_text(steps=2000, every=0, pause=0.02))
     run_dir = tmp_path / "run"
@@ -98,31 +101,68 @@ def test_a_local_run_listens_on_loopback_only_and_dies_with_its_launcher(tmp_pat
                             stderr=subprocess.DEVNULL, env={**os.environ, **CPU_ONLY})
     pids: set[int] = set()
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 120
         while max(_logged_steps(run_dir / "metrics.jsonl"), default=0) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
             time.sleep(0.1)
         pids = _descendants(proc.pid)
         assert len(pids) >= 4, pids  # the command, its worker server, two workers
-        listening = listening_addresses(pids)
-        assert any(port for _, port in listening), "no listening socket seen: the check sees nothing"
-        exposed = [(a, p) for a, p in listening if not _is_loopback(a)]
-        assert not exposed, f"a local run listens beyond loopback: {exposed} (all: {listening})"
-
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        time.sleep(3)
-        alive = {pid for pid in pids - {proc.pid} if Path(f"/proc/{pid}").exists()
-                 and (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")}
-        assert not alive, f"processes of the run outlived its SIGKILLed launcher: {sorted(alive)}"
+        yield proc, run_dir, cfg, pids
     finally:
         proc.kill()
         proc.wait()
-        for pid in pids - {proc.pid}:  # what outlived it, so that a failure here leaves nothing behind
+        for pid in pids - {proc.pid}:  # what outlived it, so that a failure leaves nothing behind
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_local_run_listens_on_loopback_only(training_run):
+    """Issue 23, point 1: torch's TCPStore listened on every interface whatever host it was given,
+    and the elastic rendezvous unpickles what that store holds (remote code execution); gloo
+    listens on the address of the machine's hostname unless told an interface."""
+    proc, _, _, pids = training_run
+    assert proc.poll() is None
+    listening = listening_addresses(pids)
+    assert len(listening) >= 3, f"the stores and gloo were not all seen: {listening}"
+    exposed = [(a, p) for a, p in listening if not _is_loopback(a)]
+    assert not exposed, f"a local run listens beyond loopback: {exposed} (all: {listening})"
+
+
+def test_a_second_run_in_the_same_folder_exits_2_and_leaves_no_temp_dir(training_run, tmp_path):
+    """Issue 23, point 10: nothing locked the run directory, so two runs of one name clobbered each
+    other's checkpoints and metrics; and the command's os._exit left multiprocessing's
+    /tmp/pymp-* folder behind on every run."""
+    proc, run_dir, cfg, _ = training_run
+    (tmp_path / "tmp").mkdir()
+    second = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(run_dir), cwd=cfg.parent,
+                     env={"TMPDIR": str(tmp_path / "tmp")})
+    assert second.returncode == 2, second.stdout + second.stderr
+    last = second.stderr.strip().splitlines()
+    assert len(last) == 1 and last[0].startswith(f"paratrain: error: --run-dir: {run_dir} is in use"), last
+    assert not list((tmp_path / "tmp").glob("pymp-*")), "the command left multiprocessing's folder behind"
+    assert proc.poll() is None, "the first run did not go on"
+
+
+def test_a_sigkilled_launcher_takes_its_processes_with_it(training_run):
+    """Issue 23, point 9: a SIGKILLed `paratrain run` (an OOM killer, a scheduler) left its worker
+    server and its workers training on, reparented to init."""
+    proc, _, _, pids = training_run
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 3
+    while (alive := {pid for pid in pids - {proc.pid} if _alive(pid)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"processes of the run outlived its SIGKILLed launcher: {sorted(alive)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_shared_memory_refuses_a_planted_link_and_stays_private(tmp_path, monkeypatch):
@@ -175,3 +215,50 @@ def test_shared_memory_refuses_a_record_outside_the_ring():
         receiver.post(torch.empty(16, dtype=torch.float32), tag=7).wait()
     for fd in (data_r, data_w, ack_r, ack_w):
         os.close(fd)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("parallel.timeout_s=1e15", "parallel.timeout_s"),  # overflowed a timedelta in every worker
+    ("train.seed=18446744073709551616", "train.seed"),  # 2**64: torch.manual_seed raised in every worker
+    ("train.seed=-1", "train.seed"),
+    ("name='../elsewhere'", "name"),                    # runs/NAME is the run directory
+    ("name='a/b'", "name"),
+    ("name='..'", "name"),
+])
+def test_values_that_crashed_the_workers_or_escaped_runs_exit_2(tmp_path, capsys, monkeypatch, override, key):
+    from paratrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
+    assert main(["run", str(cfg), "--set", override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"paratrain: error: {key}: "), err
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("value, why", [
+    ("skip_collective@rank=1,step", "got 'step'"),         # a bare ValueError at the first collective
+    ("skip_colective@rank=1", "unknown fault 'skip_colective'"),
+    ("ps_kill@rank=1,what=x", "got 'what=x'"),
+])
+def test_malformed_faults_exit_2_in_one_line(tmp_path, capsys, monkeypatch, value, why):
+    """Issue 23, point 4: PARATRAIN_FAULTS was read by the workers alone, at their first collective."""
+    from paratrain.cli import main
+
+    monkeypatch.setenv("PARATRAIN_FAULTS", value)
+    cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
+    assert main(["run", str(cfg), "--run-dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("paratrain: error: PARATRAIN_FAULTS: ") and why in err[0], err
+
+
+def test_faults_that_are_set_are_announced(tmp_path, capsys, monkeypatch):
+    """Issue 23, point 4: a well-formed PARATRAIN_FAULTS made ranks fail without a word."""
+    from paratrain.cli import main
+
+    monkeypatch.setenv("PARATRAIN_FAULTS", "exit_in_save@rank=0,step=8")
+    cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
+    assert main(["run", str(cfg), "--run-dir", str(tmp_path / "r"), "--set", "train.steps=-1"]) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith("paratrain: warning: PARATRAIN_FAULTS is set (exit_in_save@rank=0,step=8)"), warning
+    assert error.startswith("paratrain: error: train.steps: "), error

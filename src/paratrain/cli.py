@@ -113,6 +113,8 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
         raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
     if shutil.disk_usage(run_dir).free < 64 * 2**20:
         raise ConfigError("--run-dir", f"{run_dir} has less than 64 MiB free")
+    if node_rank == 0:  # the other nodes of this run share the folder
+        lock_run_dir(run_dir)
     # Written aside and renamed into place, so a node reading it never sees another's half-write.
     aside = run_dir / f".config-{uuid.uuid4().hex}.toml"
     aside.write_text(config_mod.to_toml(cfg))
@@ -137,6 +139,26 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
                 path.rename(aside / path.name)
             print(f"paratrain: resuming from step {resume_step}; the checkpoints past it here "
                   f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}", flush=True)
+
+
+_RUN_DIR_LOCKS: list[int] = []  # held open until the process ends, however it ends
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Take RUN_DIR/.lock for as long as this process lives; ConfigError if another run holds it.
+
+    Two runs in one folder each put the other's checkpoints aside, prune them and write one
+    metrics file. The lock is the kernel's (flock): it goes with the process, also when it is killed."""
+    import fcntl
+
+    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError("--run-dir", f"{run_dir} is in use by another paratrain run (it holds {run_dir / '.lock'}); "
+                                       f"wait for it, or give this run another name or --run-dir") from None
+    _RUN_DIR_LOCKS.append(fd)
 
 
 def new_aside_dir(run_dir: Path) -> Path:
@@ -225,10 +247,27 @@ def check_launch(args) -> None:
         raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
 
 
+def check_faults() -> None:
+    """PARATRAIN_FAULTS, which makes ranks fail on purpose (tests, benchmarks): malformed, it
+    failed at the first collective in every worker; well-formed, it must never pass unnoticed."""
+    from . import faults
+
+    text = os.environ.get(faults.ENV)
+    if not text:
+        return
+    try:
+        faults.parse(text)
+    except ValueError as exc:
+        raise ConfigError(faults.ENV, str(exc)) from None
+    print(f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose",
+          file=sys.stderr, flush=True)
+
+
 def cmd_run(args) -> int:
     from .launch import STOPPED_EXITS, Interrupted, WorkerFailure, launch, start_worker_server
 
     try:
+        check_faults()
         check_launch(args)
         cfg = load_config(args)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
@@ -376,7 +415,18 @@ def console_main() -> None:
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
+    remove_multiprocessing_tempdir()
     os._exit(code or 0)
+
+
+def remove_multiprocessing_tempdir() -> None:
+    """Remove the folder multiprocessing made for this process (/tmp/pymp-*, where the worker
+    server's socket lives): its exit handler, which would, does not run past os._exit."""
+    import multiprocessing
+
+    tempdir = multiprocessing.current_process()._config.get("tempdir")
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
