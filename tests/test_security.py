@@ -130,19 +130,27 @@ def test_a_local_run_listens_on_loopback_only(training_run):
     assert not exposed, f"a local run listens beyond loopback: {exposed} (all: {listening})"
 
 
-def test_a_second_run_in_the_same_folder_exits_2_and_leaves_no_temp_dir(training_run, tmp_path):
+def test_a_second_run_in_the_same_folder_exits_2(training_run):
     """Issue 23, point 10: nothing locked the run directory, so two runs of one name clobbered each
-    other's checkpoints and metrics; and the command's os._exit left multiprocessing's
-    /tmp/pymp-* folder behind on every run."""
+    other's checkpoints and metrics."""
     proc, run_dir, cfg, _ = training_run
-    (tmp_path / "tmp").mkdir()
-    second = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(run_dir), cwd=cfg.parent,
-                     env={"TMPDIR": str(tmp_path / "tmp")})
+    second = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(run_dir), cwd=cfg.parent)
     assert second.returncode == 2, second.stdout + second.stderr
     last = second.stderr.strip().splitlines()
     assert len(last) == 1 and last[0].startswith(f"paratrain: error: --run-dir: {run_dir} is in use"), last
-    assert not list((tmp_path / "tmp").glob("pymp-*")), "the command left multiprocessing's folder behind"
     assert proc.poll() is None, "the first run did not go on"
+
+
+def test_the_command_leaves_no_temporary_folder(tmp_path):
+    """Issue 23, point 10: the command leaves through os._exit, past multiprocessing's exit handler,
+    which removes the /tmp/pymp-* folder of the worker server's socket: one was left per run."""
+    cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
+    (tmp_path / "tmp").mkdir()
+    # refused after the worker server started: by the check of the batch against the dataset
+    proc = run_cli("run", str(cfg), "--set", "data.batch_size=100000", "--run-dir", str(tmp_path / "run"),
+                   env={"TMPDIR": str(tmp_path / "tmp")})
+    assert proc.returncode == 2 and "data.batch_size" in proc.stderr, proc.stderr
+    assert not list((tmp_path / "tmp").glob("pymp-*")), "the command left multiprocessing's folder behind"
 
 
 def test_a_sigkilled_launcher_takes_its_processes_with_it(training_run):

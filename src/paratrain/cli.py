@@ -113,8 +113,6 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
         raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
     if shutil.disk_usage(run_dir).free < 64 * 2**20:
         raise ConfigError("--run-dir", f"{run_dir} has less than 64 MiB free")
-    if node_rank == 0:  # the other nodes of this run share the folder
-        lock_run_dir(run_dir)
     # Written aside and renamed into place, so a node reading it never sees another's half-write.
     aside = run_dir / f".config-{uuid.uuid4().hex}.toml"
     aside.write_text(config_mod.to_toml(cfg))
@@ -141,17 +139,21 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
                   f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}", flush=True)
 
 
-_RUN_DIR_LOCKS: list[int] = []  # held open until the process ends, however it ends
+_RUN_DIR_LOCKS: list[int] = []  # held until the run ends
 
 
 def lock_run_dir(run_dir: Path) -> None:
-    """Take RUN_DIR/.lock for as long as this process lives; ConfigError if another run holds it.
+    """Take RUN_DIR/.lock until the run ends; ConfigError if another run holds it.
 
     Two runs in one folder each put the other's checkpoints aside, prune them and write one
     metrics file. The lock is the kernel's (flock): it goes with the process, also when it is killed."""
     import fcntl
 
-    fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -264,15 +266,25 @@ def check_faults() -> None:
 
 
 def cmd_run(args) -> int:
+    try:
+        return train(args)
+    finally:  # an in-process caller (tests) may start another run in the same folder next
+        while _RUN_DIR_LOCKS:
+            os.close(_RUN_DIR_LOCKS.pop())
+
+
+def train(args) -> int:
     from .launch import STOPPED_EXITS, Interrupted, WorkerFailure, launch, start_worker_server
 
     try:
         check_faults()
         check_launch(args)
         cfg = load_config(args)
+        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if args.node_rank == 0:  # the other nodes of this run share the folder
+            lock_run_dir(run_dir)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc, device_note = place(cfg, args)
-        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
         resume_step = check_resume(args.resume, cfg, run_dir)
         prepare_run_dir(run_dir, cfg, args.resume, args.node_rank,
                         resume_step if args.resume not in ("none", "auto") else None)
