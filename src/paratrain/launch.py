@@ -1,7 +1,7 @@
 """Start the workers through PyTorch's elastic agent (the engine behind torchrun).
 
-Local runs pick a free port and keep the c10d rendezvous on loopback; multi-node runs meet at
---rdzv HOST:PORT, where node 0 hosts the rendezvous store. With --max-restarts K the agent
+Local runs keep every socket on loopback; multi-node runs meet at --rdzv HOST:PORT, where node 0
+hosts the rendezvous store, and listen on that network alone (docs/security.md). With --max-restarts K the agent
 restarts the whole worker group after a failure, and the workers resume by themselves.
 
 Workers of a training run are forked from a worker server (multiprocessing's forkserver) that
@@ -194,6 +194,9 @@ def _register_rendezvous() -> None:
         pass
 
 
+# Which interface gloo and NCCL (its bootstrap) listen on; unset, each picks one by itself.
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
 # The listening socket of the rendezvous store this process hosts, by endpoint: bound by launch()
 # before the agent starts, taken over by the store when the agent creates the rendezvous.
 _RDZV_LISTENERS: dict[str, socket.socket] = {}
@@ -265,7 +268,7 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
     if rdzv is None:
         listener = listen_on("127.0.0.1")
         endpoint, local_addr = f"127.0.0.1:{listener.getsockname()[1]}", "127.0.0.1"
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        os.environ.update({var: "lo" for var in SOCKET_IFNAME_VARS})
     else:
         endpoint, (host, port) = rdzv, rdzv.rsplit(":", 1)
         try:
@@ -274,8 +277,9 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
         except OSError as exc:
             raise ConfigError("--rdzv", f"cannot {'listen on' if node_rank == 0 else 'reach'} {rdzv}: "
                                         f"{exc.strerror or exc}") from None
-        if "GLOO_SOCKET_IFNAME" not in os.environ and (iface := _interface_of(local_addr)):
-            os.environ["GLOO_SOCKET_IFNAME"] = iface
+        if iface := _interface_of(local_addr):
+            for var in SOCKET_IFNAME_VARS:
+                os.environ.setdefault(var, iface)
     if listener is not None:
         _RDZV_LISTENERS[endpoint] = listener
     config = LaunchConfig(
