@@ -139,6 +139,30 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
                   f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}", flush=True)
 
 
+_RUN_DIR_LOCKS: list[int] = []  # held until the run ends
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Take RUN_DIR/.lock until the run ends; ConfigError if another run holds it.
+
+    Two runs in one folder each put the other's checkpoints aside, prune them and write one
+    metrics file. The lock is the kernel's (flock): it goes with the process, also when it is killed."""
+    import fcntl
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError("--run-dir", f"{run_dir} is in use by another paratrain run (it holds {run_dir / '.lock'}); "
+                                       f"wait for it, or give this run another name or --run-dir") from None
+    _RUN_DIR_LOCKS.append(fd)
+
+
 def new_aside_dir(run_dir: Path) -> Path:
     """checkpoints.prev-TIME, a name not taken yet (two runs may put checkpoints aside in one second)."""
     stamp = int(time.time())
@@ -225,15 +249,42 @@ def check_launch(args) -> None:
         raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
 
 
+def check_faults() -> None:
+    """PARATRAIN_FAULTS, which makes ranks fail on purpose (tests, benchmarks): malformed, it
+    failed at the first collective in every worker; well-formed, it must never pass unnoticed."""
+    from . import faults
+
+    text = os.environ.get(faults.ENV)
+    if not text:
+        return
+    try:
+        faults.parse(text)
+    except ValueError as exc:
+        raise ConfigError(faults.ENV, str(exc)) from None
+    print(f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose",
+          file=sys.stderr, flush=True)
+
+
 def cmd_run(args) -> int:
+    try:
+        return train(args)
+    finally:  # an in-process caller (tests) may start another run in the same folder next
+        while _RUN_DIR_LOCKS:
+            os.close(_RUN_DIR_LOCKS.pop())
+
+
+def train(args) -> int:
     from .launch import STOPPED_EXITS, Interrupted, WorkerFailure, launch, start_worker_server
 
     try:
+        check_faults()
         check_launch(args)
         cfg = load_config(args)
+        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if args.node_rank == 0:  # the other nodes of this run share the folder
+            lock_run_dir(run_dir)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc, device_note = place(cfg, args)
-        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
         resume_step = check_resume(args.resume, cfg, run_dir)
         prepare_run_dir(run_dir, cfg, args.resume, args.node_rank,
                         resume_step if args.resume not in ("none", "auto") else None)
@@ -251,6 +302,8 @@ def cmd_run(args) -> int:
 
         launch(forked_worker, worker_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                rdzv=args.rdzv, max_restarts=args.max_restarts, run_id=cfg.name)
+    except ConfigError as exc:  # the rendezvous address cannot be used
+        return _error(str(exc), 2)
     except Interrupted as exc:
         return _error(f"stopped by {exc}; the workers were stopped. {newest_checkpoint_note(run_dir)}",
                       128 + exc.signum)
@@ -374,7 +427,18 @@ def console_main() -> None:
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
+    remove_multiprocessing_tempdir()
     os._exit(code or 0)
+
+
+def remove_multiprocessing_tempdir() -> None:
+    """Remove the folder multiprocessing made for this process (/tmp/pymp-*, where the worker
+    server's socket lives): its exit handler, which would, does not run past os._exit."""
+    import multiprocessing
+
+    tempdir = multiprocessing.current_process()._config.get("tempdir")
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

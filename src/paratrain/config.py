@@ -78,6 +78,19 @@ def _factory_name(v):
     return None if v else "must not be empty"
 
 
+def _seed(v):
+    # torch takes seeds below 2**64, and the workers add their rank and the epoch to it
+    return None if 0 <= v < 2**63 else "must be in [0, 2**63)"
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
+def _timeout(v):
+    # a week: longer is no timeout at all, and overflows the C timeouts of torch, gloo and select()
+    return None if 0 < v <= MAX_TIMEOUT_S else f"must be in (0, {MAX_TIMEOUT_S}] seconds (a week)"
+
+
 @dataclass
 class ModelConfig:
     """The model: a built-in factory or your own `module:function` returning an `nn.Module`."""
@@ -111,7 +124,7 @@ class TrainConfig:
     grad_accum: int = opt(1, check=_positive, doc="micro-batches per optimizer step; the global batch stays data.batch_size")
     clip_grad_norm: float = opt(0.0, check=_non_negative, doc="clip the global gradient norm to this; 0 = off")
     precision: str = opt("fp32", choices=("fp32", "bf16"), doc="bf16: autocast of forward and loss")
-    seed: int = opt(0)
+    seed: int = opt(0, check=_seed)
     log_every: int = opt(10, check=_positive, doc="steps between metrics lines (and the profiler's gather)")
     eval_every: int = opt(0, check=_non_negative, doc="0 = only after the last step")
     device: str = opt("auto", choices=("auto", "cpu", "cuda"),
@@ -137,7 +150,7 @@ class ParallelConfig:
     topk_ratio: float = opt(0.01, check=_ratio, doc="topk: share of each bucket's entries sent")
     powersgd_rank: int = opt(4, check=_at_least_one, doc="powersgd: rank of the low-rank factors")
     powersgd_warm_start: bool = opt(True, doc="powersgd: start each step from the last step's Q")
-    timeout_s: float = opt(300.0, check=_positive, doc="collective timeout")
+    timeout_s: float = opt(300.0, check=_timeout, doc="collective timeout")
 
 
 @dataclass
@@ -241,6 +254,9 @@ def from_dict(raw: dict) -> Config:
         if key == "name":
             if not isinstance(value, str) or not value:
                 raise ConfigError("name", f"expected a non-empty string, got {value!r}")
+            if value in (".", "..") or any(c in value for c in "/\\\0"):
+                # runs/NAME is the run directory: a path there could reach any folder
+                raise ConfigError("name", f"{value!r} must be a plain name, without '/', '\\' or '..'")
             kwargs["name"] = value
         elif key in sections:
             kwargs[key] = _build_section(key, sections[key].default_factory, value)
