@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, run_cli, write_config
+from helpers import CPU_ONLY, complete_lines, final_weights, max_rel_error, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain import netns
+from paratrain.cli import main
 from paratrain.testing import slurm
 
 ok, why = netns.available()
@@ -48,14 +49,14 @@ CFG = (DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "slowmlp:sl
 
 
 @pytest.mark.skipif(not ok, reason=f"Slurm test skipped: {why}")
-def test_sbatch_script_trains_on_two_nodes_and_recovers_a_killed_worker(tmp_path):
+def test_sbatch_script_trains_on_two_nodes_and_recovers_a_killed_worker(tmp_path, capsys):
     slurm.install()
     cfg = write_config(tmp_path / "c.toml", CFG)
     (tmp_path / "slowmlp.py").write_text(SLOW_MLP)
     run_dir = tmp_path / "run"
     script = tmp_path / "job.sh"
-    check_ok(run_cli("job", "slurm", str(cfg), "--nodes", "2", "--nproc", "1", "--max-restarts", "1",
-                     "--run-dir", str(run_dir), "--out", str(script), cwd=tmp_path))
+    assert main(["job", "slurm", str(cfg), "--nodes", "2", "--nproc", "1", "--max-restarts", "1",
+                 "--run-dir", str(run_dir), "--out", str(script)]) == 0, capsys.readouterr().err
     # The job's tasks get this environment (sbatch exports it): paratrain on PATH, no GPU.
     env = {**os.environ, **CPU_ONLY, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
            "PYTHONUNBUFFERED": "1"}
@@ -64,7 +65,7 @@ def test_sbatch_script_trains_on_two_nodes_and_recovers_a_killed_worker(tmp_path
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 120
-            while not any(json.loads(line)["step"] >= 12 for line in _lines(run_dir / "metrics.jsonl")):
+            while not any(json.loads(line)["step"] >= 12 for line in complete_lines(run_dir / "metrics.jsonl")):
                 assert time.monotonic() < deadline and job.poll() is None, f"no step 12: {_job_output(tmp_path)}"
                 time.sleep(0.05)
             os.kill(_worker_on_node(1, cluster.conf), signal.SIGKILL)
@@ -75,17 +76,17 @@ def test_sbatch_script_trains_on_two_nodes_and_recovers_a_killed_worker(tmp_path
     assert job.returncode == 0, f"{out}\n{log}"
     assert "Slurm job" in log and "node 1 of 2, 1 process each (world 2), rendezvous at node1:" in log, log
     assert "resumed from" in log, log
-    steps = [json.loads(line)["step"] for line in _lines(run_dir / "metrics.jsonl")]
+    steps = [json.loads(line)["step"] for line in complete_lines(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1)), "every step is logged exactly once"
     ours = {k.removeprefix("net."): v for k, v in final_weights(run_dir).items()}
     assert max_rel_error(ours, digits_mlp_reference(steps=STEPS)) <= 1e-4
 
 
-def test_sbatch_script_is_shellcheck_clean(tmp_path):
+def test_sbatch_script_is_shellcheck_clean(tmp_path, capsys):
     slurm.install()
     script = tmp_path / "job.sh"
-    check_ok(run_cli("job", "slurm", "--nodes", "4", "--gpus", "8", "--cpus", "32", "--memory", "200Gi",
-                     "--run-dir", "/shared/runs/my run", "--out", str(script)))
+    assert main(["job", "slurm", "--nodes", "4", "--gpus", "8", "--cpus", "32", "--memory", "200Gi",
+                 "--run-dir", "/shared/runs/my run", "--out", str(script)]) == 0, capsys.readouterr().err
     check = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     text = script.read_text()
@@ -110,12 +111,3 @@ def _worker_on_node(node: int, slurm_conf: Path) -> int:
 
 def _job_output(tmp_path: Path) -> str:
     return "\n".join(path.read_text() for path in sorted(tmp_path.glob("equiv-*.out")))
-
-
-def _lines(path) -> list[str]:
-    """The complete lines of a file another process is appending to (none yet: no lines)."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    return text.splitlines()[:-1] if not text.endswith("\n") else text.splitlines()

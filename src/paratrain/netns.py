@@ -79,7 +79,7 @@ class TwoHosts:
     def _write_hosts_files(self) -> None:
         for host, ns in enumerate(self.names):
             lines = ["127.0.0.1 localhost", f"{self.addrs[host]} {socket.gethostname()}"]
-            lines += [f"{addr} {' '.join(names)}" for addr, names in zip(self.addrs, self.aliases)]
+            lines += [f"{addr} {' '.join(names)}" for addr, names in zip(self.addrs, self.aliases) if names]
             (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
             (NETNS_ETC / ns / "hosts").write_text("\n".join(lines) + "\n")
 
