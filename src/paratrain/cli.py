@@ -274,10 +274,13 @@ def cmd_run(args) -> int:
 
 
 def train(args) -> int:
+    from .engines import place_from_environment
+    from .jobs.preflight import check_nodes, node_facts
     from .launch import STOPPED_EXITS, Interrupted, WorkerFailure, launch, start_worker_server
 
     try:
         check_faults()
+        engine = place_from_environment(args, os.environ)
         check_launch(args)
         cfg = load_config(args)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
@@ -285,6 +288,12 @@ def train(args) -> int:
             lock_run_dir(run_dir)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc, device_note = place(cfg, args)
+        if engine is not None:
+            print(f"paratrain: {engine.describe(nproc)}", file=sys.stderr, flush=True)
+        if args.nnodes > 1:  # every node the same software and config, before anyone waits on a collective
+            print(f"paratrain: node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}",
+                  file=sys.stderr, flush=True)
+            check_nodes(args.rdzv, args.nnodes, args.node_rank, node_facts(nproc, config_mod.to_toml(cfg)))
         resume_step = check_resume(args.resume, cfg, run_dir)
         prepare_run_dir(run_dir, cfg, args.resume, args.node_rank,
                         resume_step if args.resume not in ("none", "auto") else None)
@@ -292,9 +301,6 @@ def train(args) -> int:
         return _error(str(exc), 2)
     if device_note:  # after the checks, so that a bad config still gets its one line
         print(f"paratrain: {device_note}", file=sys.stderr)
-    if args.nnodes > 1:  # the rendezvous waits for every node, silently
-        print(f"paratrain: node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}",
-              file=sys.stderr, flush=True)
     worker_args = [str(run_dir / "config.toml"), "--run-dir", str(run_dir),
                    "--resume", str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume]
     try:
@@ -378,7 +384,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train: one TOML file picks model, data and parallel strategy")
     add_job_options(r)
-    r.add_argument("--node-rank", type=int, default=0)
+    # Unset, these three come from a cluster engine's environment (paratrain.engines), else 1, 0, none.
+    r.set_defaults(nnodes=None)
+    r.add_argument("--node-rank", type=int, default=None)
     r.add_argument("--rdzv", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (multi-node)")
     r.add_argument("--max-restarts", type=int, default=0)
     r.add_argument("--run-dir", default=None, help="default: runs/NAME")
@@ -403,6 +411,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="where to write (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
 
+    from .jobs import add_job_parser
+
+    add_job_parser(sub)
     if with_benchmarks:  # the benchmark modules import torch: only when they may be asked for
         from .bench import add_bench_parser
 
@@ -412,10 +423,10 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"])).parse_args(argv)
+    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"], ["job"])).parse_args(argv)
     if getattr(args, "nproc", 1) is not None and getattr(args, "nproc", 1) < 1:
         return _error("--nproc: must be >= 1", 2)
-    if getattr(args, "nnodes", 1) < 1:
+    if getattr(args, "nnodes", None) is not None and args.nnodes < 1:
         return _error("--nnodes: must be >= 1", 2)
     return args.func(args)
 
