@@ -126,15 +126,18 @@ def test_async_server_survives_workers_that_die_stall_or_lie_between_push_and_pu
     step 3, before its pull (the server's reply to it fails: that worker is dropped, not the run);
     rank 3 stalls there for 4 s at step 2 (the others train on meanwhile, so its next push is
     very stale; a server that waited for that reply on its main thread held every worker up);
-    rank 4 pushes NaN as its step (dropped as malformed, where int(nan) failed the run), and leaves."""
-    faults = "ps_kill_before_pull@rank=2,step=3;ps_stall_before_pull@rank=3,step=2;ps_bad_header@rank=4,step=4"
+    rank 4 pushes NaN as its step (dropped as malformed, where int(nan) failed the run), and leaves;
+    rank 3 dies after its last push too, before the final parameters (dropped at the end)."""
+    faults = ("ps_kill_before_pull@rank=2,step=3;ps_stall_before_pull@rank=3,step=2;ps_bad_header@rank=4,step=4;"
+              "ps_kill_before_pull@rank=3,step=39")
     proc = run_mode(tmp_path, "async", 5, "--set", "train.steps=40", "--set", "train.log_every=5",
                     env={"PARATRAIN_FAULTS": faults})
     assert "drops worker rank 2" in proc.stderr, proc.stderr
     assert "drops worker rank 4: its push is malformed (step nan, expected 4)" in proc.stderr, proc.stderr
-    assert "drops worker rank 3" not in proc.stderr, proc.stderr
-    assert "finished with 2 of 4 workers" in proc.stdout, proc.stdout
+    assert "drops worker rank 3: it is gone before its last pull" in proc.stderr, proc.stderr
+    assert "finished with 1 of 4 workers" in proc.stdout, proc.stdout
     log = metrics(tmp_path / "run")
-    assert log[-1]["step"] == 40 and sorted(log[-1]["dropped_workers"]) == [2, 4]
+    assert log[-1]["step"] == 40 and sorted(log[-1]["dropped_workers"]) == [2, 3, 4]
     stalest = max(entry["staleness_max"] for entry in log)
-    assert stalest >= 10, f"the others did not train on while rank 3 stalled (staleness at most {stalest})"
+    # rank 1 trains on through the stall: ~36 updates (a server held up by the stall: at most ~20 under load)
+    assert stalest >= 25, f"the others did not train on while rank 3 stalled (staleness at most {stalest})"

@@ -483,18 +483,22 @@ class ParameterServer(Strategy):
             self.arrivals.put((w, f"its pull failed: {first_line(exc)}"))
 
     def _finish(self) -> None:
-        """Every live worker is done: agree on who is alive, send the final parameters, narrow the group."""
+        """Every live worker is done: send the final parameters (a worker that died after its last
+        push is dropped), agree on who is alive, tell the workers, narrow the group."""
+        for w in sorted(self.live):
+            try:
+                self._reply(w, final=True)
+            except RuntimeError as exc:
+                self._drop(w, f"it is gone before its last pull ({exc})")
         alive = torch.zeros(self.rt.world_size, dtype=torch.int32)
         alive[self.servers] = 1
         alive[sorted(self.live)] = 1
         if self.server_group is not None:
             dist.all_reduce(alive, op=dist.ReduceOp.MIN, group=self.server_group)
         live = [int(r) for r in alive.nonzero().flatten()]
-        for w in self.workers:
-            if alive[w]:
-                self._reply(w, final=True)
-                if self.rt.rank == 0:
-                    self._wait(self._p2p(dist.isend, alive, w, PULL_TAG), w)
+        if self.rt.rank == 0:
+            for w in live[len(self.servers):]:
+                self._wait(self._p2p(dist.isend, alive, w, PULL_TAG), w)
         self._set_live(live)
 
     def _set_live(self, live: list[int]) -> None:
