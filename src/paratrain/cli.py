@@ -119,12 +119,20 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
     os.replace(aside, run_dir / "config.toml")
     if node_rank != 0:  # node 0 tidies a folder the nodes share
         return
+    from .checkpoint import remove_unfinished
+
     old = run_dir / "checkpoints"
+    for unfinished in (run_dir, old):  # saves and exports a crash cut short
+        remove_unfinished(unfinished)
     if resume == "none":
         if old.is_dir() and any(old.iterdir()):
             aside = new_aside_dir(run_dir)
             old.rename(aside)
             print(f"paratrain: starting fresh; checkpoints of the earlier run moved to {aside}", flush=True)
+        if (run_dir / "final").exists():  # it verifies, and would pass for this run's until its export
+            aside = new_aside_dir(run_dir, "final")
+            (run_dir / "final").rename(aside)
+            print(f"paratrain: starting fresh; the earlier run's final export moved to {aside}", flush=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     elif resume_step is not None:
         from .checkpoint import list_checkpoints
@@ -163,11 +171,11 @@ def lock_run_dir(run_dir: Path) -> None:
     _RUN_DIR_LOCKS.append(fd)
 
 
-def new_aside_dir(run_dir: Path) -> Path:
-    """checkpoints.prev-TIME, a name not taken yet (two runs may put checkpoints aside in one second)."""
+def new_aside_dir(run_dir: Path, what: str = "checkpoints") -> Path:
+    """WHAT.prev-TIME, a name not taken yet (two runs may put checkpoints aside in one second)."""
     stamp = int(time.time())
     for n in itertools.count(1):
-        aside = run_dir / (f"checkpoints.prev-{stamp}" + (f"-{n}" if n > 1 else ""))
+        aside = run_dir / (f"{what}.prev-{stamp}" + (f"-{n}" if n > 1 else ""))
         if not aside.exists():
             return aside
 
@@ -175,10 +183,11 @@ def new_aside_dir(run_dir: Path) -> Path:
 def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | None:
     """Check the checkpoint the run will resume from before any worker starts, and return its step.
 
-    --resume PATH: that checkpoint, files verified. auto: the newest in the run directory whose
-    manifest reads; the workers verify its files and fall back to an older one if they fail, but
-    all of them were written by one run, under one strategy and optimizer. None when there is
-    nothing to resume from. ConfigError (exit 2) for a checkpoint this run cannot resume."""
+    --resume PATH: that checkpoint, files and headers verified. auto: the newest in the run
+    directory whose manifest and headers read; the workers verify its files and fall back to an
+    older one if they fail, but all of them were written by one run, under one strategy and
+    optimizer. None when there is nothing to resume from. ConfigError (exit 2) for a checkpoint this
+    run cannot resume."""
     if resume == "none":
         return None
     import torch
@@ -188,31 +197,32 @@ def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | No
     from .models import build_model
     from .parallel import strategy_class
 
-    if resume == "auto":
-        reader = None
-        for _, path in reversed(list_checkpoints(run_dir / "checkpoints")):
-            try:
-                reader = CheckpointReader(path)
-                break
-            except (CheckpointError, KeyError, ValueError):
-                continue  # the workers say why, as they skip it
-        if reader is None:
-            return None
-    else:
+    def check(reader: CheckpointReader) -> None:
+        check_resumable(reader, cfg.parallel.strategy, cfg.train.optimizer, "--resume")
+        with torch.device("meta"):  # names and shapes against the model, built on meta (no memory)
+            model = build_model(cfg, build_dataset(cfg, "train"))
+        strategy_check = getattr(strategy_class(cfg.parallel.strategy), "check_checkpoint", None)
+        if strategy_check is not None:
+            strategy_check(reader, model)
+        else:
+            check_model_shapes(reader, model, "--resume")
+
+    if resume != "auto":
         try:
             reader = CheckpointReader(resume)
             reader.verify()
+            check(reader)
         except CheckpointError as exc:
             raise ConfigError("--resume", str(exc)) from None
-    check_resumable(reader, cfg.parallel.strategy, cfg.train.optimizer, "--resume")
-    check = getattr(strategy_class(cfg.parallel.strategy), "check_checkpoint", None)
-    with torch.device("meta"):  # names and shapes against the model, built on meta (no memory)
-        model = build_model(cfg, build_dataset(cfg, "train"))
-    if check is not None:
-        check(reader, model)
-    else:
-        check_model_shapes(reader, model, "--resume")
-    return reader.step
+        return reader.step
+    for _, path in reversed(list_checkpoints(run_dir / "checkpoints")):
+        try:
+            reader = CheckpointReader(path)
+            check(reader)
+            return reader.step
+        except CheckpointError:
+            continue  # the workers say why, as they skip it
+    return None
 
 
 def load_config(args) -> config_mod.Config:
