@@ -8,8 +8,6 @@ The trainer never asks which strategy it holds.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import os
 import signal
 import sys
