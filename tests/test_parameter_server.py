@@ -119,3 +119,25 @@ def test_resume_and_reshard_across_servers(tmp_path):
                             "--run-dir", str(tmp_path / "one")))
     assert "at step 8" in proc.stdout
     assert max_rel_error(final_weights(tmp_path / "one"), final_weights(tmp_path / "straight")) <= 1e-5
+
+
+def test_async_server_survives_workers_that_die_stall_or_lie_between_push_and_pull(tmp_path):
+    """One run, three faulty workers of four, each at its exact point: rank 2 dies after its push of
+    step 3, before its pull (the server's reply to it fails: that worker is dropped, not the run);
+    rank 3 stalls there for 4 s at step 2 (the others train on meanwhile, so its next push is
+    very stale; a server that waited for that reply on its main thread held every worker up);
+    rank 4 pushes NaN as its step (dropped as malformed, where int(nan) failed the run), and leaves;
+    rank 3 dies after its last push too, before the final parameters (dropped at the end)."""
+    faults = ("ps_kill_before_pull@rank=2,step=3;ps_stall_before_pull@rank=3,step=2;ps_bad_header@rank=4,step=4;"
+              "ps_kill_before_pull@rank=3,step=39")
+    proc = run_mode(tmp_path, "async", 5, "--set", "train.steps=40", "--set", "train.log_every=5",
+                    env={"PARATRAIN_FAULTS": faults})
+    assert "drops worker rank 2" in proc.stderr, proc.stderr
+    assert "drops worker rank 4: its push is malformed (step nan, expected 4)" in proc.stderr, proc.stderr
+    assert "drops worker rank 3: it is gone before its last pull" in proc.stderr, proc.stderr
+    assert "finished with 1 of 4 workers" in proc.stdout, proc.stdout
+    log = metrics(tmp_path / "run")
+    assert log[-1]["step"] == 40 and sorted(log[-1]["dropped_workers"]) == [2, 3, 4]
+    stalest = max(entry["staleness_max"] for entry in log)
+    # rank 1 trains on through the stall: ~36 updates (a server held up by the stall: at most ~20 under load)
+    assert stalest >= 25, f"the others did not train on while rank 3 stalled (staleness at most {stalest})"

@@ -119,12 +119,20 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
     os.replace(aside, run_dir / "config.toml")
     if node_rank != 0:  # node 0 tidies a folder the nodes share
         return
+    from .checkpoint import remove_unfinished
+
     old = run_dir / "checkpoints"
+    for unfinished in (run_dir, old):  # saves and exports a crash cut short
+        remove_unfinished(unfinished)
     if resume == "none":
         if old.is_dir() and any(old.iterdir()):
             aside = new_aside_dir(run_dir)
             old.rename(aside)
             print(f"paratrain: starting fresh; checkpoints of the earlier run moved to {aside}", flush=True)
+        if (run_dir / "final").exists():  # it verifies, and would pass for this run's until its export
+            aside = new_aside_dir(run_dir, "final")
+            (run_dir / "final").rename(aside)
+            print(f"paratrain: starting fresh; the earlier run's final export moved to {aside}", flush=True)
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     elif resume_step is not None:
         from .checkpoint import list_checkpoints
@@ -139,11 +147,35 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
                   f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}", flush=True)
 
 
-def new_aside_dir(run_dir: Path) -> Path:
-    """checkpoints.prev-TIME, a name not taken yet (two runs may put checkpoints aside in one second)."""
+_RUN_DIR_LOCKS: list[int] = []  # held until the run ends
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Take RUN_DIR/.lock until the run ends; ConfigError if another run holds it.
+
+    Two runs in one folder each put the other's checkpoints aside, prune them and write one
+    metrics file. The lock is the kernel's (flock): it goes with the process, also when it is killed."""
+    import fcntl
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError("--run-dir", f"{run_dir} is in use by another paratrain run (it holds {run_dir / '.lock'}); "
+                                       f"wait for it, or give this run another name or --run-dir") from None
+    _RUN_DIR_LOCKS.append(fd)
+
+
+def new_aside_dir(run_dir: Path, what: str = "checkpoints") -> Path:
+    """WHAT.prev-TIME, a name not taken yet (two runs may put checkpoints aside in one second)."""
     stamp = int(time.time())
     for n in itertools.count(1):
-        aside = run_dir / (f"checkpoints.prev-{stamp}" + (f"-{n}" if n > 1 else ""))
+        aside = run_dir / (f"{what}.prev-{stamp}" + (f"-{n}" if n > 1 else ""))
         if not aside.exists():
             return aside
 
@@ -151,10 +183,11 @@ def new_aside_dir(run_dir: Path) -> Path:
 def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | None:
     """Check the checkpoint the run will resume from before any worker starts, and return its step.
 
-    --resume PATH: that checkpoint, files verified. auto: the newest in the run directory whose
-    manifest reads; the workers verify its files and fall back to an older one if they fail, but
-    all of them were written by one run, under one strategy and optimizer. None when there is
-    nothing to resume from. ConfigError (exit 2) for a checkpoint this run cannot resume."""
+    --resume PATH: that checkpoint, files and headers verified. auto: the newest in the run
+    directory whose manifest and headers read; the workers verify its files and fall back to an
+    older one if they fail, but all of them were written by one run, under one strategy and
+    optimizer. None when there is nothing to resume from. ConfigError (exit 2) for a checkpoint this
+    run cannot resume."""
     if resume == "none":
         return None
     import torch
@@ -164,31 +197,32 @@ def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | No
     from .models import build_model
     from .parallel import strategy_class
 
-    if resume == "auto":
-        reader = None
-        for _, path in reversed(list_checkpoints(run_dir / "checkpoints")):
-            try:
-                reader = CheckpointReader(path)
-                break
-            except (CheckpointError, KeyError, ValueError):
-                continue  # the workers say why, as they skip it
-        if reader is None:
-            return None
-    else:
+    def check(reader: CheckpointReader) -> None:
+        check_resumable(reader, cfg.parallel.strategy, cfg.train.optimizer, "--resume")
+        with torch.device("meta"):  # names and shapes against the model, built on meta (no memory)
+            model = build_model(cfg, build_dataset(cfg, "train"))
+        strategy_check = getattr(strategy_class(cfg.parallel.strategy), "check_checkpoint", None)
+        if strategy_check is not None:
+            strategy_check(reader, model)
+        else:
+            check_model_shapes(reader, model, "--resume")
+
+    if resume != "auto":
         try:
             reader = CheckpointReader(resume)
             reader.verify()
+            check(reader)
         except CheckpointError as exc:
             raise ConfigError("--resume", str(exc)) from None
-    check_resumable(reader, cfg.parallel.strategy, cfg.train.optimizer, "--resume")
-    check = getattr(strategy_class(cfg.parallel.strategy), "check_checkpoint", None)
-    with torch.device("meta"):  # names and shapes against the model, built on meta (no memory)
-        model = build_model(cfg, build_dataset(cfg, "train"))
-    if check is not None:
-        check(reader, model)
-    else:
-        check_model_shapes(reader, model, "--resume")
-    return reader.step
+        return reader.step
+    for _, path in reversed(list_checkpoints(run_dir / "checkpoints")):
+        try:
+            reader = CheckpointReader(path)
+            check(reader)
+            return reader.step
+        except CheckpointError:
+            continue  # the workers say why, as they skip it
+    return None
 
 
 def load_config(args) -> config_mod.Config:
@@ -225,15 +259,51 @@ def check_launch(args) -> None:
         raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
 
 
+def check_faults() -> None:
+    """PARATRAIN_FAULTS, which makes ranks fail on purpose (tests, benchmarks): malformed, it
+    failed at the first collective in every worker; well-formed, it must never pass unnoticed."""
+    from . import faults
+
+    text = os.environ.get(faults.ENV)
+    if not text:
+        return
+    try:
+        faults.parse(text)
+    except ValueError as exc:
+        raise ConfigError(faults.ENV, str(exc)) from None
+    print(f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose",
+          file=sys.stderr, flush=True)
+
+
 def cmd_run(args) -> int:
+    try:
+        return train(args)
+    finally:  # an in-process caller (tests) may start another run in the same folder next
+        while _RUN_DIR_LOCKS:
+            os.close(_RUN_DIR_LOCKS.pop())
+
+
+def train(args) -> int:
+    from .engines import place_from_environment
+    from .jobs.preflight import check_nodes, node_facts
     from .launch import STOPPED_EXITS, Interrupted, WorkerFailure, launch, start_worker_server
 
     try:
+        check_faults()
+        engine = place_from_environment(args, os.environ)
         check_launch(args)
         cfg = load_config(args)
+        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if args.node_rank == 0:  # the other nodes of this run share the folder
+            lock_run_dir(run_dir)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc, device_note = place(cfg, args)
-        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if engine is not None:
+            print(f"paratrain: {engine.describe(nproc)}", file=sys.stderr, flush=True)
+        if args.nnodes > 1:  # every node the same software and config, before anyone waits on a collective
+            print(f"paratrain: node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}",
+                  file=sys.stderr, flush=True)
+            check_nodes(args.rdzv, args.nnodes, args.node_rank, node_facts(nproc, config_mod.to_toml(cfg)))
         resume_step = check_resume(args.resume, cfg, run_dir)
         prepare_run_dir(run_dir, cfg, args.resume, args.node_rank,
                         resume_step if args.resume not in ("none", "auto") else None)
@@ -241,9 +311,6 @@ def cmd_run(args) -> int:
         return _error(str(exc), 2)
     if device_note:  # after the checks, so that a bad config still gets its one line
         print(f"paratrain: {device_note}", file=sys.stderr)
-    if args.nnodes > 1:  # the rendezvous waits for every node, silently
-        print(f"paratrain: node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}",
-              file=sys.stderr, flush=True)
     worker_args = [str(run_dir / "config.toml"), "--run-dir", str(run_dir),
                    "--resume", str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume]
     try:
@@ -251,6 +318,8 @@ def cmd_run(args) -> int:
 
         launch(forked_worker, worker_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                rdzv=args.rdzv, max_restarts=args.max_restarts, run_id=cfg.name)
+    except ConfigError as exc:  # the rendezvous address cannot be used
+        return _error(str(exc), 2)
     except Interrupted as exc:
         return _error(f"stopped by {exc}; the workers were stopped. {newest_checkpoint_note(run_dir)}",
                       128 + exc.signum)
@@ -325,7 +394,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train: one TOML file picks model, data and parallel strategy")
     add_job_options(r)
-    r.add_argument("--node-rank", type=int, default=0)
+    # Unset, these three come from a cluster engine's environment (paratrain.engines), else 1, 0, none.
+    r.set_defaults(nnodes=None)
+    r.add_argument("--node-rank", type=int, default=None)
     r.add_argument("--rdzv", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (multi-node)")
     r.add_argument("--max-restarts", type=int, default=0)
     r.add_argument("--run-dir", default=None, help="default: runs/NAME")
@@ -350,6 +421,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="where to write (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
 
+    from .jobs import add_job_parser
+
+    add_job_parser(sub)
     if with_benchmarks:  # the benchmark modules import torch: only when they may be asked for
         from .bench import add_bench_parser
 
@@ -359,10 +433,10 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"])).parse_args(argv)
+    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"], ["job"])).parse_args(argv)
     if getattr(args, "nproc", 1) is not None and getattr(args, "nproc", 1) < 1:
         return _error("--nproc: must be >= 1", 2)
-    if getattr(args, "nnodes", 1) < 1:
+    if getattr(args, "nnodes", None) is not None and args.nnodes < 1:
         return _error("--nnodes: must be >= 1", 2)
     return args.func(args)
 
@@ -374,7 +448,18 @@ def console_main() -> None:
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
+    remove_multiprocessing_tempdir()
     os._exit(code or 0)
+
+
+def remove_multiprocessing_tempdir() -> None:
+    """Remove the folder multiprocessing made for this process (/tmp/pymp-*, where the worker
+    server's socket lives): its exit handler, which would, does not run past os._exit."""
+    import multiprocessing
+
+    tempdir = multiprocessing.current_process()._config.get("tempdir")
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ corrupt.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -16,8 +17,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from .checkpoint import (FINAL_FORMAT, FORMAT, CheckpointError, list_checkpoints, read_manifest, sha256_file,
-                         verify_files)
+from .checkpoint import (FINAL_FORMAT, FORMAT, CheckpointError, list_checkpoints, read_manifest, regular_file,
+                         sha256_file, verify_files)
 
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
@@ -51,7 +52,10 @@ def inspect(path: str | Path, show_tensors: bool = False, out=sys.stdout) -> int
         return 2
     final = m["format"] == FINAL_FORMAT
     group = (lambda name: "model") if final else kind  # a final export holds the model alone
-    saved = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m["time"])) if "time" in m else "?"
+    try:
+        saved = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(m["time"])) if "time" in m else "?"
+    except (OverflowError, ValueError, OSError):  # a time no calendar has
+        saved = "?"
     print(f"{'final export' if final else 'checkpoint'} {path}", file=out)
     print(f"step {m['step']} | world size {m.get('world_size', '?')} | strategy {m.get('strategy', '?')} | "
           + (f"{m['parameters']:,} parameters" if final and "parameters" in m else f"saved {saved}"), file=out)
@@ -62,26 +66,30 @@ def inspect(path: str | Path, show_tensors: bool = False, out=sys.stdout) -> int
     listing = []
     for name, entry in sorted(m["files"].items()):
         file = path / name
-        if not file.is_file():
-            print(f"{name:<26}{'-':>8}{'-':>14}  MISSING", file=out)
+        try:
+            size = regular_file(file).st_size
+        except CheckpointError:  # missing, or a symlink: never followed
+            status = ("MISSING" if not os.path.lexists(file) else "SYMLINK (not followed)" if file.is_symlink()
+                      else "NOT A REGULAR FILE")
+            print(f"{name:<26}{'-':>8}{'-':>14}  {status}", file=out)
             bad += 1
             continue
-        ok = file.stat().st_size == entry["bytes"] and sha256_file(file) == entry["sha256"]
+        ok = size == entry["bytes"] and sha256_file(file) == entry["sha256"]
         try:
             headers = tensor_headers(file)
         except Exception as exc:  # a corrupt header: report it, keep going with the other files
-            print(f"{name:<26}{'?':>8}{file.stat().st_size:>14,}  CORRUPT ({exc})", file=out)
+            print(f"{name:<26}{'?':>8}{size:>14,}  CORRUPT ({exc})", file=out)
             bad += 1
             continue
         bad += not ok
         total_tensors += len(headers)
-        total_bytes += file.stat().st_size
+        total_bytes += size
         for tname, dtype, shape, nbytes in headers:
             kinds[group(tname)] += 1
             kind_bytes[group(tname)] += nbytes
             listing.append((name, tname, dtype, shape, nbytes))
         status = "ok" if ok else "CORRUPT (does not match the manifest)"
-        print(f"{name:<26}{len(headers):>8}{file.stat().st_size:>14,}  {status}", file=out)
+        print(f"{name:<26}{len(headers):>8}{size:>14,}  {status}", file=out)
     print(f"{'total':<26}{total_tensors:>8}{total_bytes:>14,}  "
           f"{'all checksums ok' if not bad else f'{bad} bad file(s)'}", file=out)
     print("tensors by kind: " + ", ".join(f"{k} {kinds[k]} ({kind_bytes[k]:,} B)" for k in sorted(kinds)), file=out)
@@ -105,8 +113,8 @@ def inspect_run(run_dir: Path, out=sys.stdout) -> int:
         try:
             m = read_manifest(entry, (FORMAT, FINAL_FORMAT))
             verify_files(entry, m)
-            status = f"step {m['step']} | world size {m['world_size']} | strategy {m['strategy']} | ok"
-        except (CheckpointError, KeyError) as exc:
+            status = f"step {m['step']} | world size {m.get('world_size', '?')} | strategy {m.get('strategy', '?')} | ok"
+        except CheckpointError as exc:
             status, bad = f"INVALID: {exc}", bad + 1
         print(f"{label:<26}{status}", file=out)
     if not entries:

@@ -100,3 +100,38 @@ class MetricsLog:
         if self.tensorboard is not None:
             self.tensorboard.close()
 
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every entry of a JSON-lines log (metrics.jsonl, profile.jsonl). A line that is not a JSON
+    object, such as the torn last line of a run killed mid-write, is skipped with a warning: one bad
+    line must not stop a resume or a report."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    entries = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except (ValueError, RecursionError):
+            entry = None
+        if isinstance(entry, dict) and isinstance(entry.get("step", 0), (int, float)):
+            entries.append(entry)
+        else:
+            print(f"warning: {path}:{number}: skipping a line that is not a log entry (torn by a crash?)",
+                  file=sys.stderr, flush=True)
+    return entries
+
+
+def keep_steps_up_to(path: Path, step: int) -> list[dict]:
+    """Rewrite a JSON-lines log with its entries up to `step` (a resume redoes the later ones), into a
+    temporary file renamed over it, so that a crash mid-rewrite leaves the old file whole."""
+    path = Path(path)
+    kept = [entry for entry in read_jsonl(path) if entry.get("step", 0) <= step]
+    if path.is_file():
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(json.dumps(entry) + "\n" for entry in kept))
+        os.replace(tmp, path)
+    return kept

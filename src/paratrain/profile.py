@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .metrics import keep_steps_up_to
 from .parallel.shm_p2p import SENT
 
 PHASES = ("data", "forward", "backward", "compress", "comm", "optimizer", "idle")
@@ -288,9 +289,7 @@ class Profiler:
 def _open_profile(path: Path, start_step: int):
     """A fresh run starts the file anew; a resumed one keeps the steps before its checkpoint."""
     if start_step and path.is_file():
-        kept = [line for line in path.read_text().splitlines(keepends=True)
-                if json.loads(line)["step"] <= start_step]
-        path.write_text("".join(kept))
+        keep_steps_up_to(path, start_step)
         return open(path, "a")
     return open(path, "w")
 

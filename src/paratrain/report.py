@@ -15,6 +15,7 @@ import statistics
 import tomllib
 from pathlib import Path
 
+from .metrics import read_jsonl
 from .profile import PHASES
 
 PHASE_ORDER = (*PHASES, "other")
@@ -25,12 +26,6 @@ TIMELINE_STEPS = 3
 
 class NotARun(ValueError):
     pass
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def load_run(run_dir: Path) -> dict:

@@ -8,7 +8,6 @@ The trainer never asks which strategy it holds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -28,7 +27,7 @@ from . import runtime
 from . import stop
 from .config import Config, ConfigError
 from .data import GlobalBatchSampler, build_dataset, load_batch
-from .metrics import MetricsLog, keep_stdout_when_its_reader_leaves
+from .metrics import MetricsLog, keep_steps_up_to, keep_stdout_when_its_reader_leaves
 from .models import BUILTIN as BUILTIN_MODELS
 from .models import build_model
 from .models.materialize import record_on_meta
@@ -78,7 +77,7 @@ class Trainer:
             path = broadcast_str(path, self.rt)
             if not path:
                 if self.rt.is_main:  # nor any step an earlier run or attempt logged here
-                    drop_metrics_after(self.run_dir / "metrics.jsonl", 0)
+                    keep_steps_up_to(self.run_dir / "metrics.jsonl", 0)
                     print("no checkpoint to resume from: starting fresh", flush=True)
                 return
         reader = ckpt.CheckpointReader(path)
@@ -90,7 +89,8 @@ class Trainer:
             tensors, meta = reader.load(rank=self.rt.rank)
             runtime.set_rng_state(tensors, meta["rng"])
         if self.rt.is_main:
-            drop_metrics_after(self.run_dir / "metrics.jsonl", self.step)
+            # the steps after the checkpoint are redone: forget what the lost attempt logged of them
+            keep_steps_up_to(self.run_dir / "metrics.jsonl", self.step)
             print(f"resumed from {path} at step {self.step} (saved by {reader.world_size} ranks)", flush=True)
 
     def save_checkpoint(self) -> None:
@@ -234,13 +234,6 @@ class Trainer:
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a non-finite loss or gradient."""
-
-
-def drop_metrics_after(path: Path, step: int) -> None:
-    """A resumed run redoes the steps after its checkpoint: forget what the lost attempt logged of them."""
-    if path.is_file():
-        lines = path.read_text().splitlines(keepends=True)
-        path.write_text("".join(line for line in lines if json.loads(line).get("step", 0) <= step))
 
 
 # -- small collectives on scalars -----------------------------------------------------------------

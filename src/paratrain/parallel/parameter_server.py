@@ -31,10 +31,19 @@ tell that worker.
 
 Faults: async/ssp servers drop a worker whose connection breaks or that stays silent for
 ps.drop_after_s (and say so), and the trainer's collectives then run over the live ranks only;
-checkpoints are the servers' alone. A worker process that crashes is kept from failing the whole
+checkpoints are the servers' alone. A worker that dies or stalls after its push, before it takes
+its pull, is dropped (dead) or served late (stalled) without holding up the others: each reply is
+sent and waited for off the server's main thread. A push whose header is not one a worker sends
+(a step other than the worker's next, a version the server never had, NaN) drops that worker.
+A worker process that crashes is kept from failing the whole
 job by `guard_worker` (its parent reports the death and leaves cleanly, so the elastic agent lets the
 others go on). A sync server, or a worker whose server does not answer within parallel.timeout_s,
 fails with a message naming the missing rank.
+
+Fault points (PARATRAIN_FAULTS, see paratrain/faults.py), each at one worker's push of one step:
+    ps_kill_before_pull@rank=R,step=S    the worker SIGKILLs itself after its push, before its pull
+    ps_stall_before_pull@rank=R,step=S   ... stalls there for FAULT_STALL_S seconds
+    ps_bad_header@rank=R,step=S          ... pushes NaN as its step, and leaves (exit 0)
 """
 from __future__ import annotations
 
@@ -58,6 +67,7 @@ from ..optim import build_optimizer, set_lr
 from .base import Strategy, clip_factor, unique_parameters
 
 HEADER = 4  # float32 slots in front of every message (small integers are exact in float32)
+FAULT_STALL_S = 4.0
 PUSH_TAG, PULL_TAG, EXPORT_TAG = 11, 12, 13
 # push header: [step the gradient is for, server version it was computed on, worker loss, 0]
 # pull header: [server version, 1 if these are the final parameters,
@@ -240,10 +250,14 @@ class ParameterServer(Strategy):
         for s, buf, dev_buf in zip(self.servers, self.grad_bufs, self.dev_grad_bufs):
             if dev_buf is not buf:
                 buf.copy_(dev_buf)
-            buf[:HEADER] = torch.tensor([self.step_index, self.versions[s], float(loss), 0.0])
+            step = float("nan") if faults.active("ps_bad_header", rank=self.rt.rank, step=self.step_index) else self.step_index
+            buf[:HEADER] = torch.tensor([step, self.versions[s], float(loss), 0.0])
             sends.append(self._p2p(dist.isend, buf, s, PUSH_TAG))
+        for s, work in zip(self.servers, sends):
+            self._wait(work, s)
+        self._between_push_and_pull()
         recvs = [self._p2p(dist.irecv, buf, s, PULL_TAG) for s, buf in zip(self.servers, self.param_bufs)]
-        for s, work in zip(self.servers + self.servers, sends + recvs):
+        for s, work in zip(self.servers, recvs):
             self._wait(work, s)
         self.versions = [int(buf[0]) for buf in self.param_bufs]
         self.skipped_step = any(bool(buf[2]) for buf in self.param_bufs)
@@ -255,6 +269,17 @@ class ParameterServer(Strategy):
             self._wait(self._p2p(dist.irecv, alive, 0, PULL_TAG), 0)
             self._set_live([int(r) for r in alive.nonzero().flatten()])
         return loss
+
+    def _between_push_and_pull(self) -> None:
+        """Tests: die or stall with the push sent and the pull not yet asked for."""
+        if faults.active("ps_kill_before_pull", rank=self.rt.rank, step=self.step_index):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if faults.active("ps_bad_header", rank=self.rt.rank, step=self.step_index):
+            os._exit(0)  # no pull will answer a malformed push
+        if faults.active("ps_stall_before_pull", rank=self.rt.rank, step=self.step_index):
+            print(f"ps: worker rank {self.rt.rank} stalls for {FAULT_STALL_S:g}s before its pull of step "
+                  f"{self.step_index + 1} (fault injection)", flush=True)
+            time.sleep(FAULT_STALL_S)
 
     def _p2p(self, op, buf: torch.Tensor, peer: int, tag: int):
         self.profiler.comm("send" if op is dist.isend else "recv", buf, self.comm_group)
@@ -349,9 +374,13 @@ class ParameterServer(Strategy):
             if w not in self.live:
                 continue  # a late word from a worker already dropped
             if error is not None:
-                self._drop(w, f"its connection broke ({error})")
+                self._drop(w, f"it is gone ({error})")
                 continue
             buf = self.recv_bufs[w]
+            malformed = self._malformed(buf, w)
+            if malformed:
+                self._drop(w, f"its push is malformed ({malformed})")
+                continue
             self._hear_losses(buf[2:3])
             self._apply(buf, w)
             if w not in self.done:
@@ -388,6 +417,16 @@ class ParameterServer(Strategy):
             raise RuntimeError("ps: every worker is gone")
         self._release_held()
 
+    def _malformed(self, buf: torch.Tensor, w: int) -> str:
+        """What is wrong with a push's header, "" if nothing: its step must be the worker's next,
+        its version one this server has had (the loss may be anything: a non-finite one is refused)."""
+        step, used = buf[0].item(), buf[1].item()
+        if step != self.clock[w]:
+            return f"step {step:g}, expected {self.clock[w]}"
+        if not (used.is_integer() and 0 <= used <= self.version):
+            return f"version {used:g}, this server is at {self.version}"
+        return ""
+
     def _apply(self, buf: torch.Tensor, src: int) -> None:
         step, used = int(buf[0]), int(buf[1])
         self.last_heard[src] = time.monotonic()
@@ -423,26 +462,43 @@ class ParameterServer(Strategy):
                 self._reply(w, final=False)
 
     def _reply(self, w: int, final: bool) -> None:
+        """Send worker w the parameters. A copy goes on the wire (the next update must not change
+        it in flight), and a thread waits for it: a worker that stalls before its pull holds up
+        no one else, and one that died is dropped (the main thread hears of it from `arrivals`)."""
         refused = w in self.refused
         self.refused.discard(w)
-        self.param_buf[:HEADER] = torch.tensor([self.version, float(final), float(refused), 0.0])
-        # Wait for the send: the next update must not change the buffer while it is on the wire.
-        self._wait(self._p2p(dist.isend, self.param_buf, w, PULL_TAG), w)
+        buf = self.param_buf.clone()
+        buf[:HEADER] = torch.tensor([self.version, float(final), float(refused), 0.0])
         self.stats.bytes += self.shard.nbytes
+        work = self._p2p(dist.isend, buf, w, PULL_TAG)
+        if final:  # the run's end: every other worker is done too
+            self._wait(work, w)
+        else:
+            threading.Thread(target=self._reply_sent, args=(work, w, buf), daemon=True).start()
+
+    def _reply_sent(self, work, w: int, buf: torch.Tensor) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            self.arrivals.put((w, f"its pull failed: {first_line(exc)}"))
 
     def _finish(self) -> None:
-        """Every live worker is done: agree on who is alive, send the final parameters, narrow the group."""
+        """Every live worker is done: send the final parameters (a worker that died after its last
+        push is dropped), agree on who is alive, tell the workers, narrow the group."""
+        for w in sorted(self.live):
+            try:
+                self._reply(w, final=True)
+            except RuntimeError as exc:
+                self._drop(w, f"it is gone before its last pull ({exc})")
         alive = torch.zeros(self.rt.world_size, dtype=torch.int32)
         alive[self.servers] = 1
         alive[sorted(self.live)] = 1
         if self.server_group is not None:
             dist.all_reduce(alive, op=dist.ReduceOp.MIN, group=self.server_group)
         live = [int(r) for r in alive.nonzero().flatten()]
-        for w in self.workers:
-            if alive[w]:
-                self._reply(w, final=True)
-                if self.rt.rank == 0:
-                    self._wait(self._p2p(dist.isend, alive, w, PULL_TAG), w)
+        if self.rt.rank == 0:
+            for w in live[len(self.servers):]:
+                self._wait(self._p2p(dist.isend, alive, w, PULL_TAG), w)
         self._set_live(live)
 
     def _set_live(self, live: list[int]) -> None:

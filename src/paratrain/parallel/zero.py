@@ -30,7 +30,6 @@ any world M (each rank reads the pieces overlapping its new shards).
 """
 from __future__ import annotations
 
-import json
 
 import torch
 import torch.distributed as dist
@@ -250,13 +249,10 @@ class Zero(Strategy):
     def check_checkpoint(reader, model: nn.Module) -> None:
         """Before any worker starts (the CLI's preflight, `model` on meta): the checkpoint's
         parameter names and shapes must be the model's. Reads only rank 0's safetensors header."""
-        from safetensors import safe_open
-
-        with safe_open(str(reader.path / ckpt.rank_file(0)), framework="pt") as fh:
-            saved = json.loads(fh.metadata()["json"]).get("zero")
-            replicated = {k[len("replicated."):]: fh.get_slice(k).get_shape() for k in fh.keys()
-                          if k.startswith("replicated.")}
-        if saved is None:
+        meta, shapes = ckpt.read_header(reader.path / ckpt.rank_file(0))
+        saved = meta.get("zero")
+        replicated = {k[len("replicated."):]: shape for k, shape in shapes.items() if k.startswith("replicated.")}
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), dict):
             raise ckpt.CheckpointMismatch("--resume", f"{reader.path} holds no ZeRO state")
         check_layout(model, saved["params"], replicated, key="--resume")
 
