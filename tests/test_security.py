@@ -146,8 +146,8 @@ def test_the_command_leaves_no_temporary_folder(tmp_path):
     which removes the /tmp/pymp-* folder of the worker server's socket: one was left per run."""
     cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
     (tmp_path / "tmp").mkdir()
-    # refused after the worker server started: by the check of the batch against the dataset
-    proc = run_cli("run", str(cfg), "--set", "data.batch_size=100000", "--run-dir", str(tmp_path / "run"),
+    # refused after the worker server started, by the first check that needs the world size
+    proc = run_cli("run", str(cfg), "--nproc", "5", "--run-dir", str(tmp_path / "run"),
                    env={"TMPDIR": str(tmp_path / "tmp")})
     assert proc.returncode == 2 and "data.batch_size" in proc.stderr, proc.stderr
     assert not list((tmp_path / "tmp").glob("pymp-*")), "the command left multiprocessing's folder behind"
@@ -270,3 +270,16 @@ def test_faults_that_are_set_are_announced(tmp_path, capsys, monkeypatch):
     warning, error = capsys.readouterr().err.strip().splitlines()
     assert warning.startswith("paratrain: warning: PARATRAIN_FAULTS is set (exit_in_save@rank=0,step=8)"), warning
     assert error.startswith("paratrain: error: train.steps: "), error
+
+
+def test_a_multi_node_run_binds_the_address_towards_its_rendezvous():
+    """Issue 23, point 1: a node's stores listen on its address on the route to --rdzv, and gloo and
+    NCCL on the interface holding it (tests/test_multinode.py runs two nodes over a veth pair)."""
+    from paratrain.launch import _address_towards, _interface_of
+    from paratrain.runtime import listen_on
+
+    assert _address_towards("127.0.0.1", 29400) == "127.0.0.1"
+    assert _interface_of("127.0.0.1") == "lo"
+    assert _interface_of("192.0.2.1") is None  # TEST-NET-1: held by no interface here
+    with listen_on("localhost") as sock:
+        assert _is_loopback(sock.getsockname()[0]) and sock.getsockname()[1] > 0
