@@ -272,6 +272,7 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
         os.environ.update({var: "lo" for var in SOCKET_IFNAME_VARS})
     else:
         endpoint, (host, port) = rdzv, rdzv.rsplit(":", 1)
+        host = host.removeprefix("[").removesuffix("]")  # [IPv6]:PORT
         try:
             local_addr = _address_towards(host, int(port))
             listener = listen_on(host, int(port)) if node_rank == 0 else None
