@@ -2,7 +2,6 @@
 memory, its run directory, and the input it trusts (docs/security.md)."""
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import signal
@@ -13,71 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CPU_ONLY, run_cli, write_config
-
+from helpers import CPU_ONLY, descendants, is_loopback, listening_addresses, run_cli, write_config
 from reference import DIGITS_MLP
 
 from paratrain.bench.recovery import SLOW_MODEL, config_text
-
-
-def _descendants(root: int) -> set[int]:
-    parent = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    found, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [c for c, p in parent.items() if p == pid and c not in found]
-        found.update(children)
-        frontier += children
-    return found
-
-
-def _socket_inodes(pids: set[int]) -> set[str]:
-    inodes = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[len("socket:["):-1])
-    return inodes
-
-
-def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """An address as /proc/net/tcp* writes it: 32-bit words in host (little-endian) byte order."""
-    raw = bytes.fromhex(hex_addr)
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    return ipaddress.ip_address(raw)
-
-
-def listening_addresses(pids: set[int]) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket in state LISTEN held open by one of `pids`."""
-    inodes = _socket_inodes(pids)
-    out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: TCP_LISTEN
-                host, port = fields[1].split(":")
-                out.append((str(_address(host)), int(port, 16)))
-    return out
-
-
-def _is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address)
-    return ip.is_loopback or (isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None
-                              and ip.ipv4_mapped.is_loopback)
 
 
 def _logged_steps(metrics: Path) -> list[int]:
@@ -105,7 +43,7 @@ def training_run(tmp_path_factory):
         while max(_logged_steps(run_dir / "metrics.jsonl"), default=0) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
             time.sleep(0.1)
-        pids = _descendants(proc.pid)
+        pids = descendants(proc.pid)
         assert len(pids) >= 4, pids  # the command, its worker server, two workers
         yield proc, run_dir, cfg, pids
     finally:
@@ -126,7 +64,7 @@ def test_a_local_run_listens_on_loopback_only(training_run):
     assert proc.poll() is None
     listening = listening_addresses(pids)
     assert len(listening) >= 3, f"the stores and gloo were not all seen: {listening}"
-    exposed = [(a, p) for a, p in listening if not _is_loopback(a)]
+    exposed = [(a, p) for a, p in listening if not is_loopback(a)]
     assert not exposed, f"a local run listens beyond loopback: {exposed} (all: {listening})"
 
 
@@ -282,4 +220,4 @@ def test_a_multi_node_run_binds_the_address_towards_its_rendezvous():
     assert _interface_of("127.0.0.1") == "lo"
     assert _interface_of("192.0.2.1") is None  # TEST-NET-1: held by no interface here
     with listen_on("localhost") as sock:
-        assert _is_loopback(sock.getsockname()[0]) and sock.getsockname()[1] > 0
+        assert is_loopback(sock.getsockname()[0]) and sock.getsockname()[1] > 0
