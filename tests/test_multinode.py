@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from helpers import CPU_ONLY, check_ok, complete_lines, final_weights, max_rel_error, run_cli, write_config
+from helpers import (CPU_ONLY, check_ok, complete_lines, descendants, final_weights, is_loopback, listening_addresses,
+                     max_rel_error, run_cli, write_config)
 from reference import DIGITS_MLP
 
 from paratrain import netns
@@ -68,6 +69,9 @@ def test_two_nodes_restart_after_a_killed_worker_and_resume(tmp_path):
             while not any(json.loads(line)["step"] >= 12 for line in complete_lines(run_dir / "metrics.jsonl")):
                 assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 12"
                 time.sleep(0.05)
+            for node, p in enumerate(procs):  # each node listens on its address on the link alone (docs/security.md)
+                listening = listening_addresses(descendants(p.pid))
+                assert listening and all(a == hosts.addr(node) or is_loopback(a) for a, _ in listening), listening
             os.kill(next(iter(worker_pids(procs[1].pid).values())), signal.SIGKILL)
             outs = [p.communicate(timeout=120)[0] for p in procs]
         finally:

@@ -268,11 +268,12 @@ def check_faults() -> None:
     if not text:
         return
     try:
-        faults.parse(text)
+        unknown = sorted(set(faults.parse(text)) - set(faults.KNOWN))
     except ValueError as exc:
         raise ConfigError(faults.ENV, str(exc)) from None
-    print(f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose",
-          file=sys.stderr, flush=True)
+    never = f"; {', '.join(unknown)} never fire{'s' * (len(unknown) == 1)} (known: {', '.join(faults.KNOWN)})"
+    print(f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose"
+          f"{never if unknown else ''}", file=sys.stderr, flush=True)
 
 
 def cmd_run(args) -> int:
