@@ -57,3 +57,16 @@ def complete_lines(path) -> list[str]:
     except FileNotFoundError:
         return []
     return text.splitlines()[:-1] if not text.endswith("\n") else text.splitlines()
+
+
+def outputs_of(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
+    """Each process's output once all have exited with 0 (assertion error with the output of one that
+    did not); killed if they outlast `timeout`."""
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    return outs
