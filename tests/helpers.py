@@ -118,3 +118,16 @@ def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address)
     return ip.is_loopback or (isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None
                               and ip.ipv4_mapped.is_loopback)
+
+
+def outputs_of(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
+    """Each process's output once all have exited with 0 (assertion error with the output of one that
+    did not); killed if they outlast `timeout`."""
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    return outs
