@@ -2,8 +2,8 @@
 metrics lines, pruning next to corrupt checkpoints, leftovers of crashed saves.
 
 Every refusal here is exit 2 (or, under --resume auto, a skipped checkpoint) with one line, never a
-traceback. Most cases run in this process against a real checkpoint written once by a real trainer;
-one real launch checks the resume and pruning path end to end.
+traceback. Everything runs in this process: the real trainer writes a real checkpoint once, as a
+lone rank, and resumes from damaged copies of it.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save as st_save
 
-from helpers import check_ok, metrics, run_cli, write_config
+from helpers import metrics, write_config
 from reference import DIGITS_MLP
 
 import paratrain.data
@@ -42,21 +42,25 @@ keep = 4
 """
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    """A run directory with checkpoints step-4 and step-8 and a final export, written by the real
-    trainer in this process (one rank: no interpreter to start, no rendezvous)."""
+def train_in_process(*argv: str) -> int:
+    """A one-rank run of the real trainer in this process: no interpreter to start, no rendezvous."""
     from paratrain.trainer import main as worker_main
 
-    root = tmp_path_factory.mktemp("pristine")
-    cfg = write_config(root / "c.toml", CONFIG)
     saved = {k: os.environ.pop(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k in os.environ}
     try:
-        assert worker_main([str(cfg), "--run-dir", str(root / "run")]) == 0
+        return worker_main(list(argv))
     finally:
-        for k in ("MASTER_ADDR", "MASTER_PORT"):
+        for k in ("MASTER_ADDR", "MASTER_PORT"):  # the lone process picked a port: the next picks its own
             os.environ.pop(k, None)
         os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """A run directory with checkpoints step-4 and step-8 and a final export."""
+    root = tmp_path_factory.mktemp("pristine")
+    cfg = write_config(root / "c.toml", CONFIG)
+    assert train_in_process(str(cfg), "--run-dir", str(root / "run")) == 0
     return root
 
 
@@ -318,9 +322,10 @@ def test_pruning_keeps_the_checkpoint_just_written_and_counts_only_valid_ones(tm
     assert ckpt.latest_valid(tmp_path, log=lambda m: None).step == 20
 
 
-def test_resume_auto_moves_a_corrupt_newer_checkpoint_aside_and_survives_a_torn_metrics_line(pristine, tmp_path):
-    """End to end: resume from step-4 past a corrupt step-30 with keep = 1, with a metrics.jsonl
-    whose last line a crash tore in half."""
+def test_resume_auto_moves_a_corrupt_newer_checkpoint_aside_and_survives_a_torn_metrics_line(pristine, tmp_path,
+                                                                                             capsys):
+    """The issue's scenario through the trainer: resume from step-4 past a corrupt step-30 with
+    keep = 1, with a metrics.jsonl whose last line a crash tore in half."""
     run = fresh_copy(pristine, tmp_path / "run")
     checkpoints = run / "checkpoints"
     shutil.copytree(checkpoints / "step-8", checkpoints / "step-30")
@@ -329,11 +334,13 @@ def test_resume_auto_moves_a_corrupt_newer_checkpoint_aside_and_survives_a_torn_
     shard.write_bytes(flip_last_byte(shard.read_bytes()))
     with open(run / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 9, "loss": 2.3')
-    proc = check_ok(run_cli("run", str(pristine / "c.toml"), "--resume", "auto", "--nproc", "1", "--run-dir",
-                            str(run), "--set", "checkpoint.keep=1", cwd=tmp_path))
-    assert "skipping checkpoint step 30" in proc.stderr and "checkpoints.invalid" in proc.stderr, proc.stderr
-    assert "not a log entry" in proc.stderr, proc.stderr
-    assert "at step 4" in proc.stdout, proc.stdout
+    ckpt._VERIFIED.clear()
+    assert train_in_process(str(pristine / "c.toml"), "--resume", "auto", "--run-dir", str(run),
+                            "--set", "checkpoint.keep=1") == 0
+    out, err = capsys.readouterr()
+    assert "skipping checkpoint step 30" in err and "checkpoints.invalid" in err, err
+    assert "not a log entry" in err, err
+    assert "at step 4" in out, out
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-8"]
     assert (run / "checkpoints.invalid" / "step-30").is_dir()
     assert [m["step"] for m in metrics(run)] == [4, 8]

@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import math
+import os
 import re
 import shutil
 import stat
