@@ -147,6 +147,16 @@ def test_world_size_must_match_the_files(pristine, tmp_path, capsys, world_size)
     assert "world_size" in refuse_resume(pristine, step, capsys)
 
 
+@pytest.mark.parametrize("parallel", [{"tp": 3}, {"pp": 0}, {"tp": "2"}])
+def test_a_layout_that_does_not_divide_the_world_size_is_refused(pristine, tmp_path, parallel):
+    """hybrid's resume takes its shards' layout (tp, pp) from the manifest's config."""
+    run = fresh_copy(pristine, tmp_path / "run")
+    step = run / "checkpoints" / "step-8"
+    rewrite_manifest(step, lambda m: {**m, "config": {**m["config"], "parallel": {**m["config"]["parallel"], **parallel}}})
+    with pytest.raises(ckpt.CheckpointError, match="do not divide world_size"):
+        ckpt.CheckpointReader(step)
+
+
 # -- point 7: each reproduced crash, and the fuzz -------------------------------------------------
 def header_length_2_60(step: Path) -> None:
     shard = step / "rank-00000.safetensors"
