@@ -152,7 +152,10 @@ def test_a_layout_that_does_not_divide_the_world_size_is_refused(pristine, tmp_p
     """hybrid's resume takes its shards' layout (tp, pp) from the manifest's config."""
     run = fresh_copy(pristine, tmp_path / "run")
     step = run / "checkpoints" / "step-8"
-    rewrite_manifest(step, lambda m: {**m, "config": {**m["config"], "parallel": {**m["config"]["parallel"], **parallel}}})
+    def edit(m):
+        m["config"]["parallel"].update(parallel)
+        return m
+    rewrite_manifest(step, edit)
     with pytest.raises(ckpt.CheckpointError, match="do not divide world_size"):
         ckpt.CheckpointReader(step)
 
@@ -169,8 +172,10 @@ def shard_dims_out_of_range(step: Path) -> None:
     tensors, meta = ckpt.CheckpointReader(step).load(0)
     meta["shard_dims"] = {"0.weight": 7}
     (step / "rank-00001.safetensors").write_bytes(ckpt.encode(tensors, meta))
-    rewrite_manifest(step, lambda m: {**m, "world_size": 2,
-                                      "files": {**m["files"], "rank-00001.safetensors": m["files"]["rank-00000.safetensors"]}})
+    def edit(m):
+        m["files"]["rank-00001.safetensors"] = m["files"]["rank-00000.safetensors"]
+        return {**m, "world_size": 2}
+    rewrite_manifest(step, edit)
     reseal(step)
 
 
@@ -214,7 +219,8 @@ def test_resume_auto_skips_a_manifest_that_is_a_list_for_the_older_checkpoint(pr
 # Mutations of a real checkpoint: its manifest's JSON structure, the bytes of a shard's header or
 # body (sealed again into the manifest, as a crafted checkpoint would be, or not), its file names.
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+                           lambda inner: (st.lists(inner, max_size=3)
+                                          | st.dictionaries(st.text(max_size=6), inner, max_size=3)),
                            max_leaves=6)
 MANIFEST_KEYS = ["format", "step", "world_size", "strategy", "time", "config", "files"]
 NAMES = st.sampled_from(["../rank-00000.safetensors", "/dev/zero", "rank-00001.safetensors", "rank-1.safetensors",
