@@ -271,7 +271,7 @@ def rename_shard(step: Path, data) -> None:
     rewrite_manifest(step, lambda m: {**m, "files": {name: m["files"]["rank-00000.safetensors"]}})
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzzed_checkpoints_load_or_are_refused_in_one_line(pristine, capsys, data):
