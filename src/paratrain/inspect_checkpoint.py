@@ -113,7 +113,8 @@ def inspect_run(run_dir: Path, out=sys.stdout) -> int:
         try:
             m = read_manifest(entry, (FORMAT, FINAL_FORMAT))
             verify_files(entry, m)
-            status = f"step {m['step']} | world size {m.get('world_size', '?')} | strategy {m.get('strategy', '?')} | ok"
+            status = (f"step {m['step']} | world size {m.get('world_size', '?')} | "
+                      f"strategy {m.get('strategy', '?')} | ok")
         except CheckpointError as exc:
             status, bad = f"INVALID: {exc}", bad + 1
         print(f"{label:<26}{status}", file=out)
