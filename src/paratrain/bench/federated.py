@@ -182,17 +182,18 @@ def round_seconds(r: dict) -> list[float]:
 
 
 def table(results: dict[str, dict], target: float) -> str:
-    rows = ["| engine | s/round (median) | rounds to acc >= {t} | time to it | acc @ last round | best acc | "
-            "wall | peak RSS (tree) | bytes/round |".format(t=target), "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| engine | s/round mean | s/round median | rounds to acc >= {t} | time to it | acc @ last round | "
+            "best acc | wall | peak RSS (tree) | bytes/round |".format(t=target), "|---|---|---|---|---|---|---|---|---|---|"]
     base = results.get("flower")
     for name, r in results.items():
-        per_round = statistics.median(round_seconds(r))
+        mean, median = statistics.mean(round_seconds(r)), statistics.median(round_seconds(r))
         reach = first_at(r["accuracy"], target)
         to_target = r["elapsed"][reach - 1] if reach else None
         traffic = f"{r['bytes_per_round'] / 1e6:.2f} MB" if "bytes_per_round" in r else "-"
-        ratio = (f" ({statistics.median(round_seconds(base)) / per_round:.1f}x faster)"
-                 if base and name != "flower" else "")
-        rows.append(f"| {name} | {per_round:.3f}{ratio} | {reach or '-'} | "
+        ours = base and name != "flower"
+        mean_ratio = f" ({statistics.mean(round_seconds(base)) / mean:.1f}x)" if ours else ""
+        median_ratio = f" ({statistics.median(round_seconds(base)) / median:.1f}x)" if ours else ""
+        rows.append(f"| {name} | {mean:.3f}{mean_ratio} | {median:.3f}{median_ratio} | {reach or '-'} | "
                     f"{f'{to_target:.1f} s' if to_target else '-'} | {r['accuracy'][-1]:.3f} | {max(r['accuracy']):.3f} | "
                     f"{r['wall_s']:.1f} s | {r['peak_bytes'] / 2**20:.0f} MiB | "
                     f"{traffic} |")
