@@ -54,6 +54,7 @@ class Trainer:
             model = record_on_meta(lambda: build_model(cfg, self.train_set))
         runtime.seed_everything(train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
         self.strategy = build_strategy(model, build_loss(cfg), cfg, rt)
+        self.strategy.run_dir = self.run_dir
         self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.data.batch_size, cfg.data.shuffle, train.seed)
         self.lr_at = lr_factor(train)
@@ -125,7 +126,7 @@ class Trainer:
         # would leave the others waiting; it runs an empty one. Elsewhere empty chunks are skipped.
         most = -(-len(self.val_set) // self.dp_size)  # dp rank 0's share, the largest
         n_chunks = -(-most // per_rank)
-        chunks = [order[i * per_rank:(i + 1) * per_rank] for i in range(n_chunks)] if self.strategy.reads_data else []
+        chunks = [order[i * per_rank:(i + 1) * per_rank] for i in range(n_chunks)] if self.strategy.evaluates else []
         sums = torch.zeros(4, dtype=torch.float64)  # loss*n, n, correct, counted
         for chunk in chunks:
             if len(chunk):
