@@ -6,11 +6,7 @@ import functools
 import http.server
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,17 +14,12 @@ import pytest
 import torch
 
 from helpers import check_ok, final_weights, rel_error, run_cli, write_config
+from paratrain.bench.data import local_s3_server
 from paratrain.cli import main
 from paratrain.data.stream import shards
 
 BLOCK, BATCH, EPOCH_STEPS = 16, 16, 10
 SAMPLES = BATCH * EPOCH_STEPS  # an epoch ends exactly at step 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def corpus_text() -> str:
@@ -53,26 +44,13 @@ def prepared(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
+def s3():
     """moto's S3 server on 127.0.0.1, and the fsspec storage options that reach it."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, "moto's server did not start"
-            time.sleep(0.1)
-    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "test", "secret": "test"}
     import s3fs
 
-    s3fs.S3FileSystem(**options).mkdir("paratrain-data")
-    yield options
-    server.terminate()
-    server.wait(10)
+    with local_s3_server() as options:
+        s3fs.S3FileSystem(**options).mkdir("paratrain-data")
+        yield options
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ the batch size changed since.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -27,12 +28,12 @@ class GlobalBatchSampler:
     def _generator(self, epoch: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
+    def _permutation(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
-            self._perm, self._epoch = torch.randperm(self.n, generator=self._generator(epoch)), epoch
+            self._perm, self._epoch = torch.randperm(self.n, generator=self._generator(epoch)).numpy(), epoch
         return self._perm
 
-    def epoch_ids(self, epoch: int, offsets: torch.Tensor) -> torch.Tensor:
+    def epoch_ids(self, epoch: int, offsets: np.ndarray) -> np.ndarray:
         """The samples at `offsets` within epoch `epoch`."""
         return self._permutation(epoch)[offsets] if self.shuffle else offsets
 
@@ -60,14 +61,15 @@ class GlobalBatchSampler:
 
     # -- batches --------------------------------------------------------------------------------
     def global_indices(self, step: int) -> torch.Tensor:
+        # NumPy inside: a step's indices take a dozen small operations, cheaper there than in torch.
         first = self.first_position(step)
-        pos = torch.arange(first, first + self.global_batch)
+        pos = np.arange(first, first + self.global_batch)
         epochs = pos // self.n
-        out = torch.empty_like(pos)
-        for e in epochs.unique().tolist():  # a batch spans at most two epochs unless B > N
+        out = np.empty_like(pos)
+        for e in np.unique(epochs).tolist():  # a batch spans at most two epochs unless B > N
             mask = epochs == e
             out[mask] = self.epoch_ids(e, pos[mask] % self.n)
-        return out
+        return torch.from_numpy(out)
 
     def rank_indices(self, step: int, rank: int, world: int) -> torch.Tensor:
         share = self.global_batch // world

@@ -29,9 +29,8 @@ class ShardDataset(Dataset):
         self.index, self.cache = index, cache
         self.vocab_size, self.block_size = index.vocab_size, index.block_size
         self.shuffle_window = shuffle_window
-        sizes = np.array([s.samples for s in index.shards], dtype=np.int64)
-        self.shard_sizes = torch.from_numpy(sizes)
-        self.shard_starts = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)]))
+        self.shard_sizes = np.array([s.samples for s in index.shards], dtype=np.int64)
+        self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_sizes)])
         self._memory: OrderedDict[int, np.ndarray] = OrderedDict()
         self._loading: dict[int, Future] = {}
         self._wanted: set[int] = set()
@@ -46,13 +45,15 @@ class ShardDataset(Dataset):
         return x[0], y[0]
 
     def load_batch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shard_of = torch.searchsorted(self.shard_starts, ids, right=True) - 1
-        rows = torch.empty((len(ids), self.block_size + 1), dtype=torch.long)
-        for s in shard_of.unique().tolist():
+        # NumPy throughout: a batch is a few small gathers, where torch's per-op dispatch costs more.
+        ids = ids.numpy()
+        shard_of = np.searchsorted(self.shard_starts, ids, side="right") - 1
+        rows = np.empty((len(ids), self.block_size + 1), dtype=np.int64)
+        for s in np.unique(shard_of).tolist():
             mask = shard_of == s
-            local = (ids[mask] - self.shard_starts[s]).numpy()
-            rows[mask] = torch.from_numpy(self._shard(s)[local].astype(np.int64))
-        return rows[:, :-1], rows[:, 1:]
+            rows[mask] = self._shard(s)[ids[mask] - self.shard_starts[s]]
+        tokens = torch.from_numpy(rows)
+        return tokens[:, :-1], tokens[:, 1:]
 
     def global_batch_sampler(self, global_batch: int, shuffle: bool, seed: int) -> ShardSampler:
         return ShardSampler(self, global_batch, shuffle, seed)
@@ -110,43 +111,48 @@ class ShardSampler(GlobalBatchSampler):
         # Without shuffle, windows are only the unit of prefetch.
         self.window = min(dataset.shuffle_window, self.n)
         self.lookahead = max(8 * global_batch, 2 * int(dataset.shard_sizes.max()), self.window)
-        self._epoch_cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
-        self._window_perms: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._window_perms: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._prefetched: tuple[int, int] | None = None
 
-    def _shard_order(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _shard_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """The epoch's shard order and where each of them starts in it."""
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             sizes = self.dataset.shard_sizes
             order = (torch.randperm(len(sizes), generator=self._generator(epoch)) if self.shuffle
-                     else torch.arange(len(sizes)))
-            starts = torch.cat([torch.zeros(1, dtype=torch.long), sizes[order].cumsum(0)])
+                     else torch.arange(len(sizes))).numpy()
+            starts = np.concatenate([[0], np.cumsum(sizes[order])])
             self._epoch_cache = (epoch, order, starts)
         return self._epoch_cache[1], self._epoch_cache[2]
 
-    def _window_perm(self, epoch: int, w: int) -> torch.Tensor:
+    def _window_perm(self, epoch: int, w: int) -> np.ndarray:
         key = (epoch, w)
         if key not in self._window_perms:
             size = min(self.window, self.n - w * self.window)
             g = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) * 1_000_033 + w + 1)
-            self._window_perms[key] = torch.randperm(size, generator=g)
+            self._window_perms[key] = torch.randperm(size, generator=g).numpy()
             if len(self._window_perms) > 8:
                 self._window_perms.popitem(last=False)
         return self._window_perms[key]
 
-    def epoch_ids(self, epoch: int, offsets: torch.Tensor) -> torch.Tensor:
+    def epoch_ids(self, epoch: int, offsets: np.ndarray) -> np.ndarray:
         order, starts = self._shard_order(epoch)
         if self.shuffle:
-            shuffled = offsets.clone()
+            shuffled = offsets.copy()
             windows = offsets // self.window
-            for w in windows.unique().tolist():
+            for w in np.unique(windows).tolist():
                 mask = windows == w
                 shuffled[mask] = w * self.window + self._window_perm(epoch, w)[offsets[mask] - w * self.window]
             offsets = shuffled
-        k = torch.searchsorted(starts, offsets, right=True) - 1
+        k = np.searchsorted(starts, offsets, side="right") - 1
         return self.dataset.shard_starts[order[k]] + (offsets - starts[k])
 
     def rank_indices(self, step: int, rank: int, world: int) -> torch.Tensor:
-        self.dataset.prefetch(self.shards_ahead(self.first_position(step)))
+        position = self.first_position(step)
+        windows = (position // self.window, (position + self.lookahead - 1) // self.window)
+        if windows != self._prefetched:  # the shards ahead change only where a window begins
+            self.dataset.prefetch(self.shards_ahead(position))
+            self._prefetched = windows
         return super().rank_indices(step, rank, world)
 
     def shards_ahead(self, position: int) -> list[int]:
@@ -160,8 +166,7 @@ class ShardSampler(GlobalBatchSampler):
             first = offset // self.window * self.window
             last = min(offset + (end - position), self.n)
             last = min(-(-last // self.window) * self.window, self.n)  # the window's end
-            k0 = int(torch.searchsorted(starts, torch.tensor(first), right=True)) - 1
-            k1 = int(torch.searchsorted(starts, torch.tensor(last - 1), right=True)) - 1
+            k0, k1 = np.searchsorted(starts, [first, last - 1], side="right") - 1
             out.update((int(s), None) for s in order[k0:k1 + 1])
             position += last - offset
         return list(out)
