@@ -8,6 +8,7 @@ environment (it imports nothing of paratrain):
 streams REMOTE into CACHE through a DataLoader for two passes, cold then warm, and prints their
 seconds as JSON. S3_ENDPOINT_URL and the AWS keys in the environment point it at the local server.
 """
+import importlib.machinery
 import json
 import sys
 import time
@@ -29,8 +30,9 @@ def stub_torchvision() -> None:
     functional.to_tensor = lambda x: x
     transforms.functional = functional
     tv.datasets, tv.transforms = datasets, transforms
-    sys.modules.update({"torchvision": tv, "torchvision.datasets": datasets, "torchvision.transforms": transforms,
-                        "torchvision.transforms.functional": functional})
+    for module in (tv, datasets, transforms, functional):  # find_spec() asks for a spec
+        module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
+        sys.modules[module.__name__] = module
 
 
 def main() -> None:
