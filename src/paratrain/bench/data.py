@@ -237,7 +237,7 @@ def markdown(r: dict, args) -> str:
         lines += ["", f"Warm: paratrain {warm['paratrain shards'] / warm['MosaicML Streaming']:.2f}x MosaicML Streaming."]
     lines += ["", f"A training step (gpt 2x128, vocabulary 4096, batch {args.batch}, block {min(args.block, 128)}), "
                   f"medians over {args.step_batches} alternating steps: reading its batch through the streamed loader "
-                  f"(warm) takes {r['load_s'] * 1e3:.2f} ms, {r['load_s'] / r['step_s_preloaded'] * 100:.1f} % of a "
+                  f"(warm) takes {r['load_s'] * 1e3:.2f} ms, {r['load_s'] / r['step_s_preloaded'] * 100:.2g} % of a "
                   f"step on a batch already in memory ({r['step_s_preloaded'] * 1e3:.1f} ms); the whole step with "
                   f"the loader: {r['step_s_streamed'] * 1e3:.1f} ms "
                   f"({(r['step_s_streamed'] / r['step_s_preloaded'] - 1) * 100:+.1f} %).", ""]
