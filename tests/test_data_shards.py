@@ -2,6 +2,7 @@
 global order at any world size, and exact resume from the data position every checkpoint records."""
 from __future__ import annotations
 
+import collections
 import functools
 import http.server
 import json
@@ -55,8 +56,9 @@ def s3():
 
 @pytest.fixture
 def http_server(prepared):
-    """A read-only HTTP server over the prepared folder whose first GET of each shard fails with 503."""
-    failed = set()
+    """A read-only HTTP server over the prepared folder whose first GET of each shard fails with
+    503; it counts the shards it served."""
+    failed, served = set(), collections.Counter()
 
     class Flaky(http.server.SimpleHTTPRequestHandler):
         def do_GET(self):
@@ -64,6 +66,7 @@ def http_server(prepared):
                 failed.add(self.path)
                 self.send_error(503)
                 return
+            served[self.path] += 1
             super().do_GET()
 
         def log_message(self, *args):
@@ -72,7 +75,7 @@ def http_server(prepared):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
                                              functools.partial(Flaky, directory=str(prepared / "local")))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", failed
+    yield f"http://127.0.0.1:{server.server_address[1]}", failed, served
     server.shutdown()
 
 
@@ -137,8 +140,8 @@ def test_order_is_global_seeded_and_resumes_at_the_recorded_position(prepared, t
                            sampler.global_indices(step))
 
 
-def test_http_streams_with_retries_and_a_bounded_cache(prepared, http_server, tmp_path):
-    url, failed = http_server
+def test_http_streams_with_retries_and_a_bounded_cache_that_ranks_share(prepared, http_server, tmp_path):
+    url, failed, served = http_server
     local = shards(str(prepared / "local"), cache_dir=str(tmp_path / "a"))
     shard_bytes = local.index.shards[0].bytes
     remote = shards(url, cache_dir=str(tmp_path / "b"), cache_limit_gb=2.5 * shard_bytes / 2**30)
@@ -148,6 +151,16 @@ def test_http_streams_with_retries_and_a_bounded_cache(prepared, http_server, tm
     cached = list(remote.cache.dir.iterdir())
     assert sum(p.stat().st_size for p in cached if p.suffix == ".safetensors") <= 2.5 * shard_bytes
     assert not [p for p in cached if p.name.endswith(".part")]
+
+    # Two ranks of one node, one cache: each shard is downloaded once, the other rank waits for it.
+    served.clear()
+    ranks = [shards(url, cache_dir=str(tmp_path / "shared")) for _ in range(2)]
+    threads = [threading.Thread(target=rank.load_batch, args=(every,)) for rank in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(n for path, n in served.items() if path.endswith(".safetensors")) == [1] * 4, served
 
 
 def gpt_job(tmp_path: Path, path: str, options: dict | None, shuffle: bool = True, cache: str = "cache") -> Path:
