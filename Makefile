@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench bench-data-peer clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,13 @@ test: setup         ## the whole suite (spawns real worker processes on free por
 
 bench: setup        ## paratrain dp vs torch DDP, side by side
 	$(VENV)/bin/paratrain bench dp
+
+bench-data-peer: .venv-mosaic/.installed  ## MosaicML Streaming, the peer of `paratrain bench data`, in a venv of its own
+
+.venv-mosaic/.installed:
+	$(PYTHON) -m venv .venv-mosaic
+	.venv-mosaic/bin/python -m pip install -q torch==2.13.0 mosaicml-streaming==0.13.0
+	touch $@
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

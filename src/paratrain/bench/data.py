@@ -166,9 +166,8 @@ def run(args) -> int:
 
     python = None if args.mosaic_venv == "none" else str(Path(args.mosaic_venv) / "bin" / "python")
     if python and not Path(python).exists():
-        print(f"paratrain: error: --mosaic-venv: no {python}: make it with `python3 -m venv {args.mosaic_venv} && "
-              f"{args.mosaic_venv}/bin/pip install torch==2.13.0 mosaicml-streaming==0.13.0`, or pass none",
-              file=sys.stderr)
+        print(f"paratrain: error: --mosaic-venv: no {python} (`make bench-data-peer` makes .venv-mosaic), "
+              "or pass none", file=sys.stderr)
         return 2
     sample_mb = (args.block + 1) * 2 / 2**20
     rows = []
