@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test bench bench-federated docs clean
+.PHONY: setup run test bench bench-federated bench-data-peer docs clean
 
 setup: $(VENV)/.installed
 
@@ -47,6 +47,13 @@ $(FLOWER_VENV)/.installed:
 
 bench-federated: setup $(FLOWER_VENV)/.installed  ## paratrain federated vs Flower's simulation, side by side
 	$(VENV)/bin/paratrain bench federated --flower-python $(FLOWER_VENV)/bin/python
+
+bench-data-peer: .venv-mosaic/.installed  ## MosaicML Streaming, the peer of `paratrain bench data`, in a venv of its own
+
+.venv-mosaic/.installed:
+	$(PYTHON) -m venv .venv-mosaic
+	.venv-mosaic/bin/python -m pip install -q torch==2.13.0 mosaicml-streaming==0.13.0
+	touch $@
 
 clean:
 	rm -rf $(VENV) $(FLOWER_VENV) runs .pytest_cache site

@@ -131,3 +131,11 @@ def outputs_of(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
     return outs
+
+
+def rel_error(a: dict, b: dict) -> float:
+    """Largest per-tensor relative error. The attention's key bias gets an exactly zero gradient
+    (softmax ignores a shift shared by all keys), so it holds only rounding noise of ~1e-12 that
+    differs with summation order: tensors that small are compared by absolute error instead."""
+    assert a.keys() == b.keys(), f"keys differ: {sorted(set(a) ^ set(b))}"
+    return max(((a[k].double() - b[k].double()).norm() / max(b[k].double().norm().item(), 1e-6)).item() for k in a)

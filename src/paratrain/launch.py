@@ -320,11 +320,12 @@ _STOP_CHATTER = ("Received %s death signal", "Closing process %s via signal %s")
 
 def _not_a_stop(record: logging.LogRecord) -> bool:
     """Keep the agent's logging of a stop out of the output: what it says as it passes a signal on,
-    and a worker that stopped on a signal reported as a failure with the agent's own traceback."""
+    and a worker that stopped on a signal, or on bad input it named in its one line (exit 2: a
+    corrupt data shard), reported as a failure with the agent's own traceback."""
     msg = str(record.msg)
     if msg.startswith(_STOP_CHATTER):
         return False
-    return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in STOPPED_EXITS)
+    return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in STOPPED_EXITS | {2})
 
 
 def blame(failures: dict) -> WorkerFailure:
