@@ -5,6 +5,9 @@ PARATRAIN_FAULTS holds `;`-separated faults, each `name@key=value,key=value`, e.
     exit_in_save@rank=0,step=8                           rank 0 dies mid-checkpoint
     ps_vanish@rank=3,step=10                             parameter-server rank 3 leaves (exit 0) at step 10
     ps_kill@rank=3,step=10                               parameter-server rank 3 SIGKILLs itself at step 10
+    fed_kill@rank=2,round=2                              federated worker rank 2 SIGKILLs itself mid-round
+    fed_stall@rank=2,round=1                             federated worker rank 2 stalls 1.5 round_timeout_s
+    fed_drop@client=4,round=0                            federated client 4 masks its update, then never sends it
 A fault fires when every key it names matches; unset (the normal case) costs one environment lookup.
 `paratrain` checks the value before any worker starts (exit 2 if malformed) and warns whenever it
 is set: a run with faults set fails on purpose.

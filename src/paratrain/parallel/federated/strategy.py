@@ -30,6 +30,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
 from ... import checkpoint as ckpt
-from ... import faults, guard
+from ... import faults
 from ...data import build_dataset
 from ...optim import set_lr
 from ..base import Strategy, unique_parameters
@@ -63,6 +64,10 @@ def _loss_bits(loss: float) -> int:
 
 def _bits_loss(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+class LostServer(RuntimeError):
+    """A worker's message to or from the server failed or timed out."""
 
 
 class Federated(Strategy):
@@ -97,6 +102,8 @@ class Federated(Strategy):
         self.loss_sums = torch.zeros(2, dtype=torch.float64)
         self.stats: dict = {}
         self.reported = False
+        self.cut_off = False  # a worker that lost the server (it dropped us, or it is gone)
+        self.dismissed: set[int] = set()  # server: workers dropped for silence, maybe still alive
 
     @property
     def evaluates(self) -> bool:
@@ -183,7 +190,13 @@ class Federated(Strategy):
         deadline = time.monotonic() + fed.round_timeout_s
         mine = {w: [c for c in sampled if owner_of(c, self.workers) == w] for w in self.workers}
         busy = [w for w in self.workers if mine[w] and w in self.live]
-        busy = [w for w in busy if self._exchange(dist.isend, self.global_flat, w, TAG_GLOBAL, deadline)]
+        message = torch.cat([torch.zeros(1), self.global_flat])  # [dismissed, weights]
+        dismissal = torch.cat([torch.ones(1), self.global_flat])
+        for w in self.workers:  # a dropped worker that is still alive learns it at its next round
+            if mine[w] and w in self.dismissed:
+                self.dismissed.discard(w)
+                self._exchange(dist.isend, dismissal, w, TAG_GLOBAL, deadline, quiet=True)
+        busy = [w for w in busy if self._exchange(dist.isend, message, w, TAG_GLOBAL, deadline)]
         pos = {c: i for i, c in enumerate(sampled)}
         pks = torch.zeros(n, dtype=torch.int64)
         if fed.secure_aggregation:
@@ -242,22 +255,39 @@ class Federated(Strategy):
                 self._drop(w, f"is gone: {first_line(exc)}")
         return [w for w, work in works.items() if self._wait(work, w, deadline, bufs[w], "up")]
 
-    def _exchange(self, op, buf: torch.Tensor, peer: int, tag: int, deadline: float) -> bool:
+    def _exchange(self, op, buf: torch.Tensor, peer: int, tag: int, deadline: float, quiet: bool = False) -> bool:
         try:
             work = op(buf, peer, tag=tag)
         except RuntimeError as exc:
-            self._drop(peer, f"is gone: {first_line(exc)}")
+            if not quiet:
+                self._drop(peer, f"is gone: {first_line(exc)}")
             return False
-        return self._wait(work, peer, deadline, buf, "down")
+        return self._wait(work, peer, deadline, buf, "down", quiet)
 
-    def _wait(self, work, peer: int, deadline: float, buf: torch.Tensor, direction: str) -> bool:
-        try:
-            with self.profiler.phase("comm"):
-                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except RuntimeError as exc:
-            why = ("did not answer within federated.round_timeout_s" if "Timed out" in str(exc)
-                   else f"is gone: {first_line(exc)}")
-            self._drop(peer, why)
+    def _wait(self, work, peer: int, deadline: float, buf: torch.Tensor, direction: str, quiet: bool = False) -> bool:
+        """Wait for a message until the round's deadline. The wait itself runs in a daemon thread:
+        a gloo wait that times out breaks the process's other connections too (the healthy
+        workers'), so the deadline is kept here, and a late message lands in a buffer nobody reads."""
+        done, error = threading.Event(), []
+
+        def waiter():
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                error.append(first_line(exc))
+            done.set()
+
+        threading.Thread(target=waiter, daemon=True).start()
+        with self.profiler.phase("comm"):
+            answered = done.wait(max(deadline - time.monotonic(), 0.001))
+        if quiet:
+            return answered and not error
+        if not answered:
+            self.dismissed.add(peer)
+            self._drop(peer, "did not answer within federated.round_timeout_s")
+            return False
+        if error:
+            self._drop(peer, f"is gone: {error[0]}")
             return False
         self.stats[f"bytes_{direction}"] += buf.numel() * buf.element_size()
         return True
@@ -271,13 +301,31 @@ class Federated(Strategy):
 
     # -- worker side ----------------------------------------------------------------------------
     def _work(self, sampled: list[int]) -> torch.Tensor:
+        """Serve this worker's clients of the round. A worker that loses the server (which drops
+        a worker past round_timeout_s, or has failed, which fails the run on its own) says so and
+        sits out the remaining rounds instead of failing the job."""
         mine = [c for c in sampled if owner_of(c, self.workers) == self.rt.rank]
-        if not mine:
+        if not mine or self.cut_off:
             return torch.zeros(())
+        try:
+            self._serve_clients(sampled, mine)
+        except LostServer as exc:
+            self.cut_off = True
+            print(f"federated: worker rank {self.rt.rank}: {exc}; it leaves the federation",
+                  file=sys.stderr, flush=True)
+        return torch.zeros(())
+
+    def _serve_clients(self, sampled: list[int], mine: list[int]) -> None:
         n, pos = len(sampled), {c: i for i, c in enumerate(sampled)}
         total = sum(len(self.parts[c]) for c in sampled)
         wait_s = self.fed.round_timeout_s + self.cfg.parallel.timeout_s  # the server may be evaluating
-        self._from_server(self.global_flat, TAG_GLOBAL, wait_s)
+        message = torch.empty(1 + self.global_flat.numel())
+        self._from_server(message, TAG_GLOBAL, wait_s)
+        if message[0]:
+            raise LostServer("the server dropped it: it missed federated.round_timeout_s in an earlier round")
+        self.global_flat.copy_(message[1:])
+        if faults.active("fed_stall", rank=self.rt.rank, round=self.round):  # tests: a straggler
+            time.sleep(1.5 * self.fed.round_timeout_s)
         keys = {}
         if self.fed.secure_aggregation:
             keys = {c: secagg.SecAggClient(pos[c]) for c in mine}
@@ -320,22 +368,20 @@ class Federated(Strategy):
                     for d, s in keys[c].reveal(dropped).items():
                         revealed[row, d] = s
             self._to_server(revealed, TAG_REVEAL)
-        return torch.zeros(())
 
     def _from_server(self, buf: torch.Tensor, tag: int, wait_s: float) -> None:
         try:
             with self.profiler.phase("comm"):
                 dist.irecv(buf, 0, tag=tag).wait(timedelta(seconds=wait_s))
         except RuntimeError as exc:
-            raise guard.FailsRun(f"federated: the server (rank 0) did not send round {self.round + 1}: "
-                                 f"{first_line(exc)}") from None
+            raise LostServer(f"no word from the server (rank 0) in round {self.round + 1}: {first_line(exc)}") from None
 
     def _to_server(self, buf: torch.Tensor, tag: int) -> None:
         try:
             with self.profiler.phase("comm"):
                 dist.isend(buf, 0, tag=tag).wait(timedelta(seconds=self.fed.round_timeout_s))
         except RuntimeError as exc:
-            raise guard.FailsRun(f"federated: the server (rank 0) is gone: {first_line(exc)}") from None
+            raise LostServer(f"the server (rank 0) took no message in round {self.round + 1}: {first_line(exc)}") from None
 
     # -- metrics, loss ----------------------------------------------------------------------------
     def step_metrics(self) -> dict:
