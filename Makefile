@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench docs clean
 
 setup: $(VENV)/.installed
 
@@ -26,5 +26,14 @@ test: setup         ## the whole suite (spawns real worker processes on free por
 bench: setup        ## paratrain dp vs torch DDP, side by side
 	$(VENV)/bin/paratrain bench dp
 
+# The site (mkdocs + mkdocs-material) from docs/ and benchmarks/results/; --strict turns every
+# warning (a broken link or anchor, a stale generated page) into a failure.
+docs: $(VENV)/.docs-installed   ## the docs site in site/ (the configuration reference regenerated first)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $@
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

@@ -132,7 +132,7 @@ def held(world: int, rank: int, cfg) -> dict:
     try:
         rt = Runtime(rank, world, rank, torch.device("cpu"), "gloo", 0)
         torch.manual_seed(cfg.train.seed)
-        on_meta = getattr(strategy_class(cfg.parallel.strategy), "materializes_builtin_models", False)
+        on_meta = getattr(strategy_class(cfg.parallel.strategy), "materializes_models", False)
         with torch.device("meta") if on_meta else torch.device("cpu"):
             model = build_model(cfg, build_dataset(cfg, "train"))
         s = build_strategy(model, build_loss(cfg), cfg, rt)

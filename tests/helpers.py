@@ -48,3 +48,12 @@ def metrics(run_dir: Path) -> list[dict]:
 def max_rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), f"keys differ: {sorted(set(a) ^ set(b))}"
     return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12)).item() for k in a)
+
+
+def complete_lines(path) -> list[str]:
+    """The complete lines of a file another process is appending to (none yet: no lines)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    return text.splitlines()[:-1] if not text.endswith("\n") else text.splitlines()

@@ -109,27 +109,53 @@ def test_powersgd_resume_equals_uninterrupted(tmp_path):
                          "--run-dir", str(tmp_path / f"other-{i}")))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(37, 11), (300, 2000), (3, 600_000)])
-def test_powersgd_blocked_reconstruction_equals_one_product(shape):
-    """P Q^T and the error are made a cache-sized block of rows at a time; the blocks must add up to
-    exactly the one-product result (rows that do not divide, a row wider than a block). The squared
-    norm it returns, taken from the factors (the clipping norm), is that of the result it wrote."""
-    import torch
-
+def test_powersgd_blocked_reconstruction_equals_one_product(shape, dtype):
+    """P Q^T and the error are made a cache-sized block of rows at a time, through a bf16 block
+    buffer or straight into the result in fp32; the blocks must add up to exactly the one-product
+    result (rows that do not divide, a row wider than a block). The squared norm it returns, taken
+    from the factors (the clipping norm), is that of the result it wrote."""
     from paratrain.parallel.compression import _PowerBucket
 
     torch.manual_seed(0)
     n, m = shape
     flat = torch.randn(n * m)
-    st = _PowerBucket(flat, [torch.Size(shape)], rank=2, seed=0)
-    block = torch.empty(max(1000, m), dtype=torch.bfloat16)  # several blocks even for small shapes
+    st = _PowerBucket(flat, [torch.Size(shape)], rank=2, seed=0, dtype=dtype)
+    # several blocks even for small shapes
+    block = torch.empty(max(1000, m), dtype=dtype) if st.copies_matrices else None
     M, out, Pt, Qt = st.views(flat)[0], st.views(st.out)[0], torch.randn(2, n), torch.randn(2, m)
     before = M.clone()
     squared_norm = st.reconstruct(M, out, Pt, Qt, block)
-    expected = (Pt.t().bfloat16() @ Qt.bfloat16()).float()
+    expected = (Pt.t().to(dtype) @ Qt.to(dtype)).float()
     assert torch.equal(out, expected)
     assert torch.equal(M, before - expected)
     assert squared_norm.sqrt().item() == pytest.approx(torch.linalg.vector_norm(out.double()).item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("native_bf16, device, expected", [
+    (False, "cpu", torch.float32),  # AVX2 only (e.g. AMD EPYC): bf16 products are emulated, ~24x slower
+    (True, "cpu", torch.bfloat16),  # AVX512-BF16 or AMX
+    (False, "cuda", torch.bfloat16)])
+def test_powersgd_computes_in_the_dtype_the_device_multiplies_fast(monkeypatch, native_bf16, device, expected):
+    """The codec's arithmetic follows the CPU's flags (faked here): on a CPU without bf16 instructions
+    no bf16 copy of the matrices is kept (and the planner counts none); what is sent stays fp32."""
+    from paratrain import config as config_mod
+    from paratrain.parallel import compression
+
+    monkeypatch.setattr(compression, "cpu_multiplies_bf16_natively", lambda: native_bf16)
+    assert compression.arithmetic_dtype(torch.device(device), torch.float32) == expected
+    if device == "cpu":
+        shapes = [torch.Size((64, 32)), torch.Size((32,))]
+        flat = torch.zeros(64 * 32 + 32)
+        codec = compression.PowerSGD(rank=2, warm_start=True)
+        st = codec._bucket(0, flat, shapes)
+        assert st.dtype == expected and st.copies_matrices == (expected != torch.float32)
+        assert st.first_round.dtype == st.q_flat.dtype == torch.float32  # the wire
+        p = config_mod.from_dict({"parallel": {"compression": "powersgd", "powersgd_rank": 2}}).parallel
+        kept = compression.kept_bytes(p, [shapes], torch.float32, torch.device("cpu"))
+        copies = 64 * 32 * 2 + compression.block_numel(st.matrices) * 2 if native_bf16 else 0
+        assert kept == (flat.numel() + 2 * (64 + 32) + 32) * 4 + copies  # result, P, Q, the bias; copies
 
 
 def _local_sum_worker(rank: int, port: int, world: int) -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, run_cli, write_config
+from helpers import CPU_ONLY, check_ok, complete_lines, final_weights, max_rel_error, run_cli, write_config
 from reference import DIGITS_MLP
 
 from paratrain import netns
@@ -65,7 +65,7 @@ def test_two_nodes_restart_after_a_killed_worker_and_resume(tmp_path):
                                      text=True, env={**hosts.env(node), **CPU_ONLY, "PYTHONUNBUFFERED": "1"}))
         try:
             deadline = time.monotonic() + 120
-            while not any(json.loads(line)["step"] >= 12 for line in _lines(run_dir / "metrics.jsonl")):
+            while not any(json.loads(line)["step"] >= 12 for line in complete_lines(run_dir / "metrics.jsonl")):
                 assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 12"
                 time.sleep(0.05)
             os.kill(next(iter(worker_pids(procs[1].pid).values())), signal.SIGKILL)
@@ -77,15 +77,6 @@ def test_two_nodes_restart_after_a_killed_worker_and_resume(tmp_path):
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
     assert "resumed from" in outs[0] and "at step 10 " in outs[0], outs[0]
-    steps = [json.loads(line)["step"] for line in _lines(run_dir / "metrics.jsonl")]
+    steps = [json.loads(line)["step"] for line in complete_lines(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, 31)), "every step is logged exactly once"
     assert max_rel_error(final_weights(run_dir), final_weights(tmp_path / "single")) <= 1e-4
-
-
-def _lines(path) -> list[str]:
-    """The complete lines of a file another process is appending to (none yet: no lines)."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    return text.splitlines()[:-1] if not text.endswith("\n") else text.splitlines()

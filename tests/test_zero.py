@@ -3,6 +3,7 @@ import shutil
 
 import pytest
 import torch
+from torch import nn
 
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
@@ -10,7 +11,7 @@ from reference import DIGITS_MLP, digits_mlp_reference
 from paratrain.cli import main
 from paratrain.models.cnn import cnn
 from paratrain.models.gpt import gpt
-from paratrain.models.materialize import materialize
+from paratrain.models.materialize import materialize, record_on_meta
 from paratrain.models.mlp import mlp
 
 EQUIV = DIGITS_MLP + """
@@ -20,8 +21,9 @@ bucket_mb = 0.002   # a few KB: several units even for this small model
 """
 
 # World 3 also exercises AdamW, global-norm clipping across shards and gradient accumulation.
-# zero3 at world 2 takes the model from a user factory (built normally, then sharded) instead of the
-# built-in one (built on the meta device and materialised shard by shard).
+# zero3 at world 2 takes the model from a user factory (its construction recorded on the meta device
+# and replayed a tensor at a time) instead of the built-in one (built on the meta device and its
+# initialisation replayed shard by shard).
 USER_MODEL = ["--set", "model.factory='paratrain.models.mlp:mlp'", "--set", "model.in_features=64",
               "--set", "model.out_features=10"]
 WORLD3 = ["--set", "train.optimizer='adamw'", "--set", "train.lr=0.01", "--set", "train.clip_grad_norm=0.5",
@@ -119,6 +121,87 @@ def test_meta_materialisation_equals_a_normal_build():
         by_name = dict(zip(names, (got[id(p)] for p in meta.parameters())))
         assert all(torch.equal(by_name[n], normal.state_dict()[n]) for n in names), build
         assert len(expected) == len(got)
+
+
+BUILT: list[nn.Module] = []  # the layers of user_factory's latest build, as it makes them
+
+
+def user_factory() -> nn.Module:
+    """A user's model with initialisation of its own: re-drawn weights, a random buffer, a
+    parameter copied from another, a numpy draw."""
+    import numpy as np
+
+    BUILT.clear()
+    layers = []
+    for width in (48, 64, 64, 32):
+        layers += [nn.Linear(layers[-2].out_features if layers else 40, width), nn.Tanh()]
+        BUILT.append(layers[-2])
+    model = nn.Sequential(*layers)
+    nn.init.xavier_normal_(model[2].weight)
+    model.register_buffer("scale", torch.randn(5) * float(np.random.rand()))
+    with torch.no_grad():
+        model[4].bias.copy_(model[2].bias)
+    return model
+
+
+def _real_bytes_held() -> int:
+    return sum(p.untyped_storage().nbytes() for layer in BUILT for p in layer.parameters() if not p.is_meta)
+
+
+def test_user_factory_replay_equals_a_normal_build_a_tensor_at_a_time():
+    """zero materialises a user's model from its recorded meta-device construction: the values are
+    those of a normal build from the same random state (torch, random, numpy), the random streams
+    go on as after a normal build, and no more than one layer is ever whole at once."""
+    import random
+
+    import numpy as np
+
+    def seed():
+        torch.manual_seed(3), random.seed(3), np.random.seed(3)
+
+    seed()
+    normal = user_factory()
+    after_normal = (torch.rand(1), random.random(), np.random.rand())
+    seed()
+    meta = record_on_meta(user_factory)
+    assert all(t.is_meta for t in meta.state_dict().values())
+    torch.manual_seed(99)  # the replay starts from the recorded state, whatever the state is now
+    names = {id(t): n for n, t in [*meta.named_parameters(), *meta.named_buffers()]}
+    got, held = {}, []
+
+    def keep(meta_tensor, value):
+        got[names[id(meta_tensor)]] = value
+        held.append(_real_bytes_held())
+
+    materialize(meta, 0, keep)
+    assert got.keys() == normal.state_dict().keys()
+    assert all(torch.equal(got[k], v) for k, v in normal.state_dict().items())
+    drawn = torch.rand(1)  # the caller's stream goes on untouched
+    torch.manual_seed(99)
+    assert torch.equal(drawn, torch.rand(1))
+    largest = max(p.untyped_storage().nbytes() for p in normal.parameters())
+    assert max(held) <= largest + 64 * 4, f"replay held {max(held)} bytes of parameters at once"
+    seed()
+    user_factory()
+    assert (torch.rand(1), random.random(), np.random.rand()) == after_normal
+
+
+def test_user_factory_that_branches_on_the_device_still_equals_a_normal_build():
+    """Construction that differs on the meta device (torch's orthogonal_ does nothing there) makes
+    the replay run other ops than the recording: it falls back to a normal build, values unchanged."""
+    def factory():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        nn.init.orthogonal_(model[0].weight)
+        return model
+
+    torch.manual_seed(5)
+    normal = factory()
+    torch.manual_seed(5)
+    meta = record_on_meta(factory)
+    names = {id(t): n for n, t in meta.named_parameters()}
+    got = {}
+    materialize(meta, 0, lambda m, v: got.__setitem__(names[id(m)], v.clone()))
+    assert all(torch.equal(got[k], v) for k, v in normal.state_dict().items())
 
 
 RESUME = """

@@ -147,6 +147,30 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
                   f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}", flush=True)
 
 
+_RUN_DIR_LOCKS: list[int] = []  # held until the run ends
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Take RUN_DIR/.lock until the run ends; ConfigError if another run holds it.
+
+    Two runs in one folder each put the other's checkpoints aside, prune them and write one
+    metrics file. The lock is the kernel's (flock): it goes with the process, also when it is killed."""
+    import fcntl
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError("--run-dir", f"{run_dir} is in use by another paratrain run (it holds {run_dir / '.lock'}); "
+                                       f"wait for it, or give this run another name or --run-dir") from None
+    _RUN_DIR_LOCKS.append(fd)
+
+
 def new_aside_dir(run_dir: Path, what: str = "checkpoints") -> Path:
     """WHAT.prev-TIME, a name not taken yet (two runs may put checkpoints aside in one second)."""
     stamp = int(time.time())
@@ -235,15 +259,51 @@ def check_launch(args) -> None:
         raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
 
 
+def check_faults() -> None:
+    """PARATRAIN_FAULTS, which makes ranks fail on purpose (tests, benchmarks): malformed, it
+    failed at the first collective in every worker; well-formed, it must never pass unnoticed."""
+    from . import faults
+
+    text = os.environ.get(faults.ENV)
+    if not text:
+        return
+    try:
+        faults.parse(text)
+    except ValueError as exc:
+        raise ConfigError(faults.ENV, str(exc)) from None
+    print(f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose",
+          file=sys.stderr, flush=True)
+
+
 def cmd_run(args) -> int:
+    try:
+        return train(args)
+    finally:  # an in-process caller (tests) may start another run in the same folder next
+        while _RUN_DIR_LOCKS:
+            os.close(_RUN_DIR_LOCKS.pop())
+
+
+def train(args) -> int:
+    from .engines import place_from_environment
+    from .jobs.preflight import check_nodes, node_facts
     from .launch import STOPPED_EXITS, Interrupted, WorkerFailure, launch, start_worker_server
 
     try:
+        check_faults()
+        engine = place_from_environment(args, os.environ)
         check_launch(args)
         cfg = load_config(args)
+        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if args.node_rank == 0:  # the other nodes of this run share the folder
+            lock_run_dir(run_dir)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc, device_note = place(cfg, args)
-        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if engine is not None:
+            print(f"paratrain: {engine.describe(nproc)}", file=sys.stderr, flush=True)
+        if args.nnodes > 1:  # every node the same software and config, before anyone waits on a collective
+            print(f"paratrain: node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}",
+                  file=sys.stderr, flush=True)
+            check_nodes(args.rdzv, args.nnodes, args.node_rank, node_facts(nproc, config_mod.to_toml(cfg)))
         resume_step = check_resume(args.resume, cfg, run_dir)
         prepare_run_dir(run_dir, cfg, args.resume, args.node_rank,
                         resume_step if args.resume not in ("none", "auto") else None)
@@ -251,9 +311,6 @@ def cmd_run(args) -> int:
         return _error(str(exc), 2)
     if device_note:  # after the checks, so that a bad config still gets its one line
         print(f"paratrain: {device_note}", file=sys.stderr)
-    if args.nnodes > 1:  # the rendezvous waits for every node, silently
-        print(f"paratrain: node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}",
-              file=sys.stderr, flush=True)
     worker_args = [str(run_dir / "config.toml"), "--run-dir", str(run_dir),
                    "--resume", str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume]
     try:
@@ -261,6 +318,8 @@ def cmd_run(args) -> int:
 
         launch(forked_worker, worker_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                rdzv=args.rdzv, max_restarts=args.max_restarts, run_id=cfg.name)
+    except ConfigError as exc:  # the rendezvous address cannot be used
+        return _error(str(exc), 2)
     except Interrupted as exc:
         return _error(f"stopped by {exc}; the workers were stopped. {newest_checkpoint_note(run_dir)}",
                       128 + exc.signum)
@@ -335,7 +394,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train: one TOML file picks model, data and parallel strategy")
     add_job_options(r)
-    r.add_argument("--node-rank", type=int, default=0)
+    # Unset, these three come from a cluster engine's environment (paratrain.engines), else 1, 0, none.
+    r.set_defaults(nnodes=None)
+    r.add_argument("--node-rank", type=int, default=None)
     r.add_argument("--rdzv", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (multi-node)")
     r.add_argument("--max-restarts", type=int, default=0)
     r.add_argument("--run-dir", default=None, help="default: runs/NAME")
@@ -360,6 +421,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None, help="where to write (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
 
+    from .jobs import add_job_parser
+
+    add_job_parser(sub)
     if with_benchmarks:  # the benchmark modules import torch: only when they may be asked for
         from .bench import add_bench_parser
 
@@ -369,10 +433,10 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"])).parse_args(argv)
+    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"], ["job"])).parse_args(argv)
     if getattr(args, "nproc", 1) is not None and getattr(args, "nproc", 1) < 1:
         return _error("--nproc: must be >= 1", 2)
-    if getattr(args, "nnodes", 1) < 1:
+    if getattr(args, "nnodes", None) is not None and args.nnodes < 1:
         return _error("--nnodes: must be >= 1", 2)
     return args.func(args)
 
@@ -384,7 +448,18 @@ def console_main() -> None:
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
+    remove_multiprocessing_tempdir()
     os._exit(code or 0)
+
+
+def remove_multiprocessing_tempdir() -> None:
+    """Remove the folder multiprocessing made for this process (/tmp/pymp-*, where the worker
+    server's socket lives): its exit handler, which would, does not run past os._exit."""
+    import multiprocessing
+
+    tempdir = multiprocessing.current_process()._config.get("tempdir")
+    if tempdir:
+        shutil.rmtree(tempdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

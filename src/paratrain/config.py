@@ -1,7 +1,9 @@
 """TOML -> validated, typed config.
 
-Every key of DESIGN.md section 1 lives here with its type and default. Errors are `ConfigError`s
-that name the dotted key, so the CLI can print one line and exit 2 before any worker starts.
+Every key of the user contract lives here with its type, default and `doc=` string;
+docs/gen_config_ref.py turns them into the configuration reference (docs/configuration.md), so a
+key documented here is documented there. Errors are `ConfigError`s that name the dotted key, so the
+CLI can print one line and exit 2 before any worker starts.
 """
 from __future__ import annotations
 
@@ -52,88 +54,119 @@ def opt(default, choices: tuple | None = None, check=None, doc: str = ""):
 
 
 def _positive(v):
+    """Must be > 0."""
     return None if v > 0 else "must be > 0"
 
 
 def _non_negative(v):
+    """Must be >= 0."""
     return None if v >= 0 else "must be >= 0"
 
 
 def _ratio(v):
+    """Must be in (0, 1]."""
     return None if 0 < v <= 1 else "must be in (0, 1]"
 
 
 def _at_least_one(v):
+    """Must be >= 1."""
     return None if v >= 1 else "must be >= 1"
 
 
 def _factory_name(v):
+    """Must not be empty."""
     return None if v else "must not be empty"
+
+
+def _seed(v):
+    # torch takes seeds below 2**64, and the workers add their rank and the epoch to it
+    return None if 0 <= v < 2**63 else "must be in [0, 2**63)"
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
+def _timeout(v):
+    # a week: longer is no timeout at all, and overflows the C timeouts of torch, gloo and select()
+    return None if 0 < v <= MAX_TIMEOUT_S else f"must be in (0, {MAX_TIMEOUT_S}] seconds (a week)"
 
 
 @dataclass
 class ModelConfig:
+    """The model: a built-in factory or your own `module:function` returning an `nn.Module`."""
     factory: str = opt("gpt", check=_factory_name, doc="mlp | cnn | gpt | module:function")
     kwargs: dict = opt({}, doc="every other key of [model], passed to the factory")
 
 
 @dataclass
 class DataConfig:
+    """The dataset: a built-in factory or your own `module:function` returning a map-style Dataset
+    whose items are (input, target)."""
     factory: str = opt("corpus", check=_factory_name, doc="digits | corpus | synthetic | module:function")
     batch_size: int = opt(64, check=_positive, doc="global samples per optimizer step")
-    shuffle: bool = opt(True)
+    shuffle: bool = opt(True, doc="a seeded permutation per epoch (seed and epoch only, never the world "
+                                  "size); false: step i reads samples (i*B + j) mod len(dataset)")
     kwargs: dict = opt({}, doc="every other key of [data], passed to the factory")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = opt(200, check=_non_negative)
-    optimizer: str = opt("adamw", choices=("sgd", "adamw"))
-    lr: float = opt(1e-3, check=_non_negative)
-    lr_schedule: str = opt("constant", choices=("constant", "cosine"))
-    warmup_steps: int = opt(0, check=_non_negative)
-    momentum: float = opt(0.0, check=_non_negative)
-    weight_decay: float = opt(0.0, check=_non_negative)
+    """The training loop: steps, optimizer, schedule, precision, device, logging."""
+    steps: int = opt(200, check=_non_negative, doc="optimizer steps of the whole run")
+    optimizer: str = opt("adamw", choices=("sgd", "adamw"), doc="torch's fused implementation where it applies")
+    lr: float = opt(1e-3, check=_non_negative, doc="peak learning rate")
+    lr_schedule: str = opt("constant", choices=("constant", "cosine"),
+                           doc="cosine: from lr down to 0 at the last step, after the warm-up")
+    warmup_steps: int = opt(0, check=_non_negative, doc="steps of linear learning-rate warm-up, under either schedule")
+    momentum: float = opt(0.0, check=_non_negative, doc="sgd only")
+    weight_decay: float = opt(0.0, check=_non_negative, doc="sgd and adamw")
     loss: str = opt("cross_entropy", check=_factory_name, doc="cross_entropy | mse | module:function")
-    grad_accum: int = opt(1, check=_positive)
-    clip_grad_norm: float = opt(0.0, check=_non_negative)
-    precision: str = opt("fp32", choices=("fp32", "bf16"))
-    seed: int = opt(0)
-    log_every: int = opt(10, check=_positive)
+    grad_accum: int = opt(1, check=_positive, doc="micro-batches per optimizer step; the global batch stays data.batch_size")
+    clip_grad_norm: float = opt(0.0, check=_non_negative, doc="clip the global gradient norm to this; 0 = off")
+    precision: str = opt("fp32", choices=("fp32", "bf16"), doc="bf16: autocast of forward and loss")
+    seed: int = opt(0, check=_seed)
+    log_every: int = opt(10, check=_positive, doc="steps between metrics lines (and the profiler's gather)")
     eval_every: int = opt(0, check=_non_negative, doc="0 = only after the last step")
-    device: str = opt("auto", choices=("auto", "cpu", "cuda"))
+    device: str = opt("auto", choices=("auto", "cpu", "cuda"),
+                      doc="auto: CUDA with NCCL when every process of the node has a GPU, else CPU with gloo")
     torch_profiler: bool = opt(False, doc="also record torch.profiler traces of a few steps")
     max_bad_steps: int = opt(5, check=_non_negative, doc="consecutive non-finite steps skipped before the run stops")
 
 
 @dataclass
 class ParallelConfig:
+    """How the work is split over the processes: the strategy, its degrees and its communication."""
     strategy: str = opt("dp", choices=("dp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "ps"))
-    tp: int = opt(1, check=_positive)
-    pp: int = opt(1, check=_positive)
-    microbatches: int = opt(4, check=_positive)
-    schedule: str = opt("1f1b", choices=("gpipe", "1f1b", "interleaved"))
+    tp: int = opt(1, check=_positive, doc="tensor-parallel degree (tp, hybrid)")
+    pp: int = opt(1, check=_positive, doc="pipeline stages (pp, hybrid)")
+    microbatches: int = opt(4, check=_positive, doc="pipeline microbatches per replica batch")
+    schedule: str = opt("1f1b", choices=("gpipe", "1f1b", "interleaved"), doc="pipeline schedule")
     virtual_stages: int = opt(2, check=_positive, doc="model chunks per pipeline rank (interleaved only)")
     balance: str = opt("time", choices=("time", "params"), doc="pipeline cut: measured layer time or parameters")
     tp_plan: dict = opt({}, doc="module name -> colwise | rowwise (tensor parallelism of user models)")
-    bucket_mb: float = opt(25.0, check=_positive)
-    compression: str = opt("none", choices=("none", "bf16", "fp16", "topk", "powersgd"))
+    bucket_mb: float = opt(25.0, check=_positive, doc="gradient bucket size (dp, zero1/2 buckets, zero3 units)")
+    compression: str = opt("none", choices=("none", "bf16", "fp16", "topk", "powersgd"),
+                           doc="gradient averaging: dp takes all, zero1-3 none, bf16 or fp16, the rest none")
     topk_ratio: float = opt(0.01, check=_ratio, doc="topk: share of each bucket's entries sent")
     powersgd_rank: int = opt(4, check=_at_least_one, doc="powersgd: rank of the low-rank factors")
     powersgd_warm_start: bool = opt(True, doc="powersgd: start each step from the last step's Q")
-    timeout_s: float = opt(300.0, check=_positive, doc="collective timeout")
+    timeout_s: float = opt(300.0, check=_timeout, doc="collective timeout")
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = opt(0, check=_non_negative)
-    keep: int = opt(3, check=_positive)
+    """Resumable checkpoints in RUN_DIR/checkpoints/step-N; the final export is always written."""
+    every: int = opt(0, check=_non_negative, doc="steps between checkpoints; 0 = final export only")
+    keep: int = opt(3, check=_positive, doc="newest checkpoints kept; older ones are deleted")
 
 
 @dataclass
 class PSConfig:
-    servers: int = opt(1, check=_positive)
-    mode: str = opt("sync", choices=("sync", "async", "ssp"))
+    """Parameter servers (strategy = "ps")."""
+    servers: int = opt(1, check=_positive, doc="the first `servers` ranks serve parameters, the rest are workers")
+    mode: str = opt("sync", choices=("sync", "async", "ssp"),
+                    doc="sync: one averaged step per global batch; async: every push applied at once; "
+                        "ssp: async within ps.staleness steps")
     staleness: int = opt(4, check=_non_negative, doc="ssp: how many steps a worker may run ahead of the slowest")
     straggler_rank: int = opt(-1, check=lambda v: None if v >= -1 else "must be a worker rank or -1 (none)",
                               doc="experiments: the worker rank slowed down by straggler_factor; -1 = none")
@@ -145,6 +178,7 @@ class PSConfig:
 
 @dataclass
 class LogConfig:
+    """Extra outputs of a run besides metrics.jsonl, profile.jsonl and trace.json."""
     tensorboard: bool = opt(False, doc="also write TensorBoard event files to RUN_DIR/tensorboard")
 
 
@@ -220,6 +254,9 @@ def from_dict(raw: dict) -> Config:
         if key == "name":
             if not isinstance(value, str) or not value:
                 raise ConfigError("name", f"expected a non-empty string, got {value!r}")
+            if value in (".", "..") or any(c in value for c in "/\\\0"):
+                # runs/NAME is the run directory: a path there could reach any folder
+                raise ConfigError("name", f"{value!r} must be a plain name, without '/', '\\' or '..'")
             kwargs["name"] = value
         elif key in sections:
             kwargs[key] = _build_section(key, sections[key].default_factory, value)

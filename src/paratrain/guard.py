@@ -16,14 +16,13 @@ like a worker that merely died.
 """
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
 import signal
 import subprocess
 import sys
 
 GUARDED = "PARATRAIN_GUARDED"  # set in the child: run the trainer itself, not another guard
-PR_SET_PDEATHSIG = 1
 FAILS_RUN_EXIT = 3  # the child's exit code for FailsRun
 
 
@@ -36,18 +35,12 @@ def is_guarded_child() -> bool:
     return os.environ.get(GUARDED) == "1"
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the guard goes (Linux; elsewhere a no-op)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
 def run_guarded(argv: list[str], what: str) -> int:
     """Run `python -m paratrain.trainer argv` as a child; a death of it is reported, not propagated."""
-    child = subprocess.Popen([sys.executable, "-m", "paratrain.trainer", *argv],
-                             env={**os.environ, GUARDED: "1"}, preexec_fn=_die_with_parent)
+    from .launch import die_with_parent
+
+    child = subprocess.Popen([sys.executable, "-m", "paratrain.trainer", *argv], env={**os.environ, GUARDED: "1"},
+                             preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
 
     def forward(signum, _frame):  # the agent stopping this rank stops the worker first
         child.send_signal(signum)

@@ -1,7 +1,7 @@
 """Start the workers through PyTorch's elastic agent (the engine behind torchrun).
 
-Local runs pick a free port and keep the c10d rendezvous on loopback; multi-node runs meet at
---rdzv HOST:PORT, where node 0 hosts the rendezvous store. With --max-restarts K the agent
+Local runs keep every socket on loopback; multi-node runs meet at --rdzv HOST:PORT, where node 0
+hosts the rendezvous store, and listen on that network alone (docs/security.md). With --max-restarts K the agent
 restarts the whole worker group after a failure, and the workers resume by themselves.
 
 Workers of a training run are forked from a worker server (multiprocessing's forkserver) that
@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,13 +64,33 @@ def _forkserver_available() -> bool:
 def start_worker_server() -> None:
     """Start the worker server now, in the background, so its imports overlap the caller's work.
 
-    Idempotent: one server per process, reused by every later launch (and restart) of it."""
+    Idempotent: one server per process, reused by every later launch (and restart) of it. Call it
+    from the main thread: the server and its workers die with the thread that started it."""
     if not _forkserver_available():
         return
     from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the server dies with this process (worker_server.py)
     forkserver.ensure_running()
+
+
+LAUNCHER_PID = "PARATRAIN_LAUNCHER_PID"
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(signum: int, parent: int) -> None:
+    """Have the kernel send this process `signum` when its parent, `parent`, dies (Linux; elsewhere
+    a no-op), and leave at once if it has died already (this process was then handed to init).
+
+    The kernel sends it when the *thread* that forked this process ends: a parent must start such a
+    child from a thread that lives as long as the parent does (the main thread)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(128 + signum)
 
 
 def prepare_forked_worker(name: str) -> None:
@@ -112,8 +133,10 @@ def _register_rendezvous() -> None:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry  # noqa: F401  registers "c10d"
     from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    from .runtime import round_key
+    from .runtime import round_key, store_server
 
     class RoundPublishing(RendezvousHandler):
         def __init__(self, inner: RendezvousHandler):
@@ -156,12 +179,67 @@ def _register_rendezvous() -> None:
     def create(params: RendezvousParameters) -> RendezvousHandler:
         c10d = RendezvousParameters("c10d", params.endpoint, params.run_id, params.min_nodes, params.max_nodes,
                                     params.local_addr, **params.config)
-        return RoundPublishing(rendezvous_handler_registry.create_handler(c10d))
+        listener = _RDZV_LISTENERS.pop(params.endpoint, None)
+        if listener is None:  # another node hosts the rendezvous: this one connects to it
+            inner = rendezvous_handler_registry.create_handler(c10d)
+        else:  # torch's c10d backend would make this store itself, listening on every interface
+            store = store_server(listener, timedelta(seconds=c10d.get_as_int("read_timeout", 60)))
+            inner = create_handler(store, C10dRendezvousBackend(store, params.run_id), c10d)
+        _bind_workers_store(inner)
+        return RoundPublishing(inner)
 
     try:
         rendezvous_handler_registry.register(RDZV_BACKEND, create)
     except ValueError:  # registered already, by an earlier launch in this process
         pass
+
+
+# Which interface gloo and NCCL (its bootstrap) listen on; unset, each picks one by itself.
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+# The listening socket of the rendezvous store this process hosts, by endpoint: bound by launch()
+# before the agent starts, taken over by the store when the agent creates the rendezvous.
+_RDZV_LISTENERS: dict[str, socket.socket] = {}
+
+
+def _bind_workers_store(handler) -> None:
+    """Make the store that the agent of the rendezvous's rank 0 hosts for the workers (MASTER_ADDR:
+    MASTER_PORT) listen on this node's rendezvous address alone, as the rendezvous store does.
+
+    torch's handler creates that store in one method, listening on every interface; no option
+    reaches it. Where a torch release renames the method, refuse to run rather than expose the store."""
+    from .runtime import listen_on, store_server
+
+    if not callable(getattr(handler, "_create_tcp_store_server", None)):
+        raise RuntimeError(f"{type(handler).__name__} has no _create_tcp_store_server: this torch release "
+                           f"cannot be made to bind the workers' store to one address")
+    handler._create_tcp_store_server = lambda addr, port: store_server(listen_on(addr, port))
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This node's address on the route to host:port (the rendezvous), by the kernel's routing table.
+    A UDP connect sends nothing."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
+def _interface_of(address: str) -> str | None:
+    """The name of the network interface that holds the IPv4 `address`, None if none does."""
+    import fcntl
+    import struct
+
+    SIOCGIFADDR = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
 
 
 def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,
@@ -174,7 +252,8 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .runtime import free_port
+    from .config import ConfigError
+    from .runtime import listen_on
 
     _register_rendezvous()
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
@@ -183,16 +262,33 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
     # Each worker gets an equal share of the cores (torchrun does the same), so N processes
     # on N cores do not each spawn N compute threads and thrash.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    local = rdzv is None
+    # Every socket of the run listens on one address (docs/security.md): loopback for a local run;
+    # for a multi-node run, this node's address towards --rdzv, where the other nodes reach it.
+    # The rendezvous store's socket is bound now and held, so no other process can take its port.
+    if rdzv is None:
+        listener = listen_on("127.0.0.1")
+        endpoint, local_addr = f"127.0.0.1:{listener.getsockname()[1]}", "127.0.0.1"
+        os.environ.update({var: "lo" for var in SOCKET_IFNAME_VARS})
+    else:
+        endpoint, (host, port) = rdzv, rdzv.rsplit(":", 1)
+        try:
+            local_addr = _address_towards(host, int(port))
+            listener = listen_on(host, int(port)) if node_rank == 0 else None
+        except OSError as exc:
+            raise ConfigError("--rdzv", f"cannot {'listen on' if node_rank == 0 else 'reach'} {rdzv}: "
+                                        f"{exc.strerror or exc}") from None
+        if iface := _interface_of(local_addr):
+            for var in SOCKET_IFNAME_VARS:
+                os.environ.setdefault(var, iface)
+    if listener is not None:
+        _RDZV_LISTENERS[endpoint] = listener
     config = LaunchConfig(
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
-        rdzv_backend=RDZV_BACKEND, rdzv_endpoint=rdzv or f"127.0.0.1:{free_port()}",
-        rdzv_configs={"is_host": node_rank == 0} if not local else {},
+        rdzv_backend=RDZV_BACKEND, rdzv_endpoint=endpoint,
+        rdzv_configs={"is_host": node_rank == 0} if rdzv is not None else {},
         max_restarts=max_restarts, monitor_interval=0.1,
         start_method="forkserver" if callable(target) and _forkserver_available() else "spawn",
-        # Where the other nodes reach this one. Node 0 hosts the rendezvous at --rdzv, so that
-        # address is reachable by construction; a hostname lookup may give one that is not.
-        local_addr="127.0.0.1" if local else (rdzv.rsplit(":", 1)[0] if node_rank == 0 else None),
+        local_addr=local_addr,
     )
     try:
         if callable(target):
@@ -206,6 +302,9 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
         raise Interrupted(signal.SIGINT) from None
     except ChildFailedError as exc:
         raise blame(exc.failures) from None
+    finally:  # not taken over where the agent failed before its rendezvous
+        if (unused := _RDZV_LISTENERS.pop(endpoint, None)) is not None:
+            unused.close()
 
 
 # A worker's exit code when it stopped on a signal it was sent (trainer.run_worker), not by failing.

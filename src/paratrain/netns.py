@@ -9,13 +9,23 @@ says why not otherwise. Everything is torn down on exit, also after an error.
     with TwoHosts(rate="1gbit") as hosts:
         p0 = hosts.popen(0, [sys.executable, "-m", "paratrain.cli", "run", ...], env=hosts.env(0))
         print(hosts.addr(0))   # 10.77.0.1
+
+With `aliases`, each namespace gets a hosts file (/etc/netns/NAME/hosts, which `ip netns exec`
+puts over /etc/hosts): host i's aliases resolve to its address in both, and this machine's host
+name to the namespace's own address, as a real node's name does (gloo and c10d find a node's
+address by its host name).
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import uuid
+from pathlib import Path
+
+NETNS_ETC = Path("/etc/netns")
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -37,12 +47,14 @@ def available() -> tuple[bool, str]:
 
 
 class TwoHosts:
-    def __init__(self, rate: str | None = None, subnet: str = "10.77.0"):
+    def __init__(self, rate: str | None = None, subnet: str = "10.77.0",
+                 aliases: tuple[tuple[str, ...], tuple[str, ...]] | None = None):
         tag = uuid.uuid4().hex[:6]
         self.names = [f"pt{tag}a", f"pt{tag}b"]
         self.ifaces = [f"vpt{tag}a", f"vpt{tag}b"]  # interface names must stay under 16 characters
         self.addrs = [f"{subnet}.1", f"{subnet}.2"]
         self.rate = rate
+        self.aliases = aliases
 
     def __enter__(self) -> "TwoHosts":
         try:
@@ -57,14 +69,29 @@ class TwoHosts:
                 if self.rate:
                     self.run(self.names.index(ns), ["tc", "qdisc", "add", "dev", iface, "root", "tbf",
                                                     "rate", self.rate, "burst", "256kb", "latency", "50ms"])
+            if self.aliases:
+                self._write_hosts_files()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
+    def _write_hosts_files(self) -> None:
+        for host, ns in enumerate(self.names):
+            lines = ["127.0.0.1 localhost", f"{self.addrs[host]} {socket.gethostname()}"]
+            lines += [f"{addr} {' '.join(names)}" for addr, names in zip(self.addrs, self.aliases) if names]
+            (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / ns / "hosts").write_text("\n".join(lines) + "\n")
+
     def __exit__(self, *exc) -> None:
-        for ns in self.names:  # deleting a namespace deletes the veth end inside it
-            _ip("netns", "del", ns, check=False)
+        for ns in self.names:
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():  # what still runs in it
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", ns, check=False)  # deleting a namespace deletes the veth end inside it
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
 
     def addr(self, host: int) -> str:
         return self.addrs[host]

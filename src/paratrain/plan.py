@@ -136,7 +136,8 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
         return
     p = cfg.parallel
     buckets = make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta"))
-    r.codec_bytes += kept_bytes(p, [b.shapes for b in buckets], params[0].element_size())
+    r.codec_bytes += kept_bytes(p, [b.shapes for b in buckets], params[0].dtype,
+                                torch.device("cuda" if cfg.train.device == "cuda" else "cpu"))
     for b in buckets:
         size = b.params[0].element_size()
         if p.compression == "topk":

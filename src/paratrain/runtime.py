@@ -114,12 +114,15 @@ def init(device_kind: str = "auto", timeout_s: float = 300.0) -> Runtime:
 
 def _store(rank: int, world: int, timeout_s: float) -> dist.TCPStore:
     """The store the workers meet in (the elastic agent's, when it hosts one)."""
+    listener = None
     if "MASTER_ADDR" not in os.environ:  # a lone process started by hand
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         is_master=rank == 0 and not agent_hosts_store, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+        listener = listen_on("127.0.0.1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(listener.getsockname()[1]))
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store_server(listener or listen_on(addr, port), timeout, world_size=world)
+    return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
 
 
 def round_key(group_rank: int) -> str:
@@ -143,11 +146,41 @@ def _rendezvous_round(store: dist.TCPStore, restart_count: int) -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for tests that hand one to processes they spawn; a launch holds its
+    sockets open instead (listen_on), since another process may take this port before it is used."""
     import socket
 
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def listen_on(host: str, port: int = 0):
+    """A TCP socket listening on `host`'s address alone, on `port` (0: one the kernel picks), for a
+    store_server to take over: held open from the start, so no other process can take its port."""
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port just left (TIME_WAIT), as torch does
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def store_server(listener, timeout: timedelta = timedelta(minutes=5), **kwargs) -> dist.TCPStore:
+    """A TCPStore server on `listener` (listen_on), which it takes over.
+
+    Given a host and a port, torch's TCPStore server listens on every interface whatever the host,
+    and torch's elastic rendezvous unpickles what it reads from its store: anyone who could reach
+    the port could run code in the launcher (docs/security.md)."""
+    host, port = listener.getsockname()[:2]
+    return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach(), **kwargs)
 
 
 def seed_everything(seed: int) -> None:

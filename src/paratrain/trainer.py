@@ -8,7 +8,6 @@ The trainer never asks which strategy it holds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
@@ -31,6 +30,7 @@ from .data import GlobalBatchSampler, build_dataset, load_batch
 from .metrics import MetricsLog, keep_steps_up_to, keep_stdout_when_its_reader_leaves
 from .models import BUILTIN as BUILTIN_MODELS
 from .models import build_model
+from .models.materialize import record_on_meta
 from .optim import build_loss, lr_factor
 from .parallel import build_strategy, strategy_class
 from .profile import Profiler
@@ -43,11 +43,15 @@ class Trainer:
         runtime.seed_everything(train.seed)  # identical initial weights on every rank
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "val")
-        # A sharding strategy materialises a built-in model shard by shard from its meta-device build.
-        on_meta = (getattr(strategy_class(cfg.parallel.strategy), "materializes_builtin_models", False)
-                   and cfg.model.factory in BUILTIN_MODELS)
-        with torch.device("meta") if on_meta else contextlib.nullcontext():
+        # A sharding strategy materialises the model shard by shard from its meta-device build: a
+        # built-in's initialisation is replayed, a user factory's construction recorded to be replayed.
+        if not getattr(strategy_class(cfg.parallel.strategy), "materializes_models", False):
             model = build_model(cfg, self.train_set)
+        elif cfg.model.factory in BUILTIN_MODELS:
+            with torch.device("meta"):
+                model = build_model(cfg, self.train_set)
+        else:
+            model = record_on_meta(lambda: build_model(cfg, self.train_set))
         runtime.seed_everything(train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
         self.strategy = build_strategy(model, build_loss(cfg), cfg, rt)
         self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size

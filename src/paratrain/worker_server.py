@@ -8,6 +8,24 @@ import atexit
 import os
 import signal
 
+from paratrain.launch import LAUNCHER_PID, die_with_parent
+
+# A SIGKILLed launcher (an OOM killer, a scheduler) must not leave the server and its workers
+# training on: each dies with its parent, the server with the launcher and each worker with the server.
+die_with_parent(signal.SIGKILL, int(os.environ.get(LAUNCHER_PID, os.getppid())))
+SERVER_PID = os.getpid()
+_serving = True  # false in the workers: what they fork themselves (guard.py, data loaders) is theirs
+
+
+def _die_with_server() -> None:
+    global _serving
+    if _serving:
+        _serving = False
+        die_with_parent(signal.SIGKILL, SERVER_PID)
+
+
+os.register_at_fork(after_in_child=_die_with_server)
+
 import torch._dynamo  # noqa: F401  imported by torch.optim's step on its first call (~1 s)
 
 import paratrain.trainer  # noqa: F401  torch, the training loop and what it imports

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib
 
+from .common import heading_with_machine
+
 # Each module under bench/ named here adds its sub-command with add_parser(subparsers).
 BENCHMARKS = ["dp", "memory", "zero", "recovery", "ps", "suite", "pipeline"]
 
@@ -12,3 +14,5 @@ def add_bench_parser(sub) -> None:
     which = b.add_subparsers(dest="bench", required=True)
     for name in BENCHMARKS:
         importlib.import_module(f"{__name__}.{name}").add_parser(which)
+        parser = which.choices[name]
+        parser.set_defaults(func=heading_with_machine(parser.get_default("func")))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -76,15 +77,55 @@ def relaunch(module: str, args, add_options, nproc: int, run_id: str) -> int:
     return 0
 
 
+def machine() -> dict:
+    """What a figure was measured on, recorded with every bench table (a figure holds for that
+    machine only): the CPU model, torch's CPU capability and whether the CPU multiplies bf16
+    natively (paratrain's PowerSGD picks its arithmetic by it), torch's version, and the GPU if any."""
+    import platform
+
+    import torch
+
+    from ..parallel.compression import cpu_multiplies_bf16_natively
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_native_bf16": cpu_multiplies_bf16_natively(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def machine_line(m: dict) -> str:
+    return (f"machine: {m['cpu']} ({m['cores']} cores, capability {m['cpu_capability']}, "
+            f"{'native' if m['cpu_native_bf16'] else 'no native'} bf16), torch {m['torch']}, "
+            f"GPU {m['gpu'] or 'none'}")
+
+
+def heading_with_machine(run):
+    """A bench's `run(args)` that first prints the machine line, so that it heads the bench's table."""
+    def run_on_this_machine(args):
+        print(machine_line(machine()), flush=True)
+        return run(args)
+    return run_on_this_machine
+
+
 def add_json_option(p) -> None:
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="also write the results as JSON (to stdout without PATH)")
 
 
 def emit_json(result, dest: str | None) -> None:
-    """The `--json` output: stdout for "-", else the file `dest`; nothing without the option."""
+    """The `--json` output: stdout for "-", else the file `dest`; nothing without the option. The
+    machine goes with the figures: into the result, or into each row of a list of results."""
+    if not dest:
+        return
+    m = machine()
+    result = [{**row, "machine": m} for row in result] if isinstance(result, list) else {**result, "machine": m}
     if dest == "-":
         print(json.dumps(result))
-    elif dest:
+    else:
         with open(dest, "w") as fh:
             json.dump(result, fh, indent=1)

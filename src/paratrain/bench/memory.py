@@ -6,6 +6,12 @@ parameters, gradients and optimizer state (for zero2/zero3 including the peak of
 full: gradients while they are reduce-scattered, parameters while gathered), and reads its peak
 resident memory (VmHWM) after a few AdamW steps. Both ours and FSDP2 build the model on the meta
 device and initialise it shard by shard; dp builds it whole, as DDP would.
+
+`--model module:function` measures a user's factory instead of the built-in MLP (called with no
+arguments; its model takes (batch, --in-features) inputs and returns logits over at least 10
+classes), materialised by zero1/2/3 as a training run does: its construction recorded on the meta
+device and replayed a tensor at a time (models/materialize.py); FSDP2 runs each module's
+reset_parameters on its shards.
 """
 from __future__ import annotations
 
@@ -33,6 +39,8 @@ def add_parser(which) -> None:
 
 
 def add_model_options(p) -> None:
+    p.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
+                   help="a user's model factory (no arguments) instead of the built-in MLP")
     p.add_argument("--in-features", type=COUNT, default=1024)
     p.add_argument("--hidden", type=COUNT, default=4096)
     p.add_argument("--layers", type=COUNT, default=4, help="hidden layers of the MLP (default: 54.6M parameters)")
@@ -42,8 +50,16 @@ def add_model_options(p) -> None:
 
 
 def run(args) -> int:
+    from ..config import ConfigError
     from ..launch import WorkerFailure, launch
+    from ..resolve import resolve_callable
 
+    if args.model:
+        try:
+            resolve_callable(args.model, "--model")
+        except ConfigError as exc:
+            print(f"paratrain: error: {exc}", file=sys.stderr)
+            return 2
     results = []
     for world in [int(w) for w in args.worlds.split(",")]:
         for strategy in args.strategies.split(","):
@@ -51,7 +67,8 @@ def run(args) -> int:
                 out = Path(tmp) / "result.json"
                 argv = [f"--strategy={strategy}", f"--out={out}", f"--in-features={args.in_features}",
                         f"--hidden={args.hidden}", f"--layers={args.layers}", f"--batch={args.batch}",
-                        f"--steps={args.steps}", f"--bucket-mb={args.bucket_mb}"]
+                        f"--steps={args.steps}", f"--bucket-mb={args.bucket_mb}"] + (
+                           [f"--model={args.model}"] if args.model else [])
                 try:
                     launch("paratrain.bench.memory", argv, nproc=world, run_id=f"bench-memory-{strategy}-{world}")
                 except WorkerFailure as exc:
@@ -67,7 +84,7 @@ def run(args) -> int:
 def print_table(results: list[dict]) -> None:
     mb = 2 ** 20
     r0 = results[0]
-    print(f"memory benchmark: {r0['parameters'] / 1e6:.1f}M-parameter MLP, AdamW fp32, {r0['batch']} samples/rank, "
+    print(f"memory benchmark: {r0['parameters'] / 1e6:.1f}M-parameter {r0['model']}, AdamW fp32, {r0['batch']} samples/rank, "
           f"bucket {r0['bucket_mb']:g} MB; per-rank MB (max over ranks)")
     head = f"{'world':>5} {'strategy':<9}{'params':>9}{'grads':>9}{'optim':>9}{'tensors':>9}{'peak RSS':>10}{'RSS-base':>10}"
     print(head)
@@ -101,12 +118,25 @@ def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(nbytes(v.to_local() if hasattr(v, "to_local") else v for v in s.values()) for s in opt.state.values())
 
 
-def build_mlp(args, meta: bool):
+def build_model(args, strategy: str):
+    """The model as `strategy` gets it: whole for dp; on the meta device for the others (a user
+    factory's construction recorded for zero to replay, as the trainer does)."""
+    from ..models.materialize import record_on_meta
     from ..models.mlp import mlp
+    from ..resolve import resolve_callable
 
     torch.manual_seed(0)
-    with torch.device("meta") if meta else torch.device("cpu"):
-        return mlp(in_features=args.in_features, hidden=args.hidden, n_layers=args.layers, out_features=10)
+    if args.model:
+        factory = resolve_callable(args.model, "--model")
+    else:
+        def factory():
+            return mlp(in_features=args.in_features, hidden=args.hidden, n_layers=args.layers, out_features=10)
+    if strategy == "dp":
+        return factory()
+    if args.model and strategy != "fsdp2":
+        return record_on_meta(factory)
+    with torch.device("meta"):
+        return factory()
 
 
 def ours(strategy: str, args, rt, step_args):
@@ -117,7 +147,7 @@ def ours(strategy: str, args, rt, step_args):
     cfg = config_mod.from_dict({"data": {"batch_size": args.batch * rt.world_size},
                                 "train": {"optimizer": "adamw", "lr": 1e-4},
                                 "parallel": {"strategy": strategy, "bucket_mb": args.bucket_mb}})
-    engine = strategy_class(strategy)(build_mlp(args, meta=strategy != "dp"), cross_entropy, cfg, rt)
+    engine = strategy_class(strategy)(build_model(args, strategy), cross_entropy, cfg, rt)
     for _ in range(args.steps):
         engine.train_step(step_args)
     if strategy == "dp":
@@ -144,8 +174,8 @@ def fsdp2(args, rt, step_args):
 
     from ..optim import cross_entropy
 
-    model = build_mlp(args, meta=True)
-    for layer in model:
+    model = build_model(args, "fsdp2")
+    for layer in model.children():
         if any(True for _ in layer.parameters()):
             fully_shard(layer)
     fully_shard(model)
@@ -189,7 +219,8 @@ def worker(argv=None) -> None:
     if rt.is_main:
         params, grads, optim, peak, base = mine.tolist()
         Path(args.out).write_text(json.dumps({
-            "strategy": args.strategy, "world": rt.world_size, "parameters": n_params, "batch": args.batch,
+            "strategy": args.strategy, "world": rt.world_size, "model": args.model or "MLP", "parameters": n_params,
+            "batch": args.batch,
             "bucket_mb": args.bucket_mb, "params_bytes": params, "grads_bytes": grads, "optim_bytes": optim,
             "tensor_bytes": params + grads + optim, "peak_rss_bytes": peak, "base_rss_bytes": base,
             "seconds": elapsed}))

@@ -37,11 +37,12 @@ import torch
 import torch.distributed as dist
 
 from ..profile import bytes_sent, open_proc_io
-from .common import COUNT, POSITIVE, emit_json, fraction
+from .common import COUNT, POSITIVE, emit_json, fraction, one_or_more_of
 from .dp import add_options as dp_options
 from .dp import build
 
 SCALING_DEFAULT = "1,2,4"
+CODECS = ["bf16", "fp16", "topk", "powersgd"]
 
 
 def add_parser(which) -> None:
@@ -63,13 +64,15 @@ def add_options(p) -> None:
     # for its cost (4 steps at step 100 on a 32-batch pool; 2 at step 200 on fresh batches, as r4)
     p.add_argument("--powersgd-rank", type=COUNT, default=8)
     p.add_argument("--topk-ratio", type=fraction, default=0.01)
+    p.add_argument("--codecs", type=one_or_more_of(CODECS), default=",".join(CODECS),
+                   help="the compressions to measure in (b), each beside its torch hook")
     p.add_argument("--equal-loss-steps", type=COUNT, default=200,
                    help="dp's steps (its timed ones included) whose loss every codec must reach, in up to twice as many")
 
 
 def _model_argv(args) -> list[str]:
     keys = ("steps", "rounds", "warmup", "batch", "hidden", "layers", "in_features", "bucket_mb", "lr",
-            "powersgd_rank", "topk_ratio", "equal_loss_steps")
+            "powersgd_rank", "topk_ratio", "equal_loss_steps", "codecs")
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
 
 
@@ -512,6 +515,8 @@ def worker(argv=None) -> None:
         pairs = [("paratrain dp", "torch DDP")]
         for codec, hook, label in (("bf16", "bf16", "DDP bf16_compress_hook"), ("fp16", "fp16", "DDP fp16_compress_hook"),
                                    ("topk", None, None), ("powersgd", "powersgd", f"DDP powerSGD_hook r{r}")):
+            if codec not in args.codecs.split(","):
+                continue
             name = {"topk": f"paratrain topk {pct}", "powersgd": f"paratrain powersgd r{r}"}.get(codec, f"paratrain {codec}")
             engines[name] = Engine(_ours(args, rt, codec)[1])
             if hook:

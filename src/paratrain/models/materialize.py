@@ -11,15 +11,31 @@ same seed, so the construction's random-number stream is replayed in the same or
            Embedding weights with `self.apply(self._init_weights)` (post-order). A tensor that the pass
            leaves alone keeps its phase-1 value; which ones it touched is seen by pre-filling with NaN.
 
-This holds for models whose initialisation is made of such steps, the built-ins; a user's model
-with other initialisation code is built normally and sharded afterwards.
+This holds for models whose initialisation is made of such steps, the built-ins. A user's factory
+may initialise in any way, so its construction itself is replayed (record_on_meta):
+
+  record   the factory runs on the meta device under a dispatch mode that notes every aten op, and
+           for every tensor storage (numbered in the order first seen) the last op that touches it;
+  replay   the factory runs again for real, from the random-number state the meta build started
+           from, so every op draws exactly what a normal build draws. After the last op that touches
+           a storage of the model's parameters or buffers, its value is final: it is handed to
+           `keep` and the storage freed, so only the tensors still being built are ever whole.
+
+A replay whose ops differ from the recording (code that branches on values, which meta tensors do
+not have) is abandoned for a normal build from the same state, whose values are then all kept.
 """
 from __future__ import annotations
 
+import random
+import sys
+import weakref
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 # keep(meta_tensor, value): called for every parameter and buffer of the meta model (identified by
 # its meta tensor) as soon as its value is final; called again for a tensor that phase 2 overwrites.
@@ -55,9 +71,162 @@ def _with_real_tensors(module: nn.Module, fill: float | None, device: torch.devi
             getattr(module, kind).update(tensors)
 
 
+def _rng_state() -> tuple:
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy else None
+
+
+def _set_rng_state(state: tuple) -> None:
+    torch_state, python_state, numpy_state = state
+    torch.set_rng_state(torch_state)
+    random.setstate(python_state)
+    if numpy_state is not None:
+        sys.modules["numpy"].random.set_state(numpy_state)
+
+
+class _StorageNumbers:
+    """Numbers storages in the order they are first seen alive (a storage freed and another made
+    at its address gets a new number), identically in the meta build and its real replay."""
+
+    def __init__(self):
+        self.known: dict[int, tuple[int, StorageWeakRef]] = {}
+        self.count = 0
+
+    def lookup(self, t: torch.Tensor) -> int | None:
+        storage = t.untyped_storage()
+        known = self.known.get(storage._cdata)
+        return None if known is None or known[1].expired() else known[0]
+
+    def number(self, t: torch.Tensor) -> int:
+        found = self.lookup(t)
+        if found is None:
+            found, self.count = self.count, self.count + 1
+            self.known[t.untyped_storage()._cdata] = (found, StorageWeakRef(t.untyped_storage()))
+        return found
+
+
+class _OnEveryOp(TorchDispatchMode):
+    """Calls `coming(op)` before each aten op runs (it may refuse it by raising), then
+    `seen(op, tensors it read or made)`."""
+
+    def __init__(self, seen: Callable[[object, list[torch.Tensor]], None],
+                 coming: Callable[[object], None] = lambda func: None):
+        super().__init__()
+        self.seen, self.coming = seen, coming
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.coming(func)
+        out = func(*args, **(kwargs or {}))
+        self.seen(func, [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)])
+        return out
+
+
+class _Diverged(Exception):
+    """The replay ran other ops than the recording."""
+
+
+def _direct_pairs(meta_model: nn.Module, real_model: nn.Module):
+    """(meta tensor, real tensor) for every direct parameter and buffer of two builds of one model."""
+    for meta, real in zip(meta_model.modules(), real_model.modules()):
+        for kind, tensors in _direct_tensors(meta).items():
+            for name, t in tensors.items():
+                yield t, getattr(real, kind)[name].detach()
+
+
+class _Recording:
+    """A factory's meta-device construction: its ops, each storage's last op, and which storages
+    hold the model's parameters and buffers."""
+
+    def __init__(self, build: Callable[[], nn.Module]):
+        self.build, self.rng = build, _rng_state()
+        self.ops: list = []
+        self.last_op: dict[int, int] = {}
+        self.numbers = _StorageNumbers()
+
+    def _seen(self, func, tensors) -> None:
+        for t in tensors:
+            self.last_op[self.numbers.number(t)] = len(self.ops)
+        self.ops.append(func)
+
+    def record(self) -> nn.Module:
+        with torch.device("meta"), _OnEveryOp(self._seen):
+            model = self.build()
+        self.held: dict[int, list[torch.Tensor]] = {}  # storage number -> the model's meta tensors on it
+        self.unnumbered: list[torch.Tensor] = []  # made where no op saw them: kept after the replay
+        for module in model.modules():
+            for tensors in _direct_tensors(module).values():
+                for t in tensors.values():
+                    number = self.numbers.lookup(t)
+                    if number is None:
+                        self.unnumbered.append(t)
+                    else:
+                        self.held.setdefault(number, []).append(t)
+        self.numbers = None  # the replay numbers afresh
+        return model
+
+    def replay(self, meta_model: nn.Module, keep: Keep, device: torch.device) -> None:
+        numbers, done, at = _StorageNumbers(), set(), 0
+
+        def coming(func) -> None:  # before it runs: an op the recording lacks may touch a freed storage
+            if at >= len(self.ops) or self.ops[at] != func:
+                raise _Diverged(f"op {at}: {func}, recorded {self.ops[at] if at < len(self.ops) else 'none'}")
+
+        def seen(func, tensors) -> None:
+            nonlocal at
+            for t in tensors:
+                number = numbers.number(t)
+                if self.last_op.get(number) != at or number not in self.held or number in done:
+                    continue
+                done.add(number)
+                storage = t.untyped_storage()
+                for meta in self.held[number]:  # a copy: `keep` may hold on to it, the storage goes
+                    value = torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset(), meta.shape,
+                                                                 meta.stride())
+                    keep(meta, value.to(device, copy=True))
+                storage.resize_(0)
+            at += 1
+
+        before = _rng_state()
+        _set_rng_state(self.rng)
+        try:
+            with _OnEveryOp(seen, coming):
+                real = self.build()
+            if at != len(self.ops):
+                raise _Diverged(f"{at} ops, recorded {len(self.ops)}")
+            unnumbered = {id(t) for t in self.unnumbered}
+            for meta, value in _direct_pairs(meta_model, real):
+                if id(meta) in unnumbered:
+                    keep(meta, value.to(device))
+        except _Diverged:
+            _set_rng_state(self.rng)
+            real = self.build()
+            for meta, value in _direct_pairs(meta_model, real):
+                keep(meta, value.to(device))
+        finally:
+            _set_rng_state(before)
+
+
+# Models built by record_on_meta, with their recording (dropped with the model).
+_RECORDED: weakref.WeakKeyDictionary[nn.Module, _Recording] = weakref.WeakKeyDictionary()
+
+
+def record_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """`build()` on the meta device, recorded so that materialize() can replay it for real a tensor
+    at a time, with the random-number state (torch, random, numpy) `build` started from."""
+    recording = _Recording(build)
+    model = recording.record()
+    _RECORDED[model] = recording
+    return model
+
+
 def materialize(model: nn.Module, seed: int, keep: Keep, device: torch.device | str = "cpu") -> None:
-    """Replay the initialisation of the meta-device `model` built with `seed`; `model` stays on meta."""
+    """Replay the initialisation of the meta-device `model`: the recording of record_on_meta, or
+    else that of a built-in model built with `seed`; `model` stays on meta."""
     device = torch.device(device)
+    recording = _RECORDED.get(model)
+    if recording is not None:
+        recording.replay(model, keep, device)
+        return
     post_init = getattr(model, "_init_weights", None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -34,10 +34,15 @@ next buckets' advance):
     launch  (in backward)   P = M Q;  ----P + dense---->
     advance (after)         P = orthonormal(P);  Q = M^T P;  ----Q---->
     wait                    Q /= N;  out = P Q^T;  M -= out (the error, left in flat)
-Products run in bf16: P and Q on a bf16 copy of M, P Q^T a cache-sized block of rows at a time;
-per matrix that is one cast, two reads of the copy, and one trip to memory for the result and the
-error. Keeping the error in `flat` saves the copy back into it that a separate error buffer would
-cost each step.
+The products run in the device's fast dtype (arithmetic_dtype): bf16 where it multiplies bf16
+natively (CUDA; CPUs with AVX512-BF16 or AMX), then P and Q come from a bf16 copy of M (one cast, two
+reads of half the bytes) and P Q^T is made in a cache-sized bf16 block before it is widened into the
+result; fp32 elsewhere (on AVX2-only CPUs a bf16 product is emulated and ~24x slower), reading M
+itself with no copy. Either way P Q^T goes a block of rows at a time, so the result and the error
+make one trip to memory. Keeping the error in `flat` saves the copy back into it that a separate
+error buffer would cost each step. What crosses the wire is P and Q in the gradient's own dtype
+whatever the arithmetic: r (n + m) numbers against n m, so 16-bit factors would save under 1 % of
+the uncompressed bytes at r8 on 2048 x 2048 while rounding P before its orthogonalisation.
 """
 from __future__ import annotations
 
@@ -243,9 +248,26 @@ def power_layout(shapes, rank: int) -> tuple[list[tuple[int, int, int, int]], li
     return matrices, dense
 
 
+def cpu_multiplies_bf16_natively() -> bool:
+    """AVX512-BF16 or AMX: the CPU instructions that make a bf16 matrix product faster than fp32.
+    Decided from the CPU's flags (as torch reads them), not measured: a timing taken while other
+    processes load the machine could pick differently on every rank."""
+    flags = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(flag is not None and flag() for flag in flags)
+
+
+def arithmetic_dtype(device: torch.device, buffer_dtype: torch.dtype) -> torch.dtype:
+    """What PowerSGD's products compute in: bf16 where the device multiplies it natively (CUDA,
+    CPUs with AVX512-BF16 or AMX), else the gradient's own dtype: on an AVX2-only CPU a bf16
+    (2048 x 8) @ (8 x 2048) took 263 ms against 11 ms in fp32."""
+    if device.type == "cuda" or (device.type == "cpu" and cpu_multiplies_bf16_natively()):
+        return torch.bfloat16
+    return buffer_dtype
+
+
 def block_numel(matrices) -> int:
-    """P Q^T is made a block of rows at a time: 1 MiB of bf16 (about one core's L2 cache), or one
-    row of the widest matrix."""
+    """P Q^T is made a block of rows at a time: 2^19 numbers (1 MiB of bf16, about one core's L2
+    cache), or one row of the widest matrix."""
     return max([1 << 19] + [m for _, _, m, _ in matrices])
 
 
@@ -260,21 +282,25 @@ class _PowerBucket:
     """PowerSGD state of one bucket: which views are matrices, P and Q, and the result buffer.
     The error of each matrix lives in the reducer's own buffer `flat` between steps."""
 
-    def __init__(self, flat: torch.Tensor, shapes, rank: int, seed: int):
+    def __init__(self, flat: torch.Tensor, shapes, rank: int, seed: int, dtype: torch.dtype):
         self.matrices, self.dense = power_layout(shapes, rank)
         kw = dict(dtype=flat.dtype, device=flat.device)
         self.flat = flat
         self.out = torch.zeros_like(flat)
-        # The products work in bf16 (a copy of each matrix for P and Q; P Q^T by blocks): half
-        # the bytes, and bf16 products are 2-6x faster on CPUs with bf16 instructions. The factors
-        # only approximate M anyway, and the error is taken against the full-precision M and the
-        # result as sent to the optimizer, so error feedback absorbs the rounding.
-        self.low = torch.empty(sum(n * m for _, n, m, _ in self.matrices), dtype=torch.bfloat16,
-                               device=flat.device)
-        self.low_views, lo = [], 0
-        for _, n, m, _ in self.matrices:
-            self.low_views.append(self.low[lo:lo + n * m].view(n, m))
-            lo += n * m
+        # `dtype` (arithmetic_dtype) narrower than the gradient: the products read a copy of each
+        # matrix in it (half the bytes, and faster where the device has bf16 instructions). The
+        # factors only approximate M anyway, and the error is taken against the full-precision M and
+        # the result as sent to the optimizer, so error feedback absorbs the rounding. Otherwise
+        # they read M itself, which stays unchanged until reconstruct().
+        self.dtype = dtype
+        self.copies_matrices = dtype != flat.dtype
+        self.low_views = self.views(flat)
+        if self.copies_matrices:
+            low = torch.empty(sum(n * m for _, n, m, _ in self.matrices), dtype=dtype, device=flat.device)
+            self.low_views, lo = [], 0
+            for _, n, m, _ in self.matrices:
+                self.low_views.append(low[lo:lo + n * m].view(n, m))
+                lo += n * m
         # P and the uncompressed tensors travel in one all-reduce (one round trip fewer per bucket)
         n_p = sum(n * r for _, n, _, r in self.matrices)
         first, second = round_numels(shapes, rank)
@@ -294,25 +320,29 @@ class _PowerBucket:
         self.fill_random_q()
 
     def reconstruct(self, M: torch.Tensor, out: torch.Tensor, Pt: torch.Tensor, Qt: torch.Tensor,
-                    block_buffer: torch.Tensor) -> torch.Tensor:
+                    block_buffer: torch.Tensor | None) -> torch.Tensor:
         """out = P Q^T (the averaged gradient the optimizer reads); M -= out (the error: exactly
         what `out` leaves out of M, kept for the next step). Returns the squared 2-norm of out.
 
-        A block of rows at a time, so that the bf16 product is still in cache when it is widened
-        into `out`, and `out` when it is taken from M: M and `out` make one trip to memory instead
-        of three (measured 20-30 % faster per 2048 x 2048 matrix, both ranks busy).
+        A block of rows at a time, so that the block is still in cache when it is taken from M (and,
+        in bf16, when it is widened into `out` from `block_buffer`): M and `out` make one trip to
+        memory instead of three (measured 20-30 % faster per 2048 x 2048 matrix, both ranks busy).
+        Without a `block_buffer` (arithmetic in out's own dtype) the product goes straight into `out`.
 
         The norm comes from the factors, not from a pass over `out`: ||P Q^T||^2 is the trace of
-        (P^T P)(Q^T Q), two r x r products of the very bf16 factors `out` is made from (in float64,
-        so the sum of squares matches the reducer's own norm of `out` to ~1e-5; what differs is only
-        `out`'s rounding to bf16 element by element). A NaN or inf in M reaches P, Q and so the norm."""
-        P, Q = Pt.t().to(torch.bfloat16), Qt.to(torch.bfloat16)
+        (P^T P)(Q^T Q), two r x r products of the very factors `out` is made from (in float64, so the
+        sum of squares matches the reducer's own norm of `out` to ~1e-5; what differs is only `out`'s
+        rounding element by element). A NaN or inf in M reaches P, Q and so the norm."""
+        P, Q = Pt.t().to(self.dtype), Qt.to(self.dtype)
         n, m = M.shape
-        rows = max(1, block_buffer.numel() // m)
+        rows = max(1, (block_numel([]) if block_buffer is None else block_buffer.numel()) // m)
         for i in range(0, n, rows):
-            block = torch.mm(P[i:i + rows], Q, out=block_buffer[:min(rows, n - i) * m].view(-1, m))
-            out[i:i + rows].copy_(block)
-            M[i:i + rows].sub_(out[i:i + rows])
+            dest = out[i:i + rows]
+            if block_buffer is None:
+                torch.mm(P[i:i + rows], Q, out=dest)
+            else:
+                dest.copy_(torch.mm(P[i:i + rows], Q, out=block_buffer[:dest.numel()].view(-1, m)))
+            M[i:i + rows].sub_(dest)
         P64, Q64 = P.double(), Q.double()
         return (torch.mm(P64.t(), P64) * torch.mm(Q64, Q64.t())).sum()
 
@@ -390,9 +420,10 @@ class PowerSGD:
     def _bucket(self, key: int, flat: torch.Tensor, shapes) -> _PowerBucket:
         st = self.state.get(key)
         if st is None:
-            st = self.state[key] = _PowerBucket(flat, shapes, self.rank, self.seed + key)
-            if self.block is None or self.block.numel() < block_numel(st.matrices):
-                self.block = torch.empty(block_numel(st.matrices), dtype=torch.bfloat16, device=flat.device)
+            dtype = arithmetic_dtype(flat.device, flat.dtype)
+            st = self.state[key] = _PowerBucket(flat, shapes, self.rank, self.seed + key, dtype)
+            if st.copies_matrices and (self.block is None or self.block.numel() < block_numel(st.matrices)):
+                self.block = torch.empty(block_numel(st.matrices), dtype=dtype, device=flat.device)
             q = self.restored.get(f"powersgd.{key}.q")
             views = st.views(flat)
             errors = [self.restored.get(f"powersgd.{key}.error{i}") for i in range(len(views))]
@@ -417,7 +448,8 @@ class PowerSGD:
                 st.fill_random_q()
             ms = st.views(flat)
             for M, low, Pt, Qt in zip(ms, st.low_views, st.ps, st.qs):  # M = grad + error (reset() left it)
-                low.copy_(M)
+                if st.copies_matrices:
+                    low.copy_(M)
                 Pt.copy_(torch.mm(Qt.to(low.dtype), low.t()))  # P = M Q
             if st.dense:
                 torch.cat(st.dense_views(flat), out=st.dense_flat)
@@ -435,7 +467,7 @@ class PowerSGD:
         def finish():
             with profiler.phase("compress"):
                 st.q_flat.div_(world)
-                squares = [st.reconstruct(M, out, Pt, Qt, self.block)
+                squares = [st.reconstruct(M, out, Pt, Qt, self.block if st.copies_matrices else None)
                            for M, out, Pt, Qt in zip(ms, st.views(st.out), st.ps, st.qs)]
                 if st.dense:
                     st.dense_flat.div_(world)
@@ -450,22 +482,26 @@ class PowerSGD:
         return handle
 
 
-def kept_bytes(p: ParallelConfig, buckets: list, element_size: int) -> int:
-    """Bytes a codec keeps between steps for buckets of tensors of the given shapes: top-k each
-    bucket's error; PowerSGD each bucket's averaged result, bf16 copy of its matrices, P with the
-    uncompressed tensors, and Q (the error lives in the bucket itself), and one block of P Q^T."""
+def kept_bytes(p: ParallelConfig, buckets: list, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes a codec keeps between steps for buckets of tensors of the given shapes and dtype on
+    `device`: top-k each bucket's error; PowerSGD each bucket's averaged result, P with the
+    uncompressed tensors, and Q (the error lives in the bucket itself), and where it computes in a
+    narrower dtype (arithmetic_dtype) a copy of its matrices and one block of P Q^T in that dtype."""
+    element_size = dtype.itemsize
     numels = [sum(math.prod(shape) for shape in shapes) for shapes in buckets]
     if p.compression == "topk":
         return sum(numels) * element_size
     if p.compression != "powersgd" or not buckets:
         return 0
-    bf16, total, block = 2, 0, 0
+    arithmetic = arithmetic_dtype(device, dtype)
+    copy_size = arithmetic.itemsize if arithmetic != dtype else 0
+    total, block = 0, 0
     for shapes, numel in zip(buckets, numels):
         matrices, _ = power_layout(shapes, p.powersgd_rank)
         first, second = round_numels(shapes, p.powersgd_rank)
-        total += (numel + first + second) * element_size + sum(n * m for _, n, m, _ in matrices) * bf16
+        total += (numel + first + second) * element_size + sum(n * m for _, n, m, _ in matrices) * copy_size
         block = max(block, block_numel(matrices))
-    return total + block * bf16
+    return total + block * copy_size
 
 
 CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the 16-bit codecs' wire dtypes

@@ -25,11 +25,14 @@ the ring is full of messages not yet received.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import select
+import shutil
 import socket
+import stat
 import struct
-import uuid
+import tempfile
 from collections import deque
 from pathlib import Path
 
@@ -53,18 +56,45 @@ class ChannelError(RuntimeError):
     pass
 
 
-def _paths(token: str, src: int, dst: int) -> tuple[Path, Path, Path]:
-    base = SHM_DIR / f"paratrain-{token}-{src}to{dst}"
+def _paths(directory: Path, src: int, dst: int) -> tuple[Path, Path, Path]:
+    base = directory / f"{src}to{dst}"
     return base.with_suffix(".ring"), base.with_suffix(".data"), base.with_suffix(".ack")
 
 
-def _ring(path: Path, capacity: int) -> torch.Tensor:
-    ring = torch.from_file(str(path), shared=True, size=capacity, dtype=torch.uint8)
+def _create_ring(path: Path, capacity: int) -> torch.Tensor:
+    """The receiver's ring: a new file of its own (never one that is there already, nor a link)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, capacity)
+        return _map(fd, capacity)
+    finally:
+        os.close(fd)
+
+
+def _open_ring(path: Path, capacity: int) -> torch.Tensor:
+    """The sender's end of a receiver's ring: a regular file of this user's, `capacity` bytes long."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size != capacity:
+            raise ChannelError(f"{path} is not a ring of {capacity} bytes made by this user")
+        return _map(fd, capacity)
+    finally:
+        os.close(fd)
+
+
+def _map(fd: int, capacity: int) -> torch.Tensor:
+    ring = torch.frombuffer(mmap.mmap(fd, capacity), dtype=torch.uint8)  # the tensor keeps the mapping
     # Touch every page now: a first touch of shared memory costs a page fault of microseconds per
     # 4 KiB, which would otherwise land on the messages of the first laps around the ring (measured:
     # 140 us per 32 KiB message before, 10 us after). Nothing is sent before both ends exist.
     ring.zero_()
     return ring
+
+
+def _open_fifo(path: Path, flags: int) -> int:
+    # O_RDWR: opening a FIFO this way never blocks waiting for the other end (Linux)
+    return os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | flags)
 
 
 class Sender:
@@ -107,7 +137,7 @@ class Sender:
 
 class Receiver:
     def __init__(self, ring: torch.Tensor, data_fd: int, ack_fd: int, peer: int, timeout_s: float):
-        self.ring, self.ring_ptr = ring, ring.data_ptr()
+        self.ring, self.capacity, self.ring_ptr = ring, ring.numel(), ring.data_ptr()
         self.data_fd, self.ack_fd = data_fd, ack_fd
         self.peer, self.timeout_s = peer, timeout_s
         self.posted = 0
@@ -140,6 +170,9 @@ class Receiver:
             raise ChannelError(f"message #{r.index} from rank {self.peer} is {n} bytes with tag {tag}; "
                                f"this rank expected {r.buf.nbytes} bytes with tag {r.tag}: the two ranks "
                                f"post their messages in different orders")
+        if not 0 <= offset <= self.capacity - n:  # a copy from outside the ring would read any memory
+            raise ChannelError(f"message #{r.index} from rank {self.peer} lies at bytes [{offset}, {offset + n}) "
+                               f"of a {self.capacity}-byte ring")
         dest = r.buf if r.buf.is_contiguous() else torch.empty_like(r.buf, memory_format=torch.contiguous_format)
         ctypes.memmove(dest.data_ptr(), self.ring_ptr + offset, n)
         if dest is not r.buf:
@@ -181,27 +214,30 @@ def connect(group, neighbours: set[int], timeout_s: float,
     and all of them agree on the outcome."""
     me = dist.get_rank()
     members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    # Each rank makes what it receives through in a directory of its own: a fresh name that only
+    # this user can enter (0700), so no other user can read the messages, write into them, or plant
+    # a file or a link in place of one.
+    try:
+        own_dir = Path(tempfile.mkdtemp(prefix="paratrain-", dir=SHM_DIR))
+    except OSError:  # no /dev/shm here: the facts below say so
+        own_dir = None
     facts = [None] * len(members)
-    dist.all_gather_object(facts, (me, _host_id(), SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK),
-                                   uuid.uuid4().hex[:12]), group=group)
+    dist.all_gather_object(facts, (me, _host_id(), own_dir is not None, str(own_dir)), group=group)
     by_rank = {r: (host, ok) for r, host, ok, _ in facts}
-    token = facts[0][3]  # one name for this group's files, chosen by its first member
+    dirs = {r: Path(d) for r, _, _, d in facts}
     host, ok = by_rank[me]
     peers = sorted(p for p in neighbours if p != me and by_rank[p] == (host, True)) if ok else []
-    created: list[Path] = []
     failure = ""
     senders: dict[int, Sender] = {}
     receivers: dict[int, Receiver] = {}
     try:
         for p in peers:  # this rank makes what it receives through
-            ring, data, ack = _paths(token, p, me)
-            created += [ring, data, ack]
-            os.mkfifo(data)
-            os.mkfifo(ack)
-            # O_RDWR: opening a FIFO this way never blocks waiting for the other end (Linux)
-            receivers[p] = Receiver(_ring(ring, capacity), os.open(data, os.O_RDWR | os.O_NONBLOCK),
-                                    os.open(ack, os.O_RDWR), p, timeout_s)
-    except OSError as exc:
+            ring, data, ack = _paths(own_dir, p, me)
+            os.mkfifo(data, 0o600)
+            os.mkfifo(ack, 0o600)
+            receivers[p] = Receiver(_create_ring(ring, capacity), _open_fifo(data, os.O_NONBLOCK),
+                                    _open_fifo(ack, 0), p, timeout_s)
+    except (OSError, ChannelError) as exc:
         failure = f"rank {me}: {exc}"
     # everyone's files exist (or someone failed) before anyone opens a peer's
     failures = [None] * len(members)
@@ -209,14 +245,14 @@ def connect(group, neighbours: set[int], timeout_s: float,
     if not any(failures):
         try:
             for p in peers:
-                ring, data, ack = _paths(token, me, p)
-                senders[p] = Sender(_ring(ring, capacity), os.open(data, os.O_RDWR),
-                                    os.open(ack, os.O_RDWR | os.O_NONBLOCK), p, timeout_s)
-        except OSError as exc:
+                ring, data, ack = _paths(dirs[p], me, p)
+                senders[p] = Sender(_open_ring(ring, capacity), _open_fifo(data, 0),
+                                    _open_fifo(ack, os.O_NONBLOCK), p, timeout_s)
+        except (OSError, ChannelError) as exc:
             failure = f"rank {me}: {exc}"
         dist.all_gather_object(failures, failure, group=group)
-    for path in created:  # open descriptors and mappings keep them alive; nothing is left behind
-        path.unlink(missing_ok=True)
+    if own_dir is not None:  # open descriptors and mappings keep them alive; nothing is left behind
+        shutil.rmtree(own_dir, ignore_errors=True)
     if any(failures):
         close(senders, receivers)
         return {}, {}

@@ -59,8 +59,8 @@ def on_meta(model: nn.Module) -> bool:
 
 class Zero(Strategy):
     stage = 0
-    # The trainer builds built-in models on the meta device for us (see models/materialize.py).
-    materializes_builtin_models = True
+    # The trainer builds models on the meta device for us (see models/materialize.py).
+    materializes_models = True
 
     def __init__(self, model: nn.Module, loss_fn, cfg, rt, group=None):
         super().__init__(model, loss_fn, cfg, rt)

@@ -1,0 +1,158 @@
+"""`paratrain job slurm|kubernetes|skypilot`: one self-contained job file for a cluster engine.
+
+The config is checked as `paratrain run` checks it and embedded, resolved, in the file; the nodes then
+need paratrain installed and nothing else copied. Each file starts one `paratrain run` per node with no
+wiring of its own: `run` reads the node count, its rank and the rendezvous from the engine's
+environment (paratrain.engines).
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ConfigError
+
+ENGINES = ("slurm", "kubernetes", "skypilot")
+# What --submit hands the file to, per engine (the file's path is appended).
+SUBMIT = {"slurm": ["sbatch"], "kubernetes": ["kubectl", "apply", "-f"], "skypilot": ["sky", "launch", "-y"]}
+
+
+@dataclass
+class Job:
+    name: str          # the config's name, as a DNS label (Kubernetes names, Slurm's job name)
+    config_toml: str   # the resolved config, embedded in the file
+    nodes: int
+    nproc: int
+    run_dir: str
+    max_restarts: int
+    image: str | None
+    gpus: int
+    cpus: int | None
+    memory: str | None
+    volume: str | None
+    kind: str
+
+    def run_argv(self, config_path: str, run_dir: str) -> list[str]:
+        """The command each node runs: no --nnodes/--node-rank/--rdzv, those come from the engine."""
+        return ["paratrain", "run", config_path, "--run-dir", run_dir, "--nproc", str(self.nproc),
+                "--max-restarts", str(self.max_restarts)]
+
+
+# A file's embedded config ends at a line holding this alone (a quoted heredoc: nothing in it expands).
+CONFIG_END = "PARATRAIN_CONFIG"
+
+
+def shell_lines(job: Job) -> tuple[list[str], str]:
+    """The shell that puts the embedded config into the run directory as job.toml, and the node's
+    `paratrain run` command line reading it (for Slurm's and SkyPilot's scripts)."""
+    write = [f"run_dir={shlex.quote(job.run_dir)}", 'mkdir -p "$run_dir"',
+             f"cat > \"$run_dir/job.toml\" <<'{CONFIG_END}'", job.config_toml.rstrip("\n"), CONFIG_END]
+    # shell words already (the run directory's variable), numbers and fixed words else: nothing to quote
+    return write, " ".join(job.run_argv('"$run_dir/job.toml"', '"$run_dir"'))
+
+
+def dns_label(name: str) -> str:
+    """`name` as an RFC 1035 label (lower-case letters, digits, '-', a letter first, at most 63)."""
+    label = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    if not label or not label[0].isalpha():
+        label = f"paratrain-{label}".strip("-")
+    return label[:63].rstrip("-")
+
+
+def add_job_parser(sub) -> None:
+    j = sub.add_parser("job", help="write a job file for a cluster engine (Slurm, Kubernetes, SkyPilot) "
+                                   "with the config embedded; --submit hands it to the engine")
+    j.add_argument("engine", metavar="ENGINE", help="slurm | kubernetes | skypilot")
+    j.add_argument("config", nargs="?", help="TOML config (default: the built-in default job)")
+    j.add_argument("--nodes", type=int, required=True, help="how many nodes (hosts, pods)")
+    j.add_argument("--nproc", type=int, default=None,
+                   help="processes per node (default: --gpus if given, else 2, as `run` on a CPU)")
+    j.add_argument("--run-dir", default=None, help="on storage every node sees (default: runs/NAME, "
+                                                  "under the --volume mount on Kubernetes)")
+    j.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    j.add_argument("--max-restarts", type=int, default=0, help="passed to each node's `paratrain run`")
+    j.add_argument("--image", default=None, help="container image with paratrain installed "
+                                                "(required for kubernetes)")
+    j.add_argument("--kind", default="trainjob", help="kubernetes: trainjob (Kubeflow Trainer v2) | pytorchjob")
+    j.add_argument("--volume", default=None, metavar="CLAIM",
+                   help="kubernetes: a PersistentVolumeClaim for the run directory, shared by the pods")
+    j.add_argument("--gpus", type=int, default=0, help="GPUs per node")
+    j.add_argument("--cpus", type=int, default=None, help="CPUs per node")
+    j.add_argument("--memory", default=None, help="memory per node, e.g. 32Gi")
+    j.add_argument("--out", default=None, metavar="FILE", help="where to write (default: stdout)")
+    j.add_argument("--submit", action="store_true", help="also submit: sbatch, kubectl apply -f, sky launch")
+    j.set_defaults(func=cmd_job)
+
+
+def check_options(args) -> None:
+    """The job's own options, before the config is read. ConfigError naming the option."""
+    if args.engine not in ENGINES:
+        raise ConfigError("ENGINE", f"unknown engine {args.engine!r}: one of {', '.join(ENGINES)}")
+    for option, value, minimum in (("--nodes", args.nodes, 1), ("--nproc", args.nproc, 1),
+                                   ("--max-restarts", args.max_restarts, 0), ("--gpus", args.gpus, 0),
+                                   ("--cpus", args.cpus, 1)):
+        if value is not None and value < minimum:
+            raise ConfigError(option, f"must be >= {minimum}, got {value}")
+    if args.kind not in ("trainjob", "pytorchjob"):
+        raise ConfigError("--kind", f"unknown kind {args.kind!r}: trainjob or pytorchjob")
+    if args.engine == "kubernetes" and not args.image:
+        raise ConfigError("--image", "required for kubernetes: a container image with paratrain installed")
+    if args.submit:
+        tool = SUBMIT[args.engine][0]
+        if shutil.which(tool) is None:
+            raise ConfigError("--submit", f"{tool} is not installed here; write the file with --out and "
+                                          f"submit it where {tool} is")
+        if args.out is None:
+            raise ConfigError("--submit", "needs --out FILE: the file to submit")
+
+
+def make_job(args) -> Job:
+    """Read and check the config as `run` would for this many nodes; ConfigError (exit 2) if invalid."""
+    from .. import config as config_mod
+    from ..cli import load_config, preflight
+
+    cfg = load_config(args)
+    nproc = args.nproc or args.gpus or 2
+    # The device stays as the config says (`auto`): it is resolved on the nodes, not on this host.
+    preflight(cfg, nproc * args.nodes)
+    name = dns_label(cfg.name)
+    mount = "/paratrain-runs" if args.engine == "kubernetes" and args.volume else None
+    run_dir = args.run_dir or (f"{mount}/{name}" if mount else f"runs/{cfg.name}")
+    return Job(name=name, config_toml=config_mod.to_toml(cfg), nodes=args.nodes, nproc=nproc, run_dir=run_dir,
+               max_restarts=args.max_restarts, image=args.image, gpus=args.gpus, cpus=args.cpus,
+               memory=args.memory, volume=args.volume, kind=args.kind)
+
+
+def render(engine: str, job: Job) -> str:
+    from . import kubernetes, skypilot, slurm
+
+    return {"slurm": slurm.render, "kubernetes": kubernetes.render, "skypilot": skypilot.render}[engine](job)
+
+
+def cmd_job(args) -> int:
+    from ..cli import _error
+
+    try:
+        check_options(args)
+        text = render(args.engine, make_job(args))
+    except ConfigError as exc:
+        return _error(str(exc), 2)
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out)
+    try:
+        out.write_text(text)
+    except OSError as exc:
+        return _error(f"--out: cannot write {out}: {exc.strerror or exc}", 2)
+    if args.engine == "slurm":
+        out.chmod(0o755)
+    print(f"job: {out}", file=sys.stderr)
+    if args.submit:
+        return subprocess.run([*SUBMIT[args.engine], str(out)]).returncode
+    return 0

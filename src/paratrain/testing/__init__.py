@@ -1,0 +1,1 @@
+"""Test fixtures that are real systems: a Slurm cluster in network namespaces."""
