@@ -21,6 +21,10 @@ KNOWN = {
     "exit_in_save": {"rank", "step"},
     "ps_vanish": {"rank", "step"},
     "ps_kill": {"rank", "step"},
+    # parameter_server.py: a worker between its push and its pull
+    "ps_kill_before_pull": {"rank", "step"},
+    "ps_stall_before_pull": {"rank", "step"},
+    "ps_bad_header": {"rank", "step"},
 }
 
 
