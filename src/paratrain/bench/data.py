@@ -50,7 +50,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_s3_server(timeout_s: float = 30):
+def local_s3_server(timeout_s: float = 90):
     """moto's S3 server on 127.0.0.1 for the block, as fsspec storage options (s3fs's keys)."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
