@@ -6,7 +6,6 @@ import collections
 import functools
 import http.server
 import json
-import os
 import threading
 from pathlib import Path
 
