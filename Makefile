@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test bench docs clean
+.PHONY: setup run test bench bench-federated bench-data-peer docs clean
 
 setup: $(VENV)/.installed
 
@@ -35,5 +35,25 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 	$(PY) -m pip install -q -e '.[docs]'
 	touch $@
 
+# Flower in a venv of its own (its pins must not touch ours); <1.42: 1.42 needs a newer certifi
+# than the package mirror holds
+FLOWER_VENV ?= .venv-flower
+
+$(FLOWER_VENV)/.installed:
+	$(PYTHON) -m venv $(FLOWER_VENV)
+	$(FLOWER_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(FLOWER_VENV)/bin/python -m pip install -q 'flwr[simulation]<1.42'
+	touch $@
+
+bench-federated: setup $(FLOWER_VENV)/.installed  ## paratrain federated vs Flower's simulation, side by side
+	$(VENV)/bin/paratrain bench federated --flower-python $(FLOWER_VENV)/bin/python
+
+bench-data-peer: .venv-mosaic/.installed  ## MosaicML Streaming, the peer of `paratrain bench data`, in a venv of its own
+
+.venv-mosaic/.installed:
+	$(PYTHON) -m venv .venv-mosaic
+	.venv-mosaic/bin/python -m pip install -q torch==2.13.0 mosaicml-streaming==0.13.0
+	touch $@
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache site
+	rm -rf $(VENV) $(FLOWER_VENV) runs .pytest_cache site

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import yaml
 
-from helpers import CPU_ONLY, ROOT, final_weights, max_rel_error, write_config
+from helpers import CPU_ONLY, ROOT, final_weights, max_rel_error, outputs_of, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain import netns
@@ -109,13 +109,7 @@ def test_job_runs_on_two_hosts_with_the_operators_environment(tmp_path, capsys, 
         procs = [hosts.popen(n, argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), **CPU_ONLY, **envs[n]})
                  for n in (0, 1)]
-        try:
-            outs = [p.communicate(timeout=240)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out
+        outs = outputs_of(procs)
     assert "node 1 of 2, 1 process each (world 2)" in outs[1], outs[1]
     assert max_rel_error(final_weights(run_dir), digits_mlp_reference(steps=12)) <= 1e-4
 

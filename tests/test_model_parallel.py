@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import check_ok, final_weights, metrics, run_cli, write_config
+from helpers import check_ok, final_weights, metrics, rel_error, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference, train_reference
 
 from paratrain.cli import main
@@ -38,14 +38,6 @@ log_every = 10
 [parallel]
 microbatches = 4
 """
-
-
-def rel_error(a: dict, b: dict) -> float:
-    """Largest per-tensor relative error. The attention's key bias gets an exactly zero gradient
-    (softmax ignores a shift shared by all keys), so it holds only rounding noise of ~1e-12 that
-    differs with summation order: tensors that small are compared by absolute error instead."""
-    assert a.keys() == b.keys(), f"keys differ: {sorted(set(a) ^ set(b))}"
-    return max(((a[k].double() - b[k].double()).norm() / max(b[k].double().norm().item(), 1e-6)).item() for k in a)
 
 
 @pytest.fixture(scope="module")

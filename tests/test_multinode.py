@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from helpers import CPU_ONLY, check_ok, complete_lines, final_weights, max_rel_error, run_cli, write_config
+from helpers import (CPU_ONLY, check_ok, complete_lines, descendants, final_weights, is_loopback, listening_addresses,
+                     max_rel_error, outputs_of, run_cli, write_config)
 from reference import DIGITS_MLP
 
 from paratrain import netns
@@ -31,13 +32,7 @@ def test_two_nodes_over_veth_equal_one_node(tmp_path):
                     "--node-rank", str(node), "--rdzv", endpoint, "--run-dir", str(tmp_path / "multi")]
             procs.append(hosts.popen(node, argv, env={**hosts.env(node), **CPU_ONLY, "PYTHONUNBUFFERED": "1"},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        try:
-            outs = [p.communicate(timeout=240)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        for p, out in zip(procs, outs):
-            assert p.returncode == 0, out
+        outs = outputs_of(procs)
     assert "done: 12 steps" in outs[0]
     assert max_rel_error(final_weights(tmp_path / "multi"), final_weights(tmp_path / "single")) <= 1e-4
     # this test's own namespaces: other test processes may be probing for namespaces of theirs
@@ -68,6 +63,9 @@ def test_two_nodes_restart_after_a_killed_worker_and_resume(tmp_path):
             while not any(json.loads(line)["step"] >= 12 for line in complete_lines(run_dir / "metrics.jsonl")):
                 assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 12"
                 time.sleep(0.05)
+            for node, p in enumerate(procs):  # each node listens on its address on the link alone (docs/security.md)
+                listening = listening_addresses(descendants(p.pid))
+                assert listening and all(a == hosts.addr(node) or is_loopback(a) for a, _ in listening), listening
             os.kill(next(iter(worker_pids(procs[1].pid).values())), signal.SIGKILL)
             outs = [p.communicate(timeout=120)[0] for p in procs]
         finally:

@@ -11,39 +11,24 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import CPU_ONLY, complete_lines, final_weights, max_rel_error, write_config
-from reference import DIGITS_MLP, digits_mlp_reference
+from reference import DIGITS_MLP, train_reference
 
 from paratrain import netns
+from paratrain.bench.recovery import SLOW_MODEL
 from paratrain.cli import main
+from paratrain.data.datasets import digits
+from paratrain.models.mlp import mlp
 from paratrain.testing import slurm
 
 ok, why = netns.available()
 
-# DIGITS_MLP's model with a pause in each forward, so that a worker can be killed mid-run.
-SLOW_MLP = '''
-import time
-from torch import nn
-from paratrain.models.mlp import mlp
-
-
-class Slow(nn.Module):
-    def __init__(self, pause):
-        super().__init__()
-        self.pause = pause
-        self.net = mlp(64, hidden=32, n_layers=2, out_features=10)
-
-    def forward(self, x):
-        time.sleep(self.pause)
-        return self.net(x)
-
-
-def slow_mlp(pause):
-    return Slow(pause)
-'''
+# DIGITS_MLP's job on bench.recovery's model, an MLP with a pause in each forward so that a worker can be
+# killed mid-run.
 STEPS = 30
-CFG = (DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "slowmlp:slow_mlp"\npause = 0.03')
+CFG = (DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "slowmodel:slow_mlp"\npause = 0.03')
        .replace("steps = 20", f"steps = {STEPS}").replace("log_every = 10", "log_every = 1")
        + "[checkpoint]\nevery = 5\nkeep = 2\n")
 
@@ -52,7 +37,7 @@ CFG = (DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "slowmlp:sl
 def test_sbatch_script_trains_on_two_nodes_and_recovers_a_killed_worker(tmp_path, capsys):
     slurm.install()
     cfg = write_config(tmp_path / "c.toml", CFG)
-    (tmp_path / "slowmlp.py").write_text(SLOW_MLP)
+    (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
     run_dir = tmp_path / "run"
     script = tmp_path / "job.sh"
     assert main(["job", "slurm", str(cfg), "--nodes", "2", "--nproc", "1", "--max-restarts", "1",
@@ -79,7 +64,10 @@ def test_sbatch_script_trains_on_two_nodes_and_recovers_a_killed_worker(tmp_path
     steps = [json.loads(line)["step"] for line in complete_lines(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, STEPS + 1)), "every step is logged exactly once"
     ours = {k.removeprefix("net."): v for k, v in final_weights(run_dir).items()}
-    assert max_rel_error(ours, digits_mlp_reference(steps=STEPS)) <= 1e-4
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    single = train_reference(mlp(64, hidden=64, n_layers=2, out_features=10), x, y, steps=STEPS, batch_size=24, lr=0.1)
+    assert max_rel_error(ours, single) <= 1e-4
 
 
 def test_sbatch_script_is_shellcheck_clean(tmp_path, capsys):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import math
+import os
 import re
 import shutil
 import stat
@@ -318,6 +318,10 @@ def check_manifest(m: dict, where: Path) -> None:
         raise bad(f"{_names(odd)}: not a file name paratrain writes (rank-NNNNN.safetensors)")
     if m["world_size"] != len(files) or set(files) != {rank_file(r) for r in range(len(files))}:
         raise bad(f"world_size {m['world_size']} does not match its files ({_names(files)})")
+    layout = [config.get("parallel", {}).get(key, 1) for key in ("tp", "pp")]  # how tp/pp shards are laid out
+    if not all(_is_int(n) and n >= 1 for n in layout) or m["world_size"] % (layout[0] * layout[1]):
+        raise bad(f"parallel tp and pp ({', '.join(str(n)[:20] for n in layout)}) do not divide world_size "
+                  f"{m['world_size']}")
 
 
 def _names(names) -> str:

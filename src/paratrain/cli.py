@@ -268,11 +268,12 @@ def check_faults() -> None:
     if not text:
         return
     try:
-        faults.parse(text)
+        unknown = sorted(set(faults.parse(text)) - set(faults.KNOWN))
     except ValueError as exc:
         raise ConfigError(faults.ENV, str(exc)) from None
-    print(f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose",
-          file=sys.stderr, flush=True)
+    never = f"; {', '.join(unknown)} never fire{'s' * (len(unknown) == 1)} (known: {', '.join(faults.KNOWN)})"
+    print(f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose"
+          f"{never if unknown else ''}", file=sys.stderr, flush=True)
 
 
 def cmd_run(args) -> int:
@@ -420,6 +421,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     rep.add_argument("run_dir", metavar="RUN_DIR")
     rep.add_argument("--out", default=None, help="where to write (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
+    from .data.prepare import add_data_parser
+
+    add_data_parser(sub)
 
     from .jobs import add_job_parser
 
@@ -433,7 +437,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"], ["job"])).parse_args(argv)
+    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"], ["job"], ["data"])).parse_args(argv)
     if getattr(args, "nproc", 1) is not None and getattr(args, "nproc", 1) < 1:
         return _error("--nproc: must be >= 1", 2)
     if getattr(args, "nnodes", None) is not None and args.nnodes < 1:

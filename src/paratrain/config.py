@@ -136,7 +136,7 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     """How the work is split over the processes: the strategy, its degrees and its communication."""
-    strategy: str = opt("dp", choices=("dp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "ps"))
+    strategy: str = opt("dp", choices=("dp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "ps", "federated"))
     tp: int = opt(1, check=_positive, doc="tensor-parallel degree (tp, hybrid)")
     pp: int = opt(1, check=_positive, doc="pipeline stages (pp, hybrid)")
     microbatches: int = opt(4, check=_positive, doc="pipeline microbatches per replica batch")
@@ -177,6 +177,21 @@ class PSConfig:
 
 
 @dataclass
+class FederatedConfig:
+    clients: int = opt(100, check=_positive, doc="simulated clients, spread over the worker ranks")
+    clients_per_round: int = opt(10, check=_positive, doc="clients sampled (seeded) for each round")
+    local_steps: int = opt(10, check=_positive, doc="client optimizer steps per round, each of data.batch_size samples")
+    algorithm: str = opt("fedavg", choices=("fedavg", "fedprox", "fedadam"))
+    mu: float = opt(0.0, check=_non_negative, doc="fedprox: weight of the proximal term mu/2 |w - w_global|^2")
+    server_lr: float = opt(1.0, check=_positive, doc="fedadam's step size; fedavg and fedprox scale the mean update by it")
+    partition: str = opt("dirichlet", choices=("iid", "dirichlet"), doc="how the training set is dealt to clients")
+    alpha: float = opt(0.5, check=_positive, doc="dirichlet: concentration (smaller = more skewed labels)")
+    min_samples: int = opt(10, check=_positive, doc="fewest samples a client may hold; a draw below it exits 2")
+    secure_aggregation: bool = opt(False, doc="pairwise-masked updates: the server only sees their sum")
+    round_timeout_s: float = opt(300.0, check=_positive, doc="a worker not answering within this is dropped")
+
+
+@dataclass
 class LogConfig:
     """Extra outputs of a run besides metrics.jsonl, profile.jsonl and trace.json."""
     tensorboard: bool = opt(False, doc="also write TensorBoard event files to RUN_DIR/tensorboard")
@@ -191,6 +206,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    federated: FederatedConfig = field(default_factory=FederatedConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def to_dict(self) -> dict:
@@ -275,6 +291,8 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError("parallel.strategy",
                           f"{cfg.parallel.strategy!r} is not available in this version "
                           f"(available: {', '.join(sorted(STRATEGIES))})")
+    if hasattr(own := _own_checks(cfg), "check_config"):
+        own.check_config(cfg)
     strategy, compression = cfg.parallel.strategy, cfg.parallel.compression
     if compression != "none" and strategy != "dp":
         if not strategy.startswith("zero"):
@@ -285,8 +303,17 @@ def _check_combinations(cfg: Config) -> None:
                                                       f"{strategy}'s reduce-scatter takes 'none', 'bf16' or 'fp16'")
 
 
+def _own_checks(cfg: Config):
+    """The strategy's module of checks of its own keys (paratrain.parallel.CONFIG_CHECKS), or None."""
+    from .parallel import config_checks
+
+    return config_checks(cfg.parallel.strategy)
+
+
 def data_parallel_degree(cfg: Config, world_size: int) -> int:
     """How many model replicas read different data: the divisor of the global batch."""
+    if hasattr(own := _own_checks(cfg), "data_parallel_degree"):
+        return own.data_parallel_degree(cfg, world_size)
     if cfg.parallel.strategy == "ps":
         return world_size - cfg.ps.servers  # the servers read no data
     return world_size // (cfg.parallel.tp * cfg.parallel.pp)
@@ -294,6 +321,8 @@ def data_parallel_degree(cfg: Config, world_size: int) -> int:
 
 def role_of(cfg: Config, rank: int) -> str:
     """What a rank does, for messages about it."""
+    if hasattr(own := _own_checks(cfg), "role_of"):
+        return own.role_of(cfg, rank)
     if cfg.parallel.strategy == "ps":
         return "parameter server" if rank < cfg.ps.servers else "ps worker"
     return "worker"
@@ -302,6 +331,8 @@ def role_of(cfg: Config, rank: int) -> str:
 def check_world(cfg: Config, world_size: int) -> None:
     """Checks that depend on the number of processes."""
     p = cfg.parallel
+    if hasattr(own := _own_checks(cfg), "check_world"):
+        own.check_world(cfg, world_size)
     if p.strategy == "ps":
         if cfg.ps.servers >= world_size:
             raise ConfigError("ps.servers", f"{cfg.ps.servers} servers leave no worker among {world_size} processes")

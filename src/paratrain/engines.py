@@ -37,8 +37,8 @@ class Placement:
     job: str = ""        # the engine's name for the job, for the first log line
 
     def describe(self, nproc: int) -> str:
-        job = f" {self.job}" if self.job else ""
-        return (f"{self.engine} job{job}: node {self.node_rank} of {self.nnodes}, {nproc} process"
+        job = f" job {self.job}" if self.job else ""
+        return (f"{self.engine}{job}: node {self.node_rank} of {self.nnodes}, {nproc} process"
                 f"{'es' if nproc != 1 else ''} each (world {self.nnodes * nproc}), rendezvous at {self.rdzv}")
 
 
@@ -87,18 +87,20 @@ def _int(env: Mapping[str, str], key: str, minimum: int = 0) -> int:
     return int(value)
 
 
+def _nproc(env: Mapping[str, str]) -> int | None:
+    """PET_NPROC_PER_NODE as a count; None for torchrun's words (auto, gpu, cpu): `run`'s own default."""
+    value = env.get("PET_NPROC_PER_NODE", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def _kubeflow_trainer(env: Mapping[str, str]) -> Placement:
     return Placement("Kubeflow Trainer", _int(env, "PET_NNODES", 1), _int(env, "PET_NODE_RANK"),
-                     f"{env['PET_MASTER_ADDR']}:{_int(env, 'PET_MASTER_PORT', 1)}",
-                     _int(env, "PET_NPROC_PER_NODE", 1) if env.get("PET_NPROC_PER_NODE", "auto") != "auto" else None,
-                     env.get("TRAINJOB_NAME", ""))
+                     f"{env['PET_MASTER_ADDR']}:{_int(env, 'PET_MASTER_PORT', 1)}", _nproc(env))
 
 
 def _pytorchjob(env: Mapping[str, str]) -> Placement:
-    nproc = env.get("PET_NPROC_PER_NODE", "auto")
     return Placement("PyTorchJob", _int(env, "WORLD_SIZE", 1), _int(env, "RANK"),
-                     f"{env['MASTER_ADDR']}:{_int(env, 'MASTER_PORT', 1)}",
-                     _int(env, "PET_NPROC_PER_NODE", 1) if nproc != "auto" else None)
+                     f"{env['MASTER_ADDR']}:{_int(env, 'MASTER_PORT', 1)}", _nproc(env))
 
 
 def _slurm(env: Mapping[str, str]) -> Placement:

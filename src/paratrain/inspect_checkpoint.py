@@ -41,7 +41,8 @@ def kind(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "zero" else parts[0]
 
 
-def inspect(path: str | Path, show_tensors: bool = False, out=sys.stdout) -> int:
+def inspect(path: str | Path, show_tensors: bool = False, out=None) -> int:
+    out = out or sys.stdout  # looked up per call: the stdout of the moment (the CLI wraps it)
     path = Path(path)
     if not (path / "manifest.json").exists() and ((path / "checkpoints").is_dir() or (path / "final").is_dir()):
         return inspect_run(path, out)
@@ -102,8 +103,9 @@ def inspect(path: str | Path, show_tensors: bool = False, out=sys.stdout) -> int
     return 0
 
 
-def inspect_run(run_dir: Path, out=sys.stdout) -> int:
+def inspect_run(run_dir: Path, out=None) -> int:
     """A line for each checkpoint of a run directory and its final export: what, and whether valid."""
+    out = out or sys.stdout
     entries = [(f"checkpoints/{p.name}", p) for _, p in list_checkpoints(run_dir / "checkpoints")]
     if (run_dir / "final").is_dir():
         entries.append(("final", run_dir / "final"))
@@ -113,7 +115,8 @@ def inspect_run(run_dir: Path, out=sys.stdout) -> int:
         try:
             m = read_manifest(entry, (FORMAT, FINAL_FORMAT))
             verify_files(entry, m)
-            status = f"step {m['step']} | world size {m.get('world_size', '?')} | strategy {m.get('strategy', '?')} | ok"
+            status = (f"step {m['step']} | world size {m.get('world_size', '?')} | "
+                      f"strategy {m.get('strategy', '?')} | ok")
         except CheckpointError as exc:
             status, bad = f"INVALID: {exc}", bad + 1
         print(f"{label:<26}{status}", file=out)

@@ -1,8 +1,9 @@
 """Start the workers through PyTorch's elastic agent (the engine behind torchrun).
 
 Local runs keep every socket on loopback; multi-node runs meet at --rdzv HOST:PORT, where node 0
-hosts the rendezvous store, and listen on that network alone (docs/security.md). With --max-restarts K the agent
-restarts the whole worker group after a failure, and the workers resume by themselves.
+hosts the rendezvous store, and listen on that network alone (docs/security.md). With
+--max-restarts K the agent restarts the whole worker group after a failure, and the workers resume
+by themselves.
 
 Workers of a training run are forked from a worker server (multiprocessing's forkserver) that
 has imported torch and paratrain once, instead of each starting a fresh interpreter that imports
@@ -271,6 +272,7 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
         os.environ.update({var: "lo" for var in SOCKET_IFNAME_VARS})
     else:
         endpoint, (host, port) = rdzv, rdzv.rsplit(":", 1)
+        host = host.removeprefix("[").removesuffix("]")  # [IPv6]:PORT
         try:
             local_addr = _address_towards(host, int(port))
             listener = listen_on(host, int(port)) if node_rank == 0 else None
@@ -318,11 +320,12 @@ _STOP_CHATTER = ("Received %s death signal", "Closing process %s via signal %s")
 
 def _not_a_stop(record: logging.LogRecord) -> bool:
     """Keep the agent's logging of a stop out of the output: what it says as it passes a signal on,
-    and a worker that stopped on a signal reported as a failure with the agent's own traceback."""
+    and a worker that stopped on a signal, or on bad input it named in its one line (exit 2: a
+    corrupt data shard), reported as a failure with the agent's own traceback."""
     msg = str(record.msg)
     if msg.startswith(_STOP_CHATTER):
         return False
-    return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in STOPPED_EXITS)
+    return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in STOPPED_EXITS | {2})
 
 
 def blame(failures: dict) -> WorkerFailure:

@@ -26,7 +26,7 @@ from . import guard
 from . import runtime
 from . import stop
 from .config import Config, ConfigError
-from .data import GlobalBatchSampler, build_dataset, load_batch
+from .data import build_dataset, build_sampler, load_batch
 from .metrics import MetricsLog, keep_steps_up_to, keep_stdout_when_its_reader_leaves
 from .models import BUILTIN as BUILTIN_MODELS
 from .models import build_model
@@ -54,8 +54,9 @@ class Trainer:
             model = record_on_meta(lambda: build_model(cfg, self.train_set))
         runtime.seed_everything(train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
         self.strategy = build_strategy(model, build_loss(cfg), cfg, rt)
+        self.strategy.run_dir = self.run_dir
         self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size
-        self.sampler = GlobalBatchSampler(len(self.train_set), cfg.data.batch_size, cfg.data.shuffle, train.seed)
+        self.sampler = build_sampler(self.train_set, cfg)
         self.lr_at = lr_factor(train)
         self.step = 0
 
@@ -85,6 +86,10 @@ class Trainer:
         self.strategy.load_state_dict(reader)
         _, meta0 = reader.load(rank=0)
         self.step = int(meta0["trainer"]["step"])
+        try:
+            self.sampler.resume_at(self.step, meta0["trainer"].get("data"))
+        except ValueError as exc:
+            raise ConfigError("--resume", f"{path}: {exc}") from None
         if self.rt.rank < reader.world_size:
             tensors, meta = reader.load(rank=self.rt.rank)
             runtime.set_rng_state(tensors, meta["rng"])
@@ -107,7 +112,7 @@ class Trainer:
             raise NonFiniteError(f"not saving step {self.step}: the model or optimizer state holds non-finite values")
         rng = runtime.rng_state()
         tensors = {**tensors, **rng["tensors"]}
-        meta = {**meta, "rng": rng["json"], "trainer": {"step": self.step}}
+        meta = {**meta, "rng": rng["json"], "trainer": {"step": self.step, "data": self.sampler.position(self.step)}}
         ckpt.save(self.run_dir, self.step, tensors, meta, rank=self.rt.rank, world_size=savers,
                   strategy=self.cfg.parallel.strategy, config=self.cfg.to_dict(),
                   keep=self.cfg.checkpoint.keep, device=self.rt.device, group=group)
@@ -125,7 +130,7 @@ class Trainer:
         # would leave the others waiting; it runs an empty one. Elsewhere empty chunks are skipped.
         most = -(-len(self.val_set) // self.dp_size)  # dp rank 0's share, the largest
         n_chunks = -(-most // per_rank)
-        chunks = [order[i * per_rank:(i + 1) * per_rank] for i in range(n_chunks)] if self.strategy.reads_data else []
+        chunks = [order[i * per_rank:(i + 1) * per_rank] for i in range(n_chunks)] if self.strategy.evaluates else []
         sums = torch.zeros(4, dtype=torch.float64)  # loss*n, n, correct, counted
         for chunk in chunks:
             if len(chunk):

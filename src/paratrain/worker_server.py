@@ -12,6 +12,7 @@ from paratrain.launch import LAUNCHER_PID, die_with_parent
 
 # A SIGKILLed launcher (an OOM killer, a scheduler) must not leave the server and its workers
 # training on: each dies with its parent, the server with the launcher and each worker with the server.
+# Set before the imports below, which take seconds, during which the launcher may die already.
 die_with_parent(signal.SIGKILL, int(os.environ.get(LAUNCHER_PID, os.getppid())))
 SERVER_PID = os.getpid()
 _serving = True  # false in the workers: what they fork themselves (guard.py, data loaders) is theirs
@@ -26,9 +27,9 @@ def _die_with_server() -> None:
 
 os.register_at_fork(after_in_child=_die_with_server)
 
-import torch._dynamo  # noqa: F401  imported by torch.optim's step on its first call (~1 s)
+import torch._dynamo  # noqa: E402,F401  imported by torch.optim's step on its first call (~1 s)
 
-import paratrain.trainer  # noqa: F401  torch, the training loop and what it imports
+import paratrain.trainer  # noqa: E402,F401  torch, the training loop and what it imports
 
 # The server is done when the command that started it is: skip the interpreter's teardown of
 # torch (about a second), which the caller would otherwise wait for on the server's output pipes.

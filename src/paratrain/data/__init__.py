@@ -1,21 +1,35 @@
-"""Datasets (built-in or `module:function`) and batch loading."""
+"""Datasets (built-in or `module:function`) and batch loading.
+
+torch is imported where it is used, so that `paratrain data prepare` (paratrain.data.prepare)
+starts without it."""
 from __future__ import annotations
 
+import functools
 import inspect
-
-import torch
-from torch.utils.data import Dataset, default_collate
+from typing import TYPE_CHECKING
 
 from ..config import ArgumentError, Config, ConfigError
 from ..resolve import check_kwargs, resolve_callable
-from .datasets import BUILTIN
-from .sampler import GlobalBatchSampler
 
-__all__ = ["build_dataset", "load_batch", "GlobalBatchSampler"]
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.data import Dataset
+
+__all__ = ["build_dataset", "build_sampler", "load_batch", "GlobalBatchSampler"]
+
+
+def __getattr__(name: str):
+    if name == "GlobalBatchSampler":
+        from .sampler import GlobalBatchSampler
+
+        return GlobalBatchSampler
+    raise AttributeError(name)
 
 
 def build_dataset(cfg: Config, split: str = "train") -> Dataset | None:
     """The dataset of `split`; None for a user factory that takes no `split` when asked for "val"."""
+    from .datasets import BUILTIN
+
     name = cfg.data.factory
     fn = BUILTIN.get(name) or resolve_callable(name, "data.factory")
     check_kwargs(fn, cfg.data.kwargs, "data", name)
@@ -36,8 +50,24 @@ def build_dataset(cfg: Config, split: str = "train") -> Dataset | None:
     return ds
 
 
+def build_sampler(dataset: Dataset, cfg: Config):
+    """The dataset's own sampler where it has one (streamed shards: an order that reads few shards
+    at a time), else the global-batch sampler over a permutation of all samples."""
+    from .sampler import GlobalBatchSampler
+
+    own = getattr(dataset, "global_batch_sampler", None)
+    make = own if callable(own) else functools.partial(GlobalBatchSampler, len(dataset))
+    return make(cfg.data.batch_size, cfg.data.shuffle, cfg.train.seed)
+
+
 def load_batch(dataset: Dataset, indices: torch.Tensor):
-    """(inputs, targets) for `indices`; tensor datasets are sliced without a per-item loop."""
+    """(inputs, targets) for `indices`; tensor datasets are sliced without a per-item loop, and
+    a dataset that loads batches itself (streamed shards) does."""
+    from torch.utils.data import default_collate
+
+    own = getattr(dataset, "load_batch", None)
+    if callable(own):
+        return own(indices)
     tensors = getattr(dataset, "tensors", None)
     if tensors is not None:
         return tuple(t[indices] for t in tensors)

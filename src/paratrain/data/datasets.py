@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset, TensorDataset
 
 from ..config import ArgumentError, require, require_at_least
+from .stream import shards
 
 
 class ArrayDataset(TensorDataset):
@@ -150,4 +151,4 @@ def _encoded(path: str | None, max_chars: int) -> tuple[tuple[str, ...], torch.T
     return tuple(chr(c) for c in alphabet), torch.from_numpy(tokens.astype(np.int64))
 
 
-BUILTIN = {"digits": digits, "corpus": corpus, "synthetic": synthetic}
+BUILTIN = {"digits": digits, "corpus": corpus, "synthetic": synthetic, "shards": shards}

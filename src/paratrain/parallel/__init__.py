@@ -12,7 +12,20 @@ STRATEGIES: dict[str, str] = {"dp": "data_parallel:DataParallel",
                               "zero1": "zero:Zero1", "zero2": "zero:Zero2", "zero3": "zero:Zero3",
                               "tp": "hybrid:ModelParallel", "pp": "hybrid:ModelParallel",
                               "hybrid": "hybrid:ModelParallel",
-                              "ps": "parameter_server:ParameterServer"}
+                              "ps": "parameter_server:ParameterServer",
+                              "federated": "federated.strategy:Federated"}
+
+# strategy name -> module under paratrain.parallel that checks the strategy's own config keys and
+# imports no torch (config.py calls it before any worker starts); it may define
+# check_config(cfg), check_world(cfg, world_size), data_parallel_degree(cfg, world_size) and
+# role_of(cfg, rank)
+CONFIG_CHECKS: dict[str, str] = {"federated": "federated.keys"}
+
+
+def config_checks(name: str):
+    """The module of strategy `name`'s own config checks, or None."""
+    path = CONFIG_CHECKS.get(name)
+    return importlib.import_module(f"{__name__}.{path}") if path else None
 
 
 def _module(name: str):

@@ -14,6 +14,8 @@ and reads three attributes:
 Hooks with defaults that fit strategies whose ranks run in lockstep (override where they do not):
     reads_data        False on a rank that takes no batches (e.g. a parameter server): the trainer
                       passes train_step None and skips its evaluation shard;
+    evaluates         whether this rank takes a share of the validation set (default: reads_data);
+    run_dir           set by the trainer: the run directory, for a strategy's own reports;
     trainer_group     the process group of the trainer's own collectives (None: every rank); a
                       strategy that drops dead ranks narrows it to the live ones;
     reduce_loss(sums) None (default): the trainer all-gathers the reporting ranks' loss sums at a
@@ -65,6 +67,7 @@ class Strategy:
     name = "base"
     profiler = NULL_PROFILER
     collective_forward = False
+    run_dir = None
 
     def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):
         self.model = model
@@ -81,6 +84,10 @@ class Strategy:
         self.lockstep = True
         self.checkpoint_ranks = rt.world_size
         self.checkpoint_group = None
+
+    @property
+    def evaluates(self) -> bool:
+        return self.reads_data
 
     @classmethod
     def expendable(cls, cfg: Config, rank: int) -> bool:

@@ -250,8 +250,8 @@ class ParameterServer(Strategy):
         for s, buf, dev_buf in zip(self.servers, self.grad_bufs, self.dev_grad_bufs):
             if dev_buf is not buf:
                 buf.copy_(dev_buf)
-            step = float("nan") if faults.active("ps_bad_header", rank=self.rt.rank, step=self.step_index) else self.step_index
-            buf[:HEADER] = torch.tensor([step, self.versions[s], float(loss), 0.0])
+            lie = faults.active("ps_bad_header", rank=self.rt.rank, step=self.step_index)
+            buf[:HEADER] = torch.tensor([float("nan") if lie else self.step_index, self.versions[s], float(loss), 0.0])
             sends.append(self._p2p(dist.isend, buf, s, PUSH_TAG))
         for s, work in zip(self.servers, sends):
             self._wait(work, s)
