@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,12 +84,13 @@ def test_the_command_leaves_no_temporary_folder(tmp_path):
     """Issue 23, point 10: the command leaves through os._exit, past multiprocessing's exit handler,
     which removes the /tmp/pymp-* folder of the worker server's socket: one was left per run."""
     cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
-    (tmp_path / "tmp").mkdir()
-    # refused after the worker server started, by the first check that needs the world size
-    proc = run_cli("run", str(cfg), "--nproc", "5", "--run-dir", str(tmp_path / "run"),
-                   env={"TMPDIR": str(tmp_path / "tmp")})
-    assert proc.returncode == 2 and "data.batch_size" in proc.stderr, proc.stderr
-    assert not list((tmp_path / "tmp").glob("pymp-*")), "the command left multiprocessing's folder behind"
+    # A short folder of its own: the server's socket path inside it must fit AF_UNIX's 108 bytes,
+    # which pytest-xdist's tmp_path (…/popen-gwN/test_…/) may not leave room for.
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="pt-") as tmp:
+        # refused after the worker server started, by the first check that needs the world size
+        proc = run_cli("run", str(cfg), "--nproc", "5", "--run-dir", str(tmp_path / "run"), env={"TMPDIR": tmp})
+        assert proc.returncode == 2 and "data.batch_size" in proc.stderr, proc.stderr
+        assert not list(Path(tmp).glob("pymp-*")), "the command left multiprocessing's folder behind"
 
 
 def test_a_sigkilled_launcher_takes_its_processes_with_it(training_run):

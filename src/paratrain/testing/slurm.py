@@ -23,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -66,6 +67,9 @@ class SlurmCluster:
 
     def __enter__(self) -> "SlurmCluster":
         self.dir.mkdir(parents=True, exist_ok=True)
+        # slurmstepd makes its sockets in the spool (NODE_JOBID.STEPID): the path must fit AF_UNIX's
+        # 108 bytes, which a deep workdir (pytest-xdist's tmp_path) does not leave room for.
+        self.spool = Path(tempfile.mkdtemp(prefix="pt-slurm-"))
         self.dir.chmod(0o700)  # munged refuses a socket or key in a directory others may write to
         self.hosts.__enter__()
         try:
@@ -102,7 +106,7 @@ class SlurmCluster:
             f"SlurmctldHost={socket.gethostname()}({self.hosts.addr(0)})",
             "SlurmUser=root", "SlurmdUser=root",
             "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket}", "CredType=cred/munge",
-            f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={d / 'spool-%n'}",
+            f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={self.spool / '%n'}",
             f"SlurmctldPidFile={d / 'slurmctld.pid'}", f"SlurmdPidFile={d / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={d / 'slurmctld.log'}", f"SlurmdLogFile={d / 'slurmd-%n.log'}",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
@@ -156,6 +160,7 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait()
         self.hosts.__exit__(None, None, None)  # and what the jobs left running in the namespaces
+        shutil.rmtree(self.spool, ignore_errors=True)
 
 
 if __name__ == "__main__":
