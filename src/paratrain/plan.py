@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .config import Config, data_parallel_degree
+from .models.recompute import blocks, run_layers
 
 MIB = 2**20
 
@@ -197,6 +198,16 @@ class FakeRun:
     x: torch.Tensor
     y: torch.Tensor
     autocast: object  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
+    recompute: bool  # train.recompute = "full": each block keeps only its input
+
+    def block_starts(self, s: int) -> list[nn.Module]:
+        """The first layer of each recomputed block of stage s (whose input the block keeps)."""
+        layers = self.stages[s]
+        if layers == [self.model]:
+            from .parallel.pipeline import pipeline_layers
+
+            layers = pipeline_layers(self.model) or [self.model]
+        return [block[0] for block in blocks(layers)]
 
     @classmethod
     def build(cls, cfg: Config, rows: int, bounds: list[int] | None) -> "FakeRun":
@@ -219,7 +230,8 @@ class FakeRun:
             stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
         autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16"
                     else contextlib.nullcontext())
-        return cls(mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast)
+        return cls(mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast,
+                   cfg.train.recompute == "full")
 
     def forward(self, loss_fn=None, around_stage=lambda s: contextlib.nullcontext()) -> None:
         """One forward through the stages as the pipeline engine runs them: a stage after the first
@@ -230,8 +242,7 @@ class FakeRun:
             for s, layers in enumerate(self.stages):
                 act = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())
                 with around_stage(s):
-                    for layer in layers:
-                        act = layer(act)
+                    act = run_layers(layers, act, self.recompute)
                     if loss_fn is not None and s == len(self.stages) - 1:
                         loss_fn(act, self.y)
 
@@ -256,8 +267,18 @@ def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = No
                 seen[id(base)] = base
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
+        def keep_block_input(module, args):
+            pack(args[0])
+
+        # under recompute autograd's hooks never see a checkpointed block's tensors: the block keeps
+        # its input instead, counted as its first layer receives it
+        handles = [m.register_forward_pre_hook(keep_block_input) for m in run.block_starts(s)] if run.recompute else []
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
         out.append(sum(t.numel() * t.element_size() for t in seen.values()))
 
     run.forward(build_loss(cfg), counting)

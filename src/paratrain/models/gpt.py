@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import require, require_at_least
+from .recompute import run_layers
 
 
 class Embedding(nn.Module):
@@ -86,6 +87,7 @@ class GPT(nn.Module):
         require_at_least(0, n_layer=n_layer)
         require(d_model % n_head == 0, "n_head", f"d_model {d_model} is not divisible by n_head {n_head}")
         self.block_size = block_size
+        self.recompute = False  # train.recompute = "full": each pipeline layer checkpointed
         self.embed = Embedding(vocab_size, d_model, block_size)
         self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
         self.head = Head(d_model, vocab_size)
@@ -107,10 +109,7 @@ class GPT(nn.Module):
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = idx
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return x
+        return run_layers(self.pipeline_layers(), idx, self.recompute)
 
 
 def gpt(vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128, block_size: int = 64,
