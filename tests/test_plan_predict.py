@@ -134,3 +134,75 @@ def test_recompute_lowers_measured_activations_as_planned(tmp_path):
     for mode, bytes_ in seen.items():
         assert abs(bytes_["measured"] - bytes_["planned"]) <= 0.1 * bytes_["planned"], seen
     assert seen["full"]["planned"] < seen["none"]["planned"] / 10
+
+
+def write_cluster(tmp_path, body: str):
+    return write_config(tmp_path / "cluster.toml", "[cluster]\n" + body)
+
+
+A100_NODES = 'nodes = 4\ndevices_per_node = 8\ndevice = "a100-80gb"\n'
+
+
+@pytest.mark.parametrize("body, key", [
+    ('nodes = 4\ndevices_per_node = 8\ndevice = "a100"\n', "cluster.device"),
+    (A100_NODES + "peak_tflops = -1\n", "cluster.peak_tflops"),
+    (A100_NODES + "nic_Gbps = 100\n", "cluster.nic_Gbps"),
+    ('devices_per_node = 8\ndevice = "h200"\n', "cluster.nodes"),
+    (A100_NODES + 'latency_us = "fast"\n', "cluster.latency_us"),
+])
+def test_a_bad_cluster_file_exits_2_naming_the_key(tmp_path, capsys, body, key):
+    from paratrain.cli import main
+
+    assert main(["plan", "--cluster", str(write_cluster(tmp_path, body))]) == 2
+    err = capsys.readouterr().err
+    assert f"paratrain: error: {key}:" in err and "Traceback" not in err
+
+
+def predicted(tmp_path, cluster_body: str, sets: list[str]) -> dict:
+    from paratrain.cli import main
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--cluster", str(write_cluster(tmp_path, cluster_body)), "--json", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    return json.loads(out.read_text())
+
+
+# a 39M-parameter gpt, 64 sequences of 512 tokens a step
+GPT2 = ["model.n_layer=4", "model.d_model=512", "model.n_head=8", "model.block_size=512", "data.block_size=512",
+        "model.vocab_size=50304", "data.batch_size=64", "train.precision='bf16'"]
+ONE_NODE = 'nodes = 1\ndevices_per_node = 8\ndevice = "a100-80gb"\n'
+
+
+def test_prediction_on_a_gpu_cluster(tmp_path):
+    """The figures the contract names, consistent with each other; the presets' peak and memory
+    (and their overrides); compute-bound GEMMs put a large model near the efficiency ceiling."""
+    plan = predicted(tmp_path, ONE_NODE, GPT2)
+    p = plan["predicted"]
+    assert set(p) == {"step_s", "samples_per_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_memory_gib"}
+    assert p["samples_per_s"] == pytest.approx(64 / p["step_s"])
+    assert p["tokens_per_s"] == pytest.approx(64 * 512 / p["step_s"])
+    assert p["mfu"] == pytest.approx(p["tflops_per_device"] / 312)
+    assert 0.2 < p["mfu"] < 0.85
+    assert plan["capacity"]["bytes"] == 80 * 2**30 and plan["capacity"]["kind"] == "a100-80gb memory"
+    faster = predicted(tmp_path, ONE_NODE + "peak_tflops = 624\nmemory_gib = 40\n", GPT2)
+    assert faster["capacity"]["bytes"] == 40 * 2**30
+    assert faster["predicted"]["step_s"] < p["step_s"]
+
+
+def test_prediction_counts_recompute_bubble_and_dp_comm(tmp_path):
+    """Recompute costs one more forward (3 -> 4 passes: at most a third more time); a pipeline
+    idles (pp - 1) microbatches' work; dp over slow NICs exposes its all-reduce."""
+    base = predicted(tmp_path, A100_NODES, GPT2)
+    recompute = predicted(tmp_path, A100_NODES, [*GPT2, "train.recompute='full'"])
+    ratio = recompute["step_breakdown"]["compute_s"] / base["step_breakdown"]["compute_s"]
+    assert ratio == pytest.approx(4 / 3, rel=1e-6)
+    assert recompute["predicted"]["peak_memory_gib"] < base["predicted"]["peak_memory_gib"]
+    pp = predicted(tmp_path, 'nodes = 1\ndevices_per_node = 4\ndevice = "h100-sxm"\n',
+                   [*GPT2, "parallel.strategy='pp'", "parallel.pp=4", "parallel.microbatches=8",
+                    "parallel.balance='params'"])
+    parts = pp["step_breakdown"]
+    assert parts["bubble_s"] == pytest.approx(3 / 8 * (parts["compute_s"] + parts["p2p_s"]), rel=0.05)
+    slow = predicted(tmp_path, A100_NODES + "inter_node_Gbps = 10\n", GPT2)
+    assert slow["step_breakdown"]["exposed_dp_comm_s"] > 10 * base["step_breakdown"]["exposed_dp_comm_s"]

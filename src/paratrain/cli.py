@@ -340,16 +340,22 @@ def cmd_plan(args) -> int:
     from .models import build_model
     from .plan import emit, make_plan
 
+    from .cluster import load_cluster
+
     try:
         cfg = load_config(args)
+        cluster = load_cluster(args.cluster) if args.cluster else None
+        if cluster is not None:  # the cluster's shape replaces --nproc / --nnodes
+            args.nproc, args.nnodes = cluster.devices_per_node, cluster.nodes
         nproc, device_note = place(cfg, args)
         with torch.device("meta"):  # shapes only: no memory, no time
             model = build_model(cfg, build_dataset(cfg, "train"))
     except ConfigError as exc:
         return _error(str(exc), 2)
-    if device_note:
+    if device_note and cluster is None:
         print(f"paratrain: {device_note}", file=sys.stderr)
-    emit(make_plan(cfg, model, nproc, args.nnodes, cfg.train.device), args.json)
+    device = "cuda" if cluster is not None and cluster.is_gpu else cfg.train.device
+    emit(make_plan(cfg, model, nproc, args.nnodes, device, cluster), args.json)
     return 0
 
 
@@ -398,6 +404,8 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     add_job_options(pl)
     pl.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="also write the plan as JSON (to stdout alone without PATH)")
+    pl.add_argument("--cluster", default=None, metavar="FILE",
+                    help="a TOML [cluster] table: plan and predict for those machines (docs/planning.md)")
     pl.set_defaults(func=cmd_plan)
 
     i = sub.add_parser("inspect", help="what a checkpoint holds (step, world size, strategy, tensors, bytes); "
