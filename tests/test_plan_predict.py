@@ -206,3 +206,17 @@ def test_prediction_counts_recompute_bubble_and_dp_comm(tmp_path):
     assert parts["bubble_s"] == pytest.approx(3 / 8 * (parts["compute_s"] + parts["p2p_s"]), rel=0.05)
     slow = predicted(tmp_path, A100_NODES + "inter_node_Gbps = 10\n", GPT2)
     assert slow["step_breakdown"]["exposed_dp_comm_s"] > 10 * base["step_breakdown"]["exposed_dp_comm_s"]
+
+
+def test_flops_are_megatrons_count():
+    """The op trace's FLOPs of a gpt's forward + backward equal Megatron-LM's closed form
+    72Bslh^2(1 + s/6h + V/12lh) (Narayanan et al., SC21, eq. 3 without recompute), exactly."""
+    from paratrain.cluster import PRESETS, Cluster
+    from paratrain.predict import stage_costs
+
+    l, h, heads, s, V, B = 2, 256, 4, 512, 5120, 4
+    cfg = load(None, [f"model.n_layer={l}", f"model.d_model={h}", f"model.n_head={heads}", f"model.block_size={s}",
+                      f"data.block_size={s}", f"model.vocab_size={V}", f"data.batch_size={B}"])
+    stages, tokens = stage_costs(cfg, B, None, Cluster(1, 1, "a100-80gb", PRESETS["a100-80gb"]), 1)
+    assert tokens == s
+    assert 3 * sum(stage.forward_flops for stage in stages) == 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
 from .cluster import Cluster
 from .config import Config
@@ -46,6 +46,15 @@ from .profile import min_bytes_sent
 GEMM_EFFICIENCY = 0.85
 # What every kernel costs besides its arithmetic (launch, the tail wave): a few microseconds.
 KERNEL_OVERHEAD_S = 5e-6
+
+
+def cpu_flash_attention_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    """The CPU's flash attention (what fake tensors run) as the flop counter counts CUDA's: the
+    scores and their weighted sum in full, as a kernel that masks computes them."""
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+FLOPS = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash_attention_flops}
 
 
 class OpRecorder(TorchDispatchMode):
@@ -59,7 +68,7 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        counter = flop_registry.get(func._overloadpacket)
+        counter = FLOPS.get(func._overloadpacket)
         if counter is not None:
             self.ops.append((counter(*args, **kwargs, out_val=out), 0))
         elif not func.is_view:
