@@ -191,3 +191,27 @@ def test_flops_are_megatrons_count():
     stages, tokens = stage_costs(cfg, B, None, Cluster(1, 1, "a100-80gb", PRESETS["a100-80gb"]), 1)
     assert tokens == s
     assert 3 * sum(stage.forward_flops for stage in stages) == 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def test_materialized_attention_is_the_same_function():
+    """gpt's model.attention = "materialized" (the scores as tensors, as Megatron-LM's 2021 runs
+    computed them) gives sdpa's output."""
+    from paratrain.models.gpt import gpt
+
+    torch.manual_seed(0)
+    fused = gpt(50, n_layer=1, d_model=32, block_size=16)
+    torch.manual_seed(0)
+    materialized = gpt(50, n_layer=1, d_model=32, block_size=16, attention="materialized")
+    x = torch.randint(0, 50, (3, 16))
+    torch.testing.assert_close(materialized(x), fused(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("row", [0, 4])
+def test_megatron_table_1_within_10_percent(row):
+    """Narayanan et al. (SC21) Table 1: 1.7B on 32 A100s (dp only) and 39.1B on 512 (t 8 x p 2 x d
+    32): the predicted TFLOP/s per GPU, by Megatron's count, within 10 % of the published ones.
+    `paratrain bench plan-megatron` runs every row (benchmarks/results/plan-megatron-*.md)."""
+    from paratrain.bench.plan_megatron import TABLE_1, predict_row
+
+    result = predict_row(TABLE_1[row])
+    assert abs(result["error"]) <= 0.10, result

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 
 # Each module under bench/ named here adds its sub-command with add_parser(subparsers).
-BENCHMARKS = ["dp", "memory", "zero", "recovery", "ps", "suite", "pipeline"]
+BENCHMARKS = ["dp", "memory", "zero", "recovery", "ps", "suite", "pipeline", "plan_megatron"]
 
 
 def add_bench_parser(sub) -> None:
