@@ -215,3 +215,27 @@ def test_megatron_table_1_within_10_percent(row):
 
     result = predict_row(TABLE_1[row])
     assert abs(result["error"]) <= 0.10, result
+
+
+def test_search_ranks_the_layouts_that_fit(tmp_path, capsys):
+    """Four A100s: the layouts come fastest first, each with the contract's keys, and the first
+    one's predicted step is what `plan` predicts for that layout alone."""
+    from paratrain.cli import main
+
+    sets = ["data.batch_size=16", "data.max_chars=100000"]
+    cluster = 'nodes = 1\ndevices_per_node = 4\ndevice = "a100-80gb"\n'
+    out = tmp_path / "search.json"
+    args = ["plan", "--cluster", str(write_cluster(tmp_path, cluster)), "--search", "--top", "50", "--json", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    layouts = json.loads(out.read_text())["layouts"]
+    steps = [x["predicted"]["step_s"] for x in layouts]
+    assert len(layouts) > 10 and steps == sorted(steps)
+    assert {x["parallel"]["strategy"] for x in layouts} >= {"dp", "zero3", "hybrid"}
+    assert all(set(x) >= {"parallel", "train", "predicted"} for x in layouts)
+    assert "why:" in capsys.readouterr().out
+    best = layouts[0]
+    alone = predicted(tmp_path, cluster, [*sets, *(f"parallel.{k}={v!r}" for k, v in best["parallel"].items()),
+                                          f"train.recompute='{best['train']['recompute']}'"])
+    assert alone["predicted"]["step_s"] == pytest.approx(best["predicted"]["step_s"])

@@ -355,7 +355,13 @@ def cmd_plan(args) -> int:
     if device_note and cluster is None:
         print(f"paratrain: {device_note}", file=sys.stderr)
     device = "cuda" if cluster is not None and cluster.is_gpu else cfg.train.device
-    emit(make_plan(cfg, model, nproc, args.nnodes, device, cluster), args.json)
+    plan = make_plan(cfg, model, nproc, args.nnodes, device, cluster)
+    if args.search:
+        from .cluster import this_machine
+        from .search import search
+
+        plan["layouts"] = search(args.config, args.overrides, cluster or this_machine(args.nnodes, nproc), args.top)
+    emit(plan, args.json)
     return 0
 
 
@@ -406,6 +412,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
                     help="also write the plan as JSON (to stdout alone without PATH)")
     pl.add_argument("--cluster", default=None, metavar="FILE",
                     help="a TOML [cluster] table: plan and predict for those machines (docs/planning.md)")
+    pl.add_argument("--search", action="store_true",
+                    help="also rank the layouts that fit (dp x tp x pp, zero stage, microbatches, schedule, recompute)")
+    pl.add_argument("--top", type=int, default=5, metavar="K", help="layouts --search shows (default 5)")
     pl.set_defaults(func=cmd_plan)
 
     i = sub.add_parser("inspect", help="what a checkpoint holds (step, world size, strategy, tensors, bytes); "

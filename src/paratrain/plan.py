@@ -607,6 +607,10 @@ def render(plan: dict) -> str:
                  f"{what} of this machine's {_gib(c['bytes'])} GiB of {c['kind']}")
     lines += render_prediction(plan)
     lines += [f"note: {n}" for n in plan["notes"]]
+    if "layouts" in plan:
+        from .search import render_search
+
+        lines += render_search(plan["layouts"])
     return "\n".join(lines)
 
 
