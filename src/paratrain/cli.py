@@ -351,16 +351,28 @@ def cmd_plan(args) -> int:
     from .models import build_model
     from .plan import emit, make_plan
 
+    from .cluster import load_cluster
+
     try:
         cfg = load_config(args)
+        cluster = load_cluster(args.cluster) if args.cluster else None
+        if cluster is not None:  # the cluster's shape replaces --nproc / --nnodes
+            args.nproc, args.nnodes = cluster.devices_per_node, cluster.nodes
         nproc, device_note = place(cfg, args)
         with torch.device("meta"):  # shapes only: no memory, no time
             model = build_model(cfg, build_dataset(cfg, "train"))
     except ConfigError as exc:
         return _error(str(exc), 2)
-    if device_note:
+    if device_note and cluster is None:
         print(f"paratrain: {device_note}", file=sys.stderr)
-    emit(make_plan(cfg, model, nproc, args.nnodes, cfg.train.device), args.json)
+    device = "cuda" if cluster is not None and cluster.is_gpu else cfg.train.device
+    plan = make_plan(cfg, model, nproc, args.nnodes, device, cluster)
+    if args.search:
+        from .cluster import this_machine
+        from .search import search
+
+        plan["layouts"] = search(args.config, args.overrides, cluster or this_machine(args.nnodes, nproc), args.top)
+    emit(plan, args.json)
     return 0
 
 
@@ -409,6 +421,11 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     add_job_options(pl)
     pl.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                     help="also write the plan as JSON (to stdout alone without PATH)")
+    pl.add_argument("--cluster", default=None, metavar="FILE",
+                    help="a TOML [cluster] table: plan and predict for those machines (docs/planning.md)")
+    pl.add_argument("--search", action="store_true",
+                    help="also rank the layouts that fit (dp x tp x pp, zero stage, microbatches, schedule, recompute)")
+    pl.add_argument("--top", type=int, default=5, metavar="K", help="layouts --search shows (default 5)")
     pl.set_defaults(func=cmd_plan)
 
     i = sub.add_parser("inspect", help="what a checkpoint holds (step, world size, strategy, tensors, bytes); "

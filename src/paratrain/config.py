@@ -124,6 +124,8 @@ class TrainConfig:
     grad_accum: int = opt(1, check=_positive, doc="micro-batches per optimizer step; the global batch stays data.batch_size")
     clip_grad_norm: float = opt(0.0, check=_non_negative, doc="clip the global gradient norm to this; 0 = off")
     precision: str = opt("fp32", choices=("fp32", "bf16"), doc="bf16: autocast of forward and loss")
+    recompute: str = opt("none", choices=("none", "full"),
+                         doc="full: keep only each block's input and run its forward again in backward")
     seed: int = opt(0, check=_seed)
     log_every: int = opt(10, check=_positive, doc="steps between metrics lines (and the profiler's gather)")
     eval_every: int = opt(0, check=_non_negative, doc="0 = only after the last step")

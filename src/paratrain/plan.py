@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .config import Config, data_parallel_degree
+from .models.recompute import blocks, run_layers
 
 MIB = 2**20
 
@@ -198,6 +199,16 @@ class FakeRun:
     x: torch.Tensor
     y: torch.Tensor
     autocast: object  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
+    recompute: bool  # train.recompute = "full": each block keeps only its input
+
+    def block_starts(self, s: int) -> list[nn.Module]:
+        """The first layer of each recomputed block of stage s (whose input the block keeps)."""
+        layers = self.stages[s]
+        if layers == [self.model]:
+            from .parallel.pipeline import pipeline_layers
+
+            layers = pipeline_layers(self.model) or [self.model]
+        return [block[0] for block in blocks(layers)]
 
     @classmethod
     def build(cls, cfg: Config, rows: int, bounds: list[int] | None) -> "FakeRun":
@@ -220,7 +231,8 @@ class FakeRun:
             stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
         autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16"
                     else contextlib.nullcontext())
-        return cls(mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast)
+        return cls(mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast,
+                   cfg.train.recompute == "full")
 
     def forward(self, loss_fn=None, around_stage=lambda s: contextlib.nullcontext()) -> None:
         """One forward through the stages as the pipeline engine runs them: a stage after the first
@@ -231,8 +243,7 @@ class FakeRun:
             for s, layers in enumerate(self.stages):
                 act = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())
                 with around_stage(s):
-                    for layer in layers:
-                        act = layer(act)
+                    act = run_layers(layers, act, self.recompute)
                     if loss_fn is not None and s == len(self.stages) - 1:
                         loss_fn(act, self.y)
 
@@ -257,8 +268,18 @@ def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = No
                 seen[id(base)] = base
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
+        def keep_block_input(module, args):
+            pack(args[0])
+
+        # under recompute autograd's hooks never see a checkpointed block's tensors: the block keeps
+        # its input instead, counted as its first layer receives it
+        handles = [m.register_forward_pre_hook(keep_block_input) for m in run.block_starts(s)] if run.recompute else []
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
         out.append(sum(t.numel() * t.element_size() for t in seen.values()))
 
     run.forward(build_loss(cfg), counting)
@@ -425,13 +446,18 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
             for s in range(n_stages)]
 
 
-def capacity(ranks: list[RankPlan], device: str) -> dict:
+def capacity(ranks: list[RankPlan], device: str, cluster=None) -> dict:
     """Whether the plan fits this machine (every node taken to be like it): on a GPU, the busiest
-    rank against its GPU's memory; on CPU, the busiest node's ranks together against host memory."""
+    rank against its GPU's memory; on CPU, the busiest node's ranks together against host memory.
+    With a GPU cluster description, the busiest rank against its device's memory."""
     def need(r: RankPlan) -> int:
         return r.model_state_bytes + (r.activation_bytes or 0)
 
-    if device == "cuda":
+    if cluster is not None and cluster.is_gpu:
+        worst = max(ranks, key=need)
+        have, where, needed = cluster.memory_bytes, f"rank {worst.rank}", need(worst)
+        kind = f"{cluster.device_name} memory"
+    elif device == "cuda":
         worst = max(ranks, key=need)
         have, where, needed = torch.cuda.get_device_properties(0).total_memory, f"rank {worst.rank}", need(worst)
         kind = "GPU memory"
@@ -446,8 +472,9 @@ def capacity(ranks: list[RankPlan], device: str) -> dict:
             "activations_counted": all(r.activation_bytes is not None for r in ranks)}
 
 
-def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: str) -> dict:
-    """The layout of a run of `cfg` on nnodes x nproc processes (`model` on the meta device)."""
+def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: str, cluster=None) -> dict:
+    """The layout of a run of `cfg` on nnodes x nproc processes (`model` on the meta device), and
+    its predicted step time on `cluster` (None: machines like this one)."""
     from .parallel.base import unique_parameters
     from .parallel.hybrid import microbatch_count
 
@@ -506,8 +533,12 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
                          "(parallel.balance = 'time') and may cut elsewhere")
     if device == "cuda":
         notes.append("activations counted with the CPU's kernels: CUDA's attention kernels may save other tensors")
-    return {
-        "capacity": capacity(ranks, device),
+    from .cluster import this_machine
+    from .predict import predict
+
+    cluster = cluster or this_machine(nnodes, nproc)
+    plan = {
+        "capacity": capacity(ranks, device, cluster),
         "name": cfg.name, "strategy": p.strategy, "device": device,
         "world_size": world, "nnodes": nnodes, "nproc_per_node": nproc,
         "mesh": {"dp": dp, "tp": p.tp, "pp": p.pp} if p.strategy != "ps" else
@@ -519,7 +550,11 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
         "stages": stages,
         "ranks": [r.as_dict() for r in ranks],
         "notes": notes,
+        "cluster": {"nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
+                    "device": cluster.device_name, **asdict(cluster.device)},
     }
+    plan["predicted"], plan["step_breakdown"] = predict(cfg, model, plan, cluster)
+    return plan
 
 
 def _mib(n: int) -> str:
@@ -571,8 +606,25 @@ def render(plan: dict) -> str:
     what = "model state + activations" if c["activations_counted"] else "model state (activations not estimated)"
     lines.append(f"{'fits' if c['fits'] else 'DOES NOT FIT'}: {c['where']} needs {_gib(c['needed'])} GiB for "
                  f"{what} of this machine's {_gib(c['bytes'])} GiB of {c['kind']}")
+    lines += render_prediction(plan)
     lines += [f"note: {n}" for n in plan["notes"]]
+    if "layouts" in plan:
+        from .search import render_search
+
+        lines += render_search(plan["layouts"])
     return "\n".join(lines)
+
+
+def render_prediction(plan: dict) -> list[str]:
+    c, p, parts = plan["cluster"], plan["predicted"], plan["step_breakdown"]
+    where = f"{c['nodes']} node(s) x {c['devices_per_node']} {c['device']} ({c['peak_tflops']:.4g} TFLOP/s peak)"
+    if p is None:
+        return [f"predicted on {where}: {parts['note']}"]
+    return [f"predicted on {where}: step {p['step_s']:.4g} s, {p['samples_per_s']:.4g} samples/s, "
+            f"{p['tokens_per_s']:.4g} tokens/s, {p['tflops_per_device']:.4g} TFLOP/s per device, "
+            f"MFU {p['mfu']:.1%}, peak memory {p['peak_memory_gib']:.3g} GiB",
+            "  step = " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.3g} s" for k, v in parts.items()
+                                    if k.endswith("_s"))]
 
 
 def emit(plan: dict, json_dest: str | None) -> None:

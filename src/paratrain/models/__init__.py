@@ -11,6 +11,7 @@ from ..resolve import check_kwargs, resolve_callable
 from .cnn import cnn
 from .gpt import gpt
 from .mlp import mlp
+from .recompute import enable_recompute
 
 BUILTIN = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
 
@@ -52,4 +53,6 @@ def build_model(cfg: Config, dataset) -> nn.Module:
         raise ConfigError("model.factory", f"{name} failed: {exc}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError("model.factory", f"{name} returned {type(model).__name__}, not a torch.nn.Module")
+    if cfg.train.recompute == "full":
+        enable_recompute(model, name)
     return model

@@ -7,11 +7,14 @@ change. Separate q, k and v projections (not one fused qkv) make that column spl
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import require, require_at_least
+from .recompute import run_layers
 
 
 class Embedding(nn.Module):
@@ -25,10 +28,22 @@ class Embedding(nn.Module):
         return self.tok(idx) + self.pos(positions)
 
 
+ATTENTION = ("sdpa", "materialized")
+
+
+def materialized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention with the scores stored, masked and softmaxed as tensors (GPT-2's and
+    Megatron-LM's 2021 implementation): the same function as the fused kernel, more memory traffic."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+
+
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_head: int):
+    def __init__(self, d_model: int, n_head: int, attention: str = "sdpa"):
         super().__init__()
         self.head_dim = d_model // n_head
+        self.materialized = attention == "materialized"
         self.q = nn.Linear(d_model, d_model)
         self.k = nn.Linear(d_model, d_model)
         self.v = nn.Linear(d_model, d_model)
@@ -41,7 +56,9 @@ class Attention(nn.Module):
         def split(t):
             return t.view(B, T, heads, self.head_dim).transpose(1, 2)
 
-        y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        y = (materialized_attention(q, k, v) if self.materialized
+             else F.scaled_dot_product_attention(q, k, v, is_causal=True))
         return self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_dim))
 
 
@@ -56,10 +73,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int):
+    def __init__(self, d_model: int, n_head: int, attention: str = "sdpa"):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = Attention(d_model, n_head)
+        self.attn = Attention(d_model, n_head, attention)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = FeedForward(d_model)
 
@@ -80,14 +97,16 @@ class Head(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128,
-                 block_size: int = 64, tie_embeddings: bool = False):
+                 block_size: int = 64, tie_embeddings: bool = False, attention: str = "sdpa"):
         super().__init__()
         require_at_least(1, vocab_size=vocab_size, n_head=n_head, d_model=d_model, block_size=block_size)
         require_at_least(0, n_layer=n_layer)
         require(d_model % n_head == 0, "n_head", f"d_model {d_model} is not divisible by n_head {n_head}")
+        require(attention in ATTENTION, "attention", f"{attention!r} is not one of {', '.join(ATTENTION)}")
         self.block_size = block_size
+        self.recompute = False  # train.recompute = "full": each pipeline layer checkpointed
         self.embed = Embedding(vocab_size, d_model, block_size)
-        self.blocks = nn.ModuleList(Block(d_model, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, attention) for _ in range(n_layer))
         self.head = Head(d_model, vocab_size)
         if tie_embeddings:  # GPT-2's weight tying: the output projection is the token embedding
             # Tied before the init pass, which then writes it twice (the head last), as a sharded
@@ -107,13 +126,11 @@ class GPT(nn.Module):
         return [self.embed, *self.blocks, self.head]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = idx
-        for layer in self.pipeline_layers():
-            x = layer(x)
-        return x
+        return run_layers(self.pipeline_layers(), idx, self.recompute)
 
 
 def gpt(vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128, block_size: int = 64,
-        tie_embeddings: bool = False) -> GPT:
+        tie_embeddings: bool = False, attention: str = "sdpa") -> GPT:
+    """attention: "sdpa" (torch's fused kernel) or "materialized" (scores as tensors)."""
     return GPT(vocab_size, n_layer=n_layer, n_head=n_head, d_model=d_model, block_size=block_size,
-               tie_embeddings=tie_embeddings)
+               tie_embeddings=tie_embeddings, attention=attention)

@@ -116,7 +116,8 @@ class ModelParallel(Strategy):
             if s not in self.stage_ids:
                 for layer in group:
                     layer.to("meta")
-        self.chunks = [StageChunk(stage_layers[s]) if p.pp > 1 else model for s in self.stage_ids]
+        self.chunks = [StageChunk(stage_layers[s], cfg.train.recompute == "full") if p.pp > 1 else model
+                       for s in self.stage_ids]
         self.owned_keys = [k for k, s in stage_of_key.items() if s in self.stage_ids]
         name_of = {id(t): n for n, t in model.named_parameters()}
         self.reducers, self.param_names, params = [], [], []

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import collectives
+from ..models.recompute import run_layers
 from ..profile import NULL_PROFILER
 from .pipeline_comm import P2P
 from .pipeline_schedules import Action
@@ -178,14 +179,13 @@ def decide_split(layers, n_stages: int, allowed, balance: str, sample_fn, autoca
 class StageChunk(nn.Module):
     """Consecutive layers of the model that one rank runs as one virtual stage."""
 
-    def __init__(self, layers: list[nn.Module]):
+    def __init__(self, layers: list[nn.Module], recompute: bool = False):
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.recompute = recompute  # train.recompute = "full": each block of the chunk checkpointed
 
     def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+        return run_layers(list(self.layers), x, self.recompute)
 
 
 class PipelineEngine:

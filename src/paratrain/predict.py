@@ -1,0 +1,225 @@
+"""The step-time model of `paratrain plan --cluster`: seconds per optimizer step of a planned
+layout on a cluster, from what the engines do.
+
+Compute (Calculon's idea): one microbatch's forward through each pipeline stage is played in fake
+tensors (plan.FakeRun) and every operation recorded. A matrix product (matmul, linear, attention:
+the ops torch.utils.flop_counter counts) takes its FLOPs at the device's peak times an efficiency
+that grows with its size: FLOPs / (peak x GEMM_EFFICIENCY) plus a fixed KERNEL_OVERHEAD_S, so a
+small matmul reaches a small fraction of peak and a large one GEMM_EFFICIENCY. Every other op is
+memory-bound: it reads and writes its output's bytes at the device's memory bandwidth. Backward
+takes twice the forward (two products per forward product); `train.recompute = "full"` adds one
+forward. Under tp, each device does 1/tp of a stage's work (tp's sharded layers hold 1/tp of every
+product; the few replicated ops, layer norms and residual adds, are counted split too).
+
+Communication (alpha-beta): an op of a group of N moves its fewest bytes (profile.min_bytes_sent:
+2(N-1)/N of the buffer for a ring all-reduce) at the group's link bandwidth, plus a latency per ring
+step. A group within one node uses the intra-node link; one across nodes shares its node's NICs
+with the node's other devices, which communicate at the same time.
+  * dp's gradient buckets are all-reduced while the last microbatch's backward runs: only what
+    exceeds that backward is exposed (and at least one bucket's share);
+  * zero1/2 reduce-scatter the same way and all-gather the parameters after the optimizer step,
+    exposed; zero3 gathers each unit before its forward and backward, prefetched while the previous
+    unit computes: exposed only where the gathers outrun the compute;
+  * tp's all-reduces (plan.tp_all_reduces: their payloads) are on the critical path, in every
+    microbatch, and under recompute the forward's half again;
+  * pipeline stages send each microbatch's activation forward and its gradient back; the schedule
+    idles (pp - 1) / v of a microbatch's work per rank (gpipe and 1f1b: v = 1; interleaved: v
+    virtual stages per rank);
+  * the optimizer reads and writes its state, the parameters and the gradients once, memory-bound.
+Parameter servers are not modelled (predicted is None, with a note).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+
+from .cluster import Cluster
+from .config import Config
+from .profile import min_bytes_sent
+
+# A large cuBLAS GEMM's share of the data sheet's dense peak (A100/H100 bf16 GEMMs of thousands a
+# side reach 80-90 % in NVIDIA's GEMM performance guide); an assumption, not measured here.
+GEMM_EFFICIENCY = 0.85
+# What every kernel costs besides its arithmetic (launch, the tail wave): a few microseconds.
+KERNEL_OVERHEAD_S = 5e-6
+
+
+def cpu_flash_attention_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    """The CPU's flash attention (what fake tensors run) as the flop counter counts CUDA's: the
+    scores and their weighted sum in full, as a kernel that masks computes them."""
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+FLOPS = {**flop_registry, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: cpu_flash_attention_flops}
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records, for every op run under it, (FLOPs, output bytes): FLOPs for the ops the flop
+    counter knows (products), else 0 with the bytes the op writes (views write nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        counter = FLOPS.get(func._overloadpacket)
+        if counter is not None:
+            self.ops.append((counter(*args, **kwargs, out_val=out), 0))
+        elif not func.is_view:
+            written = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out)
+                          if isinstance(t, torch.Tensor))
+            self.ops.append((0, written))
+        return out
+
+
+@dataclass
+class StageCost:
+    forward_flops: int     # one microbatch's forward through the stage, the whole (unsplit) stage
+    forward_s: float       # the same on one device of the cluster, split over tp
+
+
+def stage_costs(cfg: Config, rows: int, bounds: list[int] | None, cluster: Cluster,
+                tp: int) -> tuple[list[StageCost], int]:
+    """Each stage's cost, and the tokens in a sample (a sequence model's positions; else 1)."""
+    from .optim import build_loss
+    from .plan import FakeRun
+
+    run = FakeRun.build(cfg, rows, bounds)
+    recorders: list[OpRecorder] = []
+
+    @contextlib.contextmanager
+    def recording(s: int):
+        recorder = OpRecorder()
+        recorders.append(recorder)
+        with recorder:
+            yield
+
+    run.forward(build_loss(cfg), recording)
+    d = cluster.device
+    out = []
+    for recorder in recorders:
+        seconds = 0.0
+        for flops, written in recorder.ops:
+            if flops:
+                seconds += flops / tp / (d.peak_tflops * 1e12 * GEMM_EFFICIENCY) + KERNEL_OVERHEAD_S
+            else:
+                seconds += 2 * written / tp / (d.hbm_GBps * 1e9)
+        out.append(StageCost(sum(f for f, _ in recorder.ops), seconds))
+    tokens = run.x[0].numel() if not run.x.is_floating_point() else 1
+    return out, tokens
+
+
+def link(cluster: Cluster, span: int) -> tuple[float, float]:
+    """(bytes/s per device, seconds per message) of a group whose ranks lie `span` consecutive
+    ranks apart at most (span <= devices per node: within one node)."""
+    d = cluster.device
+    if span <= cluster.devices_per_node or cluster.nodes == 1:
+        return d.intra_node_GBps * 1e9, d.intra_latency_us * 1e-6
+    return d.inter_node_Gbps / 8 * 1e9 / cluster.devices_per_node, d.latency_us * 1e-6
+
+
+def collective_s(op: str, payload: float, n: int, bandwidth: float, latency: float) -> float:
+    """alpha-beta: the fewest bytes sent at the link's rate, plus a latency per ring step."""
+    if n <= 1:
+        return 0.0
+    steps = {"all_reduce": 2 * (n - 1), "send": 1}.get(op, n - 1)
+    return min_bytes_sent(op, payload, n) / bandwidth + steps * latency
+
+
+def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | None, dict]:
+    """(the "predicted" figures, the breakdown of one step in seconds) for the plan of `cfg`
+    (`model` on the meta device) on the cluster."""
+    from .parallel.hybrid import virtual_stages
+
+    p = cfg.parallel
+    if p.strategy == "ps":
+        return None, {"note": "parameter servers are not modelled"}
+    world, tp, pp = plan["world_size"], p.tp, p.pp
+    dp = plan["mesh"]["dp"]
+    v = virtual_stages(cfg) if pp > 1 else 1
+    b = plan["batch"]
+    m, rows = b["microbatches"], b["rows_per_microbatch"]
+    bounds = [0, *[s["layers"][1] + 1 for s in plan["stages"]]] if pp > 1 else None
+    stages, tokens_per_sample = stage_costs(cfg, rows, bounds, cluster, tp)
+    recompute = cfg.train.recompute == "full"
+
+    # tp: all-reduces within each stage, every microbatch; recompute repeats the forward's half
+    tp_s = [0.0] * len(stages)
+    if tp > 1:
+        from .parallel.tensor_parallel import plan_for
+        from .plan import tp_all_reduces
+
+        payloads = tp_all_reduces(cfg, rows, bounds, plan_for(model, p.tp_plan)) or [[] for _ in stages]
+        bw, lat = link(cluster, tp)
+        tp_s = [sum(collective_s("all_reduce", x, tp, bw, lat) for x in stage) * (1.5 if recompute else 1)
+                for stage in payloads]
+    # pp: a microbatch's activation to the next stage, its gradient back
+    p2p_s = [0.0] * len(stages)
+    if pp > 1:
+        from .plan import _boundary_bytes
+
+        boundary = _boundary_bytes(cfg, model, bounds, rows)
+        bw, lat = link(cluster, dp * tp + 1)
+        for s in range(len(stages)):
+            out = boundary[s + 1] if s + 1 < len(stages) else 0
+            back = boundary[s] if s > 0 else 0
+            p2p_s[s] = sum(x / bw + lat for x in (out, back) if x)
+
+    compute_passes = 3 + (1 if recompute else 0)  # forward, backward (2x), recompute's forward
+    per_rank = []  # one microbatch's work on each pp rank: (total, backward only)
+    for r in range(pp):
+        held = [c * pp + r for c in range(v)]
+        work = sum(stages[s].forward_s * compute_passes + tp_s[s] + p2p_s[s] for s in held)
+        backward = sum(stages[s].forward_s * (compute_passes - 1) for s in held)
+        per_rank.append((work, backward))
+    slowest, backward = max(per_rank)
+    bubble_s = (pp - 1) / v * slowest
+    pipeline_s = m * slowest + bubble_s
+
+    # data-parallel gradient reduction, parameter gathers, the optimizer: on the busiest rank
+    busiest = max(plan["ranks"], key=lambda r: r["param_bytes"] + r["optimizer_bytes"])
+    bw, lat = link(cluster, dp * tp)
+    wire = 0.5 if p.compression in ("bf16", "fp16") else 1.0
+    exposed_s = 0.0
+    if dp > 1:
+        def overlapped(reduce: float, numbers: float) -> float:
+            """Buckets reduced while the backward runs: what outlasts it, at least the last bucket."""
+            return max(reduce - backward, reduce * min(1.0, p.bucket_mb * 2**20 / max(numbers, 1)))
+
+        if p.strategy == "zero3":
+            full = busiest["param_bytes"] * dp
+            reduce = collective_s("reduce_scatter", full * wire, dp, bw, lat)
+            gathers = 2 * collective_s("all_gather", full, dp, bw, lat)
+            exposed_s = m * (max(reduce - backward, 0) + max(gathers - slowest, 0))
+        elif p.strategy in ("zero1", "zero2"):
+            full = busiest["param_bytes"]
+            exposed_s = (overlapped(collective_s("reduce_scatter", full * wire, dp, bw, lat), full)
+                         + collective_s("all_gather", full, dp, bw, lat))
+        else:
+            grads = busiest["grad_bytes"]
+            exposed_s = overlapped(collective_s("all_reduce", grads * wire, dp, bw, lat), grads)
+    slots = plan["optimizer"]["state_tensors_per_parameter"]
+    shard = busiest["optimizer_bytes"] / slots if slots else busiest["param_bytes"]
+    optimizer_s = (2 * busiest["optimizer_bytes"] + 3 * shard) / (cluster.device.hbm_GBps * 1e9)
+
+    step_s = pipeline_s + exposed_s + optimizer_s
+    samples = b["global"]
+    flops = sum(s.forward_flops for s in stages) * 3 * m * dp  # the model's forward + backward
+    tokens = samples * tokens_per_sample
+    per_device = flops / step_s / world / 1e12
+    peak_memory = max(r["model_state_bytes"] + (r["activation_bytes"] or 0) for r in plan["ranks"])
+    predicted = {"step_s": step_s, "samples_per_s": samples / step_s, "tokens_per_s": tokens / step_s,
+                 "tflops_per_device": per_device, "mfu": per_device / cluster.device.peak_tflops,
+                 "peak_memory_gib": peak_memory / 2**30}
+    breakdown = {"compute_s": m * max(sum(stages[s].forward_s * compute_passes for s in
+                                          [c * pp + r for c in range(v)]) for r in range(pp)),
+                 "bubble_s": bubble_s, "tp_comm_s": m * max(tp_s), "p2p_s": m * max(p2p_s),
+                 "exposed_dp_comm_s": exposed_s, "optimizer_s": optimizer_s,
+                 "memory_headroom_gib": cluster.device.memory_gib - peak_memory / 2**30}
+    return predicted, breakdown

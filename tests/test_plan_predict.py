@@ -1,0 +1,241 @@
+"""`train.recompute`, the cluster description and the step-time model of `paratrain plan`.
+
+Recompute must train equal to no recompute (the equivalence promise) and keep only each block's
+input for backward, as the plan counts it; memory is measured here as the resident memory a real
+forward adds (glibc told to mmap every allocation over 64 KiB, so a freed tensor leaves RSS)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import CPU_ONLY, check_ok, final_weights, run_cli, write_config
+from reference import train_reference
+from test_model_parallel import GPT, rel_error  # GPT: a 2-block gpt, 20 SGD steps of 8 unshuffled samples
+
+from paratrain.config import load
+from paratrain.data import build_dataset, load_batch
+from paratrain.models import build_model
+from paratrain.optim import build_loss
+
+DIGITS = """
+[model]
+factory = "{model}"
+[data]
+factory = "digits"
+batch_size = 8
+"""
+
+
+@pytest.mark.parametrize("text", [GPT, DIGITS.format(model="mlp"), DIGITS.format(model="cnn")],
+                         ids=["gpt", "mlp", "cnn"])
+def test_recompute_gives_the_same_gradients(tmp_path, text):
+    """Each built-in model: one forward and backward with and without recompute, equal gradients."""
+    config = write_config(tmp_path / "job.toml", text)
+    grads = []
+    for mode in ("none", "full"):
+        cfg = load(config, [f"train.recompute='{mode}'"])
+        dataset = build_dataset(cfg, "train")
+        torch.manual_seed(0)
+        model = build_model(cfg, dataset)
+        x, y = load_batch(dataset, torch.arange(8))
+        build_loss(cfg)(model(x), y).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_recompute_in_pipeline_stages_trains_equal(tmp_path):
+    """Interleaved pp 2 (four virtual stages, each chunk checkpointed by block) against plain
+    single-process training of the same gpt without recompute."""
+    from paratrain.data.datasets import corpus
+    from paratrain.models.gpt import gpt
+
+    train = corpus("train", block_size=16, max_chars=20000)
+    x, y = load_batch(train, torch.arange(20 * 8) % len(train))
+    torch.manual_seed(0)
+    reference = train_reference(gpt(train.vocab_size, n_layer=2, n_head=4, d_model=32, block_size=16), x, y,
+                                steps=20, batch_size=8, lr=0.1)
+    config = write_config(tmp_path / "gpt.toml", GPT)
+    check_ok(run_cli("run", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+                     "--set", "train.recompute='full'", "--set", "parallel.strategy='pp'", "--set", "parallel.pp=2",
+                     "--set", "parallel.schedule='interleaved'", "--set", "parallel.balance='params'"))
+    assert rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
+
+
+MEASURE = """
+import json, sys, torch
+from paratrain.config import load
+from paratrain.data import build_dataset, load_batch
+from paratrain.models import build_model
+from paratrain.optim import build_loss
+from paratrain.plan import saved_activation_bytes
+
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+seen = {}
+for mode in ("none", "full"):
+    cfg = load(None, sys.argv[1:] + [f"train.recompute='{mode}'"])
+    dataset = build_dataset(cfg, "train")
+    model, loss_fn = build_model(cfg, dataset), build_loss(cfg)
+    x, y = load_batch(dataset, torch.arange(cfg.data.batch_size))
+    with torch.no_grad():  # the kernels' one-time set-up, outside the measurement
+        loss_fn(model(x), y)
+    before = resident()
+    loss = loss_fn(model(x), y)
+    seen[mode] = {"measured": resident() - before, "planned": saved_activation_bytes(cfg, len(x))[0]}
+    del loss
+print(json.dumps(seen))
+"""
+
+
+def test_recompute_lowers_measured_activations_as_planned(tmp_path):
+    """A 4-block gpt (d_model 256, 32 x 64 tokens): the memory a forward leaves for backward, with
+    and without recompute, within 10 % of the plan's count; recompute keeps under a tenth."""
+    script = write_config(tmp_path / "measure.py", MEASURE)
+    proc = subprocess.run([sys.executable, str(script), "model.d_model=256", "model.n_layer=4", "data.batch_size=32",
+                           "data.max_chars=100000"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **CPU_ONLY, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    for mode, bytes_ in seen.items():
+        assert abs(bytes_["measured"] - bytes_["planned"]) <= 0.1 * bytes_["planned"], seen
+    assert seen["full"]["planned"] < seen["none"]["planned"] / 10
+
+
+def write_cluster(tmp_path, body: str):
+    return write_config(tmp_path / "cluster.toml", "[cluster]\n" + body)
+
+
+A100_NODES = 'nodes = 4\ndevices_per_node = 8\ndevice = "a100-80gb"\n'
+
+
+@pytest.mark.parametrize("body, key", [
+    ('nodes = 4\ndevices_per_node = 8\ndevice = "a100"\n', "cluster.device"),
+    (A100_NODES + "peak_tflops = -1\n", "cluster.peak_tflops"),
+    (A100_NODES + "nic_Gbps = 100\n", "cluster.nic_Gbps"),
+    ('devices_per_node = 8\ndevice = "h200"\n', "cluster.nodes"),
+    (A100_NODES + 'latency_us = "fast"\n', "cluster.latency_us"),
+])
+def test_a_bad_cluster_file_exits_2_naming_the_key(tmp_path, capsys, body, key):
+    from paratrain.cli import main
+
+    assert main(["plan", "--cluster", str(write_cluster(tmp_path, body))]) == 2
+    err = capsys.readouterr().err
+    assert f"paratrain: error: {key}:" in err and "Traceback" not in err
+
+
+def predicted(tmp_path, cluster_body: str, sets: list[str]) -> dict:
+    from paratrain.cli import main
+
+    out = tmp_path / "plan.json"
+    args = ["plan", "--cluster", str(write_cluster(tmp_path, cluster_body)), "--json", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    return json.loads(out.read_text())
+
+
+# a 39M-parameter gpt, 64 sequences of 512 tokens a step
+GPT2 = ["model.n_layer=4", "model.d_model=512", "model.n_head=8", "model.block_size=512", "data.block_size=512",
+        "model.vocab_size=50304", "data.batch_size=64", "train.precision='bf16'"]
+ONE_NODE = 'nodes = 1\ndevices_per_node = 8\ndevice = "a100-80gb"\n'
+
+
+def test_prediction_on_a_gpu_cluster(tmp_path):
+    """The figures the contract names, consistent with each other; the presets' peak and memory
+    (and their overrides); compute-bound GEMMs put a large model near the efficiency ceiling."""
+    plan = predicted(tmp_path, ONE_NODE, GPT2)
+    p = plan["predicted"]
+    assert set(p) == {"step_s", "samples_per_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_memory_gib"}
+    assert p["samples_per_s"] == pytest.approx(64 / p["step_s"])
+    assert p["tokens_per_s"] == pytest.approx(64 * 512 / p["step_s"])
+    assert p["mfu"] == pytest.approx(p["tflops_per_device"] / 312)
+    assert 0.2 < p["mfu"] < 0.85
+    assert plan["capacity"]["bytes"] == 80 * 2**30 and plan["capacity"]["kind"] == "a100-80gb memory"
+    faster = predicted(tmp_path, ONE_NODE + "peak_tflops = 624\nmemory_gib = 40\n", GPT2)
+    assert faster["capacity"]["bytes"] == 40 * 2**30
+    assert faster["predicted"]["step_s"] < p["step_s"]
+
+
+def test_prediction_counts_recompute_bubble_and_dp_comm(tmp_path):
+    """Recompute costs one more forward (3 -> 4 passes: at most a third more time); a pipeline
+    idles (pp - 1) microbatches' work; dp over slow NICs exposes its all-reduce."""
+    base = predicted(tmp_path, A100_NODES, GPT2)
+    recompute = predicted(tmp_path, A100_NODES, [*GPT2, "train.recompute='full'"])
+    ratio = recompute["step_breakdown"]["compute_s"] / base["step_breakdown"]["compute_s"]
+    assert ratio == pytest.approx(4 / 3, rel=1e-6)
+    assert recompute["predicted"]["peak_memory_gib"] < base["predicted"]["peak_memory_gib"]
+    pp = predicted(tmp_path, 'nodes = 1\ndevices_per_node = 4\ndevice = "h100-sxm"\n',
+                   [*GPT2, "parallel.strategy='pp'", "parallel.pp=4", "parallel.microbatches=8",
+                    "parallel.balance='params'"])
+    parts = pp["step_breakdown"]
+    assert parts["bubble_s"] == pytest.approx(3 / 8 * (parts["compute_s"] + parts["p2p_s"]), rel=0.05)
+    slow = predicted(tmp_path, A100_NODES + "inter_node_Gbps = 10\n", GPT2)
+    assert slow["step_breakdown"]["exposed_dp_comm_s"] > 10 * base["step_breakdown"]["exposed_dp_comm_s"]
+
+
+def test_flops_are_megatrons_count():
+    """The op trace's FLOPs of a gpt's forward + backward equal Megatron-LM's closed form
+    72Bslh^2(1 + s/6h + V/12lh) (Narayanan et al., SC21, eq. 3 without recompute), exactly."""
+    from paratrain.cluster import PRESETS, Cluster
+    from paratrain.predict import stage_costs
+
+    l, h, heads, s, V, B = 2, 256, 4, 512, 5120, 4
+    cfg = load(None, [f"model.n_layer={l}", f"model.d_model={h}", f"model.n_head={heads}", f"model.block_size={s}",
+                      f"data.block_size={s}", f"model.vocab_size={V}", f"data.batch_size={B}"])
+    stages, tokens = stage_costs(cfg, B, None, Cluster(1, 1, "a100-80gb", PRESETS["a100-80gb"]), 1)
+    assert tokens == s
+    assert 3 * sum(stage.forward_flops for stage in stages) == 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+
+
+def test_materialized_attention_is_the_same_function():
+    """gpt's model.attention = "materialized" (the scores as tensors, as Megatron-LM's 2021 runs
+    computed them) gives sdpa's output."""
+    from paratrain.models.gpt import gpt
+
+    torch.manual_seed(0)
+    fused = gpt(50, n_layer=1, d_model=32, block_size=16)
+    torch.manual_seed(0)
+    materialized = gpt(50, n_layer=1, d_model=32, block_size=16, attention="materialized")
+    x = torch.randint(0, 50, (3, 16))
+    torch.testing.assert_close(materialized(x), fused(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("row", [0, 4])
+def test_megatron_table_1_within_10_percent(row):
+    """Narayanan et al. (SC21) Table 1: 1.7B on 32 A100s (dp only) and 39.1B on 512 (t 8 x p 2 x d
+    32): the predicted TFLOP/s per GPU, by Megatron's count, within 10 % of the published ones.
+    `paratrain bench plan-megatron` runs every row (benchmarks/results/plan-megatron-*.md)."""
+    from paratrain.bench.plan_megatron import TABLE_1, predict_row
+
+    result = predict_row(TABLE_1[row])
+    assert abs(result["error"]) <= 0.10, result
+
+
+def test_search_ranks_the_layouts_that_fit(tmp_path, capsys):
+    """Four A100s: the layouts come fastest first, each with the contract's keys, and the first
+    one's predicted step is what `plan` predicts for that layout alone."""
+    from paratrain.cli import main
+
+    sets = ["data.batch_size=16", "data.max_chars=100000"]
+    cluster = 'nodes = 1\ndevices_per_node = 4\ndevice = "a100-80gb"\n'
+    out = tmp_path / "search.json"
+    args = ["plan", "--cluster", str(write_cluster(tmp_path, cluster)), "--search", "--top", "50", "--json", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    layouts = json.loads(out.read_text())["layouts"]
+    steps = [x["predicted"]["step_s"] for x in layouts]
+    assert len(layouts) > 10 and steps == sorted(steps)
+    assert {x["parallel"]["strategy"] for x in layouts} >= {"dp", "zero3", "hybrid"}
+    assert all(set(x) >= {"parallel", "train", "predicted"} for x in layouts)
+    assert "why:" in capsys.readouterr().out
+    best = layouts[0]
+    alone = predicted(tmp_path, cluster, [*sets, *(f"parallel.{k}={v!r}" for k, v in best["parallel"].items()),
+                                          f"train.recompute='{best['train']['recompute']}'"])
+    assert alone["predicted"]["step_s"] == pytest.approx(best["predicted"]["step_s"])
