@@ -45,9 +45,11 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def max_rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def max_rel_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], floor: float = 1e-12) -> float:
+    """Largest per-tensor relative error; a tensor whose norm is under `floor` is compared by its
+    error against `floor`."""
     assert a.keys() == b.keys(), f"keys differ: {sorted(set(a) ^ set(b))}"
-    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(1e-12)).item() for k in a)
+    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp_min(floor)).item() for k in a)
 
 
 def complete_lines(path) -> list[str]:
@@ -137,5 +139,4 @@ def rel_error(a: dict, b: dict) -> float:
     """Largest per-tensor relative error. The attention's key bias gets an exactly zero gradient
     (softmax ignores a shift shared by all keys), so it holds only rounding noise of ~1e-12 that
     differs with summation order: tensors that small are compared by absolute error instead."""
-    assert a.keys() == b.keys(), f"keys differ: {sorted(set(a) ^ set(b))}"
-    return max(((a[k].double() - b[k].double()).norm() / max(b[k].double().norm().item(), 1e-6)).item() for k in a)
+    return max_rel_error(a, b, floor=1e-6)
