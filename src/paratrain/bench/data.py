@@ -43,15 +43,11 @@ def add_parser(which) -> None:
     p.set_defaults(func=run)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def local_s3_server(timeout_s: float = 90):
     """moto's S3 server on 127.0.0.1 for the block, as fsspec storage options (s3fs's keys)."""
+    from ..runtime import free_port
+
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
