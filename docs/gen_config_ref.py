@@ -8,6 +8,7 @@ each section class's docstring and each check function's docstring. The mkdocs h
     python docs/gen_config_ref.py            # rewrite docs/configuration.md
     python docs/gen_config_ref.py --check    # exit 1 if it differs from what config.py gives
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,6 +46,7 @@ def _import_config():
     build runs from a source tree without paratrain installed."""
     sys.path.insert(0, str(ROOT / "src"))
     from paratrain import config
+
     return config
 
 
@@ -90,7 +92,9 @@ def render() -> str:
     top = [f for f in dataclasses.fields(config.Config) if not _is_section(f)]
     out.append("## Top level\n\n| key | type | default | description |\n|---|---|---|---|")
     for f in top:
-        out.append(f"| `{f.name}` | {f.type} | {_default(config, f)} | {_describe(f) or TOP_LEVEL_DOCS.get(f.name, '')} |")
+        out.append(
+            f"| `{f.name}` | {f.type} | {_default(config, f)} | {_describe(f) or TOP_LEVEL_DOCS.get(f.name, '')} |"
+        )
     out.append("")
     sections = [f for f in dataclasses.fields(config.Config) if _is_section(f)]
     for section in sections:

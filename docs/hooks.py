@@ -10,6 +10,7 @@ The site holds docs/ plus benchmarks/results/ (served under results/), so these 
   for a rewritten link whose page or anchor does not exist;
 - check README.md's relative links, which no page build would see.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -34,15 +35,15 @@ CODE = re.compile(r"```.*?```|`[^`\n]*`", re.S)
 def _repo_path(src_uri: str) -> str:
     """Where a site file lives in the repository."""
     if src_uri.startswith(RESULTS_IN_SITE + "/"):
-        return RESULTS + src_uri[len(RESULTS_IN_SITE):]
+        return RESULTS + src_uri[len(RESULTS_IN_SITE) :]
     return "docs/" + src_uri
 
 
 def _site_path(repo_path: str) -> str | None:
     if repo_path.startswith("docs/"):
-        return repo_path[len("docs/"):]
+        return repo_path[len("docs/") :]
     if repo_path.startswith(RESULTS + "/"):
-        return RESULTS_IN_SITE + repo_path[len(RESULTS):]
+        return RESULTS_IN_SITE + repo_path[len(RESULTS) :]
     return None
 
 
@@ -92,14 +93,18 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         repo_path = posixpath.normpath(posixpath.join(here, path))
         site_path = _site_path(repo_path)
         if site_path is None:  # a source file, the Makefile...: no page of the site holds it
-            log.warning("%s links to '%s' (%s), which is outside docs/ and benchmarks/results/",
-                        _repo_path(page.file.src_uri), target, repo_path)
+            log.warning(
+                "%s links to '%s' (%s), which is outside docs/ and benchmarks/results/",
+                _repo_path(page.file.src_uri),
+                target,
+                repo_path,
+            )
             return m.group(0)
         new = posixpath.relpath(site_path, site_here or ".") + (f"#{anchor}" if anchor else "")
         return m.group(1) + new + m.group(3)
 
     out, last = [], 0
     for m in _links(markdown):
-        out += [markdown[last:m.start()], rewrite(m)]
+        out += [markdown[last : m.start()], rewrite(m)]
         last = m.end()
     return "".join(out) + markdown[last:]

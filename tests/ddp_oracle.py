@@ -1,4 +1,5 @@
 """torch DDP on the same data split as paratrain dp: run under torchrun, writes the final weights."""
+
 import argparse
 
 import torch
@@ -27,7 +28,7 @@ model = DDP(mlp(64, hidden=32, n_layers=2, out_features=10))
 opt = torch.optim.SGD(model.parameters(), lr=args.lr)
 share = args.batch // world
 for step in range(args.steps):
-    idx = (torch.arange(step * args.batch, (step + 1) * args.batch) % len(x))[rank * share:(rank + 1) * share]
+    idx = (torch.arange(step * args.batch, (step + 1) * args.batch) % len(x))[rank * share : (rank + 1) * share]
     opt.zero_grad()
     F.cross_entropy(model(x[idx]), y[idx]).backward()
     opt.step()

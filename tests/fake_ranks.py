@@ -13,6 +13,7 @@ Codec: the storages a gradient codec holds after two steps, besides the gradient
 Communication: what a second train_step hands the profiler (every collective through
 paratrain.collectives, every pipeline message), by op, with the profiler's own minimum; on the fake
 backend ZeRO takes the native collectives, NCCL's path."""
+
 from __future__ import annotations
 
 import contextlib
@@ -93,8 +94,7 @@ class SavedPeak:
             self.live -= nbytes
 
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(
-            self.pack, lambda x: x.tensor if isinstance(x, _Saved) else x)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda x: x.tensor if isinstance(x, _Saved) else x)
 
 
 class CommRecorder:
@@ -121,8 +121,15 @@ def tensors_in(obj, depth: int = 0):
     if torch.is_tensor(obj):
         yield obj
     elif depth < 4:
-        children = (obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple))
-                    else vars(obj).values() if hasattr(obj, "__dict__") else ())
+        children = (
+            obj.values()
+            if isinstance(obj, dict)
+            else obj
+            if isinstance(obj, (list, tuple))
+            else vars(obj).values()
+            if hasattr(obj, "__dict__")
+            else ()
+        )
         for child in children:
             yield from tensors_in(child, depth + 1)
 
@@ -144,8 +151,12 @@ def held(world: int, rank: int, cfg) -> dict:
         out["grad_bytes"] = storage_bytes([p.grad for p in params] + list(getattr(s, "recv_bufs", {}).values()), seen)
         if s.optimizer:
             s.optimizer.step()
-        state = [t for st in (s.optimizer.state.values() if s.optimizer else []) for t in st.values()
-                 if torch.is_tensor(t) and t.dim() > 0]
+        state = [
+            t
+            for st in (s.optimizer.state.values() if s.optimizer else [])
+            for t in st.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        ]
         out["optimizer_bytes"] = storage_bytes(state, seen)
         if cfg.parallel.strategy != "ps":  # ps workers need live servers to step
             train_set = build_dataset(cfg, "train")

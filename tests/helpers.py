@@ -1,4 +1,5 @@
 """Shared test helpers: run the real CLI in subprocesses, write configs, read results."""
+
 from __future__ import annotations
 
 import json
@@ -23,13 +24,20 @@ def write_config(path: Path, text: str) -> Path:
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None,
-            gpus: bool = False) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None, gpus: bool = False
+) -> subprocess.CompletedProcess:
     """`paratrain ARGS` in a fresh process (which starts real workers on a free port), on CPU
     unless `gpus`."""
     full_env = {**os.environ, **({} if gpus else CPU_ONLY), "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "paratrain.cli", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "paratrain.cli", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -86,7 +94,7 @@ def listening_addresses(pids: set[int]) -> list[tuple[str, int]]:
 
     def address(hex_addr: str) -> str:  # 32-bit words in host (little-endian) byte order
         raw = bytes.fromhex(hex_addr)
-        return str(ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))))
+        return str(ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))))
 
     def socket_inodes(pid: int) -> set[str]:
         inodes = set()
@@ -96,7 +104,7 @@ def listening_addresses(pids: set[int]) -> list[tuple[str, int]]:
             except OSError:  # closed meanwhile
                 continue
             if target.startswith("socket:["):
-                inodes.add(target[len("socket:["):-1])
+                inodes.add(target[len("socket:[") : -1])
         return inodes
 
     found = set()
@@ -118,8 +126,9 @@ def is_loopback(address: str) -> bool:
     import ipaddress
 
     ip = ipaddress.ip_address(address)
-    return ip.is_loopback or (isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None
-                              and ip.ipv4_mapped.is_loopback)
+    return ip.is_loopback or (
+        isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_loopback
+    )
 
 
 def outputs_of(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:

@@ -5,12 +5,13 @@ Every refusal here is exit 2 (or, under --resume auto, a skipped checkpoint) wit
 traceback. Everything runs in this process: the real trainer writes a real checkpoint once, as a
 lone rank, and resumes from damaged copies of it.
 """
+
 from __future__ import annotations
 
 import copy
 import functools
-import io
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -20,12 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import metrics, write_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save as st_save
-
-from helpers import metrics, write_config
 from reference import DIGITS_MLP
+from safetensors.torch import save as st_save
 
 import paratrain.data
 from paratrain import checkpoint as ckpt
@@ -35,11 +35,14 @@ from paratrain.config import ConfigError
 from paratrain.inspect_checkpoint import inspect
 from paratrain.metrics import keep_steps_up_to, read_jsonl
 
-CONFIG = DIGITS_MLP.replace("steps = 20", "steps = 8").replace("log_every = 10", "log_every = 4") + """
+CONFIG = (
+    DIGITS_MLP.replace("steps = 20", "steps = 8").replace("log_every = 10", "log_every = 4")
+    + """
 [checkpoint]
 every = 4
 keep = 4
 """
+)
 
 
 def train_in_process(*argv: str) -> int:
@@ -78,11 +81,13 @@ def rewrite_manifest(ckpt_dir: Path, edit) -> None:
 def reseal(ckpt_dir: Path) -> None:
     """Make the manifest's sizes and checksums those of the files as they are now (what an
     attacker crafting a checkpoint does)."""
+
     def edit(m):
         for name in m["files"]:
             data = (ckpt_dir / name).read_bytes()
             m["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
         return m
+
     rewrite_manifest(ckpt_dir, edit)
 
 
@@ -93,14 +98,28 @@ def one_error_line(err: str) -> str:
 
 
 def refuse_resume(pristine: Path, ckpt_dir: Path, capsys, *extra: str) -> str:
-    assert main(["run", str(pristine / "c.toml"), "--resume", str(ckpt_dir), "--run-dir",
-                 str(ckpt_dir.parents[2] / "elsewhere"), *extra]) == 2
+    assert (
+        main(
+            [
+                "run",
+                str(pristine / "c.toml"),
+                "--resume",
+                str(ckpt_dir),
+                "--run-dir",
+                str(ckpt_dir.parents[2] / "elsewhere"),
+                *extra,
+            ]
+        )
+        == 2
+    )
     return one_error_line(capsys.readouterr().err)
 
 
 # -- point 3: the names paratrain writes, no symlinks, a world size that matches the files ---------
-@pytest.mark.parametrize("name", ["../rank-00000.safetensors", "ABSOLUTE", "sub/rank-00000.safetensors",
-                                  "rank-0.safetensors", "model.safetensors"])
+@pytest.mark.parametrize(
+    "name",
+    ["../rank-00000.safetensors", "ABSOLUTE", "sub/rank-00000.safetensors", "rank-0.safetensors", "model.safetensors"],
+)
 def test_a_manifest_names_only_files_paratrain_writes(pristine, tmp_path, capsys, name):
     """Each name is there with the shard's bytes, and the manifest holds their checksum: only the
     name can refuse it."""
@@ -152,9 +171,11 @@ def test_a_layout_that_does_not_divide_the_world_size_is_refused(pristine, tmp_p
     """hybrid's resume takes its shards' layout (tp, pp) from the manifest's config."""
     run = fresh_copy(pristine, tmp_path / "run")
     step = run / "checkpoints" / "step-8"
+
     def edit(m):
         m["config"]["parallel"].update(parallel)
         return m
+
     rewrite_manifest(step, edit)
     with pytest.raises(ckpt.CheckpointError, match="do not divide world_size"):
         ckpt.CheckpointReader(step)
@@ -172,9 +193,11 @@ def shard_dims_out_of_range(step: Path) -> None:
     tensors, meta = ckpt.CheckpointReader(step).load(0)
     meta["shard_dims"] = {"0.weight": 7}
     (step / "rank-00001.safetensors").write_bytes(ckpt.encode(tensors, meta))
+
     def edit(m):
         m["files"]["rank-00001.safetensors"] = m["files"]["rank-00000.safetensors"]
         return {**m, "world_size": 2}
+
     rewrite_manifest(step, edit)
     reseal(step)
 
@@ -186,15 +209,25 @@ def zero_without_metadata(step: Path) -> None:
     reseal(step)
 
 
-@pytest.mark.parametrize("command,damage,extra", [
-    ("inspect", lambda s: (s / "manifest.json").write_text("[]"), ()),
-    ("inspect", lambda s: (s / "manifest.json").write_text("[" * 100_000 + "]" * 100_000), ()),
-    ("inspect", lambda s: (s / "manifest.json").write_text(json.dumps({"format": ckpt.FORMAT})), ()),
-    ("resume", header_length_2_60, ()),
-    ("resume", shard_dims_out_of_range, ()),
-    ("resume", zero_without_metadata, ("--set", "parallel.strategy='zero2'")),
-], ids=["inspect-list", "inspect-deep-json", "inspect-missing-keys", "resume-header-2^60",
-        "resume-shard-dims", "resume-zero-no-metadata"])
+@pytest.mark.parametrize(
+    "command,damage,extra",
+    [
+        ("inspect", lambda s: (s / "manifest.json").write_text("[]"), ()),
+        ("inspect", lambda s: (s / "manifest.json").write_text("[" * 100_000 + "]" * 100_000), ()),
+        ("inspect", lambda s: (s / "manifest.json").write_text(json.dumps({"format": ckpt.FORMAT})), ()),
+        ("resume", header_length_2_60, ()),
+        ("resume", shard_dims_out_of_range, ()),
+        ("resume", zero_without_metadata, ("--set", "parallel.strategy='zero2'")),
+    ],
+    ids=[
+        "inspect-list",
+        "inspect-deep-json",
+        "inspect-missing-keys",
+        "resume-header-2^60",
+        "resume-shard-dims",
+        "resume-zero-no-metadata",
+    ],
+)
 def test_crafted_checkpoints_exit_2_with_one_line(pristine, tmp_path, capsys, command, damage, extra):
     run = fresh_copy(pristine, tmp_path / "run")
     step = run / "checkpoints" / "step-8"
@@ -218,13 +251,25 @@ def test_resume_auto_skips_a_manifest_that_is_a_list_for_the_older_checkpoint(pr
 
 # Mutations of a real checkpoint: its manifest's JSON structure, the bytes of a shard's header or
 # body (sealed again into the manifest, as a crafted checkpoint would be, or not), its file names.
-JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
-                           lambda inner: (st.lists(inner, max_size=3)
-                                          | st.dictionaries(st.text(max_size=6), inner, max_size=3)),
-                           max_leaves=6)
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
 MANIFEST_KEYS = ["format", "step", "world_size", "strategy", "time", "config", "files"]
-NAMES = st.sampled_from(["../rank-00000.safetensors", "/dev/zero", "rank-00001.safetensors", "rank-1.safetensors",
-                         "manifest.json", ".", "", "rank-00000.safetensors/..", "step-4/rank-00000.safetensors"])
+NAMES = st.sampled_from(
+    [
+        "../rank-00000.safetensors",
+        "/dev/zero",
+        "rank-00001.safetensors",
+        "rank-1.safetensors",
+        "manifest.json",
+        ".",
+        "",
+        "rank-00000.safetensors/..",
+        "step-4/rank-00000.safetensors",
+    ]
+)
 
 
 def mutate_manifest(m: dict, data) -> dict:
@@ -250,7 +295,7 @@ def mutate_shard(step: Path, data) -> None:
     header_end = 8 + int.from_bytes(raw[:8], "little")
     where = data.draw(st.sampled_from(["length", "header", "body", "truncate", "append"]))
     if where == "truncate":
-        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
     elif where == "append":
         raw += data.draw(st.binary(min_size=1, max_size=16))
     else:
@@ -271,8 +316,13 @@ def rename_shard(step: Path, data) -> None:
     rewrite_manifest(step, lambda m: {**m, "files": {name: m["files"]["rank-00000.safetensors"]}})
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_fuzzed_checkpoints_load_or_are_refused_in_one_line(pristine, capsys, data):
     """Every mutation either loads, or is refused in one line by `inspect` and `--resume PATH`,
@@ -322,8 +372,18 @@ def flip_last_byte(data: bytes) -> bytes:
 # -- point 5: pruning and --resume auto next to a corrupt newer checkpoint -------------------------
 def save_step(run: Path, step: int, keep: int) -> Path:
     tensors = {"model.w": torch.full((4,), float(step))}
-    return ckpt.save(run, step, tensors, {"trainer": {"step": step}}, rank=0, world_size=1, strategy="dp",
-                     config={}, keep=keep, device=torch.device("cpu"))
+    return ckpt.save(
+        run,
+        step,
+        tensors,
+        {"trainer": {"step": step}},
+        rank=0,
+        world_size=1,
+        strategy="dp",
+        config={},
+        keep=keep,
+        device=torch.device("cpu"),
+    )
 
 
 def test_pruning_keeps_the_checkpoint_just_written_and_counts_only_valid_ones(tmp_path):
@@ -338,8 +398,9 @@ def test_pruning_keeps_the_checkpoint_just_written_and_counts_only_valid_ones(tm
     assert ckpt.latest_valid(tmp_path, log=lambda m: None).step == 20
 
 
-def test_resume_auto_moves_a_corrupt_newer_checkpoint_aside_and_survives_a_torn_metrics_line(pristine, tmp_path,
-                                                                                             capsys):
+def test_resume_auto_moves_a_corrupt_newer_checkpoint_aside_and_survives_a_torn_metrics_line(
+    pristine, tmp_path, capsys
+):
     """The issue's scenario through the trainer: resume from step-4 past a corrupt step-30 with
     keep = 1, with a metrics.jsonl whose last line a crash tore in half."""
     run = fresh_copy(pristine, tmp_path / "run")
@@ -351,8 +412,12 @@ def test_resume_auto_moves_a_corrupt_newer_checkpoint_aside_and_survives_a_torn_
     with open(run / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 9, "loss": 2.3')
     ckpt._VERIFIED.clear()
-    assert train_in_process(str(pristine / "c.toml"), "--resume", "auto", "--run-dir", str(run),
-                            "--set", "checkpoint.keep=1") == 0
+    assert (
+        train_in_process(
+            str(pristine / "c.toml"), "--resume", "auto", "--run-dir", str(run), "--set", "checkpoint.keep=1"
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert "skipping checkpoint step 30" in err and "checkpoints.invalid" in err, err
     assert "not a log entry" in err, err

@@ -1,17 +1,20 @@
 """Gradient compression in dp (and 16-bit casts in zero's reduce-scatter): 16-bit casts stay close to
 exact; top-k and PowerSGD still learn."""
+
 import pytest
 import torch
-
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP
 
 from paratrain.cli import main
 
-EQUIV = DIGITS_MLP + """
+EQUIV = (
+    DIGITS_MLP
+    + """
 [parallel]
 bucket_mb = 0.002
 """
+)
 
 # The digits job of test_end_to_end: uncompressed it passes 90 % validation accuracy in 150 steps.
 DIGITS = """
@@ -42,16 +45,31 @@ def exact(tmp_path_factory):
 @pytest.mark.parametrize("strategy, codec", [("dp", "bf16"), ("dp", "fp16"), ("zero1", "fp16"), ("zero2", "bf16")])
 def test_16_bit_casts_end_close_to_uncompressed(tmp_path, exact, strategy, codec):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
-                     "--set", f"parallel.strategy='{strategy}'", "--set", f"parallel.compression='{codec}'"))
+    check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            f"parallel.strategy='{strategy}'",
+            "--set",
+            f"parallel.compression='{codec}'",
+        )
+    )
     err = max_rel_error(final_weights(tmp_path / "run"), exact)
     assert 0 < err <= 1e-2, err  # lossy (not bit-equal) but only by rounding
 
 
-@pytest.mark.parametrize("codec, options", [
-    ("topk", ["parallel.topk_ratio=0.01"]),
-    ("powersgd", ["parallel.powersgd_rank=2"]),
-])
+@pytest.mark.parametrize(
+    "codec, options",
+    [
+        ("topk", ["parallel.topk_ratio=0.01"]),
+        ("powersgd", ["parallel.powersgd_rank=2"]),
+    ],
+)
 def test_lossy_codecs_reach_digits_accuracy_within_1_5x_steps(tmp_path, codec, options):
     cfg = write_config(tmp_path / "c.toml", DIGITS)
     sets = [arg for o in [f"parallel.compression='{codec}'", *options] for arg in ("--set", o)]
@@ -63,13 +81,16 @@ def test_lossy_codecs_reach_digits_accuracy_within_1_5x_steps(tmp_path, codec, o
     assert final["bytes_min"] < 0.5 * 4 * params, final
 
 
-@pytest.mark.parametrize("override, key", [
-    ("parallel.compression='zip'", "parallel.compression"),
-    ("parallel.topk_ratio=0", "parallel.topk_ratio"),
-    ("parallel.topk_ratio=1.5", "parallel.topk_ratio"),
-    ("parallel.powersgd_rank=0", "parallel.powersgd_rank"),
-    ("parallel.powersgd_warm_start=1", "parallel.powersgd_warm_start"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("parallel.compression='zip'", "parallel.compression"),
+        ("parallel.topk_ratio=0", "parallel.topk_ratio"),
+        ("parallel.topk_ratio=1.5", "parallel.topk_ratio"),
+        ("parallel.powersgd_rank=0", "parallel.powersgd_rank"),
+        ("parallel.powersgd_warm_start=1", "parallel.powersgd_warm_start"),
+    ],
+)
 def test_bad_compression_options_exit_2(tmp_path, capsys, override, key):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
     code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override])
@@ -80,18 +101,33 @@ def test_bad_compression_options_exit_2(tmp_path, capsys, override, key):
 @pytest.mark.parametrize("strategy, codec", [("zero2", "powersgd"), ("tp", "bf16"), ("ps", "fp16")])
 def test_compression_a_strategy_cannot_use_exits_2(tmp_path, capsys, strategy, codec):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
-    code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"),
-                 "--set", f"parallel.strategy='{strategy}'", "--set", f"parallel.compression='{codec}'"])
+    code = main(
+        [
+            "run",
+            str(cfg),
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--set",
+            f"parallel.strategy='{strategy}'",
+            "--set",
+            f"parallel.compression='{codec}'",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "parallel.compression" in err, err
 
 
-RESUME = EQUIV.replace("steps = 20", "steps = 8").replace("log_every = 10", "log_every = 4") + """
+RESUME = (
+    EQUIV.replace("steps = 20", "steps = 8").replace("log_every = 10", "log_every = 4")
+    + """
 compression = "powersgd"
 powersgd_rank = 1
 [checkpoint]
 every = 4
 """
+)
 
 
 def test_powersgd_resume_equals_uninterrupted(tmp_path):
@@ -105,8 +141,20 @@ def test_powersgd_resume_equals_uninterrupted(tmp_path):
     # into buffers of other shapes (which crashed every worker)
     step4 = str(tmp_path / "split" / "checkpoints" / "step-4")
     for i, option in enumerate(["parallel.powersgd_rank=2", "parallel.bucket_mb=0.001"]):
-        check_ok(run_cli("run", str(cfg), "--nproc", "2", "--resume", step4, "--set", option,
-                         "--run-dir", str(tmp_path / f"other-{i}")))
+        check_ok(
+            run_cli(
+                "run",
+                str(cfg),
+                "--nproc",
+                "2",
+                "--resume",
+                step4,
+                "--set",
+                option,
+                "--run-dir",
+                str(tmp_path / f"other-{i}"),
+            )
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -133,10 +181,14 @@ def test_powersgd_blocked_reconstruction_equals_one_product(shape, dtype):
     assert squared_norm.sqrt().item() == pytest.approx(torch.linalg.vector_norm(out.double()).item(), rel=1e-4)
 
 
-@pytest.mark.parametrize("native_bf16, device, expected", [
-    (False, "cpu", torch.float32),  # AVX2 only (e.g. AMD EPYC): bf16 products are emulated, ~24x slower
-    (True, "cpu", torch.bfloat16),  # AVX512-BF16 or AMX
-    (False, "cuda", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "native_bf16, device, expected",
+    [
+        (False, "cpu", torch.float32),  # AVX2 only (e.g. AMD EPYC): bf16 products are emulated, ~24x slower
+        (True, "cpu", torch.bfloat16),  # AVX512-BF16 or AMX
+        (False, "cuda", torch.bfloat16),
+    ],
+)
 def test_powersgd_computes_in_the_dtype_the_device_multiplies_fast(monkeypatch, native_bf16, device, expected):
     """The codec's arithmetic follows the CPU's flags (faked here): on a CPU without bf16 instructions
     no bf16 copy of the matrices is kept (and the planner counts none); what is sent stays fp32."""
@@ -216,14 +268,15 @@ def _equal_loss_worker(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     offset = 1.0 if rank == 0 else -1.0  # the ranks' losses differ; their mean is what counts
-    dp = _ScriptedEngine(lambda s: 100 - s + offset)       # pool mean after step s: 101.5 - s
+    dp = _ScriptedEngine(lambda s: 100 - s + offset)  # pool mean after step s: 101.5 - s
     slow = _ScriptedEngine(lambda s: 100 - s / 2 + offset)  # 100.75 - s / 2: twice the steps, nearly
     flat = _ScriptedEngine(lambda s: 95.0)
     for e in (dp, slow, flat):
         e.run(8, None)  # the timed steps
     summary = {"paratrain dp": {"step_ms": 100.0}, "slow": {"step_ms": 50.0}, "flat": {"step_ms": 10.0}}
-    out = equal_loss({"paratrain dp": dp, "slow": slow, "flat": flat}, ["slow", "flat"], None, summary, 2,
-                     horizon=12, window=4)
+    out = equal_loss(
+        {"paratrain dp": dp, "slow": slow, "flat": flat}, ["slow", "flat"], None, summary, 2, horizon=12, window=4
+    )
     # dp trains on to the horizon: its loss after 12 steps is 89.5; within 0.1 % means <= 89.5895,
     # which "slow" reaches at step 23
     assert len(dp.losses) == 12

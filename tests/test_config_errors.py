@@ -1,6 +1,6 @@
 """Bad input exits 2 with one line naming the key, before any worker starts."""
-import pytest
 
+import pytest
 from helpers import write_config
 
 from paratrain.cli import main
@@ -23,26 +23,29 @@ def run_main(capsys, *args):
     return code, err
 
 
-@pytest.mark.parametrize("override, key", [
-    ("train.lrr=0.1", "train.lrr"),                 # unknown key
-    ("parallel.foo=1", "parallel.foo"),             # unknown key in a closed section
-    ("train.lr='fast'", "train.lr"),                # wrong type
-    ("train.steps=1.5", "train.steps"),             # wrong type
-    ("train.shuffle_it=true", "train.shuffle_it"),
-    ("data.shuffle=3", "data.shuffle"),             # wrong type
-    ("train.optimizer='lion'", "train.optimizer"),  # bad value
-    ("train.grad_accum=0", "train.grad_accum"),     # bad value
-    ("parallel.bucket_mb=-1", "parallel.bucket_mb"),
-    ("data.batch_size=33", "data.batch_size"),      # not divisible by 2 ranks
-    ("data.batch_size=5000", "data.batch_size"),    # more than the 1,438 training samples
-    ("model.factory='nosuchmodule:build'", "model.factory"),  # not importable
-    ("model.factory='os.path:join'", "model.factory"),        # fails when called
-    ("model.factory='builtins:object'", "model.factory"),     # returns an object, not a Module
-    ("model.hiddn=3", "model.hiddn"),               # the factory takes no such argument
-    ("data.factory='json:loads'", "data.factory"),
-    ("train.loss='nosuch:fn'", "train.loss"),
-    ("parallel.strategy='sharded'", "parallel.strategy"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lrr=0.1", "train.lrr"),  # unknown key
+        ("parallel.foo=1", "parallel.foo"),  # unknown key in a closed section
+        ("train.lr='fast'", "train.lr"),  # wrong type
+        ("train.steps=1.5", "train.steps"),  # wrong type
+        ("train.shuffle_it=true", "train.shuffle_it"),
+        ("data.shuffle=3", "data.shuffle"),  # wrong type
+        ("train.optimizer='lion'", "train.optimizer"),  # bad value
+        ("train.grad_accum=0", "train.grad_accum"),  # bad value
+        ("parallel.bucket_mb=-1", "parallel.bucket_mb"),
+        ("data.batch_size=33", "data.batch_size"),  # not divisible by 2 ranks
+        ("data.batch_size=5000", "data.batch_size"),  # more than the 1,438 training samples
+        ("model.factory='nosuchmodule:build'", "model.factory"),  # not importable
+        ("model.factory='os.path:join'", "model.factory"),  # fails when called
+        ("model.factory='builtins:object'", "model.factory"),  # returns an object, not a Module
+        ("model.hiddn=3", "model.hiddn"),  # the factory takes no such argument
+        ("data.factory='json:loads'", "data.factory"),
+        ("train.loss='nosuch:fn'", "train.loss"),
+        ("parallel.strategy='sharded'", "parallel.strategy"),
+    ],
+)
 def test_bad_config_exits_2_naming_the_key(tmp_path, capsys, override, key):
     cfg = write_config(tmp_path / "c.toml", DIGITS)
     code, err = run_main(capsys, "run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override)
@@ -53,26 +56,32 @@ def test_bad_config_exits_2_naming_the_key(tmp_path, capsys, override, key):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("override, key", [
-    ("model.hidden=0", "model.hidden"),             # built-in factories check their arguments
-    ("model.n_layers=-1", "model.n_layers"),
-    ("model.in_features=10", "model.in_features"),  # the digits have 64
-    ("model.out_features=5", "model.out_features"),  # ... and 10 classes
-    ("model.factory='cnn'\nmodel.channels=0", "model.channels"),
-    ("data.val_fraction=1.2", "data.val_fraction"),
-    ("data.val_fraction=-0.1", "data.val_fraction"),
-    ("data.factory='synthetic'\ndata.task='ranking'", "data.task"),
-    ("data.factory='synthetic'\ndata.task='regression'", "train.loss"),  # cross_entropy on real targets
-    ("model.hidden='64'", "model.hidden"),          # of the annotated type (it named model.factory)
-    ("model.hidden=64.5", "model.hidden"),
-    ("data.val_fraction='x'", "data.val_fraction"),
-    ("train.loss='mse'", "train.loss"),             # class indices against 10 outputs (the workers failed)
-    ("data.factory='synthetic'\ndata.task='regression'\ntrain.loss='mse'\nmodel.in_features=32\n"
-     "model.out_features=3", "train.loss"),          # 3 outputs against 10 targets
-    # a colwise Linear's split output must go to a rowwise one (the workers failed on a shape)
-    ("parallel.strategy='tp'\nparallel.tp=2\nparallel.tp_plan={'0'='colwise'}", "parallel.tp_plan"),
-    ("parallel.strategy='tp'\nparallel.tp=2\nparallel.tp_plan={'2'='rowwise'}", "parallel.tp_plan"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.hidden=0", "model.hidden"),  # built-in factories check their arguments
+        ("model.n_layers=-1", "model.n_layers"),
+        ("model.in_features=10", "model.in_features"),  # the digits have 64
+        ("model.out_features=5", "model.out_features"),  # ... and 10 classes
+        ("model.factory='cnn'\nmodel.channels=0", "model.channels"),
+        ("data.val_fraction=1.2", "data.val_fraction"),
+        ("data.val_fraction=-0.1", "data.val_fraction"),
+        ("data.factory='synthetic'\ndata.task='ranking'", "data.task"),
+        ("data.factory='synthetic'\ndata.task='regression'", "train.loss"),  # cross_entropy on real targets
+        ("model.hidden='64'", "model.hidden"),  # of the annotated type (it named model.factory)
+        ("model.hidden=64.5", "model.hidden"),
+        ("data.val_fraction='x'", "data.val_fraction"),
+        ("train.loss='mse'", "train.loss"),  # class indices against 10 outputs (the workers failed)
+        (
+            "data.factory='synthetic'\ndata.task='regression'\ntrain.loss='mse'\nmodel.in_features=32\n"
+            "model.out_features=3",
+            "train.loss",
+        ),  # 3 outputs against 10 targets
+        # a colwise Linear's split output must go to a rowwise one (the workers failed on a shape)
+        ("parallel.strategy='tp'\nparallel.tp=2\nparallel.tp_plan={'0'='colwise'}", "parallel.tp_plan"),
+        ("parallel.strategy='tp'\nparallel.tp=2\nparallel.tp_plan={'2'='rowwise'}", "parallel.tp_plan"),
+    ],
+)
 def test_bad_builtin_arguments_exit_2_naming_the_key(tmp_path, capsys, override, key):
     sets = [a for o in override.split("\n") for a in ("--set", o)]
     cfg = write_config(tmp_path / "c.toml", DIGITS)
@@ -80,23 +89,26 @@ def test_bad_builtin_arguments_exit_2_naming_the_key(tmp_path, capsys, override,
     assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
 
 
-@pytest.mark.parametrize("override, key", [
-    ("model.n_head=3", "model.n_head"),             # 128 wide
-    ("model.d_model=0", "model.d_model"),
-    ("model.block_size=16", "model.block_size"),    # shorter than the data's blocks of 64
-    ("model.vocab_size=10", "model.vocab_size"),    # fewer symbols than the corpus has
-    ("data.block_size=0", "data.block_size"),
-    ("data.max_chars=0", "data.max_chars"),
-    ("data.val_fraction=1", "data.val_fraction"),
-    ("data.path='/nonexistent/text.txt'", "data.path"),
-    ("data.path='memory://nonexistent.txt'", "data.path"),    # an fsspec URL
-    ("data.path='nosuch://text.txt'", "data.path"),           # a scheme fsspec does not know
-    ("data.path='dropbox://text.txt'", "data.path"),          # ... or whose package is not installed
-    ("model.n_head=4.0", "model.n_head"),           # a float: the workers' tensor views failed
-    ("model.tie_embeddings='false'", "model.tie_embeddings"),  # a string: it tied the weights
-    ("model.tie_embeddings=0", "model.tie_embeddings"),
-    ("data.block_size='64'", "data.block_size"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.n_head=3", "model.n_head"),  # 128 wide
+        ("model.d_model=0", "model.d_model"),
+        ("model.block_size=16", "model.block_size"),  # shorter than the data's blocks of 64
+        ("model.vocab_size=10", "model.vocab_size"),  # fewer symbols than the corpus has
+        ("data.block_size=0", "data.block_size"),
+        ("data.max_chars=0", "data.max_chars"),
+        ("data.val_fraction=1", "data.val_fraction"),
+        ("data.path='/nonexistent/text.txt'", "data.path"),
+        ("data.path='memory://nonexistent.txt'", "data.path"),  # an fsspec URL
+        ("data.path='nosuch://text.txt'", "data.path"),  # a scheme fsspec does not know
+        ("data.path='dropbox://text.txt'", "data.path"),  # ... or whose package is not installed
+        ("model.n_head=4.0", "model.n_head"),  # a float: the workers' tensor views failed
+        ("model.tie_embeddings='false'", "model.tie_embeddings"),  # a string: it tied the weights
+        ("model.tie_embeddings=0", "model.tie_embeddings"),
+        ("data.block_size='64'", "data.block_size"),
+    ],
+)
 def test_bad_default_job_arguments_exit_2_naming_the_key(tmp_path, capsys, override, key):
     code, err = run_main(capsys, "run", "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override)
     assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
@@ -105,7 +117,9 @@ def test_bad_default_job_arguments_exit_2_naming_the_key(tmp_path, capsys, overr
 def test_unreadable_inputs_exit_2_naming_the_key(tmp_path, capsys, monkeypatch):
     """Not UTF-8 text, and a user factory whose import fails: one line each, not a traceback."""
     (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
-    code, err = run_main(capsys, "run", "--run-dir", str(tmp_path / "r"), "--set", f"data.path='{tmp_path / 'binary.txt'}'")
+    code, err = run_main(
+        capsys, "run", "--run-dir", str(tmp_path / "r"), "--set", f"data.path='{tmp_path / 'binary.txt'}'"
+    )
     assert code == 2 and len(err.strip().splitlines()) == 1 and "data.path" in err and "UTF-8" in err, err
     (tmp_path / "needs.py").write_text("def build(split='train'):\n    import a_package_not_installed\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -115,13 +129,16 @@ def test_unreadable_inputs_exit_2_naming_the_key(tmp_path, capsys, monkeypatch):
         assert code == 2 and len(err.strip().splitlines()) == 1 and key in err and "a_package_not_installed" in err, err
 
 
-@pytest.mark.parametrize("options, key", [
-    (["--nnodes", "2"], "--rdzv"),                  # the nodes would never find each other
-    (["--nnodes", "2", "--rdzv", "node0"], "--rdzv"),
-    (["--nnodes", "2", "--rdzv", "node0:70000"], "--rdzv"),
-    (["--nnodes", "2", "--rdzv", "node0:29400", "--node-rank", "2"], "--node-rank"),
-    (["--max-restarts", "-1"], "--max-restarts"),
-])
+@pytest.mark.parametrize(
+    "options, key",
+    [
+        (["--nnodes", "2"], "--rdzv"),  # the nodes would never find each other
+        (["--nnodes", "2", "--rdzv", "node0"], "--rdzv"),
+        (["--nnodes", "2", "--rdzv", "node0:70000"], "--rdzv"),
+        (["--nnodes", "2", "--rdzv", "node0:29400", "--node-rank", "2"], "--node-rank"),
+        (["--max-restarts", "-1"], "--max-restarts"),
+    ],
+)
 def test_bad_launch_options_exit_2_naming_the_option(tmp_path, capsys, options, key):
     cfg = write_config(tmp_path / "c.toml", DIGITS)
     code, err = run_main(capsys, "run", str(cfg), "--run-dir", str(tmp_path / "r"), *options)
@@ -186,16 +203,34 @@ def test_cuda_without_a_gpu_per_process_exits_2(tmp_path, capsys):
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     cfg = write_config(tmp_path / "c.toml", DIGITS)
-    code, err = run_main(capsys, "run", str(cfg), "--nproc", str(gpus + 1), "--run-dir", str(tmp_path / "r"),
-                         "--set", 'train.device="cuda"')
+    code, err = run_main(
+        capsys,
+        "run",
+        str(cfg),
+        "--nproc",
+        str(gpus + 1),
+        "--run-dir",
+        str(tmp_path / "r"),
+        "--set",
+        'train.device="cuda"',
+    )
     assert code == 2 and len(err.strip().splitlines()) == 1 and "train.device" in err, err
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("gpus, device, nproc, expected", [
-    (0, "auto", 2, "cpu"), (1, "auto", 1, "cuda"), (1, "auto", 2, "cpu (note)"), (4, "auto", 4, "cuda"),
-    (1, "cuda", 1, "cuda"), (1, "cuda", 2, "exit 2"), (0, "cuda", 1, "exit 2"), (2, "cpu", 1, "cpu"),
-])
+@pytest.mark.parametrize(
+    "gpus, device, nproc, expected",
+    [
+        (0, "auto", 2, "cpu"),
+        (1, "auto", 1, "cuda"),
+        (1, "auto", 2, "cpu (note)"),
+        (4, "auto", 4, "cuda"),
+        (1, "cuda", 1, "cuda"),
+        (1, "cuda", 2, "exit 2"),
+        (0, "cuda", 1, "exit 2"),
+        (2, "cpu", 1, "cpu"),
+    ],
+)
 def test_device_resolution_against_the_gpus_a_node_has(monkeypatch, gpus, device, nproc, expected):
     """The rule behind train.device (CI has no GPU, so the GPU count is made up): CUDA only with a
     GPU for each of the node's processes; 'auto' falls back to CPU and says so, 'cuda' is an error."""
@@ -217,18 +252,21 @@ def test_device_resolution_against_the_gpus_a_node_has(monkeypatch, gpus, device
         assert f"{nproc} processes per node but {gpus} GPU" in note
 
 
-@pytest.mark.parametrize("args, option", [
-    (["dp", "--steps", "0"], "--steps"),
-    (["pipeline", "--microbatches", "-2"], "--microbatches"),
-    (["suite", "--topk-ratio", "1.5"], "--topk-ratio"),
-    (["suite", "--powersgd-rank", "0"], "--powersgd-rank"),
-    (["suite", "--equal-loss-steps", "0"], "--equal-loss-steps"),
-    (["ps", "--factor", "0"], "--factor"),
-    (["zero", "--hidden", "wide"], "--hidden"),
-    (["pipeline", "--schedules", "gpipe,bogus"], "--schedules"),
-    (["memory", "--strategies", "zero9"], "--strategies"),
-    (["memory", "--worlds", "2,x"], "--worlds"),
-])
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["dp", "--steps", "0"], "--steps"),
+        (["pipeline", "--microbatches", "-2"], "--microbatches"),
+        (["suite", "--topk-ratio", "1.5"], "--topk-ratio"),
+        (["suite", "--powersgd-rank", "0"], "--powersgd-rank"),
+        (["suite", "--equal-loss-steps", "0"], "--equal-loss-steps"),
+        (["ps", "--factor", "0"], "--factor"),
+        (["zero", "--hidden", "wide"], "--hidden"),
+        (["pipeline", "--schedules", "gpipe,bogus"], "--schedules"),
+        (["memory", "--strategies", "zero9"], "--strategies"),
+        (["memory", "--worlds", "2,x"], "--worlds"),
+    ],
+)
 def test_bad_benchmark_options_exit_2_naming_the_option(capsys, args, option):
     """Before any benchmark worker starts (they failed, each with a traceback, and the bench exit 1)."""
     with pytest.raises(SystemExit) as exit_:
@@ -236,11 +274,14 @@ def test_bad_benchmark_options_exit_2_naming_the_option(capsys, args, option):
     assert exit_.value.code == 2 and f"argument {option}:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, option", [
-    (["--layers", "3", "--schedules", "interleaved"], "--layers"),
-    (["--microbatches", "3", "--schedules", "interleaved"], "--microbatches"),
-    (["--nproc", "3", "--microbatches", "2", "--schedules", "1f1b"], "--microbatches"),
-])
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--layers", "3", "--schedules", "interleaved"], "--layers"),
+        (["--microbatches", "3", "--schedules", "interleaved"], "--microbatches"),
+        (["--nproc", "3", "--microbatches", "2", "--schedules", "1f1b"], "--microbatches"),
+    ],
+)
 def test_a_pipeline_benchmark_no_schedule_can_run_exits_2(capsys, args, option):
     """Checked before its workers start: they failed each with a traceback (a layer count too small
     for the stages, microbatches the schedule cannot take)."""
@@ -279,11 +320,14 @@ def broken():
 """
 
 
-@pytest.mark.parametrize("factory, says", [
-    ("dicts", "got a dict with keys ['x', 'y']"),
-    ("triples", "got a tuple of 3"),
-    ("broken", "reading sample 0 failed: KeyError"),
-])
+@pytest.mark.parametrize(
+    "factory, says",
+    [
+        ("dicts", "got a dict with keys ['x', 'y']"),
+        ("triples", "got a tuple of 3"),
+        ("broken", "reading sample 0 failed: KeyError"),
+    ],
+)
 def test_samples_that_are_not_input_target_pairs_exit_2(tmp_path, capsys, factory, says):
     """Caught from the first sample before any worker starts (each worker failed at its first step)."""
     (tmp_path / "samples.py").write_text(SAMPLES)
@@ -292,25 +336,47 @@ def test_samples_that_are_not_input_target_pairs_exit_2(tmp_path, capsys, factor
     assert code == 2 and "data.factory" in err and says in err, err
 
 
-@pytest.mark.parametrize("world, sets", [
-    (2, []),                                                       # dp: rank 0 saves the whole model
-    (2, ["parallel.strategy='tp'", "parallel.tp=2"]),              # tp shards: whole shapes are their sum
-    (3, ["parallel.strategy='ps'"]),                               # a server saves parameters only
-])
+@pytest.mark.parametrize(
+    "world, sets",
+    [
+        (2, []),  # dp: rank 0 saves the whole model
+        (2, ["parallel.strategy='tp'", "parallel.tp=2"]),  # tp shards: whole shapes are their sum
+        (3, ["parallel.strategy='ps'"]),  # a server saves parameters only
+    ],
+)
 def test_resume_with_another_model_exits_2_before_any_worker_starts(tmp_path, capsys, world, sets):
     """A checkpoint whose parameter names or shapes are not the model's is refused up front under
     every strategy (only ZeRO did; dp and pp workers each printed the error, ps failed with exit 1)."""
     from helpers import check_ok, run_cli
 
-    args = ["--nproc", str(world), "--run-dir", str(tmp_path / "run"), "--set", "train.steps=2",
-            "--set", "checkpoint.every=2", "--set", "model.d_model=32", "--set", "model.block_size=16",
-            "--set", "data.block_size=16", "--set", "data.max_chars=20000"]
+    args = [
+        "--nproc",
+        str(world),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--set",
+        "train.steps=2",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        "model.d_model=32",
+        "--set",
+        "model.block_size=16",
+        "--set",
+        "data.block_size=16",
+        "--set",
+        "data.max_chars=20000",
+    ]
     for s in sets:
         args += ["--set", s]
     check_ok(run_cli("run", *args))
-    code, err = run_main(capsys, "run", *args, "--set", "train.steps=4", "--set", "model.d_model=64",
-                         "--resume", "auto")
+    code, err = run_main(
+        capsys, "run", *args, "--set", "train.steps=4", "--set", "model.d_model=64", "--resume", "auto"
+    )
     assert code == 2, err
-    line, = err.strip().splitlines()  # one line, printed by the CLI, not by each worker
-    assert line.startswith("paratrain: error: --resume: ") and "checkpoint does not match the model: shape differs: " in line
+    (line,) = err.strip().splitlines()  # one line, printed by the CLI, not by each worker
+    assert (
+        line.startswith("paratrain: error: --resume: ")
+        and "checkpoint does not match the model: shape differs: " in line
+    )
     assert "(32,) vs (64,)" in line and " more" in line, line

@@ -1,22 +1,24 @@
 """dp against single-process PyTorch, torch DDP, and itself (accumulation, resume)."""
+
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-
 from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
 
-
-EQUIV = DIGITS_MLP + """
+EQUIV = (
+    DIGITS_MLP
+    + """
 [parallel]
 strategy = "dp"
 bucket_mb = 0.002   # a few KB: many buckets even for this small model
 """
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,18 +35,37 @@ def test_dp_equals_single_process(tmp_path, reference_weights, world):
 
 def test_dp_equals_torch_ddp(tmp_path):
     out = tmp_path / "ddp.safetensors"
-    check_ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "tests/ddp_oracle.py", "--out", str(out)], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, **CPU_ONLY}))
+    check_ok(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "tests/ddp_oracle.py",
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, **CPU_ONLY},
+        )
+    )
     cfg = write_config(tmp_path / "c.toml", EQUIV)
     check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
     from safetensors.torch import load_file
+
     assert max_rel_error(final_weights(tmp_path / "run"), load_file(str(out))) <= 1e-5
 
 
 def test_grad_accumulation_equals_one_big_batch(tmp_path, reference_weights):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", "train.grad_accum=3", "--run-dir", str(tmp_path / "run")))
+    check_ok(
+        run_cli("run", str(cfg), "--nproc", "2", "--set", "train.grad_accum=3", "--run-dir", str(tmp_path / "run"))
+    )
     assert max_rel_error(final_weights(tmp_path / "run"), reference_weights) <= 1e-4
 
 
@@ -90,8 +111,18 @@ def test_resume_at_another_world_size(tmp_path):
     cfg = write_config(tmp_path / "c.toml", RESUME)
     check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "straight")))
     check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", "train.steps=8", "--run-dir", str(tmp_path / "split")))
-    check_ok(run_cli("run", str(cfg), "--nproc", "1", "--resume", str(tmp_path / "split" / "checkpoints" / "step-8"),
-                     "--run-dir", str(tmp_path / "one")))
+    check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--nproc",
+            "1",
+            "--resume",
+            str(tmp_path / "split" / "checkpoints" / "step-8"),
+            "--run-dir",
+            str(tmp_path / "one"),
+        )
+    )
     assert max_rel_error(final_weights(tmp_path / "one"), final_weights(tmp_path / "straight")) <= 1e-4
     # In place: the run directory keeps the first 8 steps' profile at world 2, and its report
     # describes the world it ended at.
@@ -104,17 +135,36 @@ def test_resume_at_another_world_size(tmp_path):
 
 def test_under_plain_torchrun_with_adamw_and_clipping(tmp_path):
     """The worker entry runs under torchrun as is; clipping uses the global norm of the averaged gradients."""
-    cfg = write_config(tmp_path / "c.toml", EQUIV.replace('optimizer = "sgd"\nlr = 0.1',
-                                                          'optimizer = "adamw"\nlr = 0.01\nclip_grad_norm = 0.5'))
-    check_ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "-m", "paratrain.trainer", str(cfg), "--run-dir", str(tmp_path / "run")],
-                            capture_output=True, text=True, timeout=300,
-                            env={**os.environ, **CPU_ONLY}))
+    cfg = write_config(
+        tmp_path / "c.toml",
+        EQUIV.replace('optimizer = "sgd"\nlr = 0.1', 'optimizer = "adamw"\nlr = 0.01\nclip_grad_norm = 0.5'),
+    )
+    check_ok(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "paratrain.trainer",
+                str(cfg),
+                "--run-dir",
+                str(tmp_path / "run"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, **CPU_ONLY},
+        )
+    )
     expected = digits_mlp_reference(lr=0.01, optimizer="adamw", clip=0.5)
     assert max_rel_error(final_weights(tmp_path / "run"), expected) <= 1e-4
 
 
-PARTLY_USED = '''
+PARTLY_USED = """
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -136,27 +186,45 @@ class PartlyUsed(nn.Module):
 
 def build():
     return PartlyUsed()
-'''
+"""
 
 
 def test_parameters_without_gradient_neither_hang_nor_corrupt(tmp_path):
     (tmp_path / "partly.py").write_text(PARTLY_USED)
     cfg = write_config(tmp_path / "c.toml", EQUIV.replace('factory = "mlp"\nhidden = 32', 'factory = "partly:build"'))
-    check_ok(run_cli("run", str(cfg), "--set", "parallel.timeout_s=30", "--run-dir", str(tmp_path / "run"), timeout=120))
+    check_ok(
+        run_cli("run", str(cfg), "--set", "parallel.timeout_s=30", "--run-dir", str(tmp_path / "run"), timeout=120)
+    )
     weights = final_weights(tmp_path / "run")
     torch.manual_seed(0)
-    initial = {k: v for k, v in __import__("runpy").run_path(str(tmp_path / "partly.py"))["build"]().state_dict().items()}
+    initial = {
+        k: v for k, v in __import__("runpy").run_path(str(tmp_path / "partly.py"))["build"]().state_dict().items()
+    }
     assert torch.equal(weights["never.weight"], initial["never.weight"])
     assert not torch.equal(weights["rank0_only.weight"], initial["rank0_only.weight"])
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
 def test_cnn_in_bf16(tmp_path):
-    cfg = write_config(tmp_path / "c.toml", EQUIV.replace('factory = "mlp"\nhidden = 32', 'factory = "cnn"\nchannels = 8'))
-    check_ok(run_cli("run", str(cfg), "--set", "train.precision='bf16'", "--set", "train.steps=30",
-                     "--run-dir", str(tmp_path / "run")))
+    cfg = write_config(
+        tmp_path / "c.toml", EQUIV.replace('factory = "mlp"\nhidden = 32', 'factory = "cnn"\nchannels = 8')
+    )
+    check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--set",
+            "train.precision='bf16'",
+            "--set",
+            "train.steps=30",
+            "--run-dir",
+            str(tmp_path / "run"),
+        )
+    )
     log = metrics(tmp_path / "run")
-    assert log[-1]["loss"] < log[0]["loss"] and all(torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values())
+    assert log[-1]["loss"] < log[0]["loss"] and all(
+        torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values()
+    )
 
 
 def test_optimizer_state_resumes_across_fused_and_foreach():

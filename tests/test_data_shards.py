@@ -1,5 +1,6 @@
 """Data at scale: `paratrain data prepare`, shards streamed from S3 (moto's server) and HTTP, the
 global order at any world size, and exact resume from the data position every checkpoint records."""
+
 from __future__ import annotations
 
 import collections
@@ -12,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from helpers import check_ok, final_weights, rel_error, run_cli, write_config
+
 from paratrain.bench.data import local_s3_server
 from paratrain.cli import main
 from paratrain.data.stream import shards
@@ -27,7 +28,7 @@ def corpus_text() -> str:
     from paratrain.data.datasets import stdlib_text
 
     text = stdlib_text(40_000).encode("ascii", "replace").decode()
-    return text[:SAMPLES * BLOCK + 1]
+    return text[: SAMPLES * BLOCK + 1]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +39,23 @@ def prepared(tmp_path_factory) -> Path:
     text = corpus_text()
     (src / "a.txt").write_text(text[:1000])
     (src / "b.txt").write_text(text[1000:])
-    assert main(["data", "prepare", str(src), str(root / "local"), "--block-size", str(BLOCK),
-                 "--shard-mb", str(40 * (BLOCK + 1) * 2 / 2**20), "--workers", "2"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "prepare",
+                str(src),
+                str(root / "local"),
+                "--block-size",
+                str(BLOCK),
+                "--shard-mb",
+                str(40 * (BLOCK + 1) * 2 / 2**20),
+                "--workers",
+                "2",
+            ]
+        )
+        == 0
+    )
     return root
 
 
@@ -71,8 +87,9 @@ def http_server(prepared):
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                             functools.partial(Flaky, directory=str(prepared / "local")))
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Flaky, directory=str(prepared / "local"))
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}", failed, served
     server.shutdown()
@@ -84,8 +101,25 @@ def test_prepare_is_deterministic_and_bad_input_exits_2(tmp_path, capsys):
     outs = []
     for workers in (1, 2):
         out = tmp_path / f"out{workers}"
-        assert main(["data", "prepare", str(tmp_path / "a.jsonl"), str(out), "--tokenizer", "bpe:300",
-                     "--block-size", "8", "--shard-mb", "0.001", "--workers", str(workers)]) == 0
+        assert (
+            main(
+                [
+                    "data",
+                    "prepare",
+                    str(tmp_path / "a.jsonl"),
+                    str(out),
+                    "--tokenizer",
+                    "bpe:300",
+                    "--block-size",
+                    "8",
+                    "--shard-mb",
+                    "0.001",
+                    "--workers",
+                    str(workers),
+                ]
+            )
+            == 0
+        )
         outs.append({p.name: p.read_bytes() for p in out.iterdir()})
     assert outs[0] == outs[1]  # byte-identical, whatever the number of processes
     index = json.loads(outs[0]["index.json"])
@@ -102,10 +136,13 @@ def test_prepare_is_deterministic_and_bad_input_exits_2(tmp_path, capsys):
     assert main(["data", "prepare", str(tmp_path / "rows.npy"), str(tmp_path / "npy"), "--block-size", "8"]) == 0
     assert json.loads((tmp_path / "npy" / "index.json").read_text())["samples"] == 10
     capsys.readouterr()
-    for args, where in ((["missing.txt"], "SRC: missing.txt"), ([str(tmp_path / "a.jsonl"), "--field", "body"], "--field"),
-                        ([str(tmp_path / "t.csv"), "--field", "text"], "--field"),
-                        ([str(tmp_path / "bad.txt")], "not UTF-8"),
-                        ([str(tmp_path / "rows.npy"), "--block-size", "4"], "--block-size")):
+    for args, where in (
+        (["missing.txt"], "SRC: missing.txt"),
+        ([str(tmp_path / "a.jsonl"), "--field", "body"], "--field"),
+        ([str(tmp_path / "t.csv"), "--field", "text"], "--field"),
+        ([str(tmp_path / "bad.txt")], "not UTF-8"),
+        ([str(tmp_path / "rows.npy"), "--block-size", "4"], "--block-size"),
+    ):
         assert main(["data", "prepare", *args, str(tmp_path / "never")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("paratrain: error: ") and where in err, err
@@ -124,9 +161,12 @@ def test_order_is_global_seeded_and_resumes_at_the_recorded_position(prepared, t
     for e in range(3):  # every epoch is a permutation, none the same, each a window shuffle of shards
         assert torch.equal(epochs[e].sort().values, torch.arange(SAMPLES))
     assert not torch.equal(epochs[0], epochs[1])
-    assert not torch.equal(stream, torch.cat([ds.global_batch_sampler(BATCH, True, 4).global_indices(i) for i in steps]))
-    assert torch.equal(ds.global_batch_sampler(BATCH, False, 3).global_indices(12),
-                       torch.arange(12 * BATCH, 13 * BATCH) % SAMPLES)  # the contract's unshuffled order
+    assert not torch.equal(
+        stream, torch.cat([ds.global_batch_sampler(BATCH, True, 4).global_indices(i) for i in steps])
+    )
+    assert torch.equal(
+        ds.global_batch_sampler(BATCH, False, 3).global_indices(12), torch.arange(12 * BATCH, 13 * BATCH) % SAMPLES
+    )  # the contract's unshuffled order
     # A checkpoint at step 6 (mid-epoch) and 10 (an epoch's end) records (epoch, sample in epoch);
     # a sampler resumed there, even with another batch size, goes on with the exact next sample.
     assert sampler.position(6) == {"epoch": 0, "sample_in_epoch": 96}
@@ -135,8 +175,9 @@ def test_order_is_global_seeded_and_resumes_at_the_recorded_position(prepared, t
     for step in (6, 10, 17):
         resumed = ds.global_batch_sampler(BATCH // 2, True, seed=3)
         resumed.resume_at(step, sampler.position(step))
-        assert torch.equal(torch.cat([resumed.global_indices(step), resumed.global_indices(step + 1)]),
-                           sampler.global_indices(step))
+        assert torch.equal(
+            torch.cat([resumed.global_indices(step), resumed.global_indices(step + 1)]), sampler.global_indices(step)
+        )
 
 
 def test_http_streams_with_retries_and_a_bounded_cache_that_ranks_share(prepared, http_server, tmp_path):
@@ -164,7 +205,9 @@ def test_http_streams_with_retries_and_a_bounded_cache_that_ranks_share(prepared
 
 def gpt_job(tmp_path: Path, path: str, options: dict | None, shuffle: bool = True, cache: str = "cache") -> Path:
     opts = "{" + ", ".join(f'{k} = "{v}"' for k, v in (options or {}).items()) + "}"
-    return write_config(tmp_path / f"{cache}.toml", f"""
+    return write_config(
+        tmp_path / f"{cache}.toml",
+        f"""
 name = "shards"
 [model]
 factory = "gpt"
@@ -188,18 +231,40 @@ log_every = 2
 eval_every = 0
 [checkpoint]
 every = 2
-""")
+""",
+    )
 
 
 def test_s3_streamed_training_equals_local_and_one_process_and_resumes_exactly(prepared, s3, tmp_path):
     env = {f"FSSPEC_S3_{k.upper()}": v for k, v in s3.items()}  # how `data prepare` reaches a custom endpoint
-    check_ok(run_cli("data", "prepare", str(prepared / "src"), "s3://paratrain-data/ds", "--block-size", str(BLOCK),
-                     "--shard-mb", str(40 * (BLOCK + 1) * 2 / 2**20), env=env))
+    check_ok(
+        run_cli(
+            "data",
+            "prepare",
+            str(prepared / "src"),
+            "s3://paratrain-data/ds",
+            "--block-size",
+            str(BLOCK),
+            "--shard-mb",
+            str(40 * (BLOCK + 1) * 2 / 2**20),
+            env=env,
+        )
+    )
     # Uninterrupted, streamed from S3 at world 2.
     streamed = tmp_path / "streamed"
-    check_ok(run_cli("run", str(gpt_job(tmp_path, "s3://paratrain-data/ds", s3, cache="s3cache")), "--nproc", "2",
-                     "--run-dir", str(streamed)))
-    assert sorted(p.name for p in (tmp_path / "s3cache").rglob("*.safetensors")) == [f"shard-0000{i}.safetensors" for i in range(4)]
+    check_ok(
+        run_cli(
+            "run",
+            str(gpt_job(tmp_path, "s3://paratrain-data/ds", s3, cache="s3cache")),
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(streamed),
+        )
+    )
+    assert sorted(p.name for p in (tmp_path / "s3cache").rglob("*.safetensors")) == [
+        f"shard-0000{i}.safetensors" for i in range(4)
+    ]
 
     # The same from local files, stopped mid-epoch (step 6, world 2), resumed to exactly an epoch's
     # end (step 10, world 1), resumed a second time to the end (world 2).
@@ -207,21 +272,37 @@ def test_s3_streamed_training_equals_local_and_one_process_and_resumes_exactly(p
 
     local_job = gpt_job(tmp_path, str(prepared / "local"), None)
     chain = tmp_path / "chain"
-    for steps, nproc, resume, position in ((6, 2, "none", (0, 96)), (EPOCH_STEPS, 1, "auto", (1, 0)),
-                                           (24, 2, "auto", (2, 64))):
-        out = check_ok(run_cli("run", str(local_job), "--nproc", str(nproc), "--run-dir", str(chain), "--resume", resume,
-                               "--set", f"train.steps={steps}")).stdout
+    for steps, nproc, resume, position in (
+        (6, 2, "none", (0, 96)),
+        (EPOCH_STEPS, 1, "auto", (1, 0)),
+        (24, 2, "auto", (2, 64)),
+    ):
+        out = check_ok(
+            run_cli(
+                "run",
+                str(local_job),
+                "--nproc",
+                str(nproc),
+                "--run-dir",
+                str(chain),
+                "--resume",
+                resume,
+                "--set",
+                f"train.steps={steps}",
+            )
+        ).stdout
         assert ("resumed from" in out) == (resume == "auto"), out
         _, meta = CheckpointReader(chain / "checkpoints" / f"step-{steps}").load(rank=0)
         assert meta["trainer"]["data"] == {"epoch": position[0], "sample_in_epoch": position[1]}
     assert rel_error(final_weights(chain), final_weights(streamed)) <= 1e-4
 
     # One plain process: the same model and seed, SGD over the same global batches.
+    from reference import train_reference
+
     from paratrain import config as config_mod
     from paratrain.data import build_sampler
     from paratrain.models import build_model
     from paratrain.runtime import seed_everything
-    from reference import train_reference
 
     cfg = config_mod.load(str(local_job), [])
     ds = shards(str(prepared / "local"), cache_dir=str(tmp_path / "ref"), shuffle_window=64)
@@ -243,10 +324,18 @@ def test_a_corrupt_shard_stops_the_run_naming_it_and_keeps_the_checkpoints(prepa
     fs.pipe("paratrain-data/corrupt/shard-00002.safetensors", bytes(data))
     run_dir = tmp_path / "run"
     # Unshuffled, shard 2 (samples 80-119) is first read at step 5.
-    proc = run_cli("run", str(gpt_job(tmp_path, "s3://paratrain-data/corrupt", s3, shuffle=False)), "--nproc", "1",
-                   "--run-dir", str(run_dir))
+    proc = run_cli(
+        "run",
+        str(gpt_job(tmp_path, "s3://paratrain-data/corrupt", s3, shuffle=False)),
+        "--nproc",
+        "1",
+        "--run-dir",
+        str(run_dir),
+    )
     assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("paratrain: error: data.path: ") and "shard-00002.safetensors" in last and "sha256" in last, proc.stderr
+    assert (
+        last.startswith("paratrain: error: data.path: ") and "shard-00002.safetensors" in last and "sha256" in last
+    ), proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert main(["inspect", str(run_dir / "checkpoints" / "step-4")]) == 0  # saved before it, intact

@@ -1,4 +1,5 @@
 """Whole runs through the CLI: the default job, accuracy on digits, the run directory contract."""
+
 import json
 
 from helpers import check_ok, final_weights, metrics, run_cli, write_config
@@ -7,12 +8,24 @@ from paratrain.models.gpt import gpt
 
 
 def test_default_job_smoke(tmp_path):
-    proc = check_ok(run_cli("run", "--set", "train.steps=6", "--set", "train.log_every=2",
-                            "--set", "train.eval_every=0", "--set", "data.max_chars=200000",
-                            "--run-dir", str(tmp_path / "run")))
+    proc = check_ok(
+        run_cli(
+            "run",
+            "--set",
+            "train.steps=6",
+            "--set",
+            "train.log_every=2",
+            "--set",
+            "train.eval_every=0",
+            "--set",
+            "data.max_chars=200000",
+            "--run-dir",
+            str(tmp_path / "run"),
+        )
+    )
     assert "done: 6 steps" in proc.stdout
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("step ")]
-    assert len(lines) == 3 and all(" loss " in l and " lr " in l and " samples/s " in l for l in lines)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all(" loss " in line and " lr " in line and " samples/s " in line for line in lines)
     run = tmp_path / "run"
     assert (run / "config.toml").is_file()
     entries = metrics(run)
@@ -27,7 +40,9 @@ def test_default_job_smoke(tmp_path):
 
 
 def test_digits_reaches_90_percent(tmp_path):
-    cfg = write_config(tmp_path / "digits.toml", """
+    cfg = write_config(
+        tmp_path / "digits.toml",
+        """
 name = "digits-mlp"
 [model]
 factory = "mlp"
@@ -41,7 +56,8 @@ optimizer = "adamw"
 lr = 0.003
 log_every = 50
 eval_every = 75
-""")
+""",
+    )
     check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run")))
     final = metrics(tmp_path / "run")[-1]
     assert final["step"] == 150 and final["val_acc"] >= 0.90, final

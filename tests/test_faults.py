@@ -1,4 +1,5 @@
 """Fault tolerance: killed workers, hung collectives, non-finite steps, corrupt and half-written checkpoints."""
+
 import os
 import signal
 import subprocess
@@ -7,18 +8,20 @@ import time
 
 import pytest
 import torch
-
 from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.bench.recovery import SLOW_MODEL, config_text, run_and_kill, worker_pids
 from paratrain.cli import main
 
-BASE = DIGITS_MLP.replace("steps = 20", "steps = 16").replace("log_every = 10", "log_every = 4") + """
+BASE = (
+    DIGITS_MLP.replace("steps = 20", "steps = 16").replace("log_every = 10", "log_every = 4")
+    + """
 [checkpoint]
 every = 4
 keep = 4
 """
+)
 
 
 @pytest.mark.parametrize("strategy", ["dp", "zero2"])
@@ -48,8 +51,9 @@ def test_restart_of_a_run_resumed_from_a_path_goes_on_from_its_own_newest_checkp
     cfg = write_config(tmp_path / "earlier.toml", config_text(steps=20, every=5, pause=0.0))
     check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=tmp_path))  # keeps steps 15, 20
     start = tmp_path / "run" / "checkpoints" / "step-15"
-    killed = run_and_kill(tmp_path, steps=30, every=5, pause=0.03, kill_after_step=27,
-                          extra_args=("--resume", str(start)))
+    killed = run_and_kill(
+        tmp_path, steps=30, every=5, pause=0.03, kill_after_step=27, extra_args=("--resume", str(start))
+    )
     assert killed["returncode"] == 0, killed["output"]
     assert "the checkpoints past it here (step 20) moved to" in killed["output"], killed["output"]
     resumed = [line for line in killed["output"].splitlines() if line.startswith("resumed from")]
@@ -63,8 +67,15 @@ def test_restart_of_a_run_resumed_from_a_path_goes_on_from_its_own_newest_checkp
 def test_skipped_collective_is_reported_with_rank_operation_and_step(tmp_path):
     cfg = write_config(tmp_path / "c.toml", BASE)
     t0 = time.monotonic()
-    proc = run_cli("run", str(cfg), "--set", "parallel.timeout_s=5", "--run-dir", str(tmp_path / "run"),
-                   env={"PARATRAIN_FAULTS": "skip_collective@rank=1,step=2,what=grad-bucket-0"})
+    proc = run_cli(
+        "run",
+        str(cfg),
+        "--set",
+        "parallel.timeout_s=5",
+        "--run-dir",
+        str(tmp_path / "run"),
+        env={"PARATRAIN_FAULTS": "skip_collective@rank=1,step=2,what=grad-bucket-0"},
+    )
     elapsed = time.monotonic() - t0
     assert proc.returncode == 1, proc.stdout + proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -83,7 +94,8 @@ def nan_factory(tmp_path, bad):
         "        x = ds.tensors[0].clone()\n"
         "        x[list(bad)] = float('nan')\n"
         "        ds.tensors = (x, ds.tensors[1])\n"
-        "    return ds\n")
+        "    return ds\n"
+    )
     return BASE.replace('factory = "digits"', f'factory = "nandigits:nan_digits"\nbad = {bad}')
 
 
@@ -104,8 +116,20 @@ def test_sync_parameter_server_skips_a_non_finite_step(tmp_path, servers, worker
     """As dp does: the servers drop the step's update together and tell every worker (the NaN
     update turned the whole model to NaN and the run still ended with exit 0)."""
     cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
-    proc = check_ok(run_cli("run", str(cfg), "--nproc", str(servers + workers), "--set", "parallel.strategy='ps'",
-                            "--set", f"ps.servers={servers}", "--run-dir", str(tmp_path / "run")))
+    proc = check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--nproc",
+            str(servers + workers),
+            "--set",
+            "parallel.strategy='ps'",
+            "--set",
+            f"ps.servers={servers}",
+            "--run-dir",
+            str(tmp_path / "run"),
+        )
+    )
     assert "step 4: non-finite loss or gradient, update skipped" in proc.stdout, proc.stdout
     weights = final_weights(tmp_path / "run")
     assert max_rel_error(weights, digits_mlp_reference(steps=16, skip_steps={3})) <= 1e-4
@@ -113,8 +137,20 @@ def test_sync_parameter_server_skips_a_non_finite_step(tmp_path, servers, worker
 
 def test_async_parameter_server_refuses_a_non_finite_push(tmp_path):
     cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
-    proc = check_ok(run_cli("run", str(cfg), "--nproc", "3", "--set", "parallel.strategy='ps'",
-                            "--set", "ps.mode='async'", "--run-dir", str(tmp_path / "run")))
+    proc = check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--nproc",
+            "3",
+            "--set",
+            "parallel.strategy='ps'",
+            "--set",
+            "ps.mode='async'",
+            "--run-dir",
+            str(tmp_path / "run"),
+        )
+    )
     assert "refuses worker rank 2's push for step 4: non-finite" in proc.stderr, proc.stderr
     assert all(torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values())
 
@@ -123,8 +159,9 @@ def test_async_parameter_server_refuses_a_non_finite_push(tmp_path):
 def test_a_skipped_step_does_not_poison_error_feedback(tmp_path, codec):
     """Error feedback would carry the NaN of step 4 into every later step; the skip drops it."""
     cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
-    proc = check_ok(run_cli("run", str(cfg), "--set", f"parallel.compression='{codec}'",
-                            "--run-dir", str(tmp_path / "run")))
+    proc = check_ok(
+        run_cli("run", str(cfg), "--set", f"parallel.compression='{codec}'", "--run-dir", str(tmp_path / "run"))
+    )
     assert "step 4: non-finite" in proc.stdout and "step 5: non-finite" not in proc.stdout, proc.stdout
     assert sum(m.get("skipped_steps", 0) for m in metrics(tmp_path / "run")) == 1
     assert all(torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values())
@@ -147,8 +184,9 @@ def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path, capsys):
     expected = final_weights(tmp_path / "straight")
 
     # 1. rank 0 dies after writing its shard of step 8, before the manifest: no half checkpoint
-    proc = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "crash"),
-                   env={"PARATRAIN_FAULTS": "exit_in_save@rank=0,step=8"})
+    proc = run_cli(
+        "run", str(cfg), "--run-dir", str(tmp_path / "crash"), env={"PARATRAIN_FAULTS": "exit_in_save@rank=0,step=8"}
+    )
     assert proc.returncode == 1
     ckpts = tmp_path / "crash" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step-")) == ["step-4"]
@@ -172,22 +210,49 @@ def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path, capsys):
     assert "at step 8" in proc.stdout
     assert all(torch.equal(expected[k], final_weights(tmp_path / "straight")[k]) for k in expected)
     # 3. --resume auto onto a checkpoint of another strategy: exit 2, not a failed run
-    assert main(["run", str(cfg), "--resume", "auto", "--set", "parallel.strategy='zero2'",
-                 "--run-dir", str(tmp_path / "straight")]) == 2
+    assert (
+        main(
+            [
+                "run",
+                str(cfg),
+                "--resume",
+                "auto",
+                "--set",
+                "parallel.strategy='zero2'",
+                "--run-dir",
+                str(tmp_path / "straight"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "strategy 'dp'" in err, err[-500:]
     # 4. ... or of another optimizer (its state is SGD's, not Adam's): exit 2 naming train.optimizer,
     # up front for a named checkpoint
     for resume in ("auto", str(ckpts / "step-8")):
-        assert main(["run", str(cfg), "--resume", resume, "--set", "train.optimizer='adamw'",
-                     "--run-dir", str(tmp_path / "straight")]) == 2
+        assert (
+            main(
+                [
+                    "run",
+                    str(cfg),
+                    "--resume",
+                    resume,
+                    "--set",
+                    "train.optimizer='adamw'",
+                    "--run-dir",
+                    str(tmp_path / "straight"),
+                ]
+            )
+            == 2
+        )
         err = capsys.readouterr().err
         assert "train.optimizer" in err and "'sgd'" in err, err[-500:]
         assert len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("how", [[], ["--nproc", "3", "--set", "parallel.strategy='ps'", "--set", "ps.mode='async'"]],
-                         ids=["dp", "async-ps"])
+@pytest.mark.parametrize(
+    "how", [[], ["--nproc", "3", "--set", "parallel.strategy='ps'", "--set", "ps.mode='async'"]], ids=["dp", "async-ps"]
+)
 def test_ctrl_c_stops_every_process_at_once(tmp_path, how):
     """Ctrl-C reaches the terminal's whole process group: the launcher says what happened (exit 130,
     one line, the checkpoint to go on from) and the workers stop with it, not when the elastic
@@ -195,8 +260,14 @@ def test_ctrl_c_stops_every_process_at_once(tmp_path, how):
     async worker's guard deadlocked in its signal handler)."""
     cfg = write_config(tmp_path / "c.toml", BASE.replace("steps = 16", "steps = 1000000"))
     argv = [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--run-dir", str(tmp_path / "run"), *how]
-    proc = subprocess.Popen(argv, env={**os.environ, **CPU_ONLY}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        env={**os.environ, **CPU_ONLY},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         # Any checkpoint: a fast run writes and prunes them (keep = 4) quicker than this looks.
@@ -242,8 +313,13 @@ def test_the_worker_blamed_is_the_one_whose_error_is_its_own(tmp_path):
 
     gone = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
     own = "RuntimeError: stack expects a non-empty TensorList"
-    failures = {0: failed(0, 1, gone), 1: failed(1, 1, gone), 3: failed(3, 1, own), 2: failed(2, -15, ""),
-                4: failed(4, 128 + signal.SIGTERM, "")}  # 4 stopped on the SIGTERM the agent sent it
+    failures = {
+        0: failed(0, 1, gone),
+        1: failed(1, 1, gone),
+        3: failed(3, 1, own),
+        2: failed(2, -15, ""),
+        4: failed(4, 128 + signal.SIGTERM, ""),
+    }  # 4 stopped on the SIGTERM the agent sent it
     culprit = blame(failures)
     assert (culprit.rank, culprit.cause) == (3, own)
     assert culprit.own_exitcodes == {1, 128 + signal.SIGTERM}
@@ -276,9 +352,15 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, who, n
     (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
     cfg = write_config(tmp_path / "c.toml", config_text(steps=STEPS, every=0, pause=0.02))
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--run-dir", str(run_dir)],
-                            cwd=tmp_path, env={**os.environ, **CPU_ONLY}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--run-dir", str(run_dir)],
+        cwd=tmp_path,
+        env={**os.environ, **CPU_ONLY},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").is_file() or len(metrics(run_dir)) < 10:
@@ -318,8 +400,13 @@ def test_a_reader_that_leaves_early_does_not_stop_the_run(tmp_path):
     the command still exited 0, with no final model."""
     cfg = write_config(tmp_path / "c.toml", BASE.replace("log_every = 4", "log_every = 1"))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--run-dir", str(tmp_path / "run")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout.readline().startswith("step")
     proc.stdout.close()  # the reader leaves
     err = proc.stderr.read()

@@ -1,12 +1,12 @@
 """strategy = "federated": equivalence with synchronous SGD, exact resume, secure aggregation, a
 client rank killed mid-round, bad [federated] keys, and the server optimizers."""
+
 import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 
 from paratrain import config as config_mod
@@ -54,8 +54,9 @@ def sgd_on_the_clients_samples(cfg, rounds: int) -> dict[str, torch.Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=cfg.train.lr)
     for r in range(rounds):
         clients = sample_clients(cfg.train.seed, r, fed.clients, fed.clients_per_round)
-        idx = torch.from_numpy(np.concatenate([local_batches(parts[c], 1, cfg.data.batch_size, cfg.train.seed, r, c)[0]
-                                               for c in clients]))
+        idx = torch.from_numpy(
+            np.concatenate([local_batches(parts[c], 1, cfg.data.batch_size, cfg.train.seed, r, c)[0] for c in clients])
+        )
         opt.zero_grad()
         F.cross_entropy(model(x[idx]), y[idx]).backward()
         opt.step()
@@ -76,17 +77,30 @@ def test_fedavg_equals_sgd_and_resumes_exactly(tmp_path):
     assert sum(report["per_client"][0]["labels"]) == 719 and "client 0: 719 samples" in proc.stdout
     # a round-level checkpoint resumes exactly, here at another world size (the server holds it all)
     resumed = tmp_path / "resumed"
-    check_ok(run_cli("run", str(cfg_path), "--nproc", "2", "--run-dir", str(resumed),
-                     "--resume", str(run / "checkpoints" / "step-2")))
+    check_ok(
+        run_cli(
+            "run",
+            str(cfg_path),
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(resumed),
+            "--resume",
+            str(run / "checkpoints" / "step-2"),
+        )
+    )
     assert all(torch.equal(a, b) for a, b in zip(final_weights(run).values(), final_weights(resumed).values()))
     assert [m["step"] for m in metrics(resumed)] == [3, 4]
 
 
 def test_killed_client_rank_is_dropped_and_secure_aggregation_recovers_its_clients(tmp_path):
-    cfg_path = write_config(tmp_path / "fed.toml", FED.replace("clients = 2 ", "clients = 12")
-                            .replace("clients_per_round = 2", "clients_per_round = 6")
-                            .replace("local_steps = 1", "local_steps = 5")
-                            .replace('server_lr = 1.0', 'secure_aggregation = true\nround_timeout_s = 60'))
+    cfg_path = write_config(
+        tmp_path / "fed.toml",
+        FED.replace("clients = 2 ", "clients = 12")
+        .replace("clients_per_round = 2", "clients_per_round = 6")
+        .replace("local_steps = 1", "local_steps = 5")
+        .replace("server_lr = 1.0", "secure_aggregation = true\nround_timeout_s = 60"),
+    )
     workers = [1, 2]
     # rank 2 SIGKILLs itself in round 3 after training one of its two clients there (a mid-round
     # death, after both were masked), and is gone for round 4; in round 1 one client of rank 1
@@ -95,8 +109,17 @@ def test_killed_client_rank_is_dropped_and_secure_aggregation_recovers_its_clien
     assert len(lost) == 2
     dropper = next(c for c in sample_clients(0, 0, 12, 6) if owner_of(c, workers) == 1)
     run = tmp_path / "run"
-    proc = check_ok(run_cli("run", str(cfg_path), "--nproc", "3", "--run-dir", str(run),
-                            env={"PARATRAIN_FAULTS": f"fed_kill@rank=2,round=2;fed_drop@client={dropper},round=0"}))
+    proc = check_ok(
+        run_cli(
+            "run",
+            str(cfg_path),
+            "--nproc",
+            "3",
+            "--run-dir",
+            str(run),
+            env={"PARATRAIN_FAULTS": f"fed_kill@rank=2,round=2;fed_drop@client={dropper},round=0"},
+        )
+    )
     assert "worker rank 2" in proc.stderr
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
@@ -117,7 +140,7 @@ def test_secure_aggregation_equals_plain_sum_survives_two_dropouts_and_hides_upd
     total, present = secagg.run_in_process({i: secagg.quantise(u) for i, u in updates.items()}, dropped, view)
     assert present == [0, 1, 3, 4, 6, 7]
     plain = sum(updates[i].double() for i in present)
-    step = 2.0 ** -secagg.FRAC_BITS
+    step = 2.0**-secagg.FRAC_BITS
     assert (secagg.dequantise(total) - plain).abs().max() <= len(present) * step / 2 + 1e-12
     # the server's view: each masked update is unrelated to the client's own, and none of its
     # coordinates came through in the clear
@@ -134,19 +157,25 @@ def test_secure_aggregation_equals_plain_sum_survives_two_dropouts_and_hides_upd
     assert secagg.run_in_process({i: secagg.quantise(u) for i, u in updates.items()}, {0, 1, 2, 3, 4})[0] is None
 
 
-@pytest.mark.parametrize("override, key", [
-    ("federated.algorithm='fedsgd'", "federated.algorithm"),
-    ("federated.clients_per_round=200", "federated.clients_per_round"),
-    ("federated.clientz=3", "federated.clientz"),
-    ("federated.alpha=0.05", "federated.alpha"),          # a Dirichlet draw below min_samples: no re-draw
-    ("federated.mu=0.1", "federated.mu"),                  # fedprox's key with fedavg
-    ("federated.round_timeout_s=0", "federated.round_timeout_s"),
-    ("federated.clients=2000", "federated.clients"),       # more clients than samples
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("federated.algorithm='fedsgd'", "federated.algorithm"),
+        ("federated.clients_per_round=200", "federated.clients_per_round"),
+        ("federated.clientz=3", "federated.clientz"),
+        ("federated.alpha=0.05", "federated.alpha"),  # a Dirichlet draw below min_samples: no re-draw
+        ("federated.mu=0.1", "federated.mu"),  # fedprox's key with fedavg
+        ("federated.round_timeout_s=0", "federated.round_timeout_s"),
+        ("federated.clients=2000", "federated.clients"),  # more clients than samples
+    ],
+)
 def test_bad_federated_keys_exit_2_naming_the_key(tmp_path, capsys, override, key):
-    cfg = write_config(tmp_path / "fed.toml", FED.replace("clients = 2 ", "clients = 100")
-                       .replace("clients_per_round = 2", "clients_per_round = 10")
-                       .replace('partition = "iid"', 'partition = "dirichlet"\nalpha = 0.3\nmin_samples = 2'))
+    cfg = write_config(
+        tmp_path / "fed.toml",
+        FED.replace("clients = 2 ", "clients = 100")
+        .replace("clients_per_round = 2", "clients_per_round = 10")
+        .replace('partition = "iid"', 'partition = "dirichlet"\nalpha = 0.3\nmin_samples = 2'),
+    )
     code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"paratrain: error: {key}:"), err
@@ -161,8 +190,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("algorithm, extra", [("fedprox", {"mu": 0.01}), ("fedadam", {"server_lr": 0.03}),
-                                              ("fedavg", {"secure_aggregation": True})])
+@pytest.mark.parametrize(
+    "algorithm, extra",
+    [("fedprox", {"mu": 0.01}), ("fedadam", {"server_lr": 0.03}), ("fedavg", {"secure_aggregation": True})],
+)
 def test_algorithms_train_in_one_process(algorithm, extra, one_thread):
     """One process plays server and clients (world 1): each algorithm lowers the clients' loss,
     and fedadam's server moments are part of the checkpoint."""
@@ -176,8 +207,16 @@ def test_algorithms_train_in_one_process(algorithm, extra, one_thread):
 
     raw = tomllib.loads(FED)
     raw["train"]["lr"] = 0.5
-    raw["federated"].update(clients=20, clients_per_round=5, local_steps=5, partition="dirichlet", alpha=1.0,
-                            min_samples=5, algorithm=algorithm, **extra)
+    raw["federated"].update(
+        clients=20,
+        clients_per_round=5,
+        local_steps=5,
+        partition="dirichlet",
+        alpha=1.0,
+        min_samples=5,
+        algorithm=algorithm,
+        **extra,
+    )
     cfg = config_mod.from_dict(raw)
     runtime.seed_everything(0)
     model = build_model(cfg, build_dataset(cfg, "train"))

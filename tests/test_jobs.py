@@ -2,6 +2,7 @@
 schemas, then each manifest's container command (and SkyPilot's run script) on two network namespace
 hosts with the variables its operator injects; the engines' variables read by `paratrain run`; the
 preflight that refuses a node whose config or versions differ; bad options."""
+
 import json
 import os
 import re
@@ -14,7 +15,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-
 from helpers import CPU_ONLY, ROOT, final_weights, max_rel_error, outputs_of, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
@@ -37,17 +37,22 @@ def strict(schema):
     error (the API server would drop it silently), except where the schema keeps unknown fields."""
     if isinstance(schema, dict):
         schema = {k: strict(v) for k, v in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema \
-                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        if (
+            "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
             schema["additionalProperties"] = False
         return schema
     return [strict(v) for v in schema] if isinstance(schema, list) else schema
 
 
 def validate(document: dict) -> None:
-    files = {"TrainJob": SCHEMAS / "trainer.kubeflow.org_trainjob_v1alpha1.json",
-             "PyTorchJob": SCHEMAS / "kubeflow.org_pytorchjob_v1.json",
-             "ConfigMap": CORE_SCHEMAS / "core_v1_configmap.json"}
+    files = {
+        "TrainJob": SCHEMAS / "trainer.kubeflow.org_trainjob_v1alpha1.json",
+        "PyTorchJob": SCHEMAS / "kubeflow.org_pytorchjob_v1.json",
+        "ConfigMap": CORE_SCHEMAS / "core_v1_configmap.json",
+    }
     jsonschema.validate(document, strict(json.loads(files[document["kind"]].read_text())))
     # The CRDs' CEL rule on names (x-kubernetes-validations), which jsonschema does not run
     name = document["metadata"]["name"]
@@ -62,9 +67,29 @@ def job_file(capsys, *args: str) -> str:
 @pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
 def test_kubernetes_manifests_validate_against_the_operators_schemas(tmp_path, capsys, kind):
     cfg = write_config(tmp_path / "c.toml", DIGITS_MLP.replace('name = "equiv"', 'name = "Equiv_Run.1"'))
-    docs = list(yaml.safe_load_all(job_file(capsys, "kubernetes", str(cfg), "--nodes", "3", "--kind", kind,
-                                            "--image", "registry.example/paratrain:0.1", "--volume", "runs",
-                                            "--gpus", "8", "--cpus", "16", "--memory", "64Gi")))
+    docs = list(
+        yaml.safe_load_all(
+            job_file(
+                capsys,
+                "kubernetes",
+                str(cfg),
+                "--nodes",
+                "3",
+                "--kind",
+                kind,
+                "--image",
+                "registry.example/paratrain:0.1",
+                "--volume",
+                "runs",
+                "--gpus",
+                "8",
+                "--cpus",
+                "16",
+                "--memory",
+                "64Gi",
+            )
+        )
+    )
     assert [d["kind"] for d in docs] == ["ConfigMap", "TrainJob" if kind == "trainjob" else "PyTorchJob"]
     for doc in docs:
         validate(doc)
@@ -82,8 +107,7 @@ def test_job_runs_on_two_hosts_with_the_operators_environment(tmp_path, capsys, 
     cfg = write_config(tmp_path / "c.toml", DIGITS_MLP.replace("steps = 20", "steps = 12"))
     run_dir = tmp_path / "run"  # the shared volume
     common = [str(cfg), "--nodes", "2", "--nproc", "1", "--run-dir", str(run_dir)]
-    config_map, job = yaml.safe_load_all(job_file(capsys, "kubernetes", *common, "--image", "img",
-                                                  "--kind", engine))
+    config_map, job = yaml.safe_load_all(job_file(capsys, "kubernetes", *common, "--image", "img", "--kind", engine))
     mounted = tmp_path / "configmap"  # what the kubelet mounts at CONFIG_MOUNT
     mounted.mkdir()
     for key, text in config_map["data"].items():
@@ -92,23 +116,49 @@ def test_job_runs_on_two_hosts_with_the_operators_environment(tmp_path, capsys, 
     if engine == "trainjob":
         command = job["spec"]["trainer"]["command"]
         aliases = ((f"{name}-node-0-0.{name}",), (f"{name}-node-0-1.{name}",))
-        envs = [{"PET_NNODES": "2", "PET_NPROC_PER_NODE": str(job["spec"]["trainer"]["numProcPerNode"]),
-                 "PET_NODE_RANK": str(n), "PET_MASTER_ADDR": aliases[0][0], "PET_MASTER_PORT": "29500",
-                 "JOB_COMPLETION_INDEX": str(n)} for n in (0, 1)]
+        envs = [
+            {
+                "PET_NNODES": "2",
+                "PET_NPROC_PER_NODE": str(job["spec"]["trainer"]["numProcPerNode"]),
+                "PET_NODE_RANK": str(n),
+                "PET_MASTER_ADDR": aliases[0][0],
+                "PET_MASTER_PORT": "29500",
+                "JOB_COMPLETION_INDEX": str(n),
+            }
+            for n in (0, 1)
+        ]
     else:
         container = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
         command = container["command"]
         aliases = ((f"{name}-master-0",), (f"{name}-worker-0",))
         # PET_NNODES as the operator versions that counted the master wrongly set it: not read
-        envs = [{"MASTER_ADDR": aliases[0][0], "MASTER_PORT": str(container["ports"][0]["containerPort"]),
-                 "WORLD_SIZE": "2", "RANK": str(n), "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
-                 "PET_NNODES": "1", "PYTHONUNBUFFERED": "1"} for n in (0, 1)]
+        envs = [
+            {
+                "MASTER_ADDR": aliases[0][0],
+                "MASTER_PORT": str(container["ports"][0]["containerPort"]),
+                "WORLD_SIZE": "2",
+                "RANK": str(n),
+                "PET_NPROC_PER_NODE": job["spec"]["nprocPerNode"],
+                "PET_NNODES": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+            for n in (0, 1)
+        ]
     argv = [arg.replace(CONFIG_MOUNT, str(mounted)) for arg in command]
     bin_dir = str(Path(sys.executable).parent)  # the image's paratrain
     with netns.TwoHosts(aliases=aliases) as hosts:
-        procs = [hosts.popen(n, argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), **CPU_ONLY, **envs[n]})
-                 for n in (0, 1)]
+        procs = [
+            hosts.popen(
+                n,
+                argv,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), **CPU_ONLY, **envs[n]},
+            )
+            for n in (0, 1)
+        ]
         outs = outputs_of(procs)
     assert "node 1 of 2, 1 process each (world 2)" in outs[1], outs[1]
     assert max_rel_error(final_weights(run_dir), digits_mlp_reference(steps=12)) <= 1e-4
@@ -119,21 +169,51 @@ def test_skypilot_task_runs_paratrain_on_each_node(tmp_path, capsys):
     directory and hands over to `paratrain run` (a stand-in here that records what it was given;
     the variables' reading is test_each_engines_environment_gives_the_nodes_and_the_rendezvous's)."""
     cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
-    task = yaml.safe_load(job_file(capsys, "skypilot", str(cfg), "--nodes", "2", "--gpus", "4",
-                                   "--run-dir", str(tmp_path / "run"), "--image", "img"))
+    task = yaml.safe_load(
+        job_file(
+            capsys,
+            "skypilot",
+            str(cfg),
+            "--nodes",
+            "2",
+            "--gpus",
+            "4",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--image",
+            "img",
+        )
+    )
     assert (task["name"], task["num_nodes"]) == ("equiv", 2)
     assert task["resources"] == {"accelerators": {"A100": 4}, "image_id": "docker:img"}
     stand_in = tmp_path / "bin" / "paratrain"
     stand_in.parent.mkdir()
     stand_in.write_text('#!/bin/sh\necho "$SKYPILOT_NODE_RANK $*" > "$HOME/called"\n')
     stand_in.chmod(0o755)
-    done = subprocess.run(["bash", "-c", task["run"]], capture_output=True, text=True,
-                          env={"PATH": f"{stand_in.parent}:/usr/bin:/bin", "HOME": str(tmp_path),
-                               "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2", "SKYPILOT_NODE_RANK": "1"})
+    done = subprocess.run(
+        ["bash", "-c", task["run"]],
+        capture_output=True,
+        text=True,
+        env={
+            "PATH": f"{stand_in.parent}:/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2",
+            "SKYPILOT_NODE_RANK": "1",
+        },
+    )
     assert done.returncode == 0, done.stderr
     run_dir = tmp_path / "run"
     assert (tmp_path / "called").read_text().split() == [
-        "1", "run", f"{run_dir}/job.toml", "--run-dir", str(run_dir), "--nproc", "4", "--max-restarts", "0"]
+        "1",
+        "run",
+        f"{run_dir}/job.toml",
+        "--run-dir",
+        str(run_dir),
+        "--nproc",
+        "4",
+        "--max-restarts",
+        "0",
+    ]
     assert 'name = "equiv"' in (run_dir / "job.toml").read_text()
 
 
@@ -147,22 +227,60 @@ def test_slurm_nodelists_expand_without_scontrol():
 
 
 def test_each_engines_environment_gives_the_nodes_and_the_rendezvous():
-    trainer = detect({"PET_NNODES": "4", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "3",
-                      "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29500"})
-    assert (trainer.engine, trainer.nnodes, trainer.node_rank, trainer.rdzv, trainer.nproc) == \
-        ("Kubeflow Trainer", 4, 3, "job-node-0-0.job:29500", 8)
-    pytorchjob = detect({"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2",
-                         "PET_NNODES": "2", "PET_NPROC_PER_NODE": "auto"})
+    trainer = detect(
+        {
+            "PET_NNODES": "4",
+            "PET_NPROC_PER_NODE": "8",
+            "PET_NODE_RANK": "3",
+            "PET_MASTER_ADDR": "job-node-0-0.job",
+            "PET_MASTER_PORT": "29500",
+        }
+    )
+    assert (trainer.engine, trainer.nnodes, trainer.node_rank, trainer.rdzv, trainer.nproc) == (
+        "Kubeflow Trainer",
+        4,
+        3,
+        "job-node-0-0.job:29500",
+        8,
+    )
+    pytorchjob = detect(
+        {
+            "MASTER_ADDR": "job-master-0",
+            "MASTER_PORT": "23456",
+            "WORLD_SIZE": "3",
+            "RANK": "2",
+            "PET_NNODES": "2",
+            "PET_NPROC_PER_NODE": "auto",
+        }
+    )
     assert (pytorchjob.engine, pytorchjob.nnodes, pytorchjob.node_rank, pytorchjob.nproc) == ("PyTorchJob", 3, 2, None)
-    slurm = detect({"SLURM_JOB_NODELIST": "cn[007-009]", "SLURM_NNODES": "3", "SLURM_NODEID": "1",
-                    "SLURM_JOB_ID": "123456"})
+    slurm = detect(
+        {"SLURM_JOB_NODELIST": "cn[007-009]", "SLURM_NNODES": "3", "SLURM_NODEID": "1", "SLURM_JOB_ID": "123456"}
+    )
     assert (slurm.nnodes, slurm.node_rank, slurm.rdzv) == (3, 1, "cn007:29956")
-    sky = detect({"SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_NODES": "2",
-                  "SKYPILOT_NUM_GPUS_PER_NODE": "4"})
+    sky = detect(
+        {
+            "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n",
+            "SKYPILOT_NODE_RANK": "1",
+            "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NUM_GPUS_PER_NODE": "4",
+        }
+    )
     assert (sky.nnodes, sky.node_rank, sky.rdzv, sky.nproc) == (2, 1, "10.0.0.5:8008", 4)
     # a worker under plain torchrun: its RANK/WORLD_SIZE count workers, not nodes
-    assert detect({"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1",
-                   "TORCHELASTIC_RUN_ID": "x"}) is None
+    assert (
+        detect(
+            {
+                "MASTER_ADDR": "h",
+                "MASTER_PORT": "1",
+                "WORLD_SIZE": "4",
+                "RANK": "3",
+                "LOCAL_RANK": "1",
+                "TORCHELASTIC_RUN_ID": "x",
+            }
+        )
+        is None
+    )
     with pytest.raises(ConfigError, match="SLURM_NNODES"):
         detect({"SLURM_JOB_NODELIST": "cn1", "SLURM_NNODES": "two", "SLURM_NODEID": "0"})
     with pytest.raises(ConfigError, match="node rank 5"):
@@ -208,7 +326,13 @@ def _meet(facts: list[dict]) -> list[str]:
 
 
 def test_preflight_refuses_a_node_whose_config_or_versions_differ():
-    same = {"host": "a", "paratrain": "0.1.0", "torch": "2.13.0", "nproc": 2, "config": 'name = "x"\n[train]\nlr = 0.1\n'}
+    same = {
+        "host": "a",
+        "paratrain": "0.1.0",
+        "torch": "2.13.0",
+        "nproc": 2,
+        "config": 'name = "x"\n[train]\nlr = 0.1\n',
+    }
     assert _meet([same, {**same, "host": "b"}, {**same, "host": "c"}]) == ["", "", ""]
     errors = _meet([same, same, {**same, "host": "c", "config": same["config"].replace("0.1", "0.2")}])
     assert errors == ["preflight: node 2 differs from node 0: config differs (host c): train.lr = 0.2 against 0.1"] * 3
@@ -221,30 +345,62 @@ def test_a_mismatched_node_is_refused_in_seconds_by_the_cli(tmp_path):
     reason as soon as both are up, where the rendezvous would have waited or the first step failed."""
     cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", "1",
-                               "--run-dir", str(tmp_path / "run"), "--set", f"train.lr={lr}"],
-                              env={**os.environ, **CPU_ONLY, "PET_NNODES": "2", "PET_NODE_RANK": str(n),
-                                   "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for n, lr in ((0, 0.1), (1, 0.2))]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "paratrain.cli",
+                "run",
+                str(cfg),
+                "--nproc",
+                "1",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--set",
+                f"train.lr={lr}",
+            ],
+            env={
+                **os.environ,
+                **CPU_ONLY,
+                "PET_NNODES": "2",
+                "PET_NODE_RANK": str(n),
+                "PET_MASTER_ADDR": "127.0.0.1",
+                "PET_MASTER_PORT": str(port),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n, lr in ((0, 0.1), (1, 0.2))
+    ]
     results = [p.communicate(timeout=120) for p in procs]
-    for p, (out, err) in zip(procs, results):
+    for p, (_out, err) in zip(procs, results):
         assert p.returncode == 2, err
-        assert err.splitlines()[-1] == ("paratrain: error: preflight: node 1 differs from node 0: config "
-                                        f"differs (host {socket.gethostname()}): "
-                                        "train.lr = 0.2 against 0.1"), err
+        assert err.splitlines()[-1] == (
+            "paratrain: error: preflight: node 1 differs from node 0: config "
+            f"differs (host {socket.gethostname()}): "
+            "train.lr = 0.2 against 0.1"
+        ), err
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["slurm", "--nodes", "0"], "paratrain: error: --nodes: must be >= 1, got 0"),
-    (["lsf", "--nodes", "2"], "paratrain: error: ENGINE: unknown engine 'lsf': one of slurm, kubernetes, skypilot"),
-    (["skypilot", "--nodes", "2", "--submit", "--out", "job.yaml"],
-     "paratrain: error: --submit: sky is not installed here; write the file with --out and submit it where sky is"),
-    (["kubernetes", "--nodes", "2"], "paratrain: error: --image: required for kubernetes: a container image with "
-                                     "paratrain installed"),
-    (["slurm", "--nodes", "2", "--set", "parallel.tp=3"], None),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["slurm", "--nodes", "0"], "paratrain: error: --nodes: must be >= 1, got 0"),
+        (["lsf", "--nodes", "2"], "paratrain: error: ENGINE: unknown engine 'lsf': one of slurm, kubernetes, skypilot"),
+        (
+            ["skypilot", "--nodes", "2", "--submit", "--out", "job.yaml"],
+            "paratrain: error: --submit: sky is not installed here; write the file with --out and submit it where sky is",
+        ),
+        (
+            ["kubernetes", "--nodes", "2"],
+            "paratrain: error: --image: required for kubernetes: a container image with paratrain installed",
+        ),
+        (["slurm", "--nodes", "2", "--set", "parallel.tp=3"], None),
+    ],
+)
 def test_bad_job_options_exit_2_with_one_line(tmp_path, monkeypatch, capsys, args, message):
     monkeypatch.setenv("PATH", str(tmp_path))  # no engine's tool here
     monkeypatch.chdir(tmp_path)

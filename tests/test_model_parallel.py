@@ -4,10 +4,10 @@ World-4 runs on 2 cores are slow, so each run checks several things: final weigh
 reference, the validation loss against the reference model's, and (where a checkpoint is written)
 resuming it at another layout.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import check_ok, final_weights, metrics, rel_error, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference, train_reference
 
@@ -79,13 +79,20 @@ def test_tensor_parallel_then_hybrid_resumes(tmp_path, gpt_reference):
     run(tmp_path, "tp", 2, "parallel.strategy='tp'", "parallel.tp=2", "checkpoint.every=10")
     check_equal(tmp_path, "tp", gpt_reference)
     step10 = tmp_path / "tp" / "checkpoints" / "step-10"
-    proc = run(tmp_path, "tp-pp", 4, "parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2",
-               "parallel.schedule='gpipe'", resume=step10)
+    proc = run(
+        tmp_path,
+        "tp-pp",
+        4,
+        "parallel.strategy='hybrid'",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.schedule='gpipe'",
+        resume=step10,
+    )
     assert "at step 10" in proc.stdout
     check_equal(tmp_path, "tp-pp", gpt_reference)
     # dp 2 x pp 2: gradients all-reduced over the dp sub-group only, per chunk, in its last backward
-    run(tmp_path, "dp-pp", 4, "parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=2",
-        resume=step10)
+    run(tmp_path, "dp-pp", 4, "parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=2", resume=step10)
     check_equal(tmp_path, "dp-pp", gpt_reference)
 
 
@@ -98,8 +105,15 @@ def test_pipeline_schedules(tmp_path, gpt_reference):
     check_equal(tmp_path, "interleaved", gpt_reference)
     run(tmp_path, "1f1b", 2, *pp, "parallel.schedule='1f1b'")
     check_equal(tmp_path, "1f1b", gpt_reference)
-    proc = run(tmp_path, "gpipe", 2, *pp, "parallel.schedule='gpipe'", "parallel.balance='params'",
-               resume=tmp_path / "interleaved" / "checkpoints" / "step-10")
+    proc = run(
+        tmp_path,
+        "gpipe",
+        2,
+        *pp,
+        "parallel.schedule='gpipe'",
+        "parallel.balance='params'",
+        resume=tmp_path / "interleaved" / "checkpoints" / "step-10",
+    )
     assert "pipeline split by params into 2 stages" in proc.stdout and "at step 10" in proc.stdout
     check_equal(tmp_path, "gpipe", gpt_reference)
 
@@ -109,8 +123,16 @@ def test_interleaved_in_nccl_message_order(tmp_path, gpt_reference):
     (PARATRAIN_P2P_TAGS=0 does that on gloo), interleaved (8 microbatches, 2 chunks per rank) must
     still equal one process: each rank posts a neighbour's messages in the neighbour's order.
     (Through gloo, not shared memory, which matches in order anyway and checks every tag.)"""
-    run(tmp_path, "untagged", 2, "parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'",
-        "parallel.microbatches=8", env={"PARATRAIN_P2P_TAGS": "0", "PARATRAIN_P2P_SHM": "0"})
+    run(
+        tmp_path,
+        "untagged",
+        2,
+        "parallel.strategy='pp'",
+        "parallel.pp=2",
+        "parallel.schedule='interleaved'",
+        "parallel.microbatches=8",
+        env={"PARATRAIN_P2P_TAGS": "0", "PARATRAIN_P2P_SHM": "0"},
+    )
     check_equal(tmp_path, "untagged", gpt_reference)
 
 
@@ -133,14 +155,17 @@ def test_a_stage_without_parameters(tmp_path):
 
     (tmp_path / "fourlayers.py").write_text(FOUR_LAYERS)
     job = DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "fourlayers:build"')
-    cfg = write_config(tmp_path / "c.toml", job
-                       + "clip_grad_norm = 0.5\n[parallel]\nstrategy = 'pp'\npp = 2\nschedule = 'interleaved'\n")
+    cfg = write_config(
+        tmp_path / "c.toml",
+        job + "clip_grad_norm = 0.5\n[parallel]\nstrategy = 'pp'\npp = 2\nschedule = 'interleaved'\n",
+    )
     proc = check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
     assert "layers 1-1" in proc.stdout, proc.stdout  # the ReLU, alone
     torch.manual_seed(0)
     x, y = digits("train").tensors
-    ref = train_reference(runpy.run_path(str(tmp_path / "fourlayers.py"))["build"](), x, y, steps=20, batch_size=24,
-                          lr=0.1, clip=0.5)
+    ref = train_reference(
+        runpy.run_path(str(tmp_path / "fourlayers.py"))["build"](), x, y, steps=20, batch_size=24, lr=0.1, clip=0.5
+    )
     assert rel_error(final_weights(tmp_path / "run"), ref) <= 1e-4
 
 
@@ -173,15 +198,25 @@ def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
     from paratrain.data.datasets import digits
 
     (tmp_path / "tied.py").write_text(TIED)
-    job = DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "tied:both_ends"') + \
-        "clip_grad_norm = 0.1\n[parallel]\nstrategy = 'pp'\npp = 2\nbalance = 'params'\n"
+    job = (
+        DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "tied:both_ends"')
+        + "clip_grad_norm = 0.1\n[parallel]\nstrategy = 'pp'\npp = 2\nbalance = 'params'\n"
+    )
     cfg = write_config(tmp_path / "c.toml", job)
     assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert "parallel.pp" in err and "layers 0-2 share 0.weight (tied weights)" in err, err
     # tp cannot shard a tied parameter: one holder got a shard and the other the whole (it drifted 0.29)
-    tp = ["--set", "parallel.strategy='tp'", "--set", "parallel.pp=1", "--set", "parallel.tp=2",
-          "--set", "parallel.tp_plan={'2'='colwise','4'='rowwise'}"]
+    tp = [
+        "--set",
+        "parallel.strategy='tp'",
+        "--set",
+        "parallel.pp=1",
+        "--set",
+        "parallel.tp=2",
+        "--set",
+        "parallel.tp_plan={'2'='colwise','4'='rowwise'}",
+    ]
     cfg = write_config(tmp_path / "c.toml", job.replace("tied:both_ends", "tied:build"))
     assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *tp]) == 2
     err = capsys.readouterr().err
@@ -192,8 +227,9 @@ def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
     assert "tied weights: 2.weight is shared by stages [0, 1]" in proc.stdout, proc.stdout
     torch.manual_seed(0)
     x, y = digits("train").tensors
-    ref = train_reference(runpy.run_path(str(tmp_path / "tied.py"))["build"](), x, y, steps=20, batch_size=24,
-                          lr=0.1, clip=0.1)
+    ref = train_reference(
+        runpy.run_path(str(tmp_path / "tied.py"))["build"](), x, y, steps=20, batch_size=24, lr=0.1, clip=0.1
+    )
     weights = final_weights(tmp_path / "run")
     assert torch.equal(weights["2.weight"], weights["4.weight"])
     # 4e-8 here; 2e-4 with the tied parameter's gradient counted twice in the clipping norm
@@ -216,16 +252,40 @@ def test_gpt_with_tied_embeddings_under_tp_pp_and_zero3(tmp_path, capsys):
     clipped = train_reference(model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1, clip=0.05)
     tied = "model.tie_embeddings=true"
     cfg = write_config(tmp_path / "gpt.toml", GPT)
-    assert main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", tied,
-                 "--set", "parallel.strategy='pp'", "--set", "parallel.pp=2", "--set", "parallel.schedule='interleaved'"]) == 2
+    assert (
+        main(
+            [
+                "run",
+                str(cfg),
+                "--nproc",
+                "2",
+                "--run-dir",
+                str(tmp_path / "r"),
+                "--set",
+                tied,
+                "--set",
+                "parallel.strategy='pp'",
+                "--set",
+                "parallel.pp=2",
+                "--set",
+                "parallel.schedule='interleaved'",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "parallel.pp" in err and "share embed.tok.weight (tied weights)" in err, err
     for name, world, sets, ref in [
-            ("tp", 2, ["parallel.strategy='tp'", "parallel.tp=2"], reference),
-            ("pp", 2, ["parallel.strategy='pp'", "parallel.pp=2"], reference),
-            ("tpxpp", 4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2", "train.clip_grad_norm=0.05"],
-             clipped),
-            ("zero3", 2, ["parallel.strategy='zero3'"], reference)]:
+        ("tp", 2, ["parallel.strategy='tp'", "parallel.tp=2"], reference),
+        ("pp", 2, ["parallel.strategy='pp'", "parallel.pp=2"], reference),
+        (
+            "tpxpp",
+            4,
+            ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2", "train.clip_grad_norm=0.05"],
+            clipped,
+        ),
+        ("zero3", 2, ["parallel.strategy='zero3'"], reference),
+    ]:
         proc = run(tmp_path, name, world, tied, *sets)
         weights = final_weights(tmp_path / name)
         assert torch.equal(weights["embed.tok.weight"], weights["head.lm_head.weight"]), name
@@ -234,12 +294,15 @@ def test_gpt_with_tied_embeddings_under_tp_pp_and_zero3(tmp_path, capsys):
             assert "tied weights: embed.tok.weight is shared by stages [0, 1]" in proc.stdout, proc.stdout
 
 
-MLP = DIGITS_MLP + """clip_grad_norm = 0.5
+MLP = (
+    DIGITS_MLP
+    + """clip_grad_norm = 0.5
 [parallel]
 strategy = "tp"
 tp = 2
 tp_plan = { "0" = "colwise", "2" = "rowwise", "4" = "colwise" }
 """
+)
 
 
 def test_user_model_tp_plan(tmp_path):
@@ -251,21 +314,40 @@ def test_user_model_tp_plan(tmp_path):
     assert rel_error(final_weights(tmp_path / "run"), ref) <= 1e-4
 
 
-@pytest.mark.parametrize("sets, key", [
-    (["parallel.strategy='pp'", "parallel.tp=1", "parallel.pp=2", "model.n_layers=0"], "parallel.pp"),  # 1 Linear
-    (["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'", "parallel.virtual_stages=3",
-      "model.n_layer=2"], "parallel.pp"),                                                 # 6 stages, 4 layers
-    (["parallel.strategy='tp'", "parallel.tp=2", "model.n_head=3", "model.d_model=24"], "parallel.tp"),
-    (["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=3"], "parallel.microbatches"),
-    (["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'", "parallel.microbatches=1"],
-     "parallel.microbatches"),
-    (["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={nope='colwise'}"], "parallel.tp_plan"),
-    (["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={'blocks.0.ln1'='colwise'}"], "parallel.tp_plan"),
-    (["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={'head.lm_head'='diagonal'}"], "parallel.tp_plan"),
-    (["parallel.strategy='hybrid'", "parallel.tp=3"], "parallel.tp"),                    # tp x pp does not divide 2
-    (["parallel.strategy='pp'", "parallel.pp=3"], "parallel.pp"),                        # the degree that was set
-    (["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='flops'"], "parallel.balance"),
-])
+@pytest.mark.parametrize(
+    "sets, key",
+    [
+        (["parallel.strategy='pp'", "parallel.tp=1", "parallel.pp=2", "model.n_layers=0"], "parallel.pp"),  # 1 Linear
+        (
+            [
+                "parallel.strategy='pp'",
+                "parallel.pp=2",
+                "parallel.schedule='interleaved'",
+                "parallel.virtual_stages=3",
+                "model.n_layer=2",
+            ],
+            "parallel.pp",
+        ),  # 6 stages, 4 layers
+        (["parallel.strategy='tp'", "parallel.tp=2", "model.n_head=3", "model.d_model=24"], "parallel.tp"),
+        (["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=3"], "parallel.microbatches"),
+        (
+            ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'", "parallel.microbatches=1"],
+            "parallel.microbatches",
+        ),
+        (["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={nope='colwise'}"], "parallel.tp_plan"),
+        (
+            ["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={'blocks.0.ln1'='colwise'}"],
+            "parallel.tp_plan",
+        ),
+        (
+            ["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={'head.lm_head'='diagonal'}"],
+            "parallel.tp_plan",
+        ),
+        (["parallel.strategy='hybrid'", "parallel.tp=3"], "parallel.tp"),  # tp x pp does not divide 2
+        (["parallel.strategy='pp'", "parallel.pp=3"], "parallel.pp"),  # the degree that was set
+        (["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='flops'"], "parallel.balance"),
+    ],
+)
 def test_bad_model_parallel_config_exits_2(tmp_path, capsys, sets, key):
     cfg = write_config(tmp_path / "c.toml", MLP if "model.n_layers=0" in sets else GPT)
     args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r")]
@@ -298,8 +380,9 @@ def _channel_worker(rank: int, port: int, capacity: int) -> None:
     assert set(senders) == set(receivers) == {1 - rank}
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(1, capacity // 8, (120,), generator=g).tolist()
-    messages = [torch.randn(n, generator=g).to(torch.bfloat16 if i % 3 == 0 else torch.float32)
-                for i, n in enumerate(sizes)]
+    messages = [
+        torch.randn(n, generator=g).to(torch.bfloat16 if i % 3 == 0 else torch.float32) for i, n in enumerate(sizes)
+    ]
     assert sum(t.nbytes for t in messages) > 10 * capacity
     if rank == 0:
         for i, t in enumerate(messages):
@@ -337,7 +420,7 @@ def _schedule_plays_out(schedule, p: int, m: int, v: int) -> None:
 
     n_stages = p * v
     actions = {r: SCHEDULES[schedule](p, r, m, v) for r in range(p)}
-    sent = {}      # (src, dst) -> messages in sending order
+    sent = {}  # (src, dst) -> messages in sending order
     received = {}  # (src, dst) -> messages in the order the receiver needs them
     done, position = set(), {r: 0 for r in range(p)}
     while any(position[r] < len(actions[r]) for r in range(p)):
@@ -346,8 +429,11 @@ def _schedule_plays_out(schedule, p: int, m: int, v: int) -> None:
             while position[r] < len(actions[r]):
                 a = actions[r][position[r]]
                 s = a.chunk * p + r
-                need = (("F", s - 1, a.mb) if s > 0 else None) if a.kind == "F" else \
-                    (("B", s + 1, a.mb) if s < n_stages - 1 else ("F", s, a.mb))
+                need = (
+                    (("F", s - 1, a.mb) if s > 0 else None)
+                    if a.kind == "F"
+                    else (("B", s + 1, a.mb) if s < n_stages - 1 else ("F", s, a.mb))
+                )
                 if need is not None and need not in done:
                     break
                 if need is not None and need[1] != s:
@@ -369,6 +455,6 @@ def test_every_schedule_completes_and_keeps_message_order(schedule):
     """For many shapes, not only the ones the process tests run: no rank waits forever, and every
     rank pair's messages arrive in sending order, which tag-less matching relies on."""
     for p in (2, 3, 4):
-        for v in ((1, 2, 3) if schedule == "interleaved" else (1,)):
+        for v in (1, 2, 3) if schedule == "interleaved" else (1,):
             for m in (p, 2 * p, 3 * p, 4 * p) if schedule == "interleaved" else (1, p - 1, p, 2 * p + 1):
                 _schedule_plays_out(schedule, p, m, v)

@@ -1,4 +1,5 @@
 """A real two-node run: two network namespaces joined by a veth pair, c10d rendezvous across it."""
+
 import json
 import os
 import signal
@@ -7,9 +8,19 @@ import sys
 import time
 
 import pytest
-
-from helpers import (CPU_ONLY, check_ok, complete_lines, descendants, final_weights, is_loopback, listening_addresses,
-                     max_rel_error, outputs_of, run_cli, write_config)
+from helpers import (
+    CPU_ONLY,
+    check_ok,
+    complete_lines,
+    descendants,
+    final_weights,
+    is_loopback,
+    listening_addresses,
+    max_rel_error,
+    outputs_of,
+    run_cli,
+    write_config,
+)
 from reference import DIGITS_MLP
 
 from paratrain import netns
@@ -28,10 +39,33 @@ def test_two_nodes_over_veth_equal_one_node(tmp_path):
         endpoint = f"{hosts.addr(0)}:29517"
         procs = []
         for node in (0, 1):
-            argv = [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nnodes", "2", "--nproc", "1",
-                    "--node-rank", str(node), "--rdzv", endpoint, "--run-dir", str(tmp_path / "multi")]
-            procs.append(hosts.popen(node, argv, env={**hosts.env(node), **CPU_ONLY, "PYTHONUNBUFFERED": "1"},
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            argv = [
+                sys.executable,
+                "-m",
+                "paratrain.cli",
+                "run",
+                str(cfg),
+                "--nnodes",
+                "2",
+                "--nproc",
+                "1",
+                "--node-rank",
+                str(node),
+                "--rdzv",
+                endpoint,
+                "--run-dir",
+                str(tmp_path / "multi"),
+            ]
+            procs.append(
+                hosts.popen(
+                    node,
+                    argv,
+                    env={**hosts.env(node), **CPU_ONLY, "PYTHONUNBUFFERED": "1"},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         outs = outputs_of(procs)
     assert "done: 12 steps" in outs[0]
     assert max_rel_error(final_weights(tmp_path / "multi"), final_weights(tmp_path / "single")) <= 1e-4
@@ -53,11 +87,36 @@ def test_two_nodes_restart_after_a_killed_worker_and_resume(tmp_path):
     with netns.TwoHosts() as hosts:
         procs = []
         for node in (0, 1):
-            argv = [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nnodes", "2", "--nproc", "1",
-                    "--node-rank", str(node), "--rdzv", f"{hosts.addr(0)}:29517", "--max-restarts", "1",
-                    "--run-dir", str(run_dir)]
-            procs.append(hosts.popen(node, argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**hosts.env(node), **CPU_ONLY, "PYTHONUNBUFFERED": "1"}))
+            argv = [
+                sys.executable,
+                "-m",
+                "paratrain.cli",
+                "run",
+                str(cfg),
+                "--nnodes",
+                "2",
+                "--nproc",
+                "1",
+                "--node-rank",
+                str(node),
+                "--rdzv",
+                f"{hosts.addr(0)}:29517",
+                "--max-restarts",
+                "1",
+                "--run-dir",
+                str(run_dir),
+            ]
+            procs.append(
+                hosts.popen(
+                    node,
+                    argv,
+                    cwd=tmp_path,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env={**hosts.env(node), **CPU_ONLY, "PYTHONUNBUFFERED": "1"},
+                )
+            )
         try:
             deadline = time.monotonic() + 120
             while not any(json.loads(line)["step"] >= 12 for line in complete_lines(run_dir / "metrics.jsonl")):

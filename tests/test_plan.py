@@ -5,13 +5,13 @@ process group, counts the storage of its parameters, gradients and optimizer sta
 activations saved for backward in one train_step, and what the next train_step hands the profiler
 (payload and minimum bytes sent, by collective); the plan must give the same bytes, the same mesh
 coordinates and the same pipeline stages, rank by rank."""
+
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-
 from helpers import CPU_ONLY, ROOT
 
 from paratrain.cli import main
@@ -21,28 +21,65 @@ CASES = {
     "dp": (2, []),
     "dp-bf16-wire": (2, ["parallel.compression='bf16'", "parallel.bucket_mb=0.3"]),
     "dp-topk": (2, ["parallel.compression='topk'", "parallel.bucket_mb=0.3", "parallel.topk_ratio=0.01"]),
-    "dp-powersgd": (3, ["parallel.compression='powersgd'", "parallel.bucket_mb=0.3", "parallel.powersgd_rank=2",
-                        "data.batch_size=33"]),
+    "dp-powersgd": (
+        3,
+        ["parallel.compression='powersgd'", "parallel.bucket_mb=0.3", "parallel.powersgd_rank=2", "data.batch_size=33"],
+    ),
     "zero1": (4, ["parallel.strategy='zero1'", "parallel.bucket_mb=0.2", "train.grad_accum=2"]),
-    "zero2": (4, ["parallel.strategy='zero2'", "parallel.bucket_mb=0.2", "train.optimizer='sgd'",
-                  "train.momentum=0.9"]),
-    "zero3": (4, ["parallel.strategy='zero3'", "parallel.bucket_mb=0.1", "train.grad_accum=2",
-                  "parallel.compression='fp16'"]),
+    "zero2": (
+        4,
+        ["parallel.strategy='zero2'", "parallel.bucket_mb=0.2", "train.optimizer='sgd'", "train.momentum=0.9"],
+    ),
+    "zero3": (
+        4,
+        ["parallel.strategy='zero3'", "parallel.bucket_mb=0.1", "train.grad_accum=2", "parallel.compression='fp16'"],
+    ),
     "tp": (2, ["parallel.strategy='tp'", "parallel.tp=2"]),
     "tp-bf16": (2, ["parallel.strategy='tp'", "parallel.tp=2", "train.precision='bf16'"]),
     "dp2xtp2": (4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.bucket_mb=0.2"]),
-    "interleaved": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'",
-                        "parallel.balance='params'"]),
-    "gpipe": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='gpipe'", "parallel.microbatches=8",
-                  "parallel.balance='params'"]),
-    "1f1b-accum": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=4", "train.grad_accum=2",
-                       "parallel.balance='params'"]),
-    "1f1b-bf16": (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'", "train.precision='bf16'"]),
+    "interleaved": (
+        2,
+        ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'", "parallel.balance='params'"],
+    ),
+    "gpipe": (
+        2,
+        [
+            "parallel.strategy='pp'",
+            "parallel.pp=2",
+            "parallel.schedule='gpipe'",
+            "parallel.microbatches=8",
+            "parallel.balance='params'",
+        ],
+    ),
+    "1f1b-accum": (
+        2,
+        [
+            "parallel.strategy='pp'",
+            "parallel.pp=2",
+            "parallel.microbatches=4",
+            "train.grad_accum=2",
+            "parallel.balance='params'",
+        ],
+    ),
+    "1f1b-bf16": (
+        2,
+        ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'", "train.precision='bf16'"],
+    ),
     "tp2xpp2": (4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2", "parallel.balance='params'"]),
-    "tp2xpp2-tied": (4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2", "parallel.balance='params'",
-                         "model.tie_embeddings=true"]),
-    "dp2xpp2": (4, ["parallel.strategy='hybrid'", "parallel.pp=2", "parallel.balance='params'",
-                    "train.optimizer='sgd'"]),
+    "tp2xpp2-tied": (
+        4,
+        [
+            "parallel.strategy='hybrid'",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "parallel.balance='params'",
+            "model.tie_embeddings=true",
+        ],
+    ),
+    "dp2xpp2": (
+        4,
+        ["parallel.strategy='hybrid'", "parallel.pp=2", "parallel.balance='params'", "train.optimizer='sgd'"],
+    ),
     "ps": (4, ["parallel.strategy='ps'", "ps.servers=2"]),
 }
 
@@ -51,8 +88,13 @@ CASES = {
 def held():
     """What each rank holds, for every case, from one oracle process."""
     cases = json.dumps(list(CASES.values()))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "fake_ranks.py"), cases],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **CPU_ONLY})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "fake_ranks.py"), cases],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **CPU_ONLY},
+    )
     assert proc.returncode == 0, proc.stderr
     return dict(zip(CASES, json.loads(proc.stdout.splitlines()[-1])))
 
@@ -88,8 +130,12 @@ def test_plan_grid_cut_and_batch(tmp_path, capsys):
     """Two nodes of two: ranks 2, 3 on node 1; tp innermost; the cut by parameters, each stage
     on its pp rank; 32 samples = dp 1 replica of 4 microbatches of 8; time balance noted."""
     p = plan(tmp_path, 4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2"], nnodes=2)
-    assert [(r["node"], r["local_rank"], r["pp"], r["tp"]) for r in p["ranks"]] == \
-        [(0, 0, 0, 0), (0, 1, 0, 1), (1, 0, 1, 0), (1, 1, 1, 1)]
+    assert [(r["node"], r["local_rank"], r["pp"], r["tp"]) for r in p["ranks"]] == [
+        (0, 0, 0, 0),
+        (0, 1, 0, 1),
+        (1, 0, 1, 0),
+        (1, 1, 1, 1),
+    ]
     assert [(s["stage"], s["pp_rank"], s["layers"]) for s in p["stages"]] == [(0, 0, [0, 1]), (1, 1, [2, 3])]
     assert sum(s["parameters"] for s in p["stages"]) == p["model"]["parameters"]
     assert p["batch"] == {"global": 32, "per_replica": 32, "microbatches": 4, "rows_per_microbatch": 8}
@@ -98,11 +144,14 @@ def test_plan_grid_cut_and_batch(tmp_path, capsys):
     assert "mesh: dp 1 x tp 2 x pp 2" in text and "stage 1 on pp rank 1: layers 2-3" in text
 
 
-@pytest.mark.parametrize("sets, key", [
-    (["parallel.strategy='hybrid'", "parallel.tp=3"], "parallel.tp"),
-    (["train.lrr=1"], "train.lrr"),
-    (["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=5"], "parallel.microbatches"),
-])
+@pytest.mark.parametrize(
+    "sets, key",
+    [
+        (["parallel.strategy='hybrid'", "parallel.tp=3"], "parallel.tp"),
+        (["train.lrr=1"], "train.lrr"),
+        (["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=5"], "parallel.microbatches"),
+    ],
+)
 def test_plan_rejects_what_run_rejects(capsys, sets, key):
     args = ["plan", "--nproc", "4"]
     for s in sets:
@@ -118,10 +167,17 @@ def test_plan_says_whether_it_fits_this_machine(tmp_path, capsys):
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     small = plan(tmp_path, 2, [])
     need = sum(r["model_state_bytes"] + r["activation_bytes"] for r in small["ranks"])
-    assert small["capacity"] == {"kind": "host memory", "bytes": host, "where": "node 0", "needed": need,
-                                 "fits": True, "activations_counted": True}
+    assert small["capacity"] == {
+        "kind": "host memory",
+        "bytes": host,
+        "where": "node 0",
+        "needed": need,
+        "fits": True,
+        "activations_counted": True,
+    }
     huge = plan(tmp_path, 8, ["model.n_layer=48", "model.d_model=8192", "model.n_head=64"], nnodes=2)
     assert huge["model"]["parameters"] > 38e9 and not huge["capacity"]["fits"]
-    assert huge["capacity"]["needed"] == sum(r["model_state_bytes"] + r["activation_bytes"]
-                                             for r in huge["ranks"] if r["node"] == 0)
+    assert huge["capacity"]["needed"] == sum(
+        r["model_state_bytes"] + r["activation_bytes"] for r in huge["ranks"] if r["node"] == 0
+    )
     assert "DOES NOT FIT: node 0 needs" in capsys.readouterr().out

@@ -3,6 +3,7 @@
 Recompute must train equal to no recompute (the equivalence promise) and keep only each block's
 input for backward, as the plan counts it; memory is measured here as the resident memory a real
 forward adds (glibc told to mmap every allocation over 64 KiB, so a freed tensor leaves RSS)."""
+
 import json
 import os
 import subprocess
@@ -10,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from helpers import CPU_ONLY, check_ok, final_weights, run_cli, write_config
 from reference import train_reference
 from test_model_parallel import GPT, rel_error  # GPT: a 2-block gpt, 20 SGD steps of 8 unshuffled samples
@@ -29,8 +29,9 @@ batch_size = 8
 """
 
 
-@pytest.mark.parametrize("text", [GPT, DIGITS.format(model="mlp"), DIGITS.format(model="cnn")],
-                         ids=["gpt", "mlp", "cnn"])
+@pytest.mark.parametrize(
+    "text", [GPT, DIGITS.format(model="mlp"), DIGITS.format(model="cnn")], ids=["gpt", "mlp", "cnn"]
+)
 def test_recompute_gives_the_same_gradients(tmp_path, text):
     """Each built-in model: one forward and backward with and without recompute, equal gradients."""
     config = write_config(tmp_path / "job.toml", text)
@@ -57,12 +58,30 @@ def test_recompute_in_pipeline_stages_trains_equal(tmp_path):
     train = corpus("train", block_size=16, max_chars=20000)
     x, y = load_batch(train, torch.arange(20 * 8) % len(train))
     torch.manual_seed(0)
-    reference = train_reference(gpt(train.vocab_size, n_layer=2, n_head=4, d_model=32, block_size=16), x, y,
-                                steps=20, batch_size=8, lr=0.1)
+    reference = train_reference(
+        gpt(train.vocab_size, n_layer=2, n_head=4, d_model=32, block_size=16), x, y, steps=20, batch_size=8, lr=0.1
+    )
     config = write_config(tmp_path / "gpt.toml", GPT)
-    check_ok(run_cli("run", str(config), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
-                     "--set", "train.recompute='full'", "--set", "parallel.strategy='pp'", "--set", "parallel.pp=2",
-                     "--set", "parallel.schedule='interleaved'", "--set", "parallel.balance='params'"))
+    check_ok(
+        run_cli(
+            "run",
+            str(config),
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            "train.recompute='full'",
+            "--set",
+            "parallel.strategy='pp'",
+            "--set",
+            "parallel.pp=2",
+            "--set",
+            "parallel.schedule='interleaved'",
+            "--set",
+            "parallel.balance='params'",
+        )
+    )
     assert rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
 
 
@@ -97,12 +116,23 @@ def test_recompute_lowers_measured_activations_as_planned(tmp_path):
     """A 4-block gpt (d_model 256, 32 x 64 tokens): the memory a forward leaves for backward, with
     and without recompute, within 10 % of the plan's count; recompute keeps under a tenth."""
     script = write_config(tmp_path / "measure.py", MEASURE)
-    proc = subprocess.run([sys.executable, str(script), "model.d_model=256", "model.n_layer=4", "data.batch_size=32",
-                           "data.max_chars=100000"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **CPU_ONLY, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "model.d_model=256",
+            "model.n_layer=4",
+            "data.batch_size=32",
+            "data.max_chars=100000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **CPU_ONLY, "MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.splitlines()[-1])
-    for mode, bytes_ in seen.items():
+    for bytes_ in seen.values():
         assert abs(bytes_["measured"] - bytes_["planned"]) <= 0.1 * bytes_["planned"], seen
     assert seen["full"]["planned"] < seen["none"]["planned"] / 10
 
@@ -114,13 +144,16 @@ def write_cluster(tmp_path, body: str):
 A100_NODES = 'nodes = 4\ndevices_per_node = 8\ndevice = "a100-80gb"\n'
 
 
-@pytest.mark.parametrize("body, key", [
-    ('nodes = 4\ndevices_per_node = 8\ndevice = "a100"\n', "cluster.device"),
-    (A100_NODES + "peak_tflops = -1\n", "cluster.peak_tflops"),
-    (A100_NODES + "nic_Gbps = 100\n", "cluster.nic_Gbps"),
-    ('devices_per_node = 8\ndevice = "h200"\n', "cluster.nodes"),
-    (A100_NODES + 'latency_us = "fast"\n', "cluster.latency_us"),
-])
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ('nodes = 4\ndevices_per_node = 8\ndevice = "a100"\n', "cluster.device"),
+        (A100_NODES + "peak_tflops = -1\n", "cluster.peak_tflops"),
+        (A100_NODES + "nic_Gbps = 100\n", "cluster.nic_Gbps"),
+        ('devices_per_node = 8\ndevice = "h200"\n', "cluster.nodes"),
+        (A100_NODES + 'latency_us = "fast"\n', "cluster.latency_us"),
+    ],
+)
 def test_a_bad_cluster_file_exits_2_naming_the_key(tmp_path, capsys, body, key):
     from paratrain.cli import main
 
@@ -141,8 +174,16 @@ def predicted(tmp_path, cluster_body: str, sets: list[str]) -> dict:
 
 
 # a 39M-parameter gpt, 64 sequences of 512 tokens a step
-GPT2 = ["model.n_layer=4", "model.d_model=512", "model.n_head=8", "model.block_size=512", "data.block_size=512",
-        "model.vocab_size=50304", "data.batch_size=64", "train.precision='bf16'"]
+GPT2 = [
+    "model.n_layer=4",
+    "model.d_model=512",
+    "model.n_head=8",
+    "model.block_size=512",
+    "data.block_size=512",
+    "model.vocab_size=50304",
+    "data.batch_size=64",
+    "train.precision='bf16'",
+]
 ONE_NODE = 'nodes = 1\ndevices_per_node = 8\ndevice = "a100-80gb"\n'
 
 
@@ -170,9 +211,11 @@ def test_prediction_counts_recompute_bubble_and_dp_comm(tmp_path):
     ratio = recompute["step_breakdown"]["compute_s"] / base["step_breakdown"]["compute_s"]
     assert ratio == pytest.approx(4 / 3, rel=1e-6)
     assert recompute["predicted"]["peak_memory_gib"] < base["predicted"]["peak_memory_gib"]
-    pp = predicted(tmp_path, 'nodes = 1\ndevices_per_node = 4\ndevice = "h100-sxm"\n',
-                   [*GPT2, "parallel.strategy='pp'", "parallel.pp=4", "parallel.microbatches=8",
-                    "parallel.balance='params'"])
+    pp = predicted(
+        tmp_path,
+        'nodes = 1\ndevices_per_node = 4\ndevice = "h100-sxm"\n',
+        [*GPT2, "parallel.strategy='pp'", "parallel.pp=4", "parallel.microbatches=8", "parallel.balance='params'"],
+    )
     parts = pp["step_breakdown"]
     assert parts["bubble_s"] == pytest.approx(3 / 8 * (parts["compute_s"] + parts["p2p_s"]), rel=0.05)
     slow = predicted(tmp_path, A100_NODES + "inter_node_Gbps = 10\n", GPT2)
@@ -185,12 +228,24 @@ def test_flops_are_megatrons_count():
     from paratrain.cluster import PRESETS, Cluster
     from paratrain.predict import stage_costs
 
-    l, h, heads, s, V, B = 2, 256, 4, 512, 5120, 4
-    cfg = load(None, [f"model.n_layer={l}", f"model.d_model={h}", f"model.n_head={heads}", f"model.block_size={s}",
-                      f"data.block_size={s}", f"model.vocab_size={V}", f"data.batch_size={B}"])
+    L, h, heads, s, V, B = 2, 256, 4, 512, 5120, 4
+    cfg = load(
+        None,
+        [
+            f"model.n_layer={L}",
+            f"model.d_model={h}",
+            f"model.n_head={heads}",
+            f"model.block_size={s}",
+            f"data.block_size={s}",
+            f"model.vocab_size={V}",
+            f"data.batch_size={B}",
+        ],
+    )
     stages, tokens = stage_costs(cfg, B, None, Cluster(1, 1, "a100-80gb", PRESETS["a100-80gb"]), 1)
     assert tokens == s
-    assert 3 * sum(stage.forward_flops for stage in stages) == 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
+    assert 3 * sum(stage.forward_flops for stage in stages) == 72 * B * s * L * h * h * (
+        1 + s / (6 * h) + V / (12 * L * h)
+    )
 
 
 def test_materialized_attention_is_the_same_function():
@@ -236,6 +291,13 @@ def test_search_ranks_the_layouts_that_fit(tmp_path, capsys):
     assert all(set(x) >= {"parallel", "train", "predicted"} for x in layouts)
     assert "why:" in capsys.readouterr().out
     best = layouts[0]
-    alone = predicted(tmp_path, cluster, [*sets, *(f"parallel.{k}={v!r}" for k, v in best["parallel"].items()),
-                                          f"train.recompute='{best['train']['recompute']}'"])
+    alone = predicted(
+        tmp_path,
+        cluster,
+        [
+            *sets,
+            *(f"parallel.{k}={v!r}" for k, v in best["parallel"].items()),
+            f"train.recompute='{best['train']['recompute']}'",
+        ],
+    )
     assert alone["predicted"]["step_s"] == pytest.approx(best["predicted"]["step_s"])

@@ -1,8 +1,8 @@
 """The per-rank profiler, byte accounting, `paratrain report` and TensorBoard, from one real run."""
+
 import json
 
 import pytest
-
 from helpers import check_ok, metrics, run_cli, write_config
 
 from paratrain.cli import main
@@ -75,10 +75,14 @@ def test_trace_is_chrome_trace_format_with_one_pid_per_rank(run_dir):
     steps = [e for e in spans if e["cat"] == "step"]
     assert len(steps) == 2 * 12
     for step in steps:  # every phase lies inside its step, on the same rank
-        inner = [e for e in spans if e["cat"] == "phase" and e["pid"] == step["pid"]
-                 and e["args"]["step"] == step["args"]["step"]]
-        assert inner and all(step["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1
-                             for e in inner)
+        inner = [
+            e
+            for e in spans
+            if e["cat"] == "phase" and e["pid"] == step["pid"] and e["args"]["step"] == step["args"]["step"]
+        ]
+        assert inner and all(
+            step["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"] + 1 for e in inner
+        )
 
 
 def test_tensorboard_and_torch_profiler_files(run_dir):
@@ -97,13 +101,28 @@ def test_report_writes_plots_and_summary(run_dir, capsys):
     assert "| 0 | 11 |" in text and "| 1 | 11 |" in text  # 12 steps, less the first (warm-up)
 
 
-PIPELINE = (RUN.replace("torch_profiler = true", "").replace("tensorboard = true", "tensorboard = false")
-            .replace("[parallel]\n", '[parallel]\nstrategy = "pp"\npp = 2\nmicrobatches = 4\n'))
+PIPELINE = (
+    RUN.replace("torch_profiler = true", "")
+    .replace("tensorboard = true", "tensorboard = false")
+    .replace("[parallel]\n", '[parallel]\nstrategy = "pp"\npp = 2\nmicrobatches = 4\n')
+)
 
 
-@pytest.mark.parametrize("extra", [[], ["--set", "parallel.tp=2", "--set", "parallel.strategy='hybrid'",
-                                               "--set", 'parallel.tp_plan={ "0" = "colwise", "2" = "rowwise" }']],
-                         ids=["pp", "tp-x-pp"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        [
+            "--set",
+            "parallel.tp=2",
+            "--set",
+            "parallel.strategy='hybrid'",
+            "--set",
+            'parallel.tp_plan={ "0" = "colwise", "2" = "rowwise" }',
+        ],
+    ],
+    ids=["pp", "tp-x-pp"],
+)
 def test_model_parallel_steps_are_profiled_per_microbatch(tmp_path, extra):
     """Every strategy reports to the profiler; here the pipeline: forward and backward of each
     microbatch, idle while a neighbour's message is not there yet, messages counted as sent and
@@ -142,9 +161,22 @@ def test_sharded_and_parameter_server_steps_are_profiled(tmp_path, strategy, wor
     """ZeRO: compute phases, and its gradient reduce-scatter (an in-place all-reduce on gloo) counted
     in full. Parameter server: workers' compute and their pushes (send) and pulls (recv) of every
     parameter, the server's optimizer."""
-    cfg = write_config(tmp_path / "c.toml", RUN.replace("torch_profiler = true", "").replace("tensorboard = true", "tensorboard = false"))
-    check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--set", f"parallel.strategy='{strategy}'",
-                     "--run-dir", str(tmp_path / "run")))
+    cfg = write_config(
+        tmp_path / "c.toml",
+        RUN.replace("torch_profiler = true", "").replace("tensorboard = true", "tensorboard = false"),
+    )
+    check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--nproc",
+            str(world),
+            "--set",
+            f"parallel.strategy='{strategy}'",
+            "--run-dir",
+            str(tmp_path / "run"),
+        )
+    )
     records = [json.loads(line) for line in (tmp_path / "run" / "profile.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))
     for record in records:

@@ -1,5 +1,6 @@
 """What a run exposes: its listening sockets, its processes after its launcher dies, its shared
 memory, its run directory, and the input it trusts (docs/security.md)."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import CPU_ONLY, descendants, is_loopback, listening_addresses, run_cli, write_config
 from reference import DIGITS_MLP
 
@@ -35,9 +35,13 @@ def training_run(tmp_path_factory):
     (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
     cfg = write_config(tmp_path / "c.toml", config_text(steps=2000, every=0, pause=0.02))
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", "2",
-                             "--run-dir", str(run_dir)], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env={**os.environ, **CPU_ONLY})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", "2", "--run-dir", str(run_dir)],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **CPU_ONLY},
+    )
     pids: set[int] = set()
     try:
         deadline = time.monotonic() + 180  # the whole suite may be running beside it
@@ -138,8 +142,9 @@ def test_shared_memory_refuses_a_planted_link_and_stays_private(tmp_path, monkey
             out[:] = [obj, (1, *obj[1:])]
         else:  # whether a rank failed: note what rank 0 made, before it is removed
             own = next(tmp_path.glob("paratrain-*"))
-            modes.update({"dir": own.stat().st_mode & 0o777}, **{p.name: p.stat().st_mode & 0o777
-                                                                 for p in own.iterdir()})
+            modes.update(
+                {"dir": own.stat().st_mode & 0o777}, **{p.name: p.stat().st_mode & 0o777 for p in own.iterdir()}
+            )
             out[:] = [obj, ""]
 
     monkeypatch.setattr(shm_p2p.dist, "all_gather_object", gather)
@@ -165,14 +170,17 @@ def test_shared_memory_refuses_a_record_outside_the_ring():
         os.close(fd)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("parallel.timeout_s=1e15", "parallel.timeout_s"),  # overflowed a timedelta in every worker
-    ("train.seed=18446744073709551616", "train.seed"),  # 2**64: torch.manual_seed raised in every worker
-    ("train.seed=-1", "train.seed"),
-    ("name='../elsewhere'", "name"),                    # runs/NAME is the run directory
-    ("name='a/b'", "name"),
-    ("name='..'", "name"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("parallel.timeout_s=1e15", "parallel.timeout_s"),  # overflowed a timedelta in every worker
+        ("train.seed=18446744073709551616", "train.seed"),  # 2**64: torch.manual_seed raised in every worker
+        ("train.seed=-1", "train.seed"),
+        ("name='../elsewhere'", "name"),  # runs/NAME is the run directory
+        ("name='a/b'", "name"),
+        ("name='..'", "name"),
+    ],
+)
 def test_values_that_crashed_the_workers_or_escaped_runs_exit_2(tmp_path, capsys, monkeypatch, override, key):
     from paratrain.cli import main
 
@@ -184,11 +192,14 @@ def test_values_that_crashed_the_workers_or_escaped_runs_exit_2(tmp_path, capsys
     assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("value, why", [
-    ("skip_collective@rank=1,step", "got 'step'"),         # a bare ValueError at the first collective
-    ("skip_collective@rank=1,=3", "got '=3'"),
-    ("@rank=1", "got the name ''"),
-])
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("skip_collective@rank=1,step", "got 'step'"),  # a bare ValueError at the first collective
+        ("skip_collective@rank=1,=3", "got '=3'"),
+        ("@rank=1", "got the name ''"),
+    ],
+)
 def test_malformed_faults_exit_2_in_one_line(tmp_path, capsys, monkeypatch, value, why):
     """Issue 23, point 4: PARATRAIN_FAULTS was read by the workers alone, at their first collective."""
     from paratrain.cli import main

@@ -2,6 +2,7 @@
 namespaces, paratrain.testing.slurm): the emitted script, submitted with sbatch, trains across both
 nodes to the single-process result, through a worker killed on node 2 and restarted (--max-restarts 1).
 The cluster's packages are installed by the project's own setup when missing (root, apt-get)."""
+
 import json
 import os
 import signal
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import CPU_ONLY, complete_lines, final_weights, max_rel_error, write_config
 from reference import DIGITS_MLP, train_reference
 
@@ -28,9 +28,12 @@ ok, why = netns.available()
 # DIGITS_MLP's job on bench.recovery's model, an MLP with a pause in each forward so that a worker can be
 # killed mid-run.
 STEPS = 30
-CFG = (DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "slowmodel:slow_mlp"\npause = 0.03')
-       .replace("steps = 20", f"steps = {STEPS}").replace("log_every = 10", "log_every = 1")
-       + "[checkpoint]\nevery = 5\nkeep = 2\n")
+CFG = (
+    DIGITS_MLP.replace('factory = "mlp"\nhidden = 32', 'factory = "slowmodel:slow_mlp"\npause = 0.03')
+    .replace("steps = 20", f"steps = {STEPS}")
+    .replace("log_every = 10", "log_every = 1")
+    + "[checkpoint]\nevery = 5\nkeep = 2\n"
+)
 
 
 @pytest.mark.skipif(not ok, reason=f"Slurm test skipped: {why}")
@@ -40,14 +43,42 @@ def test_sbatch_script_trains_on_two_nodes_and_recovers_a_killed_worker(tmp_path
     (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
     run_dir = tmp_path / "run"
     script = tmp_path / "job.sh"
-    assert main(["job", "slurm", str(cfg), "--nodes", "2", "--nproc", "1", "--max-restarts", "1",
-                 "--run-dir", str(run_dir), "--out", str(script)]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "job",
+                "slurm",
+                str(cfg),
+                "--nodes",
+                "2",
+                "--nproc",
+                "1",
+                "--max-restarts",
+                "1",
+                "--run-dir",
+                str(run_dir),
+                "--out",
+                str(script),
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     # The job's tasks get this environment (sbatch exports it): paratrain on PATH, no GPU.
-    env = {**os.environ, **CPU_ONLY, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        **CPU_ONLY,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONUNBUFFERED": "1",
+    }
     with slurm.SlurmCluster(tmp_path / "slurm") as cluster:
-        job = cluster.popen(["sbatch", "--wait", str(script)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        job = cluster.popen(
+            ["sbatch", "--wait", str(script)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 120
             while not any(json.loads(line)["step"] >= 12 for line in complete_lines(run_dir / "metrics.jsonl")):
@@ -73,8 +104,27 @@ def test_sbatch_script_trains_on_two_nodes_and_recovers_a_killed_worker(tmp_path
 def test_sbatch_script_is_shellcheck_clean(tmp_path, capsys):
     slurm.install()
     script = tmp_path / "job.sh"
-    assert main(["job", "slurm", "--nodes", "4", "--gpus", "8", "--cpus", "32", "--memory", "200Gi",
-                 "--run-dir", "/shared/runs/my run", "--out", str(script)]) == 0, capsys.readouterr().err
+    assert (
+        main(
+            [
+                "job",
+                "slurm",
+                "--nodes",
+                "4",
+                "--gpus",
+                "8",
+                "--cpus",
+                "32",
+                "--memory",
+                "200Gi",
+                "--run-dir",
+                "/shared/runs/my run",
+                "--out",
+                str(script),
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     check = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     text = script.read_text()

@@ -1,12 +1,12 @@
 """ZeRO stages 1-3 against single-process PyTorch and dp; resharding resume; inspect; bad input."""
+
 import shutil
 
 import pytest
 import torch
-from torch import nn
-
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
+from torch import nn
 
 from paratrain.cli import main
 from paratrain.models.cnn import cnn
@@ -14,20 +14,37 @@ from paratrain.models.gpt import gpt
 from paratrain.models.materialize import materialize, record_on_meta
 from paratrain.models.mlp import mlp
 
-EQUIV = DIGITS_MLP + """
+EQUIV = (
+    DIGITS_MLP
+    + """
 [parallel]
 strategy = "zero1"
 bucket_mb = 0.002   # a few KB: several units even for this small model
 """
+)
 
 # World 3 also exercises AdamW, global-norm clipping across shards and gradient accumulation.
 # zero3 at world 2 takes the model from a user factory (its construction recorded on the meta device
 # and replayed a tensor at a time) instead of the built-in one (built on the meta device and its
 # initialisation replayed shard by shard).
-USER_MODEL = ["--set", "model.factory='paratrain.models.mlp:mlp'", "--set", "model.in_features=64",
-              "--set", "model.out_features=10"]
-WORLD3 = ["--set", "train.optimizer='adamw'", "--set", "train.lr=0.01", "--set", "train.clip_grad_norm=0.5",
-          "--set", "train.grad_accum=2"]
+USER_MODEL = [
+    "--set",
+    "model.factory='paratrain.models.mlp:mlp'",
+    "--set",
+    "model.in_features=64",
+    "--set",
+    "model.out_features=10",
+]
+WORLD3 = [
+    "--set",
+    "train.optimizer='adamw'",
+    "--set",
+    "train.lr=0.01",
+    "--set",
+    "train.clip_grad_norm=0.5",
+    "--set",
+    "train.grad_accum=2",
+]
 
 
 def reference(optimizer="sgd", lr=0.1, clip=0.0):
@@ -47,8 +64,19 @@ def dp_weights(tmp_path_factory):
 def test_zero_equals_single_process_and_dp(tmp_path, dp_weights, stage, world):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
     extra = WORLD3 if world == 3 else USER_MODEL if stage == "zero3" else []
-    check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--set", f"parallel.strategy='{stage}'", *extra,
-                     "--run-dir", str(tmp_path / "run")))
+    check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--nproc",
+            str(world),
+            "--set",
+            f"parallel.strategy='{stage}'",
+            *extra,
+            "--run-dir",
+            str(tmp_path / "run"),
+        )
+    )
     got = final_weights(tmp_path / "run")
     if world == 3:
         assert max_rel_error(got, reference("adamw", lr=0.01, clip=0.5)) <= 1e-4
@@ -62,8 +90,19 @@ def test_zero_with_native_collectives_equals_single_process(tmp_path, stage):
     """NCCL's path: the native reduce-scatter and all-gather, in place (output = this rank's slice
     of the input), taken on gloo here by PARATRAIN_NATIVE_COLLECTIVES=1."""
     cfg = write_config(tmp_path / "c.toml", EQUIV)
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", f"parallel.strategy='{stage}'",
-                     "--run-dir", str(tmp_path / "run"), env={"PARATRAIN_NATIVE_COLLECTIVES": "1"}))
+    check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--nproc",
+            "2",
+            "--set",
+            f"parallel.strategy='{stage}'",
+            "--run-dir",
+            str(tmp_path / "run"),
+            env={"PARATRAIN_NATIVE_COLLECTIVES": "1"},
+        )
+    )
     assert max_rel_error(final_weights(tmp_path / "run"), reference()) <= 1e-4
 
 
@@ -98,7 +137,9 @@ def test_zero3_gpt_bf16_equals_dp(tmp_path):
     """A transformer (blocks in a ModuleList, per-block units) under bf16 autocast with accumulation."""
     cfg = write_config(tmp_path / "c.toml", GPT)
     for strategy in ("dp", "zero3"):
-        check_ok(run_cli("run", str(cfg), "--set", f"parallel.strategy='{strategy}'", "--run-dir", str(tmp_path / strategy)))
+        check_ok(
+            run_cli("run", str(cfg), "--set", f"parallel.strategy='{strategy}'", "--run-dir", str(tmp_path / strategy))
+        )
     dp, zero3 = final_weights(tmp_path / "dp"), final_weights(tmp_path / "zero3")
     # The key bias gets an exactly-zero gradient (softmax ignores a constant shift of the scores):
     # its value is rounding noise. Elsewhere the two differ only by the order in which micro-batch
@@ -115,7 +156,7 @@ def test_meta_materialisation_equals_a_normal_build():
         with torch.device("meta"):
             meta = build()
         got = {}
-        materialize(meta, 7, lambda meta_tensor, value: got.__setitem__(id(meta_tensor), value.clone()))
+        materialize(meta, 7, lambda meta_tensor, value, got=got: got.__setitem__(id(meta_tensor), value.clone()))
         names = [n for n, _ in meta.named_parameters()]
         assert all(p.is_meta for p in meta.parameters())
         by_name = dict(zip(names, (got[id(p)] for p in meta.parameters())))
@@ -189,6 +230,7 @@ def test_user_factory_replay_equals_a_normal_build_a_tensor_at_a_time():
 def test_user_factory_that_branches_on_the_device_still_equals_a_normal_build():
     """Construction that differs on the meta device (torch's orthogonal_ does nothing there) makes
     the replay run other ops than the recording: it falls back to a normal build, values unchanged."""
+
     def factory():
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
         nn.init.orthogonal_(model[0].weight)
@@ -239,8 +281,18 @@ def straight(tmp_path_factory):
 @pytest.mark.parametrize("world", [1, 3])
 def test_resume_at_another_world_size_equals_never_stopping(tmp_path, straight, world):
     cfg, run = straight
-    proc = check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--resume", str(run / "checkpoints" / "step-6"),
-                            "--run-dir", str(tmp_path / "resumed")))
+    proc = check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--nproc",
+            str(world),
+            "--resume",
+            str(run / "checkpoints" / "step-6"),
+            "--run-dir",
+            str(tmp_path / "resumed"),
+        )
+    )
     assert "at step 6 (saved by 2 ranks)" in proc.stdout
     assert max_rel_error(final_weights(tmp_path / "resumed"), final_weights(run)) <= 1e-4
 
@@ -293,8 +345,18 @@ def test_inspect_lists_and_verifies(tmp_path, straight, capsys):
 
 def test_resume_with_another_strategy_exits_2(tmp_path, straight, capsys):
     cfg, run = straight
-    code = main(["run", str(cfg), "--set", "parallel.strategy='zero2'", "--resume", str(run / "checkpoints" / "step-6"),
-                 "--run-dir", str(tmp_path / "r")])
+    code = main(
+        [
+            "run",
+            str(cfg),
+            "--set",
+            "parallel.strategy='zero2'",
+            "--resume",
+            str(run / "checkpoints" / "step-6"),
+            "--run-dir",
+            str(tmp_path / "r"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "'zero3'" in err and "'zero2'" in err
 
@@ -308,13 +370,33 @@ def test_resume_from_a_final_export_exits_2_saying_what_it_is(tmp_path, straight
 
 def test_resume_with_another_model_exits_2_naming_the_parameters(tmp_path, straight, capsys):
     cfg, run = straight
-    code = main(["run", str(cfg), "--set", "model.hidden=48", "--resume", str(run / "checkpoints" / "step-6"),
-                 "--run-dir", str(tmp_path / "r")])
+    code = main(
+        [
+            "run",
+            str(cfg),
+            "--set",
+            "model.hidden=48",
+            "--resume",
+            str(run / "checkpoints" / "step-6"),
+            "--run-dir",
+            str(tmp_path / "r"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "shape differs: 0.bias (32,) vs (48,), 0.weight (32, 64) vs (48, 64)" in err
-    code = main(["run", str(cfg), "--set", "model.n_layers=3", "--resume", str(run / "checkpoints" / "step-6"),
-                 "--run-dir", str(tmp_path / "r")])
+    code = main(
+        [
+            "run",
+            str(cfg),
+            "--set",
+            "model.n_layers=3",
+            "--resume",
+            str(run / "checkpoints" / "step-6"),
+            "--run-dir",
+            str(tmp_path / "r"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "missing from checkpoint: 6.bias, 6.weight" in err, err
 
@@ -330,9 +412,22 @@ def test_validation_shares_that_differ_between_ranks_give_the_true_loss(tmp_path
     from paratrain.data.datasets import digits
 
     cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
-    sets = [a for o in (f"data.val_fraction={fraction}", "train.steps=2", "parallel.timeout_s=20") for a in ("--set", o)]
-    check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--set", f"parallel.strategy='{strategy}'", *sets,
-                     "--run-dir", str(tmp_path / "run")))
+    sets = [
+        a for o in (f"data.val_fraction={fraction}", "train.steps=2", "parallel.timeout_s=20") for a in ("--set", o)
+    ]
+    check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--nproc",
+            str(world),
+            "--set",
+            f"parallel.strategy='{strategy}'",
+            *sets,
+            "--run-dir",
+            str(tmp_path / "run"),
+        )
+    )
     model = mlp(64, hidden=32, n_layers=2, out_features=10)  # the loss the final weights really have
     model.load_state_dict(final_weights(tmp_path / "run"))
     x, y = digits("val", val_fraction=fraction).tensors

@@ -1,5 +1,6 @@
 """User model factories (`module:function`), as a user's own code would define them: built by their
 own construction code, not by paratrain's built-ins."""
+
 from torch import nn
 
 

@@ -1,2 +1,3 @@
 """paratrain: distributed training of PyTorch models."""
+
 __version__ = "0.1.0"

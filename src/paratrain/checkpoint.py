@@ -11,6 +11,7 @@ what paratrain writes (the file names of its ranks and no other, inside the dire
 a world size that matches the files), and every file is parsed before it is used, so that a crafted
 or corrupt checkpoint is a CheckpointError naming the file, never a traceback or a hang.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -94,7 +95,7 @@ def decode(data: bytes, source: Path) -> tuple[dict[str, torch.Tensor], dict]:
     try:
         tensors = st_load(data)
         header_len = int.from_bytes(data[:8], "little")
-        meta = _metadata(json.loads(data[8:8 + header_len]).get("__metadata__"), source)
+        meta = _metadata(json.loads(data[8 : 8 + header_len]).get("__metadata__"), source)
     except (SafetensorError, ValueError, RecursionError, AttributeError) as exc:
         raise CheckpointError(f"{source}: not a readable safetensors file: {_gist(exc)}") from None
     return tensors, meta
@@ -157,8 +158,9 @@ def sha256_file(path: Path) -> str:
 # -- saving ---------------------------------------------------------------------------------------
 def _gather_digests(digest: str, size: int, device: torch.device, world_size: int, group) -> list[tuple[str, int]]:
     """Every saving rank's (sha256, bytes), gathered as tensors (no pickled objects on the wire)."""
-    payload = torch.tensor(list(bytes.fromhex(digest)) + list(size.to_bytes(8, "little")),
-                           dtype=torch.uint8, device=device)
+    payload = torch.tensor(
+        list(bytes.fromhex(digest)) + list(size.to_bytes(8, "little")), dtype=torch.uint8, device=device
+    )
     if not dist.is_initialized() or world_size == 1:
         return [(digest, size)]
     out = [torch.empty_like(payload) for _ in range(world_size)]
@@ -171,8 +173,20 @@ def _barrier(world_size: int, group) -> None:
         collectives.barrier("checkpoint", group=group)
 
 
-def save(run_dir: Path, step: int, tensors: dict, meta: dict, *, rank: int, world_size: int,
-         strategy: str, config: dict, keep: int, device: torch.device, group=None) -> Path:
+def save(
+    run_dir: Path,
+    step: int,
+    tensors: dict,
+    meta: dict,
+    *,
+    rank: int,
+    world_size: int,
+    strategy: str,
+    config: dict,
+    keep: int,
+    device: torch.device,
+    group=None,
+) -> Path:
     """Collective over the saving ranks 0..world_size-1 (`group`: them; None: the world group),
     each with its own shard."""
     root = Path(run_dir) / "checkpoints"
@@ -191,8 +205,12 @@ def save(run_dir: Path, step: int, tensors: dict, meta: dict, *, rank: int, worl
     del data
     if rank == 0:
         manifest = {
-            "format": FORMAT, "step": step, "world_size": world_size, "strategy": strategy,
-            "time": time.time(), "config": config,
+            "format": FORMAT,
+            "step": step,
+            "world_size": world_size,
+            "strategy": strategy,
+            "time": time.time(),
+            "config": config,
             "files": {rank_file(r): {"sha256": d, "bytes": n} for r, (d, n) in enumerate(digests)},
         }
         write_bytes_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
@@ -265,8 +283,10 @@ def read_manifest(path: Path, formats: tuple[str, ...] = (FORMAT,)) -> dict:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{manifest_path}: not a JSON object")
     if manifest.get("format") == FINAL_FORMAT and FINAL_FORMAT not in formats:
-        raise CheckpointError(f"{path} is a final export (the model alone, without optimizer or data "
-                              f"position): resume from a checkpoint, e.g. {Path(path).parent / 'checkpoints'}/step-N")
+        raise CheckpointError(
+            f"{path} is a final export (the model alone, without optimizer or data "
+            f"position): resume from a checkpoint, e.g. {Path(path).parent / 'checkpoints'}/step-N"
+        )
     if manifest.get("format") not in formats:
         raise CheckpointError(f"{manifest_path}: unknown format {str(manifest.get('format'))[:80]!r}")
     check_manifest(manifest, manifest_path)
@@ -281,14 +301,19 @@ def check_manifest(m: dict, where: Path) -> None:
     """The keys paratrain reads, of the types it writes. A checkpoint lists exactly the files
     rank-00000 .. of its world size (a name is never a path: it stays inside the directory); a
     final export lists model.safetensors alone."""
+
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{where}: {why}")
 
     if not _is_int(m.get("step")) or m["step"] < 0:
         raise bad("'step' must be an integer >= 0")
     for key in ("time", "parameters"):
-        if key in m and not (isinstance(m[key], (int, float)) and not isinstance(m[key], bool)
-                             and math.isfinite(m[key]) and 0 <= m[key] < 2**53):
+        if key in m and not (
+            isinstance(m[key], (int, float))
+            and not isinstance(m[key], bool)
+            and math.isfinite(m[key])
+            and 0 <= m[key] < 2**53
+        ):
             raise bad(f"'{key}' must be a number >= 0")
     for key in ("strategy",):
         if key in m and not isinstance(m[key], str):
@@ -303,9 +328,13 @@ def check_manifest(m: dict, where: Path) -> None:
     if not isinstance(files, dict) or not files:
         raise bad("'files' must be an object naming the checkpoint's files")
     for name, entry in files.items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
-                and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"]) and _is_int(entry.get("bytes"))
-                and entry["bytes"] >= 0):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("sha256"), str)
+            and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])
+            and _is_int(entry.get("bytes"))
+            and entry["bytes"] >= 0
+        ):
             raise bad(f"files[{name[:80]!r}] must hold 'sha256' (64 hex digits) and 'bytes' (an integer >= 0)")
     if m["format"] == FINAL_FORMAT:
         if set(files) != {FINAL_FILE}:
@@ -320,8 +349,9 @@ def check_manifest(m: dict, where: Path) -> None:
         raise bad(f"world_size {m['world_size']} does not match its files ({_names(files)})")
     layout = [config.get("parallel", {}).get(key, 1) for key in ("tp", "pp")]  # how tp/pp shards are laid out
     if not all(_is_int(n) and n >= 1 for n in layout) or m["world_size"] % (layout[0] * layout[1]):
-        raise bad(f"parallel tp and pp ({', '.join(str(n)[:20] for n in layout)}) do not divide world_size "
-                  f"{m['world_size']}")
+        raise bad(
+            f"parallel tp and pp ({', '.join(str(n)[:20] for n in layout)}) do not divide world_size {m['world_size']}"
+        )
 
 
 def _names(names) -> str:
@@ -357,8 +387,9 @@ class CheckpointReader:
             meta, _ = read_header(self.path / rank_file(rank))
             trainer = meta.get("trainer")
             if not isinstance(trainer, dict) or trainer.get("step") != self.step:
-                raise CheckpointError(f"{self.path / rank_file(rank)}: its metadata does not hold the "
-                                      f"manifest's step {self.step}")
+                raise CheckpointError(
+                    f"{self.path / rank_file(rank)}: its metadata does not hold the manifest's step {self.step}"
+                )
 
     def load(self, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
         if not 0 <= rank < self.world_size:
@@ -379,13 +410,17 @@ def check_resumable(reader: CheckpointReader, strategy: str, optimizer: str, key
     from .parallel import STRATEGIES
 
     if STRATEGIES.get(reader.strategy) != STRATEGIES.get(strategy):
-        raise CheckpointMismatch(key, f"checkpoint {reader.path} was written by strategy {reader.strategy!r}, "
-                                      f"this run uses {strategy!r}")
+        raise CheckpointMismatch(
+            key, f"checkpoint {reader.path} was written by strategy {reader.strategy!r}, this run uses {strategy!r}"
+        )
     saved = reader.manifest.get("config", {}).get("train", {}).get("optimizer")
     if saved is not None and saved != optimizer:
-        raise CheckpointMismatch("train.optimizer", f"checkpoint {reader.path} holds the state of optimizer "
-                                                    f"{saved!r}, this run uses {optimizer!r}: resume with "
-                                                    f"train.optimizer = {saved!r}")
+        raise CheckpointMismatch(
+            "train.optimizer",
+            f"checkpoint {reader.path} holds the state of optimizer "
+            f"{saved!r}, this run uses {optimizer!r}: resume with "
+            f"train.optimizer = {saved!r}",
+        )
 
 
 def saved_model_shapes(reader: CheckpointReader) -> dict[str, list[int]]:
@@ -404,12 +439,13 @@ def saved_model_shapes(reader: CheckpointReader) -> dict[str, list[int]]:
         for key, shape in tensors.items():
             if not key.startswith("model."):
                 continue
-            name = key[len("model."):]
+            name = key[len("model.") :]
             if name in shapes and name in dims:
                 dim = dims[name]
                 if not _is_int(dim) or not 0 <= dim < len(shape) or len(shape) != len(shapes[name]):
-                    raise CheckpointError(f"{path}: shard_dims[{name!r}] = {str(dim)[:20]} is not a "
-                                          f"dimension of its shape {shape}")
+                    raise CheckpointError(
+                        f"{path}: shard_dims[{name!r}] = {str(dim)[:20]} is not a dimension of its shape {shape}"
+                    )
                 shapes[name][dim] += shape[dim]
             else:
                 shapes.setdefault(name, shape)
@@ -420,8 +456,11 @@ def check_model_shapes(reader: CheckpointReader, model: nn.Module, key: str) -> 
     """Before any worker starts (`model` on meta): the checkpoint's parameter names and whole
     shapes must be the model's. CheckpointMismatch naming `key` otherwise. Every parameter must be
     saved; buffers may be absent (a parameter server saves parameters only)."""
-    differs = describe_mismatch({k: v.shape for k, v in model.state_dict().items()}, saved_model_shapes(reader),
-                                required=[n for n, _ in model.named_parameters()])
+    differs = describe_mismatch(
+        {k: v.shape for k, v in model.state_dict().items()},
+        saved_model_shapes(reader),
+        required=[n for n, _ in model.named_parameters()],
+    )
     if differs:
         raise CheckpointMismatch(key, f"{reader.path}: {differs}")
 
@@ -444,15 +483,18 @@ def move_invalid_aside(path: Path) -> Path:
     """RUN_DIR/checkpoints.invalid/step-N (-2, -3, ... when taken): out of the checkpoints' way, kept to look at."""
     aside_root = path.parent.parent / "checkpoints.invalid"
     aside_root.mkdir(exist_ok=True)
-    aside = next(candidate for n in itertools.count(1)
-                 if not os.path.lexists(candidate := aside_root / (path.name + (f"-{n}" if n > 1 else ""))))
+    aside = next(
+        candidate
+        for n in itertools.count(1)
+        if not os.path.lexists(candidate := aside_root / (path.name + (f"-{n}" if n > 1 else "")))
+    )
     path.rename(aside)
     return aside
 
 
 # -- model and optimizer state as flat tensors ---------------------------------------------------
 def describe_mismatch(own: dict, saved: dict, required=None) -> str:
-    """"" when a checkpoint's names and shapes (`saved`, name -> shape) are the model's (`own`),
+    """ "" when a checkpoint's names and shapes (`saved`, name -> shape) are the model's (`own`),
     else one line: the names of `required` (default: all of `own`) it lacks, the names the model
     lacks, and the shapes that differ, the first few of each and how many more."""
     own = {k: tuple(v) for k, v in own.items()}
@@ -477,8 +519,9 @@ def describe_mismatch(own: dict, saved: dict, required=None) -> str:
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load with a clear list of what does not match, instead of a traceback."""
-    differs = describe_mismatch({k: v.shape for k, v in model.state_dict().items()},
-                                {k: v.shape for k, v in state.items()})
+    differs = describe_mismatch(
+        {k: v.shape for k, v in model.state_dict().items()}, {k: v.shape for k, v in state.items()}
+    )
     if differs:
         raise CheckpointMismatch("resume", differs)
     model.load_state_dict(state)
@@ -508,14 +551,16 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: list[str], t
     state: dict[int, dict] = {}
     for index, name in enumerate(names):
         prefix = f"optim.{name}."
-        entry = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        entry = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         entry.update(meta["scalars"].get(name, {}))
         if entry:
             state[index] = entry
     # hyperparameters come from the checkpoint; how the update is computed (fused or not, ...) is
     # this process's choice, so a run saved on one kind of machine resumes on another
-    groups = [dict(saved, params=cur["params"], **{k: cur[k] for k in _IMPLEMENTATION_KEYS if k in cur})
-              for saved, cur in zip(meta["param_groups"], current["param_groups"])]
+    groups = [
+        dict(saved, params=cur["params"], **{k: cur[k] for k in _IMPLEMENTATION_KEYS if k in cur})
+        for saved, cur in zip(meta["param_groups"], current["param_groups"])
+    ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -528,11 +573,16 @@ def export_final(run_dir: Path, state: dict[str, torch.Tensor], *, step: int, co
     tmp.mkdir(parents=True)
     data = st_save(_unshared(state), metadata={"format": "pt"})
     write_bytes_durably(tmp / "model.safetensors", data)
-    manifest = {"format": FINAL_FORMAT, "step": step, "config": config,
-                "files": {"model.safetensors": {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}},
-                "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                            for k, v in state.items()},
-                **extra}
+    manifest = {
+        "format": FINAL_FORMAT,
+        "step": step,
+        "config": config,
+        "files": {"model.safetensors": {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}},
+        "tensors": {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in state.items()
+        },
+        **extra,
+    }
     write_bytes_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
     _fsync_dir(tmp)  # the files' names durable before the rename publishes them
     if final.exists():

@@ -1,4 +1,5 @@
 """The `paratrain` command."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,10 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
     config_mod.check_world(cfg, world)
     train_set = build_dataset(cfg, "train")
     if len(train_set) < cfg.data.batch_size:
-        raise ConfigError("data.batch_size", f"{cfg.data.batch_size} is more than the {len(train_set)} "
-                                             f"training samples of {cfg.data.factory}")
+        raise ConfigError(
+            "data.batch_size",
+            f"{cfg.data.batch_size} is more than the {len(train_set)} training samples of {cfg.data.factory}",
+        )
     build_dataset(cfg, "val")
     with torch.device("meta"):  # shapes only: no memory, no time
         model = build_model(cfg, train_set)
@@ -56,17 +59,24 @@ def check_samples(cfg: config_mod.Config, train_set, model=None) -> None:
     try:
         sample = train_set[0]
     except Exception as exc:  # the user's __getitem__
-        raise ConfigError("data.factory", f"{cfg.data.factory}: reading sample 0 failed: "
-                                          f"{type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            "data.factory", f"{cfg.data.factory}: reading sample 0 failed: {type(exc).__name__}: {exc}"
+        ) from None
     if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
-        what = f"a dict with keys {sorted(sample)}" if isinstance(sample, dict) else \
-            f"a {type(sample).__name__}" + (f" of {len(sample)}" if isinstance(sample, (tuple, list)) else "")
+        what = (
+            f"a dict with keys {sorted(sample)}"
+            if isinstance(sample, dict)
+            else f"a {type(sample).__name__}" + (f" of {len(sample)}" if isinstance(sample, (tuple, list)) else "")
+        )
         raise ConfigError("data.factory", f"{cfg.data.factory}'s samples must be (input, target) pairs, got {what}")
     target = sample[1]
     if cfg.train.loss == "cross_entropy" and isinstance(target, torch.Tensor) and target.is_floating_point():
-        raise ConfigError("train.loss", f"cross_entropy takes class indices, but the targets of {cfg.data.factory} "
-                                        f"are {str(target.dtype).removeprefix('torch.')} (a regression task: use "
-                                        f"'mse'; soft labels: a module:function loss)")
+        raise ConfigError(
+            "train.loss",
+            f"cross_entropy takes class indices, but the targets of {cfg.data.factory} "
+            f"are {str(target.dtype).removeprefix('torch.')} (a regression task: use "
+            f"'mse'; soft labels: a module:function loss)",
+        )
     if model is not None and isinstance(sample[0], torch.Tensor) and isinstance(target, torch.Tensor):
         check_loss_shapes(cfg, model, sample[0], target)
 
@@ -93,12 +103,16 @@ def check_loss_shapes(cfg: config_mod.Config, model, x, target) -> None:
         loss(out, ys)
     except (RuntimeError, ValueError) as exc:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ConfigError("train.loss", f"{cfg.train.loss} cannot compare the model's output {shape} with "
-                                        f"targets {tuple(ys.shape)} ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(
+            "train.loss",
+            f"{cfg.train.loss} cannot compare the model's output {shape} with "
+            f"targets {tuple(ys.shape)} ({str(exc).splitlines()[0]})",
+        ) from None
 
 
-def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_rank: int,
-                    resume_step: int | None = None) -> None:
+def prepare_run_dir(
+    run_dir: Path, cfg: config_mod.Config, resume: str, node_rank: int, resume_step: int | None = None
+) -> None:
     """Make the run directory (writable, with room), write its config.toml, and put earlier work
     that this run must not mix with aside: every checkpoint for a fresh start, and those past
     `resume_step` for --resume PATH, which are another run's future. Elastic restarts and a later
@@ -143,8 +157,11 @@ def prepare_run_dir(run_dir: Path, cfg: config_mod.Config, resume: str, node_ran
             aside.mkdir()
             for _, path in later:
                 path.rename(aside / path.name)
-            print(f"paratrain: resuming from step {resume_step}; the checkpoints past it here "
-                  f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}", flush=True)
+            print(
+                f"paratrain: resuming from step {resume_step}; the checkpoints past it here "
+                f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}",
+                flush=True,
+            )
 
 
 _RUN_DIR_LOCKS: list[int] = []  # held until the run ends
@@ -166,8 +183,11 @@ def lock_run_dir(run_dir: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ConfigError("--run-dir", f"{run_dir} is in use by another paratrain run (it holds {run_dir / '.lock'}); "
-                                       f"wait for it, or give this run another name or --run-dir") from None
+        raise ConfigError(
+            "--run-dir",
+            f"{run_dir} is in use by another paratrain run (it holds {run_dir / '.lock'}); "
+            f"wait for it, or give this run another name or --run-dir",
+        ) from None
     _RUN_DIR_LOCKS.append(fd)
 
 
@@ -249,8 +269,9 @@ def check_launch(args) -> None:
     if args.nnodes > 1 and args.rdzv is None:
         raise ConfigError("--rdzv", f"required with --nnodes {args.nnodes}: HOST:PORT of node 0, where the nodes meet")
     if not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError("--node-rank", f"must be in [0, {args.nnodes}) for --nnodes {args.nnodes}, "
-                                         f"got {args.node_rank}")
+        raise ConfigError(
+            "--node-rank", f"must be in [0, {args.nnodes}) for --nnodes {args.nnodes}, got {args.node_rank}"
+        )
     if args.rdzv is not None:
         host, _, port = args.rdzv.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -272,8 +293,11 @@ def check_faults() -> None:
     except ValueError as exc:
         raise ConfigError(faults.ENV, str(exc)) from None
     never = f"; {', '.join(unknown)} never fire{'s' * (len(unknown) == 1)} (known: {', '.join(faults.KNOWN)})"
-    print(f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose"
-          f"{never if unknown else ''}", file=sys.stderr, flush=True)
+    print(
+        f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose{never if unknown else ''}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def cmd_run(args) -> int:
@@ -302,35 +326,55 @@ def train(args) -> int:
         if engine is not None:
             print(f"paratrain: {engine.describe(nproc)}", file=sys.stderr, flush=True)
         if args.nnodes > 1:  # every node the same software and config, before anyone waits on a collective
-            print(f"paratrain: node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"paratrain: node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}",
+                file=sys.stderr,
+                flush=True,
+            )
             check_nodes(args.rdzv, args.nnodes, args.node_rank, node_facts(nproc, config_mod.to_toml(cfg)))
         resume_step = check_resume(args.resume, cfg, run_dir)
-        prepare_run_dir(run_dir, cfg, args.resume, args.node_rank,
-                        resume_step if args.resume not in ("none", "auto") else None)
+        prepare_run_dir(
+            run_dir, cfg, args.resume, args.node_rank, resume_step if args.resume not in ("none", "auto") else None
+        )
     except ConfigError as exc:
         return _error(str(exc), 2)
     if device_note:  # after the checks, so that a bad config still gets its one line
         print(f"paratrain: {device_note}", file=sys.stderr)
-    worker_args = [str(run_dir / "config.toml"), "--run-dir", str(run_dir),
-                   "--resume", str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume]
+    worker_args = [
+        str(run_dir / "config.toml"),
+        "--run-dir",
+        str(run_dir),
+        "--resume",
+        str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume,
+    ]
     try:
         from .trainer import forked_worker
 
-        launch(forked_worker, worker_args, nproc=nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-               rdzv=args.rdzv, max_restarts=args.max_restarts, run_id=cfg.name)
+        launch(
+            forked_worker,
+            worker_args,
+            nproc=nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv=args.rdzv,
+            max_restarts=args.max_restarts,
+            run_id=cfg.name,
+        )
     except ConfigError as exc:  # the rendezvous address cannot be used
         return _error(str(exc), 2)
     except Interrupted as exc:
-        return _error(f"stopped by {exc}; the workers were stopped. {newest_checkpoint_note(run_dir)}",
-                      128 + exc.signum)
+        return _error(
+            f"stopped by {exc}; the workers were stopped. {newest_checkpoint_note(run_dir)}", 128 + exc.signum
+        )
     except WorkerFailure as exc:
         if exc.own_exitcodes == {2}:
             return 2  # the worker printed which key was wrong
         if exc.own_exitcodes and exc.own_exitcodes <= STOPPED_EXITS:  # the workers were sent the signal
             signum = max(exc.own_exitcodes) - 128
-            return _error(f"stopped by {signal.Signals(signum).name} (sent to the workers). "
-                          f"{newest_checkpoint_note(run_dir)}", 128 + signum)
+            return _error(
+                f"stopped by {signal.Signals(signum).name} (sent to the workers). {newest_checkpoint_note(run_dir)}",
+                128 + signum,
+            )
         return _error(f"training failed: {exc} [rank {exc.rank} was a {config_mod.role_of(cfg, exc.rank)}]", 1)
     return 0
 
@@ -347,11 +391,10 @@ def newest_checkpoint_note(run_dir: Path) -> str:
 def cmd_plan(args) -> int:
     import torch
 
+    from .cluster import load_cluster
     from .data import build_dataset
     from .models import build_model
     from .plan import emit, make_plan
-
-    from .cluster import load_cluster
 
     try:
         cfg = load_config(args)
@@ -398,8 +441,14 @@ def add_job_options(p) -> None:
     p.add_argument("config", nargs="?", help="TOML config (default: the built-in default job)")
     p.add_argument("--nproc", type=int, default=None, help="processes per node (default: 2 on CPU, one per GPU)")
     p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.lr=0.01")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.lr=0.01",
+    )
 
 
 def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
@@ -416,22 +465,44 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--resume", default="none", help="auto | none | PATH")
     r.set_defaults(func=cmd_run)
 
-    pl = sub.add_parser("plan", help="the layout of a run before it starts: rank grid, pipeline cut, "
-                                     "per-rank bytes of parameters, gradients and optimizer state")
+    pl = sub.add_parser(
+        "plan",
+        help="the layout of a run before it starts: rank grid, pipeline cut, "
+        "per-rank bytes of parameters, gradients and optimizer state",
+    )
     add_job_options(pl)
-    pl.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                    help="also write the plan as JSON (to stdout alone without PATH)")
-    pl.add_argument("--cluster", default=None, metavar="FILE",
-                    help="a TOML [cluster] table: plan and predict for those machines (docs/planning.md)")
-    pl.add_argument("--search", action="store_true",
-                    help="also rank the layouts that fit (dp x tp x pp, zero stage, microbatches, schedule, recompute)")
+    pl.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="also write the plan as JSON (to stdout alone without PATH)",
+    )
+    pl.add_argument(
+        "--cluster",
+        default=None,
+        metavar="FILE",
+        help="a TOML [cluster] table: plan and predict for those machines (docs/planning.md)",
+    )
+    pl.add_argument(
+        "--search",
+        action="store_true",
+        help="also rank the layouts that fit (dp x tp x pp, zero stage, microbatches, schedule, recompute)",
+    )
     pl.add_argument("--top", type=int, default=5, metavar="K", help="layouts --search shows (default 5)")
     pl.set_defaults(func=cmd_plan)
 
-    i = sub.add_parser("inspect", help="what a checkpoint holds (step, world size, strategy, tensors, bytes); "
-                                       "verifies its checksums (exit 2 if one fails)")
-    i.add_argument("checkpoint", help="a checkpoint directory (RUN_DIR/checkpoints/step-100), a final export "
-                                      "(RUN_DIR/final), or a run directory: a line for each of its checkpoints")
+    i = sub.add_parser(
+        "inspect",
+        help="what a checkpoint holds (step, world size, strategy, tensors, bytes); "
+        "verifies its checksums (exit 2 if one fails)",
+    )
+    i.add_argument(
+        "checkpoint",
+        help="a checkpoint directory (RUN_DIR/checkpoints/step-100), a final export "
+        "(RUN_DIR/final), or a run directory: a line for each of its checkpoints",
+    )
     i.add_argument("--tensors", action="store_true", help="also list every tensor with dtype, shape and bytes")
     i.set_defaults(func=cmd_inspect)
     rep = sub.add_parser("report", help="plots and a markdown summary of a run directory")
@@ -454,7 +525,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"], ["job"], ["data"])).parse_args(argv)
+    args = build_parser(
+        with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"], ["job"], ["data"])
+    ).parse_args(argv)
     if getattr(args, "nproc", 1) is not None and getattr(args, "nproc", 1) < 1:
         return _error("--nproc: must be >= 1", 2)
     if getattr(args, "nnodes", None) is not None and args.nnodes < 1:

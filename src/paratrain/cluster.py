@@ -14,11 +14,13 @@ the server it usually comes in. Where each number comes from:
   * cpu: this machine; its peak is measured once per plan (a large fp32 matmul) since no data sheet
     applies, and its links are shared memory (intra) and a 10 Gb/s Ethernet (inter), both assumed.
 """
+
 from __future__ import annotations
 
 import functools
-import tomllib
 from dataclasses import dataclass, fields, replace
+
+import tomllib
 
 from .config import ConfigError
 
@@ -27,12 +29,12 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Device:
-    peak_tflops: float      # dense, at the run's precision (16-bit tensor cores on GPUs)
+    peak_tflops: float  # dense, at the run's precision (16-bit tensor cores on GPUs)
     memory_gib: float
-    hbm_GBps: float         # device memory bandwidth, for memory-bound work (elementwise ops, the optimizer)
+    hbm_GBps: float  # device memory bandwidth, for memory-bound work (elementwise ops, the optimizer)
     intra_node_GBps: float  # per device, one direction
     inter_node_Gbps: float  # per node, all NICs together
-    latency_us: float       # per message between nodes
+    latency_us: float  # per message between nodes
     intra_latency_us: float
 
 
@@ -65,8 +67,16 @@ class Cluster:
         return int(self.device.memory_gib * GIB)
 
 
-_KEYS = {"nodes": int, "devices_per_node": int, "device": str, "peak_tflops": float, "memory_gib": float,
-         "intra_node_GBps": float, "inter_node_Gbps": float, "latency_us": float}
+_KEYS = {
+    "nodes": int,
+    "devices_per_node": int,
+    "device": str,
+    "peak_tflops": float,
+    "memory_gib": float,
+    "intra_node_GBps": float,
+    "inter_node_Gbps": float,
+    "latency_us": float,
+}
 
 
 @functools.cache
@@ -91,8 +101,9 @@ def for_cpu(device: Device) -> Device:
     import os
 
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
-    return replace(device, peak_tflops=device.peak_tflops or this_machine_peak_tflops(),
-                   memory_gib=device.memory_gib or host)
+    return replace(
+        device, peak_tflops=device.peak_tflops or this_machine_peak_tflops(), memory_gib=device.memory_gib or host
+    )
 
 
 def parse_cluster(raw: dict, where: str = "cluster") -> Cluster:
@@ -103,11 +114,14 @@ def parse_cluster(raw: dict, where: str = "cluster") -> Cluster:
         kind = _KEYS.get(key)
         if kind is None:
             raise ConfigError(f"{where}.{key}", f"unknown key (known: {', '.join(_KEYS)})")
-        ok = isinstance(value, str) if kind is str else (
-            isinstance(value, int) if kind is int else isinstance(value, (int, float))) and not isinstance(value, bool)
+        ok = (
+            isinstance(value, str)
+            if kind is str
+            else (isinstance(value, int) if kind is int else isinstance(value, (int, float)))
+            and not isinstance(value, bool)
+        )
         if not ok:
-            raise ConfigError(f"{where}.{key}", f"expected {'a string' if kind is str else 'a number'}, "
-                                                f"got {value!r}")
+            raise ConfigError(f"{where}.{key}", f"expected {'a string' if kind is str else 'a number'}, got {value!r}")
         if kind is not str and value <= 0:
             raise ConfigError(f"{where}.{key}", f"must be > 0, got {value}")
     for key in ("nodes", "devices_per_node", "device"):

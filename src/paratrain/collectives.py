@@ -8,6 +8,7 @@ has every rank that can still answer post its log to the rendezvous store (which
 on the failed collective), compares them and names the rank that issued a different collective,
 fell behind, or never answered.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -179,8 +180,9 @@ def explain_failure(exc: BaseException, record: Record | None = None, wait_s: fl
         return str(exc)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = record or LOG.last
-    head = (f"rank {rank}: collective {mine.describe()} did not complete"
-            if mine else f"rank {rank}: a collective failed")
+    head = (
+        f"rank {rank}: collective {mine.describe()} did not complete" if mine else f"rank {rank}: a collective failed"
+    )
     cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
     try:
         store = _store()
@@ -216,15 +218,19 @@ def _compare(rank: int, logs: dict) -> str:
         if len(set(sigs.values())) > 1:
             odd = _odd_rank(seq, seqs)
             peer = next(p for p in sigs if sigs[p] != sigs[odd])
-            return (f"collective sequences diverge at #{seq}: rank {odd} issued {seqs[odd][seq].describe()} "
-                    f"while rank {peer} issued {seqs[peer][seq].describe()}; rank {odd} issued a different "
-                    f"collective than its peers")
+            return (
+                f"collective sequences diverge at #{seq}: rank {odd} issued {seqs[odd][seq].describe()} "
+                f"while rank {peer} issued {seqs[peer][seq].describe()}; rank {odd} issued a different "
+                f"collective than its peers"
+            )
     if len(set(counts.values())) > 1:
         behind = min(counts, key=counts.get)
         ahead = max(counts, key=counts.get)
         last = seqs[behind].get(counts[behind] - 1)
-        return (f"rank {behind} stopped after {counts[behind]} collectives"
-                f"{' (last: ' + last.describe() + ')' if last else ''} while rank {ahead} issued {counts[ahead]}")
+        return (
+            f"rank {behind} stopped after {counts[behind]} collectives"
+            f"{' (last: ' + last.describe() + ')' if last else ''} while rank {ahead} issued {counts[ahead]}"
+        )
     if silent:
         return f"rank(s) {', '.join(map(str, silent))} did not answer: dead, or stuck outside any collective"
     return "every rank issued the same collectives; the failure is in the transport"

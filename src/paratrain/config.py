@@ -5,15 +5,17 @@ docs/gen_config_ref.py turns them into the configuration reference (docs/configu
 key documented here is documented there. Errors are `ConfigError`s that name the dotted key, so the
 CLI can print one line and exit 2 before any worker starts.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import importlib.resources
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 
 class ConfigError(ValueError):
@@ -48,8 +50,9 @@ def require_at_least(low: int, **values: int) -> None:
 def opt(default, choices: tuple | None = None, check=None, doc: str = ""):
     """A config field with allowed `choices` or a `check(value) -> error or None`."""
     if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default),
-                     metadata={"choices": choices, "check": check, "doc": doc})
+        return field(
+            default_factory=lambda: type(default)(default), metadata={"choices": choices, "check": check, "doc": doc}
+        )
     return field(default=default, metadata={"choices": choices, "check": check, "doc": doc})
 
 
@@ -94,6 +97,7 @@ def _timeout(v):
 @dataclass
 class ModelConfig:
     """The model: a built-in factory or your own `module:function` returning an `nn.Module`."""
+
     factory: str = opt("gpt", check=_factory_name, doc="mlp | cnn | gpt | module:function")
     kwargs: dict = opt({}, doc="every other key of [model], passed to the factory")
 
@@ -102,35 +106,47 @@ class ModelConfig:
 class DataConfig:
     """The dataset: a built-in factory or your own `module:function` returning a map-style Dataset
     whose items are (input, target)."""
+
     factory: str = opt("corpus", check=_factory_name, doc="digits | corpus | synthetic | module:function")
     batch_size: int = opt(64, check=_positive, doc="global samples per optimizer step")
-    shuffle: bool = opt(True, doc="a seeded permutation per epoch (seed and epoch only, never the world "
-                                  "size); false: step i reads samples (i*B + j) mod len(dataset)")
+    shuffle: bool = opt(
+        True,
+        doc="a seeded permutation per epoch (seed and epoch only, never the world "
+        "size); false: step i reads samples (i*B + j) mod len(dataset)",
+    )
     kwargs: dict = opt({}, doc="every other key of [data], passed to the factory")
 
 
 @dataclass
 class TrainConfig:
     """The training loop: steps, optimizer, schedule, precision, device, logging."""
+
     steps: int = opt(200, check=_non_negative, doc="optimizer steps of the whole run")
     optimizer: str = opt("adamw", choices=("sgd", "adamw"), doc="torch's fused implementation where it applies")
     lr: float = opt(1e-3, check=_non_negative, doc="peak learning rate")
-    lr_schedule: str = opt("constant", choices=("constant", "cosine"),
-                           doc="cosine: from lr down to 0 at the last step, after the warm-up")
+    lr_schedule: str = opt(
+        "constant", choices=("constant", "cosine"), doc="cosine: from lr down to 0 at the last step, after the warm-up"
+    )
     warmup_steps: int = opt(0, check=_non_negative, doc="steps of linear learning-rate warm-up, under either schedule")
     momentum: float = opt(0.0, check=_non_negative, doc="sgd only")
     weight_decay: float = opt(0.0, check=_non_negative, doc="sgd and adamw")
     loss: str = opt("cross_entropy", check=_factory_name, doc="cross_entropy | mse | module:function")
-    grad_accum: int = opt(1, check=_positive, doc="micro-batches per optimizer step; the global batch stays data.batch_size")
+    grad_accum: int = opt(
+        1, check=_positive, doc="micro-batches per optimizer step; the global batch stays data.batch_size"
+    )
     clip_grad_norm: float = opt(0.0, check=_non_negative, doc="clip the global gradient norm to this; 0 = off")
     precision: str = opt("fp32", choices=("fp32", "bf16"), doc="bf16: autocast of forward and loss")
-    recompute: str = opt("none", choices=("none", "full"),
-                         doc="full: keep only each block's input and run its forward again in backward")
+    recompute: str = opt(
+        "none", choices=("none", "full"), doc="full: keep only each block's input and run its forward again in backward"
+    )
     seed: int = opt(0, check=_seed)
     log_every: int = opt(10, check=_positive, doc="steps between metrics lines (and the profiler's gather)")
     eval_every: int = opt(0, check=_non_negative, doc="0 = only after the last step")
-    device: str = opt("auto", choices=("auto", "cpu", "cuda"),
-                      doc="auto: CUDA with NCCL when every process of the node has a GPU, else CPU with gloo")
+    device: str = opt(
+        "auto",
+        choices=("auto", "cpu", "cuda"),
+        doc="auto: CUDA with NCCL when every process of the node has a GPU, else CPU with gloo",
+    )
     torch_profiler: bool = opt(False, doc="also record torch.profiler traces of a few steps")
     max_bad_steps: int = opt(5, check=_non_negative, doc="consecutive non-finite steps skipped before the run stops")
 
@@ -138,6 +154,7 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     """How the work is split over the processes: the strategy, its degrees and its communication."""
+
     strategy: str = opt("dp", choices=("dp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "ps", "federated"))
     tp: int = opt(1, check=_positive, doc="tensor-parallel degree (tp, hybrid)")
     pp: int = opt(1, check=_positive, doc="pipeline stages (pp, hybrid)")
@@ -147,8 +164,11 @@ class ParallelConfig:
     balance: str = opt("time", choices=("time", "params"), doc="pipeline cut: measured layer time or parameters")
     tp_plan: dict = opt({}, doc="module name -> colwise | rowwise (tensor parallelism of user models)")
     bucket_mb: float = opt(25.0, check=_positive, doc="gradient bucket size (dp, zero1/2 buckets, zero3 units)")
-    compression: str = opt("none", choices=("none", "bf16", "fp16", "topk", "powersgd"),
-                           doc="gradient averaging: dp takes all, zero1-3 none, bf16 or fp16, the rest none")
+    compression: str = opt(
+        "none",
+        choices=("none", "bf16", "fp16", "topk", "powersgd"),
+        doc="gradient averaging: dp takes all, zero1-3 none, bf16 or fp16, the rest none",
+    )
     topk_ratio: float = opt(0.01, check=_ratio, doc="topk: share of each bucket's entries sent")
     powersgd_rank: int = opt(4, check=_at_least_one, doc="powersgd: rank of the low-rank factors")
     powersgd_warm_start: bool = opt(True, doc="powersgd: start each step from the last step's Q")
@@ -158,6 +178,7 @@ class ParallelConfig:
 @dataclass
 class CheckpointConfig:
     """Resumable checkpoints in RUN_DIR/checkpoints/step-N; the final export is always written."""
+
     every: int = opt(0, check=_non_negative, doc="steps between checkpoints; 0 = final export only")
     keep: int = opt(3, check=_positive, doc="newest checkpoints kept; older ones are deleted")
 
@@ -165,17 +186,28 @@ class CheckpointConfig:
 @dataclass
 class PSConfig:
     """Parameter servers (strategy = "ps")."""
+
     servers: int = opt(1, check=_positive, doc="the first `servers` ranks serve parameters, the rest are workers")
-    mode: str = opt("sync", choices=("sync", "async", "ssp"),
-                    doc="sync: one averaged step per global batch; async: every push applied at once; "
-                        "ssp: async within ps.staleness steps")
+    mode: str = opt(
+        "sync",
+        choices=("sync", "async", "ssp"),
+        doc="sync: one averaged step per global batch; async: every push applied at once; "
+        "ssp: async within ps.staleness steps",
+    )
     staleness: int = opt(4, check=_non_negative, doc="ssp: how many steps a worker may run ahead of the slowest")
-    straggler_rank: int = opt(-1, check=lambda v: None if v >= -1 else "must be a worker rank or -1 (none)",
-                              doc="experiments: the worker rank slowed down by straggler_factor; -1 = none")
-    straggler_factor: float = opt(1.0, check=lambda v: None if v >= 1 else "must be >= 1",
-                                  doc="that worker's step takes this many times its compute time")
-    drop_after_s: float = opt(30.0, check=_positive,
-                              doc="async | ssp: a worker silent this long is dropped; servers always wait")
+    straggler_rank: int = opt(
+        -1,
+        check=lambda v: None if v >= -1 else "must be a worker rank or -1 (none)",
+        doc="experiments: the worker rank slowed down by straggler_factor; -1 = none",
+    )
+    straggler_factor: float = opt(
+        1.0,
+        check=lambda v: None if v >= 1 else "must be >= 1",
+        doc="that worker's step takes this many times its compute time",
+    )
+    drop_after_s: float = opt(
+        30.0, check=_positive, doc="async | ssp: a worker silent this long is dropped; servers always wait"
+    )
 
 
 @dataclass
@@ -185,7 +217,9 @@ class FederatedConfig:
     local_steps: int = opt(10, check=_positive, doc="client optimizer steps per round, each of data.batch_size samples")
     algorithm: str = opt("fedavg", choices=("fedavg", "fedprox", "fedadam"))
     mu: float = opt(0.0, check=_non_negative, doc="fedprox: weight of the proximal term mu/2 |w - w_global|^2")
-    server_lr: float = opt(1.0, check=_positive, doc="fedadam's step size; fedavg and fedprox scale the mean update by it")
+    server_lr: float = opt(
+        1.0, check=_positive, doc="fedadam's step size; fedavg and fedprox scale the mean update by it"
+    )
     partition: str = opt("dirichlet", choices=("iid", "dirichlet"), doc="how the training set is dealt to clients")
     alpha: float = opt(0.5, check=_positive, doc="dirichlet: concentration (smaller = more skewed labels)")
     min_samples: int = opt(10, check=_positive, doc="fewest samples a client may hold; a draw below it exits 2")
@@ -196,6 +230,7 @@ class FederatedConfig:
 @dataclass
 class LogConfig:
     """Extra outputs of a run besides metrics.jsonl, profile.jsonl and trace.json."""
+
     tensorboard: bool = opt(False, doc="also write TensorBoard event files to RUN_DIR/tensorboard")
 
 
@@ -226,8 +261,7 @@ class Config:
 # Sections whose unknown keys are factory keyword arguments rather than errors.
 _OPEN_SECTIONS = {"model", "data"}
 
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
-               dict: "a table"}
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a table"}
 
 
 def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
@@ -290,19 +324,25 @@ def _check_combinations(cfg: Config) -> None:
     from .parallel import STRATEGIES  # the registry is the one list of what exists
 
     if cfg.parallel.strategy not in STRATEGIES:
-        raise ConfigError("parallel.strategy",
-                          f"{cfg.parallel.strategy!r} is not available in this version "
-                          f"(available: {', '.join(sorted(STRATEGIES))})")
+        raise ConfigError(
+            "parallel.strategy",
+            f"{cfg.parallel.strategy!r} is not available in this version (available: {', '.join(sorted(STRATEGIES))})",
+        )
     if hasattr(own := _own_checks(cfg), "check_config"):
         own.check_config(cfg)
     strategy, compression = cfg.parallel.strategy, cfg.parallel.compression
     if compression != "none" and strategy != "dp":
         if not strategy.startswith("zero"):
-            raise ConfigError("parallel.compression", f"compresses dp's and zero's gradient averaging; "
-                                                      f"strategy {strategy!r} takes only 'none'")
+            raise ConfigError(
+                "parallel.compression",
+                f"compresses dp's and zero's gradient averaging; strategy {strategy!r} takes only 'none'",
+            )
         if compression not in ("bf16", "fp16"):
-            raise ConfigError("parallel.compression", f"{compression!r} needs an all-reduce of whole gradients; "
-                                                      f"{strategy}'s reduce-scatter takes 'none', 'bf16' or 'fp16'")
+            raise ConfigError(
+                "parallel.compression",
+                f"{compression!r} needs an all-reduce of whole gradients; "
+                f"{strategy}'s reduce-scatter takes 'none', 'bf16' or 'fp16'",
+            )
 
 
 def _own_checks(cfg: Config):
@@ -339,31 +379,40 @@ def check_world(cfg: Config, world_size: int) -> None:
         if cfg.ps.servers >= world_size:
             raise ConfigError("ps.servers", f"{cfg.ps.servers} servers leave no worker among {world_size} processes")
         if cfg.ps.straggler_rank != -1 and not cfg.ps.servers <= cfg.ps.straggler_rank < world_size:
-            raise ConfigError("ps.straggler_rank", f"{cfg.ps.straggler_rank} is not a worker rank "
-                                                   f"({cfg.ps.servers}..{world_size - 1}) nor -1")
+            raise ConfigError(
+                "ps.straggler_rank",
+                f"{cfg.ps.straggler_rank} is not a worker rank ({cfg.ps.servers}..{world_size - 1}) nor -1",
+            )
     else:
         if p.strategy not in ("tp", "hybrid") and p.tp != 1:
             raise ConfigError("parallel.tp", f"must be 1 for strategy {p.strategy!r}")
         if p.strategy not in ("pp", "hybrid") and p.pp != 1:
             raise ConfigError("parallel.pp", f"must be 1 for strategy {p.strategy!r}")
         if world_size % (p.tp * p.pp):  # name the degree that is set (pp when tp is 1)
-            raise ConfigError("parallel.pp" if p.tp == 1 else "parallel.tp",
-                              f"tp {p.tp} x pp {p.pp} does not divide the world size {world_size}")
+            raise ConfigError(
+                "parallel.pp" if p.tp == 1 else "parallel.tp",
+                f"tp {p.tp} x pp {p.pp} does not divide the world size {world_size}",
+            )
     dp = data_parallel_degree(cfg, world_size)
     per_step = dp * cfg.train.grad_accum
     if cfg.data.batch_size % per_step:
-        raise ConfigError("data.batch_size",
-                          f"{cfg.data.batch_size} is not divisible by data-parallel degree {dp} "
-                          f"x train.grad_accum {cfg.train.grad_accum}")
+        raise ConfigError(
+            "data.batch_size",
+            f"{cfg.data.batch_size} is not divisible by data-parallel degree {dp} "
+            f"x train.grad_accum {cfg.train.grad_accum}",
+        )
     if p.strategy in ("pp", "hybrid") and p.pp > 1:
         per_replica, micro = cfg.data.batch_size // dp, p.microbatches * cfg.train.grad_accum
         if per_replica % micro:
-            raise ConfigError("parallel.microbatches",
-                              f"{p.microbatches} microbatches x train.grad_accum {cfg.train.grad_accum} do not "
-                              f"divide the per-replica batch of {per_replica} samples")
+            raise ConfigError(
+                "parallel.microbatches",
+                f"{p.microbatches} microbatches x train.grad_accum {cfg.train.grad_accum} do not "
+                f"divide the per-replica batch of {per_replica} samples",
+            )
         if p.schedule == "interleaved" and micro % p.pp:
-            raise ConfigError("parallel.microbatches",
-                              f"the interleaved schedule needs microbatches ({micro}) divisible by pp {p.pp}")
+            raise ConfigError(
+                "parallel.microbatches", f"the interleaved schedule needs microbatches ({micro}) divisible by pp {p.pp}"
+            )
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -12,12 +12,13 @@ Why each engine is read the way it is:
 Under plain torchrun (TORCHELASTIC_RUN_ID, LOCAL_RANK set) the variables describe a worker, not a node:
 nothing is read. Flags given to `paratrain run` win over all of it.
 """
+
 from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from .config import ConfigError
 
@@ -29,17 +30,19 @@ SLURM_PORT_SPAN = 1000
 
 @dataclass
 class Placement:
-    engine: str          # "Kubeflow Trainer", "PyTorchJob", "Slurm", "SkyPilot"
+    engine: str  # "Kubeflow Trainer", "PyTorchJob", "Slurm", "SkyPilot"
     nnodes: int
     node_rank: int
-    rdzv: str            # HOST:PORT of node 0
-    nproc: int | None    # processes per node, when the engine says
-    job: str = ""        # the engine's name for the job, for the first log line
+    rdzv: str  # HOST:PORT of node 0
+    nproc: int | None  # processes per node, when the engine says
+    job: str = ""  # the engine's name for the job, for the first log line
 
     def describe(self, nproc: int) -> str:
         job = f" job {self.job}" if self.job else ""
-        return (f"{self.engine}{job}: node {self.node_rank} of {self.nnodes}, {nproc} process"
-                f"{'es' if nproc != 1 else ''} each (world {self.nnodes * nproc}), rendezvous at {self.rdzv}")
+        return (
+            f"{self.engine}{job}: node {self.node_rank} of {self.nnodes}, {nproc} process"
+            f"{'es' if nproc != 1 else ''} each (world {self.nnodes * nproc}), rendezvous at {self.rdzv}"
+        )
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -94,13 +97,23 @@ def _nproc(env: Mapping[str, str]) -> int | None:
 
 
 def _kubeflow_trainer(env: Mapping[str, str]) -> Placement:
-    return Placement("Kubeflow Trainer", _int(env, "PET_NNODES", 1), _int(env, "PET_NODE_RANK"),
-                     f"{env['PET_MASTER_ADDR']}:{_int(env, 'PET_MASTER_PORT', 1)}", _nproc(env))
+    return Placement(
+        "Kubeflow Trainer",
+        _int(env, "PET_NNODES", 1),
+        _int(env, "PET_NODE_RANK"),
+        f"{env['PET_MASTER_ADDR']}:{_int(env, 'PET_MASTER_PORT', 1)}",
+        _nproc(env),
+    )
 
 
 def _pytorchjob(env: Mapping[str, str]) -> Placement:
-    return Placement("PyTorchJob", _int(env, "WORLD_SIZE", 1), _int(env, "RANK"),
-                     f"{env['MASTER_ADDR']}:{_int(env, 'MASTER_PORT', 1)}", _nproc(env))
+    return Placement(
+        "PyTorchJob",
+        _int(env, "WORLD_SIZE", 1),
+        _int(env, "RANK"),
+        f"{env['MASTER_ADDR']}:{_int(env, 'MASTER_PORT', 1)}",
+        _nproc(env),
+    )
 
 
 def _slurm(env: Mapping[str, str]) -> Placement:
@@ -124,8 +137,14 @@ def _skypilot(env: Mapping[str, str]) -> Placement:
         raise ConfigError("SKYPILOT_NODE_IPS", f"lists {len(ips)} nodes, SKYPILOT_NUM_NODES says {nnodes}")
     gpus = env.get("SKYPILOT_NUM_GPUS_PER_NODE", "0").strip()
     port = _int(env, "MASTER_PORT", 1) if "MASTER_PORT" in env else SKYPILOT_PORT
-    return Placement("SkyPilot", nnodes, _int(env, "SKYPILOT_NODE_RANK"), f"{ips[0]}:{port}",
-                     int(gpus) if gpus.isdigit() and int(gpus) > 0 else None, env.get("SKYPILOT_TASK_ID", ""))
+    return Placement(
+        "SkyPilot",
+        nnodes,
+        _int(env, "SKYPILOT_NODE_RANK"),
+        f"{ips[0]}:{port}",
+        int(gpus) if gpus.isdigit() and int(gpus) > 0 else None,
+        env.get("SKYPILOT_TASK_ID", ""),
+    )
 
 
 # (engine reader, the variables that must all be set for it), most specific first: a PyTorchJob may
@@ -150,8 +169,9 @@ def detect(env: Mapping[str, str]) -> Placement | None:
         if all(env.get(key, "").strip() for key in keys):
             placement = read(env)
             if not 0 <= placement.node_rank < placement.nnodes:
-                raise ConfigError(placement.engine, f"node rank {placement.node_rank} is not in "
-                                                    f"[0, {placement.nnodes})")
+                raise ConfigError(
+                    placement.engine, f"node rank {placement.node_rank} is not in [0, {placement.nnodes})"
+                )
             return placement
     return None
 

@@ -12,17 +12,26 @@ A fault fires when every key it names matches; unset (the normal case) costs one
 `paratrain` checks the value before any worker starts (exit 2 if malformed) and warns whenever it
 is set: a run with faults set fails on purpose.
 """
+
 from __future__ import annotations
 
 import os
 
-
 ENV = "PARATRAIN_FAULTS"
 # The faults that call sites ask for (active(NAME, ...)): a name not here is named in the CLI's
 # warning, as it would never fire.
-KNOWN = ("skip_collective", "exit_in_save", "ps_vanish", "ps_kill",
-         "ps_kill_before_pull", "ps_stall_before_pull", "ps_bad_header",  # a ps worker between push and pull
-         "fed_drop", "fed_stall", "fed_kill")  # federated clients and client ranks
+KNOWN = (
+    "skip_collective",
+    "exit_in_save",
+    "ps_vanish",
+    "ps_kill",
+    "ps_kill_before_pull",
+    "ps_stall_before_pull",
+    "ps_bad_header",  # a ps worker between push and pull
+    "fed_drop",
+    "fed_stall",
+    "fed_kill",
+)  # federated clients and client ranks
 
 
 def parse(text: str) -> dict[str, list[dict[str, str]]]:

@@ -14,6 +14,7 @@ nothing is left behind. A child that exits 2 (bad input) passes its code through
 that fails because the run itself is broken (its server is gone: `FailsRun`), which must not look
 like a worker that merely died.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,8 +40,11 @@ def run_guarded(argv: list[str], what: str) -> int:
     """Run `python -m paratrain.trainer argv` as a child; a death of it is reported, not propagated."""
     from .launch import die_with_parent
 
-    child = subprocess.Popen([sys.executable, "-m", "paratrain.trainer", *argv], env={**os.environ, GUARDED: "1"},
-                             preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
+    child = subprocess.Popen(
+        [sys.executable, "-m", "paratrain.trainer", *argv],
+        env={**os.environ, GUARDED: "1"},
+        preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()),
+    )
 
     def forward(signum, _frame):  # the agent stopping this rank stops the worker first
         child.send_signal(signum)

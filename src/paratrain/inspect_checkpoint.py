@@ -6,6 +6,7 @@ prints step, world size, strategy, per-file tensor counts and bytes, and the ten
 Exit 0 when every checksum holds, 2 when the directory is none of these or a file is missing or
 corrupt.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,11 +18,34 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from .checkpoint import (FINAL_FORMAT, FORMAT, CheckpointError, list_checkpoints, read_manifest, regular_file,
-                         sha256_file, verify_files)
+from .checkpoint import (
+    FINAL_FORMAT,
+    FORMAT,
+    CheckpointError,
+    list_checkpoints,
+    read_manifest,
+    regular_file,
+    sha256_file,
+    verify_files,
+)
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+}
 
 
 def tensor_headers(path: Path) -> list[tuple[str, str, list[int], int]]:
@@ -58,8 +82,11 @@ def inspect(path: str | Path, show_tensors: bool = False, out=None) -> int:
     except (OverflowError, ValueError, OSError):  # a time no calendar has
         saved = "?"
     print(f"{'final export' if final else 'checkpoint'} {path}", file=out)
-    print(f"step {m['step']} | world size {m.get('world_size', '?')} | strategy {m.get('strategy', '?')} | "
-          + (f"{m['parameters']:,} parameters" if final and "parameters" in m else f"saved {saved}"), file=out)
+    print(
+        f"step {m['step']} | world size {m.get('world_size', '?')} | strategy {m.get('strategy', '?')} | "
+        + (f"{m['parameters']:,} parameters" if final and "parameters" in m else f"saved {saved}"),
+        file=out,
+    )
     print(f"{'file':<26}{'tensors':>8}{'bytes':>14}  sha256", file=out)
     bad, total_tensors, total_bytes = 0, 0, 0
     kinds: Counter = Counter()
@@ -70,8 +97,13 @@ def inspect(path: str | Path, show_tensors: bool = False, out=None) -> int:
         try:
             size = regular_file(file).st_size
         except CheckpointError:  # missing, or a symlink: never followed
-            status = ("MISSING" if not os.path.lexists(file) else "SYMLINK (not followed)" if file.is_symlink()
-                      else "NOT A REGULAR FILE")
+            status = (
+                "MISSING"
+                if not os.path.lexists(file)
+                else "SYMLINK (not followed)"
+                if file.is_symlink()
+                else "NOT A REGULAR FILE"
+            )
             print(f"{name:<26}{'-':>8}{'-':>14}  {status}", file=out)
             bad += 1
             continue
@@ -91,8 +123,10 @@ def inspect(path: str | Path, show_tensors: bool = False, out=None) -> int:
             listing.append((name, tname, dtype, shape, nbytes))
         status = "ok" if ok else "CORRUPT (does not match the manifest)"
         print(f"{name:<26}{len(headers):>8}{size:>14,}  {status}", file=out)
-    print(f"{'total':<26}{total_tensors:>8}{total_bytes:>14,}  "
-          f"{'all checksums ok' if not bad else f'{bad} bad file(s)'}", file=out)
+    print(
+        f"{'total':<26}{total_tensors:>8}{total_bytes:>14,}  {'all checksums ok' if not bad else f'{bad} bad file(s)'}",
+        file=out,
+    )
     print("tensors by kind: " + ", ".join(f"{k} {kinds[k]} ({kind_bytes[k]:,} B)" for k in sorted(kinds)), file=out)
     if show_tensors:
         for file, tname, dtype, shape, nbytes in listing:
@@ -115,8 +149,9 @@ def inspect_run(run_dir: Path, out=None) -> int:
         try:
             m = read_manifest(entry, (FORMAT, FINAL_FORMAT))
             verify_files(entry, m)
-            status = (f"step {m['step']} | world size {m.get('world_size', '?')} | "
-                      f"strategy {m.get('strategy', '?')} | ok")
+            status = (
+                f"step {m['step']} | world size {m.get('world_size', '?')} | strategy {m.get('strategy', '?')} | ok"
+            )
         except CheckpointError as exc:
             status, bad = f"INVALID: {exc}", bad + 1
         print(f"{label:<26}{status}", file=out)

@@ -13,6 +13,7 @@ so its imports overlap the command's own checks and the rendezvous, and a worker
 costs a fork. A restarted worker group forks from the same server. Benchmark workers, which
 name a module, start as `python -m module` as before.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,9 +24,9 @@ import re
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 
 @dataclass
@@ -131,8 +132,11 @@ def _register_rendezvous() -> None:
     round then used different keys and waited for each other until the timeout (a two-node run,
     one worker killed). The round is the same on every node."""
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry  # noqa: F401  registers "c10d"
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousHandler,
+        RendezvousParameters,
+        registry,  # noqa: F401  registers "c10d"
+    )
     from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
@@ -150,8 +154,13 @@ def _register_rendezvous() -> None:
             self.rounds += 1
             if self.inner.use_agent_store:  # else rank 0's worker will host the store: nothing to write to yet
                 where = info.bootstrap_store_info
-                store = TCPStore(where.master_addr, where.master_port, is_master=False, wait_for_workers=False,
-                                 timeout=timedelta(seconds=60))
+                store = TCPStore(
+                    where.master_addr,
+                    where.master_port,
+                    is_master=False,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=60),
+                )
                 store.set(round_key(info.rank), str(number))
             return info
 
@@ -178,8 +187,15 @@ def _register_rendezvous() -> None:
             return self.inner.shutdown()
 
     def create(params: RendezvousParameters) -> RendezvousHandler:
-        c10d = RendezvousParameters("c10d", params.endpoint, params.run_id, params.min_nodes, params.max_nodes,
-                                    params.local_addr, **params.config)
+        c10d = RendezvousParameters(
+            "c10d",
+            params.endpoint,
+            params.run_id,
+            params.min_nodes,
+            params.max_nodes,
+            params.local_addr,
+            **params.config,
+        )
         listener = _RDZV_LISTENERS.pop(params.endpoint, None)
         if listener is None:  # another node hosts the rendezvous: this one connects to it
             inner = rendezvous_handler_registry.create_handler(c10d)
@@ -212,8 +228,10 @@ def _bind_workers_store(handler) -> None:
     from .runtime import listen_on, store_server
 
     if not callable(getattr(handler, "_create_tcp_store_server", None)):
-        raise RuntimeError(f"{type(handler).__name__} has no _create_tcp_store_server: this torch release "
-                           f"cannot be made to bind the workers' store to one address")
+        raise RuntimeError(
+            f"{type(handler).__name__} has no _create_tcp_store_server: this torch release "
+            f"cannot be made to bind the workers' store to one address"
+        )
     handler._create_tcp_store_server = lambda addr, port: store_server(listen_on(addr, port))
 
 
@@ -243,8 +261,17 @@ def _interface_of(address: str) -> str | None:
     return None
 
 
-def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-           rdzv: str | None = None, max_restarts: int = 0, run_id: str = "paratrain") -> None:
+def launch(
+    target: str | Callable,
+    args: list[str],
+    *,
+    nproc: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv: str | None = None,
+    max_restarts: int = 0,
+    run_id: str = "paratrain",
+) -> None:
     """Run `target(*args)` on nproc x nnodes workers; raise WorkerFailure if they fail.
 
     target: a module-level function, called in workers forked from the worker server (where the
@@ -277,18 +304,24 @@ def launch(target: str | Callable, args: list[str], *, nproc: int, nnodes: int =
             local_addr = _address_towards(host, int(port))
             listener = listen_on(host, int(port)) if node_rank == 0 else None
         except OSError as exc:
-            raise ConfigError("--rdzv", f"cannot {'listen on' if node_rank == 0 else 'reach'} {rdzv}: "
-                                        f"{exc.strerror or exc}") from None
+            raise ConfigError(
+                "--rdzv", f"cannot {'listen on' if node_rank == 0 else 'reach'} {rdzv}: {exc.strerror or exc}"
+            ) from None
         if iface := _interface_of(local_addr):
             for var in SOCKET_IFNAME_VARS:
                 os.environ.setdefault(var, iface)
     if listener is not None:
         _RDZV_LISTENERS[endpoint] = listener
     config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=run_id,
-        rdzv_backend=RDZV_BACKEND, rdzv_endpoint=endpoint,
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        run_id=run_id,
+        rdzv_backend=RDZV_BACKEND,
+        rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": node_rank == 0} if rdzv is not None else {},
-        max_restarts=max_restarts, monitor_interval=0.1,
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
         start_method="forkserver" if callable(target) and _forkserver_available() else "spawn",
         local_addr=local_addr,
     )
@@ -336,16 +369,21 @@ def blame(failures: dict) -> WorkerFailure:
     sent to it); and among those, one whose error is its own rather than a peer's going away
     (the peers' connections break within the same second, and the timestamps count whole
     seconds), the earliest."""
-    own = [(_lost_a_peer(_cause(f)), f.timestamp, r) for r, f in failures.items()
-           if f.exitcode > 0 and f.exitcode not in STOPPED_EXITS]
+    own = [
+        (_lost_a_peer(_cause(f)), f.timestamp, r)
+        for r, f in failures.items()
+        if f.exitcode > 0 and f.exitcode not in STOPPED_EXITS
+    ]
     rank = min(own)[2] if own else min(failures, key=lambda r: (failures[r].timestamp, r))
-    return WorkerFailure(rank, failures[rank].exitcode, _cause(failures[rank]),
-                         {f.exitcode for f in failures.values() if f.exitcode > 0})
+    return WorkerFailure(
+        rank, failures[rank].exitcode, _cause(failures[rank]), {f.exitcode for f in failures.values() if f.exitcode > 0}
+    )
 
 
 # What a worker's collective or message says when the process at the other end has died.
-_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection refused|peer .*(gone|died|exited)",
-                        re.IGNORECASE)
+_PEER_GONE = re.compile(
+    r"closed by peer|reset by peer|broken pipe|connection refused|peer .*(gone|died|exited)", re.IGNORECASE
+)
 
 
 def _lost_a_peer(cause: str) -> bool:

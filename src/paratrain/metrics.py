@@ -1,5 +1,6 @@
 """What a run reports: metrics.jsonl, one grep-able line per logged step, a progress bar on a TTY,
 and TensorBoard scalars (RUN_DIR/tensorboard) when log.tensorboard is on."""
+
 from __future__ import annotations
 
 import json
@@ -101,7 +102,6 @@ class MetricsLog:
             self.tensorboard.close()
 
 
-
 def read_jsonl(path: Path) -> list[dict]:
     """Every entry of a JSON-lines log (metrics.jsonl, profile.jsonl). A line that is not a JSON
     object, such as the torn last line of a run killed mid-write, is skipped with a warning: one bad
@@ -120,8 +120,11 @@ def read_jsonl(path: Path) -> list[dict]:
         if isinstance(entry, dict) and isinstance(entry.get("step", 0), (int, float)):
             entries.append(entry)
         else:
-            print(f"warning: {path}:{number}: skipping a line that is not a log entry (torn by a crash?)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: {path}:{number}: skipping a line that is not a log entry (torn by a crash?)",
+                file=sys.stderr,
+                flush=True,
+            )
     return entries
 
 

@@ -15,6 +15,7 @@ puts over /etc/hosts): host i's aliases resolve to its address in both, and this
 name to the namespace's own address, as a real node's name does (gloo and c10d find a node's
 address by its host name).
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,12 @@ def available() -> tuple[bool, str]:
 
 
 class TwoHosts:
-    def __init__(self, rate: str | None = None, subnet: str = "10.77.0",
-                 aliases: tuple[tuple[str, ...], tuple[str, ...]] | None = None):
+    def __init__(
+        self,
+        rate: str | None = None,
+        subnet: str = "10.77.0",
+        aliases: tuple[tuple[str, ...], tuple[str, ...]] | None = None,
+    ):
         tag = uuid.uuid4().hex[:6]
         self.names = [f"pt{tag}a", f"pt{tag}b"]
         self.ifaces = [f"vpt{tag}a", f"vpt{tag}b"]  # interface names must stay under 16 characters
@@ -56,7 +61,7 @@ class TwoHosts:
         self.rate = rate
         self.aliases = aliases
 
-    def __enter__(self) -> "TwoHosts":
+    def __enter__(self) -> TwoHosts:
         try:
             for ns in self.names:
                 _ip("netns", "add", ns)
@@ -67,8 +72,24 @@ class TwoHosts:
                 self.run(self.names.index(ns), ["ip", "link", "set", iface, "up"])
                 self.run(self.names.index(ns), ["ip", "link", "set", "lo", "up"])
                 if self.rate:
-                    self.run(self.names.index(ns), ["tc", "qdisc", "add", "dev", iface, "root", "tbf",
-                                                    "rate", self.rate, "burst", "256kb", "latency", "50ms"])
+                    self.run(
+                        self.names.index(ns),
+                        [
+                            "tc",
+                            "qdisc",
+                            "add",
+                            "dev",
+                            iface,
+                            "root",
+                            "tbf",
+                            "rate",
+                            self.rate,
+                            "burst",
+                            "256kb",
+                            "latency",
+                            "50ms",
+                        ],
+                    )
             if self.aliases:
                 self._write_hosts_files()
         except BaseException:
@@ -101,8 +122,12 @@ class TwoHosts:
 
     def env(self, host: int, base: dict | None = None) -> dict:
         """The environment for a process on `host`: gloo must use this host's veth interface."""
-        return {**(os.environ if base is None else base), "GLOO_SOCKET_IFNAME": self.ifaces[host],
-                "TP_SOCKET_IFNAME": self.ifaces[host], "NCCL_SOCKET_IFNAME": self.ifaces[host]}
+        return {
+            **(os.environ if base is None else base),
+            "GLOO_SOCKET_IFNAME": self.ifaces[host],
+            "TP_SOCKET_IFNAME": self.ifaces[host],
+            "NCCL_SOCKET_IFNAME": self.ifaces[host],
+        }
 
     def command(self, host: int, argv: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.names[host], *argv]

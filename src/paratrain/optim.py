@@ -1,8 +1,9 @@
 """Optimizer, learning-rate schedule and loss, built from the [train] section."""
+
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,11 @@ def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: TrainConfi
     parameters, an SGD-with-momentum step takes 9.3 ms against 4.9 fused, an AdamW step 37.7 ms
     against 5.8. The update is the same formula (equal up to rounding), and so is the state."""
     params = list(params)
-    kind, kwargs = ((torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
-                    if cfg.optimizer == "sgd" else (torch.optim.AdamW, dict(lr=cfg.lr, weight_decay=cfg.weight_decay)))
+    kind, kwargs = (
+        (torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
+        if cfg.optimizer == "sgd"
+        else (torch.optim.AdamW, dict(lr=cfg.lr, weight_decay=cfg.weight_decay))
+    )
     if _fusable(params):
         try:
             return kind(params, fused=True, **kwargs)

@@ -20,6 +20,7 @@ parameter servers' dealing), so the plan is what the run does: tests/test_plan.p
 rank's strategy on a fake process group and counts what it holds, saves and sends, and
 tests/test_profile.py holds the bytes to real runs' profile.jsonl.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -115,9 +116,12 @@ def _zero_state(cfg: Config, model: nn.Module, params: list[nn.Parameter], world
     biggest = max(_padded_bytes([g], world)[0] for g in groups)
     param_bytes = whole if stage < 3 else shard
     grad_bytes = whole if stage == 1 else shard
-    transient = {1: "", 2: f"plus one unit's full gradients while reduced (at most {biggest / MIB:.3g} MiB)",
-                 3: f"plus units gathered for their forward and backward, and one unit's full gradients "
-                    f"while reduced (the largest unit: {biggest / MIB:.3g} MiB)"}[stage]
+    transient = {
+        1: "",
+        2: f"plus one unit's full gradients while reduced (at most {biggest / MIB:.3g} MiB)",
+        3: f"plus units gathered for their forward and backward, and one unit's full gradients "
+        f"while reduced (the largest unit: {biggest / MIB:.3g} MiB)",
+    }[stage]
     return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient
 
 
@@ -137,8 +141,9 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
         return
     p = cfg.parallel
     buckets = make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta"))
-    r.codec_bytes += kept_bytes(p, [b.shapes for b in buckets], params[0].dtype,
-                                torch.device("cuda" if cfg.train.device == "cuda" else "cpu"))
+    r.codec_bytes += kept_bytes(
+        p, [b.shapes for b in buckets], params[0].dtype, torch.device("cuda" if cfg.train.device == "cuda" else "cpu")
+    )
     for b in buckets:
         size = b.params[0].element_size()
         if p.compression == "topk":
@@ -154,8 +159,7 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
             r.add_comm("all_reduce", _wire_bytes(b.numel, size, cfg), group_size)
 
 
-def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parameter], world: int,
-              backend: str) -> None:
+def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parameter], world: int, backend: str) -> None:
     """Per unit: its gradients reduce-scattered (stage 1 once a step, 2 and 3 every microbatch) and
     its parameters all-gathered (stages 1 and 2 after the step; stage 3 before each module's forward
     and again before its backward, the root unit, kept gathered through both, once); plus the
@@ -193,6 +197,7 @@ class FakeRun:
     """The model and one microbatch in fake tensors (torch's FakeTensorMode: shapes, dtypes and the
     CPU's own choice of kernels, no memory and no arithmetic; the meta device would run attention by
     its math path, which saves other tensors than the CPU's flash attention), cut into stages."""
+
     mode: object
     model: nn.Module
     stages: list[list[nn.Module]]
@@ -211,7 +216,7 @@ class FakeRun:
         return [block[0] for block in blocks(layers)]
 
     @classmethod
-    def build(cls, cfg: Config, rows: int, bounds: list[int] | None) -> "FakeRun":
+    def build(cls, cfg: Config, rows: int, bounds: list[int] | None) -> FakeRun:
         """`bounds` over pipeline_layers; None: the whole model as one stage."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -229,10 +234,12 @@ class FakeRun:
         else:
             layers = pipeline_layers(model)
             stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
-        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16"
-                    else contextlib.nullcontext())
-        return cls(mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast,
-                   cfg.train.recompute == "full")
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
+        )
+        return cls(
+            mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast, cfg.train.recompute == "full"
+        )
 
     def forward(self, loss_fn=None, around_stage=lambda s: contextlib.nullcontext()) -> None:
         """One forward through the stages as the pipeline engine runs them: a stage after the first
@@ -333,6 +340,7 @@ def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: di
                 payloads[stage_of[id(module)]].append(out.numel() * out.element_size())
             elif args[0].requires_grad:
                 payloads[stage_of[id(module)]].append(args[0].numel() * args[0].element_size())
+
         return hook
 
     handles = [modules[name].register_forward_hook(record(style)) for name, style in tp_plan.items()]
@@ -380,7 +388,7 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
     if p.pp > 1:
         layers = pipeline_layers(model)
         bounds = partition(parameter_costs(layers), n_stages, allowed_cuts(model, layers, tp_plan, sync_ties(cfg)))
-        stage_layers = [layers[bounds[s]:bounds[s + 1]] for s in range(n_stages)]
+        stage_layers = [layers[bounds[s] : bounds[s + 1]] for s in range(n_stages)]
         # parameters shared by layers of different stages: each holder sums its copy's gradient
         ties = [(t, stages) for t, _, stages in split_ties(model, layers, bounds)]
     else:
@@ -441,15 +449,22 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
             r.add_comm("all_reduce", 8, world)  # the global gradient norm (float64)
     if p.pp == 1:
         return []
-    return [{"stage": s, "pp_rank": s % p.pp, "layers": [bounds[s], bounds[s + 1] - 1],
-             "parameters": sum(t.numel() for layer in stage_layers[s] for _, t in unique_parameters(layer))}
-            for s in range(n_stages)]
+    return [
+        {
+            "stage": s,
+            "pp_rank": s % p.pp,
+            "layers": [bounds[s], bounds[s + 1] - 1],
+            "parameters": sum(t.numel() for layer in stage_layers[s] for _, t in unique_parameters(layer)),
+        }
+        for s in range(n_stages)
+    ]
 
 
 def capacity(ranks: list[RankPlan], device: str, cluster=None) -> dict:
     """Whether the plan fits this machine (every node taken to be like it): on a GPU, the busiest
     rank against its GPU's memory; on CPU, the busiest node's ranks together against host memory.
     With a GPU cluster description, the busiest rank against its device's memory."""
+
     def need(r: RankPlan) -> int:
         return r.model_state_bytes + (r.activation_bytes or 0)
 
@@ -468,8 +483,14 @@ def capacity(ranks: list[RankPlan], device: str, cluster=None) -> dict:
         node = max(per_node, key=per_node.get)
         have, where, needed = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"node {node}", per_node[node]
         kind = "host memory"
-    return {"kind": kind, "bytes": have, "where": where, "needed": needed, "fits": needed <= have,
-            "activations_counted": all(r.activation_bytes is not None for r in ranks)}
+    return {
+        "kind": kind,
+        "bytes": have,
+        "where": where,
+        "needed": needed,
+        "fits": needed <= have,
+        "activations_counted": all(r.activation_bytes is not None for r in ranks),
+    }
 
 
 def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: str, cluster=None) -> dict:
@@ -515,7 +536,11 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
                 own = _nbytes([params[i] for i in shards[r.rank]])
                 r.role, r.activation_bytes = "parameter server", 0
                 # gradients: its shard's, and a receive buffer for each worker's pushes
-                r.param_bytes, r.grad_bytes, r.optimizer_bytes = own + header, (own + header) * (1 + workers), slots * own
+                r.param_bytes, r.grad_bytes, r.optimizer_bytes = (
+                    own + header,
+                    (own + header) * (1 + workers),
+                    slots * own,
+                )
                 r.add_comm("recv", message[r.rank], world, times=workers)  # every worker's push
                 r.add_comm("send", message[r.rank], world, times=workers)  # and its pull
             else:
@@ -529,8 +554,10 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
         if p.tp > 1:
             notes.append("activations not estimated under tp")
         if p.pp > 1 and p.balance == "time":
-            notes.append("pipeline cut shown by parameter count; the run times each layer at start "
-                         "(parallel.balance = 'time') and may cut elsewhere")
+            notes.append(
+                "pipeline cut shown by parameter count; the run times each layer at start "
+                "(parallel.balance = 'time') and may cut elsewhere"
+            )
     if device == "cuda":
         notes.append("activations counted with the CPU's kernels: CUDA's attention kernels may save other tensors")
     from .cluster import this_machine
@@ -539,19 +566,32 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
     cluster = cluster or this_machine(nnodes, nproc)
     plan = {
         "capacity": capacity(ranks, device, cluster),
-        "name": cfg.name, "strategy": p.strategy, "device": device,
-        "world_size": world, "nnodes": nnodes, "nproc_per_node": nproc,
-        "mesh": {"dp": dp, "tp": p.tp, "pp": p.pp} if p.strategy != "ps" else
-                {"servers": cfg.ps.servers, "workers": world - cfg.ps.servers},
+        "name": cfg.name,
+        "strategy": p.strategy,
+        "device": device,
+        "world_size": world,
+        "nnodes": nnodes,
+        "nproc_per_node": nproc,
+        "mesh": {"dp": dp, "tp": p.tp, "pp": p.pp}
+        if p.strategy != "ps"
+        else {"servers": cfg.ps.servers, "workers": world - cfg.ps.servers},
         "model": {"factory": cfg.model.factory, "parameters": sum(t.numel() for t in params), "bytes": total},
-        "batch": {"global": cfg.data.batch_size, "per_replica": per_replica, "microbatches": micro,
-                  "rows_per_microbatch": rows},
+        "batch": {
+            "global": cfg.data.batch_size,
+            "per_replica": per_replica,
+            "microbatches": micro,
+            "rows_per_microbatch": rows,
+        },
         "optimizer": {"name": cfg.train.optimizer, "state_tensors_per_parameter": slots},
         "stages": stages,
         "ranks": [r.as_dict() for r in ranks],
         "notes": notes,
-        "cluster": {"nodes": cluster.nodes, "devices_per_node": cluster.devices_per_node,
-                    "device": cluster.device_name, **asdict(cluster.device)},
+        "cluster": {
+            "nodes": cluster.nodes,
+            "devices_per_node": cluster.devices_per_node,
+            "device": cluster.device_name,
+            **asdict(cluster.device),
+        },
     }
     plan["predicted"], plan["step_breakdown"] = predict(cfg, model, plan, cluster)
     return plan
@@ -567,45 +607,61 @@ def _gib(n: int) -> str:
 
 def render(plan: dict) -> str:
     m, b = plan["model"], plan["batch"]
-    lines = [f"plan: {plan['name']}, strategy {plan['strategy']}, {plan['world_size']} processes "
-             f"({plan['nnodes']} node(s) x {plan['nproc_per_node']}), device {plan['device']}",
-             f"model: {m['factory']}, {m['parameters']:,} parameters, {_mib(m['bytes'])} MiB; optimizer "
-             f"{plan['optimizer']['name']} ({plan['optimizer']['state_tensors_per_parameter']} state tensor(s) "
-             f"per parameter)"]
+    lines = [
+        f"plan: {plan['name']}, strategy {plan['strategy']}, {plan['world_size']} processes "
+        f"({plan['nnodes']} node(s) x {plan['nproc_per_node']}), device {plan['device']}",
+        f"model: {m['factory']}, {m['parameters']:,} parameters, {_mib(m['bytes'])} MiB; optimizer "
+        f"{plan['optimizer']['name']} ({plan['optimizer']['state_tensors_per_parameter']} state tensor(s) "
+        f"per parameter)",
+    ]
     mesh = plan["mesh"]
     if plan["strategy"] == "ps":
         lines.append(f"ranks: {mesh['servers']} parameter server(s), {mesh['workers']} worker(s)")
     else:
-        lines.append(f"mesh: dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} "
-                     f"(global rank = (pp * {mesh['dp']} + dp) * {mesh['tp']} + tp)")
-    lines.append(f"batch: {b['global']} samples per step, {b['per_replica']} per data-parallel replica, "
-                 f"{b['microbatches']} microbatch(es) of {b['rows_per_microbatch']}")
+        lines.append(
+            f"mesh: dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} "
+            f"(global rank = (pp * {mesh['dp']} + dp) * {mesh['tp']} + tp)"
+        )
+    lines.append(
+        f"batch: {b['global']} samples per step, {b['per_replica']} per data-parallel replica, "
+        f"{b['microbatches']} microbatch(es) of {b['rows_per_microbatch']}"
+    )
     for s in plan["stages"]:
-        lines.append(f"  stage {s['stage']} on pp rank {s['pp_rank']}: layers {s['layers'][0]}-{s['layers'][1]}, "
-                     f"{s['parameters']:,} parameters")
-    lines.append(f"{'rank':>5}{'node':>5}{'local':>6}{'pp':>4}{'dp':>4}{'tp':>4}  {'role':<17}{'stages':<9}"
-                 f"{'params MiB':>11}{'grads MiB':>10}{'optim MiB':>10}{'state MiB':>10}{'activ MiB':>10}"
-                 f"{'sent MiB':>10}")
+        lines.append(
+            f"  stage {s['stage']} on pp rank {s['pp_rank']}: layers {s['layers'][0]}-{s['layers'][1]}, "
+            f"{s['parameters']:,} parameters"
+        )
+    lines.append(
+        f"{'rank':>5}{'node':>5}{'local':>6}{'pp':>4}{'dp':>4}{'tp':>4}  {'role':<17}{'stages':<9}"
+        f"{'params MiB':>11}{'grads MiB':>10}{'optim MiB':>10}{'state MiB':>10}{'activ MiB':>10}"
+        f"{'sent MiB':>10}"
+    )
     for r in plan["ranks"]:
         stages = ",".join(map(str, r["stages"])) if r["stages"] else "-"
         if len(stages) > 8:
             stages = stages[:5] + "..."
         activations = "-" if r["activation_bytes"] is None else _mib(r["activation_bytes"])
         sent = "-" if r["comm_min_bytes"] is None else _mib(r["comm_min_bytes"])
-        lines.append(f"{r['rank']:>5}{r['node']:>5}{r['local_rank']:>6}{r['pp']:>4}{r['dp']:>4}{r['tp']:>4}  "
-                     f"{r['role']:<17}{stages:<9}{_mib(r['param_bytes']):>11}{_mib(r['grad_bytes']):>10}"
-                     f"{_mib(r['optimizer_bytes']):>10}{_mib(r['model_state_bytes']):>10}{activations:>10}"
-                     f"{sent:>10}")
+        lines.append(
+            f"{r['rank']:>5}{r['node']:>5}{r['local_rank']:>6}{r['pp']:>4}{r['dp']:>4}{r['tp']:>4}  "
+            f"{r['role']:<17}{stages:<9}{_mib(r['param_bytes']):>11}{_mib(r['grad_bytes']):>10}"
+            f"{_mib(r['optimizer_bytes']):>10}{_mib(r['model_state_bytes']):>10}{activations:>10}"
+            f"{sent:>10}"
+        )
     codec = max(r["codec_bytes"] for r in plan["ranks"])
     if codec:
         lines.append(f"state includes the gradient codec's buffers: {_mib(codec)} MiB a rank")
-    lines.append("state = parameters + gradients + optimizer state (+ codec), kept for good; activ = the peak of "
-                 "activations saved for backward (communication buffers come on top); sent = the fewest bytes "
-                 "a step's collectives and messages need this rank to send")
+    lines.append(
+        "state = parameters + gradients + optimizer state (+ codec), kept for good; activ = the peak of "
+        "activations saved for backward (communication buffers come on top); sent = the fewest bytes "
+        "a step's collectives and messages need this rank to send"
+    )
     c = plan["capacity"]
     what = "model state + activations" if c["activations_counted"] else "model state (activations not estimated)"
-    lines.append(f"{'fits' if c['fits'] else 'DOES NOT FIT'}: {c['where']} needs {_gib(c['needed'])} GiB for "
-                 f"{what} of this machine's {_gib(c['bytes'])} GiB of {c['kind']}")
+    lines.append(
+        f"{'fits' if c['fits'] else 'DOES NOT FIT'}: {c['where']} needs {_gib(c['needed'])} GiB for "
+        f"{what} of this machine's {_gib(c['bytes'])} GiB of {c['kind']}"
+    )
     lines += render_prediction(plan)
     lines += [f"note: {n}" for n in plan["notes"]]
     if "layouts" in plan:
@@ -620,11 +676,12 @@ def render_prediction(plan: dict) -> list[str]:
     where = f"{c['nodes']} node(s) x {c['devices_per_node']} {c['device']} ({c['peak_tflops']:.4g} TFLOP/s peak)"
     if p is None:
         return [f"predicted on {where}: {parts['note']}"]
-    return [f"predicted on {where}: step {p['step_s']:.4g} s, {p['samples_per_s']:.4g} samples/s, "
-            f"{p['tokens_per_s']:.4g} tokens/s, {p['tflops_per_device']:.4g} TFLOP/s per device, "
-            f"MFU {p['mfu']:.1%}, peak memory {p['peak_memory_gib']:.3g} GiB",
-            "  step = " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.3g} s" for k, v in parts.items()
-                                    if k.endswith("_s"))]
+    return [
+        f"predicted on {where}: step {p['step_s']:.4g} s, {p['samples_per_s']:.4g} samples/s, "
+        f"{p['tokens_per_s']:.4g} tokens/s, {p['tflops_per_device']:.4g} TFLOP/s per device, "
+        f"MFU {p['mfu']:.1%}, peak memory {p['peak_memory_gib']:.3g} GiB",
+        "  step = " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.3g} s" for k, v in parts.items() if k.endswith("_s")),
+    ]
 
 
 def emit(plan: dict, json_dest: str | None) -> None:

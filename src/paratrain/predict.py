@@ -28,6 +28,7 @@ with the node's other devices, which communicate at the same time.
   * the optimizer reads and writes its state, the parameters and the gradients once, memory-bound.
 Parameter servers are not modelled (predicted is None, with a note).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,20 +73,24 @@ class OpRecorder(TorchDispatchMode):
         if counter is not None:
             self.ops.append((counter(*args, **kwargs, out_val=out), 0))
         elif not func.is_view:
-            written = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(out)
-                          if isinstance(t, torch.Tensor))
+            written = sum(
+                t.numel() * t.element_size()
+                for t in torch.utils._pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor)
+            )
             self.ops.append((0, written))
         return out
 
 
 @dataclass
 class StageCost:
-    forward_flops: int     # one microbatch's forward through the stage, the whole (unsplit) stage
-    forward_s: float       # the same on one device of the cluster, split over tp
+    forward_flops: int  # one microbatch's forward through the stage, the whole (unsplit) stage
+    forward_s: float  # the same on one device of the cluster, split over tp
 
 
-def stage_costs(cfg: Config, rows: int, bounds: list[int] | None, cluster: Cluster,
-                tp: int) -> tuple[list[StageCost], int]:
+def stage_costs(
+    cfg: Config, rows: int, bounds: list[int] | None, cluster: Cluster, tp: int
+) -> tuple[list[StageCost], int]:
     """Each stage's cost, and the tokens in a sample (a sequence model's positions; else 1)."""
     from .optim import build_loss
     from .plan import FakeRun
@@ -157,8 +162,10 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
 
         payloads = tp_all_reduces(cfg, rows, bounds, plan_for(model, p.tp_plan)) or [[] for _ in stages]
         bw, lat = link(cluster, tp)
-        tp_s = [sum(collective_s("all_reduce", x, tp, bw, lat) for x in stage) * (1.5 if recompute else 1)
-                for stage in payloads]
+        tp_s = [
+            sum(collective_s("all_reduce", x, tp, bw, lat) for x in stage) * (1.5 if recompute else 1)
+            for stage in payloads
+        ]
     # pp: a microbatch's activation to the next stage, its gradient back
     p2p_s = [0.0] * len(stages)
     if pp > 1:
@@ -188,6 +195,7 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
     wire = 0.5 if p.compression in ("bf16", "fp16") else 1.0
     exposed_s = 0.0
     if dp > 1:
+
         def overlapped(reduce: float, numbers: float) -> float:
             """Buckets reduced while the backward runs: what outlasts it, at least the last bucket."""
             return max(reduce - backward, reduce * min(1.0, p.bucket_mb * 2**20 / max(numbers, 1)))
@@ -199,8 +207,9 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
             exposed_s = m * (max(reduce - backward, 0) + max(gathers - slowest, 0))
         elif p.strategy in ("zero1", "zero2"):
             full = busiest["param_bytes"]
-            exposed_s = (overlapped(collective_s("reduce_scatter", full * wire, dp, bw, lat), full)
-                         + collective_s("all_gather", full, dp, bw, lat))
+            exposed_s = overlapped(collective_s("reduce_scatter", full * wire, dp, bw, lat), full) + collective_s(
+                "all_gather", full, dp, bw, lat
+            )
         else:
             grads = busiest["grad_bytes"]
             exposed_s = overlapped(collective_s("all_reduce", grads * wire, dp, bw, lat), grads)
@@ -214,12 +223,22 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
     tokens = samples * tokens_per_sample
     per_device = flops / step_s / world / 1e12
     peak_memory = max(r["model_state_bytes"] + (r["activation_bytes"] or 0) for r in plan["ranks"])
-    predicted = {"step_s": step_s, "samples_per_s": samples / step_s, "tokens_per_s": tokens / step_s,
-                 "tflops_per_device": per_device, "mfu": per_device / cluster.device.peak_tflops,
-                 "peak_memory_gib": peak_memory / 2**30}
-    breakdown = {"compute_s": m * max(sum(stages[s].forward_s * compute_passes for s in
-                                          [c * pp + r for c in range(v)]) for r in range(pp)),
-                 "bubble_s": bubble_s, "tp_comm_s": m * max(tp_s), "p2p_s": m * max(p2p_s),
-                 "exposed_dp_comm_s": exposed_s, "optimizer_s": optimizer_s,
-                 "memory_headroom_gib": cluster.device.memory_gib - peak_memory / 2**30}
+    predicted = {
+        "step_s": step_s,
+        "samples_per_s": samples / step_s,
+        "tokens_per_s": tokens / step_s,
+        "tflops_per_device": per_device,
+        "mfu": per_device / cluster.device.peak_tflops,
+        "peak_memory_gib": peak_memory / 2**30,
+    }
+    breakdown = {
+        "compute_s": m
+        * max(sum(stages[s].forward_s * compute_passes for s in [c * pp + r for c in range(v)]) for r in range(pp)),
+        "bubble_s": bubble_s,
+        "tp_comm_s": m * max(tp_s),
+        "p2p_s": m * max(p2p_s),
+        "exposed_dp_comm_s": exposed_s,
+        "optimizer_s": optimizer_s,
+        "memory_headroom_gib": cluster.device.memory_gib - peak_memory / 2**30,
+    }
     return predicted, breakdown

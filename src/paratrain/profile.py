@@ -30,6 +30,7 @@ format, one pid per rank, the first TRACE_STEPS steps of the run). Rank clocks a
 barrier when the profiler starts. On CUDA a phase ends with a sync of the current stream, so the
 times are the device's, not the launch queue's (communication streams keep overlapping).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -81,7 +82,7 @@ class _Phase:
 
     __slots__ = ("prof", "code", "index", "start", "child")
 
-    def __init__(self, prof: "Profiler", code: int, index: int | None):
+    def __init__(self, prof: Profiler, code: int, index: int | None):
         self.prof, self.code, self.index = prof, code, index
 
     def __enter__(self):
@@ -101,8 +102,9 @@ class _Phase:
         if prof._stack:
             prof._stack[-1].child += elapsed
         if prof._tracing:
-            prof._spans.append((prof._step, self.code, self.start - prof.t0, end - prof.t0,
-                                -1 if self.index is None else self.index))
+            prof._spans.append(
+                (prof._step, self.code, self.start - prof.t0, end - prof.t0, -1 if self.index is None else self.index)
+            )
         return False
 
 
@@ -117,8 +119,15 @@ _WIDTH = _MIN0 + _O
 class Profiler:
     """One rank's profiler. Collective methods (start, flush, close) are called by every rank."""
 
-    def __init__(self, run_dir: Path, rank: int, world_size: int, device: torch.device,
-                 start_step: int = 0, torch_profiler: bool = False):
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        start_step: int = 0,
+        torch_profiler: bool = False,
+    ):
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = device
         self._codes = {name: i for i, name in enumerate(PHASES)}
@@ -144,10 +153,16 @@ class Profiler:
             self._trace_file = open(self.run_dir / "trace.json", "w")
             self._trace_file.write("[\n")
             self._trace_first = True
-            self._trace_events([{"name": "process_name", "ph": "M", "pid": r, "tid": 0,
-                                 "args": {"name": f"rank {r}"}} for r in range(world_size)]
-                               + [{"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0,
-                                   "args": {"sort_index": r}} for r in range(world_size)])
+            self._trace_events(
+                [
+                    {"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}}
+                    for r in range(world_size)
+                ]
+                + [
+                    {"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}}
+                    for r in range(world_size)
+                ]
+            )
         if torch_profiler:
             self._torch_prof = _start_torch_profiler(self.run_dir / "torch_profiler", rank)
         collectives.PROFILER = self  # every collective is counted and its waits timed (see there)
@@ -206,13 +221,19 @@ class Profiler:
         all_spans = self._gather(spans, group)
         if self.rank != 0 or not min(len(r) for r in all_rows):
             return {}
-        ranks = list(range(len(all_rows))) if group is None else [dist.get_global_rank(group, i) for i in range(len(all_rows))]
+        ranks = (
+            list(range(len(all_rows)))
+            if group is None
+            else [dist.get_global_rank(group, i) for i in range(len(all_rows))]
+        )
         self._write_profile(dict(zip(ranks, all_rows)))
         self._write_trace(dict(zip(ranks, all_spans)))
-        stacked = torch.stack([r[:min(len(x) for x in all_rows)] for r in all_rows])  # ranks x steps x fields
-        summary = {"step_s": stacked[:, :, 2].mean().item(),
-                   "comm_s": stacked[:, :, _PHASE0 + self._codes["comm"]].mean().item(),
-                   "bytes_min": stacked[:, :, _MIN0:_WIDTH].sum(-1).mean().item()}
+        stacked = torch.stack([r[: min(len(x) for x in all_rows)] for r in all_rows])  # ranks x steps x fields
+        summary = {
+            "step_s": stacked[:, :, 2].mean().item(),
+            "comm_s": stacked[:, :, _PHASE0 + self._codes["comm"]].mean().item(),
+            "bytes_min": stacked[:, :, _MIN0:_WIDTH].sum(-1).mean().item(),
+        }
         if (stacked[:, :, _SENT] >= 0).all():
             summary["bytes_sent"] = stacked[:, :, _SENT].mean().item()
         return summary
@@ -243,7 +264,7 @@ class Profiler:
         counts = [int(c.item()) for c in counts]
         width = rows.shape[1]
         padded = torch.zeros(max(counts), width, dtype=torch.float64, device=self.device)
-        padded[:rows.shape[0]] = rows.to(self.device)
+        padded[: rows.shape[0]] = rows.to(self.device)
         out = [torch.empty_like(padded) for _ in range(size)]
         collectives.all_gather(out, padded, "profile records", group=group)
         return [t[:c].cpu() for t, c in zip(out, counts)]
@@ -255,10 +276,19 @@ class Profiler:
                 row = rows[i].tolist()
                 phases = dict(zip(PHASES, row[_PHASE0:_SENT]))
                 phases["other"] = max(row[2] - sum(row[_PHASE0:_SENT]), 0.0)
-                comm = {op: {"payload": int(row[_PAYLOAD0 + j]), "min_sent": int(row[_MIN0 + j])}
-                        for j, op in enumerate(COMM_OPS) if row[_PAYLOAD0 + j]}
-                entry = {"rank": r, "start_s": round(row[1], 6), "step_s": row[2], "phases": phases,
-                         "comm": comm, "bytes_min": int(sum(row[_MIN0:_WIDTH]))}
+                comm = {
+                    op: {"payload": int(row[_PAYLOAD0 + j]), "min_sent": int(row[_MIN0 + j])}
+                    for j, op in enumerate(COMM_OPS)
+                    if row[_PAYLOAD0 + j]
+                }
+                entry = {
+                    "rank": r,
+                    "start_s": round(row[1], 6),
+                    "step_s": row[2],
+                    "phases": phases,
+                    "comm": comm,
+                    "bytes_min": int(sum(row[_MIN0:_WIDTH])),
+                }
                 if row[_SENT] >= 0:
                     entry["bytes_sent"] = int(row[_SENT])
                 ranks.append(entry)
@@ -274,9 +304,18 @@ class Profiler:
                 args = {"step": int(step)}
                 if index >= 0:
                     args["index"] = int(index)
-                events.append({"name": name, "cat": "step" if code < 0 else "phase", "ph": "X", "pid": r,
-                               "tid": 0, "ts": round(start * 1e6, 3), "dur": round((end - start) * 1e6, 3),
-                               "args": args})
+                events.append(
+                    {
+                        "name": name,
+                        "cat": "step" if code < 0 else "phase",
+                        "ph": "X",
+                        "pid": r,
+                        "tid": 0,
+                        "ts": round(start * 1e6, 3),
+                        "dur": round((end - start) * 1e6, 3),
+                        "args": args,
+                    }
+                )
         self._trace_events(events)
 
     def _trace_events(self, events: list[dict]) -> None:
@@ -309,7 +348,7 @@ def bytes_sent(fd: int | None) -> float:
         return 0.0
     text = os.pread(fd, 512, 0)
     start = text.index(b"wchar:") + 6
-    return float(text[start:text.index(b"\n", start)]) + SENT.bytes_sent
+    return float(text[start : text.index(b"\n", start)]) + SENT.bytes_sent
 
 
 def _start_torch_profiler(out_dir: Path, rank: int):
@@ -317,8 +356,11 @@ def _start_torch_profiler(out_dir: Path, rank: int):
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                   on_trace_ready=tensorboard_trace_handler(str(out_dir), worker_name=f"rank{rank}"),
-                   record_shapes=False)
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+        on_trace_ready=tensorboard_trace_handler(str(out_dir), worker_name=f"rank{rank}"),
+        record_shapes=False,
+    )
     prof.start()
     return prof

@@ -8,19 +8,29 @@ bytes) and trace.json (the timeline); writes RUN_DIR/report/:
     timeline.png     the last traced steps, one row per rank (the pipeline timeline when pp > 1)
     report.md        the numbers behind the plots
 """
+
 from __future__ import annotations
 
 import json
 import statistics
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from .metrics import read_jsonl
 from .profile import PHASES
 
 PHASE_ORDER = (*PHASES, "other")
-PHASE_COLORS = {"data": "#8c8c8c", "forward": "#4c72b0", "backward": "#55a868", "compress": "#8172b2",
-                "comm": "#c44e52", "optimizer": "#dd8452", "idle": "#f2f2f2", "other": "#ccb974"}
+PHASE_COLORS = {
+    "data": "#8c8c8c",
+    "forward": "#4c72b0",
+    "backward": "#55a868",
+    "compress": "#8172b2",
+    "comm": "#c44e52",
+    "optimizer": "#dd8452",
+    "idle": "#f2f2f2",
+    "other": "#ccb974",
+}
 TIMELINE_STEPS = 3
 
 
@@ -42,8 +52,13 @@ def load_run(run_dir: Path) -> dict:
     if (run_dir / "trace.json").is_file():
         text = (run_dir / "trace.json").read_text().rstrip()
         trace = json.loads(text if text.endswith("]") else text.rstrip(",") + "]")  # a crashed run leaves it open
-    return {"dir": run_dir, "config": tomllib.loads((run_dir / "config.toml").read_text()),
-            "metrics": metrics, "profile": read_jsonl(run_dir / "profile.jsonl"), "trace": trace}
+    return {
+        "dir": run_dir,
+        "config": tomllib.loads((run_dir / "config.toml").read_text()),
+        "metrics": metrics,
+        "profile": read_jsonl(run_dir / "profile.jsonl"),
+        "trace": trace,
+    }
 
 
 # -- numbers --------------------------------------------------------------------------------------
@@ -74,10 +89,20 @@ def per_rank_breakdown(profile: list[dict]) -> list[dict]:
     for rank, rows in sorted(rows_of.items()):
         phases = {p: statistics.fmean(row["phases"].get(p, 0.0) for row in rows) for p in PHASE_ORDER}
         ops = sorted({op for row in rows for op in row["comm"]})
-        comm = {op: {k: statistics.fmean(row["comm"].get(op, {}).get(k, 0) for row in rows)
-                     for k in ("payload", "min_sent")} for op in ops}
-        entry = {"rank": rank, "steps": len(rows), "step_s": statistics.fmean(row["step_s"] for row in rows),
-                 "phases": phases, "comm": comm, "bytes_min": statistics.fmean(row["bytes_min"] for row in rows)}
+        comm = {
+            op: {
+                k: statistics.fmean(row["comm"].get(op, {}).get(k, 0) for row in rows) for k in ("payload", "min_sent")
+            }
+            for op in ops
+        }
+        entry = {
+            "rank": rank,
+            "steps": len(rows),
+            "step_s": statistics.fmean(row["step_s"] for row in rows),
+            "phases": phases,
+            "comm": comm,
+            "bytes_min": statistics.fmean(row["bytes_min"] for row in rows),
+        }
         if all("bytes_sent" in row for row in rows):
             entry["bytes_sent"] = statistics.fmean(row["bytes_sent"] for row in rows)
         out.append(entry)
@@ -150,11 +175,21 @@ def plot_breakdown(ranks: list[dict], name: str, path: Path) -> Path:
     measured = all("bytes_sent" in r for r in ranks)
     top = max(max(r["bytes_min"], r.get("bytes_sent", 0)) for r in ranks)
     unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if top >= s), ("bytes", 1))
-    bx.bar([x - width / 2 for x in xs], [r["bytes_min"] / scale for r in ranks], width,
-           label="theoretical minimum", color="#8172b2")
+    bx.bar(
+        [x - width / 2 for x in xs],
+        [r["bytes_min"] / scale for r in ranks],
+        width,
+        label="theoretical minimum",
+        color="#8172b2",
+    )
     if measured:
-        bx.bar([x + width / 2 for x in xs], [r["bytes_sent"] / scale for r in ranks], width,
-               label="measured (socket writes)", color="#c44e52")
+        bx.bar(
+            [x + width / 2 for x in xs],
+            [r["bytes_sent"] / scale for r in ranks],
+            width,
+            label="measured (socket writes)",
+            color="#c44e52",
+        )
     bx.set_xticks(list(xs), labels)
     if top:
         bx.set_ylim(0, top / scale * 1.3)  # room for the legend above the bars
@@ -208,9 +243,12 @@ def _resumed_note(profile: list[dict]) -> list[str]:
     kept = latest_world(profile) if profile else []
     if len(kept) == len(profile):
         return []
-    return ["", f"Resumed at another world size: steps {kept[0]['step']}-{kept[-1]['step']} ran at world size "
-                f"{world_of(kept[-1])}; the per-rank tables and the breakdown plot leave out the {len(profile) - len(kept)} "
-                f"steps before."]
+    return [
+        "",
+        f"Resumed at another world size: steps {kept[0]['step']}-{kept[-1]['step']} ran at world size "
+        f"{world_of(kept[-1])}; the per-rank tables and the breakdown plot leave out the {len(profile) - len(kept)} "
+        f"steps before.",
+    ]
 
 
 def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
@@ -230,12 +268,18 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         images.append(timeline)
 
     last = metrics[-1]
-    lines = [f"# Run report: {name}", "",
-             f"Run directory `{run['dir']}`: strategy `{par.get('strategy', 'dp')}`, "
-             f"compression `{par.get('compression', 'none')}`, "
-             f"{world or '?'} ranks, {last['step']} steps, global batch {cfg.get('data', {}).get('batch_size')}.",
-             *_resumed_note(profile), "", "| final | value |", "|---|---:|",
-             f"| training loss | {last.get('loss', float('nan')):.4f} |"]
+    lines = [
+        f"# Run report: {name}",
+        "",
+        f"Run directory `{run['dir']}`: strategy `{par.get('strategy', 'dp')}`, "
+        f"compression `{par.get('compression', 'none')}`, "
+        f"{world or '?'} ranks, {last['step']} steps, global batch {cfg.get('data', {}).get('batch_size')}.",
+        *_resumed_note(profile),
+        "",
+        "| final | value |",
+        "|---|---:|",
+        f"| training loss | {last.get('loss', float('nan')):.4f} |",
+    ]
     for key in ("val_loss", "val_acc"):
         vals = [m[key] for m in metrics if key in m]
         if vals:
@@ -243,19 +287,32 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
     sps = [m["samples_per_s"] for m in metrics if "samples_per_s" in m]
     lines += [f"| median samples/s | {statistics.median(sps):,.1f} |", ""]
     if ranks:
-        lines += ["## Time per step by rank (ms, mean over the steps it took part in, after the first)", "",
-                  "| rank | steps | step | " + " | ".join(PHASE_ORDER) + " |",
-                  "|---:|---:|---:|" + "---:|" * len(PHASE_ORDER)]
+        lines += [
+            "## Time per step by rank (ms, mean over the steps it took part in, after the first)",
+            "",
+            "| rank | steps | step | " + " | ".join(PHASE_ORDER) + " |",
+            "|---:|---:|---:|" + "---:|" * len(PHASE_ORDER),
+        ]
         for r in ranks:
-            lines.append(f"| {r['rank']} | {r['steps']} | {r['step_s'] * 1e3:.2f} | "
-                         + " | ".join(f"{r['phases'][p] * 1e3:.2f}" for p in PHASE_ORDER) + " |")
+            lines.append(
+                f"| {r['rank']} | {r['steps']} | {r['step_s'] * 1e3:.2f} | "
+                + " | ".join(f"{r['phases'][p] * 1e3:.2f}" for p in PHASE_ORDER)
+                + " |"
+            )
         comm_share = statistics.fmean(r["phases"]["comm"] / r["step_s"] for r in ranks if r["step_s"] > 0)
-        lines += ["", f"Exposed communication (time blocked on collectives): {comm_share:.1%} of a step.", "",
-                  "## Bytes per step by rank (MiB)", "",
-                  "`payload` is what was handed to the collective, `minimum` the fewest bytes the rank must "
-                  "send for it (ring all-reduce 2(N-1)/N of the buffer), `measured` the socket writes of the "
-                  "process during the step (gloo on Linux).", "",
-                  "| rank | collective | payload | minimum sent |", "|---:|---|---:|---:|"]
+        lines += [
+            "",
+            f"Exposed communication (time blocked on collectives): {comm_share:.1%} of a step.",
+            "",
+            "## Bytes per step by rank (MiB)",
+            "",
+            "`payload` is what was handed to the collective, `minimum` the fewest bytes the rank must "
+            "send for it (ring all-reduce 2(N-1)/N of the buffer), `measured` the socket writes of the "
+            "process during the step (gloo on Linux).",
+            "",
+            "| rank | collective | payload | minimum sent |",
+            "|---:|---|---:|---:|",
+        ]
         for r in ranks:
             for op, c in r["comm"].items():
                 lines.append(f"| {r['rank']} | {op} | {_mib(c['payload'])} | {_mib(c['min_sent'])} |")
@@ -263,7 +320,9 @@ def write_report(run_dir: Path, out_dir: Path | None = None) -> Path:
         for r in ranks:
             sent = r.get("bytes_sent")
             ratio = f"{sent / r['bytes_min']:.2f}" if sent is not None and r["bytes_min"] else "-"
-            lines.append(f"| {r['rank']} | {_mib(r['bytes_min'])} | {_mib(sent) if sent is not None else '-'} | {ratio} |")
+            lines.append(
+                f"| {r['rank']} | {_mib(r['bytes_min'])} | {_mib(sent) if sent is not None else '-'} | {ratio} |"
+            )
     else:
         lines += ["(no profile.jsonl: no per-rank breakdown)"]
     lines += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in images]

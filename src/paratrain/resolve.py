@@ -1,4 +1,5 @@
 """`module:function` names, resolved with the working directory and the config's directory on sys.path."""
+
 from __future__ import annotations
 
 import importlib

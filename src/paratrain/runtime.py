@@ -3,6 +3,7 @@
 Reads the standard torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
 so a worker runs the same under `paratrain run`, a plain `torchrun`, or the elastic agent's restarts.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,11 +49,16 @@ def resolve_device(device: str, nproc: int) -> tuple[str, str | None]:
         raise ConfigError("train.device", "'cuda' but no CUDA device is available")
     if nproc > gpus:
         if device == "cuda":
-            raise ConfigError("train.device", f"'cuda' needs one GPU per process (NCCL): {nproc} processes "
-                                              f"per node, {gpus} GPU{'s' * (gpus > 1)} here; lower --nproc "
-                                              f"or set train.device = 'cpu'")
-        return "cpu", (f"train.device 'auto': {nproc} processes per node but {gpus} GPU{'s' * (gpus > 1)} "
-                       f"(NCCL takes one GPU per process), so training on CPU with gloo")
+            raise ConfigError(
+                "train.device",
+                f"'cuda' needs one GPU per process (NCCL): {nproc} processes "
+                f"per node, {gpus} GPU{'s' * (gpus > 1)} here; lower --nproc "
+                f"or set train.device = 'cpu'",
+            )
+        return "cpu", (
+            f"train.device 'auto': {nproc} processes per node but {gpus} GPU{'s' * (gpus > 1)} "
+            f"(NCCL takes one GPU per process), so training on CPU with gloo"
+        )
     return "cuda", None
 
 
@@ -106,9 +112,14 @@ def init(device_kind: str = "auto", timeout_s: float = 300.0) -> Runtime:
     if not dist.is_initialized():
         store = _store(rank, world, timeout_s)
         attempt = _rendezvous_round(store, attempt)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"paratrain/attempt-{attempt}", store), rank=rank,
-                                world_size=world, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"paratrain/attempt-{attempt}", store),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
     return Runtime(rank, world, local_rank, device, backend, attempt)
 
 
@@ -179,8 +190,15 @@ def store_server(listener, timeout: timedelta = timedelta(minutes=5), **kwargs) 
     and torch's elastic rendezvous unpickles what it reads from its store: anyone who could reach
     the port could run code in the launcher (docs/security.md)."""
     host, port = listener.getsockname()[:2]
-    return dist.TCPStore(host, port, is_master=True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=listener.detach(), **kwargs)
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+        **kwargs,
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -196,8 +214,10 @@ def rng_state() -> dict:
         state["tensors"]["rng.cuda"] = torch.cuda.get_rng_state()
     version, internal, gauss = random.getstate()
     np_state = np.random.get_state()
-    state["json"] = {"python": [version, list(internal), gauss],
-                     "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]]}
+    state["json"] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
     return state
 
 

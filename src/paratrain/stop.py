@@ -31,6 +31,7 @@ SIGTERM: they have nothing to save, and their servers save on their own schedule
 A SIGTERM that comes while a rank sets up (before its first step) stops it at once as before:
 there is nothing to save yet.
 """
+
 from __future__ import annotations
 
 import signal

@@ -5,6 +5,7 @@ CONFIG --run-dir DIR`, which also runs under a plain `torchrun -m paratrain.trai
 only reads the standard environment.
 The trainer never asks which strategy it holds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,14 +21,11 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from . import checkpoint as ckpt
-from . import collectives
+from . import collectives, guard, runtime, stop
 from . import config as config_mod
-from . import guard
-from . import runtime
-from . import stop
 from .config import Config, ConfigError
 from .data import build_dataset, build_sampler, load_batch
-from .metrics import MetricsLog, keep_steps_up_to, keep_stdout_when_its_reader_leaves
+from .metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to
 from .models import BUILTIN as BUILTIN_MODELS
 from .models import build_model
 from .models.materialize import record_on_meta
@@ -113,9 +111,19 @@ class Trainer:
         rng = runtime.rng_state()
         tensors = {**tensors, **rng["tensors"]}
         meta = {**meta, "rng": rng["json"], "trainer": {"step": self.step, "data": self.sampler.position(self.step)}}
-        ckpt.save(self.run_dir, self.step, tensors, meta, rank=self.rt.rank, world_size=savers,
-                  strategy=self.cfg.parallel.strategy, config=self.cfg.to_dict(),
-                  keep=self.cfg.checkpoint.keep, device=self.rt.device, group=group)
+        ckpt.save(
+            self.run_dir,
+            self.step,
+            tensors,
+            meta,
+            rank=self.rt.rank,
+            world_size=savers,
+            strategy=self.cfg.parallel.strategy,
+            config=self.cfg.to_dict(),
+            keep=self.cfg.checkpoint.keep,
+            device=self.rt.device,
+            group=group,
+        )
 
     # -- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -130,7 +138,7 @@ class Trainer:
         # would leave the others waiting; it runs an empty one. Elsewhere empty chunks are skipped.
         most = -(-len(self.val_set) // self.dp_size)  # dp rank 0's share, the largest
         n_chunks = -(-most // per_rank)
-        chunks = [order[i * per_rank:(i + 1) * per_rank] for i in range(n_chunks)] if self.strategy.evaluates else []
+        chunks = [order[i * per_rank : (i + 1) * per_rank] for i in range(n_chunks)] if self.strategy.evaluates else []
         sums = torch.zeros(4, dtype=torch.float64)  # loss*n, n, correct, counted
         for chunk in chunks:
             if len(chunk):
@@ -151,15 +159,24 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         total = cfg.train.steps
         log = MetricsLog(self.run_dir, total, self.step, enabled=rt.is_main, tensorboard=cfg.log.tensorboard)
-        prof = Profiler(self.run_dir, rt.rank, rt.world_size, rt.device, start_step=self.step,
-                        torch_profiler=cfg.train.torch_profiler)
+        prof = Profiler(
+            self.run_dir,
+            rt.rank,
+            rt.world_size,
+            rt.device,
+            start_step=self.step,
+            torch_profiler=cfg.train.torch_profiler,
+        )
         self.strategy.profiler = prof
         t_start, first_step = time.perf_counter(), self.step
         t_last, steps_since, bad_in_a_row, skipped = t_start, 0, 0, 0
         loss_sum = torch.zeros(2, dtype=torch.float64)  # summed loss of reporting ranks, their count
         last, stopped_by = {}, 0
-        stops = (stop.StopAgreement(rt.world_size, self.step, timedelta(seconds=cfg.parallel.timeout_s))
-                 if self.strategy.lockstep else None)
+        stops = (
+            stop.StopAgreement(rt.world_size, self.step, timedelta(seconds=cfg.parallel.timeout_s))
+            if self.strategy.lockstep
+            else None
+        )
         try:
             while self.step < total:
                 collectives.LOG.step = self.step
@@ -178,12 +195,16 @@ class Trainer:
                 if self.strategy.skipped_step:  # the same decision on every rank
                     bad_in_a_row += 1
                     skipped += 1
-                    log.print(f"step {self.step}: non-finite loss or gradient, update skipped "
-                              f"({bad_in_a_row} in a row, at most {cfg.train.max_bad_steps})")
+                    log.print(
+                        f"step {self.step}: non-finite loss or gradient, update skipped "
+                        f"({bad_in_a_row} in a row, at most {cfg.train.max_bad_steps})"
+                    )
                     if bad_in_a_row > cfg.train.max_bad_steps:
-                        raise NonFiniteError(f"{bad_in_a_row} steps in a row had a non-finite loss or gradient "
-                                             f"(train.max_bad_steps = {cfg.train.max_bad_steps}); last at step "
-                                             f"{self.step}, lr {lr:.3e}: lower train.lr or clip gradients")
+                        raise NonFiniteError(
+                            f"{bad_in_a_row} steps in a row had a non-finite loss or gradient "
+                            f"(train.max_bad_steps = {cfg.train.max_bad_steps}); last at step "
+                            f"{self.step}, lr {lr:.3e}: lower train.lr or clip gradients"
+                        )
                 else:
                     bad_in_a_row = 0
                     if self.strategy.reports_loss:
@@ -195,12 +216,19 @@ class Trainer:
                 evaluate = done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
                 if done or stopped_by or evaluate or self.step % cfg.train.log_every == 0:
                     reduced = self.strategy.reduce_loss(loss_sum)
-                    total_loss, reports = (reduce_loss_checking_sequences(loss_sum, rt) if reduced is None
-                                           else reduced.tolist())
+                    total_loss, reports = (
+                        reduce_loss_checking_sequences(loss_sum, rt) if reduced is None else reduced.tolist()
+                    )
                     now = time.perf_counter()
-                    entry = {"step": self.step, "loss": total_loss / reports if reports else float("nan"),
-                             "lr": lr, "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),
-                             "time": now - t_start, "wall": time.time(), **self.strategy.step_metrics()}
+                    entry = {
+                        "step": self.step,
+                        "loss": total_loss / reports if reports else float("nan"),
+                        "lr": lr,
+                        "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),
+                        "time": now - t_start,
+                        "wall": time.time(),
+                        **self.strategy.step_metrics(),
+                    }
                     # A strategy that reduces its own loss (async ps) has ranks that do not meet at
                     # every logged step: its profile travels once, at the end, where they all meet.
                     if reduced is None or done or stopped_by:
@@ -225,15 +253,22 @@ class Trainer:
         elapsed = time.perf_counter() - t_start
         if not stopped_by:
             self.export()
-        return {**last, "elapsed": elapsed, "first_step": first_step, "last_step": self.step,
-                "stopped_by": stopped_by}
+        return {**last, "elapsed": elapsed, "first_step": first_step, "last_step": self.step, "stopped_by": stopped_by}
 
     def export(self) -> None:
         state = self.strategy.full_model_state()
         if self.rt.is_main:
-            ckpt.export_final(self.run_dir, state, step=self.step, config=self.cfg.to_dict(),
-                              extra={"strategy": self.cfg.parallel.strategy, "world_size": self.rt.world_size,
-                                     "parameters": sum(v.numel() for v in state.values())})
+            ckpt.export_final(
+                self.run_dir,
+                state,
+                step=self.step,
+                config=self.cfg.to_dict(),
+                extra={
+                    "strategy": self.cfg.parallel.strategy,
+                    "world_size": self.rt.world_size,
+                    "parameters": sum(v.numel() for v in state.values()),
+                },
+            )
         barrier(self.rt, "export", self.strategy.trainer_group)
 
 
@@ -267,7 +302,8 @@ def reduce_loss_checking_sequences(loss_sum: torch.Tensor, rt: runtime.Runtime) 
         odd = [r for r, p in enumerate(prints) if p != majority]
         raise collectives.CollectiveFailure(
             f"rank {rt.rank}: collective sequences differ at step {collectives.LOG.step}: rank(s) "
-            f"{', '.join(map(str, odd))} issued different collectives than their peers")
+            f"{', '.join(map(str, odd))} issued different collectives than their peers"
+        )
     return table[:, 0].sum().item(), table[:, 1].sum().item()
 
 
@@ -302,8 +338,10 @@ def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:
     first, last = result["first_step"], result["last_step"]
     if last == first:  # train.steps = 0, or resumed at or past it
         why = f"the checkpoint is at step {last}, " if last else ""
-        return (f"done: nothing to train ({why}train.steps = {cfg.train.steps}) | "
-                f"model: {run_dir / 'final' / 'model.safetensors'}")
+        return (
+            f"done: nothing to train ({why}train.steps = {cfg.train.steps}) | "
+            f"model: {run_dir / 'final' / 'model.safetensors'}"
+        )
     steps = f"steps {first + 1}-{last}" if first else f"{last} steps"
     parts = [f"done: {steps} in {result['elapsed']:.1f}s"]
     if "loss" in result:
@@ -350,8 +388,11 @@ def main(argv=None) -> int:
         if result["stopped_by"]:
             if rt.is_main:
                 step = result["last_step"]
-                print(f"{signal.Signals(result['stopped_by']).name}: stopped after step {step}, "
-                      f"saved as {run_dir / 'checkpoints' / f'step-{step}'}", flush=True)
+                print(
+                    f"{signal.Signals(result['stopped_by']).name}: stopped after step {step}, "
+                    f"saved as {run_dir / 'checkpoints' / f'step-{step}'}",
+                    flush=True,
+                )
             return 128 + result["stopped_by"]
         if rt.is_main:
             print(summary_line(result, cfg, run_dir), flush=True)

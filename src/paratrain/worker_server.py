@@ -4,6 +4,7 @@ the server forks any worker; and a quick exit for the server itself.
 Only the server imports this module. Its workers leave through os._exit when their function
 returns, never through the exit handlers, so the handler below is the server's alone.
 """
+
 import atexit
 import os
 import signal

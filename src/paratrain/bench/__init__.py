@@ -1,4 +1,5 @@
 """`paratrain bench`: ours against the PyTorch peer, side by side in one run."""
+
 from __future__ import annotations
 
 import importlib

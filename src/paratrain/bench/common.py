@@ -1,5 +1,6 @@
 """What every `paratrain bench X` shares: start its worker module on N processes with the options
 the user gave, through the same elastic launch as training."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,14 +11,18 @@ import sys
 
 def at_least(low, kind=int):
     """An argparse type: a number of `kind` no smaller than `low` (a bad one exits 2 naming the option)."""
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
         return value
+
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
 
@@ -41,6 +46,7 @@ def fraction(text: str) -> float:
 def one_or_more_of(allowed):
     """An argparse type: a comma-separated list of `allowed` names, or of values that `allowed`
     parses when it is itself a type such as COUNT; returned as given, once checked."""
+
     def parse(text: str) -> str:
         items = text.split(",")
         for item in items:
@@ -49,6 +55,7 @@ def one_or_more_of(allowed):
             elif item not in allowed:
                 raise argparse.ArgumentTypeError(f"{item!r} is not one of {', '.join(allowed)}")
         return text
+
     parse.__name__ = "list"
     return parse
 
@@ -93,28 +100,43 @@ def machine() -> dict:
             model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
     except OSError:
         pass
-    return {"cpu": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_native_bf16": cpu_multiplies_bf16_natively(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    return {
+        "cpu": model,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_native_bf16": cpu_multiplies_bf16_natively(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
 
 
 def machine_line(m: dict) -> str:
-    return (f"machine: {m['cpu']} ({m['cores']} cores, capability {m['cpu_capability']}, "
-            f"{'native' if m['cpu_native_bf16'] else 'no native'} bf16), torch {m['torch']}, "
-            f"GPU {m['gpu'] or 'none'}")
+    return (
+        f"machine: {m['cpu']} ({m['cores']} cores, capability {m['cpu_capability']}, "
+        f"{'native' if m['cpu_native_bf16'] else 'no native'} bf16), torch {m['torch']}, "
+        f"GPU {m['gpu'] or 'none'}"
+    )
 
 
 def heading_with_machine(run):
     """A bench's `run(args)` that first prints the machine line, so that it heads the bench's table."""
+
     def run_on_this_machine(args):
         print(machine_line(machine()), flush=True)
         return run(args)
+
     return run_on_this_machine
 
 
 def add_json_option(p) -> None:
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                   help="also write the results as JSON (to stdout without PATH)")
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
+        help="also write the results as JSON (to stdout without PATH)",
+    )
 
 
 def emit_json(result, dest: str | None) -> None:

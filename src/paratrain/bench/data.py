@@ -7,6 +7,7 @@ Every loader reads the same random uint16 token blocks in a shuffled order, batc
 one pass over the data. MosaicML Streaming runs in a virtual environment of its own
 (bench/mosaic_side.py), since its pins and imports do not fit ours.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,15 +29,21 @@ BUCKET = "paratrain-bench"
 
 
 def add_parser(which) -> None:
-    p = which.add_parser("data", help="streamed shards vs a plain DataLoader vs MosaicML Streaming, from a local "
-                                      "S3 server, cold and warm; the loader's share of a training step")
+    p = which.add_parser(
+        "data",
+        help="streamed shards vs a plain DataLoader vs MosaicML Streaming, from a local "
+        "S3 server, cold and warm; the loader's share of a training step",
+    )
     p.add_argument("--samples", type=COUNT, default=50_000, help="token blocks in the data set")
     p.add_argument("--block", type=COUNT, default=512, help="tokens per block")
     p.add_argument("--batch", type=COUNT, default=32)
     p.add_argument("--shard-mb", type=POSITIVE, default=16.0)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes (plain and Mosaic)")
-    p.add_argument("--mosaic-venv", default=".venv-mosaic",
-                   help="a virtual environment with mosaicml-streaming (`none`: leave Mosaic out)")
+    p.add_argument(
+        "--mosaic-venv",
+        default=".venv-mosaic",
+        help="a virtual environment with mosaicml-streaming (`none`: leave Mosaic out)",
+    )
     p.add_argument("--step-batches", type=COUNT, default=20, help="training steps timed for the overhead")
     p.add_argument("--out", default=None, help="also write the results as markdown to this file")
     add_json_option(p)
@@ -49,8 +56,11 @@ def local_s3_server(timeout_s: float = 90):
     from ..runtime import free_port
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -100,18 +110,42 @@ def plain_dataloader(tokens_path: str, args) -> float:
             row = torch.from_numpy(self.rows[i].astype(np.int64))
             return row[:-1], row[1:]
 
-    loader = DataLoader(Memmap(), batch_size=args.batch, shuffle=True, num_workers=args.workers,
-                        generator=torch.Generator().manual_seed(0), drop_last=True)
+    loader = DataLoader(
+        Memmap(),
+        batch_size=args.batch,
+        shuffle=True,
+        num_workers=args.workers,
+        generator=torch.Generator().manual_seed(0),
+        drop_last=True,
+    )
     return timed_pass(loader)
 
 
 def mosaic(python: str, step: str, tmp: Path, options: dict, args) -> dict:
     """bench/mosaic_side.py STEP in the Mosaic venv: `write` the MDS shards, or `read` them from S3."""
-    env = {**os.environ, "S3_ENDPOINT_URL": options["endpoint_url"], "AWS_ACCESS_KEY_ID": options["key"],
-           "AWS_SECRET_ACCESS_KEY": options["secret"]}
-    proc = subprocess.run([python, str(Path(__file__).with_name("mosaic_side.py")), step, str(tmp / "tokens.npy"),
-                           str(tmp / "mds"), f"s3://{BUCKET}/mds", str(tmp / "mosaic-cache"), str(args.batch),
-                           str(args.workers), str(args.shard_mb)], env=env, capture_output=True, text=True)
+    env = {
+        **os.environ,
+        "S3_ENDPOINT_URL": options["endpoint_url"],
+        "AWS_ACCESS_KEY_ID": options["key"],
+        "AWS_SECRET_ACCESS_KEY": options["secret"],
+    }
+    proc = subprocess.run(
+        [
+            python,
+            str(Path(__file__).with_name("mosaic_side.py")),
+            step,
+            str(tmp / "tokens.npy"),
+            str(tmp / "mds"),
+            f"s3://{BUCKET}/mds",
+            str(tmp / "mosaic-cache"),
+            str(args.batch),
+            str(args.workers),
+            str(args.shard_mb),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode:
         raise RuntimeError(f"MosaicML Streaming ({step}) failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -149,8 +183,11 @@ def step_overhead(ds, args) -> dict:
         in_memory.append(time.perf_counter() - t2)
         streamed.append(t2 - t0)
         load.append(t1 - t0)
-    return {"load_s": statistics.median(load), "step_s_streamed": statistics.median(streamed),
-            "step_s_preloaded": statistics.median(in_memory)}
+    return {
+        "load_s": statistics.median(load),
+        "step_s_streamed": statistics.median(streamed),
+        "step_s_preloaded": statistics.median(in_memory),
+    }
 
 
 def run(args) -> int:
@@ -162,8 +199,10 @@ def run(args) -> int:
 
     python = None if args.mosaic_venv == "none" else str(Path(args.mosaic_venv) / "bin" / "python")
     if python and not Path(python).exists():
-        print(f"paratrain: error: --mosaic-venv: no {python} (`make bench-data-peer` makes .venv-mosaic), "
-              "or pass none", file=sys.stderr)
+        print(
+            f"paratrain: error: --mosaic-venv: no {python} (`make bench-data-peer` makes .venv-mosaic), or pass none",
+            file=sys.stderr,
+        )
         return 2
     sample_mb = (args.block + 1) * 2 / 2**20
     rows = []
@@ -187,7 +226,11 @@ def run(args) -> int:
         add("paratrain shards", "cold", seconds)
         seconds, ds = ours(url, options, str(tmp / "cache"), args)
         add("paratrain shards", "warm", seconds)
-        add(f"plain DataLoader ({args.workers} workers, local .npy memmap)", "local", plain_dataloader(str(tmp / "tokens.npy"), args))
+        add(
+            f"plain DataLoader ({args.workers} workers, local .npy memmap)",
+            "local",
+            plain_dataloader(str(tmp / "tokens.npy"), args),
+        )
         if python:
             mosaic(python, "write", tmp, options, args)
             fs.put(str(tmp / "mds") + "/", f"{BUCKET}/mds/", recursive=True)
@@ -196,9 +239,17 @@ def run(args) -> int:
             add(f"MosaicML Streaming ({args.workers} workers)", "warm", timings["warm_s"])
         overhead = step_overhead(ds, args)
 
-    result = {"samples": args.samples, "block": args.block, "batch": args.batch, "shard_mb": args.shard_mb,
-              "loaders": rows, **overhead, "torch": torch.__version__,
-              "cpu": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    result = {
+        "samples": args.samples,
+        "block": args.block,
+        "batch": args.batch,
+        "shard_mb": args.shard_mb,
+        "loaders": rows,
+        **overhead,
+        "torch": torch.__version__,
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     text = markdown(result, args)
     print(text)
     if args.out:
@@ -219,21 +270,36 @@ def cpu_model() -> str:
 def markdown(r: dict, args) -> str:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     warm = {row["loader"].split(" (")[0]: row["samples_per_s"] for row in r["loaders"] if row["cache"] != "cold"}
-    lines = [f"# bench data, {date.today().isoformat()}", "",
-             f"`paratrain bench data --samples {args.samples} --block {args.block} --batch {args.batch} "
-             f"--shard-mb {args.shard_mb:g} --workers {args.workers}` at commit {commit or 'unknown'}; torch "
-             f"{r['torch']}, {r['cpu']}, `get_cpu_capability()` = {r['cpu_capability']}, {os.cpu_count()} cores.", "",
-             f"{args.samples} random uint16 blocks of {args.block + 1} tokens, shuffled, one pass, batch {args.batch}, "
-             "from moto's S3 server on 127.0.0.1 (the plain DataLoader reads the same tokens from a local file).", "",
-             "| loader | cache | samples/s | MB/s |", "|---|---|---:|---:|"]
-    lines += [f"| {row['loader']} | {row['cache']} | {row['samples_per_s']:,.0f} | {row['mb_per_s']:,.1f} |"
-              for row in r["loaders"]]
+    lines = [
+        f"# bench data, {date.today().isoformat()}",
+        "",
+        f"`paratrain bench data --samples {args.samples} --block {args.block} --batch {args.batch} "
+        f"--shard-mb {args.shard_mb:g} --workers {args.workers}` at commit {commit or 'unknown'}; torch "
+        f"{r['torch']}, {r['cpu']}, `get_cpu_capability()` = {r['cpu_capability']}, {os.cpu_count()} cores.",
+        "",
+        f"{args.samples} random uint16 blocks of {args.block + 1} tokens, shuffled, one pass, batch {args.batch}, "
+        "from moto's S3 server on 127.0.0.1 (the plain DataLoader reads the same tokens from a local file).",
+        "",
+        "| loader | cache | samples/s | MB/s |",
+        "|---|---|---:|---:|",
+    ]
+    lines += [
+        f"| {row['loader']} | {row['cache']} | {row['samples_per_s']:,.0f} | {row['mb_per_s']:,.1f} |"
+        for row in r["loaders"]
+    ]
     if "MosaicML Streaming" in warm:
-        lines += ["", f"Warm: paratrain {warm['paratrain shards'] / warm['MosaicML Streaming']:.2f}x MosaicML Streaming."]
-    lines += ["", f"A training step (gpt 2x128, vocabulary 4096, batch {args.batch}, block {min(args.block, 128)}), "
-                  f"medians over {args.step_batches} alternating steps: reading its batch through the streamed loader "
-                  f"(warm) takes {r['load_s'] * 1e3:.2f} ms, {r['load_s'] / r['step_s_preloaded'] * 100:.2g} % of a "
-                  f"step on a batch already in memory ({r['step_s_preloaded'] * 1e3:.1f} ms); the whole step with "
-                  f"the loader: {r['step_s_streamed'] * 1e3:.1f} ms "
-                  f"({(r['step_s_streamed'] / r['step_s_preloaded'] - 1) * 100:+.1f} %).", ""]
+        lines += [
+            "",
+            f"Warm: paratrain {warm['paratrain shards'] / warm['MosaicML Streaming']:.2f}x MosaicML Streaming.",
+        ]
+    lines += [
+        "",
+        f"A training step (gpt 2x128, vocabulary 4096, batch {args.batch}, block {min(args.block, 128)}), "
+        f"medians over {args.step_batches} alternating steps: reading its batch through the streamed loader "
+        f"(warm) takes {r['load_s'] * 1e3:.2f} ms, {r['load_s'] / r['step_s_preloaded'] * 100:.2g} % of a "
+        f"step on a batch already in memory ({r['step_s_preloaded'] * 1e3:.1f} ms); the whole step with "
+        f"the loader: {r['step_s_streamed'] * 1e3:.1f} ms "
+        f"({(r['step_s_streamed'] / r['step_s_preloaded'] - 1) * 100:+.1f} %).",
+        "",
+    ]
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 Rounds alternate K steps of ours with K steps of DDP so both see the same machine noise; the table
 shows the median step time of each and the ratio (ours / DDP, lower is better).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,9 +67,13 @@ def setup(argv, add_options, optimizer: str, lr: float):
     add_options(p)
     args = p.parse_args(argv)
     rt = runtime.init("cpu")
-    cfg = config_mod.from_dict({"data": {"batch_size": args.batch * rt.world_size},
-                                "train": {"optimizer": optimizer, "lr": lr},
-                                "parallel": {"bucket_mb": args.bucket_mb}})
+    cfg = config_mod.from_dict(
+        {
+            "data": {"batch_size": args.batch * rt.world_size},
+            "train": {"optimizer": optimizer, "lr": lr},
+            "parallel": {"bucket_mb": args.bucket_mb},
+        }
+    )
     g = torch.Generator().manual_seed(1 + rt.rank)
     x = torch.randn(args.batch, args.in_features, generator=g)
     y = torch.randint(0, 10, (args.batch,), generator=g)
@@ -105,8 +110,10 @@ def worker(argv=None) -> None:
         t_ddp += timed_steps(ddp_step, args.steps)
 
     # Both engines took the same steps on the same data from the same weights: they must agree.
-    drift = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-                for a, b in zip(ours.model.parameters(), ddp_model.module.parameters()))
+    drift = max(
+        ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+        for a, b in zip(ours.model.parameters(), ddp_model.module.parameters())
+    )
     # The slowest rank sets the pace: take each step's max over ranks.
     both = torch.tensor([t_ours, t_ddp], dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
@@ -114,20 +121,30 @@ def worker(argv=None) -> None:
         params = sum(p.numel() for p in ours.params)
         med_ours, med_ddp = statistics.median(both[0].tolist()), statistics.median(both[1].tolist())
         result = {
-            "benchmark": "dp", "world_size": world, "parameters": params, "bucket_mb": args.bucket_mb,
-            "samples_per_rank": args.batch, "timed_steps": len(t_ours),
-            "paratrain_step_ms": med_ours * 1e3, "ddp_step_ms": med_ddp * 1e3,
+            "benchmark": "dp",
+            "world_size": world,
+            "parameters": params,
+            "bucket_mb": args.bucket_mb,
+            "samples_per_rank": args.batch,
+            "timed_steps": len(t_ours),
+            "paratrain_step_ms": med_ours * 1e3,
+            "ddp_step_ms": med_ddp * 1e3,
             "paratrain_samples_per_s": args.batch * world / med_ours,
             "ddp_samples_per_s": args.batch * world / med_ddp,
-            "ratio": med_ours / med_ddp, "max_rel_weight_diff": drift,
+            "ratio": med_ours / med_ddp,
+            "max_rel_weight_diff": drift,
         }
-        print(f"dp benchmark: {params / 1e6:.1f}M-parameter MLP, world {world}, {args.batch} samples/rank, "
-              f"bucket {args.bucket_mb:g} MB, median of {len(t_ours)} interleaved steps each")
+        print(
+            f"dp benchmark: {params / 1e6:.1f}M-parameter MLP, world {world}, {args.batch} samples/rank, "
+            f"bucket {args.bucket_mb:g} MB, median of {len(t_ours)} interleaved steps each"
+        )
         print(f"{'engine':<12}{'step ms':>10}{'samples/s':>12}")
         print(f"{'paratrain':<12}{result['paratrain_step_ms']:>10.1f}{result['paratrain_samples_per_s']:>12.1f}")
         print(f"{'torch DDP':<12}{result['ddp_step_ms']:>10.1f}{result['ddp_samples_per_s']:>12.1f}")
-        print(f"ratio paratrain/DDP step time: {result['ratio']:.3f} (<= 1.00 means not slower); "
-              f"weights agree to {drift:.1e}")
+        print(
+            f"ratio paratrain/DDP step time: {result['ratio']:.3f} (<= 1.00 means not slower); "
+            f"weights agree to {drift:.1e}"
+        )
         emit_json(result, args.json)
     runtime.shutdown(together=True)
 

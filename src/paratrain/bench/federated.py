@@ -14,6 +14,7 @@ start; total wall time (process start to exit, Ray's start
 included for Flower); peak memory (the largest sum of RSS over the process tree, sampled every
 0.1 s); bytes per round between server and clients (ours).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,12 @@ def add_parser(which) -> None:
     p.add_argument("--batch", type=COUNT, default=16)
     p.add_argument("--lr", type=POSITIVE, default=0.1)
     p.add_argument("--alpha", type=POSITIVE, default=0.3)
-    p.add_argument("--min-samples", type=COUNT, default=2,
-                   help="Dirichlet(0.3) over 100 clients leaves the smallest with 2 digits (seed 0)")
+    p.add_argument(
+        "--min-samples",
+        type=COUNT,
+        default=2,
+        help="Dirichlet(0.3) over 100 clients leaves the smallest with 2 digits (seed 0)",
+    )
     p.add_argument("--nproc", type=COUNT, default=3, help="our processes: 1 server + nproc-1 client workers")
     p.add_argument("--target", type=float, default=0.90, help="accuracy for the time-to-accuracy column")
     p.add_argument("--flower-python", default=".venv-flower/bin/python")
@@ -122,13 +127,20 @@ def run_ours(args, tmp: Path, secure: bool) -> dict:
     write_config(args, cfg, secure)
     run_dir = tmp / f"run-{secure}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    wall, peak, proc = run_measured([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc",
-                                     str(args.nproc), "--run-dir", str(run_dir)], env)
+    wall, peak, proc = run_measured(
+        [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", str(args.nproc), "--run-dir", str(run_dir)],
+        env,
+    )
     if proc.returncode:
         raise SystemExit(f"paratrain: error: our federated run failed:\n{proc.stderr[-2000:]}")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"accuracy": [m["val_acc"] for m in lines], "elapsed": [m["time"] for m in lines], "wall_s": wall, "peak_bytes": peak,
-            "bytes_per_round": statistics.mean(m["bytes_up"] + m["bytes_down"] for m in lines)}
+    return {
+        "accuracy": [m["val_acc"] for m in lines],
+        "elapsed": [m["time"] for m in lines],
+        "wall_s": wall,
+        "peak_bytes": peak,
+        "bytes_per_round": statistics.mean(m["bytes_up"] + m["bytes_down"] for m in lines),
+    }
 
 
 def write_task(args, path: Path) -> None:
@@ -148,9 +160,14 @@ def write_task(args, path: Path) -> None:
     parts, _ = deal_clients(cfg, train)
     runtime.seed_everything(cfg.train.seed)  # the trainer's initial weights
     params = [p.detach().numpy() for p in build_model(cfg, train).parameters()]
-    arrays = {"x_train": train.tensors[0].numpy(), "y_train": train.tensors[1].numpy(),
-              "x_val": val.tensors[0].numpy(), "y_val": val.tensors[1].numpy(),
-              "clients": np.array(len(parts)), "tensors": np.array(len(params))}
+    arrays = {
+        "x_train": train.tensors[0].numpy(),
+        "y_train": train.tensors[1].numpy(),
+        "x_val": val.tensors[0].numpy(),
+        "y_val": val.tensors[1].numpy(),
+        "clients": np.array(len(parts)),
+        "tensors": np.array(len(params)),
+    }
     arrays.update({f"part_{c}": p for c, p in enumerate(parts)})
     arrays.update({f"w{i}": w for i, w in enumerate(params)})
     np.savez(path, **arrays)
@@ -158,15 +175,28 @@ def write_task(args, path: Path) -> None:
 
 def run_flower(args, tmp: Path) -> dict | None:
     if not Path(args.flower_python).is_file():
-        print(f"paratrain: {args.flower_python} not found (make bench-federated creates it): "
-              f"our side only", file=sys.stderr)
+        print(
+            f"paratrain: {args.flower_python} not found (make bench-federated creates it): our side only",
+            file=sys.stderr,
+        )
         return None
     task, out = tmp / "task.npz", tmp / "flower.json"
     write_task(args, task)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_DISABLE_USAGE_STATS": "1"}
-    wall, peak, proc = run_measured([args.flower_python, str(FLOWER_SCRIPT), str(task), str(args.rounds),
-                                     str(args.per_round), str(args.local_steps), str(args.batch), str(args.lr),
-                                     str(out)], env)
+    wall, peak, proc = run_measured(
+        [
+            args.flower_python,
+            str(FLOWER_SCRIPT),
+            str(task),
+            str(args.rounds),
+            str(args.per_round),
+            str(args.local_steps),
+            str(args.batch),
+            str(args.lr),
+            str(out),
+        ],
+        env,
+    )
     if proc.returncode or not out.is_file():
         raise SystemExit(f"paratrain: error: the Flower run failed:\n{proc.stderr[-2000:]}")
     result = json.loads(out.read_text())
@@ -182,8 +212,11 @@ def round_seconds(r: dict) -> list[float]:
 
 
 def table(results: dict[str, dict], target: float) -> str:
-    rows = ["| engine | s/round mean | s/round median | rounds to acc >= {t} | time to it | acc @ last round | "
-            "best acc | wall | peak RSS (tree) | bytes/round |".format(t=target), "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        f"| engine | s/round mean | s/round median | rounds to acc >= {target} | time to it | acc @ last round | "
+        "best acc | wall | peak RSS (tree) | bytes/round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     base = results.get("flower")
     for name, r in results.items():
         mean, median = statistics.mean(round_seconds(r)), statistics.median(round_seconds(r))
@@ -193,12 +226,15 @@ def table(results: dict[str, dict], target: float) -> str:
         ours = base and name != "flower"
         mean_ratio = f" ({statistics.mean(round_seconds(base)) / mean:.1f}x)" if ours else ""
         median_ratio = f" ({statistics.median(round_seconds(base)) / median:.1f}x)" if ours else ""
-        rows.append(f"| {name} | {mean:.3f}{mean_ratio} | {median:.3f}{median_ratio} | {reach or '-'} | "
-                    f"{f'{to_target:.1f} s' if to_target else '-'} | {r['accuracy'][-1]:.3f} | {max(r['accuracy']):.3f} | "
-                    f"{r['wall_s']:.1f} s | {r['peak_bytes'] / 2**20:.0f} MiB | "
-                    f"{traffic} |")
-    acc = ["", "accuracy per round:", ""] + [f"- {name}: " + " ".join(f"{a:.2f}" for a in r["accuracy"])
-                                             for name, r in results.items()]
+        rows.append(
+            f"| {name} | {mean:.3f}{mean_ratio} | {median:.3f}{median_ratio} | {reach or '-'} | "
+            f"{f'{to_target:.1f} s' if to_target else '-'} | {r['accuracy'][-1]:.3f} | {max(r['accuracy']):.3f} | "
+            f"{r['wall_s']:.1f} s | {r['peak_bytes'] / 2**20:.0f} MiB | "
+            f"{traffic} |"
+        )
+    acc = ["", "accuracy per round:", ""] + [
+        f"- {name}: " + " ".join(f"{a:.2f}" for a in r["accuracy"]) for name, r in results.items()
+    ]
     return "\n".join(rows + acc)
 
 

@@ -4,6 +4,7 @@ in an .npz (no pickles): the digits split, each client's sample indices, the ini
 
     python flower_federated.py TASK.npz ROUNDS PER_ROUND LOCAL_STEPS BATCH LR OUT.json
 """
+
 import json
 import sys
 import time
@@ -76,18 +77,34 @@ def main(task_path, rounds, per_round, local_steps, batch, lr, out_path) -> None
         return float(F.cross_entropy(out, yv)), {"accuracy": acc}
 
     strategy = fl.server.strategy.FedAvg(
-        fraction_fit=per_round / clients, fraction_evaluate=0.0, min_fit_clients=per_round,
-        min_evaluate_clients=0, min_available_clients=clients, evaluate_fn=evaluate,
-        initial_parameters=fl.common.ndarrays_to_parameters(init))
+        fraction_fit=per_round / clients,
+        fraction_evaluate=0.0,
+        min_fit_clients=per_round,
+        min_evaluate_clients=0,
+        min_available_clients=clients,
+        evaluate_fn=evaluate,
+        initial_parameters=fl.common.ndarrays_to_parameters(init),
+    )
     t0 = time.perf_counter()
-    fl.simulation.start_simulation(client_fn=client_fn, num_clients=clients,
-                                   config=fl.server.ServerConfig(num_rounds=rounds), strategy=strategy,
-                                   client_resources={"num_cpus": 1, "num_gpus": 0.0})
+    fl.simulation.start_simulation(
+        client_fn=client_fn,
+        num_clients=clients,
+        config=fl.server.ServerConfig(num_rounds=rounds),
+        strategy=strategy,
+        client_resources={"num_cpus": 1, "num_gpus": 0.0},
+    )
     wall = time.perf_counter() - t0
     # evaluate() runs once before round 1 (on the initial weights), then after each round
     with open(out_path, "w") as fh:
-        json.dump({"wall_s": wall, "accuracy": accuracy[1:], "elapsed": [t - ends[0] for t in ends[1:]],
-                   "flwr": fl.__version__}, fh)
+        json.dump(
+            {
+                "wall_s": wall,
+                "accuracy": accuracy[1:],
+                "elapsed": [t - ends[0] for t in ends[1:]],
+                "flwr": fl.__version__,
+            },
+            fh,
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ classes), materialised by zero1/2/3 as a training run does: its construction rec
 device and replayed a tensor at a time (models/materialize.py); FSDP2 runs each module's
 reset_parameters on its shards.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from .common import COUNT, POSITIVE, add_json_option, emit_json, one_or_more_of
 
 STRATEGIES = ["dp", "zero1", "zero2", "zero3", "fsdp2"]
@@ -39,8 +41,12 @@ def add_parser(which) -> None:
 
 
 def add_model_options(p) -> None:
-    p.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
-                   help="a user's model factory (no arguments) instead of the built-in MLP")
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="a user's model factory (no arguments) instead of the built-in MLP",
+    )
     p.add_argument("--in-features", type=COUNT, default=1024)
     p.add_argument("--hidden", type=COUNT, default=4096)
     p.add_argument("--layers", type=COUNT, default=4, help="hidden layers of the MLP (default: 54.6M parameters)")
@@ -65,10 +71,16 @@ def run(args) -> int:
         for strategy in args.strategies.split(","):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "result.json"
-                argv = [f"--strategy={strategy}", f"--out={out}", f"--in-features={args.in_features}",
-                        f"--hidden={args.hidden}", f"--layers={args.layers}", f"--batch={args.batch}",
-                        f"--steps={args.steps}", f"--bucket-mb={args.bucket_mb}"] + (
-                           [f"--model={args.model}"] if args.model else [])
+                argv = [
+                    f"--strategy={strategy}",
+                    f"--out={out}",
+                    f"--in-features={args.in_features}",
+                    f"--hidden={args.hidden}",
+                    f"--layers={args.layers}",
+                    f"--batch={args.batch}",
+                    f"--steps={args.steps}",
+                    f"--bucket-mb={args.bucket_mb}",
+                ] + ([f"--model={args.model}"] if args.model else [])
                 try:
                     launch("paratrain.bench.memory", argv, nproc=world, run_id=f"bench-memory-{strategy}-{world}")
                 except WorkerFailure as exc:
@@ -82,23 +94,29 @@ def run(args) -> int:
 
 
 def print_table(results: list[dict]) -> None:
-    mb = 2 ** 20
+    mb = 2**20
     r0 = results[0]
-    print(f"memory benchmark: {r0['parameters'] / 1e6:.1f}M-parameter {r0['model']}, AdamW fp32, {r0['batch']} samples/rank, "
-          f"bucket {r0['bucket_mb']:g} MB; per-rank MB (max over ranks)")
+    print(
+        f"memory benchmark: {r0['parameters'] / 1e6:.1f}M-parameter {r0['model']}, AdamW fp32, {r0['batch']} samples/rank, "
+        f"bucket {r0['bucket_mb']:g} MB; per-rank MB (max over ranks)"
+    )
     head = f"{'world':>5} {'strategy':<9}{'params':>9}{'grads':>9}{'optim':>9}{'tensors':>9}{'peak RSS':>10}{'RSS-base':>10}"
     print(head)
     for r in results:
         base = next(x for x in results if x["world"] == r["world"] and x["strategy"] == "dp")
-        print(f"{r['world']:>5} {r['strategy']:<9}{r['params_bytes'] / mb:>9.1f}{r['grads_bytes'] / mb:>9.1f}"
-              f"{r['optim_bytes'] / mb:>9.1f}{r['tensor_bytes'] / mb:>9.1f}{r['peak_rss_bytes'] / mb:>10.1f}"
-              f"{(r['peak_rss_bytes'] - r['base_rss_bytes']) / mb:>10.1f}")
+        print(
+            f"{r['world']:>5} {r['strategy']:<9}{r['params_bytes'] / mb:>9.1f}{r['grads_bytes'] / mb:>9.1f}"
+            f"{r['optim_bytes'] / mb:>9.1f}{r['tensor_bytes'] / mb:>9.1f}{r['peak_rss_bytes'] / mb:>10.1f}"
+            f"{(r['peak_rss_bytes'] - r['base_rss_bytes']) / mb:>10.1f}"
+        )
         r["optim_vs_dp"] = r["optim_bytes"] / base["optim_bytes"]
     for world in sorted({r["world"] for r in results}):
         by = {r["strategy"]: r for r in results if r["world"] == world}
         if "zero3" in by and "fsdp2" in by:
-            print(f"world {world}: zero3/FSDP2 peak RSS ratio {by['zero3']['peak_rss_bytes'] / by['fsdp2']['peak_rss_bytes']:.3f}"
-                  f" (<= 1.00: zero3 peaks lower)")
+            print(
+                f"world {world}: zero3/FSDP2 peak RSS ratio {by['zero3']['peak_rss_bytes'] / by['fsdp2']['peak_rss_bytes']:.3f}"
+                f" (<= 1.00: zero3 peaks lower)"
+            )
 
 
 # -- worker ---------------------------------------------------------------------------------------
@@ -129,8 +147,10 @@ def build_model(args, strategy: str):
     if args.model:
         factory = resolve_callable(args.model, "--model")
     else:
+
         def factory():
             return mlp(in_features=args.in_features, hidden=args.hidden, n_layers=args.layers, out_features=10)
+
     if strategy == "dp":
         return factory()
     if args.model and strategy != "fsdp2":
@@ -144,9 +164,13 @@ def ours(strategy: str, args, rt, step_args):
     from ..optim import cross_entropy
     from ..parallel import strategy_class
 
-    cfg = config_mod.from_dict({"data": {"batch_size": args.batch * rt.world_size},
-                                "train": {"optimizer": "adamw", "lr": 1e-4},
-                                "parallel": {"strategy": strategy, "bucket_mb": args.bucket_mb}})
+    cfg = config_mod.from_dict(
+        {
+            "data": {"batch_size": args.batch * rt.world_size},
+            "train": {"optimizer": "adamw", "lr": 1e-4},
+            "parallel": {"strategy": strategy, "bucket_mb": args.bucket_mb},
+        }
+    )
     engine = strategy_class(strategy)(build_model(args, strategy), cross_entropy, cfg, rt)
     for _ in range(args.steps):
         engine.train_step(step_args)
@@ -206,7 +230,10 @@ def worker(argv=None) -> None:
     args = p.parse_args(argv)
     rt = runtime.init("cpu")
     g = torch.Generator().manual_seed(1 + rt.rank)
-    step_args = (torch.randn(args.batch, args.in_features, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+    step_args = (
+        torch.randn(args.batch, args.in_features, generator=g),
+        torch.randint(0, 10, (args.batch,), generator=g),
+    )
     base_rss = rss_bytes("VmRSS")
     t0 = time.perf_counter()
     if args.strategy == "fsdp2":
@@ -218,12 +245,25 @@ def worker(argv=None) -> None:
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     if rt.is_main:
         params, grads, optim, peak, base = mine.tolist()
-        Path(args.out).write_text(json.dumps({
-            "strategy": args.strategy, "world": rt.world_size, "model": args.model or "MLP", "parameters": n_params,
-            "batch": args.batch,
-            "bucket_mb": args.bucket_mb, "params_bytes": params, "grads_bytes": grads, "optim_bytes": optim,
-            "tensor_bytes": params + grads + optim, "peak_rss_bytes": peak, "base_rss_bytes": base,
-            "seconds": elapsed}))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "strategy": args.strategy,
+                    "world": rt.world_size,
+                    "model": args.model or "MLP",
+                    "parameters": n_params,
+                    "batch": args.batch,
+                    "bucket_mb": args.bucket_mb,
+                    "params_bytes": params,
+                    "grads_bytes": grads,
+                    "optim_bytes": optim,
+                    "tensor_bytes": params + grads + optim,
+                    "peak_rss_bytes": peak,
+                    "base_rss_bytes": base,
+                    "seconds": elapsed,
+                }
+            )
+        )
     runtime.shutdown(together=True)
 
 

@@ -8,6 +8,7 @@ environment (it imports nothing of paratrain):
 streams REMOTE into CACHE through a DataLoader for two passes, cold then warm, and prints their
 seconds as JSON. S3_ENDPOINT_URL and the AWS keys in the environment point it at the local server.
 """
+
 import importlib.machinery
 import json
 import sys
@@ -18,6 +19,7 @@ import types
 def stub_torchvision() -> None:
     """`import streaming` imports torchvision, whose PyPI wheel does not load against the CPU
     build of torch; the token path uses none of it, so a stub of the names it imports will do."""
+
     class VisionDataset:
         def __init__(self, *args, **kwargs):
             pass

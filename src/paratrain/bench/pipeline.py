@@ -17,6 +17,7 @@ For every schedule the table gives:
   * the peak bytes of activations saved for backward (1f1b keeps at most p microbatches alive).
 Then tensor parallelism: per-rank parameter bytes of the built-in gpt at tp = world size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,11 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def add_parser(which) -> None:
-    p = which.add_parser("pipeline", help="paratrain pipeline vs torch.distributed.pipelining (bubble, "
-                                          "memory, step time, ideal) and tp parameter bytes")
+    p = which.add_parser(
+        "pipeline",
+        help="paratrain pipeline vs torch.distributed.pipelining (bubble, "
+        "memory, step time, ideal) and tp parameter bytes",
+    )
     add_options(p)
     p.add_argument("--nproc", type=COUNT, default=2)
     p.set_defaults(func=run)
@@ -59,8 +63,10 @@ def shape_error(args) -> str | None:
     schedules = args.schedules.split(",")
     stages = args.nproc * (2 if "interleaved" in schedules else 1)
     if args.layers < stages:  # each stage (for interleaved: each of a rank's two chunks) needs a layer
-        return (f"--layers: {args.layers} layers cannot be cut into {stages} stages "
-                f"(--nproc {args.nproc}{', 2 chunks each for interleaved' if stages > args.nproc else ''})")
+        return (
+            f"--layers: {args.layers} layers cannot be cut into {stages} stages "
+            f"(--nproc {args.nproc}{', 2 chunks each for interleaved' if stages > args.nproc else ''})"
+        )
     if args.microbatches < args.nproc and {"1f1b", "interleaved"} & set(schedules):
         return f"--microbatches: 1f1b and interleaved need at least one microbatch per stage ({args.nproc})"
     if "interleaved" in schedules and args.microbatches % args.nproc:
@@ -137,13 +143,119 @@ def stage_alone_seconds(module: nn.Module, x: torch.Tensor, repeats: int = 15) -
     return statistics.median(times)
 
 
-def worker(argv=None) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+def compare_schedule(schedule: str, args, rt, x, y, torch_classes) -> dict | None:
+    """One schedule on both engines, interleaved rounds; rank 0 gets its row, the others None."""
+    from torch.distributed.pipelining import PipelineStage
 
     from .. import config as config_mod
-    from .. import runtime
     from ..optim import build_optimizer, mse
     from ..parallel.hybrid import ModelParallel
+
+    world, rank = rt.world_size, rt.rank
+    m, rows = args.microbatches, args.rows
+    v = 2 if schedule == "interleaved" else 1
+    n_stages = world * v
+    cfg = config_mod.from_dict(
+        {
+            "data": {"batch_size": m * rows},
+            "train": {"optimizer": "sgd", "lr": 1e-4, "loss": "mse"},
+            "parallel": {
+                "strategy": "pp",
+                "pp": world,
+                "microbatches": m,
+                "schedule": schedule,
+                "virtual_stages": v,
+                "balance": "params",
+            },
+        }
+    )
+    ours = ModelParallel(build(args), mse, cfg, rt)
+
+    # torch.distributed.pipelining on the same cut of the same weights
+    blocks = list(build(args).children())
+    per = len(blocks) // n_stages
+    mine = [s for s in range(n_stages) if s % world == rank]
+    modules = [nn.Sequential(*blocks[s * per : (s + 1) * per]) for s in mine]
+    stages = [PipelineStage(mod, s, n_stages, rt.device) for s, mod in zip(mine, modules)]
+    torch_schedule = torch_classes[schedule](stages if v > 1 else stages[0], n_microbatches=m, loss_fn=mse)
+    torch_opt = build_optimizer([q for mod in modules for q in mod.parameters()], cfg.train)  # as ours
+
+    def ours_step():
+        ours.train_step((x, y))
+
+    def torch_step():
+        torch_opt.zero_grad(set_to_none=False)
+        if rank == 0:
+            torch_schedule.step(x)
+        elif rank == world - 1:
+            torch_schedule.step(target=y, losses=[])
+        else:
+            torch_schedule.step()
+        torch_opt.step()
+
+    def ours_recorded():
+        ours.engine.timeline = []
+        ours_step()
+        spans, ours.engine.timeline = ours.engine.timeline, None
+        busy_s.append(sum(e - s for kind, s, e in spans if kind in "FB"))
+        wall_s.append(sum(e - s for kind, s, e in spans if kind == "step"))
+
+    def alone_step():  # the ideal's unit, taken under the same machine noise as the steps
+        alone.append(max(stage_alone_seconds(chunk, x[:rows], repeats=3) for chunk in ours.chunks))
+
+    timed(ours_step, args.warmup)
+    timed(torch_step, args.warmup)
+    t_ours, t_torch, busy_s, wall_s, alone = [], [], [], [], []
+    for _ in range(args.rounds):  # rounds alternate the engines so both see the same noise
+        t_ours += timed(ours_recorded, args.steps)
+        t_torch += timed(torch_step, args.steps)
+        timed(alone_step, args.steps)
+    memory = SavedActivations(ours.params)
+    with memory.hooks():
+        ours_step()
+    alone = statistics.median(alone)
+
+    # the schedule's wall time of each recorded step is the slowest rank's
+    walls = torch.tensor(wall_s, dtype=torch.float64)
+    dist.all_reduce(walls, op=dist.ReduceOp.MAX)
+    idle = statistics.median((1 - torch.tensor(busy_s, dtype=torch.float64) / walls).tolist())
+    stats = torch.tensor(
+        [statistics.median(t_ours), statistics.median(t_torch), idle, memory.peak, alone, statistics.median(busy_s)],
+        dtype=torch.float64,
+    )
+    gathered = [torch.zeros_like(stats) for _ in range(world)]
+    dist.all_gather(gathered, stats)
+    if rank == 0:
+        per_rank = torch.stack(gathered)
+        step_ours, step_torch = per_rank[:, 0].max().item(), per_rank[:, 1].max().item()
+        slowest = per_rank[:, 4].max().item()
+        ideal = (m * v + world - 1) * slowest
+        busy = per_rank[:, 5]
+        span = (m * v + world - 1) / (m * v) * busy.max().item()  # the slowest stage's ideal wall time
+        return {
+            "schedule": schedule,
+            "stages": world,
+            "virtual_stages": v,
+            "microbatches": m,
+            "rows": rows,
+            "paratrain_step_ms": step_ours * 1e3,
+            "torch_step_ms": step_torch * 1e3,
+            "ratio_vs_torch": step_ours / step_torch,
+            "ideal_ms": ideal * 1e3,
+            "ratio_vs_ideal": step_ours / ideal,
+            "torch_ratio_vs_ideal": step_torch / ideal,
+            "bubble_measured": per_rank[:, 2].tolist(),
+            "bubble_theory": (world - 1) / (m * v + world - 1),
+            "bubble_theory_measured_loads": (1 - busy / span).tolist(),
+            "peak_saved_activation_bytes": per_rank[:, 3].tolist(),
+        }
+    return None
+
+
+def worker(argv=None) -> None:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from .. import runtime
 
     p = argparse.ArgumentParser()
     add_options(p)
@@ -156,87 +268,11 @@ def worker(argv=None) -> None:
     y = torch.randn(m * rows, args.width, generator=g)
     torch_classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
-    results = []
-    for schedule in args.schedules.split(","):
-        v = 2 if schedule == "interleaved" else 1
-        n_stages = world * v
-        cfg = config_mod.from_dict({
-            "data": {"batch_size": m * rows}, "train": {"optimizer": "sgd", "lr": 1e-4, "loss": "mse"},
-            "parallel": {"strategy": "pp", "pp": world, "microbatches": m, "schedule": schedule,
-                         "virtual_stages": v, "balance": "params"}})
-        ours = ModelParallel(build(args), mse, cfg, rt)
-
-        # torch.distributed.pipelining on the same cut of the same weights
-        blocks = list(build(args).children())
-        per = len(blocks) // n_stages
-        mine = [s for s in range(n_stages) if s % world == rank]
-        modules = [nn.Sequential(*blocks[s * per:(s + 1) * per]) for s in mine]
-        stages = [PipelineStage(mod, s, n_stages, rt.device)
-                  for s, mod in zip(mine, modules)]
-        torch_schedule = torch_classes[schedule](stages if v > 1 else stages[0], n_microbatches=m, loss_fn=mse)
-        torch_opt = build_optimizer([q for mod in modules for q in mod.parameters()], cfg.train)  # as ours
-
-        def ours_step():
-            ours.train_step((x, y))
-
-        def torch_step():
-            torch_opt.zero_grad(set_to_none=False)
-            if rank == 0:
-                torch_schedule.step(x)
-            elif rank == world - 1:
-                torch_schedule.step(target=y, losses=[])
-            else:
-                torch_schedule.step()
-            torch_opt.step()
-
-        def ours_recorded():
-            ours.engine.timeline = []
-            ours_step()
-            spans, ours.engine.timeline = ours.engine.timeline, None
-            busy_s.append(sum(e - s for kind, s, e in spans if kind in "FB"))
-            wall_s.append(sum(e - s for kind, s, e in spans if kind == "step"))
-
-        def alone_step():  # the ideal's unit, taken under the same machine noise as the steps
-            alone.append(max(stage_alone_seconds(chunk, x[:rows], repeats=3) for chunk in ours.chunks))
-
-        timed(ours_step, args.warmup)
-        timed(torch_step, args.warmup)
-        t_ours, t_torch, busy_s, wall_s, alone = [], [], [], [], []
-        for _ in range(args.rounds):  # rounds alternate the engines so both see the same noise
-            t_ours += timed(ours_recorded, args.steps)
-            t_torch += timed(torch_step, args.steps)
-            timed(alone_step, args.steps)
-        memory = SavedActivations(ours.params)
-        with memory.hooks():
-            ours_step()
-        alone = statistics.median(alone)
-
-        # the schedule's wall time of each recorded step is the slowest rank's
-        walls = torch.tensor(wall_s, dtype=torch.float64)
-        dist.all_reduce(walls, op=dist.ReduceOp.MAX)
-        idle = statistics.median((1 - torch.tensor(busy_s, dtype=torch.float64) / walls).tolist())
-        stats = torch.tensor([statistics.median(t_ours), statistics.median(t_torch), idle,
-                              memory.peak, alone, statistics.median(busy_s)], dtype=torch.float64)
-        gathered = [torch.zeros_like(stats) for _ in range(world)]
-        dist.all_gather(gathered, stats)
-        if rank == 0:
-            per_rank = torch.stack(gathered)
-            step_ours, step_torch = per_rank[:, 0].max().item(), per_rank[:, 1].max().item()
-            slowest = per_rank[:, 4].max().item()
-            ideal = (m * v + world - 1) * slowest
-            busy = per_rank[:, 5]
-            span = (m * v + world - 1) / (m * v) * busy.max().item()  # the slowest stage's ideal wall time
-            results.append({
-                "schedule": schedule, "stages": world, "virtual_stages": v, "microbatches": m, "rows": rows,
-                "paratrain_step_ms": step_ours * 1e3, "torch_step_ms": step_torch * 1e3,
-                "ratio_vs_torch": step_ours / step_torch, "ideal_ms": ideal * 1e3,
-                "ratio_vs_ideal": step_ours / ideal, "torch_ratio_vs_ideal": step_torch / ideal,
-                "bubble_measured": per_rank[:, 2].tolist(),
-                "bubble_theory": (world - 1) / (m * v + world - 1),
-                "bubble_theory_measured_loads": (1 - busy / span).tolist(),
-                "peak_saved_activation_bytes": per_rank[:, 3].tolist(),
-            })
-        del ours, torch_schedule, stages
+    results = [
+        row
+        for schedule in args.schedules.split(",")
+        if (row := compare_schedule(schedule, args, rt, x, y, torch_classes)) is not None
+    ]
 
     tp_result = tensor_parallel_bytes(rt, world)
     if rank == 0:
@@ -260,27 +296,39 @@ def tensor_parallel_bytes(rt, world: int) -> dict:
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine)
     per_rank = [t.item() for t in gathered]
-    return {"tp": world, "full_bytes": full_bytes, "per_rank_bytes": per_rank,
-            "per_rank_fraction": [b / full_bytes for b in per_rank]}
+    return {
+        "tp": world,
+        "full_bytes": full_bytes,
+        "per_rank_bytes": per_rank,
+        "per_rank_fraction": [b / full_bytes for b in per_rank],
+    }
 
 
 def report(results: list[dict], tp: dict, args, world: int) -> None:
-    print(f"pipeline benchmark: {args.layers} x Linear({args.width}, {args.width})+GELU, {world} stages, "
-          f"{args.microbatches} microbatches of {args.rows} rows, gloo; medians of "
-          f"{args.rounds * args.steps} interleaved steps per engine")
-    head = (f"{'schedule':<12}{'ours ms':>9}{'torch ms':>10}{'ours/torch':>11}{'ideal ms':>10}{'ours/ideal':>11}"
-            f"{'torch/ideal':>12}{'bubble (per stage)':>22}{'theory':>8}{'at measured loads':>20}{'peak act MiB':>15}")
+    print(
+        f"pipeline benchmark: {args.layers} x Linear({args.width}, {args.width})+GELU, {world} stages, "
+        f"{args.microbatches} microbatches of {args.rows} rows, gloo; medians of "
+        f"{args.rounds * args.steps} interleaved steps per engine"
+    )
+    head = (
+        f"{'schedule':<12}{'ours ms':>9}{'torch ms':>10}{'ours/torch':>11}{'ideal ms':>10}{'ours/ideal':>11}"
+        f"{'torch/ideal':>12}{'bubble (per stage)':>22}{'theory':>8}{'at measured loads':>20}{'peak act MiB':>15}"
+    )
     print(head)
     for r in results:
         bubble = " ".join(f"{b * 100:.1f}%" for b in r["bubble_measured"])
         memory = " ".join(f"{b / 2**20:.1f}" for b in r["peak_saved_activation_bytes"])
         loads = " ".join(f"{b * 100:.1f}%" for b in r["bubble_theory_measured_loads"])
-        print(f"{r['schedule']:<12}{r['paratrain_step_ms']:>9.1f}{r['torch_step_ms']:>10.1f}{r['ratio_vs_torch']:>11.2f}"
-              f"{r['ideal_ms']:>10.1f}{r['ratio_vs_ideal']:>11.2f}{r['torch_ratio_vs_ideal']:>12.2f}"
-              f"{bubble:>22}{r['bubble_theory'] * 100:>7.1f}%{loads:>20}{memory:>15}")
+        print(
+            f"{r['schedule']:<12}{r['paratrain_step_ms']:>9.1f}{r['torch_step_ms']:>10.1f}{r['ratio_vs_torch']:>11.2f}"
+            f"{r['ideal_ms']:>10.1f}{r['ratio_vs_ideal']:>11.2f}{r['torch_ratio_vs_ideal']:>12.2f}"
+            f"{bubble:>22}{r['bubble_theory'] * 100:>7.1f}%{loads:>20}{memory:>15}"
+        )
     fractions = " ".join(f"{f:.3f}" for f in tp["per_rank_fraction"])
-    print(f"tensor parallel gpt (4 layers, d_model 128, vocab 96) at tp {tp['tp']}: "
-          f"{tp['full_bytes'] / 2**20:.2f} MiB of parameters, per rank {fractions} of it (1/tp = {1 / tp['tp']:.3f})")
+    print(
+        f"tensor parallel gpt (4 layers, d_model 128, vocab 96) at tp {tp['tp']}: "
+        f"{tp['full_bytes'] / 2**20:.2f} MiB of parameters, per rank {fractions} of it (1/tp = {1 / tp['tp']:.3f})"
+    )
     out = {"benchmark": "pipeline", "world_size": world, "schedules": results, "tensor_parallel": tp}
     emit_json(out, args.json)
 

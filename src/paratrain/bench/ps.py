@@ -11,6 +11,7 @@ each copy is evaluated on the validation set. Time to target = the first copy at
 --target. samples/s = samples all workers had consumed by then (each worker counts its own steps)
 / that time (the whole run where the target was not reached).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,7 +56,7 @@ def compute_time(args, data) -> float:
     from ..optim import cross_entropy
 
     model = mlp(64, hidden=args.hidden, n_layers=2, out_features=10)
-    x, y = data.tensors[0][:args.batch], data.tensors[1][:args.batch]
+    x, y = data.tensors[0][: args.batch], data.tensors[1][: args.batch]
     times = []
     for _ in range(20):
         t0 = time.perf_counter()
@@ -64,8 +65,9 @@ def compute_time(args, data) -> float:
     return statistics.median(times)
 
 
-def one_run(engine: str, straggler: bool, args, rt, worker_group, data,
-            compute_s: float) -> tuple[list[tuple[float, torch.Tensor]], list[float]]:
+def one_run(
+    engine: str, straggler: bool, args, rt, worker_group, data, compute_s: float
+) -> tuple[list[tuple[float, torch.Tensor]], list[float]]:
     """Train once: the recording rank's [(seconds since start, flat parameters)] and this rank's
     step end times."""
     from .. import config as config_mod
@@ -78,13 +80,20 @@ def one_run(engine: str, straggler: bool, args, rt, worker_group, data,
     workers = rt.world_size - 1
     slow_rank = rt.world_size - 1 if straggler else -1
     recorder = 1  # the first worker; never the straggler
-    cfg = config_mod.from_dict({
-        "data": {"batch_size": args.batch * workers, "shuffle": True},
-        "train": {"steps": args.steps, "optimizer": "sgd", "lr": args.lr},
-        "parallel": {"strategy": "dp" if engine == "dp" else "ps"},
-        "ps": {"servers": 1, "mode": engine if engine != "dp" else "sync", "staleness": args.staleness,
-               "straggler_rank": slow_rank, "straggler_factor": args.factor},
-    })
+    cfg = config_mod.from_dict(
+        {
+            "data": {"batch_size": args.batch * workers, "shuffle": True},
+            "train": {"steps": args.steps, "optimizer": "sgd", "lr": args.lr},
+            "parallel": {"strategy": "dp" if engine == "dp" else "ps"},
+            "ps": {
+                "servers": 1,
+                "mode": engine if engine != "dp" else "sync",
+                "staleness": args.staleness,
+                "straggler_rank": slow_rank,
+                "straggler_factor": args.factor,
+            },
+        }
+    )
     torch.manual_seed(0)
     model = mlp(64, hidden=args.hidden, n_layers=2, out_features=10)
     if engine == "dp":
@@ -108,8 +117,9 @@ def one_run(engine: str, straggler: bool, args, rt, worker_group, data,
             straggle(compute_s, args.factor)
         ends.append(time.perf_counter() - t0)
         if rt.rank == recorder:
-            trace.append((time.perf_counter() - t0,
-                          torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()))
+            trace.append(
+                (time.perf_counter() - t0, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone())
+            )
     dist.barrier()
     return trace, ends if rt.rank > 0 else []
 
@@ -130,8 +140,11 @@ def val_losses(trace, args, val) -> list[tuple[float, float]]:
 
 def summarize(curve, args) -> dict:
     hit = next((i for i, (_, loss) in enumerate(curve) if loss <= args.target), None)
-    return {"time_to_target_s": curve[hit][0] if hit is not None else None,
-            "final_val_loss": curve[-1][1], "run_s": curve[-1][0]}
+    return {
+        "time_to_target_s": curve[hit][0] if hit is not None else None,
+        "final_val_loss": curve[-1][1],
+        "run_s": curve[-1][0],
+    }
 
 
 def samples_per_s(window_s: float, ends: list[float], batch: int) -> float:
@@ -181,13 +194,19 @@ def median_of(runs: list[dict], key: str):
 
 
 def report(results: dict, curves: dict, args, workers: int) -> None:
-    rows = {k: {m: median_of(v, m) for m in ("time_to_target_s", "samples_per_s", "final_val_loss", "run_s")}
-            for k, v in results.items()}
-    print(f"ps benchmark: digits MLP (hidden {args.hidden}), 1 server + {workers} workers, {args.batch} "
-          f"samples/worker/step, {args.steps} steps/worker, SGD lr {args.lr}, ssp staleness {args.staleness}, "
-          f"straggler {args.factor:g}x slower; medians of {args.rounds} interleaved rounds")
-    print(f"{'engine':<26}{'samples/s':>11}{f'time to val {args.target:g} (s)':>24}{'final val':>11}"
-          f"{'vs sync ps':>12}{'vs dp':>8}")
+    rows = {
+        k: {m: median_of(v, m) for m in ("time_to_target_s", "samples_per_s", "final_val_loss", "run_s")}
+        for k, v in results.items()
+    }
+    print(
+        f"ps benchmark: digits MLP (hidden {args.hidden}), 1 server + {workers} workers, {args.batch} "
+        f"samples/worker/step, {args.steps} steps/worker, SGD lr {args.lr}, ssp staleness {args.staleness}, "
+        f"straggler {args.factor:g}x slower; medians of {args.rounds} interleaved rounds"
+    )
+    print(
+        f"{'engine':<26}{'samples/s':>11}{f'time to val {args.target:g} (s)':>24}{'final val':>11}"
+        f"{'vs sync ps':>12}{'vs dp':>8}"
+    )
     for straggler in ("", " +straggler"):
         base_sync = rows[f"sync{straggler}"]["time_to_target_s"]
         base_dp = rows[f"dp{straggler}"]["time_to_target_s"]
@@ -195,16 +214,29 @@ def report(results: dict, curves: dict, args, workers: int) -> None:
             key = f"{engine}{straggler}"
             r = rows[key]
             ttt = r["time_to_target_s"]
-            speed = lambda base: f"{base / ttt:.2f}x" if ttt and base else "-"
+
+            def speed(base, ttt=ttt):
+                return f"{base / ttt:.2f}x" if ttt and base else "-"
+
             r["speedup_vs_sync_ps"] = base_sync / ttt if ttt and base_sync else None
             r["speedup_vs_dp"] = base_dp / ttt if ttt and base_dp else None
-            print(f"{(engine if engine != 'dp' else 'dp all-reduce') + straggler:<26}{r['samples_per_s']:>11.0f}"
-                  f"{(f'{ttt:.2f}' if ttt else 'not reached'):>24}{r['final_val_loss']:>11.3f}"
-                  f"{speed(base_sync):>12}{speed(base_dp):>8}")
+            print(
+                f"{(engine if engine != 'dp' else 'dp all-reduce') + straggler:<26}{r['samples_per_s']:>11.0f}"
+                f"{(f'{ttt:.2f}' if ttt else 'not reached'):>24}{r['final_val_loss']:>11.3f}"
+                f"{speed(base_sync):>12}{speed(base_dp):>8}"
+            )
     plot(curves, args)
     print(f"loss-vs-time plot: {args.plot}")
-    out = {"benchmark": "ps", "workers": workers, "servers": 1, "target_val_loss": args.target,
-           "steps": args.steps, "rounds": args.rounds, "straggler_factor": args.factor, "results": rows}
+    out = {
+        "benchmark": "ps",
+        "workers": workers,
+        "servers": 1,
+        "target_val_loss": args.target,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "straggler_factor": args.factor,
+        "results": rows,
+    }
     emit_json(out, args.json)
 
 

@@ -7,6 +7,7 @@ a checkpoint at an agreed step, paratrain/stop.py), and reads metrics.jsonl (one
 with wall-clock times): recovery time = first step completed after the signal - the signal;
 steps recomputed = last step done before the signal - the checkpoint step the restart resumed from.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
 from .common import COUNT, add_json_option, at_least, emit_json
 
 SLOW_MODEL = '''
@@ -84,8 +86,11 @@ def worker_pids(agent_pid: int) -> dict[int, int]:
                 return True
         return False
 
-    return {int(n.removeprefix("paratrain-r")): pid for pid, n in name.items()
-            if n.startswith("paratrain-r") and n.removeprefix("paratrain-r").isdigit() and under_agent(pid)}
+    return {
+        int(n.removeprefix("paratrain-r")): pid
+        for pid, n in name.items()
+        if n.startswith("paratrain-r") and n.removeprefix("paratrain-r").isdigit() and under_agent(pid)
+    }
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -98,8 +103,17 @@ def wait_for(predicate, timeout: float, what: str):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def run_and_kill(workdir: Path, *, steps: int, every: int, pause: float, kill_after_step: int,
-                 extra_args: tuple = (), nproc: int = 2, sig: int = signal.SIGKILL) -> dict:
+def run_and_kill(
+    workdir: Path,
+    *,
+    steps: int,
+    every: int,
+    pause: float,
+    kill_after_step: int,
+    extra_args: tuple = (),
+    nproc: int = 2,
+    sig: int = signal.SIGKILL,
+) -> dict:
     """Start a run, send rank 1 `sig` once `kill_after_step` is logged, let the agent restart it."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "slowmodel.py").write_text(SLOW_MODEL)
@@ -107,10 +121,26 @@ def run_and_kill(workdir: Path, *, steps: int, every: int, pause: float, kill_af
     cfg.write_text(config_text(steps, every, pause))
     run_dir = workdir / "run"
     metrics = run_dir / "metrics.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", str(nproc),
-                             "--max-restarts", "1", "--run-dir", str(run_dir), *extra_args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "paratrain.cli",
+            "run",
+            str(cfg),
+            "--nproc",
+            str(nproc),
+            "--max-restarts",
+            "1",
+            "--run-dir",
+            str(run_dir),
+            *extra_args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
     def logged() -> list[dict]:
         try:
@@ -128,48 +158,77 @@ def run_and_kill(workdir: Path, *, steps: int, every: int, pause: float, kill_af
     finally:
         proc.kill()
     entries = logged()
-    resumed_from = next((int(l.split("at step ")[1].split()[0]) for l in output.splitlines() if "resumed from" in l), None)
+    resumed_from = next(
+        (int(line.split("at step ")[1].split()[0]) for line in output.splitlines() if "resumed from" in line), None
+    )
     # The restarted group's first step. (Not the first step logged after the signal: after a
     # SIGTERM the old group goes on to the step it agrees to stop at, which is work kept.)
     first = next((e for e in entries if resumed_from is not None and e["step"] == resumed_from + 1), None)
-    return {"returncode": proc.returncode, "output": output, "run_dir": run_dir, "killed_at": killed_at,
-            "last_step_before_kill": before, "resumed_from": resumed_from,
-            "recovery_s": (first["wall"] - killed_at) if first else None,
-            # a SIGTERM's checkpoint may come a step or two after the last step logged before it
-            "steps_recomputed": max(before - resumed_from, 0) if resumed_from is not None else None}
+    return {
+        "returncode": proc.returncode,
+        "output": output,
+        "run_dir": run_dir,
+        "killed_at": killed_at,
+        "last_step_before_kill": before,
+        "resumed_from": resumed_from,
+        "recovery_s": (first["wall"] - killed_at) if first else None,
+        # a SIGTERM's checkpoint may come a step or two after the last step logged before it
+        "steps_recomputed": max(before - resumed_from, 0) if resumed_from is not None else None,
+    }
 
 
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 
 
 def add_parser(which) -> None:
-    p = which.add_parser("recovery", help="time from a killed worker to the next completed step, and the "
-                                          "steps lost (dp, world 2)")
+    p = which.add_parser(
+        "recovery", help="time from a killed worker to the next completed step, and the steps lost (dp, world 2)"
+    )
     p.add_argument("--steps", type=COUNT, default=60)
     p.add_argument("--every", type=COUNT, default=10, help="checkpoint.every")
     p.add_argument("--kill-after", type=COUNT, default=25, help="signal rank 1 once this step is logged")
-    p.add_argument("--signal", choices=("kill", "term"), default="kill",
-                   help="SIGKILL (a crash) or SIGTERM (a preemption: the ranks save first)")
-    p.add_argument("--pause", type=at_least(0.0, float), default=0.05,
-                   help="seconds of sleep per forward (step length)")
+    p.add_argument(
+        "--signal",
+        choices=("kill", "term"),
+        default="kill",
+        help="SIGKILL (a crash) or SIGTERM (a preemption: the ranks save first)",
+    )
+    p.add_argument(
+        "--pause", type=at_least(0.0, float), default=0.05, help="seconds of sleep per forward (step length)"
+    )
     add_json_option(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="paratrain-recovery-") as tmp:
-        r = run_and_kill(Path(tmp), steps=args.steps, every=args.every, pause=args.pause,
-                         kill_after_step=args.kill_after, sig=SIGNALS[args.signal])
+        r = run_and_kill(
+            Path(tmp),
+            steps=args.steps,
+            every=args.every,
+            pause=args.pause,
+            kill_after_step=args.kill_after,
+            sig=SIGNALS[args.signal],
+        )
     if r["returncode"] != 0:
         print(r["output"], file=sys.stderr)
         print("paratrain: error: the run did not recover", file=sys.stderr)
         return 1
-    result = {"benchmark": "recovery", "strategy": "dp", "world_size": 2, "checkpoint_every": args.every,
-              "killed_after_step": r["last_step_before_kill"], "resumed_from_step": r["resumed_from"],
-              "steps_recomputed": r["steps_recomputed"], "recovery_s": r["recovery_s"],
-              "signal": SIGNALS[args.signal].name, "target_recovery_s": 15.0}
-    print(f"recovery benchmark: dp, world 2, {SIGNALS[args.signal].name} to rank 1, "
-          f"checkpoint every {args.every} steps")
+    result = {
+        "benchmark": "recovery",
+        "strategy": "dp",
+        "world_size": 2,
+        "checkpoint_every": args.every,
+        "killed_after_step": r["last_step_before_kill"],
+        "resumed_from_step": r["resumed_from"],
+        "steps_recomputed": r["steps_recomputed"],
+        "recovery_s": r["recovery_s"],
+        "signal": SIGNALS[args.signal].name,
+        "target_recovery_s": 15.0,
+    }
+    print(
+        f"recovery benchmark: dp, world 2, {SIGNALS[args.signal].name} to rank 1, checkpoint every {args.every} steps"
+    )
     print(f"{'signal -> restarted step':<32}{result['recovery_s']:>8.2f} s   (target <= 15 s)")
     print(f"{'steps recomputed':<32}{result['steps_recomputed']:>8d}     (target <= {args.every})")
     print(f"{'last step at signal / resumed':<32}{result['killed_after_step']:>8d} / {result['resumed_from_step']}")

@@ -21,6 +21,7 @@ teacher-labelled random inputs every step, so the loss falls and "equal loss" ca
 torch's included, steps with the optimizer paratrain builds (optim.build_optimizer: torch's fused
 SGD), so the comparison is about communication.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,9 +51,15 @@ def add_parser(which) -> None:
     add_options(p)
     p.add_argument("--nproc", type=COUNT, default=2, help="processes for (a), (b), (d) (split over the hosts)")
     p.add_argument("--scaling", default=SCALING_DEFAULT, help="process counts for (c); empty to skip")
-    p.add_argument("--slow-link", default=None, metavar="RATE",
-                   help="run across two network namespaces joined by a veth pair shaped to RATE (e.g. 1gbit)")
-    p.add_argument("--png", default=None, metavar="PATH", help="write the plots here (default: bench-suite-SETTING.png)")
+    p.add_argument(
+        "--slow-link",
+        default=None,
+        metavar="RATE",
+        help="run across two network namespaces joined by a veth pair shaped to RATE (e.g. 1gbit)",
+    )
+    p.add_argument(
+        "--png", default=None, metavar="PATH", help="write the plots here (default: bench-suite-SETTING.png)"
+    )
     p.set_defaults(func=run)
 
 
@@ -64,15 +71,36 @@ def add_options(p) -> None:
     # for its cost (4 steps at step 100 on a 32-batch pool; 2 at step 200 on fresh batches, as r4)
     p.add_argument("--powersgd-rank", type=COUNT, default=8)
     p.add_argument("--topk-ratio", type=fraction, default=0.01)
-    p.add_argument("--codecs", type=one_or_more_of(CODECS), default=",".join(CODECS),
-                   help="the compressions to measure in (b), each beside its torch hook")
-    p.add_argument("--equal-loss-steps", type=COUNT, default=200,
-                   help="dp's steps (its timed ones included) whose loss every codec must reach, in up to twice as many")
+    p.add_argument(
+        "--codecs",
+        type=one_or_more_of(CODECS),
+        default=",".join(CODECS),
+        help="the compressions to measure in (b), each beside its torch hook",
+    )
+    p.add_argument(
+        "--equal-loss-steps",
+        type=COUNT,
+        default=200,
+        help="dp's steps (its timed ones included) whose loss every codec must reach, in up to twice as many",
+    )
 
 
 def _model_argv(args) -> list[str]:
-    keys = ("steps", "rounds", "warmup", "batch", "hidden", "layers", "in_features", "bucket_mb", "lr",
-            "powersgd_rank", "topk_ratio", "equal_loss_steps", "codecs")
+    keys = (
+        "steps",
+        "rounds",
+        "warmup",
+        "batch",
+        "hidden",
+        "layers",
+        "in_features",
+        "bucket_mb",
+        "lr",
+        "powersgd_rank",
+        "topk_ratio",
+        "equal_loss_steps",
+        "codecs",
+    )
     return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
 
 
@@ -90,16 +118,23 @@ class Launcher:
         agent = [sys.executable, "-m", "paratrain.bench.suite", "agent"]
         if self.hosts is None or nproc == 1:
             cmd = agent + [f"--nproc={nproc}", "--", *worker]
-            procs = [self.hosts.popen(0, cmd, env=self.hosts.env(0, env)) if self.hosts
-                     else subprocess.Popen(cmd, env=env)]
+            procs = [
+                self.hosts.popen(0, cmd, env=self.hosts.env(0, env)) if self.hosts else subprocess.Popen(cmd, env=env)
+            ]
         else:
             if nproc % 2:
                 raise ValueError(f"{nproc} processes do not split over two hosts")
             self.port += 1
             rdzv = f"{self.hosts.addr(0)}:{self.port}"
-            procs = [self.hosts.popen(node, agent + [f"--nproc={nproc // 2}", "--nnodes=2", f"--node-rank={node}",
-                                                     f"--rdzv={rdzv}", "--", *worker], env=self.hosts.env(node, env))
-                     for node in (0, 1)]
+            procs = [
+                self.hosts.popen(
+                    node,
+                    agent
+                    + [f"--nproc={nproc // 2}", "--nnodes=2", f"--node-rank={node}", f"--rdzv={rdzv}", "--", *worker],
+                    env=self.hosts.env(node, env),
+                )
+                for node in (0, 1)
+            ]
         try:
             codes = [p.wait(timeout=900) for p in procs]
         finally:
@@ -129,8 +164,9 @@ def _run(args, launcher: Launcher, setting: str) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             result = launcher.run("engines", _model_argv(args), args.nproc, Path(tmp) / "engines.json")
-            result["scaling"] = [launcher.run("scaling", _model_argv(args), n, Path(tmp) / f"scaling-{n}.json")
-                                 for n in scaling]
+            result["scaling"] = [
+                launcher.run("scaling", _model_argv(args), n, Path(tmp) / f"scaling-{n}.json") for n in scaling
+            ]
         except (RuntimeError, ValueError) as exc:
             print(f"paratrain: error: benchmark failed: {exc}", file=sys.stderr)
             return 1
@@ -150,52 +186,75 @@ def _run(args, launcher: Launcher, setting: str) -> int:
 
 def print_tables(r: dict) -> None:
     w = r["world_size"]
-    print(f"bench suite, {r['setting']}: {r['parameters'] / 1e6:.1f}M-parameter MLP, {w} processes, "
-          f"{r['samples_per_rank']} samples/rank, median of {r['timed_steps']} interleaved steps per engine")
+    print(
+        f"bench suite, {r['setting']}: {r['parameters'] / 1e6:.1f}M-parameter MLP, {w} processes, "
+        f"{r['samples_per_rank']} samples/rank, median of {r['timed_steps']} interleaved steps per engine"
+    )
     bw = r["bus_bandwidth"]
-    print("(d) all-reduce bus bandwidth: " + ", ".join(f"{b['mib']:g} MiB {b['busbw_gbps']:.2f} GB/s" for b in bw)
-          + f"  (peak {max(b['busbw_gbps'] for b in bw):.2f} GB/s)")
+    print(
+        "(d) all-reduce bus bandwidth: "
+        + ", ".join(f"{b['mib']:g} MiB {b['busbw_gbps']:.2f} GB/s" for b in bw)
+        + f"  (peak {max(b['busbw_gbps'] for b in bw):.2f} GB/s)"
+    )
     base = r["engines"]["paratrain dp"]["step_ms"]
-    print(f"{'(a, b) engine':<26}{'step ms':>9}{'x dp':>7}{'MB sent':>9}{'loss':>8}   {'torch peer':<27}"
-          f"{'step ms':>9}{'MB sent':>9}{'loss':>8}{'ours/torch':>11}")
+    print(
+        f"{'(a, b) engine':<26}{'step ms':>9}{'x dp':>7}{'MB sent':>9}{'loss':>8}   {'torch peer':<27}"
+        f"{'step ms':>9}{'MB sent':>9}{'loss':>8}{'ours/torch':>11}"
+    )
     for name, peer in r["pairs"]:
         e = r["engines"][name]
-        left = (f"{name:<26}{e['step_ms']:>9.1f}{base / e['step_ms']:>7.2f}{e['mb_sent']:>9.2f}"
-                f"{e['final_loss']:>8.4f}   ")
+        left = (
+            f"{name:<26}{e['step_ms']:>9.1f}{base / e['step_ms']:>7.2f}{e['mb_sent']:>9.2f}{e['final_loss']:>8.4f}   "
+        )
         t = r["engines"].get(peer) if peer else None
         if t is None:
             right = f"{'(no torch equivalent)':<27}"
         elif "error" in t:
             right = f"{peer:<27}  n/a: {t['error'][:60]}"
         else:
-            right = (f"{peer:<27}{t['step_ms']:>9.1f}{t['mb_sent']:>9.2f}{t['final_loss']:>8.4f}"
-                     f"{e['step_ms'] / t['step_ms']:>11.2f}")
+            right = (
+                f"{peer:<27}{t['step_ms']:>9.1f}{t['mb_sent']:>9.2f}{t['final_loss']:>8.4f}"
+                f"{e['step_ms'] / t['step_ms']:>11.2f}"
+            )
         print(left + right)
     eq = r.get("equal_loss")
     if eq:
         parts = []
         for name, e in eq["engines"].items():
             label = name.replace("paratrain ", "")
-            parts.append(f"{label} {e['steps']} steps, {e['speedup_at_equal_loss']:.2f}x" if e["steps"]
-                         else f"{label} not within {eq['max_steps']} steps")
-        print(f"at equal loss: dp's loss {eq['dp_loss']:.4f} (mean over ranks and its last {eq['window']} steps) "
-              f"after {eq['dp_steps']} steps; to reach it within {eq['tolerance']:.1%} (speed-up over dp in time): "
-              + ", ".join(parts))
+            parts.append(
+                f"{label} {e['steps']} steps, {e['speedup_at_equal_loss']:.2f}x"
+                if e["steps"]
+                else f"{label} not within {eq['max_steps']} steps"
+            )
+        print(
+            f"at equal loss: dp's loss {eq['dp_loss']:.4f} (mean over ranks and its last {eq['window']} steps) "
+            f"after {eq['dp_steps']} steps; to reach it within {eq['tolerance']:.1%} (speed-up over dp in time): "
+            + ", ".join(parts)
+        )
     floor = r["engines"]["compute only"]
-    print(f"{'compute only (no comm.)':<26}{floor['step_ms']:>9.1f}{base / floor['step_ms']:>7.2f}"
-          f"{floor['mb_sent']:>9.2f}{'':>8}   (each rank's local gradients: the floor, not a valid training)")
+    print(
+        f"{'compute only (no comm.)':<26}{floor['step_ms']:>9.1f}{base / floor['step_ms']:>7.2f}"
+        f"{floor['mb_sent']:>9.2f}{'':>8}   (each rank's local gradients: the floor, not a valid training)"
+    )
     ov = r["profiler_overhead"]
-    print(f"profiler: {ov['instrumentation_us_per_step']:.1f} us of instrumentation per step "
-          f"({ov['instrumentation_pct']:.3f} % of a dp step), flush {ov['flush_ms']:.2f} ms per log point; "
-          f"A/B step time on/off {ov['ab_ratio']:.3f}")
+    print(
+        f"profiler: {ov['instrumentation_us_per_step']:.1f} us of instrumentation per step "
+        f"({ov['instrumentation_pct']:.3f} % of a dp step), flush {ov['flush_ms']:.2f} ms per log point; "
+        f"A/B step time on/off {ov['ab_ratio']:.3f}"
+    )
     if r.get("scaling"):
         names = list(r["scaling"][0]["engines"])
         print(f"(c) scaling ({r['samples_per_rank']} samples/rank, one thread per process):")
         print(f"{'processes':>10}" + "".join(f"{n + ' samples/s':>32}{'eff.':>7}" for n in names))
         for row in r["scaling"]:
-            print(f"{row['world_size']:>10}" + "".join(
-                f"{row['engines'][n]['samples_per_s']:>32.1f}{row['engines'][n].get('efficiency', float('nan')):>7.2f}"
-                for n in names))
+            print(
+                f"{row['world_size']:>10}"
+                + "".join(
+                    f"{row['engines'][n]['samples_per_s']:>32.1f}{row['engines'][n].get('efficiency', float('nan')):>7.2f}"
+                    for n in names
+                )
+            )
 
 
 def plot(r: dict, path: Path) -> None:
@@ -205,8 +264,12 @@ def plot(r: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     panels = ["step"] + (["equal"] if r.get("equal_loss") else []) + (["scaling"] if r.get("scaling") else []) + ["bus"]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 + 4 * len(panels), 4.8),
-                             gridspec_kw={"width_ratios": [3 if p == "step" else 2 for p in panels]})
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(4 + 4 * len(panels), 4.8),
+        gridspec_kw={"width_ratios": [3 if p == "step" else 2 for p in panels]},
+    )
     ax = dict(zip(panels, axes))
     labels, ours, peers = [], [], []
     for name, peer in r["pairs"]:
@@ -235,12 +298,25 @@ def plot(r: dict, path: Path) -> None:
         at_loss = [eq["engines"][n]["speedup_at_equal_loss"] or 0.0 for n in names]
         qx = ax["equal"]
         qx.bar([x - 0.2 for x in ex], per_step, 0.4, label="per step", color="#4c72b0")
-        qx.bar([x + 0.2 for x in ex], at_loss, 0.4, label=f"in time to dp's loss after {eq['dp_steps']} steps",
-               color="#55a868")
+        qx.bar(
+            [x + 0.2 for x in ex],
+            at_loss,
+            0.4,
+            label=f"in time to dp's loss after {eq['dp_steps']} steps",
+            color="#55a868",
+        )
         for x, n in zip(ex, names):
             steps = eq["engines"][n]["steps"]
-            qx.text(x + 0.2, 0, f"{steps} steps" if steps else "not reached", ha="center", va="bottom",
-                    fontsize=7, rotation=90, color="white" if steps else "black")
+            qx.text(
+                x + 0.2,
+                0,
+                f"{steps} steps" if steps else "not reached",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                rotation=90,
+                color="white" if steps else "black",
+            )
         qx.axhline(1.0, color="black", ls="--", lw=1, label="uncompressed dp")
         qx.set_xticks(list(ex), [n.replace("paratrain ", "") for n in names])
         qx.set_ylabel("speed-up over paratrain dp")
@@ -318,11 +394,18 @@ def _ours(args, rt, compression: str):
     from ..optim import cross_entropy
     from ..parallel.data_parallel import DataParallel
 
-    cfg = config_mod.from_dict({
-        "data": {"batch_size": args.batch * rt.world_size},
-        "train": _train_section(args),
-        "parallel": {"bucket_mb": args.bucket_mb, "compression": compression,
-                     "powersgd_rank": args.powersgd_rank, "topk_ratio": args.topk_ratio}})
+    cfg = config_mod.from_dict(
+        {
+            "data": {"batch_size": args.batch * rt.world_size},
+            "train": _train_section(args),
+            "parallel": {
+                "bucket_mb": args.bucket_mb,
+                "compression": compression,
+                "powersgd_rank": args.powersgd_rank,
+                "topk_ratio": args.topk_ratio,
+            },
+        }
+    )
     dp = DataParallel(build(args), cross_entropy, cfg, rt)
     return dp, (lambda x, y: dp.train_step((x, y)))
 
@@ -379,8 +462,14 @@ def bus_bandwidth(world: int, sizes_mib=(1, 4, 16, 38), reps: int = 5) -> list[d
         sec = torch.tensor(statistics.median(times), dtype=torch.float64)
         dist.all_reduce(sec, op=dist.ReduceOp.MAX)
         nbytes = t.numel() * 4
-        out.append({"mib": mib, "ms": sec.item() * 1e3, "algbw_gbps": nbytes / sec.item() / 1e9,
-                    "busbw_gbps": 2 * (world - 1) / world * nbytes / sec.item() / 1e9})
+        out.append(
+            {
+                "mib": mib,
+                "ms": sec.item() * 1e3,
+                "algbw_gbps": nbytes / sec.item() / 1e9,
+                "busbw_gbps": 2 * (world - 1) / world * nbytes / sec.item() / 1e9,
+            }
+        )
     return out
 
 
@@ -419,12 +508,18 @@ def profiler_overhead(args, rt, ours, data) -> dict:
             flush_s.append(time.perf_counter() - t0)
         ours.profiler = NULL_PROFILER
         prof.close()
-    both = torch.tensor([statistics.median(plain.times), statistics.median(with_prof.times), per_step,
-                         statistics.median(flush_s)], dtype=torch.float64)
+    both = torch.tensor(
+        [statistics.median(plain.times), statistics.median(with_prof.times), per_step, statistics.median(flush_s)],
+        dtype=torch.float64,
+    )
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     off, on, per_step, flush = both.tolist()
-    return {"instrumentation_us_per_step": per_step * 1e6, "instrumentation_pct": 100 * per_step / off,
-            "flush_ms": flush * 1e3, "ab_ratio": on / off}
+    return {
+        "instrumentation_us_per_step": per_step * 1e6,
+        "instrumentation_pct": 100 * per_step / off,
+        "flush_ms": flush * 1e3,
+        "ab_ratio": on / off,
+    }
 
 
 def _summary(engines: dict, world: int, batch: int) -> dict:
@@ -440,9 +535,13 @@ def _summary(engines: dict, world: int, batch: int) -> dict:
         sm = torch.tensor([statistics.fmean(e.sent), statistics.fmean(e.losses[-last:])], dtype=torch.float64)
         dist.all_reduce(sm)
         step = statistics.median(mx.tolist())
-        out[name] = {"step_ms": step * 1e3, "samples_per_s": batch * world / step,
-                     "mb_sent": sm[0].item() / world / 1e6, "final_loss": sm[1].item() / world,
-                     "steps_trained": len(e.losses)}
+        out[name] = {
+            "step_ms": step * 1e3,
+            "samples_per_s": batch * world / step,
+            "mb_sent": sm[0].item() / world / 1e6,
+            "final_loss": sm[1].item() / world,
+            "steps_trained": len(e.losses),
+        }
     return out
 
 
@@ -452,15 +551,16 @@ def _loss_curve(losses: list[float], world: int, window: int) -> list[float]:
     t = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(t)
     t /= world
-    return [t[i - window:i].mean().item() for i in range(window, len(t) + 1)]
+    return [t[i - window : i].mean().item() for i in range(window, len(t) + 1)]
 
 
 EQUAL_LOSS_TOLERANCE = 1e-3  # bf16's loss equals dp's to 4 digits but can sit a hair above it
 EQUAL_LOSS_WINDOW = 32  # steps the loss is averaged over
 
 
-def equal_loss(engines: dict, codecs: list[str], data, summary: dict, world: int, horizon: int,
-               window: int = EQUAL_LOSS_WINDOW) -> dict:
+def equal_loss(
+    engines: dict, codecs: list[str], data, summary: dict, world: int, horizon: int, window: int = EQUAL_LOSS_WINDOW
+) -> dict:
     """How many steps each codec needs to reach the loss dp reached after `horizon` steps, and what
     that makes its speed-up over dp at equal loss: (dp's steps x dp's step time) / (its steps x its
     step time). "Reached" is within EQUAL_LOSS_TOLERANCE. dp trains on from its timed steps to the
@@ -473,8 +573,14 @@ def equal_loss(engines: dict, codecs: list[str], data, summary: dict, world: int
     target = dp_curve[-1] * (1 + EQUAL_LOSS_TOLERANCE)
     dp_steps = next(i + window for i, loss in enumerate(dp_curve) if loss <= target)
     dp_ms = summary["paratrain dp"]["step_ms"]
-    out = {"window": window, "dp_loss": dp_curve[-1], "tolerance": EQUAL_LOSS_TOLERANCE, "dp_steps": dp_steps,
-           "max_steps": 2 * len(dp.losses), "engines": {}}
+    out = {
+        "window": window,
+        "dp_loss": dp_curve[-1],
+        "tolerance": EQUAL_LOSS_TOLERANCE,
+        "dp_steps": dp_steps,
+        "max_steps": 2 * len(dp.losses),
+        "engines": {},
+    }
     for name in codecs:
         e = engines[name]
         if isinstance(e, str):
@@ -483,8 +589,10 @@ def equal_loss(engines: dict, codecs: list[str], data, summary: dict, world: int
         curve = _loss_curve(e.losses, world, window)
         steps = next((i + window for i, loss in enumerate(curve) if loss <= target), None)
         out["engines"][name] = {
-            "steps": steps, "steps_vs_dp": steps / dp_steps if steps else None,
-            "speedup_at_equal_loss": dp_steps * dp_ms / (steps * summary[name]["step_ms"]) if steps else None}
+            "steps": steps,
+            "steps_vs_dp": steps / dp_steps if steps else None,
+            "speedup_at_equal_loss": dp_steps * dp_ms / (steps * summary[name]["step_ms"]) if steps else None,
+        }
     return out
 
 
@@ -504,20 +612,32 @@ def worker(argv=None) -> None:
     r = args.powersgd_rank
     if args.mode == "scaling":
         dp, dp_step = _ours(args, rt, "none")
-        engines = {"paratrain dp": Engine(dp_step), f"paratrain powersgd r{r}": Engine(_ours(args, rt, "powersgd")[1]),
-                   "torch DDP": Engine(_ddp(args, None))}
+        engines = {
+            "paratrain dp": Engine(dp_step),
+            f"paratrain powersgd r{r}": Engine(_ours(args, rt, "powersgd")[1]),
+            "torch DDP": Engine(_ddp(args, None)),
+        }
         rounds, steps = 3, args.steps
     else:
         dp, dp_step = _ours(args, rt, "none")
-        engines = {"paratrain dp": Engine(dp_step), "torch DDP": Engine(_ddp(args, None)),
-                   "compute only": Engine(_compute_only(args))}
+        engines = {
+            "paratrain dp": Engine(dp_step),
+            "torch DDP": Engine(_ddp(args, None)),
+            "compute only": Engine(_compute_only(args)),
+        }
         pct = f"{args.topk_ratio:.0%}" if args.topk_ratio >= 0.01 else f"{args.topk_ratio:g}"
         pairs = [("paratrain dp", "torch DDP")]
-        for codec, hook, label in (("bf16", "bf16", "DDP bf16_compress_hook"), ("fp16", "fp16", "DDP fp16_compress_hook"),
-                                   ("topk", None, None), ("powersgd", "powersgd", f"DDP powerSGD_hook r{r}")):
+        for codec, hook, label in (
+            ("bf16", "bf16", "DDP bf16_compress_hook"),
+            ("fp16", "fp16", "DDP fp16_compress_hook"),
+            ("topk", None, None),
+            ("powersgd", "powersgd", f"DDP powerSGD_hook r{r}"),
+        ):
             if codec not in args.codecs.split(","):
                 continue
-            name = {"topk": f"paratrain topk {pct}", "powersgd": f"paratrain powersgd r{r}"}.get(codec, f"paratrain {codec}")
+            name = {"topk": f"paratrain topk {pct}", "powersgd": f"paratrain powersgd r{r}"}.get(
+                codec, f"paratrain {codec}"
+            )
             engines[name] = Engine(_ours(args, rt, codec)[1])
             if hook:
                 try:
@@ -545,8 +665,9 @@ def worker(argv=None) -> None:
     result["timed_steps"] = rounds * steps
     result["engines"] = _summary(engines, world, args.batch)
     if args.mode == "engines":
-        result["equal_loss"] = equal_loss(engines, [ours for ours, _ in pairs[1:]], data, result["engines"], world,
-                                          args.equal_loss_steps)
+        result["equal_loss"] = equal_loss(
+            engines, [ours for ours, _ in pairs[1:]], data, result["engines"], world, args.equal_loss_steps
+        )
         result["parameters"] = sum(p.numel() for p in dp.params)
         result["bus_bandwidth"] = bus_bandwidth(world)
         result["profiler_overhead"] = profiler_overhead(args, rt, dp, data)
@@ -568,8 +689,15 @@ def agent(argv) -> int:
     args = p.parse_args(argv)
     worker_argv = args.worker[1:] if args.worker[:1] == ["--"] else args.worker
     try:
-        launch("paratrain.bench.suite", ["worker", *worker_argv], nproc=args.nproc, nnodes=args.nnodes,
-               node_rank=args.node_rank, rdzv=args.rdzv, run_id="bench-suite")
+        launch(
+            "paratrain.bench.suite",
+            ["worker", *worker_argv],
+            nproc=args.nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv=args.rdzv,
+            run_id="bench-suite",
+        )
     except WorkerFailure as exc:
         print(f"paratrain: error: benchmark worker failed: {exc}", file=sys.stderr)
         return 1

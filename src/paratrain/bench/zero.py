@@ -4,6 +4,7 @@ All four engines live in the same processes, built from the same seed, and take 
 turn (dp, zero2, zero3, FSDP2, dp, ...), so machine noise falls on all of them alike; the table shows
 median step times and the ratios zero2/dp, zero3/dp and zero3/FSDP2 (lower is better).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -11,9 +12,9 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from .common import emit_json, relaunch
 from .dp import add_options as dp_options
 from .dp import build, setup, timed_steps
-from .common import emit_json, relaunch
 
 
 def add_parser(which) -> None:
@@ -43,8 +44,10 @@ def worker(argv=None) -> None:
     args, rt, cfg, (x, y) = setup(argv, add_options, optimizer="adamw", lr=1e-4)
     world = rt.world_size
 
-    engines = {name: cls(build(args), cross_entropy, cfg, rt)
-               for name, cls in (("dp", DataParallel), ("zero2", Zero2), ("zero3", Zero3))}
+    engines = {
+        name: cls(build(args), cross_entropy, cfg, rt)
+        for name, cls in (("dp", DataParallel), ("zero2", Zero2), ("zero3", Zero3))
+    }
     fsdp_model = build(args)
     for layer in fsdp_model:
         if any(True for _ in layer.parameters()):
@@ -74,31 +77,49 @@ def worker(argv=None) -> None:
     table = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)
     if rt.is_main:
+
         def drift(a, b):
             return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
 
         med = {n: statistics.median(row) for n, row in zip(names, table.tolist())}
         params = sum(v.numel() for v in states["dp"].values())
         result = {
-            "benchmark": "zero", "world_size": world, "parameters": params, "bucket_mb": args.bucket_mb,
-            "samples_per_rank": args.batch, "timed_steps": len(times["dp"]),
+            "benchmark": "zero",
+            "world_size": world,
+            "parameters": params,
+            "bucket_mb": args.bucket_mb,
+            "samples_per_rank": args.batch,
+            "timed_steps": len(times["dp"]),
             **{f"{n}_step_ms": med[n] * 1e3 for n in names},
-            "zero2_vs_dp": med["zero2"] / med["dp"], "zero3_vs_dp": med["zero3"] / med["dp"],
+            "zero2_vs_dp": med["zero2"] / med["dp"],
+            "zero3_vs_dp": med["zero3"] / med["dp"],
             "zero3_vs_fsdp2": med["zero3"] / med["fsdp2"],
-            "rel_weight_diff_vs_dp": {"zero2": drift(states["zero2"], states["dp"]),
-                                      "zero3": drift(states["zero3"], states["dp"]),
-                                      "fsdp2": drift(fsdp_state, states["dp"])},
+            "rel_weight_diff_vs_dp": {
+                "zero2": drift(states["zero2"], states["dp"]),
+                "zero3": drift(states["zero3"], states["dp"]),
+                "fsdp2": drift(fsdp_state, states["dp"]),
+            },
         }
-        print(f"zero benchmark: {params / 1e6:.1f}M-parameter MLP, AdamW, world {world}, {args.batch} samples/rank, "
-              f"bucket {args.bucket_mb:g} MB, median of {len(times['dp'])} interleaved steps each")
+        print(
+            f"zero benchmark: {params / 1e6:.1f}M-parameter MLP, AdamW, world {world}, {args.batch} samples/rank, "
+            f"bucket {args.bucket_mb:g} MB, median of {len(times['dp'])} interleaved steps each"
+        )
         print(f"{'engine':<16}{'step ms':>10}{'samples/s':>12}")
-        for n, label in (("dp", "paratrain dp"), ("zero2", "paratrain zero2"), ("zero3", "paratrain zero3"),
-                         ("fsdp2", "torch FSDP2")):
+        for n, label in (
+            ("dp", "paratrain dp"),
+            ("zero2", "paratrain zero2"),
+            ("zero3", "paratrain zero3"),
+            ("fsdp2", "torch FSDP2"),
+        ):
             print(f"{label:<16}{med[n] * 1e3:>10.1f}{args.batch * world / med[n]:>12.1f}")
-        print(f"ratios: zero2/dp {result['zero2_vs_dp']:.3f}, zero3/dp {result['zero3_vs_dp']:.3f}, "
-              f"zero3/FSDP2 {result['zero3_vs_fsdp2']:.3f}")
-        print("final weights vs dp (max abs difference / max abs weight): "
-              + ", ".join(f"{k} {v:.1e}" for k, v in result["rel_weight_diff_vs_dp"].items()))
+        print(
+            f"ratios: zero2/dp {result['zero2_vs_dp']:.3f}, zero3/dp {result['zero3_vs_dp']:.3f}, "
+            f"zero3/FSDP2 {result['zero3_vs_fsdp2']:.3f}"
+        )
+        print(
+            "final weights vs dp (max abs difference / max abs weight): "
+            + ", ".join(f"{k} {v:.1e}" for k, v in result["rel_weight_diff_vs_dp"].items())
+        )
         emit_json(result, args.json)
     runtime.shutdown(together=True)
 

@@ -2,6 +2,7 @@
 
 torch is imported where it is used, so that `paratrain data prepare` (paratrain.data.prepare)
 starts without it."""
+
 from __future__ import annotations
 
 import functools

@@ -4,6 +4,7 @@ Each factory takes `split` ("train" or "val") and returns a map-style dataset of
 The attributes `in_features`, `num_classes` and `vocab_size` let the built-in models size
 themselves from the data.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,8 +64,14 @@ def digits(split: str = "train", val_fraction: float = 0.2, split_seed: int = 0)
     return ArrayDataset(x[idx], y[idx], num_classes=10)
 
 
-def synthetic(split: str = "train", n_samples: int = 2048, in_features: int = 32,
-              num_classes: int = 10, seed: int = 1234, task: str = "classification") -> ArrayDataset:
+def synthetic(
+    split: str = "train",
+    n_samples: int = 2048,
+    in_features: int = 32,
+    num_classes: int = 10,
+    seed: int = 1234,
+    task: str = "classification",
+) -> ArrayDataset:
     """Inputs from N(0, 1) labelled by a fixed random linear teacher (classification or regression)."""
     require_at_least(1, n_samples=n_samples, in_features=in_features, num_classes=num_classes)
     require(task in ("classification", "regression"), "task", f"must be classification or regression, got {task!r}")
@@ -110,7 +117,7 @@ class CharCorpus(Dataset):
 
     def __getitem__(self, i: int):
         start = i * self.block_size
-        chunk = self.tokens[start:start + self.block_size + 1]
+        chunk = self.tokens[start : start + self.block_size + 1]
         return chunk[:-1], chunk[1:]
 
 
@@ -122,8 +129,13 @@ def read_text(url: str, max_chars: int) -> str:
         return fh.read(max_chars)
 
 
-def corpus(split: str = "train", block_size: int = 64, max_chars: int = 2_000_000,
-           val_fraction: float = 0.1, path: str | None = None) -> CharCorpus:
+def corpus(
+    split: str = "train",
+    block_size: int = 64,
+    max_chars: int = 2_000_000,
+    val_fraction: float = 0.1,
+    path: str | None = None,
+) -> CharCorpus:
     """Character-level corpus: the standard library's own source text, or the text at `path`."""
     require_at_least(1, block_size=block_size, max_chars=max_chars)
     require(0 <= val_fraction < 1, "val_fraction", f"must be in [0, 1) (0: no validation), got {val_fraction}")

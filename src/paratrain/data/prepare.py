@@ -10,6 +10,7 @@ put back together in that order, safetensors writes no timestamps, and the index
 Two process pools do the work: one encodes the source files, one cuts, hashes and uploads shards.
 Workers hand tokens to the parent through .npy files in a scratch folder, never through pickles.
 """
+
 from __future__ import annotations
 
 import csv
@@ -112,7 +113,9 @@ def read_documents(url: str, fmt: str, field: str) -> list[str]:
         if not isinstance(record, dict) or field not in record:
             raise ConfigError("--field", f"{field!r} is not in line {n} of {url}")
         if not isinstance(record[field], str):
-            raise ConfigError("--field", f"{field!r} in line {n} of {url} is a {type(record[field]).__name__}, not text")
+            raise ConfigError(
+                "--field", f"{field!r} in line {n} of {url} is a {type(record[field]).__name__}, not text"
+            )
         docs.append(record[field])
     return docs
 
@@ -126,8 +129,11 @@ def read_array(url: str) -> np.ndarray:
         except ValueError as exc:
             raise ConfigError("SRC", f"{url} is not a NumPy array of tokens: {exc}") from None
     if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2) or (arr.size and arr.min() < 0):
-        raise ConfigError("SRC", f"{url} holds {arr.dtype} of shape {arr.shape}: expected non-negative "
-                                 "integer tokens, a 1-D stream or 2-D rows of block_size + 1")
+        raise ConfigError(
+            "SRC",
+            f"{url} holds {arr.dtype} of shape {arr.shape}: expected non-negative "
+            "integer tokens, a 1-D stream or 2-D rows of block_size + 1",
+        )
     return arr
 
 
@@ -140,7 +146,9 @@ def parse_tokenizer(spec: str) -> int | None:
     if kind != "bpe" or not vocab.isdigit():
         raise ConfigError("--tokenizer", f"expected bytes or bpe:VOCAB, got {spec!r}")
     if int(vocab) < 257:
-        raise ConfigError("--tokenizer", f"a BPE vocabulary holds the 256 bytes and {END_OF_TEXT}: at least 257, got {vocab}")
+        raise ConfigError(
+            "--tokenizer", f"a BPE vocabulary holds the 256 bytes and {END_OF_TEXT}: at least 257, got {vocab}"
+        )
     return int(vocab)
 
 
@@ -151,8 +159,12 @@ def train_bpe(files: list[str], fmt: str, field: str, vocab_size: int) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator((doc for f in files for doc in read_documents(f, fmt, field)), trainer)
     return tok.to_str()
 
@@ -207,22 +219,33 @@ def write_shard(dest: str, i: int, blocks_path: str, start: int, stop: int) -> d
     data = save({"tokens": np.ascontiguousarray(rows)})
     with fsspec.open(f"{dest.rstrip('/')}/{shard_name(i)}", "wb") as fh:
         fh.write(data)
-    return {"name": shard_name(i), "samples": stop - start, "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}
+    return {
+        "name": shard_name(i),
+        "samples": stop - start,
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
 
 
 def blocks_of(stream: np.ndarray, block_size: int) -> np.ndarray:
     """Rows of block_size + 1 tokens starting every block_size tokens (a view, no copy)."""
     n = max(len(stream) - 1, 0) // block_size
-    return np.lib.stride_tricks.as_strided(stream, shape=(n, block_size + 1),
-                                           strides=(block_size * stream.itemsize, stream.itemsize))
+    return np.lib.stride_tricks.as_strided(
+        stream, shape=(n, block_size + 1), strides=(block_size * stream.itemsize, stream.itemsize)
+    )
 
 
 def progress(iterable, total: int, what: str):
     from tqdm import tqdm
 
-    return tqdm(iterable, total=total, desc=what, unit="file" if what == "encode" else "shard",
-                disable=not sys.stderr.isatty(), leave=False)
+    return tqdm(
+        iterable,
+        total=total,
+        desc=what,
+        unit="file" if what == "encode" else "shard",
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )
 
 
 def prepare(job: Job) -> dict:
@@ -239,11 +262,26 @@ def prepare(job: Job) -> dict:
     workers = max(1, job.workers or os.cpu_count() or 1)
     tokenizer_json = train_bpe(files, fmt, job.field, bpe_vocab) if bpe_vocab and fmt != "npy" else None
 
-    with tempfile.TemporaryDirectory(prefix="paratrain-prepare-") as scratch, \
-            ProcessPoolExecutor(workers, initializer=_quiet_worker) as pool:
-        parts = list(progress(pool.map(in_worker, [encode_file] * len(files), files, [fmt] * len(files), [job.field] * len(files),
-                                       [tokenizer_json] * len(files), [scratch] * len(files), range(len(files))),
-                              len(files), "encode"))
+    with (
+        tempfile.TemporaryDirectory(prefix="paratrain-prepare-") as scratch,
+        ProcessPoolExecutor(workers, initializer=_quiet_worker) as pool,
+    ):
+        parts = list(
+            progress(
+                pool.map(
+                    in_worker,
+                    [encode_file] * len(files),
+                    files,
+                    [fmt] * len(files),
+                    [job.field] * len(files),
+                    [tokenizer_json] * len(files),
+                    [scratch] * len(files),
+                    range(len(files)),
+                ),
+                len(files),
+                "encode",
+            )
+        )
         arrays = [np.load(p, mmap_mode="r") for p in parts]
         if fmt == "npy":
             vocab_size = int(max((int(a.max()) for a in arrays if a.size), default=0)) + 1
@@ -253,9 +291,16 @@ def prepare(job: Job) -> dict:
         if fmt == "npy" and arrays and arrays[0].ndim == 2:
             widths = {a.shape[1] for a in arrays}
             if widths != {job.block_size + 1}:
-                raise ConfigError("--block-size", f"the arrays' rows are {sorted(widths)} tokens long: "
-                                                  f"--block-size must be one less ({min(widths) - 1})")
-            blocks = np.concatenate([a.astype(dtype) for a in arrays]) if arrays else np.zeros((0, job.block_size + 1), dtype)
+                raise ConfigError(
+                    "--block-size",
+                    f"the arrays' rows are {sorted(widths)} tokens long: "
+                    f"--block-size must be one less ({min(widths) - 1})",
+                )
+            blocks = (
+                np.concatenate([a.astype(dtype) for a in arrays])
+                if arrays
+                else np.zeros((0, job.block_size + 1), dtype)
+            )
         else:
             if any(a.ndim != 1 for a in arrays):
                 raise ConfigError("SRC", "mixes 1-D token streams with 2-D rows")
@@ -269,12 +314,30 @@ def prepare(job: Job) -> dict:
         per_shard = max(1, int(job.shard_mb * 2**20) // ((job.block_size + 1) * dtype.itemsize))
         starts = list(range(0, n_samples, per_shard))
         _make_dest(job.dest)
-        shards = list(progress(pool.map(in_worker, [write_shard] * len(starts), [job.dest] * len(starts), range(len(starts)),
-                                        [blocks_path] * len(starts), starts,
-                                        [min(s + per_shard, n_samples) for s in starts]),
-                               len(starts), "shards"))
-    index = {"format": INDEX_FORMAT, "dtype": dtype.name, "block_size": job.block_size, "vocab_size": vocab_size,
-             "tokenizer": "bytes" if tokenizer_json is None else TOKENIZER, "samples": n_samples, "shards": shards}
+        shards = list(
+            progress(
+                pool.map(
+                    in_worker,
+                    [write_shard] * len(starts),
+                    [job.dest] * len(starts),
+                    range(len(starts)),
+                    [blocks_path] * len(starts),
+                    starts,
+                    [min(s + per_shard, n_samples) for s in starts],
+                ),
+                len(starts),
+                "shards",
+            )
+        )
+    index = {
+        "format": INDEX_FORMAT,
+        "dtype": dtype.name,
+        "block_size": job.block_size,
+        "vocab_size": vocab_size,
+        "tokenizer": "bytes" if tokenizer_json is None else TOKENIZER,
+        "samples": n_samples,
+        "shards": shards,
+    }
     _write_text(job.dest, INDEX, json.dumps(index, indent=1, sort_keys=True) + "\n")
     if tokenizer_json is not None:
         _write_text(job.dest, TOKENIZER, tokenizer_json)
@@ -303,7 +366,7 @@ def _write_text(dest: str, name: str, text: str) -> None:
 
 
 def add_data_parser(sub) -> None:
-    d = sub.add_parser("data", help="prepare a dataset once as shards that `[data] factory = \"shards\"` streams")
+    d = sub.add_parser("data", help='prepare a dataset once as shards that `[data] factory = "shards"` streams')
     dsub = d.add_subparsers(dest="data_command", required=True)
     p = dsub.add_parser("prepare", help="text, JSONL, CSV or NumPy tokens -> safetensors shards, index.json, tokenizer")
     p.add_argument("src", metavar="SRC", help="a file, folder or glob; a local path or an fsspec URL")
@@ -318,8 +381,9 @@ def add_data_parser(sub) -> None:
 
 
 def cmd_prepare(args) -> int:
-    job = Job(args.src, args.dest, args.format, args.field, args.tokenizer, args.block_size, args.shard_mb,
-              args.workers)
+    job = Job(
+        args.src, args.dest, args.format, args.field, args.tokenizer, args.block_size, args.shard_mb, args.workers
+    )
     try:
         try:
             index = prepare(job)
@@ -329,6 +393,8 @@ def cmd_prepare(args) -> int:
         print(f"paratrain: error: {exc}", file=sys.stderr, flush=True)
         return 2
     mb = sum(s["bytes"] for s in index["shards"]) / 2**20
-    print(f"prepared {index['samples']} samples of {index['block_size']} tokens (vocabulary {index['vocab_size']}) "
-          f"in {len(index['shards'])} shards, {mb:.1f} MiB, at {job.dest}")
+    print(
+        f"prepared {index['samples']} samples of {index['block_size']} tokens (vocabulary {index['vocab_size']}) "
+        f"in {len(index['shards'])} shards, {mb:.1f} MiB, at {job.dest}"
+    )
     return 0

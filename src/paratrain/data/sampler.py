@@ -8,6 +8,7 @@ Every checkpoint records the data position (epoch, sample in epoch) of its step;
 from that position, so the next sample is the exact next one at any world size, and also where
 the batch size changed since.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -55,8 +56,10 @@ class GlobalBatchSampler:
             return
         epoch, offset = int(position["epoch"]), int(position["sample_in_epoch"])
         if not 0 <= offset < self.n:
-            raise ValueError(f"the checkpoint's data position (epoch {epoch}, sample {offset}) is past "
-                             f"the {self.n} samples of the dataset")
+            raise ValueError(
+                f"the checkpoint's data position (epoch {epoch}, sample {offset}) is past "
+                f"the {self.n} samples of the dataset"
+            )
         self._origin = (step, epoch * self.n + offset)
 
     # -- batches --------------------------------------------------------------------------------
@@ -73,4 +76,4 @@ class GlobalBatchSampler:
 
     def rank_indices(self, step: int, rank: int, world: int) -> torch.Tensor:
         share = self.global_batch // world
-        return self.global_indices(step)[rank * share:(rank + 1) * share]
+        return self.global_indices(step)[rank * share : (rank + 1) * share]

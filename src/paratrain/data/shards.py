@@ -5,6 +5,7 @@ and the other ranks wait on that lock and then find it there. A download goes to
 name, is checked against the index's sha256 and only then renamed into place, so the cache never
 holds a partial or corrupt shard. Transient storage errors are retried with exponential backoff.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -115,8 +116,10 @@ class ShardCache:
             data = fh.read()
         digest = hashlib.sha256(data).hexdigest()
         if digest != shard.sha256:
-            raise ShardError(f"sha256 {digest[:12]}... is not the index's {shard.sha256[:12]}... "
-                             f"({len(data)} bytes, the index says {shard.bytes})")
+            raise ShardError(
+                f"sha256 {digest[:12]}... is not the index's {shard.sha256[:12]}... "
+                f"({len(data)} bytes, the index says {shard.bytes})"
+            )
         partial = local.with_name(f".{local.name}.{os.getpid()}.part")
         partial.write_bytes(data)
         os.replace(partial, local)

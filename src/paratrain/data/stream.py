@@ -7,6 +7,7 @@ of shards, and the shards the next windows need are known in advance: a backgrou
 fetches them (through the node's shared cache) while the current steps train. With shuffle off the
 order is the contract's: step i reads samples (i*B + j) mod N.
 """
+
 from __future__ import annotations
 
 import threading
@@ -97,7 +98,7 @@ class ShardDataset(Dataset):
             self._memory[s] = rows
             del self._loading[s]
             spare = [k for k in self._memory if k not in self._wanted and k != s]
-            for k in spare[:max(len(self._memory) - len(self._wanted) - 2, 0)]:
+            for k in spare[: max(len(self._memory) - len(self._wanted) - 2, 0)]:
                 del self._memory[k]
         return rows
 
@@ -119,8 +120,11 @@ class ShardSampler(GlobalBatchSampler):
         """The epoch's shard order and where each of them starts in it."""
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             sizes = self.dataset.shard_sizes
-            order = (torch.randperm(len(sizes), generator=self._generator(epoch)) if self.shuffle
-                     else torch.arange(len(sizes))).numpy()
+            order = (
+                torch.randperm(len(sizes), generator=self._generator(epoch))
+                if self.shuffle
+                else torch.arange(len(sizes))
+            ).numpy()
             starts = np.concatenate([[0], np.cumsum(sizes[order])])
             self._epoch_cache = (epoch, order, starts)
         return self._epoch_cache[1], self._epoch_cache[2]
@@ -167,13 +171,18 @@ class ShardSampler(GlobalBatchSampler):
             last = min(offset + (end - position), self.n)
             last = min(-(-last // self.window) * self.window, self.n)  # the window's end
             k0, k1 = np.searchsorted(starts, [first, last - 1], side="right") - 1
-            out.update((int(s), None) for s in order[k0:k1 + 1])
+            out.update((int(s), None) for s in order[k0 : k1 + 1])
             position += last - offset
         return list(out)
 
 
-def shards(path: str | None = None, cache_dir: str = "~/.cache/paratrain", cache_limit_gb: float = 20,
-           storage_options: dict | None = None, shuffle_window: int = 8192) -> ShardDataset:
+def shards(
+    path: str | None = None,
+    cache_dir: str = "~/.cache/paratrain",
+    cache_limit_gb: float = 20,
+    storage_options: dict | None = None,
+    shuffle_window: int = 8192,
+) -> ShardDataset:
     """The shards `paratrain data prepare` wrote at `path` (a local folder or an fsspec URL)."""
     require(bool(path), "path", "required: the folder or URL that `paratrain data prepare` wrote")
     require(cache_limit_gb > 0, "cache_limit_gb", f"must be > 0, got {cache_limit_gb}")

@@ -5,6 +5,7 @@ need paratrain installed and nothing else copied. Each file starts one `paratrai
 wiring of its own: `run` reads the node count, its rank and the rendezvous from the engine's
 environment (paratrain.engines).
 """
+
 from __future__ import annotations
 
 import re
@@ -24,8 +25,8 @@ SUBMIT = {"slurm": ["sbatch"], "kubernetes": ["kubectl", "apply", "-f"], "skypil
 
 @dataclass
 class Job:
-    name: str          # the config's name, as a DNS label (Kubernetes names, Slurm's job name)
-    config_toml: str   # the resolved config, embedded in the file
+    name: str  # the config's name, as a DNS label (Kubernetes names, Slurm's job name)
+    config_toml: str  # the resolved config, embedded in the file
     nodes: int
     nproc: int
     run_dir: str
@@ -39,8 +40,17 @@ class Job:
 
     def run_argv(self, config_path: str, run_dir: str) -> list[str]:
         """The command each node runs: no --nnodes/--node-rank/--rdzv, those come from the engine."""
-        return ["paratrain", "run", config_path, "--run-dir", run_dir, "--nproc", str(self.nproc),
-                "--max-restarts", str(self.max_restarts)]
+        return [
+            "paratrain",
+            "run",
+            config_path,
+            "--run-dir",
+            run_dir,
+            "--nproc",
+            str(self.nproc),
+            "--max-restarts",
+            str(self.max_restarts),
+        ]
 
 
 # A file's embedded config ends at a line holding this alone (a quoted heredoc: nothing in it expands).
@@ -50,8 +60,13 @@ CONFIG_END = "PARATRAIN_CONFIG"
 def shell_lines(job: Job) -> tuple[list[str], str]:
     """The shell that puts the embedded config into the run directory as job.toml, and the node's
     `paratrain run` command line reading it (for Slurm's and SkyPilot's scripts)."""
-    write = [f"run_dir={shlex.quote(job.run_dir)}", 'mkdir -p "$run_dir"',
-             f"cat > \"$run_dir/job.toml\" <<'{CONFIG_END}'", job.config_toml.rstrip("\n"), CONFIG_END]
+    write = [
+        f"run_dir={shlex.quote(job.run_dir)}",
+        'mkdir -p "$run_dir"',
+        f"cat > \"$run_dir/job.toml\" <<'{CONFIG_END}'",
+        job.config_toml.rstrip("\n"),
+        CONFIG_END,
+    ]
     # shell words already (the run directory's variable), numbers and fixed words else: nothing to quote
     return write, " ".join(job.run_argv('"$run_dir/job.toml"', '"$run_dir"'))
 
@@ -65,22 +80,35 @@ def dns_label(name: str) -> str:
 
 
 def add_job_parser(sub) -> None:
-    j = sub.add_parser("job", help="write a job file for a cluster engine (Slurm, Kubernetes, SkyPilot) "
-                                   "with the config embedded; --submit hands it to the engine")
+    j = sub.add_parser(
+        "job",
+        help="write a job file for a cluster engine (Slurm, Kubernetes, SkyPilot) "
+        "with the config embedded; --submit hands it to the engine",
+    )
     j.add_argument("engine", metavar="ENGINE", help="slurm | kubernetes | skypilot")
     j.add_argument("config", nargs="?", help="TOML config (default: the built-in default job)")
     j.add_argument("--nodes", type=int, required=True, help="how many nodes (hosts, pods)")
-    j.add_argument("--nproc", type=int, default=None,
-                   help="processes per node (default: --gpus if given, else 2, as `run` on a CPU)")
-    j.add_argument("--run-dir", default=None, help="on storage every node sees (default: runs/NAME, "
-                                                  "under the --volume mount on Kubernetes)")
+    j.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="processes per node (default: --gpus if given, else 2, as `run` on a CPU)",
+    )
+    j.add_argument(
+        "--run-dir",
+        default=None,
+        help="on storage every node sees (default: runs/NAME, under the --volume mount on Kubernetes)",
+    )
     j.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     j.add_argument("--max-restarts", type=int, default=0, help="passed to each node's `paratrain run`")
-    j.add_argument("--image", default=None, help="container image with paratrain installed "
-                                                "(required for kubernetes)")
+    j.add_argument("--image", default=None, help="container image with paratrain installed (required for kubernetes)")
     j.add_argument("--kind", default="trainjob", help="kubernetes: trainjob (Kubeflow Trainer v2) | pytorchjob")
-    j.add_argument("--volume", default=None, metavar="CLAIM",
-                   help="kubernetes: a PersistentVolumeClaim for the run directory, shared by the pods")
+    j.add_argument(
+        "--volume",
+        default=None,
+        metavar="CLAIM",
+        help="kubernetes: a PersistentVolumeClaim for the run directory, shared by the pods",
+    )
     j.add_argument("--gpus", type=int, default=0, help="GPUs per node")
     j.add_argument("--cpus", type=int, default=None, help="CPUs per node")
     j.add_argument("--memory", default=None, help="memory per node, e.g. 32Gi")
@@ -93,9 +121,13 @@ def check_options(args) -> None:
     """The job's own options, before the config is read. ConfigError naming the option."""
     if args.engine not in ENGINES:
         raise ConfigError("ENGINE", f"unknown engine {args.engine!r}: one of {', '.join(ENGINES)}")
-    for option, value, minimum in (("--nodes", args.nodes, 1), ("--nproc", args.nproc, 1),
-                                   ("--max-restarts", args.max_restarts, 0), ("--gpus", args.gpus, 0),
-                                   ("--cpus", args.cpus, 1)):
+    for option, value, minimum in (
+        ("--nodes", args.nodes, 1),
+        ("--nproc", args.nproc, 1),
+        ("--max-restarts", args.max_restarts, 0),
+        ("--gpus", args.gpus, 0),
+        ("--cpus", args.cpus, 1),
+    ):
         if value is not None and value < minimum:
             raise ConfigError(option, f"must be >= {minimum}, got {value}")
     if args.kind not in ("trainjob", "pytorchjob"):
@@ -105,8 +137,9 @@ def check_options(args) -> None:
     if args.submit:
         tool = SUBMIT[args.engine][0]
         if shutil.which(tool) is None:
-            raise ConfigError("--submit", f"{tool} is not installed here; write the file with --out and "
-                                          f"submit it where {tool} is")
+            raise ConfigError(
+                "--submit", f"{tool} is not installed here; write the file with --out and submit it where {tool} is"
+            )
         if args.out is None:
             raise ConfigError("--submit", "needs --out FILE: the file to submit")
 
@@ -123,9 +156,20 @@ def make_job(args) -> Job:
     name = dns_label(cfg.name)
     mount = "/paratrain-runs" if args.engine == "kubernetes" and args.volume else None
     run_dir = args.run_dir or (f"{mount}/{name}" if mount else f"runs/{cfg.name}")
-    return Job(name=name, config_toml=config_mod.to_toml(cfg), nodes=args.nodes, nproc=nproc, run_dir=run_dir,
-               max_restarts=args.max_restarts, image=args.image, gpus=args.gpus, cpus=args.cpus,
-               memory=args.memory, volume=args.volume, kind=args.kind)
+    return Job(
+        name=name,
+        config_toml=config_mod.to_toml(cfg),
+        nodes=args.nodes,
+        nproc=nproc,
+        run_dir=run_dir,
+        max_restarts=args.max_restarts,
+        image=args.image,
+        gpus=args.gpus,
+        cpus=args.cpus,
+        memory=args.memory,
+        volume=args.volume,
+        kind=args.kind,
+    )
 
 
 def render(engine: str, job: Job) -> str:

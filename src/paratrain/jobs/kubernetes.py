@@ -6,6 +6,7 @@ Either operator starts one pod per node and injects the variables `paratrain run
 The ConfigMap is mounted at CONFIG_MOUNT; --volume CLAIM mounts a PersistentVolumeClaim at RUNS_MOUNT
 for the run directory, which the pods must share for checkpoints and restarts.
 """
+
 from __future__ import annotations
 
 import yaml
@@ -20,8 +21,12 @@ TRAINER_RUNTIME = "torch-distributed"
 
 
 def config_map(job: Job) -> dict:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{job.name}-config"},
-            "data": {"config.toml": job.config_toml}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{job.name}-config"},
+        "data": {"config.toml": job.config_toml},
+    }
 
 
 def _resources(job: Job) -> dict:
@@ -57,28 +62,50 @@ def trainjob(job: Job) -> dict:
     # The torch-distributed runtime's pods are the replicated job `node`, container `node`: the volumes
     # are patched into them.
     pod = {"volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
-    patch = {"manager": "paratrain", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [
-        {"name": "node", "template": {"spec": {"template": {"spec": pod}}}}]}}}}
-    return {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": {"name": job.name},
-            "spec": {"runtimeRef": {"name": TRAINER_RUNTIME}, "trainer": trainer, "runtimePatches": [patch]}}
+    patch = {
+        "manager": "paratrain",
+        "trainingRuntimeSpec": {
+            "template": {
+                "spec": {"replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": pod}}}}]}
+            }
+        },
+    }
+    return {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": job.name},
+        "spec": {"runtimeRef": {"name": TRAINER_RUNTIME}, "trainer": trainer, "runtimePatches": [patch]},
+    }
 
 
 def pytorchjob(job: Job) -> dict:
     volumes, mounts = _volumes(job)
-    container = {"name": "pytorch", "image": job.image, "command": _command(job), "volumeMounts": mounts,
-                 "ports": [{"name": "pytorchjob-port", "containerPort": PYTORCHJOB_PORT}]}
+    container = {
+        "name": "pytorch",
+        "image": job.image,
+        "command": _command(job),
+        "volumeMounts": mounts,
+        "ports": [{"name": "pytorchjob-port", "containerPort": PYTORCHJOB_PORT}],
+    }
     if _resources(job):
         container["resources"] = _resources(job)
 
     def replicas(count: int) -> dict:
-        return {"replicas": count, "restartPolicy": "OnFailure",
-                "template": {"spec": {"containers": [container], "volumes": volumes}}}
+        return {
+            "replicas": count,
+            "restartPolicy": "OnFailure",
+            "template": {"spec": {"containers": [container], "volumes": volumes}},
+        }
 
     specs = {"Master": replicas(1)}
     if job.nodes > 1:
         specs["Worker"] = replicas(job.nodes - 1)
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": job.name},
-            "spec": {"nprocPerNode": str(job.nproc), "pytorchReplicaSpecs": specs}}
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": job.name},
+        "spec": {"nprocPerNode": str(job.nproc), "pytorchReplicaSpecs": specs},
+    }
 
 
 def manifests(job: Job) -> list[dict]:
@@ -93,8 +120,10 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
-_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
-    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+_Dumper.add_representer(
+    str,
+    lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None),
+)
 
 
 def dump(documents: list[dict]) -> str:

@@ -7,13 +7,15 @@ The exchange uses a TCP store of its own on the rendezvous port, closed before t
 node 0 binds that port for the rendezvous proper (the agents' clients retry until it listens), so a
 job needs no second port.
 """
+
 from __future__ import annotations
 
 import json
 import socket
 import time
-import tomllib
 from datetime import timedelta
+
+import tomllib
 
 from ..config import ConfigError
 
@@ -27,8 +29,13 @@ def node_facts(nproc: int, config_toml: str) -> dict:
 
     from .. import __version__
 
-    return {"host": socket.gethostname(), "paratrain": __version__, "torch": torch.__version__,
-            "nproc": nproc, "config": config_toml}
+    return {
+        "host": socket.gethostname(),
+        "paratrain": __version__,
+        "torch": torch.__version__,
+        "nproc": nproc,
+        "config": config_toml,
+    }
 
 
 def check_nodes(rdzv: str, nnodes: int, node_rank: int, facts: dict, timeout_s: float = 300) -> None:
@@ -42,8 +49,9 @@ def check_nodes(rdzv: str, nnodes: int, node_rank: int, facts: dict, timeout_s: 
     try:
         socket.getaddrinfo(host, int(port))
     except socket.gaierror as exc:
-        raise ConfigError("--rdzv", f"node {node_rank} cannot resolve the rendezvous host {host!r}: "
-                                    f"{exc.strerror}") from None
+        raise ConfigError(
+            "--rdzv", f"node {node_rank} cannot resolve the rendezvous host {host!r}: {exc.strerror}"
+        ) from None
     try:
         if node_rank == 0:  # on the rendezvous address alone, as the rendezvous store (docs/security.md)
             store = store_server(listen_on(host, int(port)), timedelta(seconds=timeout_s))
@@ -74,8 +82,10 @@ def _judge(store, nnodes: int, own: dict, timeout_s: float) -> str:
         if not missing:
             break
         if time.monotonic() > deadline:
-            return (f"node{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not reach the "
-                    f"rendezvous in {timeout_s:.0f} s")
+            return (
+                f"node{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not reach the "
+                f"rendezvous in {timeout_s:.0f} s"
+            )
         time.sleep(0.05)
     for n, key in enumerate(keys, 1):
         difference = describe_difference(own, json.loads(store.get(key)))

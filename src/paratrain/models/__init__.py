@@ -1,4 +1,5 @@
 """Built-in models (mlp, cnn, gpt) and user `module:function` factories."""
+
 from __future__ import annotations
 
 import inspect
@@ -17,10 +18,12 @@ BUILTIN = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
 
 # Built-in factory arguments taken from the dataset when the config does not give them, and how a
 # value the config gives must compare with the data's: (the dataset's attribute, the test, the rule).
-_FROM_DATASET = {"in_features": ("in_features", operator.eq, "the data's inputs have {} features"),
-                 "out_features": ("num_classes", operator.ge, "the data has {} classes"),
-                 "vocab_size": ("vocab_size", operator.ge, "the data has {} symbols"),
-                 "block_size": ("block_size", operator.ge, "the data's blocks are {} long")}
+_FROM_DATASET = {
+    "in_features": ("in_features", operator.eq, "the data's inputs have {} features"),
+    "out_features": ("num_classes", operator.ge, "the data has {} classes"),
+    "vocab_size": ("vocab_size", operator.ge, "the data has {} symbols"),
+    "block_size": ("block_size", operator.ge, "the data's blocks are {} long"),
+}
 
 
 def model_kwargs(cfg: Config, dataset) -> dict:

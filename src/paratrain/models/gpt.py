@@ -5,6 +5,7 @@ Written to be split: `pipeline_layers()` lists the modules that run one after an
 projections, so a tensor-parallel plan that narrows q/k/v to a slice of the heads needs no other
 change. Separate q, k and v projections (not one fused qkv) make that column split a plain slice.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,8 +58,11 @@ class Attention(nn.Module):
             return t.view(B, T, heads, self.head_dim).transpose(1, 2)
 
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        y = (materialized_attention(q, k, v) if self.materialized
-             else F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        y = (
+            materialized_attention(q, k, v)
+            if self.materialized
+            else F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        )
         return self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_dim))
 
 
@@ -96,8 +100,16 @@ class Head(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128,
-                 block_size: int = 64, tie_embeddings: bool = False, attention: str = "sdpa"):
+    def __init__(
+        self,
+        vocab_size: int,
+        n_layer: int = 4,
+        n_head: int = 4,
+        d_model: int = 128,
+        block_size: int = 64,
+        tie_embeddings: bool = False,
+        attention: str = "sdpa",
+    ):
         super().__init__()
         require_at_least(1, vocab_size=vocab_size, n_head=n_head, d_model=d_model, block_size=block_size)
         require_at_least(0, n_layer=n_layer)
@@ -129,8 +141,22 @@ class GPT(nn.Module):
         return run_layers(self.pipeline_layers(), idx, self.recompute)
 
 
-def gpt(vocab_size: int, n_layer: int = 4, n_head: int = 4, d_model: int = 128, block_size: int = 64,
-        tie_embeddings: bool = False, attention: str = "sdpa") -> GPT:
+def gpt(
+    vocab_size: int,
+    n_layer: int = 4,
+    n_head: int = 4,
+    d_model: int = 128,
+    block_size: int = 64,
+    tie_embeddings: bool = False,
+    attention: str = "sdpa",
+) -> GPT:
     """attention: "sdpa" (torch's fused kernel) or "materialized" (scores as tensors)."""
-    return GPT(vocab_size, n_layer=n_layer, n_head=n_head, d_model=d_model, block_size=block_size,
-               tie_embeddings=tie_embeddings, attention=attention)
+    return GPT(
+        vocab_size,
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=d_model,
+        block_size=block_size,
+        tie_embeddings=tie_embeddings,
+        attention=attention,
+    )

@@ -24,12 +24,13 @@ may initialise in any way, so its construction itself is replayed (record_on_met
 A replay whose ops differ from the recording (code that branches on values, which meta tensors do
 not have) is abandoned for a normal build from the same state, whose values are then all kept.
 """
+
 from __future__ import annotations
 
 import random
 import sys
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -43,12 +44,15 @@ Keep = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def _direct_tensors(module: nn.Module) -> dict[str, dict]:
-    return {"_parameters": {k: v for k, v in module._parameters.items() if v is not None},
-            "_buffers": {k: v for k, v in module._buffers.items() if v is not None}}
+    return {
+        "_parameters": {k: v for k, v in module._parameters.items() if v is not None},
+        "_buffers": {k: v for k, v in module._buffers.items() if v is not None},
+    }
 
 
-def _with_real_tensors(module: nn.Module, fill: float | None, device: torch.device, run: Callable[[], None],
-                       keep: Keep, only_changed: bool) -> None:
+def _with_real_tensors(
+    module: nn.Module, fill: float | None, device: torch.device, run: Callable[[], None], keep: Keep, only_changed: bool
+) -> None:
     """Give `module` real (empty or `fill`ed) direct tensors, `run`, hand the values to `keep`, undo."""
     originals = _direct_tensors(module)
     for kind, tensors in originals.items():
@@ -109,8 +113,9 @@ class _OnEveryOp(TorchDispatchMode):
     """Calls `coming(op)` before each aten op runs (it may refuse it by raising), then
     `seen(op, tensors it read or made)`."""
 
-    def __init__(self, seen: Callable[[object, list[torch.Tensor]], None],
-                 coming: Callable[[object], None] = lambda func: None):
+    def __init__(
+        self, seen: Callable[[object, list[torch.Tensor]], None], coming: Callable[[object], None] = lambda func: None
+    ):
         super().__init__()
         self.seen, self.coming = seen, coming
 
@@ -180,8 +185,9 @@ class _Recording:
                 done.add(number)
                 storage = t.untyped_storage()
                 for meta in self.held[number]:  # a copy: `keep` may hold on to it, the storage goes
-                    value = torch.empty(0, dtype=meta.dtype).set_(storage, meta.storage_offset(), meta.shape,
-                                                                 meta.stride())
+                    value = torch.empty(0, dtype=meta.dtype).set_(
+                        storage, meta.storage_offset(), meta.shape, meta.stride()
+                    )
                     keep(meta, value.to(device, copy=True))
                 storage.resize_(0)
             at += 1
@@ -239,5 +245,6 @@ def materialize(model: nn.Module, seed: int, keep: Keep, device: torch.device | 
             model.apply(order.append)
             for module in order:
                 if any(_direct_tensors(module).values()):
-                    _with_real_tensors(module, float("nan"), device, lambda m=module: post_init(m), keep,
-                                       only_changed=True)
+                    _with_real_tensors(
+                        module, float("nan"), device, lambda m=module: post_init(m), keep, only_changed=True
+                    )

@@ -1,4 +1,5 @@
 """Multi-layer perceptron, as an nn.Sequential so a pipeline can cut it anywhere."""
+
 from torch import nn
 
 from ..config import require_at_least

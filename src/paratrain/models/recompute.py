@@ -9,6 +9,7 @@ again during backward. The same arithmetic runs, so training stays equal to no r
 The grouping is by execution only (no wrapper modules), so parameter names, the pipeline's layers
 and every strategy's sharding are unchanged.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -64,5 +65,8 @@ def enable_recompute(model: nn.Module, name: str) -> None:
     elif type(model) is nn.Sequential:
         model.__class__ = RecomputedSequential
     else:
-        raise ConfigError("train.recompute", f"{name} builds a {type(model).__name__}, which neither is an "
-                          f"nn.Sequential nor has a `recompute` attribute to switch recomputation on")
+        raise ConfigError(
+            "train.recompute",
+            f"{name} builds a {type(model).__name__}, which neither is an "
+            f"nn.Sequential nor has a `recompute` attribute to switch recomputation on",
+        )

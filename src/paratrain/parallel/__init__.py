@@ -1,4 +1,5 @@
 """Strategies, one module each. `build_strategy` is the only place that knows which is which."""
+
 from __future__ import annotations
 
 import importlib
@@ -8,12 +9,17 @@ if TYPE_CHECKING:  # importing base imports torch; the registry below must not (
     from .base import Strategy
 
 # strategy name -> "module:class" under paratrain.parallel (imported only when used)
-STRATEGIES: dict[str, str] = {"dp": "data_parallel:DataParallel",
-                              "zero1": "zero:Zero1", "zero2": "zero:Zero2", "zero3": "zero:Zero3",
-                              "tp": "hybrid:ModelParallel", "pp": "hybrid:ModelParallel",
-                              "hybrid": "hybrid:ModelParallel",
-                              "ps": "parameter_server:ParameterServer",
-                              "federated": "federated.strategy:Federated"}
+STRATEGIES: dict[str, str] = {
+    "dp": "data_parallel:DataParallel",
+    "zero1": "zero:Zero1",
+    "zero2": "zero:Zero2",
+    "zero3": "zero:Zero3",
+    "tp": "hybrid:ModelParallel",
+    "pp": "hybrid:ModelParallel",
+    "hybrid": "hybrid:ModelParallel",
+    "ps": "parameter_server:ParameterServer",
+    "federated": "federated.strategy:Federated",
+}
 
 # strategy name -> module under paratrain.parallel that checks the strategy's own config keys and
 # imports no torch (config.py calls it before any worker starts); it may define
@@ -32,11 +38,11 @@ def _module(name: str):
     return importlib.import_module(f"{__name__}.{STRATEGIES[name].partition(':')[0]}")
 
 
-def strategy_class(name: str) -> type["Strategy"]:
+def strategy_class(name: str) -> type[Strategy]:
     return getattr(_module(name), STRATEGIES[name].partition(":")[2])
 
 
-def build_strategy(model, loss_fn, cfg, rt) -> "Strategy":
+def build_strategy(model, loss_fn, cfg, rt) -> Strategy:
     return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
 
 

@@ -48,10 +48,11 @@ times waits on it (and blocking calls) as "comm" itself. Phases nest (an inner p
 taken out of the outer one); `phase(name, index=i)` labels a span (e.g. micro-batch i) on the
 trace's timeline.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -150,7 +151,7 @@ def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0, group=None) -> 
         collectives.broadcast(flat, src, "initial-weights", group=group)
         offset = 0
         for t in group_tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
 
 

@@ -44,6 +44,7 @@ error buffer would cost each step. What crosses the wire is P and Q in the gradi
 whatever the arithmetic: r (n + m) numbers against n m, so 16-bit factors would save under 1 % of
 the uncompressed bytes at r8 on 2048 x 2048 while rounding P before its orthogonalisation.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,8 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from . import shm_p2p
 from ..config import ParallelConfig
+from . import shm_p2p
 
 
 class Done:
@@ -212,14 +213,16 @@ class TopK:
             idx = self.select(flat.abs(), k)
             values = torch.zeros(k, dtype=flat.dtype, device=flat.device)
             indices = torch.zeros(k, dtype=torch.int32, device=flat.device)
-            values[:idx.numel()] = flat[idx]
-            indices[:idx.numel()] = idx.to(torch.int32)
+            values[: idx.numel()] = flat[idx]
+            indices[: idx.numel()] = idx.to(torch.int32)
             error.copy_(flat)
             error.index_fill_(0, idx, 0)  # what is sent leaves the error; the rest waits for later steps
         all_values = torch.empty(world * k, dtype=flat.dtype, device=flat.device)
         all_indices = torch.empty(world * k, dtype=torch.int32, device=flat.device)
-        works = [collectives.all_gather_into(all_values, values, f"topk-values-{key}", group, async_op=True),
-                 collectives.all_gather_into(all_indices, indices, f"topk-indices-{key}", group, async_op=True)]
+        works = [
+            collectives.all_gather_into(all_values, values, f"topk-values-{key}", group, async_op=True),
+            collectives.all_gather_into(all_indices, indices, f"topk-indices-{key}", group, async_op=True),
+        ]
 
         def unpack():
             with profiler.phase("compress"):
@@ -274,8 +277,10 @@ def block_numel(matrices) -> int:
 def round_numels(shapes, rank: int) -> tuple[int, int]:
     """Numbers in PowerSGD's two all-reduces of a bucket: P with the uncompressed tensors, then Q."""
     matrices, dense = power_layout(shapes, rank)
-    return (sum(n * r for _, n, _, r in matrices) + sum(numel for _, numel in dense),
-            sum(m * r for _, _, m, r in matrices))
+    return (
+        sum(n * r for _, n, _, r in matrices) + sum(numel for _, numel in dense),
+        sum(m * r for _, _, m, r in matrices),
+    )
 
 
 class _PowerBucket:
@@ -299,7 +304,7 @@ class _PowerBucket:
             low = torch.empty(sum(n * m for _, n, m, _ in self.matrices), dtype=dtype, device=flat.device)
             self.low_views, lo = [], 0
             for _, n, m, _ in self.matrices:
-                self.low_views.append(low[lo:lo + n * m].view(n, m))
+                self.low_views.append(low[lo : lo + n * m].view(n, m))
                 lo += n * m
         # P and the uncompressed tensors travel in one all-reduce (one round trip fewer per bucket)
         n_p = sum(n * r for _, n, _, r in self.matrices)
@@ -312,15 +317,16 @@ class _PowerBucket:
         self.ps, self.qs = [], []
         po = qo = 0
         for _, n, m, r in self.matrices:
-            self.ps.append(self.p_flat[po:po + n * r].view(r, n))
-            self.qs.append(self.q_flat[qo:qo + m * r].view(r, m))
+            self.ps.append(self.p_flat[po : po + n * r].view(r, n))
+            self.qs.append(self.q_flat[qo : qo + m * r].view(r, m))
             po, qo = po + n * r, qo + m * r
         self.out_norm: torch.Tensor | None = None  # of this step's `out`, once it is made
         self.gen = torch.Generator().manual_seed(seed)  # identical on every rank: Q starts equal
         self.fill_random_q()
 
-    def reconstruct(self, M: torch.Tensor, out: torch.Tensor, Pt: torch.Tensor, Qt: torch.Tensor,
-                    block_buffer: torch.Tensor | None) -> torch.Tensor:
+    def reconstruct(
+        self, M: torch.Tensor, out: torch.Tensor, Pt: torch.Tensor, Qt: torch.Tensor, block_buffer: torch.Tensor | None
+    ) -> torch.Tensor:
         """out = P Q^T (the averaged gradient the optimizer reads); M -= out (the error: exactly
         what `out` leaves out of M, kept for the next step). Returns the squared 2-norm of out.
 
@@ -337,12 +343,12 @@ class _PowerBucket:
         n, m = M.shape
         rows = max(1, (block_numel([]) if block_buffer is None else block_buffer.numel()) // m)
         for i in range(0, n, rows):
-            dest = out[i:i + rows]
+            dest = out[i : i + rows]
             if block_buffer is None:
-                torch.mm(P[i:i + rows], Q, out=dest)
+                torch.mm(P[i : i + rows], Q, out=dest)
             else:
-                dest.copy_(torch.mm(P[i:i + rows], Q, out=block_buffer[:dest.numel()].view(-1, m)))
-            M[i:i + rows].sub_(dest)
+                dest.copy_(torch.mm(P[i : i + rows], Q, out=block_buffer[: dest.numel()].view(-1, m)))
+            M[i : i + rows].sub_(dest)
         P64, Q64 = P.double(), Q.double()
         return (torch.mm(P64.t(), P64) * torch.mm(Q64, Q64.t())).sum()
 
@@ -350,10 +356,10 @@ class _PowerBucket:
         self.q_flat.copy_(torch.randn(self.q_flat.numel(), generator=self.gen, dtype=self.q_flat.dtype))
 
     def views(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return [t[o:o + n * m].view(n, m) for o, n, m, _ in self.matrices]
+        return [t[o : o + n * m].view(n, m) for o, n, m, _ in self.matrices]
 
     def dense_views(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return [t[o:o + numel] for o, numel in self.dense]
+        return [t[o : o + numel] for o, numel in self.dense]
 
 
 class PowerSGD:
@@ -371,8 +377,11 @@ class PowerSGD:
         """P, Q and the dense tensors are small: on one host they are summed through shared memory
         (shm_p2p.LocalSum), elsewhere, or when large, through torch.distributed."""
         if group not in self.local_sums:
-            use_shm = (t.device.type == "cpu" and dist.get_backend(group) == "gloo"
-                       and os.environ.get("PARATRAIN_SMALL_SHM", "1") != "0")
+            use_shm = (
+                t.device.type == "cpu"
+                and dist.get_backend(group) == "gloo"
+                and os.environ.get("PARATRAIN_SMALL_SHM", "1") != "0"
+            )
             self.local_sums[group] = shm_p2p.LocalSum(group, self.timeout_s) if use_shm else None
         local = self.local_sums[group]
         if local is not None and local.usable and t.nbytes <= local.max_bytes:
@@ -429,8 +438,11 @@ class PowerSGD:
             errors = [self.restored.get(f"powersgd.{key}.error{i}") for i in range(len(views))]
             # A checkpoint's memory fits only the same buckets and rank: with another bucket_mb or
             # powersgd_rank it starts empty, as at another world size.
-            if (q is not None and q.shape == st.q_flat.shape
-                    and all(e is not None and e.shape == M.shape for e, M in zip(errors, views))):
+            if (
+                q is not None
+                and q.shape == st.q_flat.shape
+                and all(e is not None and e.shape == M.shape for e, M in zip(errors, views))
+            ):
                 st.q_flat.copy_(q)
                 for M, e in zip(views, errors):
                     M.copy_(e)
@@ -467,14 +479,16 @@ class PowerSGD:
         def finish():
             with profiler.phase("compress"):
                 st.q_flat.div_(world)
-                squares = [st.reconstruct(M, out, Pt, Qt, self.block if st.copies_matrices else None)
-                           for M, out, Pt, Qt in zip(ms, st.views(st.out), st.ps, st.qs)]
+                squares = [
+                    st.reconstruct(M, out, Pt, Qt, self.block if st.copies_matrices else None)
+                    for M, out, Pt, Qt in zip(ms, st.views(st.out), st.ps, st.qs)
+                ]
                 if st.dense:
                     st.dense_flat.div_(world)
                     squares.append(torch.linalg.vector_norm(st.dense_flat, dtype=torch.float64) ** 2)
                     o2 = 0
                     for out in st.dense_views(st.out):
-                        out.copy_(st.dense_flat[o2:o2 + out.numel()])
+                        out.copy_(st.dense_flat[o2 : o2 + out.numel()])
                         o2 += out.numel()
                 st.out_norm = torch.stack(squares).sum().clamp(min=0).sqrt().to(st.out.dtype)
 

@@ -16,6 +16,7 @@ How the all-reduce hides behind backward:
 Profiled phases: forward, backward, comm (blocked waiting in finish()), compress (codec arithmetic),
 optimizer (the finite check, clipping and the step).
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,13 +61,12 @@ class Bucket:
             return
         offset = 0
         for p in self.params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
         self.bound = flat
 
 
-def make_buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device,
-                 pad_to: int = 1) -> list[Bucket]:
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device, pad_to: int = 1) -> list[Bucket]:
     """Reverse registration order, cut when a bucket passes `bucket_bytes` or the dtype changes."""
     groups: list[list[nn.Parameter]] = [[]]
     size = 0
@@ -83,8 +83,15 @@ def make_buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.de
 class GradientReducer:
     """Bucketed, backward-overlapped gradient averaging over a process group."""
 
-    def __init__(self, params: list[nn.Parameter], bucket_mb: float, device: torch.device, group=None,
-                 codec=None, pad_to: int = 1):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        bucket_mb: float,
+        device: torch.device,
+        group=None,
+        codec=None,
+        pad_to: int = 1,
+    ):
         self.group = group
         self.device = device
         self.codec = codec or Uncompressed()
@@ -229,13 +236,14 @@ class DataParallel(Strategy):
 
     def load_state_dict(self, reader) -> None:
         tensors, meta = reader.load(rank=0)
-        model_state = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
         ckpt.load_model_state(self.model, model_state)
         ckpt.optimizer_from_tensors(self.optimizer, self.param_names, tensors, meta["optimizer"])
         if reader.world_size == self.rt.world_size:  # at another world size the memory starts empty
             own = tensors if self.rt.rank == 0 else reader.load(rank=self.rt.rank)[0]
             self.reducer.codec.load_state_dict(
-                {k[len("compression."):]: v.to(self.rt.device) for k, v in own.items() if k.startswith("compression.")})
+                {k[len("compression.") :]: v.to(self.rt.device) for k, v in own.items() if k.startswith("compression.")}
+            )
 
     def full_model_state(self):
         if self.rt.rank != 0:

@@ -11,6 +11,7 @@ from parallel.tp / parallel.pp, dp from the world size). Construction, on every 
 A step cuts the replica's batch into microbatches and runs the schedule (pipeline_schedules.py);
 each chunk's reducer communicates during that chunk's last backward, overlapped with the rest.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,11 +28,19 @@ from ..optim import build_optimizer
 from .base import Strategy, broadcast_tensors, clip_factor, eval_sums, unique_parameters
 from .data_parallel import GradientReducer
 from .mesh import build_mesh
-from .pipeline import (PipelineEngine, StageChunk, allowed_cuts, boundary_shape_fn, decide_split,
-                       pipeline_layers, split_ties, splittable_layers, tied_spans)
+from .pipeline import (
+    PipelineEngine,
+    StageChunk,
+    allowed_cuts,
+    boundary_shape_fn,
+    decide_split,
+    pipeline_layers,
+    split_ties,
+    splittable_layers,
+    tied_spans,
+)
 from .pipeline_schedules import SCHEDULES, forward_only, one_f_one_b
-from .tensor_parallel import (apply_tensor_parallel, check_plan, full_width, output_is_sharded,
-                              parallel_loss, plan_for)
+from .tensor_parallel import apply_tensor_parallel, check_plan, full_width, output_is_sharded, parallel_loss, plan_for
 from .tp_comm import all_gather_dim, gather_from_tp, shard_range
 
 
@@ -66,14 +75,22 @@ def check_model(cfg: Config, model: nn.Module) -> None:
         check_plan(model, plan, p.tp, user=bool(p.tp_plan))
     if p.pp > 1:
         if pipeline_layers(model) is None:
-            raise ConfigError("parallel.pp", f"pp = {p.pp} needs a model that can be cut into layers: an "
-                                             f"nn.Sequential or a module with pipeline_layers()")
+            raise ConfigError(
+                "parallel.pp",
+                f"pp = {p.pp} needs a model that can be cut into layers: an "
+                f"nn.Sequential or a module with pipeline_layers()",
+            )
         stages, layers = p.pp * virtual_stages(cfg), splittable_layers(model, plan, sync_ties(cfg))
         if stages > layers:
-            tied = "".join(f"; layers {a}-{b} share {name} (tied weights) and stay in one stage"
-                           for a, b, name in tied_spans(model, pipeline_layers(model), sync_ties(cfg)))
-            raise ConfigError("parallel.pp", f"{stages} pipeline stages (pp {p.pp} x {virtual_stages(cfg)} virtual) "
-                                             f"but the model has only {layers} layer{'' if layers == 1 else 's'} to split{tied}")
+            tied = "".join(
+                f"; layers {a}-{b} share {name} (tied weights) and stay in one stage"
+                for a, b, name in tied_spans(model, pipeline_layers(model), sync_ties(cfg))
+            )
+            raise ConfigError(
+                "parallel.pp",
+                f"{stages} pipeline stages (pp {p.pp} x {virtual_stages(cfg)} virtual) "
+                f"but the model has only {layers} layer{'' if layers == 1 else 's'} to split{tied}",
+            )
 
 
 class ModelParallel(Strategy):
@@ -95,8 +112,15 @@ class ModelParallel(Strategy):
         # 2. the cut
         if p.pp > 1:
             layers = pipeline_layers(model)
-            self.bounds, costs = decide_split(layers, self.n_stages, allowed_cuts(model, layers, plan, sync_ties(cfg)),
-                                              p.balance, self._sample_input, self.autocast, rt.device)
+            self.bounds, costs = decide_split(
+                layers,
+                self.n_stages,
+                allowed_cuts(model, layers, plan, sync_ties(cfg)),
+                p.balance,
+                self._sample_input,
+                self.autocast,
+                rt.device,
+            )
             if rt.is_main:
                 self._log_split(costs)
         else:
@@ -111,13 +135,14 @@ class ModelParallel(Strategy):
         # 4. this rank's chunks; everything else to the meta device
         layers = pipeline_layers(model) if p.pp > 1 else [model]
         self.stage_ids = [c * p.pp + mesh.pp_rank for c in range(self.v)]
-        stage_layers = [layers[self.bounds[s]:self.bounds[s + 1]] for s in range(self.n_stages)]
+        stage_layers = [layers[self.bounds[s] : self.bounds[s + 1]] for s in range(self.n_stages)]
         for s, group in enumerate(stage_layers):
             if s not in self.stage_ids:
                 for layer in group:
                     layer.to("meta")
-        self.chunks = [StageChunk(stage_layers[s], cfg.train.recompute == "full") if p.pp > 1 else model
-                       for s in self.stage_ids]
+        self.chunks = [
+            StageChunk(stage_layers[s], cfg.train.recompute == "full") if p.pp > 1 else model for s in self.stage_ids
+        ]
         self.owned_keys = [k for k, s in stage_of_key.items() if s in self.stage_ids]
         name_of = {id(t): n for n, t in model.named_parameters()}
         self.reducers, self.param_names, params = [], [], []
@@ -137,14 +162,25 @@ class ModelParallel(Strategy):
         else:
             self.train_loss, self.full_output = loss_fn, (lambda out: out)
         meta_layers = pipeline_layers(self.full_meta) if p.pp > 1 else [self.full_meta]
-        shapes = boundary_shape_fn([meta_layers[self.bounds[s]:self.bounds[s + 1]] for s in range(self.n_stages)])
-        self.engine = PipelineEngine(self.chunks, self.stage_ids, self.n_stages,
-                                     lambda s: mesh.stage_rank(s % p.pp), mesh.pp_group, shapes, rt.device,
-                                     p.timeout_s)
+        shapes = boundary_shape_fn([meta_layers[self.bounds[s] : self.bounds[s + 1]] for s in range(self.n_stages)])
+        self.engine = PipelineEngine(
+            self.chunks,
+            self.stage_ids,
+            self.n_stages,
+            lambda s: mesh.stage_rank(s % p.pp),
+            mesh.pp_group,
+            shapes,
+            rt.device,
+            p.timeout_s,
+        )
         if rt.is_main and p.pp > 1:
             shm = sorted(self.engine.p2p.shm_senders)
-            print(f"pipeline messages of rank 0: shared memory with ranks {shm}, torch.distributed otherwise"
-                  if shm else "pipeline messages: torch.distributed", flush=True)
+            print(
+                f"pipeline messages of rank 0: shared memory with ranks {shm}, torch.distributed otherwise"
+                if shm
+                else "pipeline messages: torch.distributed",
+                flush=True,
+            )
         schedule = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b
         self.actions = schedule(p.pp, mesh.pp_rank, self.m, self.v)
         last_backward = {}
@@ -183,8 +219,11 @@ class ModelParallel(Strategy):
                     if self.rt.rank in ranks:
                         mine.append((mine_copy, group, self.rt.rank == ranks[0]))
             if self.rt.is_main:
-                print(f"tied weights: {name} is shared by stages {holders}; their copies' gradients are summed "
-                      f"every step", flush=True)
+                print(
+                    f"tied weights: {name} is shared by stages {holders}; their copies' gradients are summed "
+                    f"every step",
+                    flush=True,
+                )
         return mine
 
     def _sum_tied_grads(self) -> torch.Tensor:
@@ -210,7 +249,7 @@ class ModelParallel(Strategy):
         layers = pipeline_layers(model)
         prefix_stage = []
         for s in range(self.n_stages):
-            prefix_stage += [(name_of[id(layer)] + ".", s) for layer in layers[self.bounds[s]:self.bounds[s + 1]]]
+            prefix_stage += [(name_of[id(layer)] + ".", s) for layer in layers[self.bounds[s] : self.bounds[s + 1]]]
         return {k: next((s for prefix, s in prefix_stage if k.startswith(prefix)), 0) for k in model.state_dict()}
 
     def _log_split(self, costs: list[float]) -> None:
@@ -241,8 +280,15 @@ class ModelParallel(Strategy):
         def before_backward(a):
             self.reducers[a.chunk].prepare(sync=self.last_backward[a.chunk] == a.mb)
 
-        losses = self.engine.run(self.actions, list(torch.chunk(inputs, self.m)), list(torch.chunk(targets, self.m)),
-                                 self.train_loss, self.autocast, train=True, before_backward=before_backward)
+        losses = self.engine.run(
+            self.actions,
+            list(torch.chunk(inputs, self.m)),
+            list(torch.chunk(targets, self.m)),
+            self.train_loss,
+            self.autocast,
+            train=True,
+            before_backward=before_backward,
+        )
         chunk_norms = [r.finish() for r in self.reducers]
         with self.profiler.phase("optimizer"):
             norm = self._global_grad_norm(chunk_norms, self._sum_tied_grads())
@@ -255,7 +301,7 @@ class ModelParallel(Strategy):
                             t.grad.mul_(factor)
                 self.optimizer.step()
         if self.stage_ids[-1] == self.n_stages - 1:
-            return torch.stack([l.detach().float() for l in losses]).mean()
+            return torch.stack([loss.detach().float() for loss in losses]).mean()
         return torch.zeros((), device=self.rt.device)
 
     def _global_grad_norm(self, chunk_norms: list[torch.Tensor], tied_change: torch.Tensor) -> float:
@@ -269,9 +315,13 @@ class ModelParallel(Strategy):
         else:
             squares = torch.zeros((), dtype=torch.float64, device=self.rt.device)
             later_copies = {id(param) for param, _, first in self.tied if not first}
-            grads = [t.grad for name, t in zip(self.param_names, self.params)
-                     if t.grad is not None and id(t) not in later_copies
-                     and (name in self.shard_dims or self.mesh.tp_rank == 0)]
+            grads = [
+                t.grad
+                for name, t in zip(self.param_names, self.params)
+                if t.grad is not None
+                and id(t) not in later_copies
+                and (name in self.shard_dims or self.mesh.tp_rank == 0)
+            ]
             if grads:
                 squares += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         if dist.get_world_size() > 1:
@@ -285,8 +335,14 @@ class ModelParallel(Strategy):
         try:
             xs, ys = list(torch.chunk(inputs, self.m)), list(torch.chunk(targets, self.m))
             actions = forward_only(self.cfg.parallel.pp, self.mesh.pp_rank, len(xs), self.v)
-            sums = self.engine.run(actions, xs, ys, lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y),
-                                   self.autocast, train=False)
+            sums = self.engine.run(
+                actions,
+                xs,
+                ys,
+                lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y),
+                self.autocast,
+                train=False,
+            )
         finally:
             for chunk in self.chunks:
                 chunk.train()
@@ -344,8 +400,9 @@ class ModelParallel(Strategy):
         missing = [k for k, v in state.items() if v is None]
         wrong = [k for k, v in state.items() if v is not None and v.shape != local[k].shape]
         if missing or wrong:
-            raise ckpt.CheckpointMismatch("resume", "checkpoint does not match the model: "
-                                                    f"missing {missing[:5]}, shape differs {wrong[:5]}")
+            raise ckpt.CheckpointMismatch(
+                "resume", f"checkpoint does not match the model: missing {missing[:5]}, shape differs {wrong[:5]}"
+            )
         with torch.no_grad():
             for k, t in local.items():
                 t.copy_(state[k])
@@ -355,12 +412,15 @@ class ModelParallel(Strategy):
             # copy a stage held, or the first name when one stage held all its uses.
             for saved in (name, *self.tie_names.get(name, ())):
                 prefix = f"optim.{saved}."
-                found = {f"optim.{name}.{key[len(prefix):]}": mine(key, saved) for key in pieces if key.startswith(prefix)}
+                found = {
+                    f"optim.{name}.{key[len(prefix) :]}": mine(key, saved) for key in pieces if key.startswith(prefix)
+                }
                 if found:
                     optim.update(found)
                     break
-        ckpt.optimizer_from_tensors(self.optimizer, self.param_names, optim,
-                                    {"param_groups": groups, "scalars": scalars})
+        ckpt.optimizer_from_tensors(
+            self.optimizer, self.param_names, optim, {"param_groups": groups, "scalars": scalars}
+        )
 
     def full_model_state(self):
         """Collective. tp shards are gathered inside each stage, then every stage's leader sends its
@@ -391,7 +451,7 @@ class ModelParallel(Strategy):
                 offset = 0
                 for i in members:
                     n = metas[i].numel()
-                    state[keys[i]] = flat[offset:offset + n].view(metas[i].shape)
+                    state[keys[i]] = flat[offset : offset + n].view(metas[i].shape)
                     offset += n
         return {k: state[k].cpu() for k in full}
 

@@ -7,6 +7,7 @@ node they share the fastest links, which tp's per-layer all-reduces need most); 
 outermost, since they only exchange one activation per microbatch. Every rank knows its
 coordinates, its three sub-groups, and the global ranks of its pipeline neighbours.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

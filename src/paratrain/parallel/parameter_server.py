@@ -45,6 +45,7 @@ Fault points (PARATRAIN_FAULTS, see paratrain/faults.py), each at one worker's p
     ps_stall_before_pull@rank=R,step=S   ... stalls there for FAULT_STALL_S seconds
     ps_bad_header@rank=R,step=S          ... pushes NaN as its step, and leaves (exit 0)
 """
+
 from __future__ import annotations
 
 import os
@@ -106,7 +107,7 @@ class FlatShard:
         out, offset = [], HEADER
         for shape in self.shapes:
             n = shape.numel()
-            out.append(buf[offset:offset + n].view(shape))
+            out.append(buf[offset : offset + n].view(shape))
             offset += n
         return out
 
@@ -277,8 +278,11 @@ class ParameterServer(Strategy):
         if faults.active("ps_bad_header", rank=self.rt.rank, step=self.step_index):
             os._exit(0)  # no pull will answer a malformed push
         if faults.active("ps_stall_before_pull", rank=self.rt.rank, step=self.step_index):
-            print(f"ps: worker rank {self.rt.rank} stalls for {FAULT_STALL_S:g}s before its pull of step "
-                  f"{self.step_index + 1} (fault injection)", flush=True)
+            print(
+                f"ps: worker rank {self.rt.rank} stalls for {FAULT_STALL_S:g}s before its pull of step "
+                f"{self.step_index + 1} (fault injection)",
+                flush=True,
+            )
             time.sleep(FAULT_STALL_S)
 
     def _p2p(self, op, buf: torch.Tensor, peer: int, tag: int):
@@ -294,8 +298,9 @@ class ParameterServer(Strategy):
                 work.wait(self.timeout)
         except RuntimeError as exc:
             if "Timed out" in str(exc):
-                raise self._lost(peer, f"did not answer within parallel.timeout_s = "
-                                       f"{self.timeout.total_seconds():g}s") from None
+                raise self._lost(
+                    peer, f"did not answer within parallel.timeout_s = {self.timeout.total_seconds():g}s"
+                ) from None
             raise self._lost(peer, f"is gone: {first_line(exc)}") from None
 
     def _lost(self, peer: int, what: str) -> RuntimeError:
@@ -411,8 +416,12 @@ class ParameterServer(Strategy):
         if w in self.held:
             self.held.remove(w)
         self.stats.dropped.append(w)
-        print(f"ps: server rank {self.rt.rank} drops worker rank {w}: {why}; training goes on with "
-              f"{len(self.live)} workers", file=sys.stderr, flush=True)
+        print(
+            f"ps: server rank {self.rt.rank} drops worker rank {w}: {why}; training goes on with "
+            f"{len(self.live)} workers",
+            file=sys.stderr,
+            flush=True,
+        )
         if not self.live:
             raise RuntimeError("ps: every worker is gone")
         self._release_held()
@@ -438,8 +447,12 @@ class ParameterServer(Strategy):
             self._update()
         else:  # this push alone is refused (another server may hold the finite part of it)
             self.refused.add(src)
-            print(f"ps: server rank {self.rt.rank} refuses worker rank {src}'s push for step {step + 1}: "
-                  f"non-finite loss or gradient", file=sys.stderr, flush=True)
+            print(
+                f"ps: server rank {self.rt.rank} refuses worker rank {src}'s push for step {step + 1}: "
+                f"non-finite loss or gradient",
+                file=sys.stderr,
+                flush=True,
+            )
         self.clock[src] = step + 1
         if self.clock[src] >= self.total_steps:
             self.done.add(src)  # its final parameters go out once everyone is done
@@ -497,7 +510,7 @@ class ParameterServer(Strategy):
             dist.all_reduce(alive, op=dist.ReduceOp.MIN, group=self.server_group)
         live = [int(r) for r in alive.nonzero().flatten()]
         if self.rt.rank == 0:
-            for w in live[len(self.servers):]:
+            for w in live[len(self.servers) :]:
                 self._wait(self._p2p(dist.isend, alive, w, PULL_TAG), w)
         self._set_live(live)
 
@@ -506,8 +519,11 @@ class ParameterServer(Strategy):
             self.trainer_group = dist.new_group(live, use_local_synchronization=True)
             self.live_ranks = live
             if self.rt.rank == 0:
-                print(f"ps: finished with {len(live) - len(self.servers)} of {len(self.workers)} workers "
-                      f"(dropped: {', '.join(str(r) for r in sorted(set(self.workers) - set(live)))})", flush=True)
+                print(
+                    f"ps: finished with {len(live) - len(self.servers)} of {len(self.workers)} workers "
+                    f"(dropped: {', '.join(str(r) for r in sorted(set(self.workers) - set(live)))})",
+                    flush=True,
+                )
 
     # -- metrics --------------------------------------------------------------------------------
     def step_metrics(self) -> dict:
@@ -523,12 +539,14 @@ class ParameterServer(Strategy):
             dist.all_gather(every, mine, group=self.server_group)
         hist = self.stats.staleness
         n = sum(hist.values())
-        out = {"ps_mode": self.mode,
-               "staleness_mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
-               "staleness_max": max(hist) if hist else 0,
-               "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
-               "pushes_per_s": [t[0].item() / t[2].item() for t in every],
-               "bytes_moved": [int(t[1].item()) for t in every]}
+        out = {
+            "ps_mode": self.mode,
+            "staleness_mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
+            "staleness_max": max(hist) if hist else 0,
+            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
+            "pushes_per_s": [t[0].item() / t[2].item() for t in every],
+            "bytes_moved": [int(t[1].item()) for t in every],
+        }
         if self.mode == "ssp":
             out["ssp_max_gap"] = self.max_gap
         if self.stats.dropped:
@@ -565,7 +583,9 @@ class ParameterServer(Strategy):
         named = dict(unique_parameters(self.model))
         missing = [n for n in self.names if f"model.{n}" not in tensors]
         if missing:
-            raise ckpt.CheckpointMismatch("resume", "checkpoint does not match the model: missing " + ", ".join(missing))
+            raise ckpt.CheckpointMismatch(
+                "resume", "checkpoint does not match the model: missing " + ", ".join(missing)
+            )
         with torch.no_grad():
             for n in self.own_names if self.is_server else self.names:
                 named[n].copy_(tensors[f"model.{n}"])
@@ -577,8 +597,9 @@ class ParameterServer(Strategy):
             if self.optimizer is not None:
                 groups = [m["optimizer"]["param_groups"] for m in metas if "optimizer" in m]
                 scalars = {k: v for m in metas if "optimizer" in m for k, v in m["optimizer"]["scalars"].items()}
-                ckpt.optimizer_from_tensors(self.optimizer, self.own_names, tensors,
-                                            {"param_groups": groups[0], "scalars": scalars})
+                ckpt.optimizer_from_tensors(
+                    self.optimizer, self.own_names, tensors, {"param_groups": groups[0], "scalars": scalars}
+                )
         else:
             self.versions = [max(m["ps"]["version"] for m in metas)] * len(self.servers)
 
@@ -598,7 +619,7 @@ class ParameterServer(Strategy):
                 self._wait(self._p2p(dist.irecv, flat, first_worker, EXPORT_TAG), first_worker)
                 offset = 0
                 for b in buffers:
-                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
                     offset += b.numel()
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if self.is_server:

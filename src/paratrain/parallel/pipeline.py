@@ -14,10 +14,10 @@ without waiting. The last stage computes the loss of each microbatch (scaled by 
 summed gradients are those of the whole batch); backward of a stage starts from the gradient of
 its output received from the next stage.
 """
+
 from __future__ import annotations
 
 import bisect
-
 import statistics
 import time
 
@@ -78,7 +78,9 @@ def shared_parameters(model: nn.Module, layers: list[nn.Module]) -> list[tuple[n
                 owners.setdefault(id(t), set()).add(id(module))
                 if i not in users.setdefault(id(t), []):
                     users[id(t)].append(i)
-    found = [(params[k], name_of.get(k, "?"), idx, len(owners[k]) < len(idx)) for k, idx in users.items() if len(idx) > 1]
+    found = [
+        (params[k], name_of.get(k, "?"), idx, len(owners[k]) < len(idx)) for k, idx in users.items() if len(idx) > 1
+    ]
     return sorted(found, key=lambda f: (f[2], f[1]))
 
 
@@ -88,11 +90,14 @@ def tied_spans(model: nn.Module, layers: list[nn.Module], sync_ties: bool = Fals
     when the engine sums its copies' gradients (`sync_ties`: the plain pipeline, one stage per
     rank and no tp); otherwise each stage would train its own copy apart. A module used twice
     always stays whole: moving one use's weights off a rank would take the other's with them."""
-    return [(idx[0], idx[-1], name) for _, name, idx, reused in shared_parameters(model, layers)
-            if reused or not sync_ties]
+    return [
+        (idx[0], idx[-1], name) for _, name, idx, reused in shared_parameters(model, layers) if reused or not sync_ties
+    ]
 
 
-def split_ties(model: nn.Module, layers: list[nn.Module], bounds: list[int]) -> list[tuple[nn.Parameter, str, list[int]]]:
+def split_ties(
+    model: nn.Module, layers: list[nn.Module], bounds: list[int]
+) -> list[tuple[nn.Parameter, str, list[int]]]:
     """(parameter, name, the stages holding a copy) for each shared parameter that the cut `bounds`
     splits across stages."""
     found = []
@@ -161,7 +166,9 @@ def measured_costs(layers: list[nn.Module], sample: torch.Tensor, autocast, repe
     return costs
 
 
-def decide_split(layers, n_stages: int, allowed, balance: str, sample_fn, autocast, device) -> tuple[list[int], list[float]]:
+def decide_split(
+    layers, n_stages: int, allowed, balance: str, sample_fn, autocast, device
+) -> tuple[list[int], list[float]]:
     """Boundaries and per-layer costs; identical on every rank (rank 0 measures and broadcasts)."""
     if balance == "params":
         costs = parameter_costs(layers)
@@ -191,10 +198,19 @@ class StageChunk(nn.Module):
 class PipelineEngine:
     """Runs a schedule's actions over this rank's chunks, moving tensors to and from neighbours."""
 
-    def __init__(self, chunks: list[nn.Module], stage_ids: list[int], n_stages: int, stage_rank, group,
-                 boundary_shapes, device: torch.device, timeout_s: float):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        stage_ids: list[int],
+        n_stages: int,
+        stage_rank,
+        group,
+        boundary_shapes,
+        device: torch.device,
+        timeout_s: float,
+    ):
         self.chunks, self.stage_ids, self.n_stages = chunks, stage_ids, n_stages
-        self.stage_rank = stage_rank          # virtual stage -> global rank holding it
+        self.stage_rank = stage_rank  # virtual stage -> global rank holding it
         self.boundary_shapes = boundary_shapes  # microbatch input -> [(shape, dtype) entering stage s]
         self.device = device
         neighbours = {stage_rank(t) for s in stage_ids for t in (s - 1, s + 1) if 0 <= t < n_stages}
@@ -215,8 +231,16 @@ class PipelineEngine:
         buf.requires_grad_(False)  # an activation's buffer may next receive a gradient
         self.spare_buffers.setdefault((buf.shape, buf.dtype), []).append(buf)
 
-    def run(self, actions: list[Action], inputs: list[torch.Tensor], targets: list[torch.Tensor],
-            loss_fn, autocast, train: bool, before_backward=None) -> list:
+    def run(
+        self,
+        actions: list[Action],
+        inputs: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        loss_fn,
+        autocast,
+        train: bool,
+        before_backward=None,
+    ) -> list:
         """Returns, on the last stage, each microbatch's loss (train) or loss_fn's value (eval)."""
         m = len(inputs)
         shapes = [self.boundary_shapes(x) for x in inputs]
@@ -231,12 +255,10 @@ class PipelineEngine:
             s = self.stage_ids[a.chunk]
             if a.kind == "F" and s != first:
                 shape, dtype = shapes[a.mb][s]
-                return self._buffer(shape, dtype), self.stage_rank(s - 1), \
-                    self.p2p.tag(P2P.ACTIVATION, s - 1, a.mb)
+                return self._buffer(shape, dtype), self.stage_rank(s - 1), self.p2p.tag(P2P.ACTIVATION, s - 1, a.mb)
             if a.kind == "B" and s != last:
                 shape, dtype = shapes[a.mb][s + 1]
-                return self._buffer(shape, dtype), self.stage_rank(s + 1), \
-                    self.p2p.tag(P2P.GRADIENT, s, a.mb)
+                return self._buffer(shape, dtype), self.stage_rank(s + 1), self.p2p.tag(P2P.GRADIENT, s, a.mb)
             return None
 
         def post(upto: int, sends: list) -> None:
@@ -285,8 +307,13 @@ class PipelineEngine:
                     _, dtype = shapes[a.mb][s + 1]
                     # Sent as it is (P2P only reads it) unless the dtype differs: right after heavy
                     # compute every tensor op costs several microseconds, and actions are many
-                    sends.append((out if out.dtype == dtype else out.to(dtype), self.stage_rank(s + 1),
-                                  self.p2p.tag(P2P.ACTIVATION, s, a.mb)))
+                    sends.append(
+                        (
+                            out if out.dtype == dtype else out.to(dtype),
+                            self.stage_rank(s + 1),
+                            self.p2p.tag(P2P.ACTIVATION, s, a.mb),
+                        )
+                    )
                     if train:
                         saved[(a.chunk, a.mb)] = (x, out)
             else:

@@ -17,6 +17,7 @@ Transport. On CPU, neighbours on the same host exchange messages through shared 
 any message larger than half a channel's ring, go through torch.distributed (gloo or NCCL).
 PARATRAIN_P2P_SHM=0 sends everything through torch.distributed.
 """
+
 from __future__ import annotations
 
 import os

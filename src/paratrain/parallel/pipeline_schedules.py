@@ -19,6 +19,7 @@ at most p microbatches alive on rank 0, same bubble (p-1)/(m+p-1) as gpipe
 interleaved (Megatron): v chunks per rank, microbatches in groups of p; the warm-up covers the
 other chunks too, and the bubble shrinks to (p-1)/(v*m+p-1) of the step.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -38,10 +39,10 @@ def gpipe(p: int, rank: int, m: int, v: int = 1) -> list[Action]:
 
 def one_f_one_b(p: int, rank: int, m: int, v: int = 1) -> list[Action]:
     warmup = min(p - rank - 1, m)
-    actions = [Action("F", 0, i) for i in range(warmup)]                  # warm-up
-    for i in range(m - warmup):                                            # steady state
+    actions = [Action("F", 0, i) for i in range(warmup)]  # warm-up
+    for i in range(m - warmup):  # steady state
         actions += [Action("F", 0, warmup + i), Action("B", 0, i)]
-    actions += [Action("B", 0, i) for i in range(m - warmup, m)]           # cool-down
+    actions += [Action("B", 0, i) for i in range(m - warmup, m)]  # cool-down
     return actions
 
 
@@ -58,10 +59,10 @@ def interleaved(p: int, rank: int, m: int, v: int) -> list[Action]:
         return Action("B", v - 1 - (k % (p * v)) // p, (k // (p * v)) * p + k % p)
 
     warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    actions = [forward(k) for k in range(warmup)]                          # warm-up
-    for i in range(total - warmup):                                        # steady state
+    actions = [forward(k) for k in range(warmup)]  # warm-up
+    for i in range(total - warmup):  # steady state
         actions += [forward(warmup + i), backward(i)]
-    actions += [backward(k) for k in range(total - warmup, total)]         # cool-down
+    actions += [backward(k) for k in range(total - warmup, total)]  # cool-down
     return actions
 
 

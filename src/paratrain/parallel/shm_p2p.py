@@ -22,6 +22,7 @@ its record, and a sender reuses ring space only after reading the ack, so no sha
 no memory fences are needed. A send returns once its payload is in the ring; it waits only when
 the ring is full of messages not yet received.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -102,13 +103,15 @@ class Sender:
         self.ring, self.capacity, self.ring_ptr = ring, ring.numel(), ring.data_ptr()
         self.data_fd, self.ack_fd = data_fd, ack_fd  # the ack FIFO is read without blocking
         self.peer, self.timeout_s = peer, timeout_s
-        self.pos = 0                      # where the next payload may start, counted without wrapping
+        self.pos = 0  # where the next payload may start, counted without wrapping
         self.in_flight: deque[int] = deque()  # start of each payload not yet acknowledged
 
     def _acks(self, block: bool) -> None:
         if block and not select.select([self.ack_fd], [], [], self.timeout_s)[0]:
-            raise ChannelError(f"send to rank {self.peer}: the ring is full and rank {self.peer} "
-                               f"received nothing for {self.timeout_s:.0f} s")
+            raise ChannelError(
+                f"send to rank {self.peer}: the ring is full and rank {self.peer} "
+                f"received nothing for {self.timeout_s:.0f} s"
+            )
         try:
             for _ in os.read(self.ack_fd, 65536):
                 self.in_flight.popleft()
@@ -143,13 +146,13 @@ class Receiver:
         self.posted = 0
         self.pending: deque[Receive] = deque()
 
-    def post(self, buf: torch.Tensor, tag: int) -> "Receive":
+    def post(self, buf: torch.Tensor, tag: int) -> Receive:
         self.posted += 1
         r = Receive(self, buf, tag, self.posted - 1)
         self.pending.append(r)
         return r
 
-    def complete(self, r: "Receive") -> None:
+    def complete(self, r: Receive) -> None:
         """Take messages in posting order up to `r`'s: a receive waited for before an earlier one
         takes the earlier one's message too, into that one's buffer."""
         while not r.done:
@@ -157,22 +160,28 @@ class Receiver:
             self._take(earlier)
             earlier.done = True
 
-    def _take(self, r: "Receive") -> None:
+    def _take(self, r: Receive) -> None:
         try:  # the record is usually there already: one syscall, not a select and a read
             record = os.read(self.data_fd, RECORD.size)
         except BlockingIOError:
             if not select.select([self.data_fd], [], [], self.timeout_s)[0]:
-                raise ChannelError(f"receive #{r.index} (tag {r.tag}) from rank {self.peer} did not "
-                                   f"arrive within {self.timeout_s:.0f} s") from None
+                raise ChannelError(
+                    f"receive #{r.index} (tag {r.tag}) from rank {self.peer} did not "
+                    f"arrive within {self.timeout_s:.0f} s"
+                ) from None
             record = os.read(self.data_fd, RECORD.size)
         offset, n, tag = RECORD.unpack(record)
         if n != r.buf.nbytes or tag != r.tag:
-            raise ChannelError(f"message #{r.index} from rank {self.peer} is {n} bytes with tag {tag}; "
-                               f"this rank expected {r.buf.nbytes} bytes with tag {r.tag}: the two ranks "
-                               f"post their messages in different orders")
+            raise ChannelError(
+                f"message #{r.index} from rank {self.peer} is {n} bytes with tag {tag}; "
+                f"this rank expected {r.buf.nbytes} bytes with tag {r.tag}: the two ranks "
+                f"post their messages in different orders"
+            )
         if not 0 <= offset <= self.capacity - n:  # a copy from outside the ring would read any memory
-            raise ChannelError(f"message #{r.index} from rank {self.peer} lies at bytes [{offset}, {offset + n}) "
-                               f"of a {self.capacity}-byte ring")
+            raise ChannelError(
+                f"message #{r.index} from rank {self.peer} lies at bytes [{offset}, {offset + n}) "
+                f"of a {self.capacity}-byte ring"
+            )
         dest = r.buf if r.buf.is_contiguous() else torch.empty_like(r.buf, memory_format=torch.contiguous_format)
         ctypes.memmove(dest.data_ptr(), self.ring_ptr + offset, n)
         if dest is not r.buf:
@@ -205,8 +214,9 @@ def _host_id() -> str:
     return "/".join(facts)
 
 
-def connect(group, neighbours: set[int], timeout_s: float,
-            capacity: int = DEFAULT_CAPACITY) -> tuple[dict[int, Sender], dict[int, Receiver]]:
+def connect(
+    group, neighbours: set[int], timeout_s: float, capacity: int = DEFAULT_CAPACITY
+) -> tuple[dict[int, Sender], dict[int, Receiver]]:
     """Channels to and from every neighbour (global ranks) on this host; collective over `group`.
 
     Returns ({peer: Sender}, {peer: Receiver}), empty where shared memory cannot be used (another
@@ -235,8 +245,9 @@ def connect(group, neighbours: set[int], timeout_s: float,
             ring, data, ack = _paths(own_dir, p, me)
             os.mkfifo(data, 0o600)
             os.mkfifo(ack, 0o600)
-            receivers[p] = Receiver(_create_ring(ring, capacity), _open_fifo(data, os.O_NONBLOCK),
-                                    _open_fifo(ack, 0), p, timeout_s)
+            receivers[p] = Receiver(
+                _create_ring(ring, capacity), _open_fifo(data, os.O_NONBLOCK), _open_fifo(ack, 0), p, timeout_s
+            )
     except (OSError, ChannelError) as exc:
         failure = f"rank {me}: {exc}"
     # everyone's files exist (or someone failed) before anyone opens a peer's
@@ -246,8 +257,9 @@ def connect(group, neighbours: set[int], timeout_s: float,
         try:
             for p in peers:
                 ring, data, ack = _paths(dirs[p], me, p)
-                senders[p] = Sender(_open_ring(ring, capacity), _open_fifo(data, 0),
-                                    _open_fifo(ack, os.O_NONBLOCK), p, timeout_s)
+                senders[p] = Sender(
+                    _open_ring(ring, capacity), _open_fifo(data, 0), _open_fifo(ack, os.O_NONBLOCK), p, timeout_s
+                )
         except (OSError, ChannelError) as exc:
             failure = f"rank {me}: {exc}"
         dist.all_gather_object(failures, failure, group=group)
@@ -268,7 +280,6 @@ def close(senders: dict, receivers: dict) -> None:
     receivers.clear()
 
 
-
 class LocalSum:
     """SUM all-reduce of small CPU tensors among the ranks of a group that share one host.
 
@@ -283,8 +294,7 @@ class LocalSum:
 
     def __init__(self, group, timeout_s: float, capacity: int = 2 * 2**20):
         self.me = dist.get_rank()
-        self.members = (dist.get_process_group_ranks(group) if group is not None
-                        else list(range(dist.get_world_size())))
+        self.members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         self.senders, self.receivers = connect(group, set(self.members), timeout_s, capacity)
         self.usable = len(self.members) > 1 and len(self.senders) == len(self.members) - 1
         if not self.usable:  # some members on another host: channels to the rest go unused
@@ -292,7 +302,7 @@ class LocalSum:
         self.max_bytes = capacity // 8  # several rounds in flight never fill a ring
         self.started = 0
 
-    def start(self, t: torch.Tensor) -> "LocalSumWork":
+    def start(self, t: torch.Tensor) -> LocalSumWork:
         tag = self.started
         self.started += 1
         for p in self.members:

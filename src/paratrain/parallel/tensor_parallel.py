@@ -16,6 +16,7 @@ modules are replaced in place, under the same names, so the state dict keeps the
 shards are slices of the same initial weights every rank built, so training starts where one
 process would.
 """
+
 from __future__ import annotations
 
 import torch
@@ -71,7 +72,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         self.num_embeddings = emb.num_embeddings
         self.start, self.end = shard_range(emb.num_embeddings, world, rank)
-        self.weight = nn.Parameter(emb.weight.detach()[self.start:self.end].clone())
+        self.weight = nn.Parameter(emb.weight.detach()[self.start : self.end].clone())
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.end)
@@ -87,9 +88,16 @@ def gpt_plan(model) -> dict[str, str]:
     the vocabulary split in the embedding and the head."""
     plan = {"embed.tok": "vocab", "head.lm_head": "colwise"}
     for i in range(len(model.blocks)):
-        plan.update({f"blocks.{i}.attn.q": "colwise", f"blocks.{i}.attn.k": "colwise",
-                     f"blocks.{i}.attn.v": "colwise", f"blocks.{i}.attn.proj": "rowwise",
-                     f"blocks.{i}.mlp.fc": "colwise", f"blocks.{i}.mlp.proj": "rowwise"})
+        plan.update(
+            {
+                f"blocks.{i}.attn.q": "colwise",
+                f"blocks.{i}.attn.k": "colwise",
+                f"blocks.{i}.attn.v": "colwise",
+                f"blocks.{i}.attn.proj": "rowwise",
+                f"blocks.{i}.mlp.fc": "colwise",
+                f"blocks.{i}.mlp.proj": "rowwise",
+            }
+        )
     return plan
 
 
@@ -109,8 +117,11 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
 
     key = "parallel.tp_plan"
     if tp > 1 and not plan:
-        raise ConfigError(key, f"tp = {tp} needs a plan for this model: a table of module name -> "
-                               f"colwise | rowwise (e.g. {{ \"0\" = \"colwise\", \"2\" = \"rowwise\" }})")
+        raise ConfigError(
+            key,
+            f"tp = {tp} needs a plan for this model: a table of module name -> "
+            f'colwise | rowwise (e.g. {{ "0" = "colwise", "2" = "rowwise" }})',
+        )
     modules = dict(model.named_modules(remove_duplicate=False))
     holders: dict[int, list[str]] = {}  # parameter -> the modules holding it (several: tied)
     for owner, module in modules.items():
@@ -126,16 +137,20 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
         if not isinstance(module, want):
             raise ConfigError(key, f"{name!r} is a {type(module).__name__}, not a {want.__name__}")
         if sum(m is module for m in modules.values()) > 1:
-            raise ConfigError(key, f"{name!r} is one module used in several places, which tensor parallelism "
-                                   f"cannot split")
+            raise ConfigError(
+                key, f"{name!r} is one module used in several places, which tensor parallelism cannot split"
+            )
         for attr, t in module.named_parameters(recurse=False):
             others = [o for o in holders[id(t)] if o != name]
             # Tied weights stay tied only if every holder shards them alike (the gpt's vocab-parallel
             # embedding and column-parallel head both split rows of one (vocab, d) matrix):
             # otherwise each would get its own tensor, one sharded (or sharded otherwise), one not.
             if others and any(o not in plan or _shard_dim(plan[o], attr) != _shard_dim(style, attr) for o in others):
-                raise ConfigError(key, f"{name!r} shares its {attr} with {', '.join(map(repr, others))} (tied "
-                                       f"weights or one module used twice), which this plan would split apart")
+                raise ConfigError(
+                    key,
+                    f"{name!r} shares its {attr} with {', '.join(map(repr, others))} (tied "
+                    f"weights or one module used twice), which this plan would split apart",
+                )
         # User plans split evenly; the built-in gpt's vocabulary may split unevenly (by one row).
         size = module.out_features if style == "colwise" else module.in_features if style == "rowwise" else tp
         if user and size % tp:
@@ -161,11 +176,17 @@ def check_pairs(model: nn.Sequential, plan: dict) -> None:
             continue  # containers and parameter-free modules (activations, dropout)
         style = plan.get(name)
         if split_by is not None and style != "rowwise":
-            raise ConfigError(key, f"{name!r} takes the split output of colwise {split_by!r}, so it must be "
-                                   f"rowwise (a colwise -> rowwise pair), but it is {style or 'not planned'}")
+            raise ConfigError(
+                key,
+                f"{name!r} takes the split output of colwise {split_by!r}, so it must be "
+                f"rowwise (a colwise -> rowwise pair), but it is {style or 'not planned'}",
+            )
         if split_by is None and style == "rowwise":
-            raise ConfigError(key, f"{name!r} is rowwise but its input is whole: a rowwise Linear must follow "
-                                   f"a colwise one (a colwise -> rowwise pair)")
+            raise ConfigError(
+                key,
+                f"{name!r} is rowwise but its input is whole: a rowwise Linear must follow "
+                f"a colwise one (a colwise -> rowwise pair)",
+            )
         split_by = name if style == "colwise" else None
 
 
@@ -189,8 +210,9 @@ def apply_tensor_parallel(model: nn.Module, plan: dict, group) -> dict[str, int]
         parallel = STYLES[style](modules[name], group, rank, world)
         setattr(modules[parent_name], attr, parallel)
         prefix = f"{name}." if name else ""
-        shard_dims.update({prefix + p: d for p, d in parallel.shard_dims.items()
-                           if getattr(parallel, p, None) is not None})
+        shard_dims.update(
+            {prefix + p: d for p, d in parallel.shard_dims.items() if getattr(parallel, p, None) is not None}
+        )
     # Each holder of a tied parameter cut the same slice of it (check_plan): tie the slices again.
     modules = dict(model.named_modules())
     for (first, first_attr), *rest in tied.values():

@@ -8,6 +8,7 @@
 Each pair is the other's transpose, so a column-parallel layer followed by a row-parallel one
 costs exactly one all-reduce forward and one backward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,7 +59,7 @@ def all_gather_dim(x: torch.Tensor, dim: int, full: int, group) -> torch.Tensor:
     sizes = shard_sizes(full, world)
     x = x.movedim(dim, -1)
     padded = torch.zeros(*x.shape[:-1], max(sizes), dtype=x.dtype, device=x.device)
-    padded[..., :x.shape[-1]] = x  # equal sizes on the wire: the last shards may be one shorter
+    padded[..., : x.shape[-1]] = x  # equal sizes on the wire: the last shards may be one shorter
     parts = [torch.empty_like(padded) for _ in range(world)]
     collectives.all_gather(parts, padded, "tp-gather", group=group)
     return torch.cat([p[..., :s] for p, s in zip(parts, sizes)], dim=-1).movedim(-1, dim)

@@ -28,8 +28,8 @@ Checkpoints: every rank writes the pieces of parameters and optimizer state it o
 parameter name with their offsets within the parameter, so a checkpoint written at world N loads at
 any world M (each rank reads the pieces overlapping its new shards).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 import torch.distributed as dist
@@ -83,19 +83,21 @@ class Zero(Strategy):
         """Stages 1 and 2: one unit per gradient bucket (dp's make_buckets)."""
         params = [p for _, p in named]
         buckets = make_buckets(params, int(self.cfg.parallel.bucket_mb * 2**20), self.device, self.world)
-        return [FlatUnit(b.index, b.params, [self.name_of[id(p)] for p in b.params], self.rank, self.world,
-                         self.device) for b in buckets]
+        return [
+            FlatUnit(b.index, b.params, [self.name_of[id(p)] for p in b.params], self.rank, self.world, self.device)
+            for b in buckets
+        ]
 
     def _allocate(self, model) -> None:
         """Stages 1 and 2: the full flat parameter of every unit is kept; the shard is a view of it."""
         for u in self.units:
             u.full = torch.zeros(u.numel, dtype=u.dtype, device=self.device)
-            u.shard = nn.Parameter(u.full[u.lo:u.hi])
+            u.shard = nn.Parameter(u.full[u.lo : u.hi])
 
     def _take_values(self, unit: FlatUnit, i: int, value: torch.Tensor) -> None:
         """Store parameter i of `unit` (the whole tensor) where this stage keeps it."""
         flat = value.detach().reshape(-1)
-        unit.full[unit.offsets[i]:unit.offsets[i] + unit.numels[i]].copy_(flat)
+        unit.full[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(flat)
 
     def _load_initial_values(self, model) -> None:
         """Shard by shard for meta-built models (no rank holds the whole model), else from the model."""
@@ -144,8 +146,13 @@ class Zero(Strategy):
         """Stages 1 and 2: the parameter all-gathers started after a step finish during the next
         forward; each module waits only for the units holding its own parameters."""
         for module in model.modules():
-            units = list({id(self.slot_of[id(p)][0]): self.slot_of[id(p)][0]
-                          for p in module._parameters.values() if p is not None and id(p) in self.slot_of}.values())
+            units = list(
+                {
+                    id(self.slot_of[id(p)][0]): self.slot_of[id(p)][0]
+                    for p in module._parameters.values()
+                    if p is not None and id(p) in self.slot_of
+                }.values()
+            )
             if units:
                 module.register_forward_pre_hook(lambda m, args, units=units: self._wait_gathers(units))
 
@@ -168,8 +175,7 @@ class Zero(Strategy):
     def _setup_communication(self, model) -> None:
         """Stage 1: dp's persistent buckets, reduce-scattered in place; the shard's grad is a view."""
         params = [p for u in reversed(self.units) for p in reversed(u.params)]  # registration order
-        self.reducer = ShardReducer(params, self.cfg.parallel.bucket_mb, self.device, self.group,
-                                    wire_dtype(self.cfg))
+        self.reducer = ShardReducer(params, self.cfg.parallel.bucket_mb, self.device, self.group, wire_dtype(self.cfg))
         for u, b in zip(self.units, self.reducer.buckets):
             assert [id(p) for p in u.params] == [id(p) for p in b.params], "bucket and unit layouts differ"
             u.shard.grad = self.reducer.own_slice(b)
@@ -228,17 +234,23 @@ class Zero(Strategy):
             for i, start, end, at in u.own_pieces():
                 name = u.names[i]
                 pieces[name] = [start, end]
-                tensors[f"zero.param.{name}"] = u.shard.detach()[at:at + end - start]
+                tensors[f"zero.param.{name}"] = u.shard.detach()[at : at + end - start]
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor) and value.numel() == u.shard_numel and value.dim() == 1:
-                        tensors[f"zero.optim.{name}.{key}"] = value[at:at + end - start]
+                        tensors[f"zero.optim.{name}.{key}"] = value[at : at + end - start]
         tensors.update(shared)
         if self.rank == 0:
             tensors.update({f"replicated.{k}": v for k, v in self._replicated_state().items()})
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.state_dict()["param_groups"]]
-        meta = {"zero": {"stage": self.stage, "world_size": self.world, "pieces": pieces,
-                         "params": {n: list(s) for u in self.units for n, s in zip(u.names, u.shapes)},
-                         "optimizer": {"param_groups": groups, "scalars": scalars}}}
+        meta = {
+            "zero": {
+                "stage": self.stage,
+                "world_size": self.world,
+                "pieces": pieces,
+                "params": {n: list(s) for u in self.units for n, s in zip(u.names, u.shapes)},
+                "optimizer": {"param_groups": groups, "scalars": scalars},
+            }
+        }
         return tensors, meta
 
     def _replicated_state(self) -> dict[str, torch.Tensor]:
@@ -251,7 +263,7 @@ class Zero(Strategy):
         parameter names and shapes must be the model's. Reads only rank 0's safetensors header."""
         meta, shapes = ckpt.read_header(reader.path / ckpt.rank_file(0))
         saved = meta.get("zero")
-        replicated = {k[len("replicated."):]: shape for k, shape in shapes.items() if k.startswith("replicated.")}
+        replicated = {k[len("replicated.") :]: shape for k, shape in shapes.items() if k.startswith("replicated.")}
         if not isinstance(saved, dict) or not isinstance(saved.get("params"), dict):
             raise ckpt.CheckpointMismatch("--resume", f"{reader.path} holds no ZeRO state")
         check_layout(model, saved["params"], replicated, key="--resume")
@@ -261,8 +273,11 @@ class Zero(Strategy):
         saved = meta0.get("zero")
         if saved is None:
             raise ckpt.CheckpointMismatch("resume", f"{reader.path} holds no ZeRO state")
-        check_layout(self.model, saved["params"],
-                     {k[len("replicated."):]: list(v.shape) for k, v in tensors0.items() if k.startswith("replicated.")})
+        check_layout(
+            self.model,
+            saved["params"],
+            {k[len("replicated.") :]: list(v.shape) for k, v in tensors0.items() if k.startswith("replicated.")},
+        )
         shard_state: dict[int, dict[str, torch.Tensor]] = {u.index: {} for u in self.units}
         own = {u.names[i]: (u, start, end, at) for u in self.units for i, start, end, at in u.own_pieces()}
         for r in range(reader.world_size):
@@ -279,19 +294,24 @@ class Zero(Strategy):
                 with torch.no_grad():
                     u.shard[dst].copy_(tensors[f"zero.param.{name}"][src])
                 prefix = f"zero.optim.{name}."
-                for key in (k[len(prefix):] for k in tensors if k.startswith(prefix)):
+                for key in (k[len(prefix) :] for k in tensors if k.startswith(prefix)):
                     buf = shard_state[u.index].setdefault(
-                        key, torch.zeros(u.shard_numel, dtype=tensors[prefix + key].dtype, device=self.device))
+                        key, torch.zeros(u.shard_numel, dtype=tensors[prefix + key].dtype, device=self.device)
+                    )
                     buf[dst].copy_(tensors[prefix + key][src])
-        shared = {k[len("zero.optim."):]: v for k, v in tensors0.items()
-                  if k.startswith("zero.optim.") and k.count(".") == 2}
+        shared = {
+            k[len("zero.optim.") :]: v for k, v in tensors0.items() if k.startswith("zero.optim.") and k.count(".") == 2
+        }
         opt = saved["optimizer"]
-        state = {i: {**shard_state[u.index], **{k: v.clone() for k, v in shared.items()}, **opt["scalars"]}
-                 for i, u in enumerate(self.units) if shard_state[u.index] or shared}
+        state = {
+            i: {**shard_state[u.index], **{k: v.clone() for k, v in shared.items()}, **opt["scalars"]}
+            for i, u in enumerate(self.units)
+            if shard_state[u.index] or shared
+        }
         current = self.optimizer.state_dict()
         groups = [dict(g, params=c["params"]) for g, c in zip(opt["param_groups"], current["param_groups"])]
         self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        replicated = {k[len("replicated."):]: v for k, v in tensors0.items() if k.startswith("replicated.")}
+        replicated = {k[len("replicated.") :]: v for k, v in tensors0.items() if k.startswith("replicated.")}
         with torch.no_grad():
             for k, v in self._replicated_state().items():
                 v.copy_(replicated[k])
@@ -336,8 +356,12 @@ class Zero3(Zero2):
     def _make_units(self, model, named) -> list[FlatUnit]:
         """One unit per module (see `module_units`), indexed in reverse forward order like buckets."""
         groups = module_units(model, [p for _, p in named], int(self.cfg.parallel.bucket_mb * 2**20))
-        return [FlatUnit(i, params, [self.name_of[id(p)] for p in params], self.rank, self.world, self.device,
-                         module=module) for i, (module, params) in enumerate(reversed(groups))]
+        return [
+            FlatUnit(
+                i, params, [self.name_of[id(p)] for p in params], self.rank, self.world, self.device, module=module
+            )
+            for i, (module, params) in enumerate(reversed(groups))
+        ]
 
     def _allocate(self, model) -> None:
         """The full flat parameter of a unit has storage only while gathered; the shard is its own."""
@@ -351,7 +375,7 @@ class Zero3(Zero2):
         for j, start, end, at in unit.own_pieces():
             if j == i:
                 with torch.no_grad():
-                    unit.shard[at:at + end - start].copy_(flat[start:end])
+                    unit.shard[at : at + end - start].copy_(flat[start:end])
 
     def _sync_full_from_shards(self) -> None:
         pass  # parameters are gathered on demand
@@ -365,8 +389,9 @@ class Zero3(Zero2):
 
     def _setup_communication(self, model) -> None:
         self.gatherer = ParameterGatherer(self.units, model, self.group)
-        self.reducer = StreamingShardReducer(self.units, self.group, in_order=False,
-                                             on_launch=self.gatherer.reshard, wire_dtype=wire_dtype(self.cfg))
+        self.reducer = StreamingShardReducer(
+            self.units, self.group, in_order=False, on_launch=self.gatherer.reshard, wire_dtype=wire_dtype(self.cfg)
+        )
         for u in self.units:
             u.shard.grad = u.grad_shard
 
@@ -393,8 +418,10 @@ class Zero3(Zero2):
             self.gatherer.reshard(u)
         if self.rank != 0:
             return None
-        return {k: values[id(v)] if id(v) in values else v.detach().cpu().clone()
-                for k, v in self.model.state_dict(keep_vars=True).items()}
+        return {
+            k: values[id(v)] if id(v) in values else v.detach().cpu().clone()
+            for k, v in self.model.state_dict(keep_vars=True).items()
+        }
 
 
 def replicated_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -438,14 +465,17 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
         return out
 
     def direct(module):
-        return [p for p in module._parameters.values()
-                if p is not None and id(p) in trainable and id(p) not in taken]
+        return [p for p in module._parameters.values() if p is not None and id(p) in trainable and id(p) not in taken]
 
     def visit(module, is_root: bool):
         below = subtree(module)
         if not below:
             return
-        if not is_root and not isinstance(module, CONTAINERS) and sum(p.numel() * p.element_size() for p in below) <= max_bytes:
+        if (
+            not is_root
+            and not isinstance(module, CONTAINERS)
+            and sum(p.numel() * p.element_size() for p in below) <= max_bytes
+        ):
             units.append((module, below))
             taken.update(id(p) for p in below)
             return

@@ -19,6 +19,7 @@ the memory ZeRO saves), so on gloo we build them from in-place primitives:
                       (~105 ms vs ~240 ms, no temporary; twice the bytes on the wire, which on
                       loopback costs less than gloo's reduce-scatter does)
 """
+
 from __future__ import annotations
 
 import os
@@ -68,14 +69,17 @@ def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, what: str, group, w
     if wire_dtype is not None and wire_dtype != flat.dtype:
         small = flat.to(wire_dtype)
         own_small = small.chunk(world)[rank]
-        return Works([reduce_scatter(own_small, small, f"{what}-{wire_dtype}", group)],
-                     then=lambda: output.copy_(own_small))
+        return Works(
+            [reduce_scatter(own_small, small, f"{what}-{wire_dtype}", group)], then=lambda: output.copy_(own_small)
+        )
     if not _on_gloo(group):
         return Works([collectives.reduce_scatter(output, flat, what, group=group, async_op=True)])
     own = flat.chunk(world)[rank]
     same = output.data_ptr() == own.data_ptr()
-    return Works([collectives.all_reduce(flat, what, group=group, async_op=True)],
-                 then=None if same else lambda: output.copy_(own))
+    return Works(
+        [collectives.all_reduce(flat, what, group=group, async_op=True)],
+        then=None if same else lambda: output.copy_(own),
+    )
 
 
 def all_gather(flat: torch.Tensor, shard: torch.Tensor, what: str, group) -> Works:
@@ -86,16 +90,33 @@ def all_gather(flat: torch.Tensor, shard: torch.Tensor, what: str, group) -> Wor
     chunks = flat.chunk(world)
     if chunks[rank].data_ptr() != shard.data_ptr():
         chunks[rank].copy_(shard)
-    return Works([collectives.broadcast(c, dist.get_global_rank(group, i) if group is not None else i,
-                                        f"{what}-from-{i}", group=group, async_op=True)
-                  for i, c in enumerate(chunks)])
+    return Works(
+        [
+            collectives.broadcast(
+                c,
+                dist.get_global_rank(group, i) if group is not None else i,
+                f"{what}-from-{i}",
+                group=group,
+                async_op=True,
+            )
+            for i, c in enumerate(chunks)
+        ]
+    )
 
 
 class FlatUnit:
     """Parameters gathered and sharded together (see the module docstring for the layout)."""
 
-    def __init__(self, index: int, params: list[nn.Parameter], names: list[str], rank: int, world: int,
-                 device: torch.device, module: nn.Module | None = None):
+    def __init__(
+        self,
+        index: int,
+        params: list[nn.Parameter],
+        names: list[str],
+        rank: int,
+        world: int,
+        device: torch.device,
+        module: nn.Module | None = None,
+    ):
         self.index, self.params, self.names, self.module = index, params, names, module
         self.dtype, self.device = params[0].dtype, device
         self.shapes = [tuple(p.shape) for p in params]
@@ -105,9 +126,9 @@ class FlatUnit:
         self.numel = -(-used // world) * world
         self.shard_numel = self.numel // world
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        self.full: torch.Tensor | None = None          # the whole flat parameter (views: the module's params)
-        self.shard: nn.Parameter | None = None         # this rank's slice: what the optimizer updates
-        self.grad_full: torch.Tensor | None = None     # the whole flat gradient, while it is being reduced
+        self.full: torch.Tensor | None = None  # the whole flat parameter (views: the module's params)
+        self.shard: nn.Parameter | None = None  # this rank's slice: what the optimizer updates
+        self.grad_full: torch.Tensor | None = None  # the whole flat gradient, while it is being reduced
         self.pending = len(params)
         self.work = None
 
@@ -119,7 +140,7 @@ class FlatUnit:
                 yield i, start - offset, end - offset, start - self.lo
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+        return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
 
     def full_nbytes(self) -> int:
         return self.numel * torch.empty((), dtype=self.dtype).element_size()
@@ -137,13 +158,11 @@ class ShardReducer(GradientReducer):
 
     def own_slice(self, b: Bucket) -> torch.Tensor:
         size = b.numel // self.world
-        return b.buffer[self.rank * size:(self.rank + 1) * size]
+        return b.buffer[self.rank * size : (self.rank + 1) * size]
 
     def _communicate(self, b: Bucket):
         b.buffer.div_(self.world)
-        return reduce_scatter(self.own_slice(b), b.buffer, f"zero-grad-bucket-{b.index}", self.group,
-                              self.wire_dtype)
-
+        return reduce_scatter(self.own_slice(b), b.buffer, f"zero-grad-bucket-{b.index}", self.group, self.wire_dtype)
 
 
 class StreamingShardReducer:
@@ -161,8 +180,7 @@ class StreamingShardReducer:
     `on_launch(unit)` runs when a unit's gradients are all in (stage 3 frees its parameters then).
     """
 
-    def __init__(self, units: list[FlatUnit], group=None, in_order: bool = True, on_launch=None,
-                 wire_dtype=None):
+    def __init__(self, units: list[FlatUnit], group=None, in_order: bool = True, on_launch=None, wire_dtype=None):
         self.units, self.group, self.in_order = units, group, in_order
         self.wire_dtype = wire_dtype
         self.world = dist.get_world_size(group)
@@ -192,7 +210,7 @@ class StreamingShardReducer:
         unit, i = self.slot_of[id(p)]
         if unit.grad_full is None:
             self._allocate(unit)
-        unit.grad_full[unit.offsets[i]:unit.offsets[i] + unit.numels[i]].copy_(p.grad.reshape(-1))
+        unit.grad_full[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(p.grad.reshape(-1))
         p.grad = None
         unit.pending -= 1
         if unit.pending == 0:
@@ -213,9 +231,14 @@ class StreamingShardReducer:
         if unit.grad_full is None:  # no gradient reached this unit in this backward (same on all ranks)
             self._allocate(unit)
         unit.grad_full.div_(self.world)
-        own = unit.grad_full[unit.lo:unit.hi]
-        unit.work = reduce_scatter(own, unit.grad_full, f"zero-grad-unit-{unit.index}", self.group,  # in place
-                                   self.wire_dtype)
+        own = unit.grad_full[unit.lo : unit.hi]
+        unit.work = reduce_scatter(
+            own,
+            unit.grad_full,
+            f"zero-grad-unit-{unit.index}",
+            self.group,  # in place
+            self.wire_dtype,
+        )
         self.on_launch(unit)
         self.launched.append(unit)
 
@@ -228,7 +251,7 @@ class StreamingShardReducer:
 
     def _complete(self, unit: FlatUnit) -> None:
         unit.work.wait()
-        own = unit.grad_full[unit.lo:unit.hi]
+        own = unit.grad_full[unit.lo : unit.hi]
         if self.accumulate:
             unit.grad_shard.add_(own)
         else:

@@ -16,6 +16,7 @@ What it takes, and why:
   socket in the work directory; --force lets it run as root with this layout.
 * Each namespace's hosts file resolves node1/node2, and the host name to the namespace's own address.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,7 @@ def install() -> None:
     if not missing_tools():
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for argv in (["apt-get", "update", "-q"],
-                 ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]):
+    for argv in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]):
         done = subprocess.run(argv, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -65,7 +65,7 @@ class SlurmCluster:
     def env(self, base: dict | None = None) -> dict:
         return {**(os.environ if base is None else base), "SLURM_CONF": str(self.conf)}
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         self.dir.mkdir(parents=True, exist_ok=True)
         # slurmstepd makes its sockets in the spool (NODE_JOBID.STEPID): the path must fit AF_UNIX's
         # 108 bytes, which a deep workdir (pytest-xdist's tmp_path) does not leave room for.
@@ -84,19 +84,49 @@ class SlurmCluster:
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
         self.munge_socket = self.dir / "munge.socket"
-        self._daemon("munged", [_tool("munged"), "--force", "--foreground", f"--socket={self.munge_socket}",
-                      f"--key-file={key}", f"--pid-file={self.dir / 'munged.pid'}",
-                      f"--log-file={self.dir / 'munged.log'}", f"--seed-file={self.dir / 'munged.seed'}"])
+        self._daemon(
+            "munged",
+            [
+                _tool("munged"),
+                "--force",
+                "--foreground",
+                f"--socket={self.munge_socket}",
+                f"--key-file={key}",
+                f"--pid-file={self.dir / 'munged.pid'}",
+                f"--log-file={self.dir / 'munged.log'}",
+                f"--seed-file={self.dir / 'munged.seed'}",
+            ],
+        )
         self._wait_for(self.munge_socket.exists, "munged's socket", self.dir / "munged.log")
         (self.dir / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
         self.conf.write_text(self._slurm_conf())
         self._daemon("slurmctld", self.hosts.command(0, [_tool("slurmctld"), "-D", "-f", str(self.conf)]))
-        mounts = " && ".join(["mount -t tmpfs cgroup_root /sys/fs/cgroup"] + [
-            f"mkdir -p /sys/fs/cgroup/{c} && mount -t cgroup -o {c} cgroup /sys/fs/cgroup/{c}"
-            for c in CGROUP_CONTROLLERS])
+        mounts = " && ".join(
+            ["mount -t tmpfs cgroup_root /sys/fs/cgroup"]
+            + [
+                f"mkdir -p /sys/fs/cgroup/{c} && mount -t cgroup -o {c} cgroup /sys/fs/cgroup/{c}"
+                for c in CGROUP_CONTROLLERS
+            ]
+        )
         for host, node in enumerate(NODES):
-            self._daemon(f"slurmd-{node}", self.hosts.command(host, ["sh", "-c", f'{mounts} && exec "$@"', "slurmd",
-                                                   _tool("slurmd"), "-D", "-N", node, "-f", str(self.conf)]))
+            self._daemon(
+                f"slurmd-{node}",
+                self.hosts.command(
+                    host,
+                    [
+                        "sh",
+                        "-c",
+                        f'{mounts} && exec "$@"',
+                        "slurmd",
+                        _tool("slurmd"),
+                        "-D",
+                        "-N",
+                        node,
+                        "-f",
+                        str(self.conf),
+                    ],
+                ),
+            )
         self._wait_for(self._nodes_idle, "both nodes idle in sinfo", self.dir / "slurmctld.log")
 
     def _slurm_conf(self) -> str:
@@ -104,19 +134,36 @@ class SlurmCluster:
         lines = [
             "ClusterName=paratrain",
             f"SlurmctldHost={socket.gethostname()}({self.hosts.addr(0)})",
-            "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", f"AuthInfo=socket={self.munge_socket}", "CredType=cred/munge",
-            f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={self.spool / '%n'}",
-            f"SlurmctldPidFile={d / 'slurmctld.pid'}", f"SlurmdPidFile={d / 'slurmd-%n.pid'}",
-            f"SlurmctldLogFile={d / 'slurmctld.log'}", f"SlurmdLogFile={d / 'slurmd-%n.log'}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
-            "SchedulerType=sched/builtin", "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            "ReturnToService=2", "JobAcctGatherType=jobacct_gather/none",
-            "AccountingStorageType=accounting_storage/none", "SlurmdParameters=config_overrides",
-            "KillWait=5", "MinJobAge=5", "SlurmctldTimeout=30", "SlurmdTimeout=30",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            "CredType=cred/munge",
+            f"StateSaveLocation={d / 'state'}",
+            f"SlurmdSpoolDir={self.spool / '%n'}",
+            f"SlurmctldPidFile={d / 'slurmctld.pid'}",
+            f"SlurmdPidFile={d / 'slurmd-%n.pid'}",
+            f"SlurmctldLogFile={d / 'slurmctld.log'}",
+            f"SlurmdLogFile={d / 'slurmd-%n.log'}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "MpiDefault=none",
+            "SchedulerType=sched/builtin",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "ReturnToService=2",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "SlurmdParameters=config_overrides",
+            "KillWait=5",
+            "MinJobAge=5",
+            "SlurmctldTimeout=30",
+            "SlurmdTimeout=30",
         ]
-        lines += [f"NodeName={node} NodeAddr={self.hosts.addr(i)} CPUs={os.cpu_count() or 1} State=UNKNOWN"
-                  for i, node in enumerate(NODES)]
+        lines += [
+            f"NodeName={node} NodeAddr={self.hosts.addr(i)} CPUs={os.cpu_count() or 1} State=UNKNOWN"
+            for i, node in enumerate(NODES)
+        ]
         lines.append(f"PartitionName=main Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
         return "\n".join(lines) + "\n"
 
@@ -136,8 +183,9 @@ class SlurmCluster:
             dead = [p.args for p in self.daemons if p.poll() is not None]
             if dead or time.monotonic() > deadline:
                 tail = log.read_text()[-3000:] if log.exists() else "(no log)"
-                raise RuntimeError(f"Slurm test cluster: no {what} ({'exited: ' + str(dead) if dead else 'timeout'})"
-                                   f"\n{tail}")
+                raise RuntimeError(
+                    f"Slurm test cluster: no {what} ({'exited: ' + str(dead) if dead else 'timeout'})\n{tail}"
+                )
             time.sleep(0.1)
 
     def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:

@@ -8,9 +8,10 @@ rounds (the optimizer's state is cleared per client), as in FedAvg and FedProx.
 fedprox adds mu/2 |w - w_global|^2 to the local loss (Li et al. 2020), i.e. mu (w - w_global) to
 each gradient.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,8 +30,9 @@ class LocalTrainer:
         self.optimizer = build_optimizer(self.params, cfg.train)
         self.mu = cfg.federated.mu if cfg.federated.algorithm == "fedprox" else 0.0
 
-    def train(self, global_flat: torch.Tensor, dataset, batches: list[np.ndarray],
-              profiler) -> tuple[torch.Tensor, float]:
+    def train(
+        self, global_flat: torch.Tensor, dataset, batches: list[np.ndarray], profiler
+    ) -> tuple[torch.Tensor, float]:
         """(delta, mean local loss) of one client from `global_flat` over its `batches`."""
         start = global_flat.to(self.device)
         copy_into(self.params, start)
@@ -47,8 +49,9 @@ class LocalTrainer:
                 loss.backward()
             if anchors is not None:
                 grads = [p.grad for p in self.params]
-                torch._foreach_add_(grads, torch._foreach_sub([p.detach() for p in self.params], anchors),
-                                    alpha=self.mu)
+                torch._foreach_add_(
+                    grads, torch._foreach_sub([p.detach() for p in self.params], anchors), alpha=self.mu
+                )
             with profiler.phase("optimizer"):
                 self.optimizer.step()
             total += float(loss.detach())
@@ -63,5 +66,5 @@ def copy_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
     of it, and training would then write into the global weights)."""
     offset = 0
     for p in params:
-        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()

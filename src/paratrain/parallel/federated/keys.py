@@ -1,6 +1,7 @@
 """Checks of the [federated] table that need neither torch nor the dataset (see
 paratrain.parallel.CONFIG_CHECKS). The partition's own feasibility (alpha against min_samples)
 needs the labels: `strategy.check_model` checks it before any worker starts."""
+
 from __future__ import annotations
 
 from ...config import Config, ConfigError
@@ -9,13 +10,16 @@ from ...config import Config, ConfigError
 def check_config(cfg: Config) -> None:
     fed = cfg.federated
     if fed.clients_per_round > fed.clients:
-        raise ConfigError("federated.clients_per_round",
-                          f"{fed.clients_per_round} is more than the {fed.clients} federated.clients")
+        raise ConfigError(
+            "federated.clients_per_round", f"{fed.clients_per_round} is more than the {fed.clients} federated.clients"
+        )
     if fed.mu and fed.algorithm != "fedprox":
         raise ConfigError("federated.mu", f"is fedprox's proximal weight; algorithm {fed.algorithm!r} takes 0")
     if cfg.train.grad_accum != 1:
-        raise ConfigError("train.grad_accum", "must be 1 for strategy 'federated': a client's local "
-                                              "step is one batch of data.batch_size samples")
+        raise ConfigError(
+            "train.grad_accum",
+            "must be 1 for strategy 'federated': a client's local step is one batch of data.batch_size samples",
+        )
 
 
 def data_parallel_degree(cfg: Config, world_size: int) -> int:

@@ -9,6 +9,7 @@ is refused (ConfigError on federated.alpha, naming the smallest client), so the 
 alpha, a smaller min_samples, fewer clients or another seed. Cuts are integer positions within a
 class, so a class that runs out leaves clients empty of it, never a NaN proportion.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,20 +41,27 @@ def labels_of(dataset) -> np.ndarray | None:
     return labels.astype(np.int64)
 
 
-def partition(n_samples: int, labels: np.ndarray | None, clients: int, scheme: str, alpha: float,
-              min_samples: int, seed: int) -> list[np.ndarray]:
+def partition(
+    n_samples: int, labels: np.ndarray | None, clients: int, scheme: str, alpha: float, min_samples: int, seed: int
+) -> list[np.ndarray]:
     """Sample indices of each client (sorted)."""
     if clients * min_samples > n_samples:
-        raise ConfigError("federated.clients", f"{clients} clients of at least federated.min_samples = "
-                                               f"{min_samples} need {clients * min_samples} samples; "
-                                               f"the training set has {n_samples}")
+        raise ConfigError(
+            "federated.clients",
+            f"{clients} clients of at least federated.min_samples = "
+            f"{min_samples} need {clients * min_samples} samples; "
+            f"the training set has {n_samples}",
+        )
     rng = np.random.default_rng([seed, 0xFED])
     if scheme == "iid":
         parts = np.array_split(rng.permutation(n_samples), clients)
     else:
         if labels is None:
-            raise ConfigError("federated.partition", "dirichlet deals samples by class label, and the "
-                                                     "dataset's targets are not one class index each: use iid")
+            raise ConfigError(
+                "federated.partition",
+                "dirichlet deals samples by class label, and the "
+                "dataset's targets are not one class index each: use iid",
+            )
         buckets: list[list[np.ndarray]] = [[] for _ in range(clients)]
         for label in np.unique(labels):
             members = rng.permutation(np.flatnonzero(labels == label))
@@ -64,10 +72,12 @@ def partition(n_samples: int, labels: np.ndarray | None, clients: int, scheme: s
         parts = [np.concatenate(b) for b in buckets]
         smallest = min(range(clients), key=lambda c: len(parts[c]))
         if len(parts[smallest]) < min_samples:
-            raise ConfigError("federated.alpha",
-                              f"the Dirichlet({alpha:g}) draw for train.seed {seed} leaves client {smallest} "
-                              f"with {len(parts[smallest])} samples, fewer than federated.min_samples = "
-                              f"{min_samples} (not re-drawn): raise alpha, lower min_samples, or use fewer clients")
+            raise ConfigError(
+                "federated.alpha",
+                f"the Dirichlet({alpha:g}) draw for train.seed {seed} leaves client {smallest} "
+                f"with {len(parts[smallest])} samples, fewer than federated.min_samples = "
+                f"{min_samples} (not re-drawn): raise alpha, lower min_samples, or use fewer clients",
+            )
     return [np.sort(p) for p in parts]
 
 
@@ -81,8 +91,13 @@ def report(parts: list[np.ndarray], labels: np.ndarray | None) -> dict:
             row["labels"] = np.bincount(labels[idx], minlength=max(classes) + 1).tolist()
         rows.append(row)
     sizes = np.array([len(p) for p in parts])
-    return {"clients": len(parts), "classes": classes, "min_samples": int(sizes.min()),
-            "max_samples": int(sizes.max()), "per_client": rows}
+    return {
+        "clients": len(parts),
+        "classes": classes,
+        "min_samples": int(sizes.min()),
+        "max_samples": int(sizes.max()),
+        "per_client": rows,
+    }
 
 
 def write_report(run_dir: Path, summary: dict) -> Path:
@@ -93,8 +108,10 @@ def write_report(run_dir: Path, summary: dict) -> Path:
 
 def describe(summary: dict, most: int = 5) -> str:
     """A few lines for the console: sizes, and the first clients' label histograms."""
-    lines = [f"federated: {summary['clients']} clients, {summary['min_samples']}-{summary['max_samples']} "
-             f"samples each (per client samples and label histogram: {PARTITION_FILE})"]
+    lines = [
+        f"federated: {summary['clients']} clients, {summary['min_samples']}-{summary['max_samples']} "
+        f"samples each (per client samples and label histogram: {PARTITION_FILE})"
+    ]
     for row in summary["per_client"][:most]:
         hist = f" labels {row['labels']}" if "labels" in row else ""
         lines.append(f"  client {row['client']}: {row['samples']} samples{hist}")
@@ -103,11 +120,12 @@ def describe(summary: dict, most: int = 5) -> str:
     return "\n".join(lines)
 
 
-def local_batches(indices: np.ndarray, steps: int, batch_size: int, seed: int, round_index: int,
-                  client: int) -> list[np.ndarray]:
+def local_batches(
+    indices: np.ndarray, steps: int, batch_size: int, seed: int, round_index: int, client: int
+) -> list[np.ndarray]:
     """The client's batches for one round: its samples in a seeded order per (seed, round, client),
     cycled (a client with fewer than steps*batch_size samples sees some twice)."""
     rng = np.random.default_rng([seed, 0xB47C, round_index, client])
     need = steps * batch_size
     order = np.concatenate([rng.permutation(indices) for _ in range(-(-need // len(indices)))])
-    return [order[s * batch_size:(s + 1) * batch_size] for s in range(steps)]
+    return [order[s * batch_size : (s + 1) * batch_size] for s in range(steps)]

@@ -19,6 +19,7 @@ Diffie-Hellman, and there are no self-masks (the paper's second mask per client,
 against a server that claims an honest client dropped to unmask it). It shows the arithmetic and
 the dropout recovery, not a hardened implementation.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,10 +27,10 @@ import secrets
 
 import torch
 
-FIELD = 2 ** 61 - 1   # a Mersenne prime: Shamir shares and the toy Diffie-Hellman group live in GF(FIELD)
+FIELD = 2**61 - 1  # a Mersenne prime: Shamir shares and the toy Diffie-Hellman group live in GF(FIELD)
 GENERATOR = 37
-MODULUS = 2 ** 32
-FRAC_BITS = 24        # quantisation step 2^-24 (6e-8); a coordinate of a sum must stay within +-128
+MODULUS = 2**32
+FRAC_BITS = 24  # quantisation step 2^-24 (6e-8); a coordinate of a sum must stay within +-128
 LIMIT = 2.0 ** (31 - FRAC_BITS)
 
 
@@ -40,14 +41,14 @@ def threshold(n: int) -> int:
 
 def quantise(x: torch.Tensor) -> torch.Tensor:
     """Floats -> int64 holding uint32 values (two's complement of the fixed-point numbers)."""
-    q = torch.round(x.double().clamp(-LIMIT, LIMIT - 2.0 ** -FRAC_BITS) * 2.0 ** FRAC_BITS).to(torch.int64)
+    q = torch.round(x.double().clamp(-LIMIT, LIMIT - 2.0**-FRAC_BITS) * 2.0**FRAC_BITS).to(torch.int64)
     return torch.remainder(q, MODULUS)
 
 
 def dequantise(total: torch.Tensor) -> torch.Tensor:
     """A sum mod 2^32 back to floats (read as a signed 32-bit number)."""
     total = torch.remainder(total, MODULUS)
-    return torch.where(total >= 2 ** 31, total - MODULUS, total).double() / 2.0 ** FRAC_BITS
+    return torch.where(total >= 2**31, total - MODULUS, total).double() / 2.0**FRAC_BITS
 
 
 def _digest(*parts) -> int:
@@ -56,7 +57,7 @@ def _digest(*parts) -> int:
 
 def prg(seed: int, numel: int) -> torch.Tensor:
     """numel uint32 values (as int64) from a pairwise seed, the same on both ends."""
-    gen = torch.Generator().manual_seed(_digest("mask", seed) & (2 ** 63 - 1))
+    gen = torch.Generator().manual_seed(_digest("mask", seed) & (2**63 - 1))
     return torch.randint(0, MODULUS, (numel,), generator=gen, dtype=torch.int64)
 
 
@@ -118,8 +119,13 @@ class SecAggClient:
         return {d: (self.held[d] - _pad(self._seed(d))) % FIELD for d in dropped if d in self.held}
 
 
-def unmask(total: torch.Tensor, present: list[int], dropped: list[int], pks: dict[int, int],
-           revealed: dict[int, dict[int, int]]) -> torch.Tensor | None:
+def unmask(
+    total: torch.Tensor,
+    present: list[int],
+    dropped: list[int],
+    pks: dict[int, int],
+    revealed: dict[int, dict[int, int]],
+) -> torch.Tensor | None:
     """The sum of the present clients' q, from the sum of their y; `revealed[d]` maps a present
     client to its share of d's key. None when some dropped key has fewer than t shares."""
     t = threshold(len(pks))
@@ -134,8 +140,9 @@ def unmask(total: torch.Tensor, present: list[int], dropped: list[int], pks: dic
     return torch.remainder(total, MODULUS)
 
 
-def run_in_process(inputs: dict[int, torch.Tensor], drop_after_masking: set[int] = frozenset(),
-                   server_view: list | None = None) -> tuple[torch.Tensor | None, list[int]]:
+def run_in_process(
+    inputs: dict[int, torch.Tensor], drop_after_masking: set[int] = frozenset(), server_view: list | None = None
+) -> tuple[torch.Tensor | None, list[int]]:
     """One round among clients in this process (world 1, and tests): `inputs` maps a client's
     position to its quantised update. Returns (sum of the survivors' q, survivors); every message
     the server receives is appended to `server_view`."""

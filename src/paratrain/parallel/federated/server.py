@@ -9,6 +9,7 @@ count). The server then steps:
                      w <- w + server_lr * m / (sqrt(v) + tau)   (Reddi et al. 2021, "Adaptive
                                                                  Federated Optimization")
 """
+
 from __future__ import annotations
 
 import numpy as np

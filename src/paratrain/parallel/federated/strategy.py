@@ -24,6 +24,7 @@ guard (paratrain/guard.py), so one dying does not end the job.
 The trainer's own collectives (evaluation, export) run on each rank's one-rank group: workers
 never wait on each other, and a dead worker cannot block them. Rank 0 evaluates the global model.
 """
+
 from __future__ import annotations
 
 import os
@@ -95,8 +96,9 @@ class Federated(Strategy):
         simulates = not self.is_server or rt.world_size == 1
         self.local = LocalTrainer(self.model, loss_fn, cfg, rt.device) if simulates else None
         self.optimizer = self.local.optimizer if self.local else None
-        self.server_opt = (ServerOptimizer(fed.algorithm, fed.server_lr, self.global_flat.numel())
-                           if self.is_server else None)
+        self.server_opt = (
+            ServerOptimizer(fed.algorithm, fed.server_lr, self.global_flat.numel()) if self.is_server else None
+        )
         self.round = 0
         self.live = set(self.workers)
         self.loss_sums = torch.zeros(2, dtype=torch.float64)
@@ -136,8 +138,9 @@ class Federated(Strategy):
                 write_report(self.run_dir, self.summary)
 
     def _batches(self, client: int):
-        return local_batches(self.parts[client], self.fed.local_steps, self.cfg.data.batch_size,
-                             self.cfg.train.seed, self.round, client)
+        return local_batches(
+            self.parts[client], self.fed.local_steps, self.cfg.data.batch_size, self.cfg.train.seed, self.round, client
+        )
 
     def _train_client(self, client: int, total_samples: int) -> tuple[torch.Tensor, float]:
         """A client's weighted update (n_c / N) delta_c and its mean local loss."""
@@ -158,8 +161,12 @@ class Federated(Strategy):
         self.skipped_step = False
         dropped = [c for c in sampled if c not in present]
         if update is None:
-            print(f"federated: round {self.round + 1}: no update ({len(present)} of {len(sampled)} clients "
-                  f"reported{'; too few key shares to unmask' if present else ''})", file=sys.stderr, flush=True)
+            print(
+                f"federated: round {self.round + 1}: no update ({len(present)} of {len(sampled)} clients "
+                f"reported{'; too few key shares to unmask' if present else ''})",
+                file=sys.stderr,
+                flush=True,
+            )
         elif not torch.isfinite(update).all():
             self.skipped_step = True
         else:
@@ -210,8 +217,13 @@ class Federated(Strategy):
             routed = torch.zeros(n, n, dtype=torch.int64)  # row i: client i's encrypted shares
             for w in busy:
                 routed[[pos[c] for c in mine[w]]] = got[w]
-            busy = [w for w in busy
-                    if self._exchange(dist.isend, routed[:, [pos[c] for c in mine[w]]].contiguous(), w, TAG_SHARES, deadline)]
+            busy = [
+                w
+                for w in busy
+                if self._exchange(
+                    dist.isend, routed[:, [pos[c] for c in mine[w]]].contiguous(), w, TAG_SHARES, deadline
+                )
+            ]
         dtype = torch.int64 if fed.secure_aggregation else torch.float32
         got = {w: torch.zeros(len(mine[w]), HEAD + self.global_flat.numel(), dtype=dtype) for w in busy}
         busy = self._gather(got, TAG_UPDATE, deadline)
@@ -241,8 +253,13 @@ class Federated(Strategy):
                     for d in dropped:
                         revealed[pos[d]][pos[c]] = int(row[pos[d]])
         table = {pos[c]: int(pks[pos[c]]) for c in advertised}
-        unmasked = secagg.unmask(torch.remainder(update, secagg.MODULUS), [pos[c] for c in present],
-                                 [pos[d] for d in dropped], table, revealed)
+        unmasked = secagg.unmask(
+            torch.remainder(update, secagg.MODULUS),
+            [pos[c] for c in present],
+            [pos[d] for d in dropped],
+            table,
+            revealed,
+        )
         return present, losses, None if unmasked is None else secagg.dequantise(unmasked)
 
     def _gather(self, bufs: dict[int, torch.Tensor], tag: int, deadline: float) -> list[int]:
@@ -294,8 +311,12 @@ class Federated(Strategy):
 
     def _drop(self, w: int, why: str) -> None:
         self.live.discard(w)
-        print(f"federated: round {self.round + 1}: worker rank {w} {why}; dropped with its clients, "
-              f"{len(self.live)} of {len(self.workers)} workers go on", file=sys.stderr, flush=True)
+        print(
+            f"federated: round {self.round + 1}: worker rank {w} {why}; dropped with its clients, "
+            f"{len(self.live)} of {len(self.workers)} workers go on",
+            file=sys.stderr,
+            flush=True,
+        )
         if not self.live:
             raise RuntimeError("federated: every worker is gone")
 
@@ -311,8 +332,9 @@ class Federated(Strategy):
             self._serve_clients(sampled, mine)
         except LostServer as exc:
             self.cut_off = True
-            print(f"federated: worker rank {self.rt.rank}: {exc}; it leaves the federation",
-                  file=sys.stderr, flush=True)
+            print(
+                f"federated: worker rank {self.rt.rank}: {exc}; it leaves the federation", file=sys.stderr, flush=True
+            )
         return torch.zeros(())
 
     def _serve_clients(self, sampled: list[int], mine: list[int]) -> None:
@@ -381,7 +403,9 @@ class Federated(Strategy):
             with self.profiler.phase("comm"):
                 dist.isend(buf, 0, tag=tag).wait(timedelta(seconds=self.fed.round_timeout_s))
         except RuntimeError as exc:
-            raise LostServer(f"the server (rank 0) took no message in round {self.round + 1}: {first_line(exc)}") from None
+            raise LostServer(
+                f"the server (rank 0) took no message in round {self.round + 1}: {first_line(exc)}"
+            ) from None
 
     # -- metrics, loss ----------------------------------------------------------------------------
     def step_metrics(self) -> dict:
@@ -396,7 +420,7 @@ class Federated(Strategy):
         names = [n for n, _ in unique_parameters(self.model)]
         out, offset = {}, 0
         for name, p in zip(names, self.params):
-            out[name] = self.global_flat[offset:offset + p.numel()].view(p.shape)
+            out[name] = self.global_flat[offset : offset + p.numel()].view(p.shape)
             offset += p.numel()
         return out
 
@@ -409,7 +433,9 @@ class Federated(Strategy):
         tensors, meta = reader.load(rank=0)
         missing = [k for k in self._named_global() if f"model.{k}" not in tensors]
         if missing:
-            raise ckpt.CheckpointMismatch("resume", "checkpoint does not match the model: missing " + ", ".join(missing))
+            raise ckpt.CheckpointMismatch(
+                "resume", "checkpoint does not match the model: missing " + ", ".join(missing)
+            )
         with torch.no_grad():
             for k, v in self._named_global().items():
                 v.copy_(tensors[f"model.{k}"])
