@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
+from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, metrics, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
@@ -27,13 +27,13 @@ def reference_weights():
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_dp_equals_single_process(tmp_path, reference_weights, world):
+def test_dp_equals_single_process(tmp_path, gang, reference_weights, world):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
-    check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--run-dir", str(tmp_path / "run")))
+    gang(world).train(cfg, tmp_path / "run")
     assert max_rel_error(final_weights(tmp_path / "run"), reference_weights) <= 1e-4
 
 
-def test_dp_equals_torch_ddp(tmp_path):
+def test_dp_equals_torch_ddp(tmp_path, gang):
     out = tmp_path / "ddp.safetensors"
     check_ok(
         subprocess.run(
@@ -55,17 +55,15 @@ def test_dp_equals_torch_ddp(tmp_path):
         )
     )
     cfg = write_config(tmp_path / "c.toml", EQUIV)
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
+    gang(2).train(cfg, tmp_path / "run")
     from safetensors.torch import load_file
 
     assert max_rel_error(final_weights(tmp_path / "run"), load_file(str(out))) <= 1e-5
 
 
-def test_grad_accumulation_equals_one_big_batch(tmp_path, reference_weights):
+def test_grad_accumulation_equals_one_big_batch(tmp_path, gang, reference_weights):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
-    check_ok(
-        run_cli("run", str(cfg), "--nproc", "2", "--set", "train.grad_accum=3", "--run-dir", str(tmp_path / "run"))
-    )
+    gang(2).train(cfg, tmp_path / "run", ["train.grad_accum=3"])
     assert max_rel_error(final_weights(tmp_path / "run"), reference_weights) <= 1e-4
 
 
@@ -90,14 +88,14 @@ keep = 2
 """
 
 
-def test_resume_equals_uninterrupted(tmp_path):
+def test_resume_equals_uninterrupted(tmp_path, gang):
     cfg = write_config(tmp_path / "c.toml", RESUME)
-    check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "straight")))
+    gang(2).train(cfg, tmp_path / "straight")
     # Stop after 8 steps, then continue to 16 from the newest checkpoint.
-    check_ok(run_cli("run", str(cfg), "--set", "train.steps=8", "--run-dir", str(tmp_path / "split")))
-    proc = check_ok(run_cli("run", str(cfg), "--resume", "auto", "--run-dir", str(tmp_path / "split")))
-    assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
-    assert "done: steps 9-16 in" in proc.stdout  # what this run trained, and its samples/s
+    gang(2).train(cfg, tmp_path / "split", ["train.steps=8"])
+    out = gang(2).train(cfg, tmp_path / "split", resume="auto")
+    assert "resumed from" in out and "at step 8" in out
+    assert "done: steps 9-16 in" in out  # what this run trained, and its samples/s
     straight, split = final_weights(tmp_path / "straight"), final_weights(tmp_path / "split")
     assert all(torch.equal(straight[k], split[k]) for k in straight), "resumed run differs from uninterrupted"
     # keep = 2: only the newest two checkpoints remain; metrics continue without duplicate steps
@@ -107,26 +105,15 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert logged == sorted(set(logged)) and logged[-1] == 16
 
 
-def test_resume_at_another_world_size(tmp_path):
+def test_resume_at_another_world_size(tmp_path, gang):
     cfg = write_config(tmp_path / "c.toml", RESUME)
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "straight")))
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", "train.steps=8", "--run-dir", str(tmp_path / "split")))
-    check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--nproc",
-            "1",
-            "--resume",
-            str(tmp_path / "split" / "checkpoints" / "step-8"),
-            "--run-dir",
-            str(tmp_path / "one"),
-        )
-    )
+    gang(2).train(cfg, tmp_path / "straight")
+    gang(2).train(cfg, tmp_path / "split", ["train.steps=8"])
+    gang(1).train(cfg, tmp_path / "one", resume=str(tmp_path / "split" / "checkpoints" / "step-8"))
     assert max_rel_error(final_weights(tmp_path / "one"), final_weights(tmp_path / "straight")) <= 1e-4
     # In place: the run directory keeps the first 8 steps' profile at world 2, and its report
     # describes the world it ended at.
-    check_ok(run_cli("run", str(cfg), "--nproc", "1", "--resume", "auto", "--run-dir", str(tmp_path / "split")))
+    gang(1).train(cfg, tmp_path / "split", resume="auto")
     assert max_rel_error(final_weights(tmp_path / "split"), final_weights(tmp_path / "straight")) <= 1e-4
     assert main(["report", str(tmp_path / "split")]) == 0
     text = (tmp_path / "split" / "report" / "report.md").read_text()
@@ -189,12 +176,10 @@ def build():
 """
 
 
-def test_parameters_without_gradient_neither_hang_nor_corrupt(tmp_path):
+def test_parameters_without_gradient_neither_hang_nor_corrupt(tmp_path, gang):
     (tmp_path / "partly.py").write_text(PARTLY_USED)
     cfg = write_config(tmp_path / "c.toml", EQUIV.replace('factory = "mlp"\nhidden = 32', 'factory = "partly:build"'))
-    check_ok(
-        run_cli("run", str(cfg), "--set", "parallel.timeout_s=30", "--run-dir", str(tmp_path / "run"), timeout=120)
-    )
+    gang(2).train(cfg, tmp_path / "run", ["parallel.timeout_s=30"], timeout=60)
     weights = final_weights(tmp_path / "run")
     torch.manual_seed(0)
     initial = {
@@ -205,22 +190,11 @@ def test_parameters_without_gradient_neither_hang_nor_corrupt(tmp_path):
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
-def test_cnn_in_bf16(tmp_path):
+def test_cnn_in_bf16(tmp_path, gang):
     cfg = write_config(
         tmp_path / "c.toml", EQUIV.replace('factory = "mlp"\nhidden = 32', 'factory = "cnn"\nchannels = 8')
     )
-    check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--set",
-            "train.precision='bf16'",
-            "--set",
-            "train.steps=30",
-            "--run-dir",
-            str(tmp_path / "run"),
-        )
-    )
+    gang(2).train(cfg, tmp_path / "run", ["train.precision='bf16'", "train.steps=30"])
     log = metrics(tmp_path / "run")
     assert log[-1]["loss"] < log[0]["loss"] and all(
         torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values()

@@ -375,32 +375,38 @@ def main(argv=None) -> int:
         if strategy_class(cfg.parallel.strategy).expendable(cfg, rank) and not guard.is_guarded_child():
             return guard.run_guarded(sys.argv[1:] if argv is None else argv, f"worker rank {rank}")
         rt = runtime.init(cfg.train.device, cfg.parallel.timeout_s)
-        cfg.train.device = rt.device.type  # 'auto' resolved, as the run dir's config records it
-        config_mod.check_world(cfg, rt.world_size)
-        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
-        if rt.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-        barrier(rt, "start")
-        trainer = Trainer(cfg, run_dir, rt)
-        trainer.resume(args.resume)
-        result = trainer.fit()
-        if result["stopped_by"]:
-            if rt.is_main:
-                step = result["last_step"]
-                print(
-                    f"{signal.Signals(result['stopped_by']).name}: stopped after step {step}, "
-                    f"saved as {run_dir / 'checkpoints' / f'step-{step}'}",
-                    flush=True,
-                )
-            return 128 + result["stopped_by"]
-        if rt.is_main:
-            print(summary_line(result, cfg, run_dir), flush=True)
+        return train(cfg, Path(args.run_dir or Path("runs") / cfg.name), rt, args.resume)
     except ConfigError as exc:
         print(f"paratrain: error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
         runtime.shutdown()
+
+
+def train(cfg: Config, run_dir: Path, rt: runtime.Runtime, resume: str = "none") -> int:
+    """One run on a process group that has met: what every worker does between runtime.init and
+    shutdown (the fast test tier calls it in workers that stay up between runs). Returns the exit
+    code: 0, or 128 + the signal that stopped the run after a checkpoint. Raises ConfigError."""
+    cfg.train.device = rt.device.type  # 'auto' resolved, as the run dir's config records it
+    config_mod.check_world(cfg, rt.world_size)
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+    barrier(rt, "start")
+    trainer = Trainer(cfg, run_dir, rt)
+    trainer.resume(resume)
+    result = trainer.fit()
+    if result["stopped_by"]:
+        if rt.is_main:
+            step = result["last_step"]
+            print(
+                f"{signal.Signals(result['stopped_by']).name}: stopped after step {step}, "
+                f"saved as {run_dir / 'checkpoints' / f'step-{step}'}",
+                flush=True,
+            )
+        return 128 + result["stopped_by"]
+    if rt.is_main:
+        print(summary_line(result, cfg, run_dir), flush=True)
     return 0
 
 

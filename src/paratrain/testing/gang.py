@@ -1,0 +1,223 @@
+"""A gang: N worker processes that meet in one gloo process group once and then run job after job
+in it, the fast test tier's engine.
+
+A `paratrain run` costs about 3 s before its first step on 2 cores (the command's own start, the
+worker server's imports, the elastic agent, the rendezvous), more than most equivalence runs take
+to train. A test that checks what a strategy computes, not how a run is launched, hands its job to a
+gang instead: each member calls `paratrain.trainer.train` (what a launched worker calls between
+runtime.init and shutdown) or a function of the test's own, on the same process group as the last
+job, and the test reads the run directory as it would after `paratrain run`. The launch itself is
+tested end to end by the integration tier.
+
+    with Gang(2) as gang:
+        gang.train(config_path, tmp_path / "run", overrides=["train.steps=4"])
+
+A job that fails on any member (an exception, or a member outliving `timeout`) kills the gang,
+whose process group may be half way through a collective, and raises JobFailed with every member's
+output; the next job starts a fresh gang (`gangs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait
+
+PRELOAD = ["paratrain.worker_server"]  # as a launch's worker server: torch and the trainer, once
+
+
+class JobFailed(AssertionError):
+    """A job failed on some member; the message holds each member's output and traceback."""
+
+
+def _member(rank: int, world: int, port: int, conn, sys_path: list[str]) -> None:
+    """One member's life: meet, then run jobs until the pipe closes or brings None."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        CUDA_VISIBLE_DEVICES="",
+    )
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]  # the test modules' own jobs
+    import torch
+
+    from paratrain import runtime
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as a launch sets OMP_NUM_THREADS
+    rt = runtime.init("cpu", timeout_s=120)
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            job = None
+        if job is None:
+            runtime.leave()
+        target, kwargs = job
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                module, _, name = target.partition(":")
+                result = getattr(importlib.import_module(module), name)(rt, **kwargs)
+                status = "ok"
+            except BaseException:  # noqa: BLE001  every failure goes back to the test
+                result, status = traceback.format_exc(), "error"
+        conn.send((status, result, out.getvalue()))
+
+
+class Gang:
+    def __init__(self, world: int):
+        from paratrain.runtime import free_port
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        self.world = world
+        port = free_port()
+        self.conns, self.procs = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_member,
+                args=(rank, world, port, child, list(sys.path)),
+                daemon=True,
+                name=f"gang{world}-r{rank}",
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self.alive = True
+
+    def run(self, target: str, timeout: float = 120, **kwargs) -> list:
+        """`target(rt, **kwargs)` ("module:function") on every member; their results by rank, and
+        each member's output in `self.outputs`. Raises JobFailed."""
+        for conn in self.conns:
+            conn.send((target, kwargs))
+        replies: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self.conns))
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or any(status == "error" for status, _, _ in replies.values()):
+                # a member failed or hangs: give its peers a moment to fail too (their tracebacks
+                # name the collective they were in), then stop them all
+                for rank, conn in list(pending.items()):
+                    if conn.poll(min(2.0, max(left, 0))):
+                        replies[rank] = self._receive(conn)
+                        pending.pop(rank)
+                break
+            for conn in wait(list(pending.values()), timeout=left):
+                rank = self.conns.index(conn)
+                replies[rank] = self._receive(conn)
+                pending.pop(rank)
+        self.outputs = [replies.get(rank, ("", "", ""))[2] for rank in range(self.world)]
+        if pending or any(status != "ok" for status, _, _ in replies.values()):
+            self.close()
+            raise JobFailed(f"{target} on a gang of {self.world}:\n" + self._describe(replies, pending, timeout))
+        return [replies[rank][1] for rank in range(self.world)]
+
+    @staticmethod
+    def _receive(conn) -> tuple:
+        try:
+            return conn.recv()
+        except EOFError:
+            return ("error", "the member died", "")
+
+    def _describe(self, replies: dict, pending: dict, timeout: float) -> str:
+        parts = []
+        for rank in range(self.world):
+            if rank in pending:
+                parts.append(f"--- rank {rank}: no answer within {timeout:.0f} s")
+            else:
+                status, result, output = replies[rank]
+                parts.append(f"--- rank {rank}: {status}\n{output}" + (result if status != "ok" else ""))
+        return "\n".join(parts)
+
+    def train(self, config, run_dir, overrides=(), resume: str = "none", timeout: float = 120) -> str:
+        """`paratrain run CONFIG --run-dir RUN_DIR --set ... --resume ...` on this gang, less the
+        launch: rank 0's output, as the command would print it."""
+        self.run(
+            "paratrain.testing.gang:train_job",
+            timeout=timeout,
+            config=str(config) if config else None,
+            run_dir=str(run_dir),
+            overrides=list(overrides),
+            resume=resume,
+        )
+        return self.outputs[0]
+
+    def close(self) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+            conn.close()
+        for proc in self.procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def __enter__(self) -> Gang:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def train_job(rt, config: str | None, run_dir: str, overrides: list[str], resume: str) -> int:
+    """A member's part of Gang.train: the worker's own path from its config to the end of the run."""
+    from pathlib import Path
+
+    from paratrain import config as config_mod
+    from paratrain import trainer
+
+    # Relative paths and `module:function` names in the config are the config's folder's, as under
+    # `paratrain run`; the modules found there are forgotten after the run, so that the next job's
+    # module of the same name (another test's tmp_path/model.py) is its own.
+    config_dir = str(Path(config).resolve().parent) if config else None
+    os.environ.pop("PARATRAIN_CONFIG_DIR", None)
+    if config_dir:
+        os.environ["PARATRAIN_CONFIG_DIR"] = config_dir
+    path_before = list(sys.path)
+    try:
+        cfg = config_mod.load(config, overrides)
+        code = trainer.train(cfg, Path(run_dir), rt, resume)
+    finally:
+        sys.path[:] = path_before
+        if config_dir:
+            for name, module in list(sys.modules.items()):
+                if (getattr(module, "__file__", None) or "").startswith(config_dir + os.sep):
+                    del sys.modules[name]
+    if code:
+        raise RuntimeError(f"the run ended with exit code {code}")
+    return code
+
+
+class Gangs:
+    """One live gang per world size, started when first asked for and reused after (the pytest
+    fixture `gang` of tests/conftest.py holds one of these per test process)."""
+
+    def __init__(self):
+        self.live: dict[int, Gang] = {}
+
+    def __call__(self, world: int) -> Gang:
+        gang = self.live.get(world)
+        if gang is None or not gang.alive:
+            gang = self.live[world] = Gang(world)
+        return gang
+
+    def close(self) -> None:
+        for gang in self.live.values():
+            gang.close()
+        self.live.clear()
