@@ -27,24 +27,8 @@ bucket_mb = 0.002   # a few KB: several units even for this small model
 # zero3 at world 2 takes the model from a user factory (its construction recorded on the meta device
 # and replayed a tensor at a time) instead of the built-in one (built on the meta device and its
 # initialisation replayed shard by shard).
-USER_MODEL = [
-    "--set",
-    "model.factory='paratrain.models.mlp:mlp'",
-    "--set",
-    "model.in_features=64",
-    "--set",
-    "model.out_features=10",
-]
-WORLD3 = [
-    "--set",
-    "train.optimizer='adamw'",
-    "--set",
-    "train.lr=0.01",
-    "--set",
-    "train.clip_grad_norm=0.5",
-    "--set",
-    "train.grad_accum=2",
-]
+USER_MODEL = ["model.factory='paratrain.models.mlp:mlp'", "model.in_features=64", "model.out_features=10"]
+WORLD3 = ["train.optimizer='adamw'", "train.lr=0.01", "train.clip_grad_norm=0.5", "train.grad_accum=2"]
 
 
 def reference(optimizer="sgd", lr=0.1, clip=0.0):
@@ -52,31 +36,19 @@ def reference(optimizer="sgd", lr=0.1, clip=0.0):
 
 
 @pytest.fixture(scope="module")
-def dp_weights(tmp_path_factory):
+def dp_weights(tmp_path_factory, gang):
     tmp = tmp_path_factory.mktemp("dp")
     cfg = write_config(tmp / "c.toml", EQUIV)
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", "parallel.strategy='dp'", "--run-dir", str(tmp / "run")))
+    gang(2).train(cfg, tmp / "run", ["parallel.strategy='dp'"])
     return final_weights(tmp / "run")
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_zero_equals_single_process_and_dp(tmp_path, dp_weights, stage, world):
+def test_zero_equals_single_process_and_dp(tmp_path, gang, dp_weights, stage, world):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
     extra = WORLD3 if world == 3 else USER_MODEL if stage == "zero3" else []
-    check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--nproc",
-            str(world),
-            "--set",
-            f"parallel.strategy='{stage}'",
-            *extra,
-            "--run-dir",
-            str(tmp_path / "run"),
-        )
-    )
+    gang(world).train(cfg, tmp_path / "run", [f"parallel.strategy='{stage}'", *extra])
     got = final_weights(tmp_path / "run")
     if world == 3:
         assert max_rel_error(got, reference("adamw", lr=0.01, clip=0.5)) <= 1e-4
@@ -133,13 +105,11 @@ bucket_mb = 0.01
 """
 
 
-def test_zero3_gpt_bf16_equals_dp(tmp_path):
+def test_zero3_gpt_bf16_equals_dp(tmp_path, gang):
     """A transformer (blocks in a ModuleList, per-block units) under bf16 autocast with accumulation."""
     cfg = write_config(tmp_path / "c.toml", GPT)
     for strategy in ("dp", "zero3"):
-        check_ok(
-            run_cli("run", str(cfg), "--set", f"parallel.strategy='{strategy}'", "--run-dir", str(tmp_path / strategy))
-        )
+        gang(2).train(cfg, tmp_path / strategy, [f"parallel.strategy='{strategy}'"])
     dp, zero3 = final_weights(tmp_path / "dp"), final_weights(tmp_path / "zero3")
     # The key bias gets an exactly-zero gradient (softmax ignores a constant shift of the scores):
     # its value is rounding noise. Elsewhere the two differ only by the order in which micro-batch
@@ -270,30 +240,19 @@ every = 6
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def straight(tmp_path_factory, gang):
     """12 uninterrupted steps at world 2, leaving its step-6 checkpoint behind."""
     tmp = tmp_path_factory.mktemp("resume")
     cfg = write_config(tmp / "c.toml", RESUME)
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp / "straight")))
+    gang(2).train(cfg, tmp / "straight")
     return cfg, tmp / "straight"
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_resume_at_another_world_size_equals_never_stopping(tmp_path, straight, world):
+def test_resume_at_another_world_size_equals_never_stopping(tmp_path, gang, straight, world):
     cfg, run = straight
-    proc = check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--nproc",
-            str(world),
-            "--resume",
-            str(run / "checkpoints" / "step-6"),
-            "--run-dir",
-            str(tmp_path / "resumed"),
-        )
-    )
-    assert "at step 6 (saved by 2 ranks)" in proc.stdout
+    out = gang(world).train(cfg, tmp_path / "resumed", resume=str(run / "checkpoints" / "step-6"))
+    assert "at step 6 (saved by 2 ranks)" in out
     assert max_rel_error(final_weights(tmp_path / "resumed"), final_weights(run)) <= 1e-4
 
 
@@ -405,29 +364,15 @@ def test_resume_with_another_model_exits_2_naming_the_parameters(tmp_path, strai
 # 4 x batch_size / world = 48 at a time at world 2: 0.054 keeps 97, two chunks on rank 0 and one on
 # rank 1; 0.001 keeps 2, so at world 3 one rank has none.
 @pytest.mark.parametrize("strategy, world, fraction", [("zero3", 2, 0.054), ("zero3", 3, 0.001), ("dp", 3, 0.001)])
-def test_validation_shares_that_differ_between_ranks_give_the_true_loss(tmp_path, strategy, world, fraction):
+def test_validation_shares_that_differ_between_ranks_give_the_true_loss(tmp_path, gang, strategy, world, fraction):
     """Where the validation set does not split evenly, zero3's ranks must still run the same
     number of evaluation forwards (each gathers parameters from all: it hung until the timeout), and a
     rank with no validation sample at all must not turn the loss into NaN."""
     from paratrain.data.datasets import digits
 
     cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
-    sets = [
-        a for o in (f"data.val_fraction={fraction}", "train.steps=2", "parallel.timeout_s=20") for a in ("--set", o)
-    ]
-    check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--nproc",
-            str(world),
-            "--set",
-            f"parallel.strategy='{strategy}'",
-            *sets,
-            "--run-dir",
-            str(tmp_path / "run"),
-        )
-    )
+    sets = [f"parallel.strategy='{strategy}'", f"data.val_fraction={fraction}", "train.steps=2"]
+    gang(world).train(cfg, tmp_path / "run", sets, timeout=60)
     model = mlp(64, hidden=32, n_layers=2, out_features=10)  # the loss the final weights really have
     model.load_state_dict(final_weights(tmp_path / "run"))
     x, y = digits("val", val_fraction=fraction).tensors
