@@ -8,7 +8,7 @@ resuming it at another layout.
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check_ok, final_weights, metrics, rel_error, run_cli, write_config
+from helpers import final_weights, metrics, rel_error, write_config
 from reference import DIGITS_MLP, digits_mlp_reference, train_reference
 
 from paratrain.cli import main
@@ -55,14 +55,10 @@ def gpt_reference():
     return weights, val_loss
 
 
-def run(tmp_path, name, world, *sets, resume=None, env=None):
+def run(gang, tmp_path, name, world, *sets, resume=None, env=None) -> str:
+    """GPT trained on a gang of `world`; rank 0's output."""
     cfg = write_config(tmp_path / "gpt.toml", GPT)
-    args = ["run", str(cfg), "--nproc", str(world), "--run-dir", str(tmp_path / name)]
-    for s in sets:
-        args += ["--set", s]
-    if resume:
-        args += ["--resume", str(resume)]
-    return check_ok(run_cli(*args, env=env))
+    return gang(world).train(cfg, tmp_path / name, sets, resume=str(resume) if resume else "none", env=env)
 
 
 def check_equal(tmp_path, name, reference):
@@ -71,15 +67,16 @@ def check_equal(tmp_path, name, reference):
     assert abs(metrics(tmp_path / name)[-1]["val_loss"] - val_loss) <= 1e-4 * val_loss, name
 
 
-def test_tensor_parallel_then_hybrid_resumes(tmp_path, gpt_reference):
+def test_tensor_parallel_then_hybrid_resumes(tmp_path, gang, gpt_reference):
     """tp = 2 equals one process; its step-10 checkpoint resumes at world 4 both as tp 2 x pp 2
     (the same shards, now cut into stages) and as dp 2 x pp 2 (shards joined: tp 2 -> 1), and
     both still end equal to one process. The three names are one engine: a checkpoint written under
     one resumes under the others."""
-    run(tmp_path, "tp", 2, "parallel.strategy='tp'", "parallel.tp=2", "checkpoint.every=10")
+    run(gang, tmp_path, "tp", 2, "parallel.strategy='tp'", "parallel.tp=2", "checkpoint.every=10")
     check_equal(tmp_path, "tp", gpt_reference)
     step10 = tmp_path / "tp" / "checkpoints" / "step-10"
-    proc = run(
+    out = run(
+        gang,
         tmp_path,
         "tp-pp",
         4,
@@ -89,23 +86,24 @@ def test_tensor_parallel_then_hybrid_resumes(tmp_path, gpt_reference):
         "parallel.schedule='gpipe'",
         resume=step10,
     )
-    assert "at step 10" in proc.stdout
+    assert "at step 10" in out
     check_equal(tmp_path, "tp-pp", gpt_reference)
     # dp 2 x pp 2: gradients all-reduced over the dp sub-group only, per chunk, in its last backward
-    run(tmp_path, "dp-pp", 4, "parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=2", resume=step10)
+    run(gang, tmp_path, "dp-pp", 4, "parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=2", resume=step10)
     check_equal(tmp_path, "dp-pp", gpt_reference)
 
 
-def test_pipeline_schedules(tmp_path, gpt_reference):
+def test_pipeline_schedules(tmp_path, gang, gpt_reference):
     """pp = 2 with each schedule; interleaved runs 2 virtual stages per rank (4 stages, one layer
     each); gpipe resumes interleaved's checkpoint under another cut, balanced by parameters."""
     pp = ["parallel.strategy='pp'", "parallel.pp=2"]
-    proc = run(tmp_path, "interleaved", 2, *pp, "parallel.schedule='interleaved'", "checkpoint.every=10")
-    assert "pipeline split by time into 4 stages" in proc.stdout
+    out = run(gang, tmp_path, "interleaved", 2, *pp, "parallel.schedule='interleaved'", "checkpoint.every=10")
+    assert "pipeline split by time into 4 stages" in out
     check_equal(tmp_path, "interleaved", gpt_reference)
-    run(tmp_path, "1f1b", 2, *pp, "parallel.schedule='1f1b'")
+    run(gang, tmp_path, "1f1b", 2, *pp, "parallel.schedule='1f1b'")
     check_equal(tmp_path, "1f1b", gpt_reference)
-    proc = run(
+    out = run(
+        gang,
         tmp_path,
         "gpipe",
         2,
@@ -114,16 +112,17 @@ def test_pipeline_schedules(tmp_path, gpt_reference):
         "parallel.balance='params'",
         resume=tmp_path / "interleaved" / "checkpoints" / "step-10",
     )
-    assert "pipeline split by params into 2 stages" in proc.stdout and "at step 10" in proc.stdout
+    assert "pipeline split by params into 2 stages" in out and "at step 10" in out
     check_equal(tmp_path, "gpipe", gpt_reference)
 
 
-def test_interleaved_in_nccl_message_order(tmp_path, gpt_reference):
+def test_interleaved_in_nccl_message_order(tmp_path, gang, gpt_reference):
     """NCCL ignores tags and matches a rank pair's messages in posting order. With every tag 0
     (PARATRAIN_P2P_TAGS=0 does that on gloo), interleaved (8 microbatches, 2 chunks per rank) must
     still equal one process: each rank posts a neighbour's messages in the neighbour's order.
     (Through gloo, not shared memory, which matches in order anyway and checks every tag.)"""
     run(
+        gang,
         tmp_path,
         "untagged",
         2,
@@ -145,7 +144,7 @@ def build():
 """
 
 
-def test_a_stage_without_parameters(tmp_path):
+def test_a_stage_without_parameters(tmp_path, gang):
     """Interleaved pp = 2 cuts these four layers into four stages of one: the ReLU's stage has no
     parameters, so no gradient to average and a norm of zero (it crashed the step), and the run
     still equals one process."""
@@ -159,8 +158,8 @@ def test_a_stage_without_parameters(tmp_path):
         tmp_path / "c.toml",
         job + "clip_grad_norm = 0.5\n[parallel]\nstrategy = 'pp'\npp = 2\nschedule = 'interleaved'\n",
     )
-    proc = check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
-    assert "layers 1-1" in proc.stdout, proc.stdout  # the ReLU, alone
+    out = gang(2).train(cfg, tmp_path / "run")
+    assert "layers 1-1" in out, out  # the ReLU, alone
     torch.manual_seed(0)
     x, y = digits("train").tensors
     ref = train_reference(
@@ -186,7 +185,7 @@ def both_ends():
 """
 
 
-def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
+def test_tied_weights_split_across_stages_equal_one_process(tmp_path, gang, capsys):
     """A parameter two layers share (an embedding tied to the output projection): split between
     stages, each rank trained its own copy and the copies drifted apart, silently. Now the stages
     holding a copy sum its gradient every step (balanced by parameters, the cut falls between the
@@ -222,9 +221,9 @@ def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "parallel.tp_plan" in err and "'2' shares its weight with '4'" in err, err
 
-    proc = check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
-    assert "stage 0 (rank 0): layers 0-2, " in proc.stdout, proc.stdout
-    assert "tied weights: 2.weight is shared by stages [0, 1]" in proc.stdout, proc.stdout
+    out = gang(2).train(cfg, tmp_path / "run")
+    assert "stage 0 (rank 0): layers 0-2, " in out, out
+    assert "tied weights: 2.weight is shared by stages [0, 1]" in out, out
     torch.manual_seed(0)
     x, y = digits("train").tensors
     ref = train_reference(
@@ -236,7 +235,7 @@ def test_tied_weights_split_across_stages_equal_one_process(tmp_path, capsys):
     assert rel_error(weights, ref) <= 1e-6
 
 
-def test_gpt_with_tied_embeddings_under_tp_pp_and_zero3(tmp_path, capsys):
+def test_gpt_with_tied_embeddings_under_tp_pp_and_zero3(tmp_path, gang, capsys):
     """model.tie_embeddings (GPT-2's tying of the head to the token embedding): tp keeps the tie
     (both shard the same vocabulary rows), pp sums the copies' gradients across the first and last
     stage, tp x pp sums each tp rank's shard of them (clipped: the norm counts the tie once), zero3
@@ -286,12 +285,12 @@ def test_gpt_with_tied_embeddings_under_tp_pp_and_zero3(tmp_path, capsys):
         ),
         ("zero3", 2, ["parallel.strategy='zero3'"], reference),
     ]:
-        proc = run(tmp_path, name, world, tied, *sets)
+        out = run(gang, tmp_path, name, world, tied, *sets)
         weights = final_weights(tmp_path / name)
         assert torch.equal(weights["embed.tok.weight"], weights["head.lm_head.weight"]), name
         assert rel_error(weights, ref) <= 1e-4, name
         if name == "tpxpp":
-            assert "tied weights: embed.tok.weight is shared by stages [0, 1]" in proc.stdout, proc.stdout
+            assert "tied weights: embed.tok.weight is shared by stages [0, 1]" in out, out
 
 
 MLP = (
@@ -305,11 +304,11 @@ tp_plan = { "0" = "colwise", "2" = "rowwise", "4" = "colwise" }
 )
 
 
-def test_user_model_tp_plan(tmp_path):
+def test_user_model_tp_plan(tmp_path, gang):
     """An nn.Sequential split by a tp_plan (its output split too: the loss gathers nothing, it is
     vocab-parallel), with gradient clipping over the global norm of all shards."""
     cfg = write_config(tmp_path / "mlp.toml", MLP)
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run")))
+    gang(2).train(cfg, tmp_path / "run")
     ref = digits_mlp_reference(clip=0.5)
     assert rel_error(final_weights(tmp_path / "run"), ref) <= 1e-4
 

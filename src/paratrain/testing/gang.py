@@ -24,6 +24,7 @@ import importlib
 import io
 import multiprocessing
 import os
+import resource
 import sys
 import time
 import traceback
@@ -48,6 +49,10 @@ def _member(rank: int, world: int, port: int, conn, sys_path: list[str]) -> None
         CUDA_VISIBLE_DEVICES="",
     )
     sys.path[:0] = [p for p in sys_path if p not in sys.path]  # the test modules' own jobs
+    # Each run's process groups and shared-memory channels stay open until the member leaves (a
+    # launched worker leaves after one run): room for a gang's lifetime of them (Gangs.JOBS).
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
     import torch
 
     from paratrain import runtime
@@ -95,10 +100,12 @@ class Gang:
             self.conns.append(parent)
             self.procs.append(proc)
         self.alive = True
+        self.jobs = 0
 
     def run(self, target: str, timeout: float = 120, **kwargs) -> list:
         """`target(rt, **kwargs)` ("module:function") on every member; their results by rank, and
         each member's output in `self.outputs`. Raises JobFailed."""
+        self.jobs += 1
         for conn in self.conns:
             conn.send((target, kwargs))
         replies: dict[int, tuple] = {}
@@ -141,9 +148,11 @@ class Gang:
                 parts.append(f"--- rank {rank}: {status}\n{output}" + (result if status != "ok" else ""))
         return "\n".join(parts)
 
-    def train(self, config, run_dir, overrides=(), resume: str = "none", timeout: float = 120) -> str:
+    def train(
+        self, config, run_dir, overrides=(), resume: str = "none", env: dict | None = None, timeout: float = 120
+    ) -> str:
         """`paratrain run CONFIG --run-dir RUN_DIR --set ... --resume ...` on this gang, less the
-        launch: rank 0's output, as the command would print it."""
+        launch, with `env` set for the run's length: rank 0's output, as the command would print it."""
         self.run(
             "paratrain.testing.gang:train_job",
             timeout=timeout,
@@ -151,6 +160,7 @@ class Gang:
             run_dir=str(run_dir),
             overrides=list(overrides),
             resume=resume,
+            env=dict(env or {}),
         )
         return self.outputs[0]
 
@@ -175,7 +185,7 @@ class Gang:
         self.close()
 
 
-def train_job(rt, config: str | None, run_dir: str, overrides: list[str], resume: str) -> int:
+def train_job(rt, config: str | None, run_dir: str, overrides: list[str], resume: str, env: dict) -> int:
     """A member's part of Gang.train: the worker's own path from its config to the end of the run."""
     from pathlib import Path
 
@@ -186,14 +196,15 @@ def train_job(rt, config: str | None, run_dir: str, overrides: list[str], resume
     # `paratrain run`; the modules found there are forgotten after the run, so that the next job's
     # module of the same name (another test's tmp_path/model.py) is its own.
     config_dir = str(Path(config).resolve().parent) if config else None
-    os.environ.pop("PARATRAIN_CONFIG_DIR", None)
-    if config_dir:
-        os.environ["PARATRAIN_CONFIG_DIR"] = config_dir
+    env = {**env, "PARATRAIN_CONFIG_DIR": config_dir}
+    env_before = {key: os.environ.get(key) for key in env}
     path_before = list(sys.path)
+    _set_env(env)
     try:
         cfg = config_mod.load(config, overrides)
         code = trainer.train(cfg, Path(run_dir), rt, resume)
     finally:
+        _set_env(env_before)
         sys.path[:] = path_before
         if config_dir:
             for name, module in list(sys.modules.items()):
@@ -204,15 +215,27 @@ def train_job(rt, config: str | None, run_dir: str, overrides: list[str], resume
     return code
 
 
+def _set_env(values: dict) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 class Gangs:
     """One live gang per world size, started when first asked for and reused after (the pytest
     fixture `gang` of tests/conftest.py holds one of these per test process)."""
+
+    JOBS = 40  # then a fresh gang: what runs leave open (process groups, channels) stays bounded
 
     def __init__(self):
         self.live: dict[int, Gang] = {}
 
     def __call__(self, world: int) -> Gang:
         gang = self.live.get(world)
+        if gang is not None and gang.jobs >= self.JOBS:
+            gang.close()
         if gang is None or not gang.alive:
             gang = self.live[world] = Gang(world)
         return gang
