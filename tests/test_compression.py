@@ -3,7 +3,7 @@ exact; top-k and PowerSGD still learn."""
 
 import pytest
 import torch
-from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
+from helpers import final_weights, max_rel_error, metrics, write_config
 from reference import DIGITS_MLP
 
 from paratrain.cli import main
@@ -35,30 +35,17 @@ eval_every = 225
 
 
 @pytest.fixture(scope="module")
-def exact(tmp_path_factory):
+def exact(tmp_path_factory, gang):
     tmp = tmp_path_factory.mktemp("exact")
     cfg = write_config(tmp / "c.toml", EQUIV)
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp / "run")))
+    gang(2).train(cfg, tmp / "run")
     return final_weights(tmp / "run")
 
 
 @pytest.mark.parametrize("strategy, codec", [("dp", "bf16"), ("dp", "fp16"), ("zero1", "fp16"), ("zero2", "bf16")])
-def test_16_bit_casts_end_close_to_uncompressed(tmp_path, exact, strategy, codec):
+def test_16_bit_casts_end_close_to_uncompressed(tmp_path, gang, exact, strategy, codec):
     cfg = write_config(tmp_path / "c.toml", EQUIV)
-    check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--nproc",
-            "2",
-            "--run-dir",
-            str(tmp_path / "run"),
-            "--set",
-            f"parallel.strategy='{strategy}'",
-            "--set",
-            f"parallel.compression='{codec}'",
-        )
-    )
+    gang(2).train(cfg, tmp_path / "run", [f"parallel.strategy='{strategy}'", f"parallel.compression='{codec}'"])
     err = max_rel_error(final_weights(tmp_path / "run"), exact)
     assert 0 < err <= 1e-2, err  # lossy (not bit-equal) but only by rounding
 
@@ -70,10 +57,9 @@ def test_16_bit_casts_end_close_to_uncompressed(tmp_path, exact, strategy, codec
         ("powersgd", ["parallel.powersgd_rank=2"]),
     ],
 )
-def test_lossy_codecs_reach_digits_accuracy_within_1_5x_steps(tmp_path, codec, options):
+def test_lossy_codecs_reach_digits_accuracy_within_1_5x_steps(tmp_path, gang, codec, options):
     cfg = write_config(tmp_path / "c.toml", DIGITS)
-    sets = [arg for o in [f"parallel.compression='{codec}'", *options] for arg in ("--set", o)]
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run"), *sets))
+    gang(2).train(cfg, tmp_path / "run", [f"parallel.compression='{codec}'", *options])
     final = metrics(tmp_path / "run")[-1]
     assert final["step"] == 225 and final["val_acc"] >= 0.90, final
     # and it sent less than the dense all-reduce would have: 4 bytes per parameter
@@ -130,31 +116,18 @@ every = 4
 )
 
 
-def test_powersgd_resume_equals_uninterrupted(tmp_path):
+def test_powersgd_resume_equals_uninterrupted(tmp_path, gang):
     """Error feedback and the warm-start Q are saved per rank: a resumed run continues exactly."""
     cfg = write_config(tmp_path / "c.toml", RESUME)
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "straight")))
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--set", "train.steps=4", "--run-dir", str(tmp_path / "split")))
-    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--resume", "auto", "--run-dir", str(tmp_path / "split")))
+    gang(2).train(cfg, tmp_path / "straight")
+    gang(2).train(cfg, tmp_path / "split", ["train.steps=4"])
+    gang(2).train(cfg, tmp_path / "split", resume="auto")
     assert max_rel_error(final_weights(tmp_path / "split"), final_weights(tmp_path / "straight")) <= 1e-6
     # Its memory fits only the same buckets and rank: with other ones it is dropped, not forced
     # into buffers of other shapes (which crashed every worker)
     step4 = str(tmp_path / "split" / "checkpoints" / "step-4")
     for i, option in enumerate(["parallel.powersgd_rank=2", "parallel.bucket_mb=0.001"]):
-        check_ok(
-            run_cli(
-                "run",
-                str(cfg),
-                "--nproc",
-                "2",
-                "--resume",
-                step4,
-                "--set",
-                option,
-                "--run-dir",
-                str(tmp_path / f"other-{i}"),
-            )
-        )
+        gang(2).train(cfg, tmp_path / f"other-{i}", [option], resume=step4)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -210,15 +183,12 @@ def test_powersgd_computes_in_the_dtype_the_device_multiplies_fast(monkeypatch, 
         assert kept == (flat.numel() + 2 * (64 + 32) + 32) * 4 + copies  # result, P, Q, the bias; copies
 
 
-def _local_sum_worker(rank: int, port: int, world: int) -> None:
-    import os
-
+def local_sum_job(rt) -> None:
     import torch.distributed as dist
 
     from paratrain.parallel.shm_p2p import LocalSum
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank, world = rt.rank, rt.world_size
     local = LocalSum(None, timeout_s=30, capacity=64 * 1024)
     assert local.usable
     g = torch.Generator().manual_seed(rank)
@@ -234,17 +204,12 @@ def _local_sum_worker(rank: int, port: int, world: int) -> None:
     gathered = [torch.empty_like(parts[2]) for _ in range(world)]
     dist.all_gather(gathered, parts[2])
     assert all(torch.equal(gathered[0], t) for t in gathered), "ranks disagree on the sum"
-    dist.destroy_process_group()
 
 
-def test_shared_memory_sum_equals_all_reduce_on_every_rank():
+def test_shared_memory_sum_equals_all_reduce_on_every_rank(gang):
     """PowerSGD's small rounds on one host: the shared-memory sum at world 3 equals gloo's
     all-reduce, is bit-identical on every rank, and tolerates waits out of posting order."""
-    import torch.multiprocessing as mp
-
-    from paratrain.runtime import free_port
-
-    mp.start_processes(_local_sum_worker, args=(free_port(), 3), nprocs=3, start_method="spawn")
+    gang(3).run("test_compression:local_sum_job")
 
 
 class _ScriptedEngine:
@@ -258,15 +223,10 @@ class _ScriptedEngine:
             self.losses.append(self.loss(len(self.losses) + 1))
 
 
-def _equal_loss_worker(rank: int, port: int) -> None:
-    import os
-
-    import torch.distributed as dist
-
+def equal_loss_job(rt) -> None:
     from paratrain.bench.suite import equal_loss
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    rank = rt.rank
     offset = 1.0 if rank == 0 else -1.0  # the ranks' losses differ; their mean is what counts
     dp = _ScriptedEngine(lambda s: 100 - s + offset)  # pool mean after step s: 101.5 - s
     slow = _ScriptedEngine(lambda s: 100 - s / 2 + offset)  # 100.75 - s / 2: twice the steps, nearly
@@ -286,14 +246,9 @@ def _equal_loss_worker(rank: int, port: int) -> None:
     assert out["engines"]["slow"]["speedup_at_equal_loss"] == pytest.approx(12 * 100.0 / (23 * 50.0))
     assert out["engines"]["flat"] == {"steps": None, "steps_vs_dp": None, "speedup_at_equal_loss": None}
     assert len(flat.losses) == 24  # trained on up to twice dp's steps before giving up
-    dist.destroy_process_group()
 
 
-def test_bench_suite_equal_loss_counts_the_extra_steps():
+def test_bench_suite_equal_loss_counts_the_extra_steps(gang):
     """The suite's "at equal loss" line: steps to dp's loss at the horizon (mean over ranks and the
     last `window` steps) and the speed-up in time that leaves; an engine that never gets there says so."""
-    import torch.multiprocessing as mp
-
-    from paratrain.runtime import free_port
-
-    mp.start_processes(_equal_loss_worker, args=(free_port(),), nprocs=2, start_method="spawn")
+    gang(2).run("test_compression:equal_loss_job")
