@@ -28,22 +28,9 @@ def reference_weights(clip: float) -> dict:
 
 # 2 servers: with clipping that binds, so the global norm must span both shards.
 @pytest.mark.parametrize("servers, world, clip", [(1, 3, 0.0), (2, 4, 0.02)])
-def test_sync_equals_single_process(tmp_path, servers, world, clip):
+def test_sync_equals_single_process(tmp_path, gang, servers, world, clip):
     cfg = write_config(tmp_path / "c.toml", PS)
-    check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--nproc",
-            str(world),
-            "--set",
-            f"ps.servers={servers}",
-            "--set",
-            f"train.clip_grad_norm={clip}",
-            "--run-dir",
-            str(tmp_path / "run"),
-        )
-    )
+    gang(world).train(cfg, tmp_path / "run", [f"ps.servers={servers}", f"train.clip_grad_norm={clip}"])
     assert max_rel_error(final_weights(tmp_path / "run"), reference_weights(clip)) <= 1e-4
     last = metrics(tmp_path / "run")[-1]
     assert last["staleness_max"] == 0 and len(last["pushes_per_s"]) == servers
@@ -178,47 +165,24 @@ def test_bad_ps_input_exits_2(tmp_path, capsys, override, key):
     assert code == 2 and len(err.strip().splitlines()) == 1 and key in err, err
 
 
-def test_resume_and_reshard_across_servers(tmp_path):
+def test_resume_and_reshard_across_servers(tmp_path, gang):
     cfg = write_config(tmp_path / "c.toml", PS)
     common = [
-        "--set",
         "ps.servers=2",
-        "--set",
         "train.optimizer='adamw'",
-        "--set",
         "train.lr=0.01",
-        "--set",
         "data.shuffle=true",
-        "--set",
         "train.steps=16",
-        "--set",
         "checkpoint.every=4",
-        "--set",
         "checkpoint.keep=2",
     ]
-    check_ok(run_cli("run", str(cfg), "--nproc", "4", *common, "--run-dir", str(tmp_path / "straight")))
-    check_ok(
-        run_cli(
-            "run", str(cfg), "--nproc", "4", *common, "--set", "train.steps=8", "--run-dir", str(tmp_path / "split")
-        )
-    )
+    gang(4).train(cfg, tmp_path / "straight", common)
+    gang(4).train(cfg, tmp_path / "split", [*common, "train.steps=8"])
     # Continue on one server holding both shards (and their AdamW state).
-    proc = check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--nproc",
-            "3",
-            *common,
-            "--set",
-            "ps.servers=1",
-            "--resume",
-            str(tmp_path / "split" / "checkpoints" / "step-8"),
-            "--run-dir",
-            str(tmp_path / "one"),
-        )
+    out = gang(3).train(
+        cfg, tmp_path / "one", [*common, "ps.servers=1"], resume=str(tmp_path / "split" / "checkpoints" / "step-8")
     )
-    assert "at step 8" in proc.stdout
+    assert "at step 8" in out
     assert max_rel_error(final_weights(tmp_path / "one"), final_weights(tmp_path / "straight")) <= 1e-5
 
 
