@@ -33,7 +33,8 @@ PARAMS = 64 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10  # mlp(64, hidden=32, n_laye
 def planned_comm(config, world: int, *sets: str) -> list[dict]:
     """`paratrain plan`'s bytes per step for each rank, to hold against what the profiler measured."""
     out = config.parent / "plan.json"
-    assert main(["plan", str(config), "--nproc", str(world), "--json", str(out), *sets]) == 0
+    args = [a for s in sets for a in ("--set", s)]
+    assert main(["plan", str(config), "--nproc", str(world), "--json", str(out), *args]) == 0
     return [r["comm"] for r in json.loads(out.read_text())["ranks"]]
 
 
@@ -112,24 +113,17 @@ PIPELINE = (
     "extra",
     [
         [],
-        [
-            "--set",
-            "parallel.tp=2",
-            "--set",
-            "parallel.strategy='hybrid'",
-            "--set",
-            'parallel.tp_plan={ "0" = "colwise", "2" = "rowwise" }',
-        ],
+        ["parallel.tp=2", "parallel.strategy='hybrid'", 'parallel.tp_plan={ "0" = "colwise", "2" = "rowwise" }'],
     ],
     ids=["pp", "tp-x-pp"],
 )
-def test_model_parallel_steps_are_profiled_per_microbatch(tmp_path, extra):
+def test_model_parallel_steps_are_profiled_per_microbatch(tmp_path, gang, extra):
     """Every strategy reports to the profiler; here the pipeline: forward and backward of each
     microbatch, idle while a neighbour's message is not there yet, messages counted as sent and
     received, collectives (tp's, the gradient norm's) as communication."""
     cfg = write_config(tmp_path / "c.toml", PIPELINE)
     world = 4 if extra else 2
-    check_ok(run_cli("run", str(cfg), "--nproc", str(world), "--run-dir", str(tmp_path / "run"), *extra))
+    gang(world).train(cfg, tmp_path / "run", extra)
     records = [json.loads(line) for line in (tmp_path / "run" / "profile.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))
     idle = [0.0] * world
@@ -157,7 +151,7 @@ def test_model_parallel_steps_are_profiled_per_microbatch(tmp_path, extra):
 
 
 @pytest.mark.parametrize("strategy, world", [("zero2", 2), ("ps", 3)])
-def test_sharded_and_parameter_server_steps_are_profiled(tmp_path, strategy, world):
+def test_sharded_and_parameter_server_steps_are_profiled(tmp_path, gang, strategy, world):
     """ZeRO: compute phases, and its gradient reduce-scatter (an in-place all-reduce on gloo) counted
     in full. Parameter server: workers' compute and their pushes (send) and pulls (recv) of every
     parameter, the server's optimizer."""
@@ -165,18 +159,7 @@ def test_sharded_and_parameter_server_steps_are_profiled(tmp_path, strategy, wor
         tmp_path / "c.toml",
         RUN.replace("torch_profiler = true", "").replace("tensorboard = true", "tensorboard = false"),
     )
-    check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--nproc",
-            str(world),
-            "--set",
-            f"parallel.strategy='{strategy}'",
-            "--run-dir",
-            str(tmp_path / "run"),
-        )
-    )
+    gang(world).train(cfg, tmp_path / "run", [f"parallel.strategy='{strategy}'"])
     records = [json.loads(line) for line in (tmp_path / "run" / "profile.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 13))
     for record in records:
@@ -192,7 +175,7 @@ def test_sharded_and_parameter_server_steps_are_profiled(tmp_path, strategy, wor
             else:
                 assert phases["optimizer"] > 0 and comm["all_reduce"]["payload"] >= 4 * PARAMS
     # every collective, push and pull as `paratrain plan` foresaw them (ZeRO's built from gloo's primitives)
-    planned = planned_comm(cfg, world, "--set", f"parallel.strategy='{strategy}'")
+    planned = planned_comm(cfg, world, f"parallel.strategy='{strategy}'")
     assert all(r["comm"] == planned[r["rank"]] for record in records for r in record["ranks"])
 
 
