@@ -344,32 +344,20 @@ def test_samples_that_are_not_input_target_pairs_exit_2(tmp_path, capsys, factor
         (3, ["parallel.strategy='ps'"]),  # a server saves parameters only
     ],
 )
-def test_resume_with_another_model_exits_2_before_any_worker_starts(tmp_path, capsys, world, sets):
+def test_resume_with_another_model_exits_2_before_any_worker_starts(tmp_path, capsys, gang, world, sets):
     """A checkpoint whose parameter names or shapes are not the model's is refused up front under
     every strategy (only ZeRO did; dp and pp workers each printed the error, ps failed with exit 1)."""
-    from helpers import check_ok, run_cli
-
-    args = [
-        "--nproc",
-        str(world),
-        "--run-dir",
-        str(tmp_path / "run"),
-        "--set",
+    sets = [
         "train.steps=2",
-        "--set",
         "checkpoint.every=2",
-        "--set",
         "model.d_model=32",
-        "--set",
         "model.block_size=16",
-        "--set",
         "data.block_size=16",
-        "--set",
         "data.max_chars=20000",
+        *sets,
     ]
-    for s in sets:
-        args += ["--set", s]
-    check_ok(run_cli("run", *args))
+    gang(world).train(None, tmp_path / "run", sets)  # the default job, as `paratrain run` without a config
+    args = ["--nproc", str(world), "--run-dir", str(tmp_path / "run"), *(a for s in sets for a in ("--set", s))]
     code, err = run_main(
         capsys, "run", *args, "--set", "train.steps=4", "--set", "model.d_model=64", "--resume", "auto"
     )
