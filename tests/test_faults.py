@@ -25,7 +25,7 @@ keep = 4
 
 
 @pytest.mark.parametrize("strategy", ["dp", "zero2"])
-def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, strategy):
+def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, gang, strategy):
     choose = ("--set", f"parallel.strategy='{strategy}'")
     killed = run_and_kill(tmp_path / "killed", steps=30, every=5, pause=0.03, kill_after_step=12, extra_args=choose)
     assert killed["returncode"] == 0, killed["output"]
@@ -36,20 +36,20 @@ def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, strategy):
     # the same run, never interrupted (its checkpoints are where a restart would resume from)
     straight = config_text(30, 5, 0.0)
     cfg = write_config(tmp_path / "killed" / "straight.toml", straight)
-    check_ok(run_cli("run", str(cfg), *choose, "--run-dir", str(tmp_path / "straight"), cwd=tmp_path / "killed"))
+    gang(2).train(cfg, tmp_path / "straight", [choose[1]])
     a, b = final_weights(killed["run_dir"]), final_weights(tmp_path / "straight")
     assert all(torch.equal(a[k], b[k]) for k in a), "the restarted run differs from the uninterrupted one"
     logged = [m["step"] for m in metrics(killed["run_dir"])]
     assert logged == list(range(1, 31)), "every step is logged exactly once"
 
 
-def test_restart_of_a_run_resumed_from_a_path_goes_on_from_its_own_newest_checkpoint(tmp_path):
+def test_restart_of_a_run_resumed_from_a_path_goes_on_from_its_own_newest_checkpoint(tmp_path, gang):
     """--resume PATH with --max-restarts: a restart went back to PATH, redoing every step since; and
     the checkpoints past PATH already in the run directory (the future of the run resumed from)
     would be taken for this run's own. They are moved aside; the restart resumes from this run's."""
     (tmp_path / "slowmodel.py").write_text(SLOW_MODEL)
     cfg = write_config(tmp_path / "earlier.toml", config_text(steps=20, every=5, pause=0.0))
-    check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=tmp_path))  # keeps steps 15, 20
+    gang(2).train(cfg, tmp_path / "run")  # keeps steps 15, 20
     start = tmp_path / "run" / "checkpoints" / "step-15"
     killed = run_and_kill(
         tmp_path, steps=30, every=5, pause=0.03, kill_after_step=27, extra_args=("--resume", str(start))
@@ -99,11 +99,11 @@ def nan_factory(tmp_path, bad):
     return BASE.replace('factory = "digits"', f'factory = "nandigits:nan_digits"\nbad = {bad}')
 
 
-def test_non_finite_step_is_skipped_on_every_rank(tmp_path):
+def test_non_finite_step_is_skipped_on_every_rank(tmp_path, gang):
     # sample 90 is in rank 1's half of step 3 (samples 72..95): only rank 1 sees the NaN
     cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
-    proc = check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run")))
-    assert "step 4: non-finite loss or gradient, update skipped" in proc.stdout
+    out = gang(2).train(cfg, tmp_path / "run")
+    assert "step 4: non-finite loss or gradient, update skipped" in out
     expected = digits_mlp_reference(steps=16, skip_steps={3})
     weights = final_weights(tmp_path / "run")
     assert max_rel_error(weights, expected) <= 1e-4
@@ -112,25 +112,12 @@ def test_non_finite_step_is_skipped_on_every_rank(tmp_path):
 
 
 @pytest.mark.parametrize("servers, workers", [(1, 2), (2, 1)])
-def test_sync_parameter_server_skips_a_non_finite_step(tmp_path, servers, workers):
+def test_sync_parameter_server_skips_a_non_finite_step(tmp_path, gang, servers, workers):
     """As dp does: the servers drop the step's update together and tell every worker (the NaN
     update turned the whole model to NaN and the run still ended with exit 0)."""
     cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
-    proc = check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--nproc",
-            str(servers + workers),
-            "--set",
-            "parallel.strategy='ps'",
-            "--set",
-            f"ps.servers={servers}",
-            "--run-dir",
-            str(tmp_path / "run"),
-        )
-    )
-    assert "step 4: non-finite loss or gradient, update skipped" in proc.stdout, proc.stdout
+    out = gang(servers + workers).train(cfg, tmp_path / "run", ["parallel.strategy='ps'", f"ps.servers={servers}"])
+    assert "step 4: non-finite loss or gradient, update skipped" in out, out
     weights = final_weights(tmp_path / "run")
     assert max_rel_error(weights, digits_mlp_reference(steps=16, skip_steps={3})) <= 1e-4
 
@@ -156,13 +143,11 @@ def test_async_parameter_server_refuses_a_non_finite_push(tmp_path):
 
 
 @pytest.mark.parametrize("codec", ["powersgd", "topk"])
-def test_a_skipped_step_does_not_poison_error_feedback(tmp_path, codec):
+def test_a_skipped_step_does_not_poison_error_feedback(tmp_path, gang, codec):
     """Error feedback would carry the NaN of step 4 into every later step; the skip drops it."""
     cfg = write_config(tmp_path / "c.toml", nan_factory(tmp_path, [90]))
-    proc = check_ok(
-        run_cli("run", str(cfg), "--set", f"parallel.compression='{codec}'", "--run-dir", str(tmp_path / "run"))
-    )
-    assert "step 4: non-finite" in proc.stdout and "step 5: non-finite" not in proc.stdout, proc.stdout
+    out = gang(2).train(cfg, tmp_path / "run", [f"parallel.compression='{codec}'"])
+    assert "step 4: non-finite" in out and "step 5: non-finite" not in out, out
     assert sum(m.get("skipped_steps", 0) for m in metrics(tmp_path / "run")) == 1
     assert all(torch.isfinite(w).all() for w in final_weights(tmp_path / "run").values())
 
@@ -177,10 +162,10 @@ def test_too_many_non_finite_steps_stop_the_run(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-4"]
 
 
-def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path, capsys):
+def test_crash_during_save_and_corrupt_checkpoints_fall_back(tmp_path, capsys, gang):
     """The refusals (exit 2, before any worker starts) run in this process: no interpreter to start."""
     cfg = write_config(tmp_path / "c.toml", BASE)
-    check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "straight")))
+    gang(2).train(cfg, tmp_path / "straight")
     expected = final_weights(tmp_path / "straight")
 
     # 1. rank 0 dies after writing its shard of step 8, before the manifest: no half checkpoint
