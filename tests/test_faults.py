@@ -400,12 +400,12 @@ def test_a_reader_that_leaves_early_does_not_stop_the_run(tmp_path):
     assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=16)) <= 1e-4
 
 
-def test_resume_auto_with_nothing_to_resume_starts_a_fresh_log(tmp_path):
+def test_resume_auto_with_nothing_to_resume_starts_a_fresh_log(tmp_path, gang):
     """It started fresh but appended to the earlier run's metrics.jsonl (steps 4, 8, 4, 8), which
     `paratrain report` then drew as one run."""
     cfg = write_config(tmp_path / "c.toml", BASE)
-    sets = ("--set", "train.steps=8", "--set", "checkpoint.every=0", "--run-dir", str(tmp_path / "run"))
-    check_ok(run_cli("run", str(cfg), *sets))
-    proc = check_ok(run_cli("run", str(cfg), "--resume", "auto", *sets))
-    assert "starting fresh" in proc.stdout
+    sets = ["train.steps=8", "checkpoint.every=0"]
+    gang(2).train(cfg, tmp_path / "run", sets)
+    out = gang(2).train(cfg, tmp_path / "run", sets, resume="auto")
+    assert "no checkpoint to resume from: starting fresh" in out
     assert [m["step"] for m in metrics(tmp_path / "run")] == [4, 8]
