@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test lint bench bench-federated bench-data-peer docs clean
+.PHONY: setup run test test-fast lint bench bench-federated bench-data-peer docs clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,11 @@ run: setup          ## the built-in default job: character GPT, data parallel, 2
 # on 2 cores. A module's tests stay together (loadscope) so its shared fixture runs once.
 test: setup         ## the whole suite (spawns real worker processes on free ports)
 	$(PY) -m pytest -q -n 2 --dist loadscope
+
+# The fast tier, for the edit loop: strategies trained in worker processes that stay up between
+# tests (tests/conftest.py), none of the tests that start commands, kill workers or make clusters.
+test-fast: setup    ## the fast tier only
+	$(PY) -m pytest -q -n 2 --dist loadscope -m "not integration"
 
 # ruff's rules and layout are in pyproject.toml ([tool.ruff]); `ruff format .` fixes the layout.
 lint: setup         ## ruff: lint and format check

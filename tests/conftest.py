@@ -1,12 +1,62 @@
+"""Two tiers. The fast tier runs strategies in worker processes that stay up (the `gang` fixture):
+no command, no elastic agent. The integration tier starts real commands and processes: `paratrain
+run` and its launches, torchrun, kills, signals, clusters. A test is in the integration tier when
+it, or a function of its module it calls (a fixture, a helper), starts one: it is marked
+`integration` at collection, so a new test lands in the right tier by itself.
+
+    make test        both tiers
+    make test-fast   the fast tier (pytest -m "not integration")
+"""
+
+import inspect
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
 import pytest  # noqa: E402
 
 from paratrain.testing.gang import Gangs  # noqa: E402
+
+# what starts a command or an interpreter of its own
+LAUNCHES = re.compile(
+    r"\brun_cli\(|\bsubprocess\.|\bPopen\(|\brun_and_kill\(|\bstart_processes\(|\bspawn\(|\boutputs_of\("
+)
+NAME = re.compile(r"\b([A-Za-z_]\w*)\b")
+
+
+def _launches(function, module, seen: set) -> bool:
+    """Whether `function` starts a process, itself or through a function of `module` it names."""
+    if function in seen:
+        return False
+    seen.add(function)
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    if LAUNCHES.search(source):
+        return True
+    for name in set(NAME.findall(source)):
+        other = getattr(module, name, None)
+        other = getattr(other, "__wrapped__", other)  # a fixture's function
+        if inspect.isfunction(other) and other.__module__ == module.__name__ and _launches(other, module, seen):
+            return True
+    return False
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "integration: starts real commands or processes (the integration tier)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module
+        seen: set = set()
+        fixtures = [getattr(module, name, None) for name in getattr(item, "fixturenames", ()) if hasattr(module, name)]
+        functions = [item.function, *(getattr(f, "__wrapped__", f) for f in fixtures if f is not None)]
+        if any(inspect.isfunction(f) and _launches(f, module, seen) for f in functions):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

@@ -319,12 +319,12 @@ SIGTERM_STEPS = 100  # the signal comes after step 10: ample time left to stop b
 
 
 @pytest.fixture(scope="module")
-def never_stopped(tmp_path_factory):
+def never_stopped(tmp_path_factory, gang):
     """The final weights of the SIGTERM test's run, trained without a stop."""
     workdir = tmp_path_factory.mktemp("never-stopped")
     (workdir / "slowmodel.py").write_text(SLOW_MODEL)
     cfg = write_config(workdir / "c.toml", config_text(steps=SIGTERM_STEPS, every=0, pause=0.0))
-    check_ok(run_cli("run", str(cfg), "--run-dir", str(workdir / "run"), cwd=workdir))
+    gang(2).train(cfg, workdir / "run")
     return final_weights(workdir / "run")
 
 
