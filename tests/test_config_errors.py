@@ -2,6 +2,7 @@
 
 import pytest
 from helpers import write_config
+from reference import DIGITS_MLP
 
 from paratrain.cli import main
 
@@ -368,3 +369,23 @@ def test_resume_with_another_model_exits_2_before_any_worker_starts(tmp_path, ca
         and "checkpoint does not match the model: shape differs: " in line
     )
     assert "(32,) vs (64,)" in line and " more" in line, line
+
+
+def test_a_missing_optional_package_exits_2_saying_how_to_install_it(tmp_path, capsys, monkeypatch):
+    """matplotlib and tensorboard come with paratrain[report], scikit-learn with paratrain[datasets]:
+    a command that needs one that is missing says so in one line, not with an ImportError."""
+    from paratrain import extras
+
+    monkeypatch.setattr(extras, "find_spec", lambda name: None)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text('name = "r"\n')
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0, "lr": 0.1, "samples_per_s": 1.0, "time": 0.1}\n')
+    cfg = write_config(tmp_path / "c.toml", DIGITS_MLP)
+    for args, extra in [
+        (["report", str(run)], "report"),
+        (["run", str(cfg), "--set", "log.tensorboard=true", "--run-dir", str(tmp_path / "r")], "report"),
+        (["plan", str(cfg)], "datasets"),
+    ]:
+        code, err = run_main(capsys, *args)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and f"pip install 'paratrain[{extra}]'" in err, err

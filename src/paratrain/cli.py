@@ -15,6 +15,7 @@ from pathlib import Path
 
 from . import config as config_mod
 from .config import ConfigError
+from .extras import MissingExtra
 from .metrics import keep_stdout_when_its_reader_leaves
 
 
@@ -532,7 +533,10 @@ def main(argv=None) -> int:
         return _error("--nproc: must be >= 1", 2)
     if getattr(args, "nnodes", None) is not None and args.nnodes < 1:
         return _error("--nnodes: must be >= 1", 2)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except MissingExtra as exc:  # an optional package this command needs: how to install it
+        return _error(str(exc), 2)
 
 
 def console_main() -> None:

@@ -81,6 +81,13 @@ def _factory_name(v):
     return None if v else "must not be empty"
 
 
+def _tensorboard_installed(v):
+    """TensorBoard must be installed (`pip install 'paratrain[report]'`)."""
+    from .extras import hint
+
+    return hint("tensorboard") if v else None
+
+
 def _seed(v):
     # torch takes seeds below 2**64, and the workers add their rank and the epoch to it
     return None if 0 <= v < 2**63 else "must be in [0, 2**63)"
@@ -231,7 +238,9 @@ class FederatedConfig:
 class LogConfig:
     """Extra outputs of a run besides metrics.jsonl, profile.jsonl and trace.json."""
 
-    tensorboard: bool = opt(False, doc="also write TensorBoard event files to RUN_DIR/tensorboard")
+    tensorboard: bool = opt(
+        False, check=_tensorboard_installed, doc="also write TensorBoard event files to RUN_DIR/tensorboard"
+    )
 
 
 @dataclass

@@ -111,6 +111,9 @@ def per_rank_breakdown(profile: list[dict]) -> list[dict]:
 
 # -- plots ----------------------------------------------------------------------------------------
 def _figure(width=7.5, height=4.2, **kw):
+    from .extras import require
+
+    require("matplotlib", "report's plots")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -241,6 +241,9 @@ def report(results: dict, curves: dict, args, workers: int) -> None:
 
 
 def plot(curves: dict, args) -> None:
+    from ..extras import require
+
+    require("matplotlib", "the benchmark's plot")
     import matplotlib
 
     matplotlib.use("Agg")

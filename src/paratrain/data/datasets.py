@@ -41,6 +41,9 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     import gzip
     import importlib.util
 
+    from ..extras import require
+
+    require("sklearn", "data.factory 'digits'")
     spec = importlib.util.find_spec("sklearn")
     for root in (spec.submodule_search_locations or []) if spec else []:
         path = Path(root) / "datasets" / "data" / "digits.csv.gz"
