@@ -148,6 +148,40 @@ def test_prepare_is_deterministic_and_bad_input_exits_2(tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("paratrain: error: ") and where in err, err
 
 
+def test_the_corpus_as_bpe_tokens_is_prepared_once_into_shards_deterministically(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+
+    from paratrain.config import ArgumentError
+    from paratrain.data import datasets
+    from paratrain.data import prepare as prepare_mod
+    from paratrain.data.stream import ShardDataset
+
+    spec = {"block_size": 16, "max_chars": 30_000, "tokenizer": "bpe:300"}
+    train = datasets.corpus("train", cache_dir=str(tmp_path / "a"), **spec)
+    val = datasets.corpus("val", cache_dir=str(tmp_path / "a"), **spec)
+    assert isinstance(train, ShardDataset) and train.vocab_size == 300 and len(val) > 0
+    (folder,) = [p for p in (tmp_path / "a").glob("text-*") if p.is_dir()]
+    tokenizer = Tokenizer.from_file(str(folder / "train" / "tokenizer.json"))
+    assert (folder / "val" / "tokenizer.json").read_bytes() == (folder / "train" / "tokenizer.json").read_bytes()
+    x, y = train[0]
+    assert torch.equal(x[1:], y[:-1]) and datasets.stdlib_text(30_000).startswith(tokenizer.decode(x.tolist()))
+
+    def never(job):
+        raise AssertionError(f"prepared again: {job}")
+
+    monkeypatch.setattr(prepare_mod, "prepare", never)  # a later run (or another rank) finds it
+    assert len(datasets.corpus("train", cache_dir=str(tmp_path / "a"), **spec)) == len(train)
+    monkeypatch.undo()
+    datasets.corpus("train", cache_dir=str(tmp_path / "b"), **spec)
+    (again,) = [p for p in (tmp_path / "b").glob("text-*") if p.is_dir()]
+    files = [p.relative_to(folder) for p in sorted(folder.rglob("*")) if p.is_file()]
+    assert files == [p.relative_to(again) for p in sorted(again.rglob("*")) if p.is_file()]
+    assert all((folder / f).read_bytes() == (again / f).read_bytes() for f in files)  # byte-identical
+    assert len(datasets.corpus("val", cache_dir=str(tmp_path / "a"), **spec, val_fraction=0.0)) == 0
+    with pytest.raises(ArgumentError, match="bpe:VOCAB"):
+        datasets.corpus(tokenizer="bpe:many", cache_dir=str(tmp_path / "a"))
+
+
 def test_order_is_global_seeded_and_resumes_at_the_recorded_position(prepared, tmp_path):
     ds = shards(str(prepared / "local"), cache_dir=str(tmp_path / "cache"), shuffle_window=64)
     assert len(ds) == SAMPLES and len(ds.index.shards) == 4
