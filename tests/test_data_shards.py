@@ -373,3 +373,33 @@ def test_a_corrupt_shard_stops_the_run_naming_it_and_keeps_the_checkpoints(prepa
     ), proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert main(["inspect", str(run_dir / "checkpoints" / "step-4")]) == 0  # saved before it, intact
+
+
+def test_a_corrupt_shard_is_skipped_where_configured_the_next_shard_that_verifies_standing_in(
+    prepared, tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    from paratrain.config import ConfigError
+    from paratrain.data import shards as shards_mod
+
+    monkeypatch.setattr(shards_mod.time, "sleep", lambda s: None)  # the retries of a corrupt download
+    copy = tmp_path / "shards"
+    shutil.copytree(prepared / "local", copy)
+    data = bytearray((copy / "shard-00002.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (copy / "shard-00002.safetensors").write_bytes(bytes(data))
+    every = torch.arange(SAMPLES)
+    with pytest.raises(ConfigError, match="shard-00002.safetensors"):
+        shards(str(copy), cache_dir=str(tmp_path / "strict")).load_batch(every)
+    capsys.readouterr()
+    x, y = shards(str(copy), cache_dir=str(tmp_path / "skip"), skip_corrupt=True).load_batch(every)
+    clean_x, clean_y = shards(str(prepared / "local"), cache_dir=str(tmp_path / "clean")).load_batch(every)
+    two, three = slice(80, 120), slice(120, 160)  # 40 samples a shard: shard 3 verifies and stands in
+    assert torch.equal(x[two], clean_x[three]) and torch.equal(y[two], clean_y[three])
+    assert torch.equal(x[:80], clean_x[:80]) and torch.equal(x[120:], clean_x[120:])
+    # a rank whose slice holds only shard 2 picks the same stand-in
+    other = shards(str(copy), cache_dir=str(tmp_path / "skip"), skip_corrupt=True)
+    assert torch.equal(other.load_batch(every[two])[0], clean_x[three])
+    err = capsys.readouterr().err
+    assert err.count("shard-00002.safetensors") == 2 and err.count("skipped (data.skip_corrupt)") == 2, err
