@@ -93,6 +93,12 @@ def test_fedavg_equals_sgd_and_resumes_exactly(tmp_path):
     assert [m["step"] for m in metrics(resumed)] == [3, 4]
 
 
+def run_server_and_two_workers(cfg_path, run, faults: str):
+    return check_ok(
+        run_cli("run", str(cfg_path), "--nproc", "3", "--run-dir", str(run), env={"PARATRAIN_FAULTS": faults})
+    )
+
+
 def test_killed_client_rank_is_dropped_and_secure_aggregation_recovers_its_clients(tmp_path):
     cfg_path = write_config(
         tmp_path / "fed.toml",
@@ -109,17 +115,7 @@ def test_killed_client_rank_is_dropped_and_secure_aggregation_recovers_its_clien
     assert len(lost) == 2
     dropper = next(c for c in sample_clients(0, 0, 12, 6) if owner_of(c, workers) == 1)
     run = tmp_path / "run"
-    proc = check_ok(
-        run_cli(
-            "run",
-            str(cfg_path),
-            "--nproc",
-            "3",
-            "--run-dir",
-            str(run),
-            env={"PARATRAIN_FAULTS": f"fed_kill@rank=2,round=2;fed_drop@client={dropper},round=0"},
-        )
-    )
+    proc = run_server_and_two_workers(cfg_path, run, f"fed_kill@rank=2,round=2;fed_drop@client={dropper},round=0")
     assert "worker rank 2" in proc.stderr
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
@@ -147,17 +143,7 @@ def test_stalled_client_rank_is_dropped_at_the_round_timeout_and_the_run_goes_on
     run = tmp_path / "run"
     # rank 2 answers round 2 only after 1.5 round_timeout_s: a server that waited for it would
     # take that long and count its clients
-    proc = check_ok(
-        run_cli(
-            "run",
-            str(cfg_path),
-            "--nproc",
-            "3",
-            "--run-dir",
-            str(run),
-            env={"PARATRAIN_FAULTS": "fed_stall@rank=2,round=1"},
-        )
-    )
+    proc = run_server_and_two_workers(cfg_path, run, "fed_stall@rank=2,round=1")
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2, 3]
     assert lines[0]["dropped_clients"] == [] and lines[0]["clients"] == 4

@@ -26,7 +26,7 @@ class ShardError(RuntimeError):
 
 
 class CorruptShard(ShardError):
-    """A shard whose bytes are not those the index names: a retry reads the same, every rank too."""
+    """A shard whose bytes are not those the index names, still after the retries: every rank reads the same."""
 
 
 @dataclass(frozen=True)
