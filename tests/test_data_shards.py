@@ -148,6 +148,40 @@ def test_prepare_is_deterministic_and_bad_input_exits_2(tmp_path, capsys):
         assert err.count("\n") == 1 and err.startswith("paratrain: error: ") and where in err, err
 
 
+def test_the_corpus_as_bpe_tokens_is_prepared_once_into_shards_deterministically(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer
+
+    from paratrain.config import ArgumentError
+    from paratrain.data import datasets
+    from paratrain.data import prepare as prepare_mod
+    from paratrain.data.stream import ShardDataset
+
+    spec = {"block_size": 16, "max_chars": 30_000, "tokenizer": "bpe:300"}
+    train = datasets.corpus("train", cache_dir=str(tmp_path / "a"), **spec)
+    val = datasets.corpus("val", cache_dir=str(tmp_path / "a"), **spec)
+    assert isinstance(train, ShardDataset) and train.vocab_size == 300 and len(val) > 0
+    (folder,) = [p for p in (tmp_path / "a").glob("text-*") if p.is_dir()]
+    tokenizer = Tokenizer.from_file(str(folder / "train" / "tokenizer.json"))
+    assert (folder / "val" / "tokenizer.json").read_bytes() == (folder / "train" / "tokenizer.json").read_bytes()
+    x, y = train[0]
+    assert torch.equal(x[1:], y[:-1]) and datasets.stdlib_text(30_000).startswith(tokenizer.decode(x.tolist()))
+
+    def never(job):
+        raise AssertionError(f"prepared again: {job}")
+
+    monkeypatch.setattr(prepare_mod, "prepare", never)  # a later run (or another rank) finds it
+    assert len(datasets.corpus("train", cache_dir=str(tmp_path / "a"), **spec)) == len(train)
+    monkeypatch.undo()
+    datasets.corpus("train", cache_dir=str(tmp_path / "b"), **spec)
+    (again,) = [p for p in (tmp_path / "b").glob("text-*") if p.is_dir()]
+    files = [p.relative_to(folder) for p in sorted(folder.rglob("*")) if p.is_file()]
+    assert files == [p.relative_to(again) for p in sorted(again.rglob("*")) if p.is_file()]
+    assert all((folder / f).read_bytes() == (again / f).read_bytes() for f in files)  # byte-identical
+    assert len(datasets.corpus("val", cache_dir=str(tmp_path / "a"), **spec, val_fraction=0.0)) == 0
+    with pytest.raises(ArgumentError, match="bpe:VOCAB"):
+        datasets.corpus(tokenizer="bpe:many", cache_dir=str(tmp_path / "a"))
+
+
 def test_order_is_global_seeded_and_resumes_at_the_recorded_position(prepared, tmp_path):
     ds = shards(str(prepared / "local"), cache_dir=str(tmp_path / "cache"), shuffle_window=64)
     assert len(ds) == SAMPLES and len(ds.index.shards) == 4
@@ -339,3 +373,33 @@ def test_a_corrupt_shard_stops_the_run_naming_it_and_keeps_the_checkpoints(prepa
     ), proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert main(["inspect", str(run_dir / "checkpoints" / "step-4")]) == 0  # saved before it, intact
+
+
+def test_a_corrupt_shard_is_skipped_where_configured_the_next_shard_that_verifies_standing_in(
+    prepared, tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    from paratrain.config import ConfigError
+    from paratrain.data import shards as shards_mod
+
+    monkeypatch.setattr(shards_mod.time, "sleep", lambda s: None)  # the retries of a corrupt download
+    copy = tmp_path / "shards"
+    shutil.copytree(prepared / "local", copy)
+    data = bytearray((copy / "shard-00002.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (copy / "shard-00002.safetensors").write_bytes(bytes(data))
+    every = torch.arange(SAMPLES)
+    with pytest.raises(ConfigError, match="shard-00002.safetensors"):
+        shards(str(copy), cache_dir=str(tmp_path / "strict")).load_batch(every)
+    capsys.readouterr()
+    x, y = shards(str(copy), cache_dir=str(tmp_path / "skip"), skip_corrupt=True).load_batch(every)
+    clean_x, clean_y = shards(str(prepared / "local"), cache_dir=str(tmp_path / "clean")).load_batch(every)
+    two, three = slice(80, 120), slice(120, 160)  # 40 samples a shard: shard 3 verifies and stands in
+    assert torch.equal(x[two], clean_x[three]) and torch.equal(y[two], clean_y[three])
+    assert torch.equal(x[:80], clean_x[:80]) and torch.equal(x[120:], clean_x[120:])
+    # a rank whose slice holds only shard 2 picks the same stand-in
+    other = shards(str(copy), cache_dir=str(tmp_path / "skip"), skip_corrupt=True)
+    assert torch.equal(other.load_batch(every[two])[0], clean_x[three])
+    err = capsys.readouterr().err
+    assert err.count("shard-00002.safetensors") == 2 and err.count("skipped (data.skip_corrupt)") == 2, err

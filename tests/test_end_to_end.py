@@ -39,6 +39,16 @@ def test_default_job_smoke(tmp_path):
     assert manifest["step"] == 6 and "sha256" in manifest["files"]["model.safetensors"]
 
 
+def test_default_job_on_bpe_tokens_prepared_once_into_shards(tmp_path):
+    sets = ["train.steps=4", "train.log_every=2", "train.eval_every=4", "data.max_chars=100000"]
+    sets += ["data.tokenizer=bpe:512", f"data.cache_dir={tmp_path / 'cache'}"]
+    proc = check_ok(run_cli("run", *(a for s in sets for a in ("--set", s)), "--run-dir", str(tmp_path / "run")))
+    # the launcher prepares the shards before the workers start; they stream what it wrote
+    assert proc.stdout.count("data: prepared the corpus as bpe:512 tokens") == 1, proc.stdout
+    assert final_weights(tmp_path / "run")["embed.tok.weight"].shape[0] == 512
+    assert "val_loss" in metrics(tmp_path / "run")[-1]
+
+
 def test_digits_reaches_90_percent(tmp_path):
     cfg = write_config(
         tmp_path / "digits.toml",

@@ -93,6 +93,12 @@ def test_fedavg_equals_sgd_and_resumes_exactly(tmp_path):
     assert [m["step"] for m in metrics(resumed)] == [3, 4]
 
 
+def run_server_and_two_workers(cfg_path, run, faults: str):
+    return check_ok(
+        run_cli("run", str(cfg_path), "--nproc", "3", "--run-dir", str(run), env={"PARATRAIN_FAULTS": faults})
+    )
+
+
 def test_killed_client_rank_is_dropped_and_secure_aggregation_recovers_its_clients(tmp_path):
     cfg_path = write_config(
         tmp_path / "fed.toml",
@@ -109,17 +115,7 @@ def test_killed_client_rank_is_dropped_and_secure_aggregation_recovers_its_clien
     assert len(lost) == 2
     dropper = next(c for c in sample_clients(0, 0, 12, 6) if owner_of(c, workers) == 1)
     run = tmp_path / "run"
-    proc = check_ok(
-        run_cli(
-            "run",
-            str(cfg_path),
-            "--nproc",
-            "3",
-            "--run-dir",
-            str(run),
-            env={"PARATRAIN_FAULTS": f"fed_kill@rank=2,round=2;fed_drop@client={dropper},round=0"},
-        )
-    )
+    proc = run_server_and_two_workers(cfg_path, run, f"fed_kill@rank=2,round=2;fed_drop@client={dropper},round=0")
     assert "worker rank 2" in proc.stderr
     lines = metrics(run)
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
@@ -130,6 +126,32 @@ def test_killed_client_rank_is_dropped_and_secure_aggregation_recovers_its_clien
     assert "no update" not in proc.stderr  # every round's masked sum was unmasked and applied
     assert all(np.isfinite(m["loss"]) for m in lines) and lines[3]["val_loss"] < lines[1]["val_loss"]
     assert (run / "final" / "model.safetensors").is_file()
+
+
+def test_stalled_client_rank_is_dropped_at_the_round_timeout_and_the_run_goes_on(tmp_path):
+    timeout_s = 2.0
+    cfg_path = write_config(
+        tmp_path / "fed.toml",
+        FED.replace("steps = 4", "steps = 3")
+        .replace("eval_every = 2", "eval_every = 0")
+        .replace("every = 2", "every = 0")
+        .replace("clients = 2 ", "clients = 4")
+        .replace("clients_per_round = 2", "clients_per_round = 4")
+        .replace("server_lr = 1.0", f"round_timeout_s = {timeout_s}"),
+    )
+    stalled = [c for c in range(4) if owner_of(c, [1, 2]) == 2]
+    run = tmp_path / "run"
+    # rank 2 answers round 2 only after 1.5 round_timeout_s: a server that waited for it would
+    # take that long and count its clients
+    proc = run_server_and_two_workers(cfg_path, run, "fed_stall@rank=2,round=1")
+    lines = metrics(run)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert lines[0]["dropped_clients"] == [] and lines[0]["clients"] == 4
+    assert lines[1]["dropped_clients"] == stalled and lines[1]["clients"] == 2
+    assert timeout_s <= lines[1]["round_s"] < 1.5 * timeout_s, lines[1]
+    assert lines[2]["dropped_clients"] == stalled  # dropped for good: the run goes on without it
+    assert "worker rank 2 did not answer within federated.round_timeout_s" in proc.stderr
+    assert all(np.isfinite(m["loss"]) for m in lines) and (run / "final" / "model.safetensors").is_file()
 
 
 def test_secure_aggregation_equals_plain_sum_survives_two_dropouts_and_hides_updates():

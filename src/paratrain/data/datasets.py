@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from ..config import ArgumentError, require, require_at_least
+from ..config import ArgumentError, ConfigError, require, require_at_least
 from .stream import shards
 
 
@@ -138,30 +138,53 @@ def corpus(
     max_chars: int = 2_000_000,
     val_fraction: float = 0.1,
     path: str | None = None,
-) -> CharCorpus:
-    """Character-level corpus: the standard library's own source text, or the text at `path`."""
+    tokenizer: str = "chars",
+    cache_dir: str = "~/.cache/paratrain",
+) -> Dataset:
+    """The standard library's own source text, or the text at `path`, as characters (`chars`), or
+    as `bytes` or `bpe:VOCAB` tokens prepared once into shards under `cache_dir` and streamed from
+    there as `factory = "shards"` streams them."""
+    from .prepare import parse_tokenizer, prepare_text_once
+
     require_at_least(1, block_size=block_size, max_chars=max_chars)
     require(0 <= val_fraction < 1, "val_fraction", f"must be in [0, 1) (0: no validation), got {val_fraction}")
+    if tokenizer != "chars":
+        try:
+            parse_tokenizer(tokenizer)
+        except ConfigError as exc:
+            raise ArgumentError("tokenizer", f"expected chars, bytes or bpe:VOCAB: {exc.why}") from None
     try:
-        vocab, tokens = _encoded(path, max_chars)
+        if tokenizer == "chars":
+            vocab, tokens = _encoded(path, max_chars)
+        else:
+            root = prepare_text_once(_text(path, max_chars), tokenizer, block_size, val_fraction, cache_dir)
     except OSError as exc:
         why = exc.strerror or ("no such file" if isinstance(exc, FileNotFoundError) else exc)
         raise ArgumentError("path", f"cannot read {path}: {why}") from None
     except UnicodeDecodeError as exc:
         raise ArgumentError("path", f"{path} is not UTF-8 text: {exc}") from None
+    except ConfigError as exc:  # prepare's own: the text is too short for one block
+        raise ArgumentError("max_chars", f"the corpus cannot be prepared as {tokenizer} tokens: {exc.why}") from None
     except (ImportError, ValueError) as exc:  # fsspec: a scheme it does not know, or whose package is missing
         raise ArgumentError("path", f"cannot read {path}: {exc}") from None
-    n_train = int(len(tokens) * (1 - val_fraction))
-    part = tokens[:n_train] if split == "train" else tokens[n_train:]
-    return CharCorpus(part, block_size, list(vocab))
+    if tokenizer == "chars":
+        n_train = int(len(tokens) * (1 - val_fraction))
+        part = tokens[:n_train] if split == "train" else tokens[n_train:]
+        return CharCorpus(part, block_size, list(vocab))
+    if not (root / split).is_dir():  # val_fraction = 0
+        return TensorDataset(torch.zeros(0, block_size, dtype=torch.long), torch.zeros(0, block_size, dtype=torch.long))
+    return shards(str(root / split), cache_dir=cache_dir)
+
+
+def _text(path: str | None, max_chars: int) -> str:
+    return read_text(path, max_chars) if path else stdlib_text(max_chars)
 
 
 @functools.lru_cache(maxsize=2)
 def _encoded(path: str | None, max_chars: int) -> tuple[tuple[str, ...], torch.Tensor]:
     """The text's alphabet and its characters as indices into it (read-only, shared by the splits:
     a process builds both, often more than once, and sorting 2M characters takes 0.2 s)."""
-    text = read_text(path, max_chars) if path else stdlib_text(max_chars)
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    codes = np.frombuffer(_text(path, max_chars).encode("utf-32-le"), dtype=np.uint32)
     alphabet, tokens = np.unique(codes, return_inverse=True)
     return tuple(chr(c) for c in alphabet), torch.from_numpy(tokens.astype(np.int64))
 

@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ class Job:
     block_size: int = 64
     shard_mb: float = 64.0
     workers: int | None = None
+    learnt_tokenizer: str | None = None  # a BPE tokenizer's JSON to encode with instead of training one on SRC
 
 
 def shard_name(i: int) -> str:
@@ -260,7 +262,9 @@ def prepare(job: Job) -> dict:
     if fmt not in FORMATS:
         raise ConfigError("--format", f"expected one of {', '.join(FORMATS)}, got {fmt!r}")
     workers = max(1, job.workers or os.cpu_count() or 1)
-    tokenizer_json = train_bpe(files, fmt, job.field, bpe_vocab) if bpe_vocab and fmt != "npy" else None
+    tokenizer_json = job.learnt_tokenizer
+    if tokenizer_json is None and bpe_vocab and fmt != "npy":
+        tokenizer_json = train_bpe(files, fmt, job.field, bpe_vocab)
 
     with (
         tempfile.TemporaryDirectory(prefix="paratrain-prepare-") as scratch,
@@ -342,6 +346,51 @@ def prepare(job: Job) -> dict:
     if tokenizer_json is not None:
         _write_text(job.dest, TOKENIZER, tokenizer_json)
     return index
+
+
+def prepare_text_once(text: str, tokenizer: str, block_size: int, val_fraction: float, cache_dir: str) -> Path:
+    """`text` as shards in train/ and val/ (its last val_fraction of characters; a BPE tokenizer is
+    learnt on train/ alone), in a folder of cache_dir named by a hash of everything that decides
+    their bytes. The first process to ask prepares it under a file lock and renames it into place
+    whole; the ranks of the run and later runs find it there."""
+    from filelock import FileLock
+
+    recipe = json.dumps([INDEX_FORMAT, tokenizer, block_size, val_fraction]).encode()
+    key = hashlib.sha256(recipe + text.encode("utf-8")).hexdigest()[:16]
+    root = Path(os.path.expanduser(cache_dir)) / f"text-{key}"
+    if root.is_dir():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{root}.lock"):
+        if not root.is_dir():
+            started = time.perf_counter()
+            with tempfile.TemporaryDirectory(dir=root.parent, prefix=f".{root.name}-") as scratch:
+                out = Path(scratch) / "out"
+                n_train = int(len(text) * (1 - val_fraction))
+                learnt = None
+                for split, part in (("train", text[:n_train]), ("val", text[n_train:])):
+                    if not part:  # val_fraction = 0: no val/ (an empty split)
+                        continue
+                    src = Path(scratch) / f"{split}.txt"
+                    src.write_text(part, encoding="utf-8")
+                    # one worker: a corpus that fits in memory takes seconds, and the caller may be a training rank
+                    prepare(
+                        Job(
+                            str(src),
+                            str(out / split),
+                            "text",
+                            tokenizer=tokenizer,
+                            block_size=block_size,
+                            shard_mb=1,
+                            workers=1,
+                            learnt_tokenizer=learnt,
+                        )
+                    )
+                    if (out / "train" / TOKENIZER).is_file():
+                        learnt = (out / "train" / TOKENIZER).read_text(encoding="utf-8")
+                os.replace(out, root)
+            print(f"data: prepared the corpus as {tokenizer} tokens in {time.perf_counter() - started:.1f}s at {root}")
+    return root
 
 
 def _quiet_worker() -> None:

@@ -25,6 +25,10 @@ class ShardError(RuntimeError):
     """A shard that cannot be read, named."""
 
 
+class CorruptShard(ShardError):
+    """A shard whose bytes are not those the index names, still after the retries: every rank reads the same."""
+
+
 @dataclass(frozen=True)
 class Shard:
     name: str
@@ -52,7 +56,8 @@ def retrying(fn, what: str, attempts: int = 5, backoff_s: float = 0.1):
             raise
         except Exception as exc:  # storage clients raise their own types (aiohttp, botocore) for a 503 or a reset
             if attempt == attempts - 1:
-                raise ShardError(f"{what}: {exc} (after {attempts} attempts)") from None
+                kind = type(exc) if isinstance(exc, ShardError) else ShardError
+                raise kind(f"{what}: {exc} (after {attempts} attempts)") from None
             time.sleep(backoff_s * 2**attempt)
 
 
@@ -116,7 +121,7 @@ class ShardCache:
             data = fh.read()
         digest = hashlib.sha256(data).hexdigest()
         if digest != shard.sha256:
-            raise ShardError(
+            raise CorruptShard(
                 f"sha256 {digest[:12]}... is not the index's {shard.sha256[:12]}... "
                 f"({len(data)} bytes, the index says {shard.bytes})"
             )

@@ -10,6 +10,7 @@ order is the contract's: step i reads samples (i*B + j) mod N.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,14 +21,23 @@ from torch.utils.data import Dataset
 
 from ..config import ArgumentError, ConfigError, require, require_at_least
 from .sampler import GlobalBatchSampler
-from .shards import Index, ShardCache, ShardError, read_index
+from .shards import CorruptShard, Index, ShardCache, ShardError, read_index
 
 
 class ShardDataset(Dataset):
     """Token blocks [block_size + 1] from shards; sample i is (block[:-1], block[1:])."""
 
-    def __init__(self, index: Index, cache: ShardCache, shuffle_window: int, prefetch_threads: int = 2):
+    def __init__(
+        self,
+        index: Index,
+        cache: ShardCache,
+        shuffle_window: int,
+        skip_corrupt: bool = False,
+        prefetch_threads: int = 2,
+    ):
         self.index, self.cache = index, cache
+        self.skip_corrupt = skip_corrupt
+        self._corrupt: set[int] = set()
         self.vocab_size, self.block_size = index.vocab_size, index.block_size
         self.shuffle_window = shuffle_window
         self.shard_sizes = np.array([s.samples for s in index.shards], dtype=np.int64)
@@ -52,7 +62,8 @@ class ShardDataset(Dataset):
         rows = np.empty((len(ids), self.block_size + 1), dtype=np.int64)
         for s in np.unique(shard_of).tolist():
             mask = shard_of == s
-            rows[mask] = self._shard(s)[ids[mask] - self.shard_starts[s]]
+            block = self._shard(s)
+            rows[mask] = block[(ids[mask] - self.shard_starts[s]) % len(block)]  # a stand-in may hold more or fewer
         tokens = torch.from_numpy(rows)
         return tokens[:, :-1], tokens[:, 1:]
 
@@ -66,21 +77,60 @@ class ShardDataset(Dataset):
         with self._lock:
             self._wanted = set(shards)
             for s in shards:
-                if s not in self._memory and s not in self._loading:
+                if s not in self._memory and s not in self._loading and s not in self._corrupt:
                     self._loading[s] = self._pool.submit(self._load, s)
 
     def _shard(self, s: int) -> np.ndarray:
+        try:
+            if s in self._corrupt:
+                return self._stand_in(s)
+            try:
+                return self._rows(s)
+            except CorruptShard as exc:
+                if not self.skip_corrupt:
+                    raise
+                self._mark_corrupt(s, exc)
+                return self._stand_in(s)
+        except ShardError as exc:
+            raise ConfigError("data.path", str(exc)) from None
+        except OSError as exc:  # missing or forbidden: not retried
+            raise ConfigError("data.path", f"shard {self.index.shards[s].name} of {self.index.url}: {exc}") from None
+
+    def _rows(self, s: int) -> np.ndarray:
         with self._lock:
             if s in self._memory:
                 self._memory.move_to_end(s)
                 return self._memory[s]
             future = self._loading.get(s) or self._loading.setdefault(s, self._pool.submit(self._load, s))
-        try:
-            return future.result()
-        except ShardError as exc:
-            raise ConfigError("data.path", str(exc)) from None
-        except OSError as exc:  # missing or forbidden: not retried
-            raise ConfigError("data.path", f"shard {self.index.shards[s].name} of {self.index.url}: {exc}") from None
+        return future.result()
+
+    def _mark_corrupt(self, s: int, exc: CorruptShard) -> None:
+        with self._lock:
+            self._loading.pop(s, None)
+            self._corrupt.add(s)
+        print(
+            f"paratrain: warning: data.path: {exc}; skipped (data.skip_corrupt): the next shard that "
+            f"verifies stands in for its {self.index.shards[s].samples} samples",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _stand_in(self, s: int) -> np.ndarray:
+        """The rows of the first shard after s (in index order, wrapping) that verifies, which sample
+        i of s reads modulo their count. A corrupt shard fails its checksum on every rank alike, so every
+        rank picks the same stand-in, and the order, the steps and the data positions stay as they
+        were; only the corrupt shard's samples are not seen."""
+        n = len(self.index.shards)
+        for t in ((s + k) % n for k in range(1, n)):
+            if t in self._corrupt:
+                continue
+            try:
+                rows = self._rows(t)
+            except CorruptShard as exc:
+                self._mark_corrupt(t, exc)
+                continue
+            return rows
+        raise ShardError(f"no shard of {self.index.url} matches its sha256 in the index")
 
     def _load(self, s: int) -> np.ndarray:
         from safetensors.numpy import load
@@ -182,15 +232,17 @@ def shards(
     cache_limit_gb: float = 20,
     storage_options: dict | None = None,
     shuffle_window: int = 8192,
+    skip_corrupt: bool = False,
 ) -> ShardDataset:
     """The shards `paratrain data prepare` wrote at `path` (a local folder or an fsspec URL)."""
     require(bool(path), "path", "required: the folder or URL that `paratrain data prepare` wrote")
     require(cache_limit_gb > 0, "cache_limit_gb", f"must be > 0, got {cache_limit_gb}")
     require_at_least(1, shuffle_window=shuffle_window)
     require(isinstance(storage_options or {}, dict), "storage_options", "must be a table of fsspec options")
+    require(isinstance(skip_corrupt, bool), "skip_corrupt", f"must be true or false, got {skip_corrupt!r}")
     try:
         index = read_index(path, storage_options)
         cache = ShardCache(index, cache_dir, int(cache_limit_gb * 2**30), storage_options)
     except (ShardError, OSError, ValueError, ImportError, KeyError) as exc:
         raise ArgumentError("path", f"cannot read the shards at {path}: {exc}") from None
-    return ShardDataset(index, cache, shuffle_window)
+    return ShardDataset(index, cache, shuffle_window, skip_corrupt)
