@@ -63,10 +63,10 @@ def sgd_on_the_clients_samples(cfg, rounds: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_fedavg_equals_sgd_and_resumes_exactly(tmp_path):
+def test_fedavg_equals_sgd_and_resumes_exactly(tmp_path, gang):
     cfg_path = write_config(tmp_path / "fed.toml", FED)
     run = tmp_path / "run"
-    proc = check_ok(run_cli("run", str(cfg_path), "--nproc", "3", "--run-dir", str(run)))
+    out = gang(3).train(cfg_path, run)
     cfg = config_mod.load(cfg_path)
     assert max_rel_error(final_weights(run), sgd_on_the_clients_samples(cfg, 4)) <= 1e-4
     lines = metrics(run)
@@ -74,21 +74,10 @@ def test_fedavg_equals_sgd_and_resumes_exactly(tmp_path):
     assert "val_acc" in lines[1] and "val_acc" in lines[3]
     report = json.loads((run / "partitions.json").read_text())
     assert [c["samples"] for c in report["per_client"]] == [719, 719]
-    assert sum(report["per_client"][0]["labels"]) == 719 and "client 0: 719 samples" in proc.stdout
+    assert sum(report["per_client"][0]["labels"]) == 719 and "client 0: 719 samples" in out
     # a round-level checkpoint resumes exactly, here at another world size (the server holds it all)
     resumed = tmp_path / "resumed"
-    check_ok(
-        run_cli(
-            "run",
-            str(cfg_path),
-            "--nproc",
-            "2",
-            "--run-dir",
-            str(resumed),
-            "--resume",
-            str(run / "checkpoints" / "step-2"),
-        )
-    )
+    gang(2).train(cfg_path, resumed, resume=str(run / "checkpoints" / "step-2"))
     assert all(torch.equal(a, b) for a, b in zip(final_weights(run).values(), final_weights(resumed).values()))
     assert [m["step"] for m in metrics(resumed)] == [3, 4]
 
