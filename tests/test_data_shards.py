@@ -269,7 +269,7 @@ every = 2
     )
 
 
-def test_s3_streamed_training_equals_local_and_one_process_and_resumes_exactly(prepared, s3, tmp_path):
+def test_s3_streamed_training_equals_local_and_one_process_and_resumes_exactly(prepared, s3, tmp_path, gang):
     env = {f"FSSPEC_S3_{k.upper()}": v for k, v in s3.items()}  # how `data prepare` reaches a custom endpoint
     check_ok(
         run_cli(
@@ -286,16 +286,7 @@ def test_s3_streamed_training_equals_local_and_one_process_and_resumes_exactly(p
     )
     # Uninterrupted, streamed from S3 at world 2.
     streamed = tmp_path / "streamed"
-    check_ok(
-        run_cli(
-            "run",
-            str(gpt_job(tmp_path, "s3://paratrain-data/ds", s3, cache="s3cache")),
-            "--nproc",
-            "2",
-            "--run-dir",
-            str(streamed),
-        )
-    )
+    gang(2).train(gpt_job(tmp_path, "s3://paratrain-data/ds", s3, cache="s3cache"), streamed)
     assert sorted(p.name for p in (tmp_path / "s3cache").rglob("*.safetensors")) == [
         f"shard-0000{i}.safetensors" for i in range(4)
     ]
@@ -311,20 +302,7 @@ def test_s3_streamed_training_equals_local_and_one_process_and_resumes_exactly(p
         (EPOCH_STEPS, 1, "auto", (1, 0)),
         (24, 2, "auto", (2, 64)),
     ):
-        out = check_ok(
-            run_cli(
-                "run",
-                str(local_job),
-                "--nproc",
-                str(nproc),
-                "--run-dir",
-                str(chain),
-                "--resume",
-                resume,
-                "--set",
-                f"train.steps={steps}",
-            )
-        ).stdout
+        out = gang(nproc).train(local_job, chain, [f"train.steps={steps}"], resume=resume)
         assert ("resumed from" in out) == (resume == "auto"), out
         _, meta = CheckpointReader(chain / "checkpoints" / f"step-{steps}").load(rank=0)
         assert meta["trainer"]["data"] == {"epoch": position[0], "sample_in_epoch": position[1]}
