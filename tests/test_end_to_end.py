@@ -49,7 +49,7 @@ def test_default_job_on_bpe_tokens_prepared_once_into_shards(tmp_path):
     assert "val_loss" in metrics(tmp_path / "run")[-1]
 
 
-def test_digits_reaches_90_percent(tmp_path):
+def test_digits_reaches_90_percent(tmp_path, gang):
     cfg = write_config(
         tmp_path / "digits.toml",
         """
@@ -68,7 +68,7 @@ log_every = 50
 eval_every = 75
 """,
     )
-    check_ok(run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run")))
+    gang(2).train(cfg, tmp_path / "run")
     final = metrics(tmp_path / "run")[-1]
     assert final["step"] == 150 and final["val_acc"] >= 0.90, final
 
