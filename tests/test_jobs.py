@@ -18,7 +18,7 @@ import yaml
 from helpers import CPU_ONLY, ROOT, final_weights, max_rel_error, outputs_of, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
-from paratrain import netns
+from paratrain.testing import netns
 from paratrain.cli import main
 from paratrain.config import ConfigError
 from paratrain.engines import detect, expand_nodelist

@@ -16,7 +16,7 @@ import torch
 from helpers import CPU_ONLY, complete_lines, final_weights, max_rel_error, write_config
 from reference import DIGITS_MLP, train_reference
 
-from paratrain import netns
+from paratrain.testing import netns
 from paratrain.bench.recovery import SLOW_MODEL
 from paratrain.cli import main
 from paratrain.data.datasets import digits

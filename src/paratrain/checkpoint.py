@@ -32,7 +32,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
-from . import collectives, faults
+from . import collectives
+from .testing import faults
 from .config import ConfigError
 
 FORMAT = "paratrain-checkpoint/1"

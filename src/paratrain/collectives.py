@@ -22,7 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import faults, stop
+from . import stop
+from .testing import faults
 
 
 @dataclass

@@ -13,7 +13,7 @@ One run measures, in the same worker processes, interleaved in rounds (same mach
   to reach dp's loss (lossy codecs need more steps; "faster at equal loss" counts them).
 
 Settings: loopback (this machine, gloo over 127.0.0.1), or `--slow-link 1gbit`: two hosts in
-network namespaces joined by a veth pair that tc shapes to that rate (paratrain.netns; skipped with
+network namespaces joined by a veth pair that tc shapes to that rate (paratrain.testing.netns; skipped with
 the reason where namespaces cannot be made), one worker per host.
 
 Model and data: bench/dp.py's MLP (9.5M parameters by default), SGD with momentum on a fresh batch of
@@ -148,7 +148,7 @@ class Launcher:
 
 def run(args) -> int:
     if args.slow_link:
-        from .. import netns
+        from ..testing import netns
 
         ok, why = netns.available()
         if not ok:

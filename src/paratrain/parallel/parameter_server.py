@@ -40,7 +40,7 @@ job by `guard_worker` (its parent reports the death and leaves cleanly, so the e
 others go on). A sync server, or a worker whose server does not answer within parallel.timeout_s,
 fails with a message naming the missing rank.
 
-Fault points (PARATRAIN_FAULTS, see paratrain/faults.py), each at one worker's push of one step:
+Fault points (PARATRAIN_FAULTS, see paratrain/testing/faults.py), each at one worker's push of one step:
     ps_kill_before_pull@rank=R,step=S    the worker SIGKILLs itself after its push, before its pull
     ps_stall_before_pull@rank=R,step=S   ... stalls there for FAULT_STALL_S seconds
     ps_bad_header@rank=R,step=S          ... pushes NaN as its step, and leaves (exit 0)
@@ -63,8 +63,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import checkpoint as ckpt
-from .. import faults, guard
+from .. import guard
 from ..optim import build_optimizer, set_lr
+from ..testing import faults
 from .base import Strategy, clip_factor, unique_parameters
 
 HEADER = 4  # float32 slots in front of every message (small integers are exact in float32)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
 from ... import checkpoint as ckpt
-from ... import faults
+from ...testing import faults
 from ...data import build_dataset
 from ...optim import set_lr
 from ..base import Strategy, unique_parameters
