@@ -33,8 +33,8 @@ from safetensors.torch import save as st_save
 from torch import nn
 
 from . import collectives
-from .testing import faults
 from .config import ConfigError
+from .testing import faults
 
 FORMAT = "paratrain-checkpoint/1"
 FINAL_FORMAT = "paratrain-final/1"
