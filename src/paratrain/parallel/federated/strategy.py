@@ -44,7 +44,7 @@ from ...testing import faults
 from ...data import build_dataset
 from ...optim import set_lr
 from ..base import Strategy, unique_parameters
-from ..parameter_server import first_line
+from ..ps_wire import first_line
 from . import secagg
 from .client import LocalTrainer, copy_into
 from .partition import deal_clients, describe, local_batches, write_report
