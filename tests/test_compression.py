@@ -137,7 +137,7 @@ def test_powersgd_blocked_reconstruction_equals_one_product(shape, dtype):
     buffer or straight into the result in fp32; the blocks must add up to exactly the one-product
     result (rows that do not divide, a row wider than a block). The squared norm it returns, taken
     from the factors (the clipping norm), is that of the result it wrote."""
-    from paratrain.parallel.compression import _PowerBucket
+    from paratrain.parallel.powersgd import _PowerBucket
 
     torch.manual_seed(0)
     n, m = shape
@@ -166,20 +166,20 @@ def test_powersgd_computes_in_the_dtype_the_device_multiplies_fast(monkeypatch, 
     """The codec's arithmetic follows the CPU's flags (faked here): on a CPU without bf16 instructions
     no bf16 copy of the matrices is kept (and the planner counts none); what is sent stays fp32."""
     from paratrain import config as config_mod
-    from paratrain.parallel import compression
+    from paratrain.parallel import compression, powersgd
 
-    monkeypatch.setattr(compression, "cpu_multiplies_bf16_natively", lambda: native_bf16)
-    assert compression.arithmetic_dtype(torch.device(device), torch.float32) == expected
+    monkeypatch.setattr(powersgd, "cpu_multiplies_bf16_natively", lambda: native_bf16)
+    assert powersgd.arithmetic_dtype(torch.device(device), torch.float32) == expected
     if device == "cpu":
         shapes = [torch.Size((64, 32)), torch.Size((32,))]
         flat = torch.zeros(64 * 32 + 32)
-        codec = compression.PowerSGD(rank=2, warm_start=True)
+        codec = powersgd.PowerSGD(rank=2, warm_start=True)
         st = codec._bucket(0, flat, shapes)
         assert st.dtype == expected and st.copies_matrices == (expected != torch.float32)
         assert st.first_round.dtype == st.q_flat.dtype == torch.float32  # the wire
         p = config_mod.from_dict({"parallel": {"compression": "powersgd", "powersgd_rank": 2}}).parallel
         kept = compression.kept_bytes(p, [shapes], torch.float32, torch.device("cpu"))
-        copies = 64 * 32 * 2 + compression.block_numel(st.matrices) * 2 if native_bf16 else 0
+        copies = 64 * 32 * 2 + powersgd.block_numel(st.matrices) * 2 if native_bf16 else 0
         assert kept == (flat.numel() + 2 * (64 + 32) + 32) * 4 + copies  # result, P, Q, the bias; copies
 
 

@@ -18,13 +18,13 @@ import yaml
 from helpers import CPU_ONLY, ROOT, final_weights, max_rel_error, outputs_of, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
-from paratrain import netns
 from paratrain.cli import main
 from paratrain.config import ConfigError
 from paratrain.engines import detect, expand_nodelist
 from paratrain.jobs.kubernetes import CONFIG_MOUNT
 from paratrain.jobs.preflight import check_nodes
 from paratrain.runtime import free_port
+from paratrain.testing import netns
 
 ok, why = netns.available()
 # The operators' CRD schemas: the shared copy beside the repository (CI), else the one vendored here.

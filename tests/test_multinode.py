@@ -23,8 +23,8 @@ from helpers import (
 )
 from reference import DIGITS_MLP
 
-from paratrain import netns
 from paratrain.bench.recovery import SLOW_MODEL, config_text, worker_pids
+from paratrain.testing import netns
 
 CFG = DIGITS_MLP.replace("steps = 20", "steps = 12").replace("log_every = 10", "log_every = 4")
 

@@ -16,12 +16,11 @@ import torch
 from helpers import CPU_ONLY, complete_lines, final_weights, max_rel_error, write_config
 from reference import DIGITS_MLP, train_reference
 
-from paratrain import netns
 from paratrain.bench.recovery import SLOW_MODEL
 from paratrain.cli import main
 from paratrain.data.datasets import digits
 from paratrain.models.mlp import mlp
-from paratrain.testing import slurm
+from paratrain.testing import netns, slurm
 
 ok, why = netns.available()
 

@@ -32,8 +32,9 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
-from . import collectives, faults
+from . import collectives
 from .config import ConfigError
+from .testing import faults
 
 FORMAT = "paratrain-checkpoint/1"
 FINAL_FORMAT = "paratrain-final/1"

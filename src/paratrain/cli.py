@@ -284,7 +284,7 @@ def check_launch(args) -> None:
 def check_faults() -> None:
     """PARATRAIN_FAULTS, which makes ranks fail on purpose (tests, benchmarks): malformed, it
     failed at the first collective in every worker; well-formed, it must never pass unnoticed."""
-    from . import faults
+    from .testing import faults
 
     text = os.environ.get(faults.ENV)
     if not text:

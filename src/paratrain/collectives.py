@@ -22,7 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import faults, stop
+from . import stop
+from .testing import faults
 
 
 @dataclass
@@ -89,10 +90,32 @@ def _blocked():
     return PROFILER.phase("comm") if PROFILER is not None else contextlib.nullcontext()
 
 
-class _Done:
-    """Stands in for the Work of a collective a fault injection skipped."""
+class Handle:
+    """Communication under way, as one handle: waits for `works` (Works of collectives, or other
+    handles), then runs `then` once. With `second` (a function that starts another round and returns
+    the function that finishes it), advance() starts that round early, so it overlaps what the caller
+    does next. With nothing to wait for it stands in for communication that was not needed (a group
+    of one) or that a fault injection skipped."""
 
-    def wait(self, *args):
+    def __init__(self, works=(), then=None, second=None):
+        self.works, self.then, self.second = list(works), then, second
+
+    def _wait_works(self) -> None:  # the waits are the profile's "comm" (_Tracked)
+        for w in self.works:
+            w.wait()
+        self.works = []
+
+    def advance(self) -> None:
+        if self.second is not None:
+            self._wait_works()
+            self.then, self.second = self.second(), None
+
+    def wait(self) -> bool:
+        self.advance()
+        self._wait_works()
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
         return True
 
 
@@ -112,7 +135,7 @@ class _Tracked:
 
 def _issue(kind: str, fn, tensor: torch.Tensor, what: str, **kwargs):
     if faults.active("skip_collective", rank=dist.get_rank(), step=LOG.step, what=what):
-        return _Done() if kwargs.get("async_op") else None  # as if this rank never issued it
+        return Handle() if kwargs.get("async_op") else None  # as if this rank never issued it
     group = kwargs.get("group")
     record = LOG.add(kind, tensor, what, world=group in (None, dist.group.WORLD))
     if PROFILER is not None and kind in _ACCOUNTED:

@@ -525,7 +525,7 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
         if transient:
             notes.append(f"{p.strategy}: {transient}")
     elif p.strategy == "ps":
-        from .parallel.parameter_server import HEADER, assign_shards
+        from .parallel.ps_wire import HEADER, assign_shards
 
         shards = assign_shards([t.numel() for t in params], cfg.ps.servers)
         header = HEADER * 4  # each flat shard buffer starts with a small float32 header

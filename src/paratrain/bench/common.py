@@ -92,7 +92,7 @@ def machine() -> dict:
 
     import torch
 
-    from ..parallel.compression import cpu_multiplies_bf16_natively
+    from ..parallel.powersgd import cpu_multiplies_bf16_natively
 
     model = platform.processor() or platform.machine()
     try:

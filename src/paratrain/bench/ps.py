@@ -75,7 +75,8 @@ def one_run(
     from ..models.mlp import mlp
     from ..optim import cross_entropy
     from ..parallel.data_parallel import DataParallel
-    from ..parallel.parameter_server import ParameterServer, straggle
+    from ..parallel.parameter_server import ParameterServer
+    from ..parallel.ps_worker import straggle
 
     workers = rt.world_size - 1
     slow_rank = rt.world_size - 1 if straggler else -1

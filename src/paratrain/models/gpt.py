@@ -1,7 +1,7 @@
 """Decoder-only character transformer (GPT).
 
 Written to be split: `pipeline_layers()` lists the modules that run one after another
-(embedding, each block, head), and attention takes its number of heads from the width of its
+(embedding, each block, head), `tp_plan()` how tensor parallelism splits them, and attention takes its number of heads from the width of its
 projections, so a tensor-parallel plan that narrows q/k/v to a slice of the heads needs no other
 change. Separate q, k and v projections (not one fused qkv) make that column split a plain slice.
 """
@@ -136,6 +136,23 @@ class GPT(nn.Module):
     def pipeline_layers(self) -> list[nn.Module]:
         """The modules that run one after another; a pipeline cuts between them."""
         return [self.embed, *self.blocks, self.head]
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor parallelism: heads split across ranks (q/k/v by column, proj by row), the MLP
+        likewise, the vocabulary split in the embedding and the head."""
+        plan = {"embed.tok": "vocab", "head.lm_head": "colwise"}
+        for i in range(len(self.blocks)):
+            plan.update(
+                {
+                    f"blocks.{i}.attn.q": "colwise",
+                    f"blocks.{i}.attn.k": "colwise",
+                    f"blocks.{i}.attn.v": "colwise",
+                    f"blocks.{i}.attn.proj": "rowwise",
+                    f"blocks.{i}.mlp.fc": "colwise",
+                    f"blocks.{i}.mlp.proj": "rowwise",
+                }
+            )
+        return plan
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return run_layers(self.pipeline_layers(), idx, self.recompute)

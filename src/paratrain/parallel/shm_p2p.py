@@ -204,7 +204,7 @@ class Receive:
 
 def _host_id() -> str:
     """Same value = same machine and same network namespace. The namespace counts because test
-    hosts made of namespaces on one machine (paratrain.netns) must talk over their shaped link."""
+    hosts made of namespaces on one machine (paratrain.testing.netns) must talk over their shaped link."""
     facts = [socket.gethostname()]
     for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/net"):
         try:

@@ -83,32 +83,12 @@ class VocabParallelEmbedding(nn.Module):
 STYLES = {"colwise": ColumnParallelLinear, "rowwise": RowParallelLinear, "vocab": VocabParallelEmbedding}
 
 
-def gpt_plan(model) -> dict[str, str]:
-    """The built-in gpt: heads split across ranks (q/k/v by column, proj by row), the MLP likewise,
-    the vocabulary split in the embedding and the head."""
-    plan = {"embed.tok": "vocab", "head.lm_head": "colwise"}
-    for i in range(len(model.blocks)):
-        plan.update(
-            {
-                f"blocks.{i}.attn.q": "colwise",
-                f"blocks.{i}.attn.k": "colwise",
-                f"blocks.{i}.attn.v": "colwise",
-                f"blocks.{i}.attn.proj": "rowwise",
-                f"blocks.{i}.mlp.fc": "colwise",
-                f"blocks.{i}.mlp.proj": "rowwise",
-            }
-        )
-    return plan
-
-
 def plan_for(model: nn.Module, user_plan: dict) -> dict[str, str]:
-    from ..models.gpt import GPT
-
+    """parallel.tp_plan, else the model's own `tp_plan()` (module name -> style), else none."""
     if user_plan:
         return dict(user_plan)
-    if isinstance(model, GPT):
-        return gpt_plan(model)
-    return {}
+    own = getattr(model, "tp_plan", None)
+    return dict(own()) if callable(own) else {}
 
 
 def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:

@@ -30,25 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import collectives
+from ..collectives import Handle
 from .data_parallel import Bucket, GradientReducer
-
-
-class Works:
-    """Several collectives' works, waited on as one, with a step to run once all are done."""
-
-    def __init__(self, works: list, then=None):
-        self.works, self.then = works, then
-
-    def advance(self) -> None:  # one round only (GradientReducer.finish calls it on every handle)
-        pass
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        if self.then is not None:
-            self.then()
-            self.then = None
-        return True
 
 
 def from_primitives(backend: str) -> bool:
@@ -62,35 +45,35 @@ def _on_gloo(group) -> bool:
     return from_primitives(dist.get_backend(group))
 
 
-def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, what: str, group, wire_dtype=None) -> Works:
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, what: str, group, wire_dtype=None) -> Handle:
     """Async: `output` (this rank's chunk of `flat`, or a tensor of its size) gets the chunk's sum.
     `wire_dtype` (parallel.compression bf16 | fp16): reduce a 16-bit copy, half the bytes."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if wire_dtype is not None and wire_dtype != flat.dtype:
         small = flat.to(wire_dtype)
         own_small = small.chunk(world)[rank]
-        return Works(
+        return Handle(
             [reduce_scatter(own_small, small, f"{what}-{wire_dtype}", group)], then=lambda: output.copy_(own_small)
         )
     if not _on_gloo(group):
-        return Works([collectives.reduce_scatter(output, flat, what, group=group, async_op=True)])
+        return Handle([collectives.reduce_scatter(output, flat, what, group=group, async_op=True)])
     own = flat.chunk(world)[rank]
     same = output.data_ptr() == own.data_ptr()
-    return Works(
+    return Handle(
         [collectives.all_reduce(flat, what, group=group, async_op=True)],
         then=None if same else lambda: output.copy_(own),
     )
 
 
-def all_gather(flat: torch.Tensor, shard: torch.Tensor, what: str, group) -> Works:
+def all_gather(flat: torch.Tensor, shard: torch.Tensor, what: str, group) -> Handle:
     """Async: every rank's `shard` into its chunk of `flat` (`shard` may be our chunk of `flat` itself)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if not _on_gloo(group):
-        return Works([collectives.all_gather_into(flat, shard, what, group=group, async_op=True)])
+        return Handle([collectives.all_gather_into(flat, shard, what, group=group, async_op=True)])
     chunks = flat.chunk(world)
     if chunks[rank].data_ptr() != shard.data_ptr():
         chunks[rank].copy_(shard)
-    return Works(
+    return Handle(
         [
             collectives.broadcast(
                 c,

@@ -1,1 +1,2 @@
-"""Test fixtures that are real systems: a Slurm cluster in network namespaces."""
+"""Test fixtures that are real systems: fault injection (PARATRAIN_FAULTS), hosts in network
+namespaces, a Slurm cluster in them."""

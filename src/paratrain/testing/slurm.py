@@ -1,5 +1,5 @@
 """A real two-node Slurm cluster inside this machine, for the tests: Debian's slurm-wlm (22.05) and munge,
-slurmctld and one slurmd in each of two network namespaces (paratrain.netns.TwoHosts).
+slurmctld and one slurmd in each of two network namespaces (paratrain.testing.netns.TwoHosts).
 
     python -m paratrain.testing.slurm install     # apt-get, as root; nothing to do when installed
 
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import netns
+from . import netns
 
 PACKAGES = ("slurm-wlm", "munge", "shellcheck")
 TOOLS = ("sbatch", "srun", "slurmctld", "slurmd", "munged", "shellcheck")
