@@ -8,6 +8,9 @@ from pathlib import Path
 
 
 def plot(r: dict, path: Path) -> None:
+    from ..extras import require
+
+    require("matplotlib", "the benchmark's plot")
     import matplotlib
 
     matplotlib.use("Agg")
