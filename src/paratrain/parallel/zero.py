@@ -26,7 +26,7 @@ One optimizer step, per stage (N ranks; "full" = every rank holds all of it):
 Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
 Checkpoints: every rank writes the pieces of parameters and optimizer state it owns, keyed by
 parameter name with their offsets within the parameter, so a checkpoint written at world N loads at
-any world M (each rank reads the pieces overlapping its new shards).
+any world M (zero_reshard.py). Stage 3's units and their gathering: zero_gather.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import checkpoint as ckpt
 from .. import collectives
 from ..models.materialize import materialize
 from ..optim import build_optimizer
@@ -43,8 +42,8 @@ from .base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from .compression import CAST_DTYPES
 from .data_parallel import make_buckets
 from .zero_comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
-
-CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their children are
+from .zero_gather import ParameterGatherer, module_units
+from .zero_reshard import check_checkpoint, load_sharded_state, sharded_state
 
 
 def wire_dtype(cfg) -> torch.dtype | None:
@@ -221,100 +220,12 @@ class Zero(Strategy):
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
         """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
-        tensors, pieces, scalars, shared = {}, {}, {}, {}
-        for u in self.units:
-            state = self.optimizer.state.get(u.shard, {})
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.numel() == u.shard_numel and value.dim() == 1:
-                    continue
-                if isinstance(value, torch.Tensor):
-                    shared[f"zero.optim.{key}"] = value  # e.g. adam's step: the same for every shard
-                elif value is not None:
-                    scalars[key] = value
-            for i, start, end, at in u.own_pieces():
-                name = u.names[i]
-                pieces[name] = [start, end]
-                tensors[f"zero.param.{name}"] = u.shard.detach()[at : at + end - start]
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.numel() == u.shard_numel and value.dim() == 1:
-                        tensors[f"zero.optim.{name}.{key}"] = value[at : at + end - start]
-        tensors.update(shared)
-        if self.rank == 0:
-            tensors.update({f"replicated.{k}": v for k, v in self._replicated_state().items()})
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.state_dict()["param_groups"]]
-        meta = {
-            "zero": {
-                "stage": self.stage,
-                "world_size": self.world,
-                "pieces": pieces,
-                "params": {n: list(s) for u in self.units for n, s in zip(u.names, u.shapes)},
-                "optimizer": {"param_groups": groups, "scalars": scalars},
-            }
-        }
-        return tensors, meta
+        return sharded_state(self.units, self.optimizer, self.model, self.rank, self.world, self.stage)
 
-    def _replicated_state(self) -> dict[str, torch.Tensor]:
-        """Buffers and frozen parameters: whole and identical on every rank."""
-        return replicated_state(self.model)
-
-    @staticmethod
-    def check_checkpoint(reader, model: nn.Module) -> None:
-        """Before any worker starts (the CLI's preflight, `model` on meta): the checkpoint's
-        parameter names and shapes must be the model's. Reads only rank 0's safetensors header."""
-        meta, shapes = ckpt.read_header(reader.path / ckpt.rank_file(0))
-        saved = meta.get("zero")
-        replicated = {k[len("replicated.") :]: shape for k, shape in shapes.items() if k.startswith("replicated.")}
-        if not isinstance(saved, dict) or not isinstance(saved.get("params"), dict):
-            raise ckpt.CheckpointMismatch("--resume", f"{reader.path} holds no ZeRO state")
-        check_layout(model, saved["params"], replicated, key="--resume")
+    check_checkpoint = staticmethod(check_checkpoint)  # the CLI's preflight of --resume
 
     def load_state_dict(self, reader) -> None:
-        tensors0, meta0 = reader.load(rank=0)
-        saved = meta0.get("zero")
-        if saved is None:
-            raise ckpt.CheckpointMismatch("resume", f"{reader.path} holds no ZeRO state")
-        check_layout(
-            self.model,
-            saved["params"],
-            {k[len("replicated.") :]: list(v.shape) for k, v in tensors0.items() if k.startswith("replicated.")},
-        )
-        shard_state: dict[int, dict[str, torch.Tensor]] = {u.index: {} for u in self.units}
-        own = {u.names[i]: (u, start, end, at) for u in self.units for i, start, end, at in u.own_pieces()}
-        for r in range(reader.world_size):
-            tensors, meta = (tensors0, meta0) if r == 0 else reader.load(rank=r)
-            for name, (s, e) in meta["zero"]["pieces"].items():
-                if name not in own:
-                    continue
-                u, os_, oe, at = own[name]
-                a, b = max(s, os_), min(e, oe)
-                if a >= b:
-                    continue
-                dst = slice(at + a - os_, at + b - os_)
-                src = slice(a - s, b - s)
-                with torch.no_grad():
-                    u.shard[dst].copy_(tensors[f"zero.param.{name}"][src])
-                prefix = f"zero.optim.{name}."
-                for key in (k[len(prefix) :] for k in tensors if k.startswith(prefix)):
-                    buf = shard_state[u.index].setdefault(
-                        key, torch.zeros(u.shard_numel, dtype=tensors[prefix + key].dtype, device=self.device)
-                    )
-                    buf[dst].copy_(tensors[prefix + key][src])
-        shared = {
-            k[len("zero.optim.") :]: v for k, v in tensors0.items() if k.startswith("zero.optim.") and k.count(".") == 2
-        }
-        opt = saved["optimizer"]
-        state = {
-            i: {**shard_state[u.index], **{k: v.clone() for k, v in shared.items()}, **opt["scalars"]}
-            for i, u in enumerate(self.units)
-            if shard_state[u.index] or shared
-        }
-        current = self.optimizer.state_dict()
-        groups = [dict(g, params=c["params"]) for g, c in zip(opt["param_groups"], current["param_groups"])]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-        replicated = {k[len("replicated.") :]: v for k, v in tensors0.items() if k.startswith("replicated.")}
-        with torch.no_grad():
-            for k, v in self._replicated_state().items():
-                v.copy_(replicated[k])
+        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device)
         self._after_load()
 
     def _after_load(self) -> None:
@@ -422,166 +333,6 @@ class Zero3(Zero2):
             k: values[id(v)] if id(v) in values else v.detach().cpu().clone()
             for k, v in self.model.state_dict(keep_vars=True).items()
         }
-
-
-def replicated_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What ZeRO does not shard: buffers and frozen parameters, by state_dict key."""
-    trainable = {id(p) for _, p in unique_parameters(model)}
-    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in trainable}
-
-
-def check_layout(model: nn.Module, saved_params: dict, saved_replicated: dict, key: str = "resume") -> None:
-    """Exit 2 naming the parameters or buffers whose name or shape differs from the checkpoint's."""
-    ours = {n: p.shape for n, p in unique_parameters(model)}
-    ours.update({k: v.shape for k, v in replicated_state(model).items()})
-    differs = ckpt.describe_mismatch(ours, {**saved_params, **saved_replicated})
-    if differs:
-        raise ckpt.CheckpointMismatch(key, differs)
-
-
-def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -> list[tuple[nn.Module, list]]:
-    """Stage 3's units, in registration (forward) order: a module whose parameters total at most
-    `max_bytes` is one unit with all of them; a bigger one is split into its children, its own direct
-    parameters forming a unit of their own. The root's direct parameters, those of containers
-    (ModuleList/ModuleDict are never called, so their hooks would never run) and parameters shared
-    by several modules (a tied weight is used outside its own module's forward) form the root unit,
-    which stays gathered from the start of forward to the end of its backward."""
-    trainable = {id(p) for p in params}
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None and id(p) in trainable:
-                owners[id(p)] = owners.get(id(p), 0) + 1
-    taken: set[int] = {i for i, n in owners.items() if n > 1}
-    root_params = [p for p in params if id(p) in taken]
-    units: list[tuple[nn.Module, list]] = []
-
-    def subtree(module):
-        seen, out = set(), []
-        for p in module.parameters():
-            if id(p) in trainable and id(p) not in taken and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
-
-    def direct(module):
-        return [p for p in module._parameters.values() if p is not None and id(p) in trainable and id(p) not in taken]
-
-    def visit(module, is_root: bool):
-        below = subtree(module)
-        if not below:
-            return
-        if (
-            not is_root
-            and not isinstance(module, CONTAINERS)
-            and sum(p.numel() * p.element_size() for p in below) <= max_bytes
-        ):
-            units.append((module, below))
-            taken.update(id(p) for p in below)
-            return
-        own = direct(module)
-        taken.update(id(p) for p in own)
-        if own and not is_root and not isinstance(module, CONTAINERS):
-            units.append((module, own))
-        else:
-            root_params.extend(own)
-        for child in module.children():
-            visit(child, False)
-
-    visit(model, True)
-    order = {id(p): i for i, p in enumerate(params)}
-    if root_params:
-        units.insert(0, (model, sorted(root_params, key=lambda p: order[id(p)])))
-    return units
-
-
-class ParameterGatherer:
-    """Stage 3: gathers each unit's full parameters just before its module runs (forward and backward)
-    and frees them after, prefetching the next unit in the forward order recorded on the first pass."""
-
-    def __init__(self, units: list[FlatUnit], root: nn.Module, group):
-        self.units, self.root, self.group = units, root, group
-        self.order: list[FlatUnit] = []
-        self.position: dict[int, int] = {}
-        self.recording = True
-        self.live_bytes = self.peak_bytes = 0  # full parameters gathered at once (for the memory benchmark)
-        for u in units:
-            u.state, u.gather_work = "free", None
-            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
-            u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
-        root.register_forward_hook(lambda m, args, out: self._end_of_forward())
-
-    # -- gather and free ------------------------------------------------------------------------
-    def _start(self, u: FlatUnit) -> None:
-        u.full.untyped_storage().resize_(u.full_nbytes())
-        self.live_bytes += u.full_nbytes()
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        u.version = u.full._version
-        u.gather_work = all_gather(u.full, u.shard.detach(), f"zero3-params-unit-{u.index}", self.group)
-        u.state = "gathering"
-
-    def _wait(self, u: FlatUnit) -> None:
-        u.gather_work.wait()
-        u.gather_work = None
-        # Autograd saved these very tensors in forward; refilling them with the same values is not a
-        # modification it should see, so the version counter (bumped by the gather, on gloo from its
-        # worker thread by the time the work completes) goes back to where it was.
-        torch._C._autograd._unsafe_set_version_counter((u.full,), (u.version,))
-
-    def unshard(self, u: FlatUnit) -> None:
-        if u.state == "free":
-            self._start(u)
-        if u.state == "gathering":
-            self._wait(u)
-            u.state = "gathered"
-
-    def prefetch(self, u: FlatUnit | None) -> None:
-        if u is not None and u.state == "free":
-            self._start(u)
-
-    def reshard(self, u: FlatUnit) -> None:
-        if u.state == "gathering":
-            self._wait(u)
-        if u.state != "free":
-            u.full.untyped_storage().resize_(0)
-            self.live_bytes -= u.full_nbytes()
-            u.state = "free"
-
-    def reshard_all(self) -> None:
-        for u in self.units:
-            self.reshard(u)
-
-    def _neighbour(self, u: FlatUnit, step: int) -> FlatUnit | None:
-        i = self.position.get(id(u))
-        if i is None or not 0 <= i + step < len(self.order):
-            return None
-        return self.order[i + step]
-
-    # -- hooks ----------------------------------------------------------------------------------
-    def _pre_forward(self, u: FlatUnit) -> None:
-        if self.recording and id(u) not in self.position:
-            self.position[id(u)] = len(self.order)
-            self.order.append(u)
-        self.unshard(u)
-        if not self.recording:
-            self.prefetch(self._neighbour(u, +1))
-
-    def _post_forward(self, u: FlatUnit, output) -> None:
-        if torch.is_grad_enabled():
-            for t in torch.utils._pytree.tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
-            if u.module is self.root:
-                return  # backward starts with it: keep it gathered
-        self.reshard(u)
-
-    def _end_of_forward(self) -> None:
-        self.recording = False
-
-    def _pre_backward(self, u: FlatUnit) -> None:
-        self.unshard(u)
-        # Backward runs the forward order in reverse; the root's backward is followed by the last unit's.
-        self.prefetch(self.order[-1] if u.module is self.root else self._neighbour(u, -1))
 
 
 def sharded_grad_norm(grads: list[torch.Tensor], group) -> torch.Tensor:
