@@ -167,10 +167,6 @@ class ParameterServer(Strategy):
         else:
             self._init_worker()
 
-    @classmethod
-    def expendable(cls, cfg, rank: int) -> bool:
-        return cfg.ps.mode != "sync" and rank >= cfg.ps.servers
-
     # -- setup ----------------------------------------------------------------------------------
     def _init_server(self) -> None:
         self.shard = self.shards[self.rt.rank]
