@@ -31,7 +31,7 @@ from paratrain.config import data_parallel_degree
 from paratrain.data import build_dataset, load_batch
 from paratrain.models import build_model
 from paratrain.optim import build_loss
-from paratrain.parallel import build_strategy, strategy_class
+from paratrain.parallel import build_strategy, registry
 from paratrain.profile import min_bytes_sent
 from paratrain.runtime import Runtime
 
@@ -139,7 +139,7 @@ def held(world: int, rank: int, cfg) -> dict:
     try:
         rt = Runtime(rank, world, rank, torch.device("cpu"), "gloo", 0)
         torch.manual_seed(cfg.train.seed)
-        on_meta = getattr(strategy_class(cfg.parallel.strategy), "materializes_models", False)
+        on_meta = registry.spec(cfg.parallel.strategy).materializes_models
         with torch.device("meta") if on_meta else torch.device("cpu"):
             model = build_model(cfg, build_dataset(cfg, "train"))
         s = build_strategy(model, build_loss(cfg), cfg, rt)

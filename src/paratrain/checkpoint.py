@@ -34,6 +34,7 @@ from torch import nn
 
 from . import collectives
 from .config import ConfigError
+from .parallel.registry import checkpoint_family
 from .testing import faults
 
 FORMAT = "paratrain-checkpoint/1"
@@ -405,12 +406,10 @@ class CheckpointReader:
 
 def check_resumable(reader: CheckpointReader, strategy: str, optimizer: str, key: str) -> None:
     """A checkpoint resumes only under the strategy that wrote it (its files are that strategy's
-    shards; tp, pp and hybrid, one engine, take each other's) and with the same optimizer (its
-    state is that optimizer's own: Adam's moments, SGD's momentum). CheckpointMismatch naming
+    shards; the strategies of one checkpoint family take each other's) and with the same optimizer
+    (its state is that optimizer's own: Adam's moments, SGD's momentum). CheckpointMismatch naming
     `key`, or train.optimizer, otherwise."""
-    from .parallel import STRATEGIES
-
-    if STRATEGIES.get(reader.strategy) != STRATEGIES.get(strategy):
+    if checkpoint_family(reader.strategy) != checkpoint_family(strategy):
         raise CheckpointMismatch(
             key, f"checkpoint {reader.path} was written by strategy {reader.strategy!r}, this run uses {strategy!r}"
         )

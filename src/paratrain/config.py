@@ -17,14 +17,8 @@ from typing import Any
 
 import tomllib
 
-
-class ConfigError(ValueError):
-    """An invalid config: `key` is the dotted path of the offending key."""
-
-    def __init__(self, key: str, why: str):
-        super().__init__(f"{key}: {why}")
-        self.key = key
-        self.why = why
+from .errors import ConfigError
+from .parallel import registry
 
 
 class ArgumentError(ValueError):
@@ -162,7 +156,7 @@ class TrainConfig:
 class ParallelConfig:
     """How the work is split over the processes: the strategy, its degrees and its communication."""
 
-    strategy: str = opt("dp", choices=("dp", "zero1", "zero2", "zero3", "tp", "pp", "hybrid", "ps", "federated"))
+    strategy: str = opt("dp", choices=tuple(registry.SPECS))
     tp: int = opt(1, check=_positive, doc="tensor-parallel degree (tp, hybrid)")
     pp: int = opt(1, check=_positive, doc="pipeline stages (pp, hybrid)")
     microbatches: int = opt(4, check=_positive, doc="pipeline microbatches per replica batch")
@@ -330,79 +324,24 @@ def from_dict(raw: dict) -> Config:
 
 def _check_combinations(cfg: Config) -> None:
     """Checks that need no world size and no dataset."""
-    from .parallel import STRATEGIES  # the registry is the one list of what exists
-
-    if cfg.parallel.strategy not in STRATEGIES:
-        raise ConfigError(
-            "parallel.strategy",
-            f"{cfg.parallel.strategy!r} is not available in this version (available: {', '.join(sorted(STRATEGIES))})",
-        )
-    if hasattr(own := _own_checks(cfg), "check_config"):
-        own.check_config(cfg)
-    strategy, compression = cfg.parallel.strategy, cfg.parallel.compression
-    if compression != "none" and strategy != "dp":
-        if not strategy.startswith("zero"):
-            raise ConfigError(
-                "parallel.compression",
-                f"compresses dp's and zero's gradient averaging; strategy {strategy!r} takes only 'none'",
-            )
-        if compression not in ("bf16", "fp16"):
-            raise ConfigError(
-                "parallel.compression",
-                f"{compression!r} needs an all-reduce of whole gradients; "
-                f"{strategy}'s reduce-scatter takes 'none', 'bf16' or 'fp16'",
-            )
-
-
-def _own_checks(cfg: Config):
-    """The strategy's module of checks of its own keys (paratrain.parallel.CONFIG_CHECKS), or None."""
-    from .parallel import config_checks
-
-    return config_checks(cfg.parallel.strategy)
+    registry.spec(cfg.parallel.strategy).check_config(cfg)
 
 
 def data_parallel_degree(cfg: Config, world_size: int) -> int:
     """How many model replicas read different data: the divisor of the global batch."""
-    if hasattr(own := _own_checks(cfg), "data_parallel_degree"):
-        return own.data_parallel_degree(cfg, world_size)
-    if cfg.parallel.strategy == "ps":
-        return world_size - cfg.ps.servers  # the servers read no data
-    return world_size // (cfg.parallel.tp * cfg.parallel.pp)
+    return registry.spec(cfg.parallel.strategy).data_parallel_degree(cfg, world_size)
 
 
 def role_of(cfg: Config, rank: int) -> str:
     """What a rank does, for messages about it."""
-    if hasattr(own := _own_checks(cfg), "role_of"):
-        return own.role_of(cfg, rank)
-    if cfg.parallel.strategy == "ps":
-        return "parameter server" if rank < cfg.ps.servers else "ps worker"
-    return "worker"
+    return registry.spec(cfg.parallel.strategy).role_of(cfg, rank)
 
 
 def check_world(cfg: Config, world_size: int) -> None:
     """Checks that depend on the number of processes."""
-    p = cfg.parallel
-    if hasattr(own := _own_checks(cfg), "check_world"):
-        own.check_world(cfg, world_size)
-    if p.strategy == "ps":
-        if cfg.ps.servers >= world_size:
-            raise ConfigError("ps.servers", f"{cfg.ps.servers} servers leave no worker among {world_size} processes")
-        if cfg.ps.straggler_rank != -1 and not cfg.ps.servers <= cfg.ps.straggler_rank < world_size:
-            raise ConfigError(
-                "ps.straggler_rank",
-                f"{cfg.ps.straggler_rank} is not a worker rank ({cfg.ps.servers}..{world_size - 1}) nor -1",
-            )
-    else:
-        if p.strategy not in ("tp", "hybrid") and p.tp != 1:
-            raise ConfigError("parallel.tp", f"must be 1 for strategy {p.strategy!r}")
-        if p.strategy not in ("pp", "hybrid") and p.pp != 1:
-            raise ConfigError("parallel.pp", f"must be 1 for strategy {p.strategy!r}")
-        if world_size % (p.tp * p.pp):  # name the degree that is set (pp when tp is 1)
-            raise ConfigError(
-                "parallel.pp" if p.tp == 1 else "parallel.tp",
-                f"tp {p.tp} x pp {p.pp} does not divide the world size {world_size}",
-            )
-    dp = data_parallel_degree(cfg, world_size)
+    spec = registry.spec(cfg.parallel.strategy)
+    spec.check_layout(cfg, world_size)
+    dp = spec.data_parallel_degree(cfg, world_size)
     per_step = dp * cfg.train.grad_accum
     if cfg.data.batch_size % per_step:
         raise ConfigError(
@@ -410,18 +349,7 @@ def check_world(cfg: Config, world_size: int) -> None:
             f"{cfg.data.batch_size} is not divisible by data-parallel degree {dp} "
             f"x train.grad_accum {cfg.train.grad_accum}",
         )
-    if p.strategy in ("pp", "hybrid") and p.pp > 1:
-        per_replica, micro = cfg.data.batch_size // dp, p.microbatches * cfg.train.grad_accum
-        if per_replica % micro:
-            raise ConfigError(
-                "parallel.microbatches",
-                f"{p.microbatches} microbatches x train.grad_accum {cfg.train.grad_accum} do not "
-                f"divide the per-replica batch of {per_replica} samples",
-            )
-        if p.schedule == "interleaved" and micro % p.pp:
-            raise ConfigError(
-                "parallel.microbatches", f"the interleaved schedule needs microbatches ({micro}) divisible by pp {p.pp}"
-            )
+    spec.check_batch(cfg, world_size)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -6,7 +6,7 @@ coordinates, role), the pipeline cut, the batch each replica and microbatch gets
   * the bytes of model state the strategy keeps for good: parameters, gradients, optimizer state,
     and what a top-k or PowerSGD codec keeps (error feedback, factors, result);
   * the peak bytes of activations saved for backward: one microbatch's forward through each stage
-    in fake tensors (FakeRun) under autograd's saved-tensor hooks, each tensor once; a pipeline
+    in fake tensors (activations.FakeRun) under autograd's saved-tensor hooks, each tensor once; a pipeline
     rank's peak plays its own schedule out, adding a stage's activations at each forward and
     dropping them at its backward;
   * the bytes its collectives and messages carry in a step, by op, with the fewest it must send,
@@ -23,7 +23,6 @@ tests/test_profile.py holds the bytes to real runs' profile.jsonl.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -31,8 +30,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .config import Config, data_parallel_degree
-from .models.recompute import blocks, run_layers
+from .activations import boundary_bytes, saved_activation_bytes, tp_all_reduces
+from .config import Config, ConfigError
+from .parallel import registry
 
 MIB = 2**20
 
@@ -87,7 +87,7 @@ def optimizer_slots(cfg: Config) -> int:
     return 1 if cfg.train.momentum > 0 else 0
 
 
-def _nbytes(params) -> int:
+def nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
@@ -96,33 +96,10 @@ def _padded_numel(params: list[nn.Parameter], world: int) -> int:
     return -(-sum(p.numel() for p in params) // world) * world
 
 
-def _padded_bytes(groups: list[list[nn.Parameter]], world: int) -> tuple[int, int]:
+def padded_bytes(groups: list[list[nn.Parameter]], world: int) -> tuple[int, int]:
     """(whole, per-rank shard) bytes of flat units padded to a multiple of `world`."""
     whole = sum(_padded_numel(params, world) * params[0].element_size() for params in groups)
     return whole, whole // world
-
-
-def _zero_state(cfg: Config, model: nn.Module, params: list[nn.Parameter], world: int) -> tuple[int, int, int, str]:
-    from .parallel.data_parallel import make_buckets
-    from .parallel.zero import module_units
-
-    stage = int(cfg.parallel.strategy[-1])
-    bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
-    if stage == 3:
-        groups = [g for _, g in module_units(model, params, bucket_bytes)]
-    else:
-        groups = [b.params for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
-    whole, shard = _padded_bytes(groups, world)
-    biggest = max(_padded_bytes([g], world)[0] for g in groups)
-    param_bytes = whole if stage < 3 else shard
-    grad_bytes = whole if stage == 1 else shard
-    transient = {
-        1: "",
-        2: f"plus one unit's full gradients while reduced (at most {biggest / MIB:.3g} MiB)",
-        3: f"plus units gathered for their forward and backward, and one unit's full gradients "
-        f"while reduced (the largest unit: {biggest / MIB:.3g} MiB)",
-    }[stage]
-    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient
 
 
 def _wire_bytes(numel: int, dtype_bytes: int, cfg: Config) -> int:
@@ -159,7 +136,9 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
             r.add_comm("all_reduce", _wire_bytes(b.numel, size, cfg), group_size)
 
 
-def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parameter], world: int, backend: str) -> None:
+def zero_comm(
+    r: RankPlan, cfg: Config, stage: int, model: nn.Module, params: list[nn.Parameter], world: int, backend: str
+) -> None:
     """Per unit: its gradients reduce-scattered (stage 1 once a step, 2 and 3 every microbatch) and
     its parameters all-gathered (stages 1 and 2 after the step; stage 3 before each module's forward
     and again before its backward, the root unit, kept gathered through both, once); plus the
@@ -171,7 +150,7 @@ def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parame
 
     if world == 1:
         return
-    stage, micro = int(cfg.parallel.strategy[-1]), cfg.train.grad_accum
+    micro = cfg.train.grad_accum
     bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
     if stage == 3:
         units = [(g, 1 if module is model else 2) for module, g in module_units(model, params, bucket_bytes)]
@@ -192,107 +171,6 @@ def zero_comm(r: RankPlan, cfg: Config, model: nn.Module, params: list[nn.Parame
     r.add_comm("all_reduce", 4, world)
 
 
-@dataclass
-class FakeRun:
-    """The model and one microbatch in fake tensors (torch's FakeTensorMode: shapes, dtypes and the
-    CPU's own choice of kernels, no memory and no arithmetic; the meta device would run attention by
-    its math path, which saves other tensors than the CPU's flash attention), cut into stages."""
-
-    mode: object
-    model: nn.Module
-    stages: list[list[nn.Module]]
-    x: torch.Tensor
-    y: torch.Tensor
-    autocast: object  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
-    recompute: bool  # train.recompute = "full": each block keeps only its input
-
-    def block_starts(self, s: int) -> list[nn.Module]:
-        """The first layer of each recomputed block of stage s (whose input the block keeps)."""
-        layers = self.stages[s]
-        if layers == [self.model]:
-            from .parallel.pipeline import pipeline_layers
-
-            layers = pipeline_layers(self.model) or [self.model]
-        return [block[0] for block in blocks(layers)]
-
-    @classmethod
-    def build(cls, cfg: Config, rows: int, bounds: list[int] | None) -> FakeRun:
-        """`bounds` over pipeline_layers; None: the whole model as one stage."""
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        from .data import build_dataset, load_batch
-        from .models import build_model
-        from .parallel.pipeline import pipeline_layers
-
-        dataset = build_dataset(cfg, "train")
-        x, y = load_batch(dataset, torch.arange(rows))
-        mode = FakeTensorMode()
-        with mode:
-            model = build_model(cfg, dataset)
-        if bounds is None:
-            stages = [[model]]
-        else:
-            layers = pipeline_layers(model)
-            stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
-        autocast = (
-            torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
-        )
-        return cls(
-            mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast, cfg.train.recompute == "full"
-        )
-
-    def forward(self, loss_fn=None, around_stage=lambda s: contextlib.nullcontext()) -> None:
-        """One forward through the stages as the pipeline engine runs them: a stage after the first
-        starts from a detached input that needs its gradient; the loss (if given) in the last
-        stage. `around_stage(s)` is a context each stage's compute runs in."""
-        with self.mode, self.autocast:
-            act = self.x
-            for s, layers in enumerate(self.stages):
-                act = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())
-                with around_stage(s):
-                    act = run_layers(layers, act, self.recompute)
-                    if loss_fn is not None and s == len(self.stages) - 1:
-                        loss_fn(act, self.y)
-
-
-def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = None) -> list[int]:
-    """Bytes autograd saves for backward in the forward of one microbatch of `rows` samples through
-    each pipeline stage, the loss in the last stage's; each tensor once (views count as their
-    base), parameters and the batch never (the batch is the data, held anyway)."""
-    from .optim import build_loss
-
-    run = FakeRun.build(cfg, rows, bounds)
-    params = {id(t) for t in run.model.parameters()} | {id(run.x), id(run.y)}
-    out: list[int] = []
-
-    @contextlib.contextmanager
-    def counting(s: int):
-        seen: dict[int, torch.Tensor] = {}  # keeps what it counted alive, so no id is reused
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            base = t._base if t._base is not None else t
-            if id(base) not in params and id(base) not in seen:
-                seen[id(base)] = base
-            return t
-
-        def keep_block_input(module, args):
-            pack(args[0])
-
-        # under recompute autograd's hooks never see a checkpointed block's tensors: the block keeps
-        # its input instead, counted as its first layer receives it
-        handles = [m.register_forward_pre_hook(keep_block_input) for m in run.block_starts(s)] if run.recompute else []
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                yield
-        finally:
-            for h in handles:
-                h.remove()
-        out.append(sum(t.numel() * t.element_size() for t in seen.values()))
-
-    run.forward(build_loss(cfg), counting)
-    return out
-
-
 def peak_in_schedule(actions, stage_of_chunk: list[int], stage_bytes: list[int]) -> int:
     """The most activation bytes alive at once while a rank plays its actions: a forward adds its
     stage's, the backward of the same (chunk, microbatch) drops them."""
@@ -301,58 +179,6 @@ def peak_in_schedule(actions, stage_of_chunk: list[int], stage_bytes: list[int])
         alive += stage_bytes[stage_of_chunk[a.chunk]] * (1 if a.kind == "F" else -1)
         peak = max(peak, alive)
     return peak
-
-
-def _boundary_bytes(cfg: Config, model: nn.Module, bounds: list[int], rows: int) -> list[int]:
-    """Bytes of one microbatch's activation entering each stage, as the engine sends it (its dtype
-    from the same meta-device pass the engine uses)."""
-    from .data import build_dataset, load_batch
-    from .parallel.hybrid import meta_copy
-    from .parallel.pipeline import boundary_shape_fn, pipeline_layers
-
-    meta = pipeline_layers(meta_copy(model))
-    x, _ = load_batch(build_dataset(cfg, "train"), torch.arange(rows))
-    shapes = boundary_shape_fn([meta[a:b] for a, b in zip(bounds, bounds[1:])])(x)
-    return [shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]
-
-
-def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: dict) -> list[list[int]] | None:
-    """Per stage, the payloads of the all-reduces tensor parallelism runs for one microbatch
-    (tp_comm's paired operators): a row-parallel layer's output in forward, a column-parallel
-    layer's input gradient in backward (when that input needs one), a vocabulary-parallel
-    embedding's rows, and the vocabulary-parallel cross-entropy's per-token max and sums. Their
-    shapes and dtypes are the unsplit layers' own, from one forward in fake tensors. None when a
-    user loss takes a sharded output (it gathers the output first; not modelled)."""
-    from .optim import build_loss, cross_entropy
-
-    run = FakeRun.build(cfg, rows, bounds)
-    modules = dict(run.model.named_modules())
-    last_linear = [n for n, m in modules.items() if isinstance(m, nn.Linear)][-1]
-    sharded_output = tp_plan.get(last_linear) == "colwise"
-    if sharded_output and build_loss(cfg) is not cross_entropy:
-        return None
-    stage_of = {id(m): s for s, layers in enumerate(run.stages) for layer in layers for m in layer.modules()}
-    payloads: list[list[int]] = [[] for _ in run.stages]
-
-    def record(style: str):
-        def hook(module, args, out):
-            if style in ("rowwise", "vocab"):
-                payloads[stage_of[id(module)]].append(out.numel() * out.element_size())
-            elif args[0].requires_grad:
-                payloads[stage_of[id(module)]].append(args[0].numel() * args[0].element_size())
-
-        return hook
-
-    handles = [modules[name].register_forward_hook(record(style)) for name, style in tp_plan.items()]
-    try:
-        run.forward()
-    finally:
-        for h in handles:
-            h.remove()
-    if sharded_output:  # the vocabulary-parallel cross-entropy: max, then (sum of exp, target logit)
-        tokens = run.y.numel()
-        payloads[-1] += [tokens * 4, 2 * tokens * 4]
-    return payloads
 
 
 def pipeline_comm(r: RankPlan, actions, boundary: list[int], n_stages: int, world: int) -> None:
@@ -372,8 +198,9 @@ def pipeline_comm(r: RankPlan, actions, boundary: list[int], n_stages: int, worl
                 r.add_comm("send", boundary[s], world)
 
 
-def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPlan], rows: int) -> list[dict]:
-    """tp, pp, hybrid: which stages and which tp shard of each parameter every rank holds."""
+def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPlan], rows: int) -> list[dict]:
+    """Tensor and pipeline parallelism: which stages and which tp shard of each parameter every rank
+    holds; the stages."""
     from .parallel.base import unique_parameters
     from .parallel.hybrid import sync_ties, virtual_stages
     from .parallel.pipeline import allowed_cuts, parameter_costs, partition, pipeline_layers, split_ties
@@ -420,7 +247,7 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
 
     slots = optimizer_slots(cfg)
     cut = bounds if p.pp > 1 else None
-    boundary = _boundary_bytes(cfg, model, bounds, rows) if p.pp > 1 else []
+    boundary = boundary_bytes(cfg, model, bounds, rows) if p.pp > 1 else []
     activations = saved_activation_bytes(cfg, rows, cut) if p.tp == 1 else None
     tp_payloads = tp_all_reduces(cfg, rows, cut, tp_plan) if p.tp > 1 else [[] for _ in stage_layers]
     # without pp the engine plays one_f_one_b: each microbatch's forward, then its backward
@@ -430,7 +257,7 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
         r.dp, r.tp = divmod(rest, p.tp)
         r.stages = [c * p.pp + r.pp for c in range(v)]
         held = {s: stage_params(s, r.tp) for s in r.stages}
-        r.param_bytes = r.grad_bytes = sum(_nbytes(t) for t in held.values())
+        r.param_bytes = r.grad_bytes = sum(nbytes(t) for t in held.values())
         r.optimizer_bytes = slots * r.param_bytes
         actions = schedule(p.pp, r.pp, m, v)
         if activations is not None:
@@ -444,7 +271,7 @@ def _model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankP
             dp_comm(r, cfg, held[s], dp)  # each chunk's gradients, averaged over the dp group
         for t, holders in ties:
             if r.pp in holders:
-                r.add_comm("all_reduce", _nbytes([shard_of(t, r.tp)]), len(holders))
+                r.add_comm("all_reduce", nbytes([shard_of(t, r.tp)]), len(holders))
         if world > 1:
             r.add_comm("all_reduce", 8, world)  # the global gradient norm (float64)
     if p.pp == 1:
@@ -499,65 +326,17 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
     from .parallel.base import unique_parameters
     from .parallel.hybrid import microbatch_count
 
+    spec = registry.spec(cfg.parallel.strategy)
+    if not spec.cost_model:
+        raise ConfigError("parallel.strategy", f"`paratrain plan` has no cost model of strategy {spec.name!r}")
     world = nproc * nnodes
-    p = cfg.parallel
-    dp = data_parallel_degree(cfg, world)
+    dp = spec.data_parallel_degree(cfg, world)
     per_replica, micro = cfg.data.batch_size // dp, microbatch_count(cfg)
     rows = per_replica // micro
     params = [t for _, t in unique_parameters(model)]
     ranks = [RankPlan(r, r // nproc, r % nproc, "worker") for r in range(world)]
-    total = _nbytes(params)
-    slots = optimizer_slots(cfg)
-    stages, notes = [], []
-    if p.strategy in ("dp", "zero1", "zero2", "zero3", "ps"):  # one microbatch through the whole model
-        activations = saved_activation_bytes(cfg, rows)[0]
-        for r in ranks:
-            r.activation_bytes = activations
-    if p.strategy == "dp":
-        for r in ranks:
-            r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, total, total, slots * total
-            dp_comm(r, cfg, params, world)
-    elif p.strategy.startswith("zero"):
-        param_b, grad_b, opt_b, transient = _zero_state(cfg, model, params, world)
-        for r in ranks:
-            r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
-            zero_comm(r, cfg, model, params, world, "nccl" if device == "cuda" else "gloo")
-        if transient:
-            notes.append(f"{p.strategy}: {transient}")
-    elif p.strategy == "ps":
-        from .parallel.ps_wire import HEADER, assign_shards
-
-        shards = assign_shards([t.numel() for t in params], cfg.ps.servers)
-        header = HEADER * 4  # each flat shard buffer starts with a small float32 header
-        message = [_nbytes([params[i] for i in shard]) + header for shard in shards]  # a push or pull
-        workers = world - cfg.ps.servers
-        for r in ranks:
-            if r.rank < cfg.ps.servers:
-                own = _nbytes([params[i] for i in shards[r.rank]])
-                r.role, r.activation_bytes = "parameter server", 0
-                # gradients: its shard's, and a receive buffer for each worker's pushes
-                r.param_bytes, r.grad_bytes, r.optimizer_bytes = (
-                    own + header,
-                    (own + header) * (1 + workers),
-                    slots * own,
-                )
-                r.add_comm("recv", message[r.rank], world, times=workers)  # every worker's push
-                r.add_comm("send", message[r.rank], world, times=workers)  # and its pull
-            else:
-                r.role, r.dp = "ps worker", r.rank - cfg.ps.servers
-                r.param_bytes = r.grad_bytes = total + header * cfg.ps.servers
-                for size in message:  # a push to every server, and its reply
-                    r.add_comm("send", size, world)
-                    r.add_comm("recv", size, world)
-    else:
-        stages = _model_parallel(cfg, model, world, ranks, rows)
-        if p.tp > 1:
-            notes.append("activations not estimated under tp")
-        if p.pp > 1 and p.balance == "time":
-            notes.append(
-                "pipeline cut shown by parameter count; the run times each layer at start "
-                "(parallel.balance = 'time') and may cut elsewhere"
-            )
+    total = nbytes(params)
+    stages, notes = spec.plan_ranks(cfg, model, ranks, rows, device)
     if device == "cuda":
         notes.append("activations counted with the CPU's kernels: CUDA's attention kernels may save other tensors")
     from .cluster import this_machine
@@ -567,14 +346,12 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
     plan = {
         "capacity": capacity(ranks, device, cluster),
         "name": cfg.name,
-        "strategy": p.strategy,
+        "strategy": spec.name,
         "device": device,
         "world_size": world,
         "nnodes": nnodes,
         "nproc_per_node": nproc,
-        "mesh": {"dp": dp, "tp": p.tp, "pp": p.pp}
-        if p.strategy != "ps"
-        else {"servers": cfg.ps.servers, "workers": world - cfg.ps.servers},
+        "mesh": spec.mesh(cfg, world),
         "model": {"factory": cfg.model.factory, "parameters": sum(t.numel() for t in params), "bytes": total},
         "batch": {
             "global": cfg.data.batch_size,
@@ -582,7 +359,7 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
             "microbatches": micro,
             "rows_per_microbatch": rows,
         },
-        "optimizer": {"name": cfg.train.optimizer, "state_tensors_per_parameter": slots},
+        "optimizer": {"name": cfg.train.optimizer, "state_tensors_per_parameter": optimizer_slots(cfg)},
         "stages": stages,
         "ranks": [r.as_dict() for r in ranks],
         "notes": notes,
@@ -615,7 +392,7 @@ def render(plan: dict) -> str:
         f"per parameter)",
     ]
     mesh = plan["mesh"]
-    if plan["strategy"] == "ps":
+    if "servers" in mesh:
         lines.append(f"ranks: {mesh['servers']} parameter server(s), {mesh['workers']} worker(s)")
     else:
         lines.append(
@@ -664,10 +441,6 @@ def render(plan: dict) -> str:
     )
     lines += render_prediction(plan)
     lines += [f"note: {n}" for n in plan["notes"]]
-    if "layouts" in plan:
-        from .search import render_search
-
-        lines += render_search(plan["layouts"])
     return "\n".join(lines)
 
 
@@ -684,10 +457,11 @@ def render_prediction(plan: dict) -> list[str]:
     ]
 
 
-def emit(plan: dict, json_dest: str | None) -> None:
-    """The table, and with `--json` the plan as JSON: alone on stdout for "-", else to that file."""
+def emit(plan: dict, json_dest: str | None, more: list[str] = ()) -> None:
+    """The table and `more` lines after it, and with `--json` the plan as JSON: alone on stdout for
+    "-", else to that file."""
     from .bench.common import emit_json
 
     if json_dest != "-":
-        print(render(plan))
+        print("\n".join([render(plan), *more]))
     emit_json(plan, json_dest)

@@ -2,7 +2,7 @@
 layout on a cluster, from what the engines do.
 
 Compute (Calculon's idea): one microbatch's forward through each pipeline stage is played in fake
-tensors (plan.FakeRun) and every operation recorded. A matrix product (matmul, linear, attention:
+tensors (activations.FakeRun) and every operation recorded. A matrix product (matmul, linear, attention:
 the ops torch.utils.flop_counter counts) takes its FLOPs at the device's peak times an efficiency
 that grows with its size: FLOPs / (peak x GEMM_EFFICIENCY) plus a fixed KERNEL_OVERHEAD_S, so a
 small matmul reaches a small fraction of peak and a large one GEMM_EFFICIENCY. Every other op is
@@ -20,7 +20,7 @@ with the node's other devices, which communicate at the same time.
   * zero1/2 reduce-scatter the same way and all-gather the parameters after the optimizer step,
     exposed; zero3 gathers each unit before its forward and backward, prefetched while the previous
     unit computes: exposed only where the gathers outrun the compute;
-  * tp's all-reduces (plan.tp_all_reduces: their payloads) are on the critical path, in every
+  * tp's all-reduces (activations.tp_all_reduces: their payloads) are on the critical path, in every
     microbatch, and under recompute the forward's half again;
   * pipeline stages send each microbatch's activation forward and its gradient back; the schedule
     idles (pp - 1) / v of a microbatch's work per rank (gpipe and 1f1b: v = 1; interleaved: v
@@ -92,8 +92,8 @@ def stage_costs(
     cfg: Config, rows: int, bounds: list[int] | None, cluster: Cluster, tp: int
 ) -> tuple[list[StageCost], int]:
     """Each stage's cost, and the tokens in a sample (a sequence model's positions; else 1)."""
+    from .activations import FakeRun
     from .optim import build_loss
-    from .plan import FakeRun
 
     run = FakeRun.build(cfg, rows, bounds)
     recorders: list[OpRecorder] = []
@@ -157,8 +157,8 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
     # tp: all-reduces within each stage, every microbatch; recompute repeats the forward's half
     tp_s = [0.0] * len(stages)
     if tp > 1:
+        from .activations import tp_all_reduces
         from .parallel.tensor_parallel import plan_for
-        from .plan import tp_all_reduces
 
         payloads = tp_all_reduces(cfg, rows, bounds, plan_for(model, p.tp_plan)) or [[] for _ in stages]
         bw, lat = link(cluster, tp)
@@ -169,9 +169,9 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
     # pp: a microbatch's activation to the next stage, its gradient back
     p2p_s = [0.0] * len(stages)
     if pp > 1:
-        from .plan import _boundary_bytes
+        from .activations import boundary_bytes
 
-        boundary = _boundary_bytes(cfg, model, bounds, rows)
+        boundary = boundary_bytes(cfg, model, bounds, rows)
         bw, lat = link(cluster, dp * tp + 1)
         for s in range(len(stages)):
             out = boundary[s + 1] if s + 1 < len(stages) else 0

@@ -44,7 +44,6 @@ import torch.distributed as dist
 
 from . import collectives
 from .metrics import keep_steps_up_to
-from .parallel.shm_p2p import SENT
 
 PHASES = ("data", "forward", "backward", "compress", "comm", "optimizer", "idle")
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send", "recv")
@@ -340,6 +339,15 @@ def open_proc_io() -> int | None:
         return None
 
 
+_copied_bytes = 0  # payload bytes this process copied into peers' shared-memory rings
+
+
+def count_copied_bytes(n: int) -> None:
+    """A sender that copies into a peer's memory (shm_p2p), which no write call sees, counts it here."""
+    global _copied_bytes
+    _copied_bytes += n
+
+
 def bytes_sent(fd: int | None) -> float:
     """Bytes this process has sent so far: written to sockets and pipes (gloo's TCP traffic), plus
     the payloads it copied into peers' shared-memory rings (shm_p2p), which no write call sees.
@@ -348,7 +356,7 @@ def bytes_sent(fd: int | None) -> float:
         return 0.0
     text = os.pread(fd, 512, 0)
     start = text.index(b"wchar:") + 6
-    return float(text[start : text.index(b"\n", start)]) + SENT.bytes_sent
+    return float(text[start : text.index(b"\n", start)]) + _copied_bytes
 
 
 def _start_torch_profiler(out_dir: Path, rank: int):

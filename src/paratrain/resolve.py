@@ -6,7 +6,7 @@ import importlib
 import os
 import sys
 
-from .config import ConfigError
+from .errors import ConfigError
 
 CONFIG_DIR_ENV = "PARATRAIN_CONFIG_DIR"
 

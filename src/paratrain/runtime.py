@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .errors import ConfigError
+
 
 @dataclass
 class Runtime:
@@ -40,8 +42,6 @@ def resolve_device(device: str, nproc: int) -> tuple[str, str | None]:
     trains on CPU with gloo, saying so; an explicit 'cuda' that cannot be honoured is a config
     error. Raises ConfigError.
     """
-    from .config import ConfigError
-
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cpu" or (device == "auto" and gpus == 0):
         return "cpu", None

@@ -55,10 +55,10 @@ def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
     each one's step breakdown)."""
     import torch
 
-    from .cli import preflight
     from .data import build_dataset
     from .models import build_model
     from .plan import make_plan
+    from .preflight import preflight
 
     batch = load(config_path, overrides).data.batch_size
     found = []

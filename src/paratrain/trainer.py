@@ -30,7 +30,7 @@ from .models import BUILTIN as BUILTIN_MODELS
 from .models import build_model
 from .models.materialize import record_on_meta
 from .optim import build_loss, lr_factor
-from .parallel import build_strategy, strategy_class
+from .parallel import build_strategy, registry
 from .profile import Profiler
 
 
@@ -43,7 +43,7 @@ class Trainer:
         self.val_set = build_dataset(cfg, "val")
         # A sharding strategy materialises the model shard by shard from its meta-device build: a
         # built-in's initialisation is replayed, a user factory's construction recorded to be replayed.
-        if not getattr(strategy_class(cfg.parallel.strategy), "materializes_models", False):
+        if not registry.spec(cfg.parallel.strategy).materializes_models:
             model = build_model(cfg, self.train_set)
         elif cfg.model.factory in BUILTIN_MODELS:
             with torch.device("meta"):
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
     try:
         cfg = config_mod.load(args.config, args.overrides)
         rank = int(os.environ.get("RANK", 0))
-        if strategy_class(cfg.parallel.strategy).expendable(cfg, rank) and not guard.is_guarded_child():
+        if registry.spec(cfg.parallel.strategy).expendable(cfg, rank) and not guard.is_guarded_child():
             return guard.run_guarded(sys.argv[1:] if argv is None else argv, f"worker rank {rank}")
         rt = runtime.init(cfg.train.device, cfg.parallel.timeout_s)
         return train(cfg, Path(args.run_dir or Path("runs") / cfg.name), rt, args.resume)

@@ -147,7 +147,7 @@ def check_options(args) -> None:
 def make_job(args) -> Job:
     """Read and check the config as `run` would for this many nodes; ConfigError (exit 2) if invalid."""
     from .. import config as config_mod
-    from ..cli import load_config, preflight
+    from ..preflight import load_config, preflight
 
     cfg = load_config(args)
     nproc = args.nproc or args.gpus or 2
@@ -179,7 +179,7 @@ def render(engine: str, job: Job) -> str:
 
 
 def cmd_job(args) -> int:
-    from ..cli import _error
+    from ..errors import report as _error
 
     try:
         check_options(args)

@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from .. import collectives
+from ..checkpoint import check_model_shapes
 from ..config import Config
 from ..optim import accuracy_counts, set_lr
 from ..profile import NULL_PROFILER
@@ -90,10 +91,16 @@ class Strategy:
     def evaluates(self) -> bool:
         return self.reads_data
 
-    @classmethod
-    def expendable(cls, cfg: Config, rank: int) -> bool:
-        """Whether the run goes on without this rank should its process die (see paratrain/guard.py)."""
-        return False
+    # -- before any worker starts (the CLI's preflight; `model` on the meta device) -------------------
+    @staticmethod
+    def check_model(cfg: Config, model: nn.Module) -> None:
+        """The strategy's own checks of the model (ConfigError)."""
+
+    @staticmethod
+    def check_checkpoint(reader, model: nn.Module) -> None:
+        """The checkpoint to resume from holds this model's parameter names and shapes
+        (CheckpointMismatch naming --resume)."""
+        check_model_shapes(reader, model, "--resume")
 
     # -- the step -------------------------------------------------------------------------------
     def autocast(self):

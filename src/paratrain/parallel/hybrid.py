@@ -70,6 +70,7 @@ def check_model(cfg: Config, model: nn.Module) -> None:
 
 class ModelParallel(Strategy):
     name = "hybrid"
+    check_model = staticmethod(check_model)
 
     def __init__(self, model, loss_fn, cfg, rt):
         super().__init__(model.to(rt.device), loss_fn, cfg, rt)

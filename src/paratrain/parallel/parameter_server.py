@@ -98,10 +98,6 @@ class ParameterServer(Strategy):
         self.t0 = None  # first step: pushes/s count from there
         self._init_side()
 
-    @classmethod
-    def expendable(cls, cfg, rank: int) -> bool:
-        return cfg.ps.mode != "sync" and rank >= cfg.ps.servers
-
     def set_lr(self, lr: float) -> None:
         if self.optimizer is not None:
             set_lr(self.optimizer, lr)

@@ -40,17 +40,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..profile import count_copied_bytes
+
 SHM_DIR = Path("/dev/shm")
 RECORD = struct.Struct("qqq")  # offset, nbytes, tag: 24 bytes, written atomically (< PIPE_BUF)
 MAX_UNREAD_ACKS = 4096  # an ack is one byte: far below a FIFO's 64 KiB
 DEFAULT_CAPACITY = 8 * 2**20  # per direction of a pair, in /dev/shm; larger messages use gloo
-
-
-class _Counter:
-    bytes_sent = 0  # payload bytes this process copied into peers' rings (for byte accounting)
-
-
-SENT = _Counter()
 
 
 class ChannelError(RuntimeError):
@@ -132,7 +127,7 @@ class Sender:
         offset = start % self.capacity
         # One memmove, not tensor ops: each op costs tens of microseconds right after heavy compute
         ctypes.memmove(self.ring_ptr + offset, t.data_ptr(), n)
-        SENT.bytes_sent += n
+        count_copied_bytes(n)
         self.in_flight.append(start)
         self.pos = start + n
         os.write(self.data_fd, RECORD.pack(offset, n, tag))

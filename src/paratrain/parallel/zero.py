@@ -58,8 +58,7 @@ def on_meta(model: nn.Module) -> bool:
 
 class Zero(Strategy):
     stage = 0
-    # The trainer builds models on the meta device for us (see models/materialize.py).
-    materializes_models = True
+    # The trainer builds models on the meta device for us (ZeroSpec.materializes_models; see models/materialize.py).
 
     def __init__(self, model: nn.Module, loss_fn, cfg, rt, group=None):
         super().__init__(model, loss_fn, cfg, rt)

@@ -55,6 +55,7 @@ def check_model(cfg, model) -> None:
 
 class Federated(ServerRound, WorkerRound, Strategy):
     name = "federated"
+    check_model = staticmethod(check_model)
 
     def __init__(self, model, loss_fn, cfg, rt):
         super().__init__(model.to(rt.device), loss_fn, cfg, rt)
@@ -92,10 +93,6 @@ class Federated(ServerRound, WorkerRound, Strategy):
     @property
     def evaluates(self) -> bool:
         return self.is_server
-
-    @classmethod
-    def expendable(cls, cfg, rank: int) -> bool:
-        return rank > 0
 
     def set_lr(self, lr: float) -> None:
         if self.optimizer is not None:

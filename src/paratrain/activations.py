@@ -1,0 +1,167 @@
+"""One microbatch through the model in fake tensors (FakeRun): the activations autograd saves for
+backward, the bytes a pipeline stage sends on, the payloads of tensor parallelism's all-reduces.
+`paratrain plan` counts memory and messages with them, its step-time prediction times them."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import Config
+from .models.recompute import blocks, run_layers
+
+
+@dataclass
+class FakeRun:
+    """The model and one microbatch in fake tensors (torch's FakeTensorMode: shapes, dtypes and the
+    CPU's own choice of kernels, no memory and no arithmetic; the meta device would run attention by
+    its math path, which saves other tensors than the CPU's flash attention), cut into stages."""
+
+    mode: object
+    model: nn.Module
+    stages: list[list[nn.Module]]
+    x: torch.Tensor
+    y: torch.Tensor
+    autocast: object  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
+    recompute: bool  # train.recompute = "full": each block keeps only its input
+
+    def block_starts(self, s: int) -> list[nn.Module]:
+        """The first layer of each recomputed block of stage s (whose input the block keeps)."""
+        layers = self.stages[s]
+        if layers == [self.model]:
+            from .parallel.pipeline import pipeline_layers
+
+            layers = pipeline_layers(self.model) or [self.model]
+        return [block[0] for block in blocks(layers)]
+
+    @classmethod
+    def build(cls, cfg: Config, rows: int, bounds: list[int] | None) -> FakeRun:
+        """`bounds` over pipeline_layers; None: the whole model as one stage."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from .data import build_dataset, load_batch
+        from .models import build_model
+        from .parallel.pipeline import pipeline_layers
+
+        dataset = build_dataset(cfg, "train")
+        x, y = load_batch(dataset, torch.arange(rows))
+        mode = FakeTensorMode()
+        with mode:
+            model = build_model(cfg, dataset)
+        if bounds is None:
+            stages = [[model]]
+        else:
+            layers = pipeline_layers(model)
+            stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
+        )
+        return cls(
+            mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast, cfg.train.recompute == "full"
+        )
+
+    def forward(self, loss_fn=None, around_stage=lambda s: contextlib.nullcontext()) -> None:
+        """One forward through the stages as the pipeline engine runs them: a stage after the first
+        starts from a detached input that needs its gradient; the loss (if given) in the last
+        stage. `around_stage(s)` is a context each stage's compute runs in."""
+        with self.mode, self.autocast:
+            act = self.x
+            for s, layers in enumerate(self.stages):
+                act = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())
+                with around_stage(s):
+                    act = run_layers(layers, act, self.recompute)
+                    if loss_fn is not None and s == len(self.stages) - 1:
+                        loss_fn(act, self.y)
+
+
+def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = None) -> list[int]:
+    """Bytes autograd saves for backward in the forward of one microbatch of `rows` samples through
+    each pipeline stage, the loss in the last stage's; each tensor once (views count as their
+    base), parameters and the batch never (the batch is the data, held anyway)."""
+    from .optim import build_loss
+
+    run = FakeRun.build(cfg, rows, bounds)
+    params = {id(t) for t in run.model.parameters()} | {id(run.x), id(run.y)}
+    out: list[int] = []
+
+    @contextlib.contextmanager
+    def counting(s: int):
+        seen: dict[int, torch.Tensor] = {}  # keeps what it counted alive, so no id is reused
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            base = t._base if t._base is not None else t
+            if id(base) not in params and id(base) not in seen:
+                seen[id(base)] = base
+            return t
+
+        def keep_block_input(module, args):
+            pack(args[0])
+
+        # under recompute autograd's hooks never see a checkpointed block's tensors: the block keeps
+        # its input instead, counted as its first layer receives it
+        handles = [m.register_forward_pre_hook(keep_block_input) for m in run.block_starts(s)] if run.recompute else []
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+        out.append(sum(t.numel() * t.element_size() for t in seen.values()))
+
+    run.forward(build_loss(cfg), counting)
+    return out
+
+
+def boundary_bytes(cfg: Config, model: nn.Module, bounds: list[int], rows: int) -> list[int]:
+    """Bytes of one microbatch's activation entering each stage, as the engine sends it (its dtype
+    from the same meta-device pass the engine uses)."""
+    from .data import build_dataset, load_batch
+    from .parallel.hybrid import meta_copy
+    from .parallel.pipeline import boundary_shape_fn, pipeline_layers
+
+    meta = pipeline_layers(meta_copy(model))
+    x, _ = load_batch(build_dataset(cfg, "train"), torch.arange(rows))
+    shapes = boundary_shape_fn([meta[a:b] for a, b in zip(bounds, bounds[1:])])(x)
+    return [shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]
+
+
+def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: dict) -> list[list[int]] | None:
+    """Per stage, the payloads of the all-reduces tensor parallelism runs for one microbatch
+    (tp_comm's paired operators): a row-parallel layer's output in forward, a column-parallel
+    layer's input gradient in backward (when that input needs one), a vocabulary-parallel
+    embedding's rows, and the vocabulary-parallel cross-entropy's per-token max and sums. Their
+    shapes and dtypes are the unsplit layers' own, from one forward in fake tensors. None when a
+    user loss takes a sharded output (it gathers the output first; not modelled)."""
+    from .optim import build_loss, cross_entropy
+
+    run = FakeRun.build(cfg, rows, bounds)
+    modules = dict(run.model.named_modules())
+    last_linear = [n for n, m in modules.items() if isinstance(m, nn.Linear)][-1]
+    sharded_output = tp_plan.get(last_linear) == "colwise"
+    if sharded_output and build_loss(cfg) is not cross_entropy:
+        return None
+    stage_of = {id(m): s for s, layers in enumerate(run.stages) for layer in layers for m in layer.modules()}
+    payloads: list[list[int]] = [[] for _ in run.stages]
+
+    def record(style: str):
+        def hook(module, args, out):
+            if style in ("rowwise", "vocab"):
+                payloads[stage_of[id(module)]].append(out.numel() * out.element_size())
+            elif args[0].requires_grad:
+                payloads[stage_of[id(module)]].append(args[0].numel() * args[0].element_size())
+
+        return hook
+
+    handles = [modules[name].register_forward_hook(record(style)) for name, style in tp_plan.items()]
+    try:
+        run.forward()
+    finally:
+        for h in handles:
+            h.remove()
+    if sharded_output:  # the vocabulary-parallel cross-entropy: max, then (sum of exp, target logit)
+        tokens = run.y.numel()
+        payloads[-1] += [tokens * 4, 2 * tokens * 4]
+    return payloads

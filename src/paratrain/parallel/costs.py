@@ -1,0 +1,116 @@
+"""Each strategy's cost model for `paratrain plan`: what every rank keeps, saves for backward and
+sends in a step, counted with the functions the strategy itself runs (its buckets, units, shards and
+pipeline cut). A spec names its cost model (registry.py); plan.make_plan calls it with the ranks'
+empty plans (plan.RankPlan) and the model on the meta device; each returns the pipeline stages
+and the notes."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..plan import MIB, RankPlan, dp_comm, model_parallel, nbytes, optimizer_slots, padded_bytes, saved_activation_bytes
+from ..plan import zero_comm as zero_messages
+from .base import unique_parameters
+from .data_parallel import make_buckets
+from .ps_wire import HEADER, assign_shards
+from .spec import Spec
+from .zero import module_units
+
+Planned = tuple[list[dict], list[str]]
+
+
+def _whole_model_activations(cfg: Config, ranks: list[RankPlan], rows: int) -> None:
+    """Every rank runs one microbatch through the whole model."""
+    activations = saved_activation_bytes(cfg, rows)[0]
+    for r in ranks:
+        r.activation_bytes = activations
+
+
+def data_parallel(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
+    params = [t for _, t in unique_parameters(model)]
+    total = nbytes(params)
+    _whole_model_activations(cfg, ranks, rows)
+    for r in ranks:
+        r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, total, total, optimizer_slots(cfg) * total
+        dp_comm(r, cfg, params, len(ranks))
+    return [], []
+
+
+def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parameter], world: int):
+    """(parameter, gradient, optimizer bytes, what comes on top for a while) of a rank at `stage`."""
+    bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
+    if stage == 3:
+        groups = [g for _, g in module_units(model, params, bucket_bytes)]
+    else:
+        groups = [b.params for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
+    whole, shard = padded_bytes(groups, world)
+    biggest = max(padded_bytes([g], world)[0] for g in groups)
+    param_bytes = whole if stage < 3 else shard
+    grad_bytes = whole if stage == 1 else shard
+    transient = {
+        1: "",
+        2: f"plus one unit's full gradients while reduced (at most {biggest / MIB:.3g} MiB)",
+        3: f"plus units gathered for their forward and backward, and one unit's full gradients "
+        f"while reduced (the largest unit: {biggest / MIB:.3g} MiB)",
+    }[stage]
+    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient
+
+
+def zero(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
+    params = [t for _, t in unique_parameters(model)]
+    world = len(ranks)
+    _whole_model_activations(cfg, ranks, rows)
+    param_b, grad_b, opt_b, transient = zero_state(cfg, spec.stage, model, params, world)
+    for r in ranks:
+        r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
+        zero_messages(r, cfg, spec.stage, model, params, world, "nccl" if device == "cuda" else "gloo")
+    return [], [f"{spec.name}: {transient}"] if transient else []
+
+
+def parameter_server(
+    spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str
+) -> Planned:
+    params = [t for _, t in unique_parameters(model)]
+    world, servers = len(ranks), cfg.ps.servers
+    total = nbytes(params)
+    _whole_model_activations(cfg, ranks, rows)
+    shards = assign_shards([t.numel() for t in params], servers)
+    header = HEADER * 4  # each flat shard buffer starts with a small float32 header
+    message = [nbytes([params[i] for i in shard]) + header for shard in shards]  # a push or pull
+    workers = world - servers
+    for r in ranks:
+        if r.rank < servers:
+            own = nbytes([params[i] for i in shards[r.rank]])
+            r.role, r.activation_bytes = "parameter server", 0
+            # gradients: its shard's, and a receive buffer for each worker's pushes
+            r.param_bytes, r.grad_bytes, r.optimizer_bytes = (
+                own + header,
+                (own + header) * (1 + workers),
+                optimizer_slots(cfg) * own,
+            )
+            r.add_comm("recv", message[r.rank], world, times=workers)  # every worker's push
+            r.add_comm("send", message[r.rank], world, times=workers)  # and its pull
+        else:
+            r.role, r.dp = "ps worker", r.rank - servers
+            r.param_bytes = r.grad_bytes = total + header * servers
+            for size in message:  # a push to every server, and its reply
+                r.add_comm("send", size, world)
+                r.add_comm("recv", size, world)
+    return [], []
+
+
+def tensor_and_pipeline(
+    spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str
+) -> Planned:
+    p, notes = cfg.parallel, []
+    stages = model_parallel(cfg, model, len(ranks), ranks, rows)
+    if p.tp > 1:
+        notes.append("activations not estimated under tp")
+    if p.pp > 1 and p.balance == "time":
+        notes.append(
+            "pipeline cut shown by parameter count; the run times each layer at start "
+            "(parallel.balance = 'time') and may cut elsewhere"
+        )
+    return stages, notes

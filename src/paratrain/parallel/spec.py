@@ -1,0 +1,86 @@
+"""What a strategy declares about itself, without importing torch.
+
+A strategy is two classes: its engine (a `base.Strategy`, torch) and its spec (a `Spec`, here),
+registered under its name in `registry.py`. config.py, the CLI, the trainer, the checkpoints and
+the planner ask the spec, never the strategy's name: a new strategy is a new spec and engine."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:  # config.py imports the registry: a spec only reads the Config it is handed
+    from ..config import Config
+    from .base import Strategy
+
+
+def load(path: str):
+    """`module:attribute` under paratrain.parallel, imported when first asked for (engines and cost
+    models import torch; the specs must not)."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), attribute)
+
+
+class Spec:
+    """One strategy's declarations. Every hook has the default most strategies want."""
+
+    name: str = ""
+    engine_path: str = ""  # "module:Class" of its engine under paratrain.parallel
+    cost_model: str = ""  # "module:function" that plans its ranks (see plan.make_plan)
+    checkpoint_family: str = ""  # a checkpoint resumes under any strategy of the family that wrote it
+    codecs: tuple[str, ...] = ("none",)  # the parallel.compression values it accepts
+    degrees: tuple[str, ...] = ()  # which of parallel.tp and parallel.pp it may set above 1
+    materializes_models = False  # builds the model on meta and materialises it shard by shard
+
+    def engine(self) -> type[Strategy]:
+        return load(self.engine_path)
+
+    # -- config checks, before any worker starts --------------------------------------------------
+    def check_config(self, cfg: Config) -> None:
+        """Checks of its own keys that need no world size and no dataset."""
+        compression = cfg.parallel.compression
+        if compression not in self.codecs:
+            raise ConfigError("parallel.compression", self.codec_refusal(compression))
+
+    def codec_refusal(self, compression: str) -> str:
+        return f"compresses dp's and zero's gradient averaging; strategy {self.name!r} takes only 'none'"
+
+    def check_layout(self, cfg: Config, world_size: int) -> None:
+        """Its degrees against the world size."""
+        p = cfg.parallel
+        for degree in ("tp", "pp"):
+            if degree not in self.degrees and getattr(p, degree) != 1:
+                raise ConfigError(f"parallel.{degree}", f"must be 1 for strategy {self.name!r}")
+        if world_size % (p.tp * p.pp):  # name the degree that is set (pp when tp is 1)
+            raise ConfigError(
+                "parallel.pp" if p.tp == 1 else "parallel.tp",
+                f"tp {p.tp} x pp {p.pp} does not divide the world size {world_size}",
+            )
+
+    def check_batch(self, cfg: Config, world_size: int) -> None:
+        """Its cut of each replica's batch, once the batch divides among the replicas."""
+
+    # -- the ranks ----------------------------------------------------------------------------------
+    def data_parallel_degree(self, cfg: Config, world_size: int) -> int:
+        """How many model replicas read different data: the divisor of the global batch."""
+        return world_size // (cfg.parallel.tp * cfg.parallel.pp)
+
+    def role_of(self, cfg: Config, rank: int) -> str:
+        """What a rank does, for messages about it."""
+        return "worker"
+
+    def expendable(self, cfg: Config, rank: int) -> bool:
+        """Whether the run goes on without this rank should its process die (see paratrain/guard.py)."""
+        return False
+
+    def mesh(self, cfg: Config, world_size: int) -> dict[str, int]:
+        """The rank grid the plan shows."""
+        p = cfg.parallel
+        return {"dp": self.data_parallel_degree(cfg, world_size), "tp": p.tp, "pp": p.pp}
+
+    def plan_ranks(self, cfg: Config, model, ranks: list, rows: int, device: str) -> tuple[list[dict], list[str]]:
+        """Fill in each rank's plan (`ranks`: plan.RankPlan, `model` on meta, `rows` per microbatch);
+        the pipeline stages and the notes."""
+        return load(self.cost_model)(self, cfg, model, ranks, rows, device)
