@@ -32,7 +32,7 @@ class FakeRun:
         """The first layer of each recomputed block of stage s (whose input the block keeps)."""
         layers = self.stages[s]
         if layers == [self.model]:
-            from .parallel.pipeline import pipeline_layers
+            from .parallel.pipeline_cut import pipeline_layers
 
             layers = pipeline_layers(self.model) or [self.model]
         return [block[0] for block in blocks(layers)]
@@ -44,7 +44,7 @@ class FakeRun:
 
         from .data import build_dataset, load_batch
         from .models import build_model
-        from .parallel.pipeline import pipeline_layers
+        from .parallel.pipeline_cut import pipeline_layers
 
         dataset = build_dataset(cfg, "train")
         x, y = load_batch(dataset, torch.arange(rows))
@@ -120,7 +120,8 @@ def boundary_bytes(cfg: Config, model: nn.Module, bounds: list[int], rows: int) 
     from the same meta-device pass the engine uses)."""
     from .data import build_dataset, load_batch
     from .parallel.hybrid import meta_copy
-    from .parallel.pipeline import boundary_shape_fn, pipeline_layers
+    from .parallel.pipeline import boundary_shape_fn
+    from .parallel.pipeline_cut import pipeline_layers
 
     meta = pipeline_layers(meta_copy(model))
     x, _ = load_batch(build_dataset(cfg, "train"), torch.arange(rows))

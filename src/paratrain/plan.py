@@ -203,7 +203,7 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
     holds; the stages."""
     from .parallel.base import unique_parameters
     from .parallel.hybrid import sync_ties, virtual_stages
-    from .parallel.pipeline import allowed_cuts, parameter_costs, partition, pipeline_layers, split_ties
+    from .parallel.pipeline_cut import allowed_cuts, parameter_costs, partition, pipeline_layers, split_ties
     from .parallel.tensor_parallel import STYLES, plan_for
     from .parallel.tp_comm import shard_range
 

@@ -10,7 +10,7 @@ How the all-reduce hides behind backward:
     backward ends and goes then, its unused slice still zero: no hang, no corruption;
   * with gradient accumulation the hooks stay quiet until the last micro-batch: gradients add up
     locally and only the final backward communicates;
-  * what a bucket's communication is belongs to the codec (parallel/compression.py): a plain
+  * what a bucket's communication is belongs to the codec (parallel/codec.py): a plain
     all-reduce, or a compressed one (parallel.compression).
 
 Profiled phases: forward, backward, comm (blocked waiting in finish()), compress (codec arithmetic),

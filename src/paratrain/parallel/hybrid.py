@@ -36,7 +36,8 @@ from .parallelize import (
     virtual_stages,
     wrap_dp,
 )
-from .pipeline import PipelineEngine, boundary_shape_fn, pipeline_layers, splittable_layers, tied_spans
+from .pipeline import PipelineEngine, boundary_shape_fn
+from .pipeline_cut import pipeline_layers, splittable_layers, tied_spans
 from .pipeline_schedules import SCHEDULES, forward_only, one_f_one_b
 from .tensor_parallel import check_plan, full_width, output_is_sharded, parallel_loss, plan_for
 from .tp_comm import gather_from_tp

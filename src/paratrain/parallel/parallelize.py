@@ -1,7 +1,7 @@
 """How a model becomes one rank's part of a (pp, dp, tp) mesh: functions applied in this order, as
 torchtitan's `apply_*(model, mesh, cfg)` are.
 
-  0. decide_cut     where the pipeline cuts the layers (pipeline.py: balanced by time or parameters);
+  0. decide_cut     where the pipeline cuts the layers (pipeline_cut.py: balanced by time or parameters);
                     decided on the whole, unsharded layers, since rank 0 times them alone, and
                     before tp, which changes no layer boundary;
   1. apply_tp       the planned Linear / Embedding modules become their shards (tensor_parallel.py;
@@ -25,7 +25,8 @@ from ..config import Config
 from .base import unique_parameters
 from .data_parallel import GradientReducer
 from .mesh import Mesh
-from .pipeline import StageChunk, allowed_cuts, decide_split, pipeline_layers, split_ties
+from .pipeline import StageChunk
+from .pipeline_cut import allowed_cuts, decide_split, pipeline_layers, split_ties
 from .tensor_parallel import apply_tensor_parallel
 
 
