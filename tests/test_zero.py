@@ -436,11 +436,13 @@ def test_validation_shares_that_differ_between_ranks_give_the_true_loss(tmp_path
     assert metrics(tmp_path / "run")[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_zero3_holds_at_most_two_units_gathered_or_reduced_at_once():
+@pytest.mark.parametrize("codec, tolerance", [("none", 1e-5), ("bf16", 1e-2)])
+def test_zero3_holds_at_most_two_units_gathered_or_reduced_at_once(codec, tolerance):
     """zero3's transient memory on gloo: the units gathered plus the full gradients it holds stay
     within twice the largest unit at every hook of a step (a unit and its gradients; then those
     gradients in flight beside the next unit's gather), not three (a unit, the prefetched next one
-    and a flat copy of its gradients). The weights still equal plain single-process AdamW."""
+    and a flat copy of its gradients). The weights still equal plain single-process AdamW (up to the
+    rounding of the 16-bit copies that parallel.compression reduces)."""
     import torch.distributed as dist
 
     from paratrain import config as config_mod
@@ -457,7 +459,7 @@ def test_zero3_holds_at_most_two_units_gathered_or_reduced_at_once():
         {
             "data": {"batch_size": 8},
             "train": {"optimizer": "adamw"},
-            "parallel": {"strategy": "zero3", "bucket_mb": 0.3},
+            "parallel": {"strategy": "zero3", "bucket_mb": 0.3, "compression": codec},
         }
     )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -485,6 +487,6 @@ def test_zero3_holds_at_most_two_units_gathered_or_reduced_at_once():
         largest = max(u.full_nbytes() for u in zero.units)
         assert len(zero.units) == 5 and max(held) > largest
         assert max(held) <= 2 * largest, f"held {max(held)} bytes at once, largest unit {largest}"
-        assert max_rel_error(zero.full_model_state(), plain.state_dict()) <= 1e-5
+        assert max_rel_error(zero.full_model_state(), plain.state_dict()) <= tolerance
     finally:
         dist.destroy_process_group()
