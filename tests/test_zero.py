@@ -379,3 +379,59 @@ def test_validation_shares_that_differ_between_ranks_give_the_true_loss(tmp_path
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(x), y).item()
     assert metrics(tmp_path / "run")[-1]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("codec, tolerance", [("none", 1e-5), ("bf16", 1e-2)])
+def test_zero3_holds_at_most_two_units_gathered_or_reduced_at_once(codec, tolerance):
+    """zero3's transient memory on gloo: the units gathered plus the full gradients it holds stay
+    within twice the largest unit at every hook of a step (a unit and its gradients; then those
+    gradients in flight beside the next unit's gather), not three (a unit, the prefetched next one
+    and a flat copy of its gradients). The weights still equal plain single-process AdamW (up to the
+    rounding of the 16-bit copies that parallel.compression reduces)."""
+    import torch.distributed as dist
+
+    from paratrain import config as config_mod
+    from paratrain.optim import build_optimizer, cross_entropy
+    from paratrain.parallel.zero import Zero3
+    from paratrain.runtime import Runtime
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)]  # one unit each
+    model = nn.Sequential(*blocks, nn.Linear(256, 10))
+    plain = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)], nn.Linear(256, 10))
+    plain.load_state_dict(model.state_dict())
+    cfg = config_mod.from_dict(
+        {
+            "data": {"batch_size": 8},
+            "train": {"optimizer": "adamw"},
+            "parallel": {"strategy": "zero3", "bucket_mb": 0.3, "compression": codec},
+        }
+    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        zero = Zero3(model, cross_entropy, cfg, Runtime(0, 1, 0, torch.device("cpu"), "gloo", 0))
+        held = []
+
+        def sample(*_):
+            gathered = sum(u.full.untyped_storage().nbytes() for u in zero.units)
+            grads = [g for u in zero.units for g in [u.grad_full, *u.grads]] + [p.grad for p in model.parameters()]
+            held.append(gathered + sum(g.nbytes for g in grads if g is not None))
+
+        for p in model.parameters():  # after the strategy's own hooks
+            p.register_post_accumulate_grad_hook(sample)
+        for m in model.modules():
+            m.register_forward_pre_hook(sample)
+            m.register_full_backward_pre_hook(sample)
+        optimizer = build_optimizer(plain.parameters(), cfg.train)
+        for step in range(2):
+            x, y = torch.randn(8, 256, generator=torch.Generator().manual_seed(step)), torch.arange(8)
+            zero.train_step((x, y))
+            cross_entropy(plain(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        largest = max(u.full_nbytes() for u in zero.units)
+        assert len(zero.units) == 5 and max(held) > largest
+        assert max(held) <= 2 * largest, f"held {max(held)} bytes at once, largest unit {largest}"
+        assert max_rel_error(zero.full_model_state(), plain.state_dict()) <= tolerance
+    finally:
+        dist.destroy_process_group()

@@ -143,7 +143,8 @@ def zero_comm(
     its parameters all-gathered (stages 1 and 2 after the step; stage 3 before each module's forward
     and again before its backward, the root unit, kept gathered through both, once); plus the
     squared gradient norm, one float32 all-reduced. On gloo, as zero_comm builds them: each
-    reduce-scatter an all-reduce of the whole unit, each all-gather a broadcast from every rank."""
+    reduce-scatter an all-reduce of the whole unit (stage 3: of each gradient), each all-gather a
+    broadcast from every rank."""
     from .parallel.data_parallel import make_buckets
     from .parallel.zero import module_units
     from .parallel.zero_comm import from_primitives
@@ -163,7 +164,9 @@ def zero_comm(
         reduces, gathers = 1 if stage == 1 else micro, gathers * micro if stage == 3 else 1
         wire = _wire_bytes(numel, size, cfg)
         if primitives:
-            r.add_comm("all_reduce", wire, world, times=reduces)
+            # stage 3 all-reduces each gradient where autograd left it, stages 1-2 the flat unit
+            for n in [p.numel() for p in group] if stage == 3 else [numel]:
+                r.add_comm("all_reduce", _wire_bytes(n, size, cfg), world, times=reduces)
             r.add_comm("broadcast", numel // world * size, world, times=gathers * world)
         else:
             r.add_comm("reduce_scatter", wire, world, times=reduces)

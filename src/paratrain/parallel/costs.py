@@ -52,8 +52,8 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
     transient = {
         1: "",
         2: f"plus one unit's full gradients while reduced (at most {biggest / MIB:.3g} MiB)",
-        3: f"plus units gathered for their forward and backward, and one unit's full gradients "
-        f"while reduced (the largest unit: {biggest / MIB:.3g} MiB)",
+        3: f"plus units gathered for their forward and backward and their full gradients while reduced, "
+        f"at most twice the largest unit ({biggest / MIB:.3g} MiB) at once",
     }[stage]
     return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient
 

@@ -19,8 +19,11 @@ One optimizer step, per stage (N ranks; "full" = every rank holds all of it):
 
      forward:   pre-hook(m_i): gather m_i (wait for its prefetch), start gathering m_i+1 | run m_i |
                 post-hook(m_i): free m_i's full parameters, hook m_i's outputs
-     backward:  output-grad hook(m_i): gather m_i again, start gathering m_i-1 | m_i's backward |
-                m_i's gradients complete: reduce-scatter them (async), free m_i's full parameters
+     backward:  output-grad hook(m_i): gather m_i again (first finish reducing the gradients in
+                flight if m_i's would not fit beside them) | m_i's backward | m_i's gradients
+                complete: reduce-scatter them (async; on gloo each where autograd left it), free m_i's
+                full parameters, start gathering m_i-1
+                (prefetches only within twice the largest unit: zero_gather.ParameterGatherer)
      step:      optimizer on the shards; nothing to gather (the next forward gathers)
 
 Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
@@ -298,10 +301,10 @@ class Zero3(Zero2):
         return views
 
     def _setup_communication(self, model) -> None:
-        self.gatherer = ParameterGatherer(self.units, model, self.group)
-        self.reducer = StreamingShardReducer(
-            self.units, self.group, in_order=False, on_launch=self.gatherer.reshard, wire_dtype=wire_dtype(self.cfg)
-        )
+        after_backward = lambda u: self.gatherer.after_backward(u)  # noqa: E731 (the gatherer comes next)
+        kwargs = dict(on_launch=after_backward, wire_dtype=wire_dtype(self.cfg), in_place=True)
+        self.reducer = StreamingShardReducer(self.units, self.group, in_order=False, **kwargs)
+        self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer)
         for u in self.units:
             u.shard.grad = u.grad_shard
 

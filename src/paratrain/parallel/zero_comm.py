@@ -7,7 +7,7 @@ multiple of the world size, cut into equal contiguous shards, shard r on rank r:
     shards            |  rank 0    |  rank 1    |  rank 2    |      (numel / world each)
 
 Stages 1 and 2 make one unit per gradient bucket (dp's `make_buckets`: reverse registration order,
-`parallel.bucket_mb` each); stage 3 one per module (see zero.py).
+`parallel.bucket_mb` each); stage 3 one per module (see zero_gather.py).
 
 Collectives. On NCCL, reduce-scatter and all-gather are the native ones (in place: the output is the
 rank's slice of the input). Gloo has both too, but measured here on a 64 MB flat buffer at world 2
@@ -112,6 +112,7 @@ class FlatUnit:
         self.full: torch.Tensor | None = None  # the whole flat parameter (views: the module's params)
         self.shard: nn.Parameter | None = None  # this rank's slice: what the optimizer updates
         self.grad_full: torch.Tensor | None = None  # the whole flat gradient, while it is being reduced
+        self.grads: list[torch.Tensor | None] = [None] * len(params)  # or each gradient, reduced in place
         self.pending = len(params)
         self.work = None
 
@@ -161,11 +162,26 @@ class StreamingShardReducer:
     keeps unused parameters from hanging; stage 3 launches as units complete (its per-module units
     have no fixed backward order), which is the same order on every rank since the graph is.
     `on_launch(unit)` runs when a unit's gradients are all in (stage 3 frees its parameters then).
+
+    `in_place` (stage 3), where the reduce-scatter is an all-reduce anyway (gloo, see the module
+    docstring): no flat copy. Each gradient is all-reduced where autograd left it and this rank's
+    pieces are taken from it, so a unit's gradients take their own bytes once instead of twice
+    while they are copied. `live_bytes` counts the gradients held; `drain()` completes what is in
+    flight (stage 3's gatherer calls it when a unit's backward would not fit beside them).
     """
 
-    def __init__(self, units: list[FlatUnit], group=None, in_order: bool = True, on_launch=None, wire_dtype=None):
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        group=None,
+        in_order: bool = True,
+        on_launch=None,
+        wire_dtype=None,
+        in_place: bool = False,
+    ):
         self.units, self.group, self.in_order = units, group, in_order
         self.wire_dtype = wire_dtype
+        self.in_place = in_place and _on_gloo(group)
         self.world = dist.get_world_size(group)
         self.slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self.on_launch = on_launch or (lambda unit: None)
@@ -187,13 +203,19 @@ class StreamingShardReducer:
         self.accumulate = accumulate
         self.next_to_launch = 0
         for u in self.units:
-            u.pending, u.work, u.grad_full = len(u.params), None, None
+            u.pending, u.work, u.grad_full, u.grads = len(u.params), None, None, [None] * len(u.params)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         unit, i = self.slot_of[id(p)]
-        if unit.grad_full is None:
-            self._allocate(unit)
-        unit.grad_full[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(p.grad.reshape(-1))
+        if self.in_place:
+            if unit.pending == len(unit.params):  # the unit's first gradient: hand the previous ones over
+                self.drain()
+            unit.grads[i] = p.grad
+            self._count(p.grad.nbytes)
+        else:
+            if unit.grad_full is None:
+                self._allocate(unit)
+            unit.grad_full[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(p.grad.reshape(-1))
         p.grad = None
         unit.pending -= 1
         if unit.pending == 0:
@@ -211,36 +233,77 @@ class StreamingShardReducer:
             self.next_to_launch += 1
 
     def _launch(self, unit: FlatUnit) -> None:
-        if unit.grad_full is None:  # no gradient reached this unit in this backward (same on all ranks)
-            self._allocate(unit)
-        unit.grad_full.div_(self.world)
-        own = unit.grad_full[unit.lo : unit.hi]
-        unit.work = reduce_scatter(
-            own,
-            unit.grad_full,
-            f"zero-grad-unit-{unit.index}",
-            self.group,  # in place
-            self.wire_dtype,
-        )
+        if self.in_place:
+            unit.work = self._all_reduce_each(unit)
+        else:
+            if unit.grad_full is None:  # no gradient reached this unit in this backward (same on all ranks)
+                self._allocate(unit)
+            unit.grad_full.div_(self.world)
+            own = unit.grad_full[unit.lo : unit.hi]
+            unit.work = reduce_scatter(
+                own,
+                unit.grad_full,
+                f"zero-grad-unit-{unit.index}",
+                self.group,  # in place
+                self.wire_dtype,
+            )
         self.on_launch(unit)
         self.launched.append(unit)
 
-    def _allocate(self, unit: FlatUnit) -> None:
-        while self.launched:  # hand the previous unit over first: one full gradient at a time
-            self._complete(self.launched.popleft())
-        unit.grad_full = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
-        self.live_bytes += unit.full_nbytes()
+    def _all_reduce_each(self, unit: FlatUnit) -> Handle:
+        """Average each gradient of `unit` where it lies; a parameter no gradient reached in this
+        backward (the same on every rank: the graph is) contributes zeros and sends nothing."""
+        works = []
+        for i, g in enumerate(unit.grads):
+            if g is None:
+                continue
+            g.div_(self.world)
+            if self.wire_dtype is not None and self.wire_dtype != g.dtype:
+                unit.grads[i] = small = g.to(self.wire_dtype)
+                self._count(small.nbytes - g.nbytes)  # the full-precision gradient is freed
+                g = small
+            works.append(collectives.all_reduce(g, f"zero-grad-unit-{unit.index}-{i}", group=self.group, async_op=True))
+        return Handle(works)
+
+    def _count(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _allocate(self, unit: FlatUnit) -> None:
+        self.drain()  # hand the previous unit over first: one full gradient at a time
+        unit.grad_full = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+        self._count(unit.full_nbytes())
 
     def _complete(self, unit: FlatUnit) -> None:
         unit.work.wait()
-        own = unit.grad_full[unit.lo : unit.hi]
-        if self.accumulate:
-            unit.grad_shard.add_(own)
+        if self.in_place:
+            self._take_own_pieces(unit)
+            self._count(-sum(g.nbytes for g in unit.grads if g is not None))
+            unit.grads = [None] * len(unit.params)
         else:
-            unit.grad_shard.copy_(own)
-        unit.work = unit.grad_full = None
-        self.live_bytes -= unit.full_nbytes()
+            own = unit.grad_full[unit.lo : unit.hi]
+            if self.accumulate:
+                unit.grad_shard.add_(own)
+            else:
+                unit.grad_shard.copy_(own)
+            unit.grad_full = None
+            self._count(-unit.full_nbytes())
+        unit.work = None
+
+    def _take_own_pieces(self, unit: FlatUnit) -> None:
+        """This rank's pieces of the unit's averaged gradients into (or onto) its gradient shard."""
+        for i, start, end, at in unit.own_pieces():
+            own, g = unit.grad_shard[at : at + end - start], unit.grads[i]
+            if g is not None:
+                piece = g.reshape(-1)[start:end]
+                own.add_(piece) if self.accumulate else own.copy_(piece)
+            elif not self.accumulate:
+                own.zero_()
+
+    def drain(self) -> None:
+        """Wait for the launched reductions and take their results: their gradients are freed."""
+        while self.launched:
+            self._complete(self.launched.popleft())
 
     def finish(self) -> None:
         """After each backward: reduce what is left (units with unused parameters) and wait for all."""
@@ -251,5 +314,4 @@ class StreamingShardReducer:
                 if unit.pending:
                     unit.pending = 0
                     self._launch(unit)
-        while self.launched:
-            self._complete(self.launched.popleft())
+        self.drain()

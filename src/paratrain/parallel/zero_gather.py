@@ -74,14 +74,24 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
 
 class ParameterGatherer:
     """Stage 3: gathers each unit's full parameters just before its module runs (forward and backward)
-    and frees them after, prefetching the next unit in the forward order recorded on the first pass."""
+    and frees them after, prefetching the next unit in the forward order recorded on the first pass.
 
-    def __init__(self, units: list[FlatUnit], root: nn.Module, group):
-        self.units, self.root, self.group = units, root, group
+    What is gathered plus the full gradients held by `reducer` (a StreamingShardReducer) stays within
+    `budget`: twice the largest unit, plus the root unit, which stays gathered through forward and
+    backward. A prefetch starts only where it fits, and before a unit's backward, which creates
+    gradients the size of the unit, the gradients in flight are reduced first unless they fit beside
+    them. With equal units: forward holds a unit and the next one; backward a unit and its gradients,
+    then, its parameters freed, its gradients in flight beside the next unit's gather. Smaller units
+    keep every overlap of gathers and reductions with compute."""
+
+    def __init__(self, units: list[FlatUnit], root: nn.Module, group, reducer):
+        self.units, self.root, self.group, self.reducer = units, root, group, reducer
         self.order: list[FlatUnit] = []
         self.position: dict[int, int] = {}
         self.recording = True
         self.live_bytes = self.peak_bytes = 0  # full parameters gathered at once (for the memory benchmark)
+        sizes = [u.full_nbytes() for u in units if u.module is not root]
+        self.budget = 2 * max(sizes, default=0) + sum(u.full_nbytes() for u in units if u.module is root)
         for u in units:
             u.state, u.gather_work = "free", None
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
@@ -112,8 +122,12 @@ class ParameterGatherer:
             self._wait(u)
             u.state = "gathered"
 
-    def prefetch(self, u: FlatUnit | None) -> None:
-        if u is not None and u.state == "free":
+    def _transient(self) -> int:
+        return self.live_bytes + self.reducer.live_bytes
+
+    def _prefetch_within_budget(self, u: FlatUnit | None, reserve: int = 0) -> None:
+        """Start gathering `u` if it fits beside what is held and `reserve` bytes about to be."""
+        if u is not None and u.state == "free" and self._transient() + reserve + u.full_nbytes() <= self.budget:
             self._start(u)
 
     def reshard(self, u: FlatUnit) -> None:
@@ -141,7 +155,7 @@ class ParameterGatherer:
             self.order.append(u)
         self.unshard(u)
         if not self.recording:
-            self.prefetch(self._neighbour(u, +1))
+            self._prefetch_within_budget(self._neighbour(u, +1))
 
     def _post_forward(self, u: FlatUnit, output) -> None:
         if torch.is_grad_enabled():
@@ -156,6 +170,17 @@ class ParameterGatherer:
         self.recording = False
 
     def _pre_backward(self, u: FlatUnit) -> None:
+        gradients = u.full_nbytes()  # what u's backward is about to create
+        gathering = gradients if u.state == "free" else 0
+        if self._transient() + gathering + gradients > self.budget:
+            self.reducer.drain()
         self.unshard(u)
         # Backward runs the forward order in reverse; the root's backward is followed by the last unit's.
-        self.prefetch(self.order[-1] if u.module is self.root else self._neighbour(u, -1))
+        self._prefetch_within_budget(self.order[-1] if u.module is self.root else self._neighbour(u, -1), gradients)
+
+    def after_backward(self, u: FlatUnit) -> None:
+        """`u`'s gradients are all in and being reduced: free its parameters, and prefetch the unit
+        whose backward comes next if it fits now."""
+        self.reshard(u)
+        if u.module is not self.root:
+            self._prefetch_within_budget(self._neighbour(u, -1))
