@@ -301,3 +301,64 @@ def test_search_ranks_the_layouts_that_fit(tmp_path, capsys):
         ],
     )
     assert alone["predicted"]["step_s"] == pytest.approx(best["predicted"]["step_s"])
+
+
+def full_plan_search(config, sets: list[str], cluster) -> list[tuple[float, dict]]:
+    """The exhaustive slow path: every candidate planned in full, every rank, as `plan` plans it."""
+    from paratrain.cli import preflight
+    from paratrain.config import ConfigError
+    from paratrain.plan import make_plan
+    from paratrain.search import candidates
+
+    found = []
+    for layout in candidates(load(config, sets).data.batch_size, cluster.world, cluster.devices_per_node):
+        try:
+            cfg = load(config, [*sets, *layout])
+            preflight(cfg, cluster.world)
+        except ConfigError:
+            continue
+        with torch.device("meta"):
+            model = build_model(cfg, build_dataset(cfg, "train"))
+        plan = make_plan(cfg, model, cluster.devices_per_node, cluster.nodes, "cuda", cluster)
+        if plan["capacity"]["fits"]:
+            found.append((plan["predicted"]["step_s"], cfg))
+    return sorted(found, key=lambda x: x[0])
+
+
+def test_search_on_replica_plans_equals_the_full_plans(tmp_path, monkeypatch):
+    """Two A100s of 16 MiB (dp and some pipelines do not fit), an mlp: the search's replica plans
+    with memoised traces give every fitting layout the step the full plan gives it, in the same order."""
+    import functools
+
+    from paratrain.cluster import parse_cluster
+    from paratrain.data import datasets
+    from paratrain.search import search
+
+    # the slow path reads digits.csv.gz for every dataset it builds: once is enough here
+    monkeypatch.setattr(datasets, "_digits_arrays", functools.cache(datasets._digits_arrays))
+
+    config = write_config(tmp_path / "mlp.toml", DIGITS.format(model="mlp"))
+    sets = ["model.hidden=1024", "data.batch_size=32"]
+    cluster = parse_cluster({"nodes": 1, "devices_per_node": 2, "device": "a100-80gb", "memory_gib": 0.016})
+    slow = full_plan_search(config, sets, cluster)
+    fast = search(config, sets, cluster, top=1000)
+    assert 10 < len(fast) == len(slow) and "dp" not in {x["parallel"]["strategy"] for x in fast}
+    for (step, _), layout in zip(slow, fast):
+        assert layout["predicted"]["step_s"] == pytest.approx(step, rel=1e-12)
+    best = slow[0][1].parallel
+    assert (best.strategy, best.tp, best.pp) == tuple(fast[0]["parallel"][k] for k in ("strategy", "tp", "pp"))
+
+
+def test_search_of_4096_devices_finishes():
+    """512 nodes of 8 H100s, the default gpt, 4,096 sequences a step: hundreds of candidates, planned
+    and timed well inside a minute (the figure on a quiet machine is in docs/planning.md)."""
+    import time
+
+    from paratrain.cluster import parse_cluster
+    from paratrain.search import search
+
+    cluster = parse_cluster({"nodes": 512, "devices_per_node": 8, "device": "h100-sxm"})
+    start = time.perf_counter()
+    layouts = search(None, ["data.batch_size=4096", "data.max_chars=400000"], cluster, top=3)
+    assert time.perf_counter() - start < 120
+    assert len(layouts) == 3 and layouts[0]["predicted"]["step_s"] <= layouts[-1]["predicted"]["step_s"]

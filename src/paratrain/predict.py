@@ -88,10 +88,9 @@ class StageCost:
     forward_s: float  # the same on one device of the cluster, split over tp
 
 
-def stage_costs(
-    cfg: Config, rows: int, bounds: list[int] | None, cluster: Cluster, tp: int
-) -> tuple[list[StageCost], int]:
-    """Each stage's cost, and the tokens in a sample (a sequence model's positions; else 1)."""
+def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[list[tuple[int, int]]], int]:
+    """Each stage's ops in one microbatch's forward, as (FLOPs, bytes written) of the whole
+    (unsplit) stage, and the tokens in a sample (a sequence model's positions; else 1)."""
     from .optim import build_loss
     from .plan import FakeRun
 
@@ -106,17 +105,25 @@ def stage_costs(
             yield
 
     run.forward(build_loss(cfg), recording)
+    tokens = run.x[0].numel() if not run.x.is_floating_point() else 1
+    return [recorder.ops for recorder in recorders], tokens
+
+
+def stage_costs(
+    cfg: Config, rows: int, bounds: list[int] | None, cluster: Cluster, tp: int
+) -> tuple[list[StageCost], int]:
+    """Each stage's cost on one device of the cluster (split over tp), and the tokens in a sample."""
+    stages, tokens = stage_ops(cfg, rows, bounds)
     d = cluster.device
     out = []
-    for recorder in recorders:
+    for ops in stages:
         seconds = 0.0
-        for flops, written in recorder.ops:
+        for flops, written in ops:
             if flops:
                 seconds += flops / tp / (d.peak_tflops * 1e12 * GEMM_EFFICIENCY) + KERNEL_OVERHEAD_S
             else:
                 seconds += 2 * written / tp / (d.hbm_GBps * 1e9)
-        out.append(StageCost(sum(f for f, _ in recorder.ops), seconds))
-    tokens = run.x[0].numel() if not run.x.is_floating_point() else 1
+        out.append(StageCost(sum(f for f, _ in ops), seconds))
     return out, tokens
 
 
