@@ -362,3 +362,23 @@ def test_search_of_4096_devices_finishes():
     layouts = search(None, ["data.batch_size=4096", "data.max_chars=400000"], cluster, top=3)
     assert time.perf_counter() - start < 120
     assert len(layouts) == 3 and layouts[0]["predicted"]["step_s"] <= layouts[-1]["predicted"]["step_s"]
+
+
+def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
+    """Two gloo processes measure this machine into a [cluster] file; the plan uses it at once and
+    `--cluster` reads it back to the same prediction; with --cluster besides, exit 2."""
+    from paratrain.cli import main
+
+    path = tmp_path / "here.toml"
+    assert main(["plan", "--calibrate", str(path), "--json", str(tmp_path / "a.json")]) == 0
+    written = path.read_text()
+    for key in ("peak_tflops", "hbm_GBps", "op_overhead_us", "intra_node_GBps", "intra_latency_us"):
+        assert f"\n{key} = " in written
+    first = json.loads((tmp_path / "a.json").read_text())
+    assert main(["plan", "--cluster", str(path), "--json", str(tmp_path / "b.json")]) == 0
+    again = json.loads((tmp_path / "b.json").read_text())
+    assert first["cluster"] == again["cluster"] and first["cluster"]["device"] == "cpu"
+    assert again["predicted"]["step_s"] == pytest.approx(first["predicted"]["step_s"])
+    capsys.readouterr()
+    assert main(["plan", "--calibrate", str(path), "--cluster", str(path)]) == 2
+    assert "paratrain: error: --calibrate:" in capsys.readouterr().err

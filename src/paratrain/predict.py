@@ -4,9 +4,10 @@ layout on a cluster, from what the engines do.
 Compute (Calculon's idea): one microbatch's forward through each pipeline stage is played in fake
 tensors (plan.FakeRun) and every operation recorded. A matrix product (matmul, linear, attention:
 the ops torch.utils.flop_counter counts) takes its FLOPs at the device's peak times an efficiency
-that grows with its size: FLOPs / (peak x GEMM_EFFICIENCY) plus a fixed KERNEL_OVERHEAD_S, so a
-small matmul reaches a small fraction of peak and a large one GEMM_EFFICIENCY. Every other op is
-memory-bound: it reads and writes its output's bytes at the device's memory bandwidth. Backward
+that grows with its size: FLOPs / (peak x gemm_efficiency) plus a fixed product_overhead_us, so a
+small matmul reaches a small fraction of peak and a large one gemm_efficiency. Every other op is
+memory-bound: it reads and writes its output's bytes at the device's memory bandwidth. Every op
+also costs op_overhead_us (the CPU's eager dispatch; 0 on GPUs) (cluster.Device). Backward
 takes twice the forward (two products per forward product); `train.recompute = "full"` adds one
 forward. Under tp, each device does 1/tp of a stage's work (tp's sharded layers hold 1/tp of every
 product; the few replicated ops, layer norms and residual adds, are counted split too).
@@ -41,12 +42,6 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 from .cluster import Cluster
 from .config import Config
 from .profile import min_bytes_sent
-
-# A large cuBLAS GEMM's share of the data sheet's dense peak (A100/H100 bf16 GEMMs of thousands a
-# side reach 80-90 % in NVIDIA's GEMM performance guide); an assumption, not measured here.
-GEMM_EFFICIENCY = 0.85
-# What every kernel costs besides its arithmetic (launch, the tail wave): a few microseconds.
-KERNEL_OVERHEAD_S = 5e-6
 
 
 def cpu_flash_attention_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -120,9 +115,10 @@ def stage_costs(
         seconds = 0.0
         for flops, written in ops:
             if flops:
-                seconds += flops / tp / (d.peak_tflops * 1e12 * GEMM_EFFICIENCY) + KERNEL_OVERHEAD_S
+                seconds += flops / tp / (d.peak_tflops * 1e12 * d.gemm_efficiency) + d.product_overhead_us * 1e-6
             else:
                 seconds += 2 * written / tp / (d.hbm_GBps * 1e9)
+            seconds += d.op_overhead_us * 1e-6
         out.append(StageCost(sum(f for f, _ in ops), seconds))
     return out, tokens
 
