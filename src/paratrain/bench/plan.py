@@ -55,7 +55,7 @@ shuffle = false
 optimizer = "adamw"
 """
 
-MODELS = {"gpt": (GPT, {"layers": 4, "width": 256}), "mlp": (MLP, {"layers": 4, "width": 1024})}
+MODELS = {"gpt": (GPT, {"layers": 2, "width": 128}), "mlp": (MLP, {"layers": 4, "width": 512})}
 TINY = {"gpt": {"layers": 1, "width": 8}, "mlp": {"layers": 1, "width": 8}}
 
 PIPE = ["parallel.microbatches=4", "parallel.balance='params'"]
@@ -86,7 +86,7 @@ def add_parser(which) -> None:
     p.add_argument(
         "--cluster", default=None, metavar="FILE", help="a calibrated cluster file (default: calibrate first)"
     )
-    p.add_argument("--steps", type=COUNT, default=12, help="steps per run (default 12; the first 4 are set-up)")
+    p.add_argument("--steps", type=COUNT, default=8, help="steps per run (default 8; the first 4 are set-up)")
     p.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp (default both)")
     add_json_option(p)
     p.set_defaults(func=run)
@@ -136,9 +136,14 @@ def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int
     peaks: dict[int, int] = {}
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        while proc.poll() is None:
-            peak_rss_of_tree(proc.pid, peaks)
-            time.sleep(0.2)
+        try:
+            while proc.poll() is None:
+                peak_rss_of_tree(proc.pid, peaks)
+                time.sleep(0.2)
+        finally:  # interrupted: its workers go with it (the launcher ends them on SIGTERM)
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
         if proc.returncode:
             err.seek(0)
             lines = err.read().strip().splitlines()
