@@ -382,3 +382,17 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", "--calibrate", str(path), "--cluster", str(path)]) == 2
     assert "paratrain: error: --calibrate:" in capsys.readouterr().err
+
+
+def test_parameter_servers_are_predicted(tmp_path):
+    """A sync ps step: compute, then every shard pushed and pulled through its server's link, then
+    the servers' optimizer. Six A100s: one server carries the whole model to and from 5 workers, each
+    of two servers half of it to and from 4: 2.5 times less on the slowest link."""
+    ps = [*GPT2, "parallel.strategy='ps'", "data.batch_size=40"]
+    six = 'nodes = 1\ndevices_per_node = 6\ndevice = "a100-80gb"\n'
+    one = predicted(tmp_path, six, [*ps, "ps.servers=1"])
+    two = predicted(tmp_path, six, [*ps, "ps.servers=2"])
+    parts = one["step_breakdown"]
+    assert one["predicted"]["step_s"] == pytest.approx(parts["compute_s"] + parts["push_pull_s"] + parts["optimizer_s"])
+    assert parts["push_pull_s"] / two["step_breakdown"]["push_pull_s"] == pytest.approx(2.5, rel=0.05)
+    assert 0 < one["predicted"]["mfu"]

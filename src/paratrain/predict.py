@@ -26,8 +26,8 @@ with the node's other devices, which communicate at the same time.
   * pipeline stages send each microbatch's activation forward and its gradient back; the schedule
     idles (pp - 1) / v of a microbatch's work per rank (gpipe and 1f1b: v = 1; interleaved: v
     virtual stages per rank);
-  * the optimizer reads and writes its state, the parameters and the gradients once, memory-bound.
-Parameter servers are not modelled (predicted is None, with a note).
+  * the optimizer reads and writes its state, the parameters and the gradients once, memory-bound;
+  * parameter servers: see predict_ps.
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
 
     p = cfg.parallel
     if p.strategy == "ps":
-        return None, {"note": "parameter servers are not modelled"}
-    world, tp, pp = plan["world_size"], p.tp, p.pp
+        return predict_ps(cfg, plan, cluster)
+    tp, pp = p.tp, p.pp
     dp = plan["mesh"]["dp"]
     v = virtual_stages(cfg) if pp > 1 else 1
     b = plan["batch"]
@@ -216,32 +216,71 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
         else:
             grads = busiest["grad_bytes"]
             exposed_s = overlapped(collective_s("all_reduce", grads * wire, dp, bw, lat), grads)
-    slots = plan["optimizer"]["state_tensors_per_parameter"]
-    shard = busiest["optimizer_bytes"] / slots if slots else busiest["param_bytes"]
-    optimizer_s = (2 * busiest["optimizer_bytes"] + 3 * shard) / (cluster.device.hbm_GBps * 1e9)
-
+    optimizer_s = optimizer_time(plan, busiest, cluster)
     step_s = pipeline_s + exposed_s + optimizer_s
-    samples = b["global"]
-    flops = sum(s.forward_flops for s in stages) * 3 * m * dp  # the model's forward + backward
-    tokens = samples * tokens_per_sample
-    per_device = flops / step_s / world / 1e12
-    peak_memory = max(r["model_state_bytes"] + (r["activation_bytes"] or 0) for r in plan["ranks"])
-    predicted = {
-        "step_s": step_s,
-        "samples_per_s": samples / step_s,
-        "tokens_per_s": tokens / step_s,
-        "tflops_per_device": per_device,
-        "mfu": per_device / cluster.device.peak_tflops,
-        "peak_memory_gib": peak_memory / 2**30,
-    }
-    breakdown = {
-        "compute_s": m
-        * max(sum(stages[s].forward_s * compute_passes for s in [c * pp + r for c in range(v)]) for r in range(pp)),
+    compute_s = m * max(
+        sum(stages[s].forward_s * compute_passes for s in [c * pp + r for c in range(v)]) for r in range(pp)
+    )
+    parts = {
+        "compute_s": compute_s,
         "bubble_s": bubble_s,
         "tp_comm_s": m * max(tp_s),
         "p2p_s": m * max(p2p_s),
         "exposed_dp_comm_s": exposed_s,
         "optimizer_s": optimizer_s,
-        "memory_headroom_gib": cluster.device.memory_gib - peak_memory / 2**30,
     }
-    return predicted, breakdown
+    return figures(plan, cluster, step_s, sum(s.forward_flops for s in stages) * m * dp, tokens_per_sample, parts)
+
+
+def optimizer_time(plan: dict, busiest: dict, cluster: Cluster) -> float:
+    """The optimizer reads and writes its state, the parameters and the gradients once."""
+    slots = plan["optimizer"]["state_tensors_per_parameter"]
+    shard = busiest["optimizer_bytes"] / slots if slots else busiest["param_bytes"]
+    return (2 * busiest["optimizer_bytes"] + 3 * shard) / (cluster.device.hbm_GBps * 1e9)
+
+
+def figures(
+    plan: dict, cluster: Cluster, step_s: float, forward_flops: float, tokens_per_sample: int, parts: dict
+) -> tuple[dict, dict]:
+    """The contract's "predicted" figures from the step time and the forward FLOPs of a step (all
+    replicas), and the breakdown with the busiest rank's memory headroom."""
+    samples = plan["batch"]["global"]
+    per_device = forward_flops * 3 / step_s / plan["world_size"] / 1e12  # the model's forward + backward
+    peak_memory = max(r["model_state_bytes"] + (r["activation_bytes"] or 0) for r in plan["ranks"])
+    predicted = {
+        "step_s": step_s,
+        "samples_per_s": samples / step_s,
+        "tokens_per_s": samples * tokens_per_sample / step_s,
+        "tflops_per_device": per_device,
+        "mfu": per_device / cluster.device.peak_tflops,
+        "peak_memory_gib": peak_memory / 2**30,
+    }
+    return predicted, {**parts, "memory_headroom_gib": cluster.device.memory_gib - peak_memory / 2**30}
+
+
+def predict_ps(cfg: Config, plan: dict, cluster: Cluster) -> tuple[dict, dict]:
+    """Parameter servers, a sync step: every worker runs its microbatches through the whole model,
+    pushes each server its shard's gradients and pulls the shard back once the server has applied
+    its optimizer to the sum. Each server's link carries its shard to and from every worker (the
+    plan's send and receive bytes, a latency a message); the step waits for the slowest server,
+    and for a worker's own link, which carries every shard both ways. Async and ssp workers run
+    ahead instead of waiting: the figure is a sync step's."""
+    b = plan["batch"]
+    m = b["microbatches"]
+    (stage,), tokens_per_sample = stage_costs(cfg, b["rows_per_microbatch"], None, cluster, 1)
+    compute_s = m * stage.forward_s * (4 if cfg.train.recompute == "full" else 3)
+    bw, lat = link(cluster, plan["world_size"])
+
+    def on_the_wire(rank: dict, messages: int) -> float:
+        return sum(e["payload"] for e in (rank["comm"] or {}).values()) / bw + messages * lat
+
+    servers = [r for r in plan["ranks"] if r["role"] == "parameter server"]
+    worker = next(r for r in plan["ranks"] if r["role"] != "parameter server")
+    push_pull_s = max(
+        max(on_the_wire(r, 2 * plan["mesh"]["workers"]) for r in servers), on_the_wire(worker, 2 * len(servers))
+    )
+    busiest = max(servers, key=lambda r: r["optimizer_bytes"])
+    optimizer_s = optimizer_time(plan, busiest, cluster)
+    step_s = compute_s + push_pull_s + optimizer_s
+    parts = {"compute_s": compute_s, "push_pull_s": push_pull_s, "optimizer_s": optimizer_s}
+    return figures(plan, cluster, step_s, stage.forward_flops * m * plan["mesh"]["workers"], tokens_per_sample, parts)

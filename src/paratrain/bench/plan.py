@@ -6,7 +6,7 @@ and hybrids, on 1-4 processes) is run for real with `paratrain run` and planned 
 unless `--cluster` names one). Measured:
   * step time: the mean step between the first and the last logged step (the first steps, with
     their one-time set-up, left out), from metrics.jsonl;
-  * memory: the peak resident memory (VmHWM) of the run's largest process, sampled from /proc
+  * memory: the peak resident memory (VmHWM) of the run's largest worker, sampled from /proc
     while it runs, less that of the same job with a tiny model of the same family on as many
     processes: what the model, its state and its activations add.
 The table puts both beside the predictions; MAE is the mean relative error, Kendall's tau the
@@ -102,7 +102,7 @@ def label(model: str, nproc: int, sets: list[str]) -> str:
 
 
 def peak_rss_of_tree(root: int, peaks: dict[int, int]) -> None:
-    """Each living process under `root` (and root): its peak resident memory so far (VmHWM, bytes)
+    """Each living training worker under `root`: its peak resident memory so far (VmHWM, bytes)
     into `peaks`, read from /proc."""
     parent = {}
     for entry in os.listdir("/proc"):
@@ -113,6 +113,12 @@ def peak_rss_of_tree(root: int, peaks: dict[int, int]) -> None:
             except (OSError, IndexError, ValueError):
                 continue
     for pid in parent:
+        try:
+            with open(f"/proc/{pid}/comm") as fh:
+                if not fh.read().startswith("paratrain-r"):  # a training worker (trainer.worker names it)
+                    continue
+        except OSError:
+            continue
         up = pid
         while up not in (root, 0, 1) and up in parent:
             up = parent[up]
@@ -128,7 +134,7 @@ def peak_rss_of_tree(root: int, peaks: dict[int, int]) -> None:
 
 def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int) -> tuple[list[dict], int]:
     """`paratrain run` to the end: (metrics.jsonl's entries, the largest peak resident memory in
-    bytes among its processes, sampled from /proc while it runs)."""
+    bytes among its workers, sampled from /proc while it runs)."""
     argv = [sys.executable, "-m", "paratrain.cli", "run", str(config), "--nproc", str(nproc), "--run-dir", str(run_dir)]
     for s in [*sets, f"train.steps={steps}", "train.log_every=4"]:
         argv += ["--set", s]
