@@ -176,38 +176,56 @@ def this_machine(nnodes: int, nproc: int) -> Cluster:
 CALIBRATION_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)  # all-reduce payloads, bytes
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def _median_seconds(fn, repeats: int) -> float:
+    """The median of `repeats` timed calls (the median, not the best: on a shared machine a run
+    sees the machine's typical share, not its best moment)."""
+    import statistics
     import time
 
     fn()  # the kernel's one-time set-up
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def calibration_worker(out_path: str) -> None:
     """One of two ranks: times, together with the other rank, a 512^3 fp32 matmul, an add over
-    16 MiB tensors and an add of one number each (each the best of several), then all-reduces of
-    CALIBRATION_SIZES bytes (the median of several); rank 0 writes the medians over ranks as JSON."""
+    16 MiB tensors, and a training step (forward, backward, AdamW) of 8 tiny layers, whose time per
+    op is the eager framework's cost of an op (the predictor charges it every op of the forward,
+    three times: forward and backward); then all-reduces of CALIBRATION_SIZES bytes. Rank 0 writes
+    the medians over ranks as JSON."""
     import json
     import statistics
     import time
 
     import torch
     import torch.distributed as dist
+    from torch import nn
 
     from . import runtime
+    from .predict import OpRecorder
 
     rt = runtime.init("cpu")
-    a, big, one = torch.randn(512, 512), torch.randn(4 * 2**20), torch.ones(1)
+    a, big = torch.randn(512, 512), torch.randn(4 * 2**20)
+    tiny = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(16, 16), nn.ReLU())])
+    optimizer, x = torch.optim.AdamW(tiny.parameters()), torch.randn(8, 16)
+
+    def train_step():
+        optimizer.zero_grad()
+        tiny(x).square().mean().backward()
+        optimizer.step()
+
+    recorder = OpRecorder()
+    with recorder:
+        tiny(x).square().mean()
     dist.barrier()
     rates = {
-        "matmul_s": _best_seconds(lambda: a @ a, 8),
-        "add_s": _best_seconds(lambda: big + big, 8),
-        "small_op_s": min(_best_seconds(lambda: one + one, 200) for _ in range(3)),
+        "matmul_s": _median_seconds(lambda: a @ a, 9),
+        "add_s": _median_seconds(lambda: big + big, 9),
+        "op_s": _median_seconds(train_step, 31) / (3 * len(recorder.ops)),
     }
     reduce_s = []
     for size in CALIBRATION_SIZES:
@@ -264,7 +282,7 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         "peak_tflops": 2 * 512**3 / m["matmul_s"] / 1e12,
         "memory_gib": host_gib,
         "hbm_GBps": 2 * 4 * 4 * 2**20 / m["add_s"] / 1e9,  # as the model counts an op: its output, twice
-        "op_overhead_us": m["small_op_s"] * 1e6,
+        "op_overhead_us": m["op_s"] * 1e6,
         "intra_node_GBps": 1 / slope / 1e9,
         "intra_latency_us": latency_s * 1e6,
         "latency_us": latency_s * 1e6,
@@ -272,9 +290,9 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# paratrain plan --calibrate: this machine ({os.cpu_count()} cores, torch {torch.__version__}), {stamp};",
-        "# per rank with two ranks at work: a 512^3 fp32 matmul (peak), an add over 16 MiB tensors",
-        "# (memory), an add of one number (op overhead); all-reduces of 1 KiB-4 MiB over gloo on",
-        "# loopback (alpha-beta). inter_node_Gbps is the cpu preset's assumption, not measured.",
+        "# per rank with two ranks at work, medians: a 512^3 fp32 matmul (peak), an add over 16 MiB",
+        "# tensors (memory), a tiny model's training step per op (op overhead); all-reduces of",
+        "# 1 KiB-4 MiB over gloo on loopback (alpha-beta). inter_node_Gbps: the cpu preset's, assumed.",
         "[cluster]",
     ]
     lines += [f"{k} = {v:.6g}" if isinstance(v, float) else f"{k} = {json.dumps(v)}" for k, v in values.items()]
