@@ -384,6 +384,14 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
     assert "paratrain: error: --calibrate:" in capsys.readouterr().err
 
 
+def test_kendall_tau_of_the_bench():
+    from paratrain.bench.plan import kendall_tau
+
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+
+
 def test_parameter_servers_are_predicted(tmp_path):
     """A sync ps step: compute, then every shard pushed and pulled through its server's link, then
     the servers' optimizer. Six A100s: one server carries the whole model to and from 5 workers, each

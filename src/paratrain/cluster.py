@@ -296,6 +296,9 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         "[cluster]",
     ]
     lines += [f"{k} = {v:.6g}" if isinstance(v, float) else f"{k} = {json.dumps(v)}" for k, v in values.items()]
-    with open(path, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
+    try:
+        with open(path, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+    except OSError as exc:
+        raise ConfigError("--calibrate", f"{path}: {exc.strerror}") from None
     return load_cluster(path)
