@@ -48,6 +48,8 @@ MLP = """
 factory = "mlp"
 hidden = {width}
 n_layers = {layers}
+[parallel]
+tp_plan = {{ "0" = "colwise", "2" = "rowwise", "4" = "colwise", "6" = "rowwise" }}
 [data]
 factory = "digits"
 batch_size = 64
@@ -160,8 +162,6 @@ def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int
 
 
 def predict_layout(config: Path, nproc: int, sets: list[str], cluster) -> dict:
-    import dataclasses
-
     import torch
 
     from ..config import load
@@ -172,8 +172,26 @@ def predict_layout(config: Path, nproc: int, sets: list[str], cluster) -> dict:
     cfg = load(str(config), sets)
     with torch.device("meta"):
         model = build_model(cfg, build_dataset(cfg, "train"))
-    here = dataclasses.replace(cluster, nodes=1, devices_per_node=nproc)
-    return make_plan(cfg, model, nproc, 1, "cpu", here)["predicted"]
+    return make_plan(cfg, model, nproc, 1, "cpu", shared_by(cluster, nproc))["predicted"]
+
+
+def shared_by(cluster, nproc: int):
+    """The calibrated machine run by `nproc` processes instead of the calibration's: its cores
+    shared out (the launcher gives each process cores // nproc threads, at least one), so each
+    process computes at its share of the cores (taken to scale with threads) and of the memory
+    bandwidth, and dispatches its ops on one thread that shares a core once processes outnumber
+    cores."""
+    import dataclasses
+
+    cores, calibrated = os.cpu_count() or 1, cluster.devices_per_node
+    d = cluster.device
+    device = dataclasses.replace(
+        d,
+        peak_tflops=d.peak_tflops * calibrated / nproc,
+        hbm_GBps=d.hbm_GBps * calibrated / nproc,
+        op_overhead_us=d.op_overhead_us * max(1.0, nproc / cores) / max(1.0, calibrated / cores),
+    )
+    return dataclasses.replace(cluster, nodes=1, devices_per_node=nproc, device=device)
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
