@@ -17,7 +17,8 @@ Communication (alpha-beta): an op of a group of N moves its fewest bytes (profil
 step. A group within one node uses the intra-node link; one across nodes shares its node's NICs
 with the node's other devices, which communicate at the same time.
   * dp's gradient buckets are all-reduced while the last microbatch's backward runs: only what
-    exceeds that backward is exposed (and at least one bucket's share);
+    exceeds that backward is exposed (and at least one bucket's share); on the CPU nothing hides
+    communication (gloo's threads share the cores that compute): all of it is exposed;
   * zero1/2 reduce-scatter the same way and all-gather the parameters after the optimizer step,
     exposed; zero3 gathers each unit before its forward and backward, prefetched while the previous
     unit computes: exposed only where the gathers outrun the compute;
@@ -197,6 +198,9 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
     bw, lat = link(cluster, dp * tp)
     wire = 0.5 if p.compression in ("bf16", "fp16") else 1.0
     exposed_s = 0.0
+    # what communication can hide behind: on a GPU the compute of the same microbatch; on the CPU
+    # nothing, since gloo's threads run on the cores that compute
+    backward, hiding = (backward, slowest) if cluster.is_gpu else (0.0, 0.0)
     if dp > 1:
 
         def overlapped(reduce: float, numbers: float) -> float:
@@ -204,10 +208,19 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
             return max(reduce - backward, reduce * min(1.0, p.bucket_mb * 2**20 / max(numbers, 1)))
 
         if p.strategy == "zero3":
-            full = busiest["param_bytes"] * dp
-            reduce = collective_s("reduce_scatter", full * wire, dp, bw, lat)
-            gathers = 2 * collective_s("all_gather", full, dp, bw, lat)
-            exposed_s = m * (max(reduce - backward, 0) + max(gathers - slowest, 0))
+            # one gather before each unit's forward and again before its backward (the root unit,
+            # kept through both, once) and one reduce-scatter each: a latency per unit, not per model
+            from .parallel.base import unique_parameters
+            from .parallel.zero import module_units
+
+            params = [t for _, t in unique_parameters(model)]
+            units = [
+                (-(-sum(t.numel() for t in g) // dp) * dp * g[0].element_size(), 1 if unit is model else 2)
+                for unit, g in module_units(model, params, int(p.bucket_mb * 2**20))
+            ]
+            reduce = sum(collective_s("reduce_scatter", size * wire, dp, bw, lat) for size, _ in units)
+            gathers = sum(times * collective_s("all_gather", size, dp, bw, lat) for size, times in units)
+            exposed_s = m * (max(reduce - backward, 0) + max(gathers - hiding, 0))
         elif p.strategy in ("zero1", "zero2"):
             full = busiest["param_bytes"]
             exposed_s = overlapped(collective_s("reduce_scatter", full * wire, dp, bw, lat), full) + collective_s(
