@@ -202,6 +202,19 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
     # nothing, since gloo's threads run on the cores that compute
     backward, hiding = (backward, slowest) if cluster.is_gpu else (0.0, 0.0)
     if dp > 1:
+        from .parallel.zero_comm import from_primitives
+
+        primitives = from_primitives("nccl" if cluster.is_gpu else "gloo")
+
+        def reduce_scatter_s(size: float) -> float:
+            """On gloo ZeRO reduce-scatters by an all-reduce of the whole buffer (zero_comm)."""
+            return collective_s("all_reduce" if primitives else "reduce_scatter", size, dp, bw, lat)
+
+        def all_gather_s(size: float) -> float:
+            """On gloo ZeRO all-gathers by one broadcast of each rank's shard (zero_comm)."""
+            if primitives:
+                return dp * collective_s("send", size / dp, dp, bw, lat)
+            return collective_s("all_gather", size, dp, bw, lat)
 
         def overlapped(reduce: float, numbers: float) -> float:
             """Buckets reduced while the backward runs: what outlasts it, at least the last bucket."""
@@ -218,14 +231,12 @@ def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | No
                 (-(-sum(t.numel() for t in g) // dp) * dp * g[0].element_size(), 1 if unit is model else 2)
                 for unit, g in module_units(model, params, int(p.bucket_mb * 2**20))
             ]
-            reduce = sum(collective_s("reduce_scatter", size * wire, dp, bw, lat) for size, _ in units)
-            gathers = sum(times * collective_s("all_gather", size, dp, bw, lat) for size, times in units)
+            reduce = sum(reduce_scatter_s(size * wire) for size, _ in units)
+            gathers = sum(times * all_gather_s(size) for size, times in units)
             exposed_s = m * (max(reduce - backward, 0) + max(gathers - hiding, 0))
         elif p.strategy in ("zero1", "zero2"):
             full = busiest["param_bytes"]
-            exposed_s = overlapped(collective_s("reduce_scatter", full * wire, dp, bw, lat), full) + collective_s(
-                "all_gather", full, dp, bw, lat
-            )
+            exposed_s = overlapped(reduce_scatter_s(full * wire), full) + all_gather_s(full)
         else:
             grads = busiest["grad_bytes"]
             exposed_s = overlapped(collective_s("all_reduce", grads * wire, dp, bw, lat), grads)
