@@ -195,8 +195,8 @@ def calibration_worker(out_path: str) -> None:
     """One of two ranks: times, together with the other rank, a 512^3 fp32 matmul, an add over
     16 MiB tensors, and a training step (forward, backward, AdamW) of 8 tiny layers, whose time per
     op is the eager framework's cost of an op (the predictor charges it every op of the forward,
-    three times: forward and backward); then all-reduces of CALIBRATION_SIZES bytes. Rank 0 writes
-    the medians over ranks as JSON."""
+    three times: forward and backward); then all-reduces of CALIBRATION_SIZES bytes, ten at a
+    time. Rank 0 writes the medians over ranks as JSON."""
     import json
     import statistics
     import time
@@ -231,12 +231,15 @@ def calibration_worker(out_path: str) -> None:
     for size in CALIBRATION_SIZES:
         buf = torch.zeros(size // 4)
         times = []
-        for _ in range(12):
+        for _ in range(4):
+            # ten back to back after one barrier: the ranks' skew leaving the barrier (and an idle
+            # core's wake-up) spread over ten, as in a run's stream of collectives
             dist.barrier()
             start = time.perf_counter()
-            dist.all_reduce(buf)
-            times.append(time.perf_counter() - start)
-        reduce_s.append(statistics.median(times[2:]))
+            for _ in range(10):
+                dist.all_reduce(buf)
+            times.append((time.perf_counter() - start) / 10)
+        reduce_s.append(statistics.median(times[1:]))
     mine = torch.tensor([*rates.values(), *reduce_s], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(rt.world_size)]
     dist.all_gather(gathered, mine)
@@ -267,13 +270,13 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         launch(calibration_worker, [out], nproc=2, run_id="calibrate")
         with open(out) as fh:
             m = json.load(fh)
-    # alpha-beta from the all-reduces of two ranks: each sends its whole buffer (2(n-1)/n of it)
-    # in 2(n-1) = 2 steps; a least-squares line through (bytes, seconds)
-    xs = [float(k) for k in m["all_reduce_s"]]
-    ys = list(m["all_reduce_s"].values())
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    latency_s = max((my - slope * mx) / 2, 1e-7)
+    # alpha-beta from the all-reduces of two ranks (each sends its whole buffer, 2(n-1)/n of it, in
+    # 2(n-1) = 2 steps): the latency from the smallest, the bandwidth from the smallest to the
+    # largest (a least-squares line let one noisy middle size swing the latency tenfold)
+    times = {int(k): v for k, v in m["all_reduce_s"].items()}
+    small, large = min(times), max(times)
+    latency_s = max(times[small] / 2, 1e-7)
+    slope = max(times[large] - times[small], 1e-9) / (large - small)
     host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     values = {
         "nodes": 1,
