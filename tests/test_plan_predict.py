@@ -301,3 +301,107 @@ def test_search_ranks_the_layouts_that_fit(tmp_path, capsys):
         ],
     )
     assert alone["predicted"]["step_s"] == pytest.approx(best["predicted"]["step_s"])
+
+
+def full_plan_search(config, sets: list[str], cluster) -> list[tuple[float, dict]]:
+    """The exhaustive slow path: every candidate planned in full, every rank, as `plan` plans it."""
+    from paratrain.cli import preflight
+    from paratrain.config import ConfigError
+    from paratrain.plan import make_plan
+    from paratrain.search import candidates
+
+    found = []
+    for layout in candidates(load(config, sets).data.batch_size, cluster.world, cluster.devices_per_node):
+        try:
+            cfg = load(config, [*sets, *layout])
+            preflight(cfg, cluster.world)
+        except ConfigError:
+            continue
+        with torch.device("meta"):
+            model = build_model(cfg, build_dataset(cfg, "train"))
+        plan = make_plan(cfg, model, cluster.devices_per_node, cluster.nodes, "cuda", cluster)
+        if plan["capacity"]["fits"]:
+            found.append((plan["predicted"]["step_s"], cfg))
+    return sorted(found, key=lambda x: x[0])
+
+
+def test_search_on_replica_plans_equals_the_full_plans(tmp_path, monkeypatch):
+    """Two A100s of 16 MiB (dp and some pipelines do not fit), an mlp: the search's replica plans
+    with memoised traces give every fitting layout the step the full plan gives it, in the same order."""
+    import functools
+
+    from paratrain.cluster import parse_cluster
+    from paratrain.data import datasets
+    from paratrain.search import search
+
+    # the slow path reads digits.csv.gz for every dataset it builds: once is enough here
+    monkeypatch.setattr(datasets, "_digits_arrays", functools.cache(datasets._digits_arrays))
+
+    config = write_config(tmp_path / "mlp.toml", DIGITS.format(model="mlp"))
+    sets = ["model.hidden=1024", "data.batch_size=32"]
+    cluster = parse_cluster({"nodes": 1, "devices_per_node": 2, "device": "a100-80gb", "memory_gib": 0.016})
+    slow = full_plan_search(config, sets, cluster)
+    fast = search(config, sets, cluster, top=1000)
+    assert 10 < len(fast) == len(slow) and "dp" not in {x["parallel"]["strategy"] for x in fast}
+    for (step, _), layout in zip(slow, fast):
+        assert layout["predicted"]["step_s"] == pytest.approx(step, rel=1e-12)
+    best = slow[0][1].parallel
+    assert (best.strategy, best.tp, best.pp) == tuple(fast[0]["parallel"][k] for k in ("strategy", "tp", "pp"))
+
+
+def test_search_of_4096_devices_finishes():
+    """512 nodes of 8 H100s, the default gpt, 4,096 sequences a step: hundreds of candidates, planned
+    and timed well inside a minute (the figure on a quiet machine is in docs/planning.md)."""
+    import time
+
+    from paratrain.cluster import parse_cluster
+    from paratrain.search import search
+
+    cluster = parse_cluster({"nodes": 512, "devices_per_node": 8, "device": "h100-sxm"})
+    start = time.perf_counter()
+    layouts = search(None, ["data.batch_size=4096", "data.max_chars=400000"], cluster, top=3)
+    assert time.perf_counter() - start < 120
+    assert len(layouts) == 3 and layouts[0]["predicted"]["step_s"] <= layouts[-1]["predicted"]["step_s"]
+
+
+def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
+    """Two gloo processes measure this machine into a [cluster] file; the plan uses it at once and
+    `--cluster` reads back the same device; with --cluster besides, exit 2."""
+    from dataclasses import asdict
+
+    from paratrain.cli import main
+    from paratrain.cluster import load_cluster
+
+    path = tmp_path / "here.toml"
+    assert main(["plan", "--calibrate", str(path), "--json", str(tmp_path / "a.json")]) == 0
+    written = path.read_text()
+    for key in ("peak_tflops", "hbm_GBps", "op_overhead_us", "intra_node_GBps", "intra_latency_us"):
+        assert f"\n{key} = " in written
+    used = json.loads((tmp_path / "a.json").read_text())["cluster"]
+    again = load_cluster(str(path))
+    assert used == {"nodes": 1, "devices_per_node": 2, "device": "cpu", **asdict(again.device)}
+    capsys.readouterr()
+    assert main(["plan", "--calibrate", str(path), "--cluster", str(path)]) == 2
+    assert "paratrain: error: --calibrate:" in capsys.readouterr().err
+
+
+def test_kendall_tau_of_the_bench():
+    from paratrain.bench.plan import kendall_tau
+
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1
+    assert kendall_tau([1, 2, 3, 4], [4, 3, 2, 1]) == -1
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+
+
+def test_parameter_servers_are_predicted(tmp_path):
+    """A sync ps step: compute, then every shard pushed and pulled through its server's link, then
+    the servers' optimizer. Six A100s: one server carries the whole model to and from 5 workers, each
+    of two servers half of it to and from 4: 2.5 times less on the slowest link."""
+    ps = [*GPT2, "parallel.strategy='ps'", "data.batch_size=40"]
+    six = 'nodes = 1\ndevices_per_node = 6\ndevice = "a100-80gb"\n'
+    one = predicted(tmp_path, six, [*ps, "ps.servers=1"])
+    two = predicted(tmp_path, six, [*ps, "ps.servers=2"])
+    parts = one["step_breakdown"]
+    assert one["predicted"]["step_s"] == pytest.approx(parts["compute_s"] + parts["push_pull_s"] + parts["optimizer_s"])
+    assert parts["push_pull_s"] / two["step_breakdown"]["push_pull_s"] == pytest.approx(2.5, rel=0.05)
+    assert 0 < one["predicted"]["mfu"]

@@ -298,7 +298,14 @@ def cmd_plan(args) -> int:
 
     try:
         cfg = load_config(args)
+        if args.calibrate and args.cluster:
+            raise ConfigError("--calibrate", "writes the cluster file it plans for: drop --cluster")
         cluster = load_cluster(args.cluster) if args.cluster else None
+        if args.calibrate:
+            from .cluster import calibrate
+
+            cluster = calibrate(args.calibrate, args.nproc or 2)
+            print(f"paratrain: this machine measured into {args.calibrate} (reuse it with --cluster)", file=sys.stderr)
         if cluster is not None:  # the cluster's shape replaces --nproc / --nnodes
             args.nproc, args.nnodes = cluster.devices_per_node, cluster.nodes
         nproc, device_note = place(cfg, args)
@@ -386,6 +393,15 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="a TOML [cluster] table: plan and predict for those machines (docs/planning.md)",
+    )
+    pl.add_argument(
+        "--calibrate",
+        nargs="?",
+        const="cluster.toml",
+        default=None,
+        metavar="FILE",
+        help="measure this machine (matmul, memory, gloo all-reduce; seconds) into a cluster file "
+        "(default cluster.toml) and plan with it",
     )
     pl.add_argument(
         "--search",

@@ -13,6 +13,10 @@ the server it usually comes in. Where each number comes from:
     within a node; these are typical figures, not measured here.
   * cpu: this machine; its peak is measured once per plan (a large fp32 matmul) since no data sheet
     applies, and its links are shared memory (intra) and a 10 Gb/s Ethernet (inter), both assumed.
+  * `paratrain plan --calibrate [FILE]` measures this machine instead (`calibrate`): a few seconds
+    of two gloo processes on loopback, each timing matmuls, memory traffic and a small op at once
+    (as two ranks share the machine in a run), and all-reduces by size (alpha-beta); it writes
+    them as a cluster file that `--cluster FILE` reads back.
 """
 
 from __future__ import annotations
@@ -36,6 +40,14 @@ class Device:
     inter_node_Gbps: float  # per node, all NICs together
     latency_us: float  # per message between nodes
     intra_latency_us: float
+    # a matrix product's fixed cost besides its arithmetic (a GPU kernel's launch and tail wave: a
+    # few microseconds, an assumption), and every op's (on the CPU, eager dispatch: --calibrate
+    # measures it; on a GPU the memory-bound kernels' launches are taken to overlap: 0)
+    product_overhead_us: float = 5.0
+    op_overhead_us: float = 0.0
+    # a large GEMM's share of peak_tflops (a data sheet's peak: NVIDIA's GEMM performance guide has
+    # 80-90 %); 1 where the peak is itself a measured matmul rate (the cpu preset)
+    gemm_efficiency: float = 0.85
 
 
 PRESETS = {
@@ -43,7 +55,8 @@ PRESETS = {
     "a100-80gb": Device(312, 80, 2039, 300, 1600, 5, 2),
     "h100-sxm": Device(989, 80, 3350, 450, 3200, 5, 2),
     "h200": Device(989, 141, 4800, 450, 3200, 5, 2),
-    "cpu": Device(0.0, 0.0, 20, 10, 10, 30, 5),  # peak and memory: this machine's, filled in by for_cpu
+    # peak and memory: this machine's, filled in by for_cpu
+    "cpu": Device(0.0, 0.0, 20, 10, 10, 30, 5, product_overhead_us=0.0, op_overhead_us=5.0, gemm_efficiency=1.0),
 }
 
 
@@ -76,6 +89,10 @@ _KEYS = {
     "intra_node_GBps": float,
     "inter_node_Gbps": float,
     "latency_us": float,
+    # what --calibrate measures besides the above (docs/planning.md)
+    "hbm_GBps": float,
+    "intra_latency_us": float,
+    "op_overhead_us": float,
 }
 
 
@@ -154,3 +171,137 @@ def load_cluster(path: str) -> Cluster:
 def this_machine(nnodes: int, nproc: int) -> Cluster:
     """Without --cluster: nnodes machines like this one, nproc processes each."""
     return Cluster(nnodes, nproc, "cpu", for_cpu(PRESETS["cpu"]))
+
+
+CALIBRATION_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)  # all-reduce payloads, bytes
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    """The median of `repeats` timed calls (the median, not the best: on a shared machine a run
+    sees the machine's typical share, not its best moment)."""
+    import statistics
+    import time
+
+    fn()  # the kernel's one-time set-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def calibration_worker(out_path: str) -> None:
+    """One of two ranks: times, together with the other rank, a 512^3 fp32 matmul, an add over
+    16 MiB tensors, and a training step (forward, backward, AdamW) of 8 tiny layers, whose time per
+    op is the eager framework's cost of an op (the predictor charges it every op of the forward,
+    three times: forward and backward); then all-reduces of CALIBRATION_SIZES bytes, ten at a
+    time. Rank 0 writes the medians over ranks as JSON."""
+    import json
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from . import runtime
+    from .predict import OpRecorder
+
+    rt = runtime.init("cpu")
+    a, big = torch.randn(512, 512), torch.randn(4 * 2**20)
+    tiny = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(16, 16), nn.ReLU())])
+    optimizer, x = torch.optim.AdamW(tiny.parameters()), torch.randn(8, 16)
+
+    def train_step():
+        optimizer.zero_grad()
+        tiny(x).square().mean().backward()
+        optimizer.step()
+
+    recorder = OpRecorder()
+    with recorder:
+        tiny(x).square().mean()
+    dist.barrier()
+    rates = {
+        "matmul_s": _median_seconds(lambda: a @ a, 9),
+        "add_s": _median_seconds(lambda: big + big, 9),
+        "op_s": _median_seconds(train_step, 31) / (3 * len(recorder.ops)),
+    }
+    reduce_s = []
+    for size in CALIBRATION_SIZES:
+        buf = torch.zeros(size // 4)
+        times = []
+        for _ in range(4):
+            # ten back to back after one barrier: the ranks' skew leaving the barrier (and an idle
+            # core's wake-up) spread over ten, as in a run's stream of collectives
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(10):
+                dist.all_reduce(buf)
+            times.append((time.perf_counter() - start) / 10)
+        reduce_s.append(statistics.median(times[1:]))
+    mine = torch.tensor([*rates.values(), *reduce_s], dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(rt.world_size)]
+    dist.all_gather(gathered, mine)
+    if rt.rank == 0:
+        medians = torch.stack(gathered).median(dim=0).values.tolist()
+        result = dict(zip(rates, medians))
+        result["all_reduce_s"] = dict(zip(map(str, CALIBRATION_SIZES), medians[len(rates) :]))
+        with open(out_path, "w") as fh:
+            json.dump(result, fh)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def calibrate(path: str, nproc: int = 2) -> Cluster:
+    """Measures this machine (two gloo processes on loopback, a few seconds) and writes `path`: a
+    [cluster] file of one node of `nproc` cpu devices that `--cluster` reads back."""
+    import json
+    import os
+    import tempfile
+    from datetime import datetime, timezone
+
+    import torch
+
+    from .launch import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "calibration.json")
+        launch(calibration_worker, [out], nproc=2, run_id="calibrate")
+        with open(out) as fh:
+            m = json.load(fh)
+    # alpha-beta from the all-reduces of two ranks (each sends its whole buffer, 2(n-1)/n of it, in
+    # 2(n-1) = 2 steps): the latency from the smallest, the bandwidth from the smallest to the
+    # largest (a least-squares line let one noisy middle size swing the latency tenfold)
+    times = {int(k): v for k, v in m["all_reduce_s"].items()}
+    small, large = min(times), max(times)
+    latency_s = max(times[small] / 2, 1e-7)
+    slope = max(times[large] - times[small], 1e-9) / (large - small)
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    values = {
+        "nodes": 1,
+        "devices_per_node": nproc,
+        "device": "cpu",
+        "peak_tflops": 2 * 512**3 / m["matmul_s"] / 1e12,
+        "memory_gib": host_gib,
+        "hbm_GBps": 2 * 4 * 4 * 2**20 / m["add_s"] / 1e9,  # as the model counts an op: its output, twice
+        "op_overhead_us": m["op_s"] * 1e6,
+        "intra_node_GBps": 1 / slope / 1e9,
+        "intra_latency_us": latency_s * 1e6,
+        "latency_us": latency_s * 1e6,
+    }
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"# paratrain plan --calibrate: this machine ({os.cpu_count()} cores, torch {torch.__version__}), {stamp};",
+        "# per rank with two ranks at work, medians: a 512^3 fp32 matmul (peak), an add over 16 MiB",
+        "# tensors (memory), a tiny model's training step per op (op overhead); all-reduces of",
+        "# 1 KiB-4 MiB over gloo on loopback (alpha-beta). inter_node_Gbps: the cpu preset's, assumed.",
+        "[cluster]",
+    ]
+    lines += [f"{k} = {v:.6g}" if isinstance(v, float) else f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    try:
+        with open(path, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+    except OSError as exc:
+        raise ConfigError("--calibrate", f"{path}: {exc.strerror}") from None
+    return load_cluster(path)

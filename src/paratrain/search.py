@@ -6,13 +6,20 @@ microbatch count (pp, 2pp, 4pp, 8pp where the batch allows) and the schedule (1f
 with 2 virtual stages), and recompute (none, full). Each candidate goes through the same checks as
 `run` (an invalid one is dropped) and the same plan and prediction as `paratrain plan`; those that
 do not fit the device's memory are dropped, the rest ranked by predicted step time.
+
+To search thousands of devices in seconds, a candidate is not a full plan (every rank's bytes and
+messages): it is planned for one data-parallel replica's ranks, which hold and compute what every
+replica does, checked against memory before it is timed, and every fake-tensor trace is played once
+per distinct shape for the whole search (`memoised_traces`).
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
 from itertools import product
 
-from .config import ConfigError, load
+from .config import Config, ConfigError, load
 
 
 def _divisors(n: int) -> list[int]:
@@ -50,49 +57,177 @@ def candidates(batch: int, world: int, devices_per_node: int) -> list[list[str]]
     return out
 
 
+@contextlib.contextmanager
+def memoised_traces():
+    """Within one search the candidates' configs differ only in their [parallel] keys and
+    train.recompute, so a fake-tensor model and microbatch (activations.FakeRun) and each trace
+    played on it (activations saved, per-stage op costs, tp payloads, pipeline boundary bytes)
+    depend only on recompute, the rows of a microbatch and the pipeline cut: each distinct one is
+    built or played once, the functions swapped for memoised ones while the search runs."""
+    from . import activations, plan, predict
+    from .parallel import costs
+
+    def cut(bounds):
+        return None if bounds is None else tuple(bounds)
+
+    # each function, its memo key, and every module that calls it by a name of its own
+    keys = {
+        "saved_activation_bytes": (
+            lambda cfg, rows, bounds=None: (cfg.train.recompute, rows, cut(bounds)),
+            (activations, plan, costs),
+        ),
+        "tp_all_reduces": (
+            lambda cfg, rows, bounds, tp_plan: (cfg.train.recompute, rows, cut(bounds), tuple(sorted(tp_plan.items()))),
+            (activations, plan),
+        ),
+        "boundary_bytes": (lambda cfg, model, bounds, rows: (rows, cut(bounds)), (activations, plan)),
+        "stage_ops": (lambda cfg, rows, bounds: (cfg.train.recompute, rows, cut(bounds)), (predict,)),
+    }
+    # the attributes as stored (FakeRun.build: the classmethod itself), to put back
+    stored = {(owner, name): vars(owner)[name] for name, (_, owners) in keys.items() for owner in owners}
+    stored[activations.FakeRun, "build"] = vars(activations.FakeRun)["build"]
+
+    def memoised(original, key):
+        seen = {}
+
+        def call(*args, **kwargs):
+            k = key(*args, **kwargs)
+            if k not in seen:
+                seen[k] = original(*args, **kwargs)
+            return seen[k]
+
+        return call
+
+    try:
+        activations.FakeRun.build = memoised(
+            activations.FakeRun.build, lambda cfg, rows, bounds: (cfg.train.recompute, rows, cut(bounds))
+        )
+        for name, (key, owners) in keys.items():
+            shared = memoised(getattr(owners[0], name), key)
+            for owner in owners:
+                setattr(owner, name, shared)
+        yield
+    finally:
+        for (owner, name), original in stored.items():
+            setattr(owner, name, original)
+
+
+def replica_plan(cfg: Config, model, cluster) -> dict:
+    """What the prediction and the fit need of `make_plan`'s plan, for the ranks of data-parallel
+    replica 0 alone (every replica holds and computes the same): model state and activations per
+    rank, the pipeline cut, the batch; with "capacity" judged as make_plan judges it."""
+    from .parallel.base import unique_parameters
+    from .parallel.costs import zero_state
+    from .parallel.hybrid import microbatch_count
+    from .parallel.registry import spec
+    from .plan import RankPlan, capacity, model_parallel, nbytes, optimizer_slots, saved_activation_bytes
+
+    p, world, nproc = cfg.parallel, cluster.world, cluster.devices_per_node
+    dp = world // (p.tp * p.pp)
+    per_replica, micro = cfg.data.batch_size // dp, microbatch_count(cfg)
+    rows = per_replica // micro
+    params = [t for _, t in unique_parameters(model)]
+    total, slots = nbytes(params), optimizer_slots(cfg)
+    stages = []
+    if p.tp == p.pp == 1:
+        one = RankPlan(0, 0, 0, "worker", activation_bytes=saved_activation_bytes(cfg, rows)[0])
+        stage = getattr(spec(p.strategy), "stage", 0)  # a ZeroSpec's; dp's replica holds everything
+        if not stage:
+            one.param_bytes, one.grad_bytes, one.optimizer_bytes = total, total, slots * total
+        else:
+            one.param_bytes, one.grad_bytes, one.optimizer_bytes, _ = zero_state(cfg, stage, model, params, world)
+        replica = [one]
+    else:
+        # on GPUs only the busiest rank counts, and tp rank 0 holds the most (shard_sizes: the first
+        # shards are the larger); a CPU node's ranks add up, so each of the replica's counts there
+        shards = 1 if cluster.is_gpu else p.tp
+        replica = [
+            RankPlan(r, r // nproc, r % nproc, "worker")
+            for pp in range(p.pp)
+            for r in range(pp * dp * p.tp, pp * dp * p.tp + shards)
+        ]
+        stages = model_parallel(cfg, model, world, replica, rows)
+    if cluster.is_gpu:
+        ranks = replica
+    else:  # the busiest node's ranks together: every rank, each as its replica-0 twin
+        twin = {(r.pp, r.tp): r for r in replica}
+        ranks = [
+            replace(twin[(r // (dp * p.tp), r % p.tp)], rank=r, node=r // nproc, local_rank=r % nproc)
+            for r in range(world)
+        ]
+    return {
+        "capacity": capacity(ranks, "cuda" if cluster.is_gpu else "cpu", cluster),
+        "world_size": world,
+        "mesh": {"dp": dp, "tp": p.tp, "pp": p.pp},
+        "batch": {
+            "global": cfg.data.batch_size,
+            "per_replica": per_replica,
+            "microbatches": micro,
+            "rows_per_microbatch": rows,
+        },
+        "optimizer": {"state_tensors_per_parameter": slots},
+        "stages": stages,
+        "ranks": [r.as_dict() for r in replica],
+    }
+
+
+def layout(cfg: Config, predicted: dict, breakdown: dict) -> dict:
+    """The contract's "layouts" entry (plus the step's breakdown)."""
+    p = cfg.parallel
+    return {
+        "parallel": {
+            "strategy": p.strategy,
+            "tp": p.tp,
+            "pp": p.pp,
+            "microbatches": p.microbatches,
+            "schedule": p.schedule,
+            "virtual_stages": p.virtual_stages,
+        },
+        "train": {"recompute": cfg.train.recompute},
+        "predicted": predicted,
+        "step_breakdown": breakdown,
+    }
+
+
 def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
     """The `top` fastest layouts that fit, fastest first, as the contract's "layouts" entries (plus
-    each one's step breakdown)."""
+    each one's step breakdown). Each candidate is judged on its replica plan: memory first, and only
+    what fits is timed; its figures are those `paratrain plan` gives the layout alone (a test holds
+    every candidate of a small search to the full plans)."""
     import torch
 
+    from .config import check_world
     from .data import build_dataset
     from .models import build_model
-    from .plan import make_plan
+    from .parallel import strategy_class
+    from .predict import predict
     from .preflight import preflight
 
     batch = load(config_path, overrides).data.batch_size
-    found = []
-    for sets in candidates(batch, cluster.world, cluster.devices_per_node):
-        try:
-            cfg = load(config_path, [*overrides, *sets])
-            preflight(cfg, cluster.world)
-            with torch.device("meta"):
-                model = build_model(cfg, build_dataset(cfg, "train"))
-            plan = make_plan(
-                cfg, model, cluster.devices_per_node, cluster.nodes, "cuda" if cluster.is_gpu else "cpu", cluster
-            )
-        except ConfigError:
-            continue
-        if plan["predicted"] is None or not plan["capacity"]["fits"]:
-            continue
-        p = cfg.parallel
-        found.append(
-            {
-                "parallel": {
-                    "strategy": p.strategy,
-                    "tp": p.tp,
-                    "pp": p.pp,
-                    "microbatches": p.microbatches,
-                    "schedule": p.schedule,
-                    "virtual_stages": p.virtual_stages,
-                },
-                "train": {"recompute": cfg.train.recompute},
-                "predicted": plan["predicted"],
-                "step_breakdown": plan["step_breakdown"],
-            }
-        )
-    found.sort(key=lambda x: x["predicted"]["step_s"])
-    return found[:top]
+    ranked = []
+    with memoised_traces():
+        models = {}  # the meta model by recompute (the only key here that may change its build), once checked
+        for sets in candidates(batch, cluster.world, cluster.devices_per_node):
+            try:
+                cfg = load(config_path, [*overrides, *sets])
+                recompute = cfg.train.recompute
+                if recompute in models:  # the data, model and loss checks passed: only the layout's
+                    check_world(cfg, cluster.world)
+                    strategy_class(cfg.parallel.strategy).check_model(cfg, models[recompute])
+                else:
+                    preflight(cfg, cluster.world)
+                    with torch.device("meta"):
+                        models[recompute] = build_model(cfg, build_dataset(cfg, "train"))
+            except ConfigError:
+                continue
+            plan = replica_plan(cfg, models[recompute], cluster)
+            if not plan["capacity"]["fits"]:
+                continue
+            predicted, breakdown = predict(cfg, models[recompute], plan, cluster)
+            if predicted is not None:
+                ranked.append(layout(cfg, predicted, breakdown))
+    ranked.sort(key=lambda x: x["predicted"]["step_s"])
+    return ranked[:top]
 
 
 def _name(layout: dict) -> str:

@@ -7,7 +7,19 @@ import importlib
 from .common import heading_with_machine
 
 # Each module under bench/ named here adds its sub-command with add_parser(subparsers).
-BENCHMARKS = ["dp", "memory", "zero", "recovery", "ps", "suite", "pipeline", "federated", "data", "plan_megatron"]
+BENCHMARKS = [
+    "dp",
+    "memory",
+    "zero",
+    "recovery",
+    "ps",
+    "suite",
+    "pipeline",
+    "federated",
+    "data",
+    "plan_megatron",
+    "plan",
+]
 
 
 def add_bench_parser(sub) -> None:

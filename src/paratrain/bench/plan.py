@@ -1,0 +1,285 @@
+"""`paratrain bench plan`: the planner's predictions against runs measured on this machine.
+
+Each layout (a small gpt and an mlp over dp, zero1-3, bf16 on the wire, tp, pp with each schedule,
+and hybrids, on 1-4 processes) is run for real with `paratrain run` and planned with
+`paratrain plan --cluster` on the cluster file `paratrain plan --calibrate` writes (made first
+unless `--cluster` names one). Measured:
+  * step time: the mean step between the first and the last logged step (the first steps, with
+    their one-time set-up, left out), from metrics.jsonl;
+  * memory: the peak resident memory (VmHWM) of the run's largest worker, sampled from /proc
+    while it runs, less that of the same job with a tiny model of the same family on as many
+    processes: what the model, its state and its activations add.
+The table puts both beside the predictions; MAE is the mean relative error, Kendall's tau the
+agreement of the two rankings by step time, and the pick's ratio how much slower the layout the
+planner predicts fastest ran than the fastest measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .common import COUNT, add_json_option, emit_json
+
+GPT = """
+[model]
+factory = "gpt"
+n_layer = {layers}
+n_head = 4
+d_model = {width}
+block_size = 32
+[data]
+factory = "corpus"
+block_size = 32
+batch_size = 16
+shuffle = false
+max_chars = 200000
+[train]
+optimizer = "adamw"
+"""
+
+MLP = """
+[model]
+factory = "mlp"
+hidden = {width}
+n_layers = {layers}
+[parallel]
+tp_plan = {{ "0" = "colwise", "2" = "rowwise", "4" = "colwise", "6" = "rowwise" }}
+[data]
+factory = "digits"
+batch_size = 64
+shuffle = false
+[train]
+optimizer = "adamw"
+"""
+
+MODELS = {"gpt": (GPT, {"layers": 2, "width": 128}), "mlp": (MLP, {"layers": 4, "width": 512})}
+TINY = {"gpt": {"layers": 1, "width": 8}, "mlp": {"layers": 1, "width": 8}}
+
+PIPE = ["parallel.microbatches=4", "parallel.balance='params'"]
+# (processes, [parallel] settings); the gpt and the mlp each run every one
+LAYOUTS = [
+    (1, ["parallel.strategy='dp'"]),
+    (2, ["parallel.strategy='dp'"]),
+    (2, ["parallel.strategy='dp'", "parallel.compression='bf16'"]),
+    (2, ["parallel.strategy='zero1'"]),
+    (2, ["parallel.strategy='zero2'"]),
+    (2, ["parallel.strategy='zero3'"]),
+    (2, ["parallel.strategy='tp'", "parallel.tp=2"]),
+    (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='gpipe'", *PIPE]),
+    (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='1f1b'", *PIPE]),
+    (2, ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='interleaved'", *PIPE]),
+    (4, ["parallel.strategy='dp'"]),
+    (4, ["parallel.strategy='zero2'"]),
+    (4, ["parallel.strategy='zero3'"]),
+    (4, ["parallel.strategy='hybrid'", "parallel.tp=2"]),
+    (4, ["parallel.strategy='hybrid'", "parallel.pp=2", "parallel.schedule='1f1b'", *PIPE]),
+    (4, ["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.pp=2", "parallel.schedule='1f1b'", *PIPE]),
+    (4, ["parallel.strategy='pp'", "parallel.pp=4", "parallel.schedule='1f1b'", *PIPE]),
+]
+
+
+def add_parser(which) -> None:
+    p = which.add_parser("plan", help="the planner's predicted step time and memory against measured runs here")
+    p.add_argument(
+        "--cluster", default=None, metavar="FILE", help="a calibrated cluster file (default: calibrate first)"
+    )
+    p.add_argument("--steps", type=COUNT, default=8, help="steps per run (default 8; the first 4 are set-up)")
+    p.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp (default both)")
+    add_json_option(p)
+    p.set_defaults(func=run)
+
+
+def label(model: str, nproc: int, sets: list[str]) -> str:
+    shown = [
+        s.split("=", 1)[1].strip("'")
+        for s in sets
+        if s.split("=")[0] not in ("parallel.microbatches", "parallel.balance")
+    ]
+    return f"{model} x{nproc} " + " ".join(shown)
+
+
+def peak_rss_of_tree(root: int, peaks: dict[int, int]) -> None:
+    """Each living training worker under `root`: its peak resident memory so far (VmHWM, bytes)
+    into `peaks`, read from /proc."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    parent[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    for pid in parent:
+        try:
+            with open(f"/proc/{pid}/comm") as fh:
+                if not fh.read().startswith("paratrain-r"):  # a training worker (trainer.worker names it)
+                    continue
+        except OSError:
+            continue
+        up = pid
+        while up not in (root, 0, 1) and up in parent:
+            up = parent[up]
+        if up != root:
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                hwm = next((int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:")), 0)
+        except OSError:
+            continue
+        peaks[pid] = max(peaks.get(pid, 0), hwm)
+
+
+def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int) -> tuple[list[dict], int]:
+    """`paratrain run` to the end: (metrics.jsonl's entries, the largest peak resident memory in
+    bytes among its workers, sampled from /proc while it runs)."""
+    argv = [sys.executable, "-m", "paratrain.cli", "run", str(config), "--nproc", str(nproc), "--run-dir", str(run_dir)]
+    for s in [*sets, f"train.steps={steps}", "train.log_every=4"]:
+        argv += ["--set", s]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    peaks: dict[int, int] = {}
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            while proc.poll() is None:
+                peak_rss_of_tree(proc.pid, peaks)
+                time.sleep(0.2)
+        finally:  # interrupted: its workers go with it (the launcher ends them on SIGTERM)
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+        if proc.returncode:
+            err.seek(0)
+            lines = err.read().strip().splitlines()
+            raise RuntimeError(lines[-1] if lines else f"exit {proc.returncode}")
+    entries = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return entries, max(peaks.values(), default=0)
+
+
+def predict_layout(config: Path, nproc: int, sets: list[str], cluster) -> dict:
+    import torch
+
+    from ..config import load
+    from ..data import build_dataset
+    from ..models import build_model
+    from ..plan import make_plan
+
+    cfg = load(str(config), sets)
+    with torch.device("meta"):
+        model = build_model(cfg, build_dataset(cfg, "train"))
+    return make_plan(cfg, model, nproc, 1, "cpu", shared_by(cluster, nproc))["predicted"]
+
+
+def shared_by(cluster, nproc: int):
+    """The calibrated machine run by `nproc` processes instead of the calibration's: its cores
+    shared out (the launcher gives each process cores // nproc threads, at least one), so each
+    process computes at its share of the cores (taken to scale with threads) and of the memory
+    bandwidth, and dispatches its ops on one thread that shares a core once processes outnumber
+    cores."""
+    import dataclasses
+
+    cores, calibrated = os.cpu_count() or 1, cluster.devices_per_node
+    d = cluster.device
+    device = dataclasses.replace(
+        d,
+        peak_tflops=d.peak_tflops * calibrated / nproc,
+        hbm_GBps=d.hbm_GBps * calibrated / nproc,
+        op_overhead_us=d.op_overhead_us * max(1.0, nproc / cores) / max(1.0, calibrated / cores),
+    )
+    return dataclasses.replace(cluster, nodes=1, devices_per_node=nproc, device=device)
+
+
+def kendall_tau(xs: list[float], ys: list[float]) -> float:
+    """Kendall's tau-a: (concordant - discordant pairs) / all pairs."""
+    n, score = len(xs), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            a, b = xs[i] - xs[j], ys[i] - ys[j]
+            score += (a * b > 0) - (a * b < 0)
+    return score / (n * (n - 1) / 2)
+
+
+def run(args) -> int:
+    from ..cluster import calibrate, load_cluster
+    from ..config import ConfigError
+
+    tmp = Path(tempfile.mkdtemp(prefix="paratrain-bench-plan-"))
+    try:
+        cluster = load_cluster(args.cluster) if args.cluster else calibrate(str(tmp / "cluster.toml"))
+    except ConfigError as exc:
+        print(f"paratrain: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"cluster: {args.cluster or 'calibrated now'}: {cluster.device}", flush=True)
+    print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
+    rows, baseline = [], {}
+    print("| layout | predicted step s | measured step s | error | predicted MiB | measured MiB | error |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for model in args.models.split(","):
+        text, sizes = MODELS[model]
+        config = tmp / f"{model}.toml"
+        config.write_text(text.format(**sizes))
+        tiny = tmp / f"{model}-tiny.toml"
+        tiny.write_text(text.format(**TINY[model]))
+        for n, (nproc, sets) in enumerate(LAYOUTS):
+            name = label(model, nproc, sets)
+            try:
+                if (model, nproc) not in baseline:
+                    _, baseline[model, nproc] = run_job(
+                        tiny, nproc, ["parallel.strategy='dp'"], tmp / f"{model}-base-{nproc}", 2
+                    )
+                entries, rss = run_job(config, nproc, sets, tmp / f"{model}-{n}", args.steps)
+                predicted = predict_layout(config, nproc, sets, cluster)
+            except (RuntimeError, ConfigError) as exc:
+                print(f"| {name} | skipped: {exc} |||||| ", flush=True)
+                continue
+            first, last = entries[0], entries[-1]
+            measured_step = (last["time"] - first["time"]) / (last["step"] - first["step"])
+            measured_mib = (rss - baseline[model, nproc]) / 2**20
+            row = {
+                "layout": name,
+                "model": model,
+                "nproc": nproc,
+                "sets": sets,
+                "predicted_step_s": predicted["step_s"],
+                "measured_step_s": measured_step,
+                "predicted_mib": predicted["peak_memory_gib"] * 1024,
+                "measured_mib": measured_mib,
+            }
+            row["step_error"] = row["predicted_step_s"] / measured_step - 1
+            row["memory_error"] = row["predicted_mib"] / measured_mib - 1 if measured_mib > 0 else float("nan")
+            rows.append(row)
+            print(
+                f"| {name} | {row['predicted_step_s']:.4f} | {measured_step:.4f} | {row['step_error']:+.1%} | "
+                f"{row['predicted_mib']:.1f} | {measured_mib:.1f} | {row['memory_error']:+.1%} |",
+                flush=True,
+            )
+    if not rows:
+        return 1
+    step_mae = sum(abs(r["step_error"]) for r in rows) / len(rows)
+    memory_mae = sum(abs(r["memory_error"]) for r in rows) / len(rows)
+    tau = kendall_tau([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows])
+    pick = min(rows, key=lambda r: r["predicted_step_s"])
+    fastest = min(rows, key=lambda r: r["measured_step_s"])
+    pick_ratio = pick["measured_step_s"] / fastest["measured_step_s"]
+    print(
+        f"\n{len(rows)} layouts: step-time MAE {step_mae:.1%}, peak-memory MAE {memory_mae:.1%}, "
+        f"Kendall tau {tau:.3f}; the planner's pick ({pick['layout']}) measured {pick_ratio:.2f}x the "
+        f"fastest ({fastest['layout']}); load average at the end {os.getloadavg()[0]:.2f}"
+    )
+    emit_json(
+        {
+            "rows": rows,
+            "step_mae": step_mae,
+            "memory_mae": memory_mae,
+            "kendall_tau": tau,
+            "pick_over_fastest": pick_ratio,
+            "cluster": str(cluster),
+        },
+        args.json,
+    )
+    return 0
