@@ -206,7 +206,7 @@ def calibration_worker(out_path: str) -> None:
     from torch import nn
 
     from . import runtime
-    from .predict import OpRecorder
+    from .op_costs import OpRecorder
 
     rt = runtime.init("cpu")
     a, big = torch.randn(512, 512), torch.randn(4 * 2**20)
