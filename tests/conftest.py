@@ -9,6 +9,7 @@ it, or a function of its module it calls (a fixture, a helper), starts one: it i
 """
 
 import inspect
+import os
 import re
 import sys
 from pathlib import Path
@@ -57,6 +58,18 @@ def pytest_collection_modifyitems(config, items):
         functions = [item.function, *(getattr(f, "__wrapped__", f) for f in fixtures if f is not None)]
         if any(inspect.isfunction(f) and _launches(f, module, seen) for f in functions):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test starts from the environment the session started with: a command run in this
+    process (main(["run", ...])) sets variables for its workers (GLOO_SOCKET_IFNAME=lo for a local
+    run, OMP_NUM_THREADS) that would otherwise reach the processes a later test starts (a two-node
+    Slurm job then bound loopback on both nodes)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(scope="session")
