@@ -28,6 +28,10 @@ def _divisors(n: int) -> list[int]:
 
 def candidates(batch: int, world: int, devices_per_node: int) -> list[list[str]]:
     """--set overrides of every layout to try (before the config's own checks)."""
+    from .parallel.registry import SPECS
+
+    replicas = [s.name for s in SPECS.values() if s.searched_as == "replica"]
+    (mesh,) = [s.name for s in SPECS.values() if s.searched_as == "mesh"]
     out = []
     for tp in [d for d in _divisors(world) if d <= devices_per_node]:
         for pp in _divisors(world // tp):
@@ -37,10 +41,10 @@ def candidates(batch: int, world: int, devices_per_node: int) -> list[list[str]]
             for recompute in ("none", "full"):
                 base = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"train.recompute='{recompute}'"]
                 if tp == pp == 1:
-                    out += [[*base, f"parallel.strategy='{s}'"] for s in ("dp", "zero1", "zero2", "zero3")]
+                    out += [[*base, f"parallel.strategy='{s}'"] for s in replicas]
                     continue
                 if pp == 1:
-                    out.append([*base, "parallel.strategy='hybrid'"])
+                    out.append([*base, f"parallel.strategy='{mesh}'"])
                     continue
                 per_replica = batch // dp
                 for m, schedule in product((pp, 2 * pp, 4 * pp, 8 * pp), ("1f1b", "interleaved")):
@@ -48,7 +52,7 @@ def candidates(batch: int, world: int, devices_per_node: int) -> list[list[str]]
                         out.append(
                             [
                                 *base,
-                                "parallel.strategy='hybrid'",
+                                f"parallel.strategy='{mesh}'",
                                 f"parallel.microbatches={m}",
                                 f"parallel.schedule='{schedule}'",
                                 "parallel.balance='params'",
@@ -232,7 +236,7 @@ def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
 
 def _name(layout: dict) -> str:
     p = layout["parallel"]
-    name = p["strategy"] if p["strategy"] != "hybrid" else f"tp {p['tp']} x pp {p['pp']}"
+    name = p["strategy"] if p["tp"] == p["pp"] == 1 else f"tp {p['tp']} x pp {p['pp']}"
     if p["pp"] > 1:
         name += f", {p['microbatches']} mb {p['schedule']}"
     return name + (", recompute" if layout["train"]["recompute"] == "full" else "")

@@ -19,6 +19,7 @@ class DataParallelSpec(Spec):
     cost_model = "costs:data_parallel"
     checkpoint_family = "dp"
     codecs = ("none", "bf16", "fp16", "topk", "powersgd")
+    searched_as = "replica"
 
 
 class ZeroSpec(Spec):
@@ -27,6 +28,7 @@ class ZeroSpec(Spec):
     cost_model = "costs:zero"
     codecs = ("none", "bf16", "fp16")  # a reduce-scatter sums shards: no codec of whole gradients
     materializes_models = True
+    searched_as = "replica"
 
     def __init__(self, stage: int):
         self.stage = stage
@@ -50,6 +52,7 @@ class ModelParallelSpec(Spec):
 
     def __init__(self, name: str, degrees: tuple[str, ...]):
         self.name, self.degrees = name, degrees
+        self.searched_as = "mesh" if degrees == ("tp", "pp") else ""  # the one name allowing both
 
     def check_batch(self, cfg: Config, world_size: int) -> None:
         p = cfg.parallel

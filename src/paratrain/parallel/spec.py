@@ -33,6 +33,9 @@ class Spec:
     codecs: tuple[str, ...] = ("none",)  # the parallel.compression values it accepts
     degrees: tuple[str, ...] = ()  # which of parallel.tp and parallel.pp it may set above 1
     materializes_models = False  # builds the model on meta and materialises it shard by shard
+    # where `plan --search` tries it: "replica" (every device holds the whole model: tp = pp = 1),
+    # "mesh" (the tp x pp grids), "" (not searched)
+    searched_as = ""
 
     def engine(self) -> type[Strategy]:
         return load(self.engine_path)
