@@ -156,7 +156,7 @@ class TrainConfig:
 class ParallelConfig:
     """How the work is split over the processes: the strategy, its degrees and its communication."""
 
-    strategy: str = opt("dp", choices=tuple(registry.SPECS))
+    strategy: str = opt(registry.DEFAULT, choices=tuple(registry.SPECS))
     tp: int = opt(1, check=_positive, doc="tensor-parallel degree (tp, hybrid)")
     pp: int = opt(1, check=_positive, doc="pipeline stages (pp, hybrid)")
     microbatches: int = opt(4, check=_positive, doc="pipeline microbatches per replica batch")

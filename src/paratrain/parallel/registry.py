@@ -102,6 +102,8 @@ class ParameterServerSpec(Spec):
         return {"servers": cfg.ps.servers, "workers": world_size - cfg.ps.servers}
 
 
+DEFAULT = "dp"  # parallel.strategy when a config names none
+
 SPECS: dict[str, Spec] = {
     spec.name: spec
     for spec in (
