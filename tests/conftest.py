@@ -22,7 +22,7 @@ from paratrain.testing.gang import Gangs  # noqa: E402
 
 # what starts a command or an interpreter of its own
 LAUNCHES = re.compile(
-    r"\brun_cli\(|\bsubprocess\.|\bPopen\(|\brun_and_kill\(|\bstart_processes\(|\bspawn\(|\boutputs_of\("
+    r"\brun_cli\(|\brun_torchrun\(|\bsubprocess\.|\bPopen\(|\brun_and_kill\(|\bstart_processes\(|\bspawn\(|\boutputs_of\("
 )
 NAME = re.compile(r"\b([A-Za-z_]\w*)\b")
 

@@ -40,6 +40,17 @@ def run_cli(
     )
 
 
+def run_torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc-per-node NPROC ARGS` in a fresh process, on CPU."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **CPU_ONLY},
+    )
+
+
 def check_ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc

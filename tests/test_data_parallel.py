@@ -1,12 +1,8 @@
 """dp against single-process PyTorch, torch DDP, and itself (accumulation, resume)."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
-from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, metrics, write_config
+from helpers import check_ok, final_weights, max_rel_error, metrics, run_torchrun, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
@@ -35,25 +31,7 @@ def test_dp_equals_single_process(tmp_path, gang, reference_weights, world):
 
 def test_dp_equals_torch_ddp(tmp_path, gang):
     out = tmp_path / "ddp.safetensors"
-    check_ok(
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                "tests/ddp_oracle.py",
-                "--out",
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, **CPU_ONLY},
-        )
-    )
+    check_ok(run_torchrun(2, "tests/ddp_oracle.py", "--out", str(out)))
     cfg = write_config(tmp_path / "c.toml", EQUIV)
     gang(2).train(cfg, tmp_path / "run")
     from safetensors.torch import load_file
@@ -126,27 +104,7 @@ def test_under_plain_torchrun_with_adamw_and_clipping(tmp_path):
         tmp_path / "c.toml",
         EQUIV.replace('optimizer = "sgd"\nlr = 0.1', 'optimizer = "adamw"\nlr = 0.01\nclip_grad_norm = 0.5'),
     )
-    check_ok(
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                "-m",
-                "paratrain.trainer",
-                str(cfg),
-                "--run-dir",
-                str(tmp_path / "run"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, **CPU_ONLY},
-        )
-    )
+    check_ok(run_torchrun(2, "-m", "paratrain.trainer", str(cfg), "--run-dir", str(tmp_path / "run")))
     expected = digits_mlp_reference(lr=0.01, optimizer="adamw", clip=0.5)
     assert max_rel_error(final_weights(tmp_path / "run"), expected) <= 1e-4
 
