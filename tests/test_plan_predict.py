@@ -375,7 +375,7 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
     path = tmp_path / "here.toml"
     assert main(["plan", "--calibrate", str(path), "--json", str(tmp_path / "a.json")]) == 0
     written = path.read_text()
-    for key in ("peak_tflops", "hbm_GBps", "op_overhead_us", "intra_node_GBps", "intra_latency_us"):
+    for key in ("peak_tflops", "hbm_GBps", "op_overhead_us", "intra_node_GBps", "intra_latency_us", "p2p_latency_us"):
         assert f"\n{key} = " in written
     used = json.loads((tmp_path / "a.json").read_text())["cluster"]
     again = load_cluster(str(path))
@@ -383,6 +383,46 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", "--calibrate", str(path), "--cluster", str(path)]) == 2
     assert "paratrain: error: --calibrate:" in capsys.readouterr().err
+
+
+def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
+    """On the cpu device a stage's compute is the sum of its layers' forward and backward timed on
+    this machine (layer_times, one entry per pipeline layer) at the thread count a worker gets,
+    times the processes' share of the cores; a model too large to run here is modelled instead."""
+    from paratrain import layer_times, predict
+
+    cfg = load(str(write_config(tmp_path / "gpt.toml", GPT)), [])
+    measured = layer_times.layer_times(cfg, 4, 1, forward_flops=0)
+    layers = len(list(build_model(cfg, build_dataset(cfg, "train")).pipeline_layers()))
+    assert len(measured) == layers and all(t.forward_s > 0 and t.backward_s > 0 for t in measured)
+    assert layer_times.layer_times(cfg, 4, 1, forward_flops=int(layer_times.MAX_FLOPS) + 1) is None
+
+    fixed = [layer_times.LayerTime(0.001 * (i + 1), 0.002 * (i + 1)) for i in range(layers)]
+    threads = []
+
+    def timed(cfg, rows, n_threads, forward_flops):
+        threads.append(n_threads)
+        return fixed
+
+    monkeypatch.setattr(layer_times, "layer_times", timed)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    whole = sum(t.forward_s + t.backward_s for t in fixed)
+    cpu = 'nodes = 1\ndevices_per_node = {}\ndevice = "cpu"\n'
+    one = predicted(tmp_path, cpu.format(1), ["data.batch_size=8"])["step_breakdown"]
+    assert one["compute_s"] == pytest.approx(whole) and threads[-1] == 2
+    # four processes on two cores: one thread each, at half the pace; a stage of a pipeline holds its layers
+    sets = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=2", "data.batch_size=8"]
+    pp = predict.stage_costs(load(str(tmp_path / "gpt.toml"), sets), 4, [0, 2, layers], parse_cpu(4), 1)[0]
+    assert threads[-1] == 1
+    assert pp[0].forward_s == pytest.approx(2 * (0.001 + 0.002)) and pp[1].backward_s == pytest.approx(
+        2 * sum(t.backward_s for t in fixed[2:])
+    )
+
+
+def parse_cpu(devices: int):
+    from paratrain.cluster import parse_cluster
+
+    return parse_cluster({"nodes": 1, "devices_per_node": devices, "device": "cpu"})
 
 
 def test_kendall_tau_of_the_bench():

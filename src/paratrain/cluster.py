@@ -14,8 +14,9 @@ the server it usually comes in. Where each number comes from:
   * cpu: this machine; its peak is measured once per plan (a large fp32 matmul) since no data sheet
     applies, and its links are shared memory (intra) and a 10 Gb/s Ethernet (inter), both assumed.
   * `paratrain plan --calibrate [FILE]` measures this machine instead (`calibrate`): a few seconds
-    of two gloo processes on loopback, each timing matmuls, memory traffic and a small op at once
-    (as two ranks share the machine in a run), and all-reduces by size (alpha-beta); it writes
+    of --nproc gloo processes (two at least) on loopback, each timing matmuls, memory traffic and a
+    small op at once (as the ranks share the machine in a run), all-reduces by size (alpha-beta)
+    and a pipeline message's latency; it writes
     them as a cluster file that `--cluster FILE` reads back.
 """
 
@@ -45,6 +46,9 @@ class Device:
     # measures it; on a GPU the memory-bound kernels' launches are taken to overlap: 0)
     product_overhead_us: float = 5.0
     op_overhead_us: float = 0.0
+    # a pipeline message between neighbours in one node (0: intra_latency_us; --calibrate measures
+    # this machine's, whose pipeline exchanges through shared memory instead of gloo)
+    p2p_latency_us: float = 0.0
     # a large GEMM's share of peak_tflops (a data sheet's peak: NVIDIA's GEMM performance guide has
     # 80-90 %); 1 where the peak is itself a measured matmul rate (the cpu preset)
     gemm_efficiency: float = 0.85
@@ -93,6 +97,7 @@ _KEYS = {
     "hbm_GBps": float,
     "intra_latency_us": float,
     "op_overhead_us": float,
+    "p2p_latency_us": float,
 }
 
 
@@ -191,13 +196,44 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _p2p_latency_s(rt) -> float:
+    """One way of a 64 KiB pipeline message between ranks 0 and 1, through the pipeline's own
+    transport (pipeline_comm.P2P: shared memory between processes of one host): half the median
+    round trip of a ping-pong (the other ranks wait)."""
+    import statistics
+    import time
+
+    import torch
+
+    from .parallel.pipeline_comm import P2P
+
+    peer = {0: 1, 1: 0}.get(rt.rank)
+    p2p = P2P(None, 2, set() if peer is None else {peer}, timeout_s=60)
+    if peer is None:
+        return 0.0
+    out, into = torch.ones(2**14), torch.empty(2**14)
+    trips = []
+    for _ in range(40):
+        start = time.perf_counter()
+        for first in (rt.rank == 0, rt.rank == 1):
+            if first:
+                p2p.post([(out, peer, 0)], [])
+            else:
+                (work,) = p2p.post([], [(into, peer, 0)])
+                work.wait()
+        trips.append(time.perf_counter() - start)
+    p2p.finish()
+    return statistics.median(trips[5:]) / 2
+
+
 def calibration_worker(out_path: str) -> None:
-    """One of two ranks: times, together with the other rank, a 512^3 fp32 matmul, an add over
+    """One of the ranks: times, together with the others, a 512^3 fp32 matmul, an add over
     16 MiB tensors, and a training step (forward, backward, AdamW) of 8 tiny layers, whose time per
     op is the eager framework's cost of an op (the predictor charges it every op of the forward,
     three times: forward and backward); then all-reduces of CALIBRATION_SIZES bytes, ten at a
     time. Rank 0 writes the medians over ranks as JSON."""
     import json
+    import os
     import statistics
     import time
 
@@ -209,6 +245,7 @@ def calibration_worker(out_path: str) -> None:
     from .op_costs import OpRecorder
 
     rt = runtime.init("cpu")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // rt.world_size))  # the launcher's share
     a, big = torch.randn(512, 512), torch.randn(4 * 2**20)
     tiny = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(16, 16), nn.ReLU())])
     optimizer, x = torch.optim.AdamW(tiny.parameters()), torch.randn(8, 16)
@@ -240,12 +277,15 @@ def calibration_worker(out_path: str) -> None:
                 dist.all_reduce(buf)
             times.append((time.perf_counter() - start) / 10)
         reduce_s.append(statistics.median(times[1:]))
+    rates["p2p_s"] = _p2p_latency_s(rt)
     mine = torch.tensor([*rates.values(), *reduce_s], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(rt.world_size)]
     dist.all_gather(gathered, mine)
     if rt.rank == 0:
         medians = torch.stack(gathered).median(dim=0).values.tolist()
+        # the p2p pair's own figure (the other ranks report none)
         result = dict(zip(rates, medians))
+        result["p2p_s"] = max(row[len(rates) - 1] for row in gathered).item()
         result["all_reduce_s"] = dict(zip(map(str, CALIBRATION_SIZES), medians[len(rates) :]))
         with open(out_path, "w") as fh:
             json.dump(result, fh)
@@ -254,8 +294,9 @@ def calibration_worker(out_path: str) -> None:
 
 
 def calibrate(path: str, nproc: int = 2) -> Cluster:
-    """Measures this machine (two gloo processes on loopback, a few seconds) and writes `path`: a
-    [cluster] file of one node of `nproc` cpu devices that `--cluster` reads back."""
+    """Measures this machine as `nproc` processes use it (at least two: gloo processes on
+    loopback, a few seconds) and writes `path`: a [cluster] file of one node of `nproc` cpu
+    devices that `--cluster` reads back."""
     import json
     import os
     import tempfile
@@ -267,16 +308,18 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "calibration.json")
-        launch(calibration_worker, [out], nproc=2, run_id="calibrate")
+        ranks = max(2, nproc)
+        launch(calibration_worker, [out], nproc=ranks, run_id="calibrate")
         with open(out) as fh:
             m = json.load(fh)
-    # alpha-beta from the all-reduces of two ranks (each sends its whole buffer, 2(n-1)/n of it, in
-    # 2(n-1) = 2 steps): the latency from the smallest, the bandwidth from the smallest to the
-    # largest (a least-squares line let one noisy middle size swing the latency tenfold)
+    # alpha-beta from the ring all-reduces of n ranks (each sends 2(n-1)/n of its buffer in 2(n-1)
+    # steps): the latency from the smallest, the bandwidth from the smallest to the largest (a
+    # least-squares line let one noisy middle size swing the latency tenfold)
     times = {int(k): v for k, v in m["all_reduce_s"].items()}
     small, large = min(times), max(times)
-    latency_s = max(times[small] / 2, 1e-7)
-    slope = max(times[large] - times[small], 1e-9) / (large - small)
+    steps = 2 * (ranks - 1)
+    latency_s = max(times[small] / steps, 1e-7)
+    slope = max(times[large] - times[small], 1e-9) / (large - small) / (steps / ranks)
     host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     values = {
         "nodes": 1,
@@ -289,13 +332,15 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         "intra_node_GBps": 1 / slope / 1e9,
         "intra_latency_us": latency_s * 1e6,
         "latency_us": latency_s * 1e6,
+        "p2p_latency_us": m["p2p_s"] * 1e6,
     }
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# paratrain plan --calibrate: this machine ({os.cpu_count()} cores, torch {torch.__version__}), {stamp};",
-        "# per rank with two ranks at work, medians: a 512^3 fp32 matmul (peak), an add over 16 MiB",
+        f"# per rank with {ranks} ranks at work, medians: a 512^3 fp32 matmul (peak), an add over 16 MiB",
         "# tensors (memory), a tiny model's training step per op (op overhead); all-reduces of",
-        "# 1 KiB-4 MiB over gloo on loopback (alpha-beta). inter_node_Gbps: the cpu preset's, assumed.",
+        "# 1 KiB-4 MiB over gloo on loopback (alpha-beta); a pipeline message's ping-pong through shared",
+        "# memory (p2p latency). inter_node_Gbps: the cpu preset's, assumed.",
         "[cluster]",
     ]
     lines += [f"{k} = {v:.6g}" if isinstance(v, float) else f"{k} = {json.dumps(v)}" for k, v in values.items()]

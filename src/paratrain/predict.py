@@ -1,34 +1,30 @@
 """The step-time model of `paratrain plan --cluster`: seconds per optimizer step of a planned
 layout on a cluster, from what the engines do.
 
-Compute (Calculon's idea): one microbatch's forward through each pipeline stage is played in fake
-tensors (activations.FakeRun) and every operation recorded. A matrix product (matmul, linear, attention:
-the ops torch.utils.flop_counter counts) takes its FLOPs at the device's peak times an efficiency
-that grows with its size: FLOPs / (peak x gemm_efficiency) plus a fixed product_overhead_us, so a
-small matmul reaches a small fraction of peak and a large one gemm_efficiency. Every other op is
-memory-bound: it reads and writes its output's bytes at the device's memory bandwidth. Every op
-also costs op_overhead_us (the CPU's eager dispatch; 0 on GPUs) (cluster.Device). Backward
-takes twice the forward (two products per forward product); `train.recompute = "full"` adds one
-forward. Under tp, each device does 1/tp of a stage's work (tp's sharded layers hold 1/tp of every
-product; the few replicated ops, layer norms and residual adds, are counted split too).
+Compute. One microbatch's forward through each pipeline stage is played in fake tensors
+(activations.FakeRun) and every operation recorded. On a GPU (Calculon's idea) a matrix product
+(matmul, linear, attention: the ops torch.utils.flop_counter counts) takes its FLOPs at the
+device's peak times gemm_efficiency plus a fixed product_overhead_us; every other op is
+memory-bound: it reads and writes its output's bytes at the device's memory bandwidth; backward
+takes twice the forward (two products per forward product). On the cpu device (this machine) the
+model's layers are timed here instead, forward and backward (layer_times: on a CPU eager dispatch,
+not arithmetic, sets a small model's pace), at the thread count a worker gets, and stretched by
+the processes' share of the cores when they outnumber them. `train.recompute = "full"` adds one
+forward. Under tp, each device does 1/tp of a stage's arithmetic (the few replicated ops, layer
+norms and residual adds, are counted split too) and all of its ops' dispatch.
 
 Communication (alpha-beta): an op of a group of N moves its fewest bytes (profile.min_bytes_sent:
 2(N-1)/N of the buffer for a ring all-reduce) at the group's link bandwidth, plus a latency per ring
 step. A group within one node uses the intra-node link; one across nodes shares its node's NICs
 with the node's other devices, which communicate at the same time.
-  * dp's gradient buckets are all-reduced while the last microbatch's backward runs: only what
-    exceeds that backward is exposed (and at least one bucket's share); on the CPU nothing hides
-    communication (gloo's threads share the cores that compute): all of it is exposed;
-  * zero1/2 reduce-scatter the same way and all-gather the parameters after the optimizer step,
-    exposed; zero3 gathers each unit before its forward and backward, prefetched while the previous
-    unit computes: exposed only where the gathers outrun the compute;
   * tp's all-reduces (activations.tp_all_reduces: their payloads) are on the critical path, in every
     microbatch, and under recompute the forward's half again;
-  * pipeline stages send each microbatch's activation forward and its gradient back; the schedule
-    idles (pp - 1) / v of a microbatch's work per rank (gpipe and 1f1b: v = 1; interleaved: v
-    virtual stages per rank);
+  * pipeline stages send each microbatch's activation forward and its gradient back (within a node
+    at p2p_latency_us a message); the schedule idles (pp - 1) / v of a microbatch's work per rank
+    (gpipe and 1f1b: v = 1; interleaved: v virtual stages per rank);
   * the optimizer reads and writes its state, the parameters and the gradients once, memory-bound;
-  * parameter servers: see predict_ps.
+  * what each strategy communicates besides (dp's buckets, ZeRO's gathers, the parameter servers'
+    push and pull) is its own time model: its spec's `time_model`, in parallel/step_costs.py.
 """
 
 from __future__ import annotations
@@ -46,6 +42,11 @@ from .profile import min_bytes_sent
 class StageCost:
     forward_flops: int  # one microbatch's forward through the stage, the whole (unsplit) stage
     forward_s: float  # the same on one device of the cluster, split over tp
+    backward_s: float
+
+    def work_s(self, recompute: bool) -> float:
+        """Forward, backward and, under recompute, the forward again."""
+        return self.forward_s * (2 if recompute else 1) + self.backward_s
 
 
 def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[list[tuple[int, int]]], int]:
@@ -72,19 +73,37 @@ def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[li
 def stage_costs(
     cfg: Config, rows: int, bounds: list[int] | None, cluster: Cluster, tp: int
 ) -> tuple[list[StageCost], int]:
-    """Each stage's cost on one device of the cluster (split over tp), and the tokens in a sample."""
+    """Each stage's cost on one device of the cluster (split over tp), and the tokens in a sample:
+    on the cpu device (this machine) its layers timed here (layer_times) where they are small
+    enough to run, else modelled (`modelled_s`); split over tp as the model splits it."""
     stages, tokens = stage_ops(cfg, rows, bounds)
     d = cluster.device
+    measured = None
+    if not cluster.is_gpu:
+        import os
+
+        from .layer_times import layer_times
+
+        cores = os.cpu_count() or 1
+        threads = max(1, cores // cluster.devices_per_node)  # the launcher's share (launch.py)
+        measured = layer_times(cfg, rows, threads, sum(f for ops in stages for f, _ in ops))
+        # more processes than cores: each computes at its share of the time
+        contention = max(1.0, cluster.devices_per_node / cores)
     out = []
-    for ops in stages:
-        seconds = 0.0
-        for flops, written in ops:
-            if flops:
-                seconds += flops / tp / (d.peak_tflops * 1e12 * d.gemm_efficiency) + d.product_overhead_us * 1e-6
-            else:
-                seconds += 2 * written / tp / (d.hbm_GBps * 1e9)
-            seconds += d.op_overhead_us * 1e-6
-        out.append(StageCost(sum(f for f, _ in ops), seconds))
+    for s, ops in enumerate(stages):
+        flops_s = sum(flops / (d.peak_tflops * 1e12 * d.gemm_efficiency) for flops, _ in ops)
+        memory_s = sum(2 * written / (d.hbm_GBps * 1e9) for flops, written in ops if not flops)
+        fixed_s = sum(d.product_overhead_us * 1e-6 for flops, _ in ops if flops) + len(ops) * d.op_overhead_us * 1e-6
+        split = fixed_s + (flops_s + memory_s) / tp
+        if measured is None:
+            forward_s, backward_s = split, 2 * split
+        else:
+            # the measured time split over tp in the proportions the model gives
+            layers = measured if bounds is None else measured[bounds[s] : bounds[s + 1]]
+            scale = contention * split / (fixed_s + flops_s + memory_s)
+            forward_s = scale * sum(t.forward_s for t in layers)
+            backward_s = scale * sum(t.backward_s for t in layers)
+        out.append(StageCost(sum(f for f, _ in ops), forward_s, backward_s))
     return out, tokens
 
 
@@ -105,122 +124,122 @@ def collective_s(op: str, payload: float, n: int, bandwidth: float, latency: flo
     return min_bytes_sent(op, payload, n) / bandwidth + steps * latency
 
 
-def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict | None, dict]:
-    """(the "predicted" figures, the breakdown of one step in seconds) for the plan of `cfg`
-    (`model` on the meta device) on the cluster."""
-    from .parallel.hybrid import virtual_stages
-    from .parallel.registry import ParameterServerSpec, spec
+@dataclass
+class Step:
+    """What a strategy's time model (its spec's `time_model`) reads: the config, the model on the
+    meta device, the plan of its ranks and the cluster; and the figures every model shares."""
 
-    p = cfg.parallel
-    strategy = spec(p.strategy)
-    if isinstance(strategy, ParameterServerSpec):
-        return predict_ps(cfg, plan, cluster)
-    tp, pp = p.tp, p.pp
-    dp = plan["mesh"]["dp"]
-    v = virtual_stages(cfg) if pp > 1 else 1
-    b = plan["batch"]
-    m, rows = b["microbatches"], b["rows_per_microbatch"]
-    bounds = [0, *[s["layers"][1] + 1 for s in plan["stages"]]] if pp > 1 else None
-    stages, tokens_per_sample = stage_costs(cfg, rows, bounds, cluster, tp)
-    recompute = cfg.train.recompute == "full"
+    cfg: Config
+    model: object
+    plan: dict
+    cluster: Cluster
 
-    # tp: all-reduces within each stage, every microbatch; recompute repeats the forward's half
-    tp_s = [0.0] * len(stages)
-    if tp > 1:
-        from .activations import tp_all_reduces
-        from .parallel.tensor_parallel import plan_for
+    @property
+    def recompute(self) -> bool:
+        return self.cfg.train.recompute == "full"
 
-        payloads = tp_all_reduces(cfg, rows, bounds, plan_for(model, p.tp_plan)) or [[] for _ in stages]
-        bw, lat = link(cluster, tp)
-        tp_s = [
-            sum(collective_s("all_reduce", x, tp, bw, lat) for x in stage) * (1.5 if recompute else 1)
-            for stage in payloads
-        ]
-    # pp: a microbatch's activation to the next stage, its gradient back
-    p2p_s = [0.0] * len(stages)
-    if pp > 1:
-        from .activations import boundary_bytes
+    @property
+    def wire(self) -> float:
+        """The share of a gradient's bytes a codec puts on the wire (bf16/fp16: half)."""
+        return 0.5 if self.cfg.parallel.compression in ("bf16", "fp16") else 1.0
 
-        boundary = boundary_bytes(cfg, model, bounds, rows)
-        bw, lat = link(cluster, dp * tp + 1)
-        for s in range(len(stages)):
-            out = boundary[s + 1] if s + 1 < len(stages) else 0
-            back = boundary[s] if s > 0 else 0
-            p2p_s[s] = sum(x / bw + lat for x in (out, back) if x)
+    @property
+    def busiest(self) -> dict:
+        """The rank holding the most parameters and optimizer state."""
+        return max(self.plan["ranks"], key=lambda r: r["param_bytes"] + r["optimizer_bytes"])
 
-    compute_passes = 3 + (1 if recompute else 0)  # forward, backward (2x), recompute's forward
-    per_rank = []  # one microbatch's work on each pp rank: (total, backward only)
-    for r in range(pp):
-        held = [c * pp + r for c in range(v)]
-        work = sum(stages[s].forward_s * compute_passes + tp_s[s] + p2p_s[s] for s in held)
-        backward = sum(stages[s].forward_s * (compute_passes - 1) for s in held)
-        per_rank.append((work, backward))
-    slowest, backward = max(per_rank)
-    bubble_s = (pp - 1) / v * slowest
-    pipeline_s = m * slowest + bubble_s
+    def link(self, span: int) -> tuple[float, float]:
+        return link(self.cluster, span)
 
-    # data-parallel gradient reduction, parameter gathers, the optimizer: on the busiest rank
-    busiest = max(plan["ranks"], key=lambda r: r["param_bytes"] + r["optimizer_bytes"])
-    bw, lat = link(cluster, dp * tp)
-    wire = 0.5 if p.compression in ("bf16", "fp16") else 1.0
-    exposed_s = 0.0
-    # what communication can hide behind: on a GPU the compute of the same microbatch; on the CPU
-    # nothing, since gloo's threads run on the cores that compute
-    backward, hiding = (backward, slowest) if cluster.is_gpu else (0.0, 0.0)
-    if dp > 1:
-        from .parallel.zero_comm import from_primitives
+    def optimizer_s(self, rank: dict | None = None) -> float:
+        return optimizer_time(self.plan, rank or self.busiest, self.cluster)
 
-        primitives = from_primitives("nccl" if cluster.is_gpu else "gloo")
+    def replica(self) -> Replica:
+        """One model replica's microbatches through its tp x pp grid (tp = pp = 1: one device)."""
+        from .parallel.hybrid import virtual_stages
 
-        def reduce_scatter_s(size: float) -> float:
-            """On gloo ZeRO reduce-scatters by an all-reduce of the whole buffer (zero_comm)."""
-            return collective_s("all_reduce" if primitives else "reduce_scatter", size, dp, bw, lat)
+        cfg, cluster, p = self.cfg, self.cluster, self.cfg.parallel
+        tp, pp = p.tp, p.pp
+        dp = self.plan["mesh"]["dp"]
+        v = virtual_stages(cfg) if pp > 1 else 1
+        b = self.plan["batch"]
+        m, rows = b["microbatches"], b["rows_per_microbatch"]
+        bounds = [0, *[s["layers"][1] + 1 for s in self.plan["stages"]]] if pp > 1 else None
+        stages, tokens_per_sample = stage_costs(cfg, rows, bounds, cluster, tp)
+        recompute = self.recompute
 
-        def all_gather_s(size: float) -> float:
-            """On gloo ZeRO all-gathers by one broadcast of each rank's shard (zero_comm)."""
-            if primitives:
-                return dp * collective_s("send", size / dp, dp, bw, lat)
-            return collective_s("all_gather", size, dp, bw, lat)
+        # tp: all-reduces within each stage, every microbatch; recompute repeats the forward's half
+        tp_s = [0.0] * len(stages)
+        if tp > 1:
+            from .activations import tp_all_reduces
+            from .parallel.tensor_parallel import plan_for
 
-        def overlapped(reduce: float, numbers: float) -> float:
-            """Buckets reduced while the backward runs: what outlasts it, at least the last bucket."""
-            return max(reduce - backward, reduce * min(1.0, p.bucket_mb * 2**20 / max(numbers, 1)))
-
-        zero_stage = getattr(strategy, "stage", 0)  # a ZeroSpec's
-        if zero_stage == 3:
-            # one gather before each unit's forward and again before its backward (the root unit,
-            # kept through both, once) and one reduce-scatter each: a latency per unit, not per model
-            from .parallel.base import unique_parameters
-            from .parallel.zero import module_units
-
-            params = [t for _, t in unique_parameters(model)]
-            units = [
-                (-(-sum(t.numel() for t in g) // dp) * dp * g[0].element_size(), 1 if unit is model else 2)
-                for unit, g in module_units(model, params, int(p.bucket_mb * 2**20))
+            payloads = tp_all_reduces(cfg, rows, bounds, plan_for(self.model, p.tp_plan)) or [[] for _ in stages]
+            bw, lat = self.link(tp)
+            tp_s = [
+                sum(collective_s("all_reduce", x, tp, bw, lat) for x in stage) * (1.5 if recompute else 1)
+                for stage in payloads
             ]
-            reduce = sum(reduce_scatter_s(size * wire) for size, _ in units)
-            gathers = sum(times * all_gather_s(size) for size, times in units)
-            exposed_s = m * (max(reduce - backward, 0) + max(gathers - hiding, 0))
-        elif zero_stage in (1, 2):
-            full = busiest["param_bytes"]
-            exposed_s = overlapped(reduce_scatter_s(full * wire), full) + all_gather_s(full)
-        else:
-            grads = busiest["grad_bytes"]
-            exposed_s = overlapped(collective_s("all_reduce", grads * wire, dp, bw, lat), grads)
-    optimizer_s = optimizer_time(plan, busiest, cluster)
-    step_s = pipeline_s + exposed_s + optimizer_s
-    compute_s = m * max(
-        sum(stages[s].forward_s * compute_passes for s in [c * pp + r for c in range(v)]) for r in range(pp)
-    )
-    parts = {
-        "compute_s": compute_s,
-        "bubble_s": bubble_s,
-        "tp_comm_s": m * max(tp_s),
-        "p2p_s": m * max(p2p_s),
-        "exposed_dp_comm_s": exposed_s,
-        "optimizer_s": optimizer_s,
-    }
-    return figures(plan, cluster, step_s, sum(s.forward_flops for s in stages) * m * dp, tokens_per_sample, parts)
+        # pp: a microbatch's activation to the next stage, its gradient back
+        p2p_s = [0.0] * len(stages)
+        if pp > 1:
+            from .activations import boundary_bytes
+
+            boundary = boundary_bytes(cfg, self.model, bounds, rows)
+            neighbours = dp * tp + 1  # a stage's neighbour is dp x tp ranks on
+            bw, lat = self.link(neighbours)
+            if neighbours <= cluster.devices_per_node and cluster.device.p2p_latency_us:
+                lat = cluster.device.p2p_latency_us * 1e-6
+            for s in range(len(stages)):
+                out = boundary[s + 1] if s + 1 < len(stages) else 0
+                back = boundary[s] if s > 0 else 0
+                p2p_s[s] = sum(x / bw + lat for x in (out, back) if x)
+
+        per_rank = []  # one microbatch's work on each pp rank: (total, backward only, compute only)
+        for r in range(pp):
+            held = [c * pp + r for c in range(v)]
+            compute = sum(stages[s].work_s(recompute) for s in held)
+            backward = sum(stages[s].work_s(recompute) - stages[s].forward_s for s in held)
+            per_rank.append((compute + sum(tp_s[s] + p2p_s[s] for s in held), backward, compute))
+        slowest, backward, _ = max(per_rank)
+        bubble_s = (pp - 1) / v * slowest
+        # what communication can hide behind: on a GPU the compute of the same microbatch; on the
+        # CPU nothing, since gloo's threads run on the cores that compute
+        backward, hiding = (backward, slowest) if cluster.is_gpu else (0.0, 0.0)
+        parts = {
+            "compute_s": m * max(c for _, _, c in per_rank),
+            "bubble_s": bubble_s,
+            "tp_comm_s": m * max(tp_s),
+            "p2p_s": m * max(p2p_s),
+        }
+        forward_flops = sum(s.forward_flops for s in stages) * m * dp
+        return Replica(m * slowest + bubble_s, m, backward, hiding, parts, forward_flops, tokens_per_sample)
+
+
+@dataclass
+class Replica:
+    pipeline_s: float  # every microbatch through the grid, the bubble included
+    microbatches: int
+    backward_s: float  # the last microbatch's backward on the slowest rank, which buckets overlap (GPU)
+    hiding_s: float  # a microbatch's work a prefetch hides behind (GPU; 0 on the CPU)
+    parts: dict
+    forward_flops: float  # of a step, all replicas
+    tokens_per_sample: int
+
+    def overlapped(self, reduce_s: float, numbers: float, bucket_mb: float) -> float:
+        """Buckets reduced while the backward runs: what outlasts it, at least the last bucket."""
+        return max(reduce_s - self.backward_s, reduce_s * min(1.0, bucket_mb * 2**20 / max(numbers, 1)))
+
+
+def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict, dict]:
+    """(the "predicted" figures, the breakdown of one step in seconds) for the plan of `cfg`
+    (`model` on the meta device) on the cluster, by its strategy's own time model."""
+    from .parallel.registry import spec
+    from .parallel.spec import load
+
+    step = Step(cfg, model, plan, cluster)
+    step_s, parts, forward_flops, tokens_per_sample = load(spec(cfg.parallel.strategy).time_model)(step)
+    return figures(plan, cluster, step_s, forward_flops, tokens_per_sample, parts)
 
 
 def optimizer_time(plan: dict, busiest: dict, cluster: Cluster) -> float:
@@ -247,31 +266,3 @@ def figures(
         "peak_memory_gib": peak_memory / 2**30,
     }
     return predicted, {**parts, "memory_headroom_gib": cluster.device.memory_gib - peak_memory / 2**30}
-
-
-def predict_ps(cfg: Config, plan: dict, cluster: Cluster) -> tuple[dict, dict]:
-    """Parameter servers, a sync step: every worker runs its microbatches through the whole model,
-    pushes each server its shard's gradients and pulls the shard back once the server has applied
-    its optimizer to the sum. Each server's link carries its shard to and from every worker (the
-    plan's send and receive bytes, a latency a message); the step waits for the slowest server,
-    and for a worker's own link, which carries every shard both ways. Async and ssp workers run
-    ahead instead of waiting: the figure is a sync step's."""
-    b = plan["batch"]
-    m = b["microbatches"]
-    (stage,), tokens_per_sample = stage_costs(cfg, b["rows_per_microbatch"], None, cluster, 1)
-    compute_s = m * stage.forward_s * (4 if cfg.train.recompute == "full" else 3)
-    bw, lat = link(cluster, plan["world_size"])
-
-    def on_the_wire(rank: dict, messages: int) -> float:
-        return sum(e["payload"] for e in (rank["comm"] or {}).values()) / bw + messages * lat
-
-    servers = [r for r in plan["ranks"] if r["role"] == "parameter server"]
-    worker = next(r for r in plan["ranks"] if r["role"] != "parameter server")
-    push_pull_s = max(
-        max(on_the_wire(r, 2 * plan["mesh"]["workers"]) for r in servers), on_the_wire(worker, 2 * len(servers))
-    )
-    busiest = max(servers, key=lambda r: r["optimizer_bytes"])
-    optimizer_s = optimizer_time(plan, busiest, cluster)
-    step_s = compute_s + push_pull_s + optimizer_s
-    parts = {"compute_s": compute_s, "push_pull_s": push_pull_s, "optimizer_s": optimizer_s}
-    return figures(plan, cluster, step_s, stage.forward_flops * m * plan["mesh"]["workers"], tokens_per_sample, parts)

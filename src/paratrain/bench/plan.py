@@ -4,8 +4,7 @@ Each layout (a small gpt and an mlp over dp, zero1-3, bf16 on the wire, tp, pp w
 and hybrids, on 1-4 processes) is run for real with `paratrain run` and planned with
 `paratrain plan --cluster` on the cluster file `paratrain plan --calibrate` writes (made first
 unless `--cluster` names one). Measured:
-  * step time: the mean step between the first and the last logged step (the first steps, with
-    their one-time set-up, left out), from metrics.jsonl;
+  * step time: the median step after the first SETUP_STEPS (one-time set-up), from metrics.jsonl;
   * memory: the peak resident memory (VmHWM) of the run's largest worker, sampled from /proc
     while it runs, less that of the same job with a tiny model of the same family on as many
     processes: what the model, its state and its activations add.
@@ -61,6 +60,7 @@ optimizer = "adamw"
 MODELS = {"gpt": (GPT, {"layers": 2, "width": 128}), "mlp": (MLP, {"layers": 4, "width": 512})}
 TINY = {"gpt": {"layers": 1, "width": 8}, "mlp": {"layers": 1, "width": 8}}
 
+SETUP_STEPS = 5  # a run's first steps set up kernels and buffers (the 4th, here, up to 25x a step)
 PIPE = ["parallel.microbatches=4", "parallel.balance='params'"]
 # (processes, [parallel] settings); the gpt and the mlp each run every one
 LAYOUTS = [
@@ -89,7 +89,9 @@ def add_parser(which) -> None:
     p.add_argument(
         "--cluster", default=None, metavar="FILE", help="a calibrated cluster file (default: calibrate first)"
     )
-    p.add_argument("--steps", type=COUNT, default=8, help="steps per run (default 8; the first 4 are set-up)")
+    p.add_argument(
+        "--steps", type=COUNT, default=16, help=f"steps per run (default 16; the first {SETUP_STEPS} are set-up)"
+    )
     p.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp (default both)")
     add_json_option(p)
     p.set_defaults(func=run)
@@ -139,7 +141,7 @@ def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int
     """`paratrain run` to the end: (metrics.jsonl's entries, the largest peak resident memory in
     bytes among its workers, sampled from /proc while it runs)."""
     argv = [sys.executable, "-m", "paratrain.cli", "run", str(config), "--nproc", str(nproc), "--run-dir", str(run_dir)]
-    for s in [*sets, f"train.steps={steps}", "train.log_every=4"]:
+    for s in [*sets, f"train.steps={steps}", "train.log_every=1"]:
         argv += ["--set", s]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MALLOC_MMAP_THRESHOLD_": "65536"}
     peaks: dict[int, int] = {}
@@ -194,6 +196,16 @@ def shared_by(cluster, nproc: int):
     return dataclasses.replace(cluster, nodes=1, devices_per_node=nproc, device=device)
 
 
+def median_step_s(entries: list[dict]) -> float:
+    """The median of the steps after the set-up steps (one-time kernel and allocator set-up), each
+    step's time from consecutive metrics.jsonl lines: on a shared machine a median holds still
+    where a mean takes every other process's burst in."""
+    import statistics
+
+    times = {e["step"]: e["time"] for e in entries}
+    return statistics.median(times[s] - times[s - 1] for s in sorted(times) if s > SETUP_STEPS and s - 1 in times)
+
+
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
     """Kendall's tau-a: (concordant - discordant pairs) / all pairs."""
     n, score = len(xs), 0
@@ -209,12 +221,18 @@ def run(args) -> int:
     from ..config import ConfigError
 
     tmp = Path(tempfile.mkdtemp(prefix="paratrain-bench-plan-"))
+    # the machine as each process count uses it (one process: two's, shared out by `shared_by`)
+    counts = sorted({max(2, nproc) for nproc, _ in LAYOUTS})
     try:
-        cluster = load_cluster(args.cluster) if args.cluster else calibrate(str(tmp / "cluster.toml"))
+        if args.cluster:
+            clusters = dict.fromkeys(counts, load_cluster(args.cluster))
+        else:
+            clusters = {n: calibrate(str(tmp / f"cluster-{n}.toml"), n) for n in counts}
     except ConfigError as exc:
         print(f"paratrain: error: {exc}", file=sys.stderr)
         return 2
-    print(f"cluster: {args.cluster or 'calibrated now'}: {cluster.device}", flush=True)
+    for n, cluster in clusters.items():
+        print(f"cluster: {args.cluster or f'calibrated now for {n} processes'}: {cluster.device}", flush=True)
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     rows, baseline = [], {}
     print("| layout | predicted step s | measured step s | error | predicted MiB | measured MiB | error |")
@@ -233,12 +251,11 @@ def run(args) -> int:
                         tiny, nproc, ["parallel.strategy='dp'"], tmp / f"{model}-base-{nproc}", 2
                     )
                 entries, rss = run_job(config, nproc, sets, tmp / f"{model}-{n}", args.steps)
-                predicted = predict_layout(config, nproc, sets, cluster)
+                predicted = predict_layout(config, nproc, sets, clusters[max(2, nproc)])
             except (RuntimeError, ConfigError) as exc:
                 print(f"| {name} | skipped: {exc} |||||| ", flush=True)
                 continue
-            first, last = entries[0], entries[-1]
-            measured_step = (last["time"] - first["time"]) / (last["step"] - first["step"])
+            measured_step = median_step_s(entries)
             measured_mib = (rss - baseline[model, nproc]) / 2**20
             row = {
                 "layout": name,
@@ -278,7 +295,7 @@ def run(args) -> int:
             "memory_mae": memory_mae,
             "kendall_tau": tau,
             "pick_over_fastest": pick_ratio,
-            "cluster": str(cluster),
+            "clusters": {n: str(c) for n, c in clusters.items()},
         },
         args.json,
     )

@@ -26,6 +26,7 @@ class ZeroSpec(Spec):
     """ZeRO stage 1, 2 or 3: one replica's state sharded over every rank."""
 
     cost_model = "costs:zero"
+    time_model = "step_costs:zero"
     codecs = ("none", "bf16", "fp16")  # a reduce-scatter sums shards: no codec of whole gradients
     materializes_models = True
     searched_as = "replica"
@@ -78,6 +79,7 @@ class ParameterServerSpec(Spec):
     name = "ps"
     engine_path = "parameter_server:ParameterServer"
     cost_model = "costs:parameter_server"
+    time_model = "step_costs:parameter_server"
     checkpoint_family = "ps"
 
     def check_layout(self, cfg: Config, world_size: int) -> None:

@@ -29,6 +29,7 @@ class Spec:
     name: str = ""
     engine_path: str = ""  # "module:Class" of its engine under paratrain.parallel
     cost_model: str = ""  # "module:function" that plans its ranks (see plan.make_plan)
+    time_model: str = "step_costs:all_reduce"  # "module:function" that predicts its step (predict.py)
     checkpoint_family: str = ""  # a checkpoint resumes under any strategy of the family that wrote it
     codecs: tuple[str, ...] = ("none",)  # the parallel.compression values it accepts
     degrees: tuple[str, ...] = ()  # which of parallel.tp and parallel.pp it may set above 1

@@ -1,0 +1,117 @@
+"""Each layer's forward and backward time, measured on this machine: the compute of a plan for
+the `cpu` device (this machine), as Galvatron and vTrain profile layers instead of modelling them.
+
+On a CPU a small model's layer costs more in eager dispatch (Python, the dispatcher, autograd's
+bookkeeping: tens of microseconds an op) than in arithmetic, and the split between the two
+changes with every op's shape, thread count and kernel; no FLOP count predicts it, a stopwatch
+does. So each of the model's pipeline layers (the whole model where it has none) runs here for
+real, on a microbatch of the plan's rows, at the thread count a worker of the planned run gets
+(the launcher gives each of N processes cores // N threads): forward alone, and backward alone
+from the gradient of its output, the loss in the last layer's. Medians of a few repeats, once
+per (model, rows, threads) in a process (a plan, a search). The model is timed only while it is
+cheap to run here (MAX_FLOPS), so a plan for a large model falls back to the analytic model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import Config
+
+MAX_FLOPS = 5e9  # above this one microbatch's forward is not run here (a second or so at ~50 GFLOP/s)
+REPEATS = 9
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    forward_s: float
+    backward_s: float
+
+
+_measured: dict[tuple, list[LayerTime]] = {}
+
+
+def _key(cfg: Config, rows: int, threads: int) -> tuple:
+    return (repr(cfg.model), repr(cfg.data), cfg.train.precision, rows, threads)
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _median_s(fn) -> float:
+    fn()  # the kernels' one-time set-up (twice: a second thread pool starts on the first)
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def layer_times(cfg: Config, rows: int, threads: int, forward_flops: int) -> list[LayerTime] | None:
+    """Forward and backward seconds of each pipeline layer on `rows` samples at `threads` threads;
+    None when the model is too large to run here (`forward_flops`: of its forward on `rows`)."""
+    if forward_flops > MAX_FLOPS:
+        return None
+    key = _key(cfg, rows, threads)
+    if key not in _measured:
+        with _threads(threads):
+            _measured[key] = _measure(cfg, rows)
+    return _measured[key]
+
+
+def _measure(cfg: Config, rows: int) -> list[LayerTime]:
+    from .data import build_dataset, load_batch
+    from .models import build_model
+    from .optim import build_loss
+    from .parallel.pipeline_cut import pipeline_layers
+
+    torch.manual_seed(cfg.train.seed)
+    dataset = build_dataset(cfg, "train")
+    model = build_model(cfg, dataset)
+    layers = pipeline_layers(model) or [model]
+    loss_fn = build_loss(cfg)
+    x, y = load_batch(dataset, torch.arange(rows))
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
+    )
+    inputs = [x]
+    with torch.no_grad(), autocast:
+        for layer in layers[:-1]:
+            inputs.append(layer(inputs[-1]))
+    out: list[LayerTime] = []
+    for i, layer in enumerate(layers):
+        last = i == len(layers) - 1
+        given = inputs[i].detach().requires_grad_(inputs[i].is_floating_point())
+
+        def forward(layer=layer, given=given, last=last):
+            with autocast:
+                result = layer(given)
+                return loss_fn(result, y) if last else result
+
+        def backward(forward=forward):
+            result = forward()
+            grad = None if result.dim() == 0 else torch.ones_like(result)
+            start = time.perf_counter()
+            result.backward(grad)
+            return time.perf_counter() - start
+
+        forward_s = _median_s(forward)
+        backward()
+        backward_s = statistics.median(backward() for _ in range(REPEATS))
+        model.zero_grad(set_to_none=True)
+        out.append(LayerTime(forward_s, backward_s))
+    return out

@@ -1,0 +1,109 @@
+"""Each strategy's step-time model (its spec's `time_model`), from what its engine does; the
+shared pieces (a replica's microbatches through its tp x pp grid, links, alpha-beta collectives,
+the optimizer) are predict.py's. Each returns (step seconds, the breakdown, forward FLOPs of a
+step over all replicas, tokens in a sample).
+
+  * dp and the model-parallel grid: gradient buckets all-reduced over dp while the last
+    microbatch's backward runs: only what exceeds that backward is exposed (and at least one
+    bucket's share); on the CPU nothing hides communication: all of it is exposed;
+  * zero1/2: reduce-scatter the same way, and all-gather the parameters after the optimizer step,
+    exposed; zero3 gathers each unit before its forward and backward, prefetched while the previous
+    unit computes: exposed only where the gathers outrun the compute;
+  * parameter servers: compute, then every shard pushed to and pulled from its server.
+"""
+
+from __future__ import annotations
+
+from ..predict import Step, collective_s
+
+
+def all_reduce(step: Step) -> tuple[float, dict, float, int]:
+    """dp (and tp x pp x dp): each replica's gradients all-reduced over dp, bucket by bucket."""
+    replica = step.replica()
+    dp, tp = step.plan["mesh"]["dp"], step.cfg.parallel.tp
+    exposed_s = 0.0
+    if dp > 1:
+        bw, lat = step.link(dp * tp)
+        grads = step.busiest["grad_bytes"]
+        reduce_s = collective_s("all_reduce", grads * step.wire, dp, bw, lat)
+        exposed_s = replica.overlapped(reduce_s, grads, step.cfg.parallel.bucket_mb)
+    return finish(step, replica, exposed_s)
+
+
+def zero(step: Step) -> tuple[float, dict, float, int]:
+    """ZeRO 1-3 over dp (tp = pp = 1)."""
+    from .registry import spec
+    from .zero_comm import from_primitives
+
+    replica = step.replica()
+    dp, p = step.plan["mesh"]["dp"], step.cfg.parallel
+    if dp == 1:
+        return finish(step, replica, 0.0)
+    bw, lat = step.link(dp)
+    primitives = from_primitives("nccl" if step.cluster.is_gpu else "gloo")
+
+    def reduce_scatter_s(size: float) -> float:
+        """On gloo ZeRO reduce-scatters by an all-reduce of the whole buffer (zero_comm)."""
+        return collective_s("all_reduce" if primitives else "reduce_scatter", size, dp, bw, lat)
+
+    def all_gather_s(size: float) -> float:
+        """On gloo ZeRO all-gathers by one broadcast of each rank's shard (zero_comm)."""
+        if primitives:
+            return dp * collective_s("send", size / dp, dp, bw, lat)
+        return collective_s("all_gather", size, dp, bw, lat)
+
+    if spec(p.strategy).stage == 3:
+        # one gather before each unit's forward and again before its backward (the root unit,
+        # kept through both, once) and one reduce-scatter each: a latency per unit, not per model
+        from .base import unique_parameters
+        from .zero import module_units
+
+        model = step.model
+        params = [t for _, t in unique_parameters(model)]
+        units = [
+            (-(-sum(t.numel() for t in g) // dp) * dp * g[0].element_size(), 1 if unit is model else 2)
+            for unit, g in module_units(model, params, int(p.bucket_mb * 2**20))
+        ]
+        reduce = sum(reduce_scatter_s(size * step.wire) for size, _ in units)
+        gathers = sum(times * all_gather_s(size) for size, times in units)
+        exposed_s = replica.microbatches * (max(reduce - replica.backward_s, 0) + max(gathers - replica.hiding_s, 0))
+    else:
+        full = step.busiest["param_bytes"]
+        exposed_s = replica.overlapped(reduce_scatter_s(full * step.wire), full, p.bucket_mb) + all_gather_s(full)
+    return finish(step, replica, exposed_s)
+
+
+def finish(step: Step, replica, exposed_s: float) -> tuple[float, dict, float, int]:
+    optimizer_s = step.optimizer_s()
+    parts = {**replica.parts, "exposed_dp_comm_s": exposed_s, "optimizer_s": optimizer_s}
+    return replica.pipeline_s + exposed_s + optimizer_s, parts, replica.forward_flops, replica.tokens_per_sample
+
+
+def parameter_server(step: Step) -> tuple[float, dict, float, int]:
+    """A sync step: every worker runs its microbatches through the whole model, pushes each server
+    its shard's gradients and pulls the shard back once the server has applied its optimizer to
+    the sum. Each server's link carries its shard to and from every worker (the plan's send and
+    receive bytes, a latency a message); the step waits for the slowest server, and for a worker's
+    own link, which carries every shard both ways. Async and ssp workers run ahead instead of
+    waiting: the figure is a sync step's."""
+    from ..predict import stage_costs
+
+    plan, cluster = step.plan, step.cluster
+    b = plan["batch"]
+    m = b["microbatches"]
+    (stage,), tokens_per_sample = stage_costs(step.cfg, b["rows_per_microbatch"], None, cluster, 1)
+    compute_s = m * stage.work_s(step.recompute)
+    bw, lat = step.link(plan["world_size"])
+
+    def on_the_wire(rank: dict, messages: int) -> float:
+        return sum(e["payload"] for e in (rank["comm"] or {}).values()) / bw + messages * lat
+
+    servers = [r for r in plan["ranks"] if r["role"] == "parameter server"]
+    worker = next(r for r in plan["ranks"] if r["role"] != "parameter server")
+    push_pull_s = max(
+        max(on_the_wire(r, 2 * plan["mesh"]["workers"]) for r in servers), on_the_wire(worker, 2 * len(servers))
+    )
+    optimizer_s = step.optimizer_s(max(servers, key=lambda r: r["optimizer_bytes"]))
+    parts = {"compute_s": compute_s, "push_pull_s": push_pull_s, "optimizer_s": optimizer_s}
+    forward_flops = stage.forward_flops * m * plan["mesh"]["workers"]
+    return compute_s + push_pull_s + optimizer_s, parts, forward_flops, tokens_per_sample
