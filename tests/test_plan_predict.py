@@ -152,6 +152,8 @@ A100_NODES = 'nodes = 4\ndevices_per_node = 8\ndevice = "a100-80gb"\n'
         (A100_NODES + "nic_Gbps = 100\n", "cluster.nic_Gbps"),
         ('devices_per_node = 8\ndevice = "h200"\n', "cluster.nodes"),
         (A100_NODES + 'latency_us = "fast"\n', "cluster.latency_us"),
+        (A100_NODES + "time_layers = true\n", "cluster.time_layers"),
+        ('nodes = 1\ndevices_per_node = 2\ndevice = "cpu"\ntime_layers = 1\n', "cluster.time_layers"),
     ],
 )
 def test_a_bad_cluster_file_exits_2_naming_the_key(tmp_path, capsys, body, key):
@@ -373,9 +375,12 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
     from paratrain.cluster import load_cluster
 
     path = tmp_path / "here.toml"
+    threads = os.environ.get("OMP_NUM_THREADS")
     assert main(["plan", "--calibrate", str(path), "--json", str(tmp_path / "a.json")]) == 0
+    assert os.environ.get("OMP_NUM_THREADS") == threads  # the workers' thread count is not left behind
     written = path.read_text()
-    for key in ("peak_tflops", "hbm_GBps", "op_overhead_us", "intra_node_GBps", "intra_latency_us", "p2p_latency_us"):
+    keys = ("peak_tflops", "hbm_GBps", "op_overhead_us", "intra_node_GBps", "intra_latency_us", "p2p_latency_us")
+    for key in (*keys, "cpu_contention", "time_layers"):
         assert f"\n{key} = " in written
     used = json.loads((tmp_path / "a.json").read_text())["cluster"]
     again = load_cluster(str(path))
@@ -386,10 +391,12 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
 
 
 def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
-    """On the cpu device a stage's compute is the sum of its layers' forward and backward timed on
-    this machine (layer_times, one entry per pipeline layer) at the thread count a worker gets,
-    times the processes' share of the cores; a model too large to run here is modelled instead."""
+    """On a calibrated cpu cluster (time_layers) a stage's compute is the sum of its layers' forward
+    and backward timed on this machine (layer_times: one entry per pipeline layer) at the thread
+    count a worker gets, stretched by the measured cpu_contention; a model too large to run here
+    is modelled."""
     from paratrain import layer_times, predict
+    from paratrain.cluster import parse_cluster
 
     cfg = load(str(write_config(tmp_path / "gpt.toml", GPT)), [])
     measured = layer_times.layer_times(cfg, 4, 1, forward_flops=0)
@@ -398,31 +405,29 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     assert layer_times.layer_times(cfg, 4, 1, forward_flops=int(layer_times.MAX_FLOPS) + 1) is None
 
     fixed = [layer_times.LayerTime(0.001 * (i + 1), 0.002 * (i + 1)) for i in range(layers)]
-    threads = []
+    threads_given = []
 
-    def timed(cfg, rows, n_threads, forward_flops):
-        threads.append(n_threads)
+    def timed(cfg, rows, threads, forward_flops):
+        threads_given.append(threads)
         return fixed
 
     monkeypatch.setattr(layer_times, "layer_times", timed)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    whole = sum(t.forward_s + t.backward_s for t in fixed)
-    cpu = 'nodes = 1\ndevices_per_node = {}\ndevice = "cpu"\n'
+    cpu = 'nodes = 1\ndevices_per_node = {}\ndevice = "cpu"\ntime_layers = true\n'
     one = predicted(tmp_path, cpu.format(1), ["data.batch_size=8"])["step_breakdown"]
-    assert one["compute_s"] == pytest.approx(whole) and threads[-1] == 2
-    # four processes on two cores: one thread each, at half the pace; a stage of a pipeline holds its layers
+    assert one["compute_s"] == pytest.approx(sum(t.forward_s + t.backward_s for t in fixed))
+    assert threads_given == [2]  # one process on two cores: both as threads
     sets = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=2", "data.batch_size=8"]
-    pp = predict.stage_costs(load(str(tmp_path / "gpt.toml"), sets), 4, [0, 2, layers], parse_cpu(4), 1)[0]
-    assert threads[-1] == 1
-    assert pp[0].forward_s == pytest.approx(2 * (0.001 + 0.002)) and pp[1].backward_s == pytest.approx(
-        2 * sum(t.backward_s for t in fixed[2:])
-    )
-
-
-def parse_cpu(devices: int):
-    from paratrain.cluster import parse_cluster
-
-    return parse_cluster({"nodes": 1, "devices_per_node": devices, "device": "cpu"})
+    four = {"nodes": 1, "devices_per_node": 4, "device": "cpu", "time_layers": True, "cpu_contention": 2.5}
+    first, second = predict.stage_costs(
+        load(str(tmp_path / "gpt.toml"), sets), 4, [0, 2, layers], parse_cluster(four), 1
+    )[0]
+    assert threads_given[-1] == 1  # four processes on two cores: one thread each, slowed as measured
+    assert first.forward_s == pytest.approx(2.5 * (0.001 + 0.002))
+    assert second.backward_s == pytest.approx(2.5 * sum(t.backward_s for t in fixed[2:]))
+    # without time_layers (a cluster file written by hand, or no --cluster) nothing is timed
+    predicted(tmp_path, cpu.format(2).replace("time_layers = true\n", ""), ["data.batch_size=8"])
+    assert len(threads_given) == 2
 
 
 def test_kendall_tau_of_the_bench():

@@ -49,6 +49,13 @@ class Device:
     # a pipeline message between neighbours in one node (0: intra_latency_us; --calibrate measures
     # this machine's, whose pipeline exchanges through shared memory instead of gloo)
     p2p_latency_us: float = 0.0
+    # a cpu cluster only: time the model's layers on this machine instead of modelling them
+    # (layer_times; --calibrate writes it, the machine it measured being the one planned for)
+    time_layers: bool = False
+    # how much slower a process computes while all devices_per_node of them compute at once than
+    # alone (shared caches and memory bandwidth; more processes than cores take turns): timed
+    # layers are stretched by it; --calibrate measures it
+    cpu_contention: float = 1.0
     # a large GEMM's share of peak_tflops (a data sheet's peak: NVIDIA's GEMM performance guide has
     # 80-90 %); 1 where the peak is itself a measured matmul rate (the cpu preset)
     gemm_efficiency: float = 0.85
@@ -98,6 +105,8 @@ _KEYS = {
     "intra_latency_us": float,
     "op_overhead_us": float,
     "p2p_latency_us": float,
+    "time_layers": bool,
+    "cpu_contention": float,
 }
 
 
@@ -136,15 +145,14 @@ def parse_cluster(raw: dict, where: str = "cluster") -> Cluster:
         kind = _KEYS.get(key)
         if kind is None:
             raise ConfigError(f"{where}.{key}", f"unknown key (known: {', '.join(_KEYS)})")
-        ok = (
-            isinstance(value, str)
-            if kind is str
-            else (isinstance(value, int) if kind is int else isinstance(value, (int, float)))
-            and not isinstance(value, bool)
-        )
+        if kind in (str, bool):
+            ok = isinstance(value, kind)
+        else:
+            ok = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
         if not ok:
-            raise ConfigError(f"{where}.{key}", f"expected {'a string' if kind is str else 'a number'}, got {value!r}")
-        if kind is not str and value <= 0:
+            expected = {str: "a string", bool: "true or false"}.get(kind, "a number")
+            raise ConfigError(f"{where}.{key}", f"expected {expected}, got {value!r}")
+        if kind in (int, float) and value <= 0:
             raise ConfigError(f"{where}.{key}", f"must be > 0, got {value}")
     for key in ("nodes", "devices_per_node", "device"):
         if key not in raw:
@@ -152,7 +160,9 @@ def parse_cluster(raw: dict, where: str = "cluster") -> Cluster:
     name = raw["device"]
     if name not in PRESETS:
         raise ConfigError(f"{where}.device", f"unknown device {name!r} (presets: {', '.join(PRESETS)})")
-    overrides = {f.name: float(raw[f.name]) for f in fields(Device) if f.name in raw}
+    overrides = {f.name: _KEYS[f.name](raw[f.name]) for f in fields(Device) if f.name in raw}
+    if overrides.get("time_layers") and name != "cpu":
+        raise ConfigError(f"{where}.time_layers", f"times layers on this machine: device must be 'cpu', not {name!r}")
     device = replace(PRESETS[name], **overrides)
     if name == "cpu":
         device = for_cpu(device)
@@ -196,6 +206,31 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _contention(rt, train_step) -> float:
+    """How much slower a run of tiny training steps (tens of ms: longer than the scheduler's slices,
+    so processes that outnumber the cores are seen taking turns) is while every rank runs it
+    than on rank 0 alone: the median of 3 each."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    def steps_s() -> float:
+        start = time.perf_counter()
+        for _ in range(100):
+            train_step()
+        return time.perf_counter() - start
+
+    alone, together = [], []
+    for _ in range(3):
+        dist.barrier()
+        if rt.rank == 0:
+            alone.append(steps_s())
+        dist.barrier()
+        together.append(steps_s())
+    return statistics.median(together) / statistics.median(alone) if rt.rank == 0 else 0.0
+
+
 def _p2p_latency_s(rt) -> float:
     """One way of a 64 KiB pipeline message between ranks 0 and 1, through the pipeline's own
     transport (pipeline_comm.P2P: shared memory between processes of one host): half the median
@@ -233,7 +268,6 @@ def calibration_worker(out_path: str) -> None:
     three times: forward and backward); then all-reduces of CALIBRATION_SIZES bytes, ten at a
     time. Rank 0 writes the medians over ranks as JSON."""
     import json
-    import os
     import statistics
     import time
 
@@ -245,7 +279,6 @@ def calibration_worker(out_path: str) -> None:
     from .op_costs import OpRecorder
 
     rt = runtime.init("cpu")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // rt.world_size))  # the launcher's share
     a, big = torch.randn(512, 512), torch.randn(4 * 2**20)
     tiny = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(16, 16), nn.ReLU())])
     optimizer, x = torch.optim.AdamW(tiny.parameters()), torch.randn(8, 16)
@@ -278,6 +311,7 @@ def calibration_worker(out_path: str) -> None:
             times.append((time.perf_counter() - start) / 10)
         reduce_s.append(statistics.median(times[1:]))
     rates["p2p_s"] = _p2p_latency_s(rt)
+    rates["contention"] = _contention(rt, train_step)
     mine = torch.tensor([*rates.values(), *reduce_s], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(rt.world_size)]
     dist.all_gather(gathered, mine)
@@ -285,7 +319,9 @@ def calibration_worker(out_path: str) -> None:
         medians = torch.stack(gathered).median(dim=0).values.tolist()
         # the p2p pair's own figure (the other ranks report none)
         result = dict(zip(rates, medians))
-        result["p2p_s"] = max(row[len(rates) - 1] for row in gathered).item()
+        keys = list(rates)
+        result["p2p_s"] = max(row[keys.index("p2p_s")] for row in gathered).item()
+        result["contention"] = gathered[0][keys.index("contention")].item()  # rank 0's
         result["all_reduce_s"] = dict(zip(map(str, CALIBRATION_SIZES), medians[len(rates) :]))
         with open(out_path, "w") as fh:
             json.dump(result, fh)
@@ -304,12 +340,12 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
 
     import torch
 
-    from .launch import launch
+    from .launch import launch_measurement
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "calibration.json")
         ranks = max(2, nproc)
-        launch(calibration_worker, [out], nproc=ranks, run_id="calibrate")
+        launch_measurement(calibration_worker, [out], nproc=ranks, run_id="calibrate")
         with open(out) as fh:
             m = json.load(fh)
     # alpha-beta from the ring all-reduces of n ranks (each sends 2(n-1)/n of its buffer in 2(n-1)
@@ -333,6 +369,8 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         "intra_latency_us": latency_s * 1e6,
         "latency_us": latency_s * 1e6,
         "p2p_latency_us": m["p2p_s"] * 1e6,
+        "time_layers": True,
+        "cpu_contention": max(1.0, m["contention"]),
     }
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
@@ -343,6 +381,8 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         "# memory (p2p latency). inter_node_Gbps: the cpu preset's, assumed.",
         "[cluster]",
     ]
+    lines.append("# time_layers: plans time the model's layers here; cpu_contention: training steps on every")
+    lines.append("# rank at once against rank 0 alone.")
     lines += [f"{k} = {v:.6g}" if isinstance(v, float) else f"{k} = {json.dumps(v)}" for k, v in values.items()]
     try:
         with open(path, "w") as fh:

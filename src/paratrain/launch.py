@@ -261,6 +261,20 @@ def _interface_of(address: str) -> str | None:
     return None
 
 
+def launch_measurement(target: Callable, args: list[str], *, nproc: int, run_id: str) -> None:
+    """`launch` for a measurement taken from within another command (`paratrain plan`'s
+    calibration and layer timing): the thread count it sets for its workers does not stay in
+    this process's environment, where a later launch would take it for the user's."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    try:
+        launch(target, args, nproc=nproc, run_id=run_id)
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+
+
 def launch(
     target: str | Callable,
     args: list[str],

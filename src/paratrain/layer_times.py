@@ -1,5 +1,6 @@
-"""Each layer's forward and backward time, measured on this machine: the compute of a plan for
-the `cpu` device (this machine), as Galvatron and vTrain profile layers instead of modelling them.
+"""Each layer's forward and backward time, measured on this machine: the compute of a plan on a
+calibrated cpu cluster (`time_layers = true`, which `paratrain plan --calibrate` writes), as
+Galvatron and vTrain profile layers instead of modelling them.
 
 On a CPU a small model's layer costs more in eager dispatch (Python, the dispatcher, autograd's
 bookkeeping: tens of microseconds an op) than in arithmetic, and the split between the two
@@ -8,8 +9,10 @@ does. So each of the model's pipeline layers (the whole model where it has none)
 real, on a microbatch of the plan's rows, at the thread count a worker of the planned run gets
 (the launcher gives each of N processes cores // N threads): forward alone, and backward alone
 from the gradient of its output, the loss in the last layer's. Medians of a few repeats, once
-per (model, rows, threads) in a process (a plan, a search). The model is timed only while it is
-cheap to run here (MAX_FLOPS), so a plan for a large model falls back to the analytic model.
+per (model, rows, threads) in a planning process. How much N processes computing at once slow
+each other (shared caches and memory bandwidth; more processes than cores take turns) is the
+cluster's `cpu_contention`, which --calibrate measures. The model is timed only while it is cheap
+to run here (MAX_FLOPS); a larger one is modelled instead.
 """
 
 from __future__ import annotations
@@ -36,22 +39,24 @@ class LayerTime:
 _measured: dict[tuple, list[LayerTime]] = {}
 
 
-def _key(cfg: Config, rows: int, threads: int) -> tuple:
-    return (repr(cfg.model), repr(cfg.data), cfg.train.precision, rows, threads)
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+def layer_times(cfg: Config, rows: int, threads: int, forward_flops: int) -> list[LayerTime] | None:
+    """Forward and backward seconds of each pipeline layer on `rows` samples at `threads` threads;
+    None when the model is too large to run here (`forward_flops`: of its forward on `rows`)."""
+    if forward_flops > MAX_FLOPS:
+        return None
+    key = (repr(cfg.model), repr(cfg.data), cfg.train.precision, rows, threads)
+    if key not in _measured:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            _measured[key] = [LayerTime(*pair) for pair in _measure(cfg, rows)]
+        finally:
+            torch.set_num_threads(before)
+    return _measured[key]
 
 
 def _median_s(fn) -> float:
-    fn()  # the kernels' one-time set-up (twice: a second thread pool starts on the first)
+    fn()  # the kernels' one-time set-up (twice: a thread pool starts on the first)
     fn()
     times = []
     for _ in range(REPEATS):
@@ -61,19 +66,8 @@ def _median_s(fn) -> float:
     return statistics.median(times)
 
 
-def layer_times(cfg: Config, rows: int, threads: int, forward_flops: int) -> list[LayerTime] | None:
-    """Forward and backward seconds of each pipeline layer on `rows` samples at `threads` threads;
-    None when the model is too large to run here (`forward_flops`: of its forward on `rows`)."""
-    if forward_flops > MAX_FLOPS:
-        return None
-    key = _key(cfg, rows, threads)
-    if key not in _measured:
-        with _threads(threads):
-            _measured[key] = _measure(cfg, rows)
-    return _measured[key]
-
-
-def _measure(cfg: Config, rows: int) -> list[LayerTime]:
+def _measure(cfg: Config, rows: int) -> list[list[float]]:
+    """[forward_s, backward_s] of each pipeline layer."""
     from .data import build_dataset, load_batch
     from .models import build_model
     from .optim import build_loss
@@ -92,7 +86,7 @@ def _measure(cfg: Config, rows: int) -> list[LayerTime]:
     with torch.no_grad(), autocast:
         for layer in layers[:-1]:
             inputs.append(layer(inputs[-1]))
-    out: list[LayerTime] = []
+    out = []
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
         given = inputs[i].detach().requires_grad_(inputs[i].is_floating_point())
@@ -110,8 +104,8 @@ def _measure(cfg: Config, rows: int) -> list[LayerTime]:
             return time.perf_counter() - start
 
         forward_s = _median_s(forward)
-        backward()
+        backward(), backward()
         backward_s = statistics.median(backward() for _ in range(REPEATS))
         model.zero_grad(set_to_none=True)
-        out.append(LayerTime(forward_s, backward_s))
+        out.append([forward_s, backward_s])
     return out

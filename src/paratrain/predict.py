@@ -74,21 +74,18 @@ def stage_costs(
     cfg: Config, rows: int, bounds: list[int] | None, cluster: Cluster, tp: int
 ) -> tuple[list[StageCost], int]:
     """Each stage's cost on one device of the cluster (split over tp), and the tokens in a sample:
-    on the cpu device (this machine) its layers timed here (layer_times) where they are small
-    enough to run, else modelled (`modelled_s`); split over tp as the model splits it."""
+    on a calibrated cpu cluster (`time_layers`) its layers timed here (layer_times) where they are
+    small enough to run, else modelled; split over tp as the model splits it."""
     stages, tokens = stage_ops(cfg, rows, bounds)
     d = cluster.device
     measured = None
-    if not cluster.is_gpu:
+    if d.time_layers:
         import os
 
         from .layer_times import layer_times
 
-        cores = os.cpu_count() or 1
-        threads = max(1, cores // cluster.devices_per_node)  # the launcher's share (launch.py)
+        threads = max(1, (os.cpu_count() or 1) // cluster.devices_per_node)  # the launcher's share
         measured = layer_times(cfg, rows, threads, sum(f for ops in stages for f, _ in ops))
-        # more processes than cores: each computes at its share of the time
-        contention = max(1.0, cluster.devices_per_node / cores)
     out = []
     for s, ops in enumerate(stages):
         flops_s = sum(flops / (d.peak_tflops * 1e12 * d.gemm_efficiency) for flops, _ in ops)
@@ -98,9 +95,10 @@ def stage_costs(
         if measured is None:
             forward_s, backward_s = split, 2 * split
         else:
-            # the measured time split over tp in the proportions the model gives
+            # the measured time, stretched as the processes slow each other, split over tp in the
+            # proportions the model gives
             layers = measured if bounds is None else measured[bounds[s] : bounds[s + 1]]
-            scale = contention * split / (fixed_s + flops_s + memory_s)
+            scale = d.cpu_contention * split / (fixed_s + flops_s + memory_s)
             forward_s = scale * sum(t.forward_s for t in layers)
             backward_s = scale * sum(t.backward_s for t in layers)
         out.append(StageCost(sum(f for f, _ in ops), forward_s, backward_s))

@@ -93,6 +93,12 @@ def add_parser(which) -> None:
         "--steps", type=COUNT, default=16, help=f"steps per run (default 16; the first {SETUP_STEPS} are set-up)"
     )
     p.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp (default both)")
+    p.add_argument(
+        "--only",
+        default="",
+        metavar="TEXT,...",
+        help="run only the layouts whose label holds one of these (e.g. 'x4,pp')",
+    )
     add_json_option(p)
     p.set_defaults(func=run)
 
@@ -174,7 +180,8 @@ def predict_layout(config: Path, nproc: int, sets: list[str], cluster) -> dict:
     cfg = load(str(config), sets)
     with torch.device("meta"):
         model = build_model(cfg, build_dataset(cfg, "train"))
-    return make_plan(cfg, model, nproc, 1, "cpu", shared_by(cluster, nproc))["predicted"]
+    plan = make_plan(cfg, model, nproc, 1, "cpu", shared_by(cluster, nproc))
+    return {**plan["predicted"], "breakdown": plan["step_breakdown"]}
 
 
 def shared_by(cluster, nproc: int):
@@ -192,6 +199,7 @@ def shared_by(cluster, nproc: int):
         peak_tflops=d.peak_tflops * calibrated / nproc,
         hbm_GBps=d.hbm_GBps * calibrated / nproc,
         op_overhead_us=d.op_overhead_us * max(1.0, nproc / cores) / max(1.0, calibrated / cores),
+        cpu_contention=d.cpu_contention if nproc == calibrated else 1.0,  # measured for one count only
     )
     return dataclasses.replace(cluster, nodes=1, devices_per_node=nproc, device=device)
 
@@ -204,6 +212,20 @@ def median_step_s(entries: list[dict]) -> float:
 
     times = {e["step"]: e["time"] for e in entries}
     return statistics.median(times[s] - times[s - 1] for s in sorted(times) if s > SETUP_STEPS and s - 1 in times)
+
+
+def measured_phases(run_dir: Path) -> dict[str, float]:
+    """Where a step's time went on the rank whose step took longest (profile.jsonl): the median
+    seconds of each phase over the steps after set-up, beside the predicted breakdown."""
+    import statistics
+
+    steps = [json.loads(line) for line in (run_dir / "profile.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if s["step"] > SETUP_STEPS]
+    slowest = max(range(steps[0]["world"]), key=lambda r: statistics.median(s["ranks"][r]["step_s"] for s in steps))
+    return {
+        phase: statistics.median(s["ranks"][slowest]["phases"][phase] for s in steps)
+        for phase in steps[0]["ranks"][slowest]["phases"]
+    }
 
 
 def kendall_tau(xs: list[float], ys: list[float]) -> float:
@@ -245,6 +267,8 @@ def run(args) -> int:
         tiny.write_text(text.format(**TINY[model]))
         for n, (nproc, sets) in enumerate(LAYOUTS):
             name = label(model, nproc, sets)
+            if args.only and not any(part in name for part in args.only.split(",")):
+                continue
             try:
                 if (model, nproc) not in baseline:
                     _, baseline[model, nproc] = run_job(
@@ -267,6 +291,8 @@ def run(args) -> int:
                 "predicted_mib": predicted["peak_memory_gib"] * 1024,
                 "measured_mib": measured_mib,
             }
+            row["predicted_breakdown"] = predicted["breakdown"]
+            row["measured_phases"] = measured_phases(tmp / f"{model}-{n}")
             row["step_error"] = row["predicted_step_s"] / measured_step - 1
             row["memory_error"] = row["predicted_mib"] / measured_mib - 1 if measured_mib > 0 else float("nan")
             rows.append(row)
