@@ -11,7 +11,8 @@ model's layers are timed here instead, forward and backward (layer_times: on a C
 not arithmetic, sets a small model's pace), at the thread count a worker gets, and stretched by
 the processes' share of the cores when they outnumber them. `train.recompute = "full"` adds one
 forward. Under tp, each device does 1/tp of a stage's arithmetic (the few replicated ops, layer
-norms and residual adds, are counted split too) and all of its ops' dispatch.
+norms and residual adds, are counted split too) and all of its ops' dispatch (timed layers: the
+layer on 1/tp of the rows, the same ops on the same share of the work).
 
 Communication (alpha-beta): an op of a group of N moves its fewest bytes (profile.min_bytes_sent:
 2(N-1)/N of the buffer for a ring all-reduce) at the group's link bandwidth, plus a latency per ring
@@ -20,8 +21,9 @@ with the node's other devices, which communicate at the same time.
   * tp's all-reduces (activations.tp_all_reduces: their payloads) are on the critical path, in every
     microbatch, and under recompute the forward's half again;
   * pipeline stages send each microbatch's activation forward and its gradient back (within a node
-    at p2p_latency_us a message); the schedule idles (pp - 1) / v of a microbatch's work per rank
-    (gpipe and 1f1b: v = 1; interleaved: v virtual stages per rank);
+    at p2p_latency_us a message); a step takes m microbatches at the slowest rank's pace plus,
+    warming up and cooling down, one microbatch's work on every other rank, over v (gpipe and
+    1f1b: v = 1; interleaved: v virtual stages per rank): (pp - 1) / v microbatches when balanced;
   * the optimizer reads and writes its state, the parameters and the gradients once, memory-bound;
   * what each strategy communicates besides (dp's buckets, ZeRO's gathers, the parameter servers'
     push and pull) is its own time model: its spec's `time_model`, in parallel/step_costs.py.
@@ -85,7 +87,10 @@ def stage_costs(
         from .layer_times import layer_times
 
         threads = max(1, (os.cpu_count() or 1) // cluster.devices_per_node)  # the launcher's share
-        measured = layer_times(cfg, rows, threads, sum(f for ops in stages for f, _ in ops))
+        # a tp shard runs every op of its layer on 1/tp of the arithmetic: timed as the layer on
+        # 1/tp of the rows (the same ops, the same share of the work)
+        timed_rows = max(1, rows // tp)
+        measured = layer_times(cfg, timed_rows, threads, sum(f for ops in stages for f, _ in ops) // tp)
     out = []
     for s, ops in enumerate(stages):
         flops_s = sum(flops / (d.peak_tflops * 1e12 * d.gemm_efficiency) for flops, _ in ops)
@@ -95,10 +100,10 @@ def stage_costs(
         if measured is None:
             forward_s, backward_s = split, 2 * split
         else:
-            # the measured time, stretched as the processes slow each other, split over tp in the
-            # proportions the model gives
+            # the measured time, stretched as the processes slow each other (and where the rows do
+            # not split evenly over tp, its arithmetic's remainder as modelled)
             layers = measured if bounds is None else measured[bounds[s] : bounds[s + 1]]
-            scale = d.cpu_contention * split / (fixed_s + flops_s + memory_s)
+            scale = d.cpu_contention * split / (fixed_s + (flops_s + memory_s) * timed_rows / rows)
             forward_s = scale * sum(t.forward_s for t in layers)
             backward_s = scale * sum(t.backward_s for t in layers)
         out.append(StageCost(sum(f for f, _ in ops), forward_s, backward_s))
@@ -200,7 +205,9 @@ class Step:
             backward = sum(stages[s].work_s(recompute) - stages[s].forward_s for s in held)
             per_rank.append((compute + sum(tp_s[s] + p2p_s[s] for s in held), backward, compute))
         slowest, backward, _ = max(per_rank)
-        bubble_s = (pp - 1) / v * slowest
+        # the warm-up and cool-down: each microbatch passes every other rank once before the
+        # slowest rank's steady pace sets in ((pp - 1) / v of a microbatch's work when balanced)
+        bubble_s = (sum(work for work, _, _ in per_rank) - slowest) / v
         # what communication can hide behind: on a GPU the compute of the same microbatch; on the
         # CPU nothing, since gloo's threads run on the cores that compute
         backward, hiding = (backward, slowest) if cluster.is_gpu else (0.0, 0.0)
