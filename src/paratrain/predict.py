@@ -236,6 +236,11 @@ class Replica:
         return max(reduce_s - self.backward_s, reduce_s * min(1.0, bucket_mb * 2**20 / max(numbers, 1)))
 
 
+def bucketed_s(op: str, payload: float, n: int, bandwidth: float, latency: float, buckets: int) -> float:
+    """The same bytes as `buckets` collectives: a latency each."""
+    return buckets * collective_s(op, payload / buckets, n, bandwidth, latency)
+
+
 def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict, dict]:
     """(the "predicted" figures, the breakdown of one step in seconds) for the plan of `cfg`
     (`model` on the meta device) on the cluster, by its strategy's own time model."""

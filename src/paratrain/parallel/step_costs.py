@@ -8,13 +8,16 @@ step over all replicas, tokens in a sample).
     bucket's share); on the CPU nothing hides communication: all of it is exposed;
   * zero1/2: reduce-scatter the same way, and all-gather the parameters after the optimizer step,
     exposed; zero3 gathers each unit before its forward and backward, prefetched while the previous
-    unit computes: exposed only where the gathers outrun the compute;
+    unit computes: exposed only where the gathers outrun the compute; it reduce-scatters each
+    unit's gradients (on gloo: all-reduces each gradient where it lies, a latency a tensor);
   * parameter servers: compute, then every shard pushed to and pulled from its server.
 """
 
 from __future__ import annotations
 
-from ..predict import Step, collective_s
+import math
+
+from ..predict import Step, bucketed_s, collective_s
 
 
 def all_reduce(step: Step) -> tuple[float, dict, float, int]:
@@ -24,9 +27,9 @@ def all_reduce(step: Step) -> tuple[float, dict, float, int]:
     exposed_s = 0.0
     if dp > 1:
         bw, lat = step.link(dp * tp)
-        grads = step.busiest["grad_bytes"]
-        reduce_s = collective_s("all_reduce", grads * step.wire, dp, bw, lat)
-        exposed_s = replica.overlapped(reduce_s, grads, step.cfg.parallel.bucket_mb)
+        grads, bucket_mb = step.busiest["grad_bytes"], step.cfg.parallel.bucket_mb
+        reduce_s = bucketed_s("all_reduce", grads * step.wire, dp, bw, lat, buckets(grads, bucket_mb))
+        exposed_s = replica.overlapped(reduce_s, grads, bucket_mb)
     return finish(step, replica, exposed_s)
 
 
@@ -42,9 +45,9 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
     bw, lat = step.link(dp)
     primitives = from_primitives("nccl" if step.cluster.is_gpu else "gloo")
 
-    def reduce_scatter_s(size: float) -> float:
+    def reduce_scatter_s(size: float, count: int = 1) -> float:
         """On gloo ZeRO reduce-scatters by an all-reduce of the whole buffer (zero_comm)."""
-        return collective_s("all_reduce" if primitives else "reduce_scatter", size, dp, bw, lat)
+        return bucketed_s("all_reduce" if primitives else "reduce_scatter", size, dp, bw, lat, count)
 
     def all_gather_s(size: float) -> float:
         """On gloo ZeRO all-gathers by one broadcast of each rank's shard (zero_comm)."""
@@ -60,17 +63,28 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
 
         model = step.model
         params = [t for _, t in unique_parameters(model)]
+        groups = module_units(model, params, int(p.bucket_mb * 2**20))
         units = [
             (-(-sum(t.numel() for t in g) // dp) * dp * g[0].element_size(), 1 if unit is model else 2)
-            for unit, g in module_units(model, params, int(p.bucket_mb * 2**20))
+            for unit, g in groups
         ]
-        reduce = sum(reduce_scatter_s(size * step.wire) for size, _ in units)
+        if primitives:  # gloo: each gradient all-reduced where it lies (zero_comm's in-place path)
+            grads = [t.numel() * t.element_size() * step.wire for _, g in groups for t in g]
+            reduce = sum(collective_s("all_reduce", size, dp, bw, lat) for size in grads)
+        else:
+            reduce = sum(reduce_scatter_s(size * step.wire) for size, _ in units)
         gathers = sum(times * all_gather_s(size) for size, times in units)
         exposed_s = replica.microbatches * (max(reduce - replica.backward_s, 0) + max(gathers - replica.hiding_s, 0))
     else:
         full = step.busiest["param_bytes"]
-        exposed_s = replica.overlapped(reduce_scatter_s(full * step.wire), full, p.bucket_mb) + all_gather_s(full)
+        reduce_s = reduce_scatter_s(full * step.wire, buckets(full, p.bucket_mb))
+        exposed_s = replica.overlapped(reduce_s, full, p.bucket_mb) + all_gather_s(full)
     return finish(step, replica, exposed_s)
+
+
+def buckets(grad_bytes: float, bucket_mb: float) -> int:
+    """How many buckets the gradients fill (make_buckets: bucket_mb each, the last one short)."""
+    return max(1, math.ceil(grad_bytes / (bucket_mb * 2**20)))
 
 
 def finish(step: Step, replica, exposed_s: float) -> tuple[float, dict, float, int]:
