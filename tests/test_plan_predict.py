@@ -423,6 +423,8 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     layers = len(list(build_model(cfg, build_dataset(cfg, "train")).pipeline_layers()))
     assert len(measured) == layers and all(t.forward_s > 0 and t.backward_s > 0 for t in measured)
     assert layer_times.layer_times(cfg, 4, 1, forward_flops=int(layer_times.MAX_FLOPS) + 1) is None
+    whole, flat = layer_times.optimizer_step_s(cfg, 1)
+    assert whole > 0 and flat > 0
 
     fixed = [layer_times.LayerTime(0.001 * (i + 1), 0.002 * (i + 1)) for i in range(layers)]
     threads_given = []
@@ -432,11 +434,15 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
         return fixed
 
     monkeypatch.setattr(layer_times, "layer_times", timed)
+    monkeypatch.setattr(layer_times, "optimizer_step_s", lambda cfg, threads: (0.004, 0.001))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     cpu = 'nodes = 1\ndevices_per_node = {}\ndevice = "cpu"\ntime_layers = true\n'
     one = predicted(tmp_path, cpu.format(1), ["data.batch_size=8"])["step_breakdown"]
     assert one["compute_s"] == pytest.approx(sum(t.forward_s + t.backward_s for t in fixed))
     assert threads_given == [2]  # one process on two cores: both as threads
+    assert one["optimizer_s"] == pytest.approx(0.004)  # the whole model's step, timed
+    zero1 = predicted(tmp_path, cpu.format(2), ["data.batch_size=8", "parallel.strategy='zero1'"])["step_breakdown"]
+    assert zero1["optimizer_s"] == pytest.approx(0.001 / 2, rel=0.01)  # half of one flat tensor's
     sets = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=2", "data.batch_size=8"]
     four = {"nodes": 1, "devices_per_node": 4, "device": "cpu", "time_layers": True, "cpu_contention": 2.5}
     first, second = predict.stage_costs(
@@ -447,7 +453,7 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     assert second.backward_s == pytest.approx(2.5 * sum(t.backward_s for t in fixed[2:]))
     # without time_layers (a cluster file written by hand, or no --cluster) nothing is timed
     predicted(tmp_path, cpu.format(2).replace("time_layers = true\n", ""), ["data.batch_size=8"])
-    assert len(threads_given) == 2
+    assert len(threads_given) == 3
 
 
 def test_kendall_tau_of_the_bench():

@@ -9,7 +9,7 @@ does. So each of the model's pipeline layers (the whole model where it has none)
 real, on a microbatch of the plan's rows, at the thread count a worker of the planned run gets
 (the launcher gives each of N processes cores // N threads): forward alone, and backward alone
 from the gradient of its output, the loss in the last layer's. Medians of a few repeats, once
-per (model, rows, threads) in a planning process. How much N processes computing at once slow
+per (model, rows, threads) in a planning process; likewise the optimizer's step. How much N processes computing at once slow
 each other (shared caches and memory bandwidth; more processes than cores take turns) is the
 cluster's `cpu_contention`, which --calibrate measures. The model is timed only while it is cheap
 to run here (MAX_FLOPS); a larger one is modelled instead.
@@ -36,7 +36,8 @@ class LayerTime:
     backward_s: float
 
 
-_measured: dict[tuple, list[LayerTime]] = {}
+_measured: dict[tuple, object] = {}
+MAX_OPTIMIZED = 10**8  # parameters: above this the optimizer step is not run here
 
 
 def layer_times(cfg: Config, rows: int, threads: int, forward_flops: int) -> list[LayerTime] | None:
@@ -50,6 +51,36 @@ def layer_times(cfg: Config, rows: int, threads: int, forward_flops: int) -> lis
         torch.set_num_threads(threads)
         try:
             _measured[key] = [LayerTime(*pair) for pair in _measure(cfg, rows)]
+        finally:
+            torch.set_num_threads(before)
+    return _measured[key]
+
+
+def optimizer_step_s(cfg: Config, threads: int) -> tuple[float, float] | None:
+    """Seconds of an optimizer step (the run's own: optim.build_optimizer) over the model's
+    parameters as the model holds them, and over one flat tensor of as many (as ZeRO shards them),
+    at `threads` threads; None when the model is too large to step here."""
+    from .data import build_dataset
+    from .models import build_model
+    from .optim import build_optimizer
+
+    key = ("optimizer", repr(cfg.model), repr(cfg.data), repr(cfg.train), threads)
+    if key not in _measured:
+        with torch.device("meta"):
+            count = sum(p.numel() for p in build_model(cfg, build_dataset(cfg, "train")).parameters())
+        if count > MAX_OPTIMIZED:
+            return None
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            params = list(build_model(cfg, build_dataset(cfg, "train")).parameters())
+            flat = torch.nn.Parameter(torch.zeros(count))
+            times = []
+            for held in (params, [flat]):
+                for p in held:
+                    p.grad = torch.full_like(p, 1e-3)
+                times.append(_median_s(build_optimizer(held, cfg.train).step))
+            _measured[key] = tuple(times)
         finally:
             torch.set_num_threads(before)
     return _measured[key]

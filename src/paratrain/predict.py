@@ -154,8 +154,26 @@ class Step:
     def link(self, span: int) -> tuple[float, float]:
         return link(self.cluster, span)
 
-    def optimizer_s(self, rank: dict | None = None) -> float:
-        return optimizer_time(self.plan, rank or self.busiest, self.cluster)
+    def optimizer_s(self, rank: dict | None = None, flat: bool = False) -> float:
+        """The optimizer's step on `rank` (default the busiest), which holds its share of the
+        parameters as the model's tensors or (`flat`) as one flat shard: timed on a calibrated
+        cpu cluster (layer_times.optimizer_step_s, the whole model's, by the share it holds),
+        else modelled (optimizer_time)."""
+        rank = rank or self.busiest
+        d = self.cluster.device
+        if d.time_layers:
+            import os
+
+            from .layer_times import optimizer_step_s
+
+            threads = max(1, (os.cpu_count() or 1) // self.cluster.devices_per_node)
+            timed = optimizer_step_s(self.cfg, threads)
+            if timed is not None:
+                total, slots = self.plan["model"]["bytes"], self.plan["optimizer"]["state_tensors_per_parameter"]
+                stepped = rank["optimizer_bytes"] / slots if slots else rank["param_bytes"]  # what it updates
+                share = stepped / max(1, total)
+                return d.cpu_contention * share * timed[1 if flat else 0]
+        return optimizer_time(self.plan, rank, self.cluster)
 
     def replica(self) -> Replica:
         """One model replica's microbatches through its tp x pp grid (tp = pp = 1: one device)."""

@@ -41,7 +41,7 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
     replica = step.replica()
     dp, p = step.plan["mesh"]["dp"], step.cfg.parallel
     if dp == 1:
-        return finish(step, replica, 0.0)
+        return finish(step, replica, 0.0, flat=True)
     bw, lat = step.link(dp)
     primitives = from_primitives("nccl" if step.cluster.is_gpu else "gloo")
 
@@ -79,7 +79,7 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
         full = step.busiest["param_bytes"]
         reduce_s = reduce_scatter_s(full * step.wire, buckets(full, p.bucket_mb))
         exposed_s = replica.overlapped(reduce_s, full, p.bucket_mb) + all_gather_s(full)
-    return finish(step, replica, exposed_s)
+    return finish(step, replica, exposed_s, flat=True)
 
 
 def buckets(grad_bytes: float, bucket_mb: float) -> int:
@@ -87,8 +87,9 @@ def buckets(grad_bytes: float, bucket_mb: float) -> int:
     return max(1, math.ceil(grad_bytes / (bucket_mb * 2**20)))
 
 
-def finish(step: Step, replica, exposed_s: float) -> tuple[float, dict, float, int]:
-    optimizer_s = step.optimizer_s()
+def finish(step: Step, replica, exposed_s: float, flat: bool = False) -> tuple[float, dict, float, int]:
+    """`flat`: the optimizer steps a flat shard (ZeRO)."""
+    optimizer_s = step.optimizer_s(flat=flat)
     parts = {**replica.parts, "exposed_dp_comm_s": exposed_s, "optimizer_s": optimizer_s}
     return replica.pipeline_s + exposed_s + optimizer_s, parts, replica.forward_flops, replica.tokens_per_sample
 
