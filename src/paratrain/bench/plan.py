@@ -4,7 +4,8 @@ Each layout (a small gpt and an mlp over dp, zero1-3, bf16 on the wire, tp, pp w
 and hybrids, on 1-4 processes) is run for real with `paratrain run` and planned with
 `paratrain plan --cluster` on the cluster file `paratrain plan --calibrate` writes (made first
 unless `--cluster` names one). Measured:
-  * step time: the median step after the first SETUP_STEPS (one-time set-up), from metrics.jsonl;
+  * step time: the slowest rank's training step as the profiler times it (profile.jsonl), the
+    median over the steps after the first SETUP_STEPS (one-time set-up);
   * memory: the peak resident memory (VmHWM) of the run's largest worker, sampled from /proc
     while it runs, less that of the same job with a tiny model of the same family on as many
     processes: what the model, its state and its activations add.
@@ -147,7 +148,7 @@ def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int
     """`paratrain run` to the end: (metrics.jsonl's entries, the largest peak resident memory in
     bytes among its workers, sampled from /proc while it runs)."""
     argv = [sys.executable, "-m", "paratrain.cli", "run", str(config), "--nproc", str(nproc), "--run-dir", str(run_dir)]
-    for s in [*sets, f"train.steps={steps}", "train.log_every=1"]:
+    for s in [*sets, f"train.steps={steps}", "train.log_every=4"]:
         argv += ["--set", s]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MALLOC_MMAP_THRESHOLD_": "65536"}
     peaks: dict[int, int] = {}
@@ -204,14 +205,16 @@ def shared_by(cluster, nproc: int):
     return dataclasses.replace(cluster, nodes=1, devices_per_node=nproc, device=device)
 
 
-def median_step_s(entries: list[dict]) -> float:
-    """The median of the steps after the set-up steps (one-time kernel and allocator set-up), each
-    step's time from consecutive metrics.jsonl lines: on a shared machine a median holds still
-    where a mean takes every other process's burst in."""
+def median_step_s(run_dir: Path) -> float:
+    """The median, over the steps after the set-up steps (one-time kernel and allocator set-up),
+    of the slowest rank's step as the profiler timed it (profile.jsonl): the training step itself,
+    without the log points between steps (a gather of every rank's records and two file writes,
+    which cost more than a small model's step; a run logs every train.log_every steps). On a
+    shared machine a median holds still where a mean takes every other process's burst in."""
     import statistics
 
-    times = {e["step"]: e["time"] for e in entries}
-    return statistics.median(times[s] - times[s - 1] for s in sorted(times) if s > SETUP_STEPS and s - 1 in times)
+    steps = [json.loads(line) for line in (run_dir / "profile.jsonl").read_text().splitlines()]
+    return statistics.median(max(r["step_s"] for r in s["ranks"]) for s in steps if s["step"] > SETUP_STEPS)
 
 
 def measured_phases(run_dir: Path) -> dict[str, float]:
@@ -279,7 +282,7 @@ def run(args) -> int:
             except (RuntimeError, ConfigError) as exc:
                 print(f"| {name} | skipped: {exc} |||||| ", flush=True)
                 continue
-            measured_step = median_step_s(entries)
+            measured_step = median_step_s(tmp / f"{model}-{n}")
             measured_mib = (rss - baseline[model, nproc]) / 2**20
             row = {
                 "layout": name,

@@ -49,6 +49,7 @@ class ModelParallelSpec(Spec):
 
     engine_path = "hybrid:ModelParallel"
     cost_model = "costs:tensor_and_pipeline"
+    time_model = "step_costs:model_parallel"
     checkpoint_family = "model_parallel"
 
     def __init__(self, name: str, degrees: tuple[str, ...]):

@@ -6,10 +6,12 @@ step over all replicas, tokens in a sample).
   * dp and the model-parallel grid: gradient buckets all-reduced over dp while the last
     microbatch's backward runs: only what exceeds that backward is exposed (and at least one
     bucket's share); on the CPU nothing hides communication: all of it is exposed;
+  * tp and pp: besides, the gradient norm's all-reduce over the world, every step;
   * zero1/2: reduce-scatter the same way, and all-gather the parameters after the optimizer step,
     exposed; zero3 gathers each unit before its forward and backward, prefetched while the previous
     unit computes: exposed only where the gathers outrun the compute; it reduce-scatters each
-    unit's gradients (on gloo: all-reduces each gradient where it lies, a latency a tensor);
+    unit's gradients (on gloo: all-reduces each gradient where it lies, a latency a tensor); and
+    all-reduce the gradient norm;
   * parameter servers: compute, then every shard pushed to and pulled from its server.
 """
 
@@ -31,6 +33,16 @@ def all_reduce(step: Step) -> tuple[float, dict, float, int]:
         reduce_s = bucketed_s("all_reduce", grads * step.wire, dp, bw, lat, buckets(grads, bucket_mb))
         exposed_s = replica.overlapped(reduce_s, grads, bucket_mb)
     return finish(step, replica, exposed_s)
+
+
+def model_parallel(step: Step) -> tuple[float, dict, float, int]:
+    """tp x pp x dp: dp's gradient buckets as `all_reduce`, and the gradient norm's sum of squares
+    all-reduced over the whole world every step (hybrid.py), a latency-bound message."""
+    total, parts, forward_flops, tokens = all_reduce(step)
+    world = step.plan["world_size"]
+    norm_s = collective_s("all_reduce", 8, world, *step.link(world))
+    parts["exposed_dp_comm_s"] += norm_s
+    return total + norm_s, parts, forward_flops, tokens
 
 
 def zero(step: Step) -> tuple[float, dict, float, int]:
@@ -79,6 +91,7 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
         full = step.busiest["param_bytes"]
         reduce_s = reduce_scatter_s(full * step.wire, buckets(full, p.bucket_mb))
         exposed_s = replica.overlapped(reduce_s, full, p.bucket_mb) + all_gather_s(full)
+    exposed_s += collective_s("all_reduce", 8, dp, bw, lat)  # the gradient norm's sum of squares (zero.py)
     return finish(step, replica, exposed_s, flat=True)
 
 
