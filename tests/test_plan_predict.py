@@ -451,9 +451,15 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     assert threads_given[-1] == 1  # four processes on two cores: one thread each, slowed as measured
     assert first.forward_s == pytest.approx(2.5 * (0.001 + 0.002))
     assert second.backward_s == pytest.approx(2.5 * sum(t.backward_s for t in fixed[2:]))
+    # the search's replica plans are timed alike
+    from paratrain.search import search
+
+    layouts = search(str(tmp_path / "gpt.toml"), ["data.batch_size=8"], parse_cluster(four), top=3)
+    assert len(layouts) == 3 and threads_given[-1] == 1
+    threads_given.clear()
     # without time_layers (a cluster file written by hand, or no --cluster) nothing is timed
     predicted(tmp_path, cpu.format(2).replace("time_layers = true\n", ""), ["data.batch_size=8"])
-    assert len(threads_given) == 3
+    assert not threads_given
 
 
 def test_kendall_tau_of_the_bench():

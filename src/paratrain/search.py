@@ -169,6 +169,7 @@ def replica_plan(cfg: Config, model, cluster) -> dict:
             "microbatches": micro,
             "rows_per_microbatch": rows,
         },
+        "model": {"bytes": total},
         "optimizer": {"state_tensors_per_parameter": slots},
         "stages": stages,
         "ranks": [r.as_dict() for r in replica],
