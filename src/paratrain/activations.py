@@ -5,10 +5,13 @@ backward, the bytes a pipeline stage sends on, the payloads of tensor parallelis
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .config import Config
 from .models.recompute import blocks, run_layers
@@ -166,3 +169,85 @@ def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: di
         tokens = run.y.numel()
         payloads[-1] += [tokens * 4, 2 * tokens * 4]
     return payloads
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every storage an op creates while it is alive (a weak reference to each
+    storage tells when it goes), and their peak: the memory a step of fake tensors would hold.
+    Storages made before (parameters, gradients, the batch) are not counted."""
+
+    def __init__(self, made_before=()):
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+        self._before = [t.untyped_storage() for t in made_before]  # views of them are not new memory
+        for storage in self._before:
+            self._refs[id(storage)] = None
+
+    def mark(self) -> int:
+        """Starts a new peak from what is alive now; returns it."""
+        self.peak = self.live
+        return self.live
+
+    def _gone(self, key: int, size: int) -> None:
+        self._refs.pop(key, None)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._refs:
+                    size = storage.nbytes()
+                    self._refs[key] = weakref.ref(storage, lambda _, key=key, size=size: self._gone(key, size))
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+        return out
+
+
+@dataclass
+class StageMemory:
+    """One microbatch through one pipeline stage (the whole model without pp), in bytes over what
+    was alive before its forward: parameters and gradients (kept by the strategy) not included."""
+
+    forward_peak: int  # the most alive at once during its forward (and loss)
+    kept: int  # what its forward leaves alive until its backward: saved activations, its input and output
+    backward_peak: int  # the most alive at once during its backward, its kept bytes included
+
+
+def step_memory(cfg: Config, rows: int, bounds: list[int] | None = None) -> list[StageMemory]:
+    """Each stage's memory over one microbatch's forward and backward, played in fake tensors with
+    every storage counted while alive: saved activations, the temporaries of each op, the logits and
+    the loss, activation gradients in backward, each parameter's incoming gradient before it is
+    added to the one the strategy keeps (present, as after the first step), and a later stage's
+    received input and its gradient. Stage by stage, each from a fresh input as the engine receives it."""
+    from .optim import build_loss
+
+    run = FakeRun.build(cfg, rows, bounds)
+    loss_fn = build_loss(cfg)
+    out: list[StageMemory] = []
+    with run.mode:
+        for p in run.model.parameters():
+            p.grad = torch.zeros_like(p)
+    held = [t for p in run.model.parameters() for t in (p, p.grad)] + [run.x, run.y]
+    shape_in = run.x
+    for s, layers in enumerate(run.stages):
+        with run.mode, run.autocast, LiveBytes(held) as count:
+            start = count.mark()
+            x = shape_in if s == 0 else torch.empty_like(shape_in).requires_grad_(shape_in.is_floating_point())
+            y = run_layers(layers, x, run.recompute)
+            last = s == len(run.stages) - 1
+            loss = loss_fn(y, run.y) if last else None
+            forward_peak, kept = count.peak - start, count.live - start
+            count.mark()
+            if last:
+                loss.backward()
+            else:
+                y.backward(torch.empty_like(y))
+            backward_peak = count.peak - start
+            shape_in = y.detach()
+            del x, y, loss
+        out.append(StageMemory(forward_peak, kept, backward_peak))
+    return out

@@ -6,9 +6,10 @@ and hybrids, on 1-4 processes) is run for real with `paratrain run` and planned 
 unless `--cluster` names one). Measured:
   * step time: the mean step between the first and the last logged step (the first steps, with
     their one-time set-up, left out), from metrics.jsonl;
-  * memory: the peak resident memory (VmHWM) of the run's largest worker, sampled from /proc
-    while it runs, less that of the same job with a tiny model of the same family on as many
-    processes: what the model, its state and its activations add.
+  * memory: the peak of tensor bytes allocated on the run's largest rank during its steps
+    (train.track_memory: torch.cuda.max_memory_allocated's meaning, counted on the CPU from
+    torch's profiler), from the model's build on: what the model, its state, its activations and
+    every transient of a step hold.
 The table puts both beside the predictions; MAE is the mean relative error, Kendall's tau the
 agreement of the two rankings by step time, and the pick's ratio how much slower the layout the
 planner predicts fastest ran than the fastest measured.
@@ -21,7 +22,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from .common import COUNT, add_json_option, emit_json
@@ -59,8 +59,8 @@ optimizer = "adamw"
 """
 
 MODELS = {"gpt": (GPT, {"layers": 2, "width": 128}), "mlp": (MLP, {"layers": 4, "width": 512})}
-TINY = {"gpt": {"layers": 1, "width": 8}, "mlp": {"layers": 1, "width": 8}}
 
+MEMORY_STEPS = 3  # the optimizer's state exists from the first step on: the later ones are the steady peak
 PIPE = ["parallel.microbatches=4", "parallel.balance='params'"]
 # (processes, [parallel] settings); the gpt and the mlp each run every one
 LAYOUTS = [
@@ -104,51 +104,16 @@ def label(model: str, nproc: int, sets: list[str]) -> str:
     return f"{model} x{nproc} " + " ".join(shown)
 
 
-def peak_rss_of_tree(root: int, peaks: dict[int, int]) -> None:
-    """Each living training worker under `root`: its peak resident memory so far (VmHWM, bytes)
-    into `peaks`, read from /proc."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    parent[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    for pid in parent:
-        try:
-            with open(f"/proc/{pid}/comm") as fh:
-                if not fh.read().startswith("paratrain-r"):  # a training worker (trainer.worker names it)
-                    continue
-        except OSError:
-            continue
-        up = pid
-        while up not in (root, 0, 1) and up in parent:
-            up = parent[up]
-        if up != root:
-            continue
-        try:
-            with open(f"/proc/{pid}/status") as fh:
-                hwm = next((int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:")), 0)
-        except OSError:
-            continue
-        peaks[pid] = max(peaks.get(pid, 0), hwm)
-
-
-def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int) -> tuple[list[dict], int]:
-    """`paratrain run` to the end: (metrics.jsonl's entries, the largest peak resident memory in
-    bytes among its workers, sampled from /proc while it runs)."""
+def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int) -> list[dict]:
+    """`paratrain run` to the end: metrics.jsonl's entries."""
     argv = [sys.executable, "-m", "paratrain.cli", "run", str(config), "--nproc", str(nproc), "--run-dir", str(run_dir)]
     for s in [*sets, f"train.steps={steps}", "train.log_every=4"]:
         argv += ["--set", s]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    peaks: dict[int, int] = {}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
         try:
-            while proc.poll() is None:
-                peak_rss_of_tree(proc.pid, peaks)
-                time.sleep(0.2)
+            proc.wait()
         finally:  # interrupted: its workers go with it (the launcher ends them on SIGTERM)
             if proc.poll() is None:
                 proc.terminate()
@@ -157,8 +122,14 @@ def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int
             err.seek(0)
             lines = err.read().strip().splitlines()
             raise RuntimeError(lines[-1] if lines else f"exit {proc.returncode}")
-    entries = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return entries, max(peaks.values(), default=0)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def measured_peak_mib(config: Path, nproc: int, sets: list[str], run_dir: Path) -> float:
+    """The peak MiB of tensors allocated on the largest rank over a run of MEMORY_STEPS steps with
+    train.track_memory, apart from the timed run (the CPU's memory tracking slows every op)."""
+    entries = run_job(config, nproc, [*sets, "train.track_memory=true"], run_dir, MEMORY_STEPS)
+    return max(e["peak_memory_mib"] for e in entries)
 
 
 def predict_layout(config: Path, nproc: int, sets: list[str], cluster) -> dict:
@@ -216,30 +187,24 @@ def run(args) -> int:
         return 2
     print(f"cluster: {args.cluster or 'calibrated now'}: {cluster.device}", flush=True)
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
-    rows, baseline = [], {}
+    rows = []
     print("| layout | predicted step s | measured step s | error | predicted MiB | measured MiB | error |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for model in args.models.split(","):
         text, sizes = MODELS[model]
         config = tmp / f"{model}.toml"
         config.write_text(text.format(**sizes))
-        tiny = tmp / f"{model}-tiny.toml"
-        tiny.write_text(text.format(**TINY[model]))
         for n, (nproc, sets) in enumerate(LAYOUTS):
             name = label(model, nproc, sets)
             try:
-                if (model, nproc) not in baseline:
-                    _, baseline[model, nproc] = run_job(
-                        tiny, nproc, ["parallel.strategy='dp'"], tmp / f"{model}-base-{nproc}", 2
-                    )
-                entries, rss = run_job(config, nproc, sets, tmp / f"{model}-{n}", args.steps)
+                entries = run_job(config, nproc, sets, tmp / f"{model}-{n}", args.steps)
+                measured_mib = measured_peak_mib(config, nproc, sets, tmp / f"{model}-{n}-memory")
                 predicted = predict_layout(config, nproc, sets, cluster)
             except (RuntimeError, ConfigError) as exc:
                 print(f"| {name} | skipped: {exc} |||||| ", flush=True)
                 continue
             first, last = entries[0], entries[-1]
             measured_step = (last["time"] - first["time"]) / (last["step"] - first["step"])
-            measured_mib = (rss - baseline[model, nproc]) / 2**20
             row = {
                 "layout": name,
                 "model": model,

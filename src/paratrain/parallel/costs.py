@@ -10,7 +10,18 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..plan import MIB, RankPlan, dp_comm, model_parallel, nbytes, optimizer_slots, padded_bytes, saved_activation_bytes
+from ..plan import (
+    MIB,
+    RankPlan,
+    dp_codec,
+    dp_comm,
+    model_parallel,
+    nbytes,
+    optimizer_slots,
+    padded_bytes,
+    saved_activation_bytes,
+    step_memory,
+)
 from ..plan import zero_comm as zero_messages
 from .base import unique_parameters
 from .data_parallel import make_buckets
@@ -21,19 +32,24 @@ from .zero import module_units
 Planned = tuple[list[dict], list[str]]
 
 
-def _whole_model_activations(cfg: Config, ranks: list[RankPlan], rows: int) -> None:
-    """Every rank runs one microbatch through the whole model."""
+def _whole_model_activations(cfg: Config, ranks: list[RankPlan], rows: int) -> int:
+    """Every rank runs one microbatch through the whole model at a time: its saved activations on
+    each rank; returns the most a microbatch's forward and backward hold at once."""
     activations = saved_activation_bytes(cfg, rows)[0]
     for r in ranks:
         r.activation_bytes = activations
+    (m,) = step_memory(cfg, rows)
+    return max(m.forward_peak, m.backward_peak)
 
 
 def data_parallel(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
     params = [t for _, t in unique_parameters(model)]
     total = nbytes(params)
-    _whole_model_activations(cfg, ranks, rows)
+    transient = _whole_model_activations(cfg, ranks, rows)
     for r in ranks:
         r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, total, total, optimizer_slots(cfg) * total
+        dp_codec(r, cfg, params, len(ranks))
+        r.peak_bytes = r.model_state_bytes + transient
         dp_comm(r, cfg, params, len(ranks))
     return [], []
 

@@ -1,0 +1,51 @@
+"""Peak memory: train.track_memory's measurement (the peak of tensor bytes torch allocates on a
+rank) on a known allocation pattern, and the planner's predicted peak against it on real runs."""
+
+
+import torch
+
+from paratrain.profile import MemoryTracker
+
+MIB = 2**20
+
+
+def test_the_tracker_counts_a_known_allocation_pattern():
+    """What exists when the tracker is made is left out, what is made before training starts is
+    counted from the start, and each take() is the peak since the last one, whatever was freed."""
+    dataset = torch.zeros(4 * MIB, dtype=torch.uint8)
+    tracker = MemoryTracker(torch.device("cpu"))
+    model = torch.zeros(3 * MIB, dtype=torch.uint8)
+    view = model[: MIB // 2]  # a view is not memory of its own
+    tracker.start()
+    try:
+        temporary = torch.empty(5 * MIB, dtype=torch.uint8)
+        del temporary
+        kept = torch.empty(MIB, dtype=torch.uint8)
+        assert tracker.take() == 8 * MIB  # the model, and the temporary at its largest
+        del kept
+        ones = torch.ones(2 * MIB, dtype=torch.uint8)
+        twos = ones + ones
+        del ones
+        assert tracker.take() == 7 * MIB  # the model, both operands at once
+        del twos
+        assert tracker.take() == 5 * MIB  # the sum, alive when the window began
+    finally:
+        tracker.close()
+    assert dataset.numel() and view.numel()
+
+
+def test_the_tracker_follows_autograd_through_backward():
+    """Backward's gradients and the saved activations they replace: counted as they come and go."""
+    tracker = MemoryTracker(torch.device("cpu"))
+    w = torch.zeros(256, 256, requires_grad=True)  # 256 KiB
+    tracker.start()
+    try:
+        x = torch.ones(1024, 256)  # 1 MiB, the batch
+        h = (x @ w).relu()  # 1 MiB saved (the relu's output), the product freed after the relu
+        h.sum().backward()
+        peak = tracker.take()
+    finally:
+        tracker.close()
+    # the batch, the product and the relu (both alive at once), then in backward the grad of h, the
+    # relu's input gradient and w.grad: never more than weights + batch + three 1 MiB activations
+    assert 256 * 1024 + 3 * MIB <= peak <= 256 * 1024 * 2 + 4 * MIB
