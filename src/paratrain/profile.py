@@ -393,7 +393,7 @@ class MemoryTracker:
     what a GPU user means by peak memory. On CUDA it is torch.cuda.max_memory_allocated. The CPU
     allocator keeps no such counter; so when training starts (`start`) the bytes of every tensor
     storage reachable from Python are added up (less those that existed when the tracker was made:
-    the datasets; less shared memory, which the allocator does not hand out), and from then on torch's
+    the datasets; less shared memory and lent buffers, which the allocator does not hand out), and from then on torch's
     profiler with memory profiling reports every allocation (+bytes) and free (-bytes) as a "[memory]"
     event: their running sum is the bytes allocated, its maximum the peak. The profiler (its legacy,
     kineto-free form: no trace files, no log lines) runs one session per step: the cost of the key is
@@ -462,6 +462,8 @@ def _cpu_storages() -> dict[int, int]:
                 storage = obj.untyped_storage()
             except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage
                 continue
-            if storage.nbytes() and not storage.is_shared():
+            # torch's own allocations only: not shared memory, nor a buffer lent to a tensor
+            # (torch.frombuffer, numpy's), whose storage cannot be resized
+            if storage.nbytes() and storage.resizable() and not storage.is_shared():
                 out[storage.data_ptr()] = storage.nbytes()
     return out
