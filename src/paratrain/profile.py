@@ -391,19 +391,21 @@ def _start_torch_profiler(out_dir: Path, rank: int):
 class MemoryTracker:
     """The peak of the tensor bytes torch holds allocated on this rank, step by step (train.track_memory):
     what a GPU user means by peak memory. On CUDA it is torch.cuda.max_memory_allocated. The CPU
-    allocator keeps no such counter; so when training starts (`start`) the bytes of every tensor
-    storage reachable from Python are added up (less those that existed when the tracker was made:
-    the datasets; less shared memory and lent buffers, which the allocator does not hand out), and from then on torch's
-    profiler with memory profiling reports every allocation (+bytes) and free (-bytes) as a "[memory]"
-    event: their running sum is the bytes allocated, its maximum the peak. The profiler (its legacy,
-    kineto-free form: no trace files, no log lines) runs one session per step: the cost of the key is
-    every op recorded. It sees the threads that run ops for the step (autograd's included), not
-    gloo's: a tensor freed there would stay counted (in a step gloo only writes into buffers kept)."""
+    allocator keeps no such counter. So at the start of each step the bytes of every tensor storage
+    reachable from Python are added up (less those that existed when the tracker was made: the
+    datasets; less shared memory and lent buffers, which the allocator does not hand out), and
+    during the step torch's profiler with memory profiling reports every allocation (+bytes) and
+    free (-bytes) as a "[memory]" event: their running sum from that count is the bytes allocated,
+    its maximum the step's peak. The profiler (its legacy, kineto-free form: no trace files, no log
+    lines) runs throughout, one session per step: the cost of the key is every op recorded and a
+    walk over Python's objects per step. It sees the threads that run the step's ops (autograd's
+    included), not gloo's: a buffer whose last reference a collective's thread drops stays counted
+    until the next step's count, which is why each step starts from a fresh one."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._device = device
-        self.live = 0  # bytes allocated, as of the end of the last session
+        self.live = 0  # bytes allocated, as of the last event counted
         self._on = False
         self._before = set() if self.cuda else set(_cpu_storages())
 
@@ -412,8 +414,11 @@ class MemoryTracker:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self._device)
             return
-        self.live = sum(n for ptr, n in _cpu_storages().items() if ptr not in self._before)
+        self._count_live()
         self._start()
+
+    def _count_live(self) -> None:
+        self.live = sum(n for ptr, n in _cpu_storages().items() if ptr not in self._before)
 
     def _start(self) -> None:
         from torch._C._profiler import _ExperimentalConfig
@@ -443,6 +448,7 @@ class MemoryTracker:
             torch.cuda.reset_peak_memory_stats(self._device)
             return peak
         peak = self._stop()
+        self._count_live()
         self._start()
         return peak
 
