@@ -1,9 +1,16 @@
 """Peak memory: train.track_memory's measurement (the peak of tensor bytes torch allocates on a
 rank) on a known allocation pattern, and the planner's predicted peak against it on real runs."""
 
+import json
 
+import pytest
 import torch
 
+from paratrain.bench.plan import MODELS, PIPE
+from paratrain.config import load
+from paratrain.data import build_dataset
+from paratrain.models import build_model
+from paratrain.plan import make_plan
 from paratrain.profile import MemoryTracker
 
 MIB = 2**20
@@ -49,3 +56,34 @@ def test_the_tracker_follows_autograd_through_backward():
     # the batch, the product and the relu (both alive at once), then in backward the grad of h, the
     # relu's input gradient and w.grad: never more than weights + batch + three 1 MiB activations
     assert 256 * 1024 + 3 * MIB <= peak <= 256 * 1024 * 2 + 4 * MIB
+
+
+# the bench's own models (`paratrain bench plan`), each on 2 processes
+LAYOUTS = {
+    "gpt zero2": ("gpt", ["parallel.strategy='zero2'"]),
+    "gpt tp 2": ("gpt", ["parallel.strategy='tp'", "parallel.tp=2"]),
+    "mlp pp 2 1f1b": ("mlp", ["parallel.strategy='pp'", "parallel.pp=2", "parallel.schedule='1f1b'", *PIPE]),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_planned_peak_is_within_5_percent_of_the_measured_one(gang, tmp_path, name):
+    """A real run's peak (train.track_memory: the largest rank's, over its steps) against the
+    plan's: the transients of a step (activation gradients, the logits, incoming gradients, ZeRO's
+    unit in flight, tp's sharded activations, the pipeline's microbatches in flight) are counted."""
+    model, sets = LAYOUTS[name]
+    text, sizes = MODELS[model]
+    config = tmp_path / "job.toml"
+    config.write_text(text.format(**sizes))
+    run = tmp_path / "run"
+    gang(2).train(config, run, [*sets, "train.steps=3", "train.log_every=1", "train.track_memory=true"])
+    entries = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    measured = max(e["peak_memory_mib"] for e in entries)
+    steps = [json.loads(line) for line in (run / "profile.jsonl").read_text().splitlines()]
+    assert measured == max(r["peak_memory_bytes"] for s in steps for r in s["ranks"]) / MIB  # per rank there
+
+    cfg = load(str(config), sets)
+    with torch.device("meta"):
+        meta_model = build_model(cfg, build_dataset(cfg, "train"))
+    predicted = make_plan(cfg, meta_model, 2, 1, "cpu")["predicted"]["peak_memory_gib"] * 1024
+    assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)

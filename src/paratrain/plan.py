@@ -216,6 +216,38 @@ def step_peak(actions, stage_of_chunk: list[int], memories: list[StageMemory]) -
     return peak
 
 
+def receive_buffers(actions, stages: list[int], boundary: list[int]) -> int:
+    """Bytes of the pipeline engine's receive buffers on a rank playing `actions` (`stages`: the
+    virtual stage of each chunk): each action's receive (a later stage's input for a forward, an
+    earlier stage's output gradient for a backward) is posted LOOKAHEAD actions ahead and its
+    buffer taken back after the microbatch's backward; buffers taken back serve later receives of
+    the same size and are kept between steps, so the pool is the most of each size in use at once."""
+    from .parallel.pipeline import LOOKAHEAD
+
+    last = len(boundary) - 1  # boundary[s]: what enters stage s
+    in_use: dict[int, int] = {}
+    most: dict[int, int] = {}
+    held: dict[tuple[int, int], list[int]] = {}  # (chunk, microbatch) -> sizes of its buffers
+
+    def post(a) -> None:
+        s = stages[a.chunk]
+        size = boundary[s] if a.kind == "F" and s > 0 else boundary[s + 1] if a.kind == "B" and s < last else 0
+        if size:
+            in_use[size] = in_use.get(size, 0) + 1
+            most[size] = max(most.get(size, 0), in_use[size])
+            held.setdefault((a.chunk, a.mb), []).append(size)
+
+    posted = 0
+    for i in range(-1, len(actions)):
+        for a in actions[posted : i + 1 + LOOKAHEAD]:
+            post(a)
+        posted = max(posted, min(i + 1 + LOOKAHEAD, len(actions)))
+        if i >= 0 and actions[i].kind == "B":
+            for size in held.pop((actions[i].chunk, actions[i].mb), []):
+                in_use[size] -= 1
+    return sum(size * n for size, n in most.items())
+
+
 def pipeline_comm(r: RankPlan, actions, boundary: list[int], n_stages: int, world: int) -> None:
     """Each forward sends its output to the next stage and each backward its input's gradient to
     the previous one (receives mirror them); the profiler counts them on the world group."""
@@ -284,7 +316,7 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
     cut = bounds if p.pp > 1 else None
     boundary = boundary_bytes(cfg, model, bounds, rows) if p.pp > 1 else []
     activations = saved_activation_bytes(cfg, rows, cut) if p.tp == 1 else None
-    memories = step_memory(cfg, rows, cut) if p.tp == 1 else None
+    memories = step_memory(cfg, rows, cut, tp_plan, p.tp)
     tp_payloads = tp_all_reduces(cfg, rows, cut, tp_plan) if p.tp > 1 else [[] for _ in stage_layers]
     # without pp the engine plays one_f_one_b: each microbatch's forward, then its backward
     schedule, m = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b, microbatch_count(cfg)
@@ -301,7 +333,8 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
         for s in r.stages:
             dp_codec(r, cfg, held[s], dp)
         if memories is not None:
-            r.peak_bytes = r.model_state_bytes + step_peak(actions, r.stages, memories)
+            pool = receive_buffers(actions, r.stages, boundary) if p.pp > 1 else 0
+            r.peak_bytes = r.model_state_bytes + pool + step_peak(actions, r.stages, memories)
         if tp_payloads is None:  # a user loss on a sharded output: its gathers are not modelled
             continue
         pipeline_comm(r, actions, boundary, n_stages, world)

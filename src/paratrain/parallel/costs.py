@@ -55,14 +55,25 @@ def data_parallel(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPla
 
 
 def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parameter], world: int):
-    """(parameter, gradient, optimizer bytes, what comes on top for a while) of a rank at `stage`."""
+    """(parameter, gradient, optimizer bytes, what comes on top for a while, its most bytes at once)
+    of a rank at `stage`, over what a step of the whole model holds besides (activations.step_memory,
+    which counts each incoming gradient until it is added to the one kept). On top: stage 2, one
+    unit's full gradients, which zero_comm's StreamingShardReducer holds while it reduces them;
+    stage 3, the root unit, gathered through forward and backward, and the unit whose forward or
+    backward runs. The ParameterGatherer allows twice the largest unit besides the root for a
+    prefetch and the gradients in flight, but a step peaks where backward starts: the most
+    activations, and no gradient in flight yet."""
     bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
+    units = module_units(model, params, bucket_bytes) if stage == 3 else []
     if stage == 3:
-        groups = [g for _, g in module_units(model, params, bucket_bytes)]
+        groups = [g for _, g in units]
     else:
         groups = [b.params for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
     whole, shard = padded_bytes(groups, world)
     biggest = max(padded_bytes([g], world)[0] for g in groups)
+    root = sum(padded_bytes([g], world)[0] for module, g in units if module is model)
+    largest = max((padded_bytes([g], world)[0] for module, g in units if module is not model), default=0)
+    on_top = {1: 0, 2: biggest, 3: largest + root}[stage]
     param_bytes = whole if stage < 3 else shard
     grad_bytes = whole if stage == 1 else shard
     transient = {
@@ -71,16 +82,17 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
         3: f"plus units gathered for their forward and backward and their full gradients while reduced, "
         f"at most twice the largest unit ({biggest / MIB:.3g} MiB) at once",
     }[stage]
-    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient
+    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, on_top
 
 
 def zero(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
     params = [t for _, t in unique_parameters(model)]
     world = len(ranks)
-    _whole_model_activations(cfg, ranks, rows)
-    param_b, grad_b, opt_b, transient = zero_state(cfg, spec.stage, model, params, world)
+    step = _whole_model_activations(cfg, ranks, rows)
+    param_b, grad_b, opt_b, transient, on_top = zero_state(cfg, spec.stage, model, params, world)
     for r in ranks:
         r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
+        r.peak_bytes = r.model_state_bytes + step + on_top
         zero_messages(r, cfg, spec.stage, model, params, world, "nccl" if device == "cuda" else "gloo")
     return [], [f"{spec.name}: {transient}"] if transient else []
 
@@ -91,7 +103,7 @@ def parameter_server(
     params = [t for _, t in unique_parameters(model)]
     world, servers = len(ranks), cfg.ps.servers
     total = nbytes(params)
-    _whole_model_activations(cfg, ranks, rows)
+    step = _whole_model_activations(cfg, ranks, rows)
     shards = assign_shards([t.numel() for t in params], servers)
     header = HEADER * 4  # each flat shard buffer starts with a small float32 header
     message = [nbytes([params[i] for i in shard]) + header for shard in shards]  # a push or pull
@@ -108,9 +120,11 @@ def parameter_server(
             )
             r.add_comm("recv", message[r.rank], world, times=workers)  # every worker's push
             r.add_comm("send", message[r.rank], world, times=workers)  # and its pull
+            r.peak_bytes = r.model_state_bytes
         else:
             r.role, r.dp = "ps worker", r.rank - servers
             r.param_bytes = r.grad_bytes = total + header * servers
+            r.peak_bytes = r.model_state_bytes + step
             for size in message:  # a push to every server, and its reply
                 r.add_comm("send", size, world)
                 r.add_comm("recv", size, world)
