@@ -149,10 +149,6 @@ class Profiler:
         self._memory = memory
         if world_size > 1:
             collectives.barrier("profiler start")  # a common time origin for all ranks' traces
-        if memory is not None:
-            # after the barrier: gloo's threads have let go of the set-up's buffers (their frees
-            # are not reported), so what is counted now is what training holds
-            memory.start()
         self.t0 = time.perf_counter()
         if rank == 0:
             self._profile_file = _open_profile(self.run_dir / "profile.jsonl", start_step)
@@ -198,6 +194,8 @@ class Profiler:
         self._payload = [0.0] * _O
         self._min = [0.0] * _O
         io_before = bytes_sent(self._io)
+        if self._memory is not None:
+            self._memory.begin_step()
         start = time.perf_counter()
         self._in_step = True
         try:
@@ -208,7 +206,7 @@ class Profiler:
             self._sync()
         end = time.perf_counter()
         sent = bytes_sent(self._io) - io_before if self._io is not None else -1.0
-        peak = self._memory.take() if self._memory is not None else -1.0
+        peak = self._memory.end_step() if self._memory is not None else -1.0
         self._rows.append([step, start - self.t0, end - start, *self._phase_s, sent, peak, *self._payload, *self._min])
         if self._tracing:
             self._spans.append((step, -1, start - self.t0, end - self.t0, -1))
@@ -389,18 +387,18 @@ def _start_torch_profiler(out_dir: Path, rank: int):
 
 
 class MemoryTracker:
-    """The peak of the tensor bytes torch holds allocated on this rank, step by step (train.track_memory):
-    what a GPU user means by peak memory. On CUDA it is torch.cuda.max_memory_allocated. The CPU
-    allocator keeps no such counter. So at the start of each step the bytes of every tensor storage
-    reachable from Python are added up (less those that existed when the tracker was made: the
-    datasets; less shared memory and lent buffers, which the allocator does not hand out), and
-    during the step torch's profiler with memory profiling reports every allocation (+bytes) and
-    free (-bytes) as a "[memory]" event: their running sum from that count is the bytes allocated,
-    its maximum the step's peak. The profiler (its legacy, kineto-free form: no trace files, no log
-    lines) runs throughout, one session per step: the cost of the key is every op recorded and a
-    walk over Python's objects per step. It sees the threads that run the step's ops (autograd's
-    included), not gloo's: a buffer whose last reference a collective's thread drops stays counted
-    until the next step's count, which is why each step starts from a fresh one."""
+    """The peak of the tensor bytes torch holds allocated on this rank in each training step
+    (train.track_memory): what a GPU user means by peak memory. On CUDA it is
+    torch.cuda.max_memory_allocated. The CPU allocator keeps no such counter. So when a step begins,
+    the bytes of every tensor storage reachable from Python are added up (less those that existed
+    when the tracker was made: the datasets; less shared memory and lent buffers, which the allocator
+    does not hand out), and during the step torch's profiler with memory profiling reports every
+    allocation (+bytes) and free (-bytes) as a "[memory]" event: their running sum from that count
+    is the bytes allocated, its maximum the step's peak. What runs between steps (logging,
+    evaluation, checkpoints) is not counted. The profiler (its legacy, kineto-free form: no trace
+    files, no log lines) records every op of the step, and the count walks Python's objects: the
+    cost of the key. It sees the threads that run the step's ops (autograd's included), not gloo's:
+    a buffer whose last reference a collective's thread drops stays counted to the step's end."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -409,28 +407,23 @@ class MemoryTracker:
         self._on = False
         self._before = set() if self.cuda else set(_cpu_storages())
 
-    def start(self) -> None:
-        """Training starts: from here on each take() is the peak since the one before."""
+    def begin_step(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self._device)
             return
-        self._count_live()
-        self._start()
-
-    def _count_live(self) -> None:
-        self.live = sum(n for ptr, n in _cpu_storages().items() if ptr not in self._before)
-
-    def _start(self) -> None:
         from torch._C._profiler import _ExperimentalConfig
         from torch.autograd import ProfilerConfig, ProfilerState, _enable_profiler_legacy
 
+        self.live = sum(n for ptr, n in _cpu_storages().items() if ptr not in self._before)
         _enable_profiler_legacy(
             ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig(), "")
         )
         self._on = True
 
-    def _stop(self) -> int:
-        """Ends the session: its peak of allocated bytes (at least what was live when it began)."""
+    def end_step(self) -> int:
+        """The step's peak of allocated bytes."""
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self._device)
         from torch.autograd import _disable_profiler_legacy
 
         self._on = False
@@ -441,20 +434,9 @@ class MemoryTracker:
             peak = max(peak, self.live)
         return peak
 
-    def take(self) -> int:
-        """Peak bytes allocated since the last take (or the start)."""
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated(self._device)
-            torch.cuda.reset_peak_memory_stats(self._device)
-            return peak
-        peak = self._stop()
-        self._count_live()
-        self._start()
-        return peak
-
     def close(self) -> None:
         if self._on:
-            self._stop()
+            self.end_step()
 
 
 def _cpu_storages() -> dict[int, int]:
