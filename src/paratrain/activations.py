@@ -280,6 +280,10 @@ def step_memory(
     held = [t for p in run.model.parameters() for t in (p, p.grad)] + [run.x, run.y]
     shape_in = run.x
     for s, layers in enumerate(run.stages):
+        if run.recompute and layers == [run.model]:  # recomputed block by block, as the engines run it
+            from .parallel.pipeline_cut import pipeline_layers
+
+            layers = pipeline_layers(run.model) or layers
         with run.mode, run.autocast, without_peers(), LiveBytes(held) as count:
             start = count.mark()
             # what the pipeline engine receives (this stage's input, its output's gradient) lies
