@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paratrain.bench.plan import MODELS, PIPE
-from paratrain.config import load
+from paratrain.config import ConfigError, load
 from paratrain.data import build_dataset
 from paratrain.models import build_model
 from paratrain.plan import make_plan
@@ -57,6 +57,13 @@ def test_the_tracker_follows_autograd_through_backward():
     # w and x, made before the step, and two 1 MiB tensors at once (in forward and again in
     # backward), plus the loss and its gradient (a float each)
     assert peak == 256 * 1024 + MIB + 2 * MIB + 8, peak - 3.25 * MIB
+
+
+def test_tracking_memory_and_torch_profiler_traces_exclude_each_other(tmp_path):
+    config = tmp_path / "job.toml"
+    config.write_text(MODELS["mlp"][0].format(**MODELS["mlp"][1]))
+    with pytest.raises(ConfigError, match="^train.track_memory: .*train.torch_profiler"):
+        load(str(config), ["train.track_memory=true", "train.torch_profiler=true"])
 
 
 # the bench's own models (`paratrain bench plan`), each on 2 processes
