@@ -394,7 +394,7 @@ def capacity(ranks: list[RankPlan], device: str, cluster=None) -> dict:
         "where": where,
         "needed": needed,
         "fits": needed <= have,
-        "activations_counted": all(r.activation_bytes is not None for r in ranks),
+        "activations_counted": all(r.peak_bytes is not None for r in ranks),
     }
 
 
@@ -508,11 +508,12 @@ def render(plan: dict) -> str:
         lines.append(f"state includes the gradient codec's buffers: {_mib(codec)} MiB a rank")
     lines.append(
         "state = parameters + gradients + optimizer state (+ codec), kept for good; activ = the peak of "
-        "activations saved for backward (communication buffers come on top); sent = the fewest bytes "
-        "a step's collectives and messages need this rank to send"
+        "activations saved for backward; sent = the fewest bytes a step's collectives and messages need "
+        "this rank to send; the fit and the predicted peak memory take each rank's peak in a step "
+        "(peak_bytes): state, activations and what the step makes and frees"
     )
     c = plan["capacity"]
-    what = "model state + activations" if c["activations_counted"] else "model state (activations not estimated)"
+    what = "a step's peak" if c["activations_counted"] else "model state + activations (a step's peak not estimated)"
     lines.append(
         f"{'fits' if c['fits'] else 'DOES NOT FIT'}: {c['where']} needs {_gib(c['needed'])} GiB for "
         f"{what} of this machine's {_gib(c['bytes'])} GiB of {c['kind']}"

@@ -78,9 +78,11 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
     grad_bytes = whole if stage == 1 else shard
     transient = {
         1: "",
-        2: f"plus one unit's full gradients while reduced (at most {biggest / MIB:.3g} MiB)",
-        3: f"plus units gathered for their forward and backward and their full gradients while reduced, "
-        f"at most twice the largest unit ({biggest / MIB:.3g} MiB) at once",
+        2: f"state plus one unit's full gradients while reduced (at most {biggest / MIB:.3g} MiB), counted in the "
+        "step's peak",
+        3: f"state plus units gathered for their forward and backward and their full gradients while reduced, "
+        f"at most twice the largest unit ({biggest / MIB:.3g} MiB) at once; the step's peak counts the root "
+        "unit and the running one",
     }[stage]
     return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, on_top
 
