@@ -151,6 +151,17 @@ def dp_codec(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: i
     )
 
 
+def cast_copies(cfg: Config, params: list[nn.Parameter], group_size: int) -> int:
+    """bf16 / fp16 on the wire: the 16-bit copy of each dp bucket, made as the bucket is launched and
+    copied back once the backward is over (compression.Cast), so all of them at once after it."""
+    from .parallel.data_parallel import make_buckets
+
+    if group_size == 1 or not params or cfg.parallel.compression not in ("bf16", "fp16"):
+        return 0
+    buckets = make_buckets(params, int(cfg.parallel.bucket_mb * MIB), torch.device("meta"))
+    return sum(_wire_bytes(b.numel, 2, cfg) for b in buckets)
+
+
 def zero_comm(
     r: RankPlan, cfg: Config, stage: int, model: nn.Module, params: list[nn.Parameter], world: int, backend: str
 ) -> None:
@@ -334,7 +345,8 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
             dp_codec(r, cfg, held[s], dp)
         if memories is not None:
             pool = receive_buffers(actions, r.stages, boundary) if p.pp > 1 else 0
-            r.peak_bytes = r.model_state_bytes + pool + step_peak(actions, r.stages, memories)
+            wire = sum(cast_copies(cfg, held[s], dp) for s in r.stages)
+            r.peak_bytes = r.model_state_bytes + pool + max(step_peak(actions, r.stages, memories), wire)
         if tp_payloads is None:  # a user loss on a sharded output: its gathers are not modelled
             continue
         pipeline_comm(r, actions, boundary, n_stages, world)

@@ -138,10 +138,19 @@ def replica_plan(cfg: Config, model, cluster) -> dict:
     replica 0 alone (every replica holds and computes the same): model state and activations per
     rank, the pipeline cut, the batch; with "capacity" judged as make_plan judges it."""
     from .parallel.base import unique_parameters
-    from .parallel.costs import zero_state
+    from .parallel.costs import zero_peak, zero_state
     from .parallel.hybrid import microbatch_count
     from .parallel.registry import spec
-    from .plan import RankPlan, capacity, model_parallel, nbytes, optimizer_slots, saved_activation_bytes, step_memory
+    from .plan import (
+        RankPlan,
+        capacity,
+        cast_copies,
+        model_parallel,
+        nbytes,
+        optimizer_slots,
+        saved_activation_bytes,
+        step_memory,
+    )
 
     p, world, nproc = cfg.parallel, cluster.world, cluster.devices_per_node
     dp = world // (p.tp * p.pp)
@@ -153,15 +162,16 @@ def replica_plan(cfg: Config, model, cluster) -> dict:
     if p.tp == p.pp == 1:
         one = RankPlan(0, 0, 0, "worker", activation_bytes=saved_activation_bytes(cfg, rows)[0])
         stage = getattr(spec(p.strategy), "stage", 0)  # a ZeroSpec's; dp's replica holds everything
-        on_top = 0
+        (step,) = step_memory(cfg, rows)
+        step_bytes = max(step.forward_peak, step.backward_peak)
         if not stage:
             one.param_bytes, one.grad_bytes, one.optimizer_bytes = total, total, slots * total
+            one.peak_bytes = one.model_state_bytes + max(step_bytes, cast_copies(cfg, params, world))
         else:
             one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = zero_state(
                 cfg, stage, model, params, world
             )
-        (step,) = step_memory(cfg, rows)
-        one.peak_bytes = one.model_state_bytes + max(step.forward_peak, step.backward_peak) + on_top
+            one.peak_bytes = one.model_state_bytes + zero_peak(step_bytes, on_top)
         replica = [one]
     else:
         # on GPUs only the busiest rank counts, and tp rank 0 holds the most (shard_sizes: the first

@@ -13,6 +13,7 @@ from ..config import Config
 from ..plan import (
     MIB,
     RankPlan,
+    cast_copies,
     dp_codec,
     dp_comm,
     model_parallel,
@@ -49,20 +50,21 @@ def data_parallel(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPla
     for r in ranks:
         r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, total, total, optimizer_slots(cfg) * total
         dp_codec(r, cfg, params, len(ranks))
-        r.peak_bytes = r.model_state_bytes + transient
+        r.peak_bytes = r.model_state_bytes + max(transient, cast_copies(cfg, params, len(ranks)))
         dp_comm(r, cfg, params, len(ranks))
     return [], []
 
 
 def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parameter], world: int):
-    """(parameter, gradient, optimizer bytes, what comes on top for a while, its most bytes at once)
-    of a rank at `stage`, over what a step of the whole model holds besides (activations.step_memory,
-    which counts each incoming gradient until it is added to the one kept). On top: stage 2, one
-    unit's full gradients, which zero_comm's StreamingShardReducer holds while it reduces them;
-    stage 3, the root unit, gathered through forward and backward, and the unit whose forward or
-    backward runs. The ParameterGatherer allows twice the largest unit besides the root for a
-    prefetch and the gradients in flight, but a step peaks where backward starts: the most
-    activations, and no gradient in flight yet."""
+    """(parameter, gradient and optimizer bytes, a note on what comes on top for a while, and what
+    does at most: (during backward, after it)) of a rank at `stage`. During backward, besides what a
+    step of the whole model holds (activations.step_memory, which counts each incoming gradient until
+    it is added to the one kept): stage 2, one unit's full gradients, which zero_comm's
+    StreamingShardReducer holds while it reduces them; stage 3, the root unit, gathered through
+    forward and backward, and the unit whose forward or backward runs (the ParameterGatherer allows
+    twice the largest unit besides the root for a prefetch and the gradients in flight, but a step
+    peaks where backward starts: the most activations, no gradient in flight yet). After it, the
+    gradient norm squares each unit's gradient shard into a temporary (zero.sharded_grad_norm)."""
     bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
     units = module_units(model, params, bucket_bytes) if stage == 3 else []
     if stage == 3:
@@ -73,7 +75,8 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
     biggest = max(padded_bytes([g], world)[0] for g in groups)
     root = sum(padded_bytes([g], world)[0] for module, g in units if module is model)
     largest = max((padded_bytes([g], world)[0] for module, g in units if module is not model), default=0)
-    on_top = {1: 0, 2: biggest, 3: largest + root}[stage]
+    backward = {1: 0, 2: biggest, 3: largest + root}[stage]
+    norm = max(padded_bytes([g], world)[1] for g in groups)
     param_bytes = whole if stage < 3 else shard
     grad_bytes = whole if stage == 1 else shard
     transient = {
@@ -84,7 +87,14 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
         f"at most twice the largest unit ({biggest / MIB:.3g} MiB) at once; the step's peak counts the root "
         "unit and the running one",
     }[stage]
-    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, on_top
+    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, (backward, norm)
+
+
+def zero_peak(step: int, on_top: tuple[int, int]) -> int:
+    """What a ZeRO rank holds over its state at its peak: the step's own (activations.step_memory)
+    with what comes on top during backward, or the gradient norm's temporary after it."""
+    during_backward, after = on_top
+    return max(step + during_backward, after)
 
 
 def zero(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
@@ -94,7 +104,7 @@ def zero(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows:
     param_b, grad_b, opt_b, transient, on_top = zero_state(cfg, spec.stage, model, params, world)
     for r in ranks:
         r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
-        r.peak_bytes = r.model_state_bytes + step + on_top
+        r.peak_bytes = r.model_state_bytes + zero_peak(step, on_top)
         zero_messages(r, cfg, spec.stage, model, params, world, "nccl" if device == "cuda" else "gloo")
     return [], [f"{spec.name}: {transient}"] if transient else []
 
