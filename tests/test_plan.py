@@ -166,7 +166,7 @@ def test_plan_says_whether_it_fits_this_machine(tmp_path, capsys):
     in dp over 4 ranks a node (2.5 TB a node) does not."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     small = plan(tmp_path, 2, [])
-    need = sum(r["model_state_bytes"] + r["activation_bytes"] for r in small["ranks"])
+    need = sum(r["peak_bytes"] for r in small["ranks"])
     assert small["capacity"] == {
         "kind": "host memory",
         "bytes": host,
@@ -177,7 +177,5 @@ def test_plan_says_whether_it_fits_this_machine(tmp_path, capsys):
     }
     huge = plan(tmp_path, 8, ["model.n_layer=48", "model.d_model=8192", "model.n_head=64"], nnodes=2)
     assert huge["model"]["parameters"] > 38e9 and not huge["capacity"]["fits"]
-    assert huge["capacity"]["needed"] == sum(
-        r["model_state_bytes"] + r["activation_bytes"] for r in huge["ranks"] if r["node"] == 0
-    )
+    assert huge["capacity"]["needed"] == sum(r["peak_bytes"] for r in huge["ranks"] if r["node"] == 0)
     assert "DOES NOT FIT: node 0 needs" in capsys.readouterr().out

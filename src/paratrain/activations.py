@@ -5,10 +5,13 @@ backward, the bytes a pipeline stage sends on, the payloads of tensor parallelis
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .config import Config
 from .models.recompute import blocks, run_layers
@@ -38,8 +41,11 @@ class FakeRun:
         return [block[0] for block in blocks(layers)]
 
     @classmethod
-    def build(cls, cfg: Config, rows: int, bounds: list[int] | None) -> FakeRun:
-        """`bounds` over pipeline_layers; None: the whole model as one stage."""
+    def build(
+        cls, cfg: Config, rows: int, bounds: list[int] | None, tp_plan: dict | None = None, tp: int = 1
+    ) -> FakeRun:
+        """`bounds` over pipeline_layers; None: the whole model as one stage. With tp > 1 the
+        planned modules are tp rank 0's shards (the largest: shard_sizes)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from .data import build_dataset, load_batch
@@ -51,6 +57,10 @@ class FakeRun:
         mode = FakeTensorMode()
         with mode:
             model = build_model(cfg, dataset)
+            if tp > 1:
+                from .parallel.tensor_parallel import shard_modules
+
+                shard_modules(model, tp_plan, None, 0, tp)
         if bounds is None:
             stages = [[model]]
         else:
@@ -166,3 +176,131 @@ def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: di
         tokens = run.y.numel()
         payloads[-1] += [tokens * 4, 2 * tokens * 4]
     return payloads
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every storage an op creates while it is alive (a weak reference to each
+    storage tells when it goes), and their peak: the memory a step of fake tensors would hold.
+    Storages made before (parameters, gradients, the batch) are not counted."""
+
+    def __init__(self, made_before=()):
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+        self._before = [t.untyped_storage() for t in made_before]  # views of them are not new memory
+        for storage in self._before:
+            self._refs[id(storage)] = None
+
+    def mark(self) -> int:
+        """Starts a new peak from what is alive now; returns it."""
+        self.peak = self.live
+        return self.live
+
+    def forget(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`'s storage is counted elsewhere (a pipeline's receive buffer): not here, from now on."""
+        key = id(t.untyped_storage())
+        if self._refs.get(key) is not None:
+            self._refs[key] = None  # its weak reference goes, and with it the callback
+            self.live -= t.untyped_storage().nbytes()
+        return t
+
+    def _gone(self, key: int, size: int) -> None:
+        self._refs.pop(key, None)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._refs:
+                    size = storage.nbytes()
+                    self._refs[key] = weakref.ref(storage, lambda _, key=key, size=size: self._gone(key, size))
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+        return out
+
+
+@dataclass
+class StageMemory:
+    """One microbatch through one pipeline stage (the whole model without pp), in bytes over what
+    was alive before its forward: parameters and gradients (kept by the strategy) not included."""
+
+    forward_peak: int  # the most alive at once during its forward (and loss)
+    kept: int  # what its forward leaves alive until its backward: saved activations, its input and output
+    backward_peak: int  # the most alive at once during its backward, its kept bytes included
+
+
+@contextlib.contextmanager
+def without_peers():
+    """tp's layers all-reduce through paratrain.collectives; one rank played alone in fake tensors
+    has no group to reduce with, and a collective leaves its tensor's shape as it is: each does
+    nothing meanwhile."""
+    from . import collectives
+
+    all_reduce = collectives.all_reduce
+    collectives.all_reduce = lambda tensor, what, group=None, async_op=False, op=None: None
+    try:
+        yield
+    finally:
+        collectives.all_reduce = all_reduce
+
+
+def step_memory(
+    cfg: Config, rows: int, bounds: list[int] | None = None, tp_plan: dict | None = None, tp: int = 1
+) -> list[StageMemory] | None:
+    """Each stage's memory over one microbatch's forward and backward, played in fake tensors with
+    every storage counted while alive: saved activations, the temporaries of each op, the logits and
+    the loss, activation gradients in backward, each parameter's incoming gradient before it is
+    added to the one the strategy keeps (present, as after the first step), and a later stage's
+    input gradient. Stage by stage, each from a fresh input as the engine receives it; what the
+    engine receives is not counted here (it keeps a pool of receive buffers: plan.receive_buffers).
+    Under tp (`tp_plan` over `tp` ranks) tp rank 0's shards, and the vocabulary-parallel
+    cross-entropy on a sharded output; None for a user loss on a sharded output (it gathers the
+    output first: not modelled)."""
+    from .optim import build_loss, cross_entropy
+
+    run = FakeRun.build(cfg, rows, bounds, tp_plan, tp)
+    loss_fn = build_loss(cfg)
+    if tp > 1:
+        from .parallel.tensor_parallel import _VocabParallelCrossEntropy, output_is_sharded
+
+        if output_is_sharded(run.model):
+            if loss_fn is not cross_entropy:
+                return None
+            loss_fn = lambda logits, target: _VocabParallelCrossEntropy.apply(  # noqa: E731
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), None, 0
+            )
+    out: list[StageMemory] = []
+    with run.mode:
+        for p in run.model.parameters():
+            if p.grad is None:  # the strategy's gradients, kept between steps (a shared run may have them)
+                p.grad = torch.zeros_like(p)
+    held = [t for p in run.model.parameters() for t in (p, p.grad)] + [run.x, run.y]
+    shape_in = run.x
+    for s, layers in enumerate(run.stages):
+        if run.recompute and layers == [run.model]:  # recomputed block by block, as the engines run it
+            from .parallel.pipeline_cut import pipeline_layers
+
+            layers = pipeline_layers(run.model) or layers
+        with run.mode, run.autocast, without_peers(), LiveBytes(held) as count:
+            start = count.mark()
+            # what the pipeline engine receives (this stage's input, its output's gradient) lies
+            # in its pool of receive buffers, counted apart (plan.receive_buffers)
+            x = shape_in if s == 0 else count.forget(torch.empty_like(shape_in))
+            x.requires_grad_(x.is_floating_point() and s > 0)
+            y = run_layers(layers, x, run.recompute)
+            last = s == len(run.stages) - 1
+            loss = loss_fn(y, run.y) if last else None
+            forward_peak, kept = count.peak - start, count.live - start
+            count.mark()
+            if last:
+                loss.backward()
+            else:
+                y.backward(count.forget(torch.empty_like(y)))
+            backward_peak = count.peak - start
+            shape_in = y.detach()
+            del x, y, loss
+        out.append(StageMemory(forward_peak, kept, backward_peak))
+    return out

@@ -149,6 +149,11 @@ class TrainConfig:
         doc="auto: CUDA with NCCL when every process of the node has a GPU, else CPU with gloo",
     )
     torch_profiler: bool = opt(False, doc="also record torch.profiler traces of a few steps")
+    track_memory: bool = opt(
+        False,
+        doc="each step's peak of tensor bytes allocated, per rank in profile.jsonl and as peak_memory_mib "
+        "(the largest rank's) in metrics.jsonl; on the CPU it runs torch's profiler throughout",
+    )
     max_bad_steps: int = opt(5, check=_non_negative, doc="consecutive non-finite steps skipped before the run stops")
 
 
@@ -324,6 +329,8 @@ def from_dict(raw: dict) -> Config:
 
 def _check_combinations(cfg: Config) -> None:
     """Checks that need no world size and no dataset."""
+    if cfg.train.track_memory and cfg.train.torch_profiler:
+        raise ConfigError("train.track_memory", "counts allocations with torch's profiler: drop train.torch_profiler")
     registry.spec(cfg.parallel.strategy).check_config(cfg)
 
 

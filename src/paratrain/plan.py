@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .activations import boundary_bytes, saved_activation_bytes, tp_all_reduces
+from .activations import StageMemory, boundary_bytes, saved_activation_bytes, step_memory, tp_all_reduces
 from .config import Config, ConfigError
 from .parallel import registry
 
@@ -52,6 +52,10 @@ class RankPlan:
     optimizer_bytes: int = 0
     codec_bytes: int = 0  # what a top-k or PowerSGD codec keeps between steps
     activation_bytes: int | None = None  # peak saved for backward; None: not estimated (tp)
+    # the most bytes allocated at once in a step: model state, the activations, what the step makes
+    # and frees (activation gradients, logits, incoming gradients, communication buffers); None: not
+    # estimated
+    peak_bytes: int | None = None
     # per step, by collective: {"payload": bytes handed to it, "min_sent": bytes this rank must send},
     # as the profiler accounts them (ps: a sync step; async and ssp move as much per worker step);
     # None: not estimated (tp with a user loss on its sharded output)
@@ -111,16 +115,13 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
     """dp's gradient buckets, each averaged once a step (the last microbatch's backward) as the
     codec does it: one all-reduce (bf16/fp16: of 16-bit numbers); top-k: all-gathers of each rank's
     k values and k int32 indices; PowerSGD: all-reduces of P with the uncompressed tensors, then Q."""
-    from .parallel.compression import kept_bytes, round_numels
+    from .parallel.compression import round_numels
     from .parallel.data_parallel import make_buckets
 
     if group_size == 1 or not params:
         return
     p = cfg.parallel
     buckets = make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta"))
-    r.codec_bytes += kept_bytes(
-        p, [b.shapes for b in buckets], params[0].dtype, torch.device("cuda" if cfg.train.device == "cuda" else "cpu")
-    )
     for b in buckets:
         size = b.params[0].element_size()
         if p.compression == "topk":
@@ -134,6 +135,31 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
                 r.add_comm("all_reduce", second * size, group_size)
         else:
             r.add_comm("all_reduce", _wire_bytes(b.numel, size, cfg), group_size)
+
+
+def dp_codec(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: int) -> None:
+    """What a top-k or PowerSGD codec keeps between steps for dp's gradient buckets."""
+    from .parallel.compression import kept_bytes
+    from .parallel.data_parallel import make_buckets
+
+    if group_size == 1 or not params:
+        return
+    p = cfg.parallel
+    buckets = make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta"))
+    r.codec_bytes += kept_bytes(
+        p, [b.shapes for b in buckets], params[0].dtype, torch.device("cuda" if cfg.train.device == "cuda" else "cpu")
+    )
+
+
+def cast_copies(cfg: Config, params: list[nn.Parameter], group_size: int) -> int:
+    """bf16 / fp16 on the wire: the 16-bit copy of each dp bucket, made as the bucket is launched and
+    copied back once the backward is over (compression.Cast), so all of them at once after it."""
+    from .parallel.data_parallel import make_buckets
+
+    if group_size == 1 or not params or cfg.parallel.compression not in ("bf16", "fp16"):
+        return 0
+    buckets = make_buckets(params, int(cfg.parallel.bucket_mb * MIB), torch.device("meta"))
+    return sum(_wire_bytes(b.numel, 2, cfg) for b in buckets)
 
 
 def zero_comm(
@@ -182,6 +208,55 @@ def peak_in_schedule(actions, stage_of_chunk: list[int], stage_bytes: list[int])
         alive += stage_bytes[stage_of_chunk[a.chunk]] * (1 if a.kind == "F" else -1)
         peak = max(peak, alive)
     return peak
+
+
+def step_peak(actions, stage_of_chunk: list[int], memories: list[StageMemory]) -> int:
+    """The most bytes alive at once, over the model state, while a rank plays its actions (one
+    microbatch's forward, backward, forward, ... without pp): a forward peaks at what is alive
+    plus its stage's forward peak and leaves its kept bytes; its backward peaks at what the other
+    microbatches keep plus its own backward peak, and frees its kept bytes."""
+    alive = peak = 0
+    for a in actions:
+        m = memories[stage_of_chunk[a.chunk]]
+        if a.kind == "F":
+            peak = max(peak, alive + m.forward_peak)
+            alive += m.kept
+        else:
+            alive -= m.kept
+            peak = max(peak, alive + m.backward_peak)
+    return peak
+
+
+def receive_buffers(actions, stages: list[int], boundary: list[int]) -> int:
+    """Bytes of the pipeline engine's receive buffers on a rank playing `actions` (`stages`: the
+    virtual stage of each chunk): each action's receive (a later stage's input for a forward, an
+    earlier stage's output gradient for a backward) is posted LOOKAHEAD actions ahead and its
+    buffer taken back after the microbatch's backward; buffers taken back serve later receives of
+    the same size and are kept between steps, so the pool is the most of each size in use at once."""
+    from .parallel.pipeline import LOOKAHEAD
+
+    last = len(boundary) - 1  # boundary[s]: what enters stage s
+    in_use: dict[int, int] = {}
+    most: dict[int, int] = {}
+    held: dict[tuple[int, int], list[int]] = {}  # (chunk, microbatch) -> sizes of its buffers
+
+    def post(a) -> None:
+        s = stages[a.chunk]
+        size = boundary[s] if a.kind == "F" and s > 0 else boundary[s + 1] if a.kind == "B" and s < last else 0
+        if size:
+            in_use[size] = in_use.get(size, 0) + 1
+            most[size] = max(most.get(size, 0), in_use[size])
+            held.setdefault((a.chunk, a.mb), []).append(size)
+
+    posted = 0
+    for i in range(-1, len(actions)):
+        for a in actions[posted : i + 1 + LOOKAHEAD]:
+            post(a)
+        posted = max(posted, min(i + 1 + LOOKAHEAD, len(actions)))
+        if i >= 0 and actions[i].kind == "B":
+            for size in held.pop((actions[i].chunk, actions[i].mb), []):
+                in_use[size] -= 1
+    return sum(size * n for size, n in most.items())
 
 
 def pipeline_comm(r: RankPlan, actions, boundary: list[int], n_stages: int, world: int) -> None:
@@ -252,6 +327,7 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
     cut = bounds if p.pp > 1 else None
     boundary = boundary_bytes(cfg, model, bounds, rows) if p.pp > 1 else []
     activations = saved_activation_bytes(cfg, rows, cut) if p.tp == 1 else None
+    memories = step_memory(cfg, rows, cut, tp_plan, p.tp)
     tp_payloads = tp_all_reduces(cfg, rows, cut, tp_plan) if p.tp > 1 else [[] for _ in stage_layers]
     # without pp the engine plays one_f_one_b: each microbatch's forward, then its backward
     schedule, m = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b, microbatch_count(cfg)
@@ -265,6 +341,12 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
         actions = schedule(p.pp, r.pp, m, v)
         if activations is not None:
             r.activation_bytes = peak_in_schedule(actions, r.stages, activations)
+        for s in r.stages:
+            dp_codec(r, cfg, held[s], dp)
+        if memories is not None:
+            pool = receive_buffers(actions, r.stages, boundary) if p.pp > 1 else 0
+            wire = sum(cast_copies(cfg, held[s], dp) for s in r.stages)
+            r.peak_bytes = r.model_state_bytes + pool + max(step_peak(actions, r.stages, memories), wire)
         if tp_payloads is None:  # a user loss on a sharded output: its gathers are not modelled
             continue
         pipeline_comm(r, actions, boundary, n_stages, world)
@@ -290,13 +372,18 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
     ]
 
 
+def peak_bytes(r: RankPlan) -> int:
+    """A rank's predicted peak; where it is not estimated, its model state and activations."""
+    return r.peak_bytes if r.peak_bytes is not None else r.model_state_bytes + (r.activation_bytes or 0)
+
+
 def capacity(ranks: list[RankPlan], device: str, cluster=None) -> dict:
     """Whether the plan fits this machine (every node taken to be like it): on a GPU, the busiest
     rank against its GPU's memory; on CPU, the busiest node's ranks together against host memory.
     With a GPU cluster description, the busiest rank against its device's memory."""
 
     def need(r: RankPlan) -> int:
-        return r.model_state_bytes + (r.activation_bytes or 0)
+        return peak_bytes(r)
 
     if cluster is not None and cluster.is_gpu:
         worst = max(ranks, key=need)
@@ -319,7 +406,7 @@ def capacity(ranks: list[RankPlan], device: str, cluster=None) -> dict:
         "where": where,
         "needed": needed,
         "fits": needed <= have,
-        "activations_counted": all(r.activation_bytes is not None for r in ranks),
+        "activations_counted": all(r.peak_bytes is not None for r in ranks),
     }
 
 
@@ -433,11 +520,12 @@ def render(plan: dict) -> str:
         lines.append(f"state includes the gradient codec's buffers: {_mib(codec)} MiB a rank")
     lines.append(
         "state = parameters + gradients + optimizer state (+ codec), kept for good; activ = the peak of "
-        "activations saved for backward (communication buffers come on top); sent = the fewest bytes "
-        "a step's collectives and messages need this rank to send"
+        "activations saved for backward; sent = the fewest bytes a step's collectives and messages need "
+        "this rank to send; the fit and the predicted peak memory take each rank's peak in a step "
+        "(peak_bytes): state, activations and what the step makes and frees"
     )
     c = plan["capacity"]
-    what = "model state + activations" if c["activations_counted"] else "model state (activations not estimated)"
+    what = "a step's peak" if c["activations_counted"] else "model state + activations (a step's peak not estimated)"
     lines.append(
         f"{'fits' if c['fits'] else 'DOES NOT FIT'}: {c['where']} needs {_gib(c['needed'])} GiB for "
         f"{what} of this machine's {_gib(c['bytes'])} GiB of {c['kind']}"

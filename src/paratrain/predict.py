@@ -284,7 +284,10 @@ def figures(
     replicas), and the breakdown with the busiest rank's memory headroom."""
     samples = plan["batch"]["global"]
     per_device = forward_flops * 3 / step_s / plan["world_size"] / 1e12  # the model's forward + backward
-    peak_memory = max(r["model_state_bytes"] + (r["activation_bytes"] or 0) for r in plan["ranks"])
+    peak_memory = max(
+        r["peak_bytes"] if r["peak_bytes"] is not None else r["model_state_bytes"] + (r["activation_bytes"] or 0)
+        for r in plan["ranks"]
+    )
     predicted = {
         "step_s": step_s,
         "samples_per_s": samples / step_s,

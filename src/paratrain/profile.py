@@ -110,7 +110,8 @@ class _Phase:
 # layout of one step record (a float64 row): step, start, seconds, phases..., sent, payload/op, min/op
 _P, _O = len(PHASES), len(COMM_OPS)
 _PHASE0, _SENT = 3, 3 + _P
-_PAYLOAD0 = _SENT + 1
+_PEAK = _SENT + 1  # peak bytes allocated during the step (-1: train.track_memory is off)
+_PAYLOAD0 = _PEAK + 1
 _MIN0 = _PAYLOAD0 + _O
 _WIDTH = _MIN0 + _O
 
@@ -126,6 +127,7 @@ class Profiler:
         device: torch.device,
         start_step: int = 0,
         torch_profiler: bool = False,
+        memory: MemoryTracker | None = None,
     ):
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = device
@@ -144,6 +146,7 @@ class Profiler:
         self._in_step = False
         self._io = open_proc_io() if device.type == "cpu" else None
         self._torch_prof = None
+        self._memory = memory
         if world_size > 1:
             collectives.barrier("profiler start")  # a common time origin for all ranks' traces
         self.t0 = time.perf_counter()
@@ -191,6 +194,8 @@ class Profiler:
         self._payload = [0.0] * _O
         self._min = [0.0] * _O
         io_before = bytes_sent(self._io)
+        if self._memory is not None:
+            self._memory.begin_step()
         start = time.perf_counter()
         self._in_step = True
         try:
@@ -201,7 +206,8 @@ class Profiler:
             self._sync()
         end = time.perf_counter()
         sent = bytes_sent(self._io) - io_before if self._io is not None else -1.0
-        self._rows.append([step, start - self.t0, end - start, *self._phase_s, sent, *self._payload, *self._min])
+        peak = self._memory.end_step() if self._memory is not None else -1.0
+        self._rows.append([step, start - self.t0, end - start, *self._phase_s, sent, peak, *self._payload, *self._min])
         if self._tracing:
             self._spans.append((step, -1, start - self.t0, end - self.t0, -1))
         if self._torch_prof is not None:
@@ -235,6 +241,8 @@ class Profiler:
         }
         if (stacked[:, :, _SENT] >= 0).all():
             summary["bytes_sent"] = stacked[:, :, _SENT].mean().item()
+        if (stacked[:, :, _PEAK] >= 0).all():
+            summary["peak_memory_mib"] = stacked[:, :, _PEAK].max().item() / 2**20
         return summary
 
     def close(self) -> None:
@@ -243,6 +251,8 @@ class Profiler:
         if self._torch_prof is not None:
             self._torch_prof.stop()
             self._torch_prof = None
+        if self._memory is not None:
+            self._memory.close()
         if self.rank == 0:
             self._profile_file.close()
             self._trace_file.write("\n]\n")
@@ -290,6 +300,8 @@ class Profiler:
                 }
                 if row[_SENT] >= 0:
                     entry["bytes_sent"] = int(row[_SENT])
+                if row[_PEAK] >= 0:
+                    entry["peak_memory_bytes"] = int(row[_PEAK])
                 ranks.append(entry)
             record = {"step": int(all_rows[0][i, 0]), "world": self.world, "ranks": ranks}
             self._profile_file.write(json.dumps(record) + "\n")
@@ -372,3 +384,74 @@ def _start_torch_profiler(out_dir: Path, rank: int):
     )
     prof.start()
     return prof
+
+
+class MemoryTracker:
+    """The peak of the tensor bytes torch holds allocated on this rank in each training step
+    (train.track_memory): what a GPU user means by peak memory. On CUDA it is
+    torch.cuda.max_memory_allocated. The CPU allocator keeps no such counter. So when a step begins,
+    the bytes of every tensor storage reachable from Python are added up (less those that existed
+    when the tracker was made: the datasets; less shared memory and lent buffers, which the allocator
+    does not hand out), and during the step torch's profiler with memory profiling reports every
+    allocation (+bytes) and free (-bytes) as a "[memory]" event: their running sum from that count
+    is the bytes allocated, its maximum the step's peak. What runs between steps (logging,
+    evaluation, checkpoints) is not counted. The profiler (its legacy, kineto-free form: no trace
+    files, no log lines) records every op of the step, and the count walks Python's objects: the
+    cost of the key. It sees the threads that run the step's ops (autograd's included), not gloo's:
+    a buffer whose last reference a collective's thread drops stays counted to the step's end."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._device = device
+        self.live = 0  # bytes allocated, as of the last event counted
+        self._on = False
+        self._before = set() if self.cuda else set(_cpu_storages())
+
+    def begin_step(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self._device)
+            return
+        from torch._C._profiler import _ExperimentalConfig
+        from torch.autograd import ProfilerConfig, ProfilerState, _enable_profiler_legacy
+
+        self.live = sum(n for ptr, n in _cpu_storages().items() if ptr not in self._before)
+        _enable_profiler_legacy(
+            ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig(), "")
+        )
+        self._on = True
+
+    def end_step(self) -> int:
+        """The step's peak of allocated bytes."""
+        if self.cuda:
+            return torch.cuda.max_memory_allocated(self._device)
+        from torch.autograd import _disable_profiler_legacy
+
+        self._on = False
+        events = [e for thread in _disable_profiler_legacy() for e in thread if e.kind() == "memory_alloc"]
+        peak = self.live
+        for e in sorted(events, key=lambda e: e.start_us()):  # each thread's in order; threads merged by time
+            self.live += e.cpu_memory_usage()
+            peak = max(peak, self.live)
+        return peak
+
+    def close(self) -> None:
+        if self._on:
+            self.end_step()
+
+
+def _cpu_storages() -> dict[int, int]:
+    """{address: bytes} of the CPU allocator's storages behind every tensor Python reaches."""
+    import gc
+
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage
+                continue
+            # torch's own allocations only: not shared memory, nor a buffer lent to a tensor
+            # (torch.frombuffer, numpy's), whose storage cannot be resized
+            if storage.nbytes() and storage.resizable() and not storage.is_shared():
+                out[storage.data_ptr()] = storage.nbytes()
+    return out

@@ -85,6 +85,16 @@ def memoised_traces():
             (activations, plan),
         ),
         "boundary_bytes": (lambda cfg, model, bounds, rows: (rows, cut(bounds)), (activations, plan)),
+        "step_memory": (
+            lambda cfg, rows, bounds=None, tp_plan=None, tp=1: (
+                cfg.train.recompute,
+                rows,
+                cut(bounds),
+                tuple(sorted((tp_plan or {}).items())) if tp > 1 else (),
+                tp,
+            ),
+            (activations, plan, costs),
+        ),
         "stage_ops": (lambda cfg, rows, bounds: (cfg.train.recompute, rows, cut(bounds)), (predict,)),
     }
     # the attributes as stored (FakeRun.build: the classmethod itself), to put back
@@ -104,7 +114,14 @@ def memoised_traces():
 
     try:
         activations.FakeRun.build = memoised(
-            activations.FakeRun.build, lambda cfg, rows, bounds: (cfg.train.recompute, rows, cut(bounds))
+            activations.FakeRun.build,
+            lambda cfg, rows, bounds, tp_plan=None, tp=1: (
+                cfg.train.recompute,
+                rows,
+                cut(bounds),
+                tuple(sorted((tp_plan or {}).items())) if tp > 1 else (),
+                tp,
+            ),
         )
         for name, (key, owners) in keys.items():
             shared = memoised(getattr(owners[0], name), key)
@@ -121,10 +138,19 @@ def replica_plan(cfg: Config, model, cluster) -> dict:
     replica 0 alone (every replica holds and computes the same): model state and activations per
     rank, the pipeline cut, the batch; with "capacity" judged as make_plan judges it."""
     from .parallel.base import unique_parameters
-    from .parallel.costs import zero_state
+    from .parallel.costs import zero_peak, zero_state
     from .parallel.hybrid import microbatch_count
     from .parallel.registry import spec
-    from .plan import RankPlan, capacity, model_parallel, nbytes, optimizer_slots, saved_activation_bytes
+    from .plan import (
+        RankPlan,
+        capacity,
+        cast_copies,
+        model_parallel,
+        nbytes,
+        optimizer_slots,
+        saved_activation_bytes,
+        step_memory,
+    )
 
     p, world, nproc = cfg.parallel, cluster.world, cluster.devices_per_node
     dp = world // (p.tp * p.pp)
@@ -136,10 +162,16 @@ def replica_plan(cfg: Config, model, cluster) -> dict:
     if p.tp == p.pp == 1:
         one = RankPlan(0, 0, 0, "worker", activation_bytes=saved_activation_bytes(cfg, rows)[0])
         stage = getattr(spec(p.strategy), "stage", 0)  # a ZeroSpec's; dp's replica holds everything
+        (step,) = step_memory(cfg, rows)
+        step_bytes = max(step.forward_peak, step.backward_peak)
         if not stage:
             one.param_bytes, one.grad_bytes, one.optimizer_bytes = total, total, slots * total
+            one.peak_bytes = one.model_state_bytes + max(step_bytes, cast_copies(cfg, params, world))
         else:
-            one.param_bytes, one.grad_bytes, one.optimizer_bytes, _ = zero_state(cfg, stage, model, params, world)
+            one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = zero_state(
+                cfg, stage, model, params, world
+            )
+            one.peak_bytes = one.model_state_bytes + zero_peak(step_bytes, on_top)
         replica = [one]
     else:
         # on GPUs only the busiest rank counts, and tp rank 0 holds the most (shard_sizes: the first

@@ -31,7 +31,7 @@ from .models import build_model
 from .models.materialize import record_on_meta
 from .optim import build_loss, lr_factor
 from .parallel import build_strategy, registry
-from .profile import Profiler
+from .profile import MemoryTracker, Profiler
 
 
 class Trainer:
@@ -41,6 +41,8 @@ class Trainer:
         runtime.seed_everything(train.seed)  # identical initial weights on every rank
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "val")
+        # made before the model: what exists now (the datasets) is not counted, as on a GPU
+        self.memory = MemoryTracker(rt.device) if train.track_memory else None
         # A sharding strategy materialises the model shard by shard from its meta-device build: a
         # built-in's initialisation is replayed, a user factory's construction recorded to be replayed.
         if not registry.spec(cfg.parallel.strategy).materializes_models:
@@ -166,6 +168,7 @@ class Trainer:
             rt.device,
             start_step=self.step,
             torch_profiler=cfg.train.torch_profiler,
+            memory=self.memory,
         )
         self.strategy.profiler = prof
         t_start, first_step = time.perf_counter(), self.step

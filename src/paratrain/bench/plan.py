@@ -5,10 +5,12 @@ and hybrids, on 1-4 processes) is run for real with `paratrain run` and planned 
 `paratrain plan --cluster` on the cluster file `paratrain plan --calibrate` writes (made first
 unless `--cluster` names one). Measured:
   * step time: the slowest rank's training step as the profiler times it (profile.jsonl), the
-    median over the steps after the first SETUP_STEPS (one-time set-up);
-  * memory: the peak resident memory (VmHWM) of the run's largest worker, sampled from /proc
-    while it runs, less that of the same job with a tiny model of the same family on as many
-    processes: what the model, its state and its activations add.
+    median over the steps after the first SETUP_STEPS (one-time set-up); with --repeats N the
+    fastest of N runs (as timeit reports its best: what the others lose is other processes');
+  * memory: the peak of tensor bytes allocated in a step on the run's largest rank
+    (train.track_memory: torch.cuda.max_memory_allocated's meaning, counted on the CPU from
+    torch's profiler): what the model, its state, its activations and every transient of a step
+    hold (see measured_peak_mib).
 The table puts both beside the predictions; MAE is the mean relative error, Kendall's tau the
 agreement of the two rankings by step time, and the pick's ratio how much slower the layout the
 planner predicts fastest ran than the fastest measured.
@@ -21,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from .common import COUNT, add_json_option, emit_json
@@ -59,9 +60,9 @@ optimizer = "adamw"
 """
 
 MODELS = {"gpt": (GPT, {"layers": 2, "width": 128}), "mlp": (MLP, {"layers": 4, "width": 512})}
-TINY = {"gpt": {"layers": 1, "width": 8}, "mlp": {"layers": 1, "width": 8}}
 
 SETUP_STEPS = 5  # a run's first steps set up kernels and buffers (the 4th, here, up to 25x a step)
+MEMORY_STEPS = 4  # the optimizer's state exists from the first step on: the later ones are the steady peak
 PIPE = ["parallel.microbatches=4", "parallel.balance='params'"]
 # (processes, [parallel] settings); the gpt and the mlp each run every one
 LAYOUTS = [
@@ -93,6 +94,7 @@ def add_parser(which) -> None:
     p.add_argument(
         "--steps", type=COUNT, default=16, help=f"steps per run (default 16; the first {SETUP_STEPS} are set-up)"
     )
+    p.add_argument("--repeats", type=COUNT, default=1, help="timed runs per layout, the fastest taken (default 1)")
     p.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp (default both)")
     p.add_argument(
         "--only",
@@ -113,51 +115,16 @@ def label(model: str, nproc: int, sets: list[str]) -> str:
     return f"{model} x{nproc} " + " ".join(shown)
 
 
-def peak_rss_of_tree(root: int, peaks: dict[int, int]) -> None:
-    """Each living training worker under `root`: its peak resident memory so far (VmHWM, bytes)
-    into `peaks`, read from /proc."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    parent[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    for pid in parent:
-        try:
-            with open(f"/proc/{pid}/comm") as fh:
-                if not fh.read().startswith("paratrain-r"):  # a training worker (trainer.worker names it)
-                    continue
-        except OSError:
-            continue
-        up = pid
-        while up not in (root, 0, 1) and up in parent:
-            up = parent[up]
-        if up != root:
-            continue
-        try:
-            with open(f"/proc/{pid}/status") as fh:
-                hwm = next((int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:")), 0)
-        except OSError:
-            continue
-        peaks[pid] = max(peaks.get(pid, 0), hwm)
-
-
-def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int) -> tuple[list[dict], int]:
-    """`paratrain run` to the end: (metrics.jsonl's entries, the largest peak resident memory in
-    bytes among its workers, sampled from /proc while it runs)."""
+def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int) -> None:
+    """`paratrain run` to the end (RuntimeError with its last line of stderr if it fails)."""
     argv = [sys.executable, "-m", "paratrain.cli", "run", str(config), "--nproc", str(nproc), "--run-dir", str(run_dir)]
     for s in [*sets, f"train.steps={steps}", "train.log_every=4"]:
         argv += ["--set", s]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    peaks: dict[int, int] = {}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
         try:
-            while proc.poll() is None:
-                peak_rss_of_tree(proc.pid, peaks)
-                time.sleep(0.2)
+            proc.wait()
         finally:  # interrupted: its workers go with it (the launcher ends them on SIGTERM)
             if proc.poll() is None:
                 proc.terminate()
@@ -166,8 +133,23 @@ def run_job(config: Path, nproc: int, sets: list[str], run_dir: Path, steps: int
             err.seek(0)
             lines = err.read().strip().splitlines()
             raise RuntimeError(lines[-1] if lines else f"exit {proc.returncode}")
-    entries = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return entries, max(peaks.values(), default=0)
+
+
+def measured_peak_mib(config: Path, nproc: int, sets: list[str], run_dir: Path) -> float:
+    """The peak MiB of tensors allocated in a step on the largest rank, from a run of MEMORY_STEPS
+    steps with train.track_memory apart from the timed run (the CPU's memory tracking slows every
+    op): per rank the least of its steps after the first. Those steps allocate alike; one counted
+    higher holds a buffer that a gloo thread freed, a free the CPU's count sees only at the step's
+    end (profile.MemoryTracker)."""
+    run_job(config, nproc, [*sets, "train.track_memory=true"], run_dir, MEMORY_STEPS)
+    return steady_peak_mib(run_dir)
+
+
+def steady_peak_mib(run_dir: Path) -> float:
+    """From a run's profile.jsonl: the largest rank's least peak over its steps after the first."""
+    steps = [json.loads(line)["ranks"] for line in (run_dir / "profile.jsonl").read_text().splitlines()][1:]
+    per_rank = zip(*[[r["peak_memory_bytes"] for r in ranks] for ranks in steps])
+    return max(min(peaks) for peaks in per_rank) / 2**20
 
 
 def predict_layout(config: Path, nproc: int, sets: list[str], cluster) -> dict:
@@ -259,31 +241,29 @@ def run(args) -> int:
     for n, cluster in clusters.items():
         print(f"cluster: {args.cluster or f'calibrated now for {n} processes'}: {cluster.device}", flush=True)
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
-    rows, baseline = [], {}
+    rows = []
     print("| layout | predicted step s | measured step s | error | predicted MiB | measured MiB | error |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for model in args.models.split(","):
         text, sizes = MODELS[model]
         config = tmp / f"{model}.toml"
         config.write_text(text.format(**sizes))
-        tiny = tmp / f"{model}-tiny.toml"
-        tiny.write_text(text.format(**TINY[model]))
         for n, (nproc, sets) in enumerate(LAYOUTS):
             name = label(model, nproc, sets)
             if args.only and not any(part in name for part in args.only.split(",")):
                 continue
             try:
-                if (model, nproc) not in baseline:
-                    _, baseline[model, nproc] = run_job(
-                        tiny, nproc, ["parallel.strategy='dp'"], tmp / f"{model}-base-{nproc}", 2
-                    )
-                entries, rss = run_job(config, nproc, sets, tmp / f"{model}-{n}", args.steps)
+                runs = []
+                for attempt in range(args.repeats):
+                    run_dir = tmp / f"{model}-{n}-{attempt}"
+                    run_job(config, nproc, sets, run_dir, args.steps)
+                    runs.append((median_step_s(run_dir), run_dir))
+                measured_step, run_dir = min(runs)
+                measured_mib = measured_peak_mib(config, nproc, sets, tmp / f"{model}-{n}-memory")
                 predicted = predict_layout(config, nproc, sets, clusters[max(2, nproc)])
             except (RuntimeError, ConfigError) as exc:
                 print(f"| {name} | skipped: {exc} |||||| ", flush=True)
                 continue
-            measured_step = median_step_s(tmp / f"{model}-{n}")
-            measured_mib = (rss - baseline[model, nproc]) / 2**20
             row = {
                 "layout": name,
                 "model": model,
@@ -295,7 +275,7 @@ def run(args) -> int:
                 "measured_mib": measured_mib,
             }
             row["predicted_breakdown"] = predicted["breakdown"]
-            row["measured_phases"] = measured_phases(tmp / f"{model}-{n}")
+            row["measured_phases"] = measured_phases(run_dir)
             row["step_error"] = row["predicted_step_s"] / measured_step - 1
             row["memory_error"] = row["predicted_mib"] / measured_mib - 1 if measured_mib > 0 else float("nan")
             rows.append(row)

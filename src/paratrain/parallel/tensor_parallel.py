@@ -178,7 +178,11 @@ def apply_tensor_parallel(model: nn.Module, plan: dict, group) -> dict[str, int]
     """Replace the planned modules by their parallel versions, in place.
 
     Returns {state-dict key: dimension it is split along} for every sharded tensor."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return shard_modules(model, plan, group, dist.get_rank(group), dist.get_world_size(group))
+
+
+def shard_modules(model: nn.Module, plan: dict, group, rank: int, world: int) -> dict[str, int]:
+    """apply_tensor_parallel for tp rank `rank` of `world` (the planner plays a rank without a group)."""
     modules = dict(model.named_modules())
     tied: dict[int, list[tuple[str, str]]] = {}  # parameter -> the planned (module, attribute) holding it
     for name in plan:
