@@ -91,7 +91,7 @@ from paratrain.config import load
 from paratrain.data import build_dataset, load_batch
 from paratrain.models import build_model
 from paratrain.optim import build_loss
-from paratrain.plan import saved_activation_bytes
+from paratrain.activations import saved_activation_bytes
 
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * 4096

@@ -255,7 +255,7 @@ def step_memory(
     the loss, activation gradients in backward, each parameter's incoming gradient before it is
     added to the one the strategy keeps (present, as after the first step), and a later stage's
     input gradient. Stage by stage, each from a fresh input as the engine receives it; what the
-    engine receives is not counted here (it keeps a pool of receive buffers: plan.receive_buffers).
+    engine receives is not counted here (it keeps a pool of receive buffers: pipeline_costs.receive_buffers).
     Under tp (`tp_plan` over `tp` ranks) tp rank 0's shards, and the vocabulary-parallel
     cross-entropy on a sharded output; None for a user loss on a sharded output (it gathers the
     output first: not modelled)."""
@@ -287,7 +287,7 @@ def step_memory(
         with run.mode, run.autocast, without_peers(), LiveBytes(held) as count:
             start = count.mark()
             # what the pipeline engine receives (this stage's input, its output's gradient) lies
-            # in its pool of receive buffers, counted apart (plan.receive_buffers)
+            # in its pool of receive buffers, counted apart (pipeline_costs.receive_buffers)
             x = shape_in if s == 0 else count.forget(torch.empty_like(shape_in))
             x.requires_grad_(x.is_floating_point() and s > 0)
             y = run_layers(layers, x, run.recompute)

@@ -5,14 +5,15 @@ tensors: no memory, no arithmetic), the plan gives the rank grid (node, local ra
 coordinates, role), the pipeline cut, the batch each replica and microbatch gets, and per rank:
   * the bytes of model state the strategy keeps for good: parameters, gradients, optimizer state,
     and what a top-k or PowerSGD codec keeps (error feedback, factors, result);
-  * the peak bytes of activations saved for backward: one microbatch's forward through each stage
-    in fake tensors (activations.FakeRun) under autograd's saved-tensor hooks, each tensor once; a pipeline
-    rank's peak plays its own schedule out, adding a stage's activations at each forward and
-    dropping them at its backward;
+  * the peak bytes of activations saved for backward, and the peak of a whole step (model state,
+    activations and every transient: one microbatch's forward and backward per stage played in
+    fake tensors, in the rank's own schedule; activations.step_memory);
   * the bytes its collectives and messages carry in a step, by op, with the fewest it must send,
     exactly as the profiler accounts them (profile.min_bytes_sent).
-Not counted: temporaries inside an operation, the short-lived buffers of communication (ZeRO's
-units while gathered or reduced, named in a note), and activations under tp (its sharded layers need a process group to run).
+This module holds the rank plan, the fit against the machine's memory and the rendering; what each
+rank holds, saves and sends is its strategy's cost model (its spec's `cost_model`:
+parallel/costs.py, with dp_costs.py and pipeline_costs.py), and its step time its `time_model`
+(predict.py, parallel/step_costs.py).
 
 The layout comes from the functions the strategies themselves call (dp's buckets, ZeRO's units and
 their padding, the pipeline's partition and schedules, the tp plan's shard dimensions, the
@@ -23,14 +24,12 @@ tests/test_profile.py holds the bytes to real runs' profile.jsonl.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
 
-from .activations import StageMemory, boundary_bytes, saved_activation_bytes, step_memory, tp_all_reduces
 from .config import Config, ConfigError
 from .parallel import registry
 
@@ -104,272 +103,6 @@ def padded_bytes(groups: list[list[nn.Parameter]], world: int) -> tuple[int, int
     """(whole, per-rank shard) bytes of flat units padded to a multiple of `world`."""
     whole = sum(_padded_numel(params, world) * params[0].element_size() for params in groups)
     return whole, whole // world
-
-
-def _wire_bytes(numel: int, dtype_bytes: int, cfg: Config) -> int:
-    """A gradient buffer's bytes on the wire: bf16 / fp16 compression sends 2 bytes a number."""
-    return numel * (2 if cfg.parallel.compression in ("bf16", "fp16") else dtype_bytes)
-
-
-def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: int) -> None:
-    """dp's gradient buckets, each averaged once a step (the last microbatch's backward) as the
-    codec does it: one all-reduce (bf16/fp16: of 16-bit numbers); top-k: all-gathers of each rank's
-    k values and k int32 indices; PowerSGD: all-reduces of P with the uncompressed tensors, then Q."""
-    from .parallel.compression import round_numels
-    from .parallel.data_parallel import make_buckets
-
-    if group_size == 1 or not params:
-        return
-    p = cfg.parallel
-    buckets = make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta"))
-    for b in buckets:
-        size = b.params[0].element_size()
-        if p.compression == "topk":
-            k = max(1, math.ceil(p.topk_ratio * b.numel))
-            r.add_comm("all_gather", k * size * group_size, group_size)
-            r.add_comm("all_gather", k * 4 * group_size, group_size)
-        elif p.compression == "powersgd":
-            first, second = round_numels(b.shapes, p.powersgd_rank)
-            r.add_comm("all_reduce", first * size, group_size)
-            if second:
-                r.add_comm("all_reduce", second * size, group_size)
-        else:
-            r.add_comm("all_reduce", _wire_bytes(b.numel, size, cfg), group_size)
-
-
-def dp_codec(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: int) -> None:
-    """What a top-k or PowerSGD codec keeps between steps for dp's gradient buckets."""
-    from .parallel.compression import kept_bytes
-    from .parallel.data_parallel import make_buckets
-
-    if group_size == 1 or not params:
-        return
-    p = cfg.parallel
-    buckets = make_buckets(params, int(p.bucket_mb * MIB), torch.device("meta"))
-    r.codec_bytes += kept_bytes(
-        p, [b.shapes for b in buckets], params[0].dtype, torch.device("cuda" if cfg.train.device == "cuda" else "cpu")
-    )
-
-
-def cast_copies(cfg: Config, params: list[nn.Parameter], group_size: int) -> int:
-    """bf16 / fp16 on the wire: the 16-bit copy of each dp bucket, made as the bucket is launched and
-    copied back once the backward is over (compression.Cast), so all of them at once after it."""
-    from .parallel.data_parallel import make_buckets
-
-    if group_size == 1 or not params or cfg.parallel.compression not in ("bf16", "fp16"):
-        return 0
-    buckets = make_buckets(params, int(cfg.parallel.bucket_mb * MIB), torch.device("meta"))
-    return sum(_wire_bytes(b.numel, 2, cfg) for b in buckets)
-
-
-def zero_comm(
-    r: RankPlan, cfg: Config, stage: int, model: nn.Module, params: list[nn.Parameter], world: int, backend: str
-) -> None:
-    """Per unit: its gradients reduce-scattered (stage 1 once a step, 2 and 3 every microbatch) and
-    its parameters all-gathered (stages 1 and 2 after the step; stage 3 before each module's forward
-    and again before its backward, the root unit, kept gathered through both, once); plus the
-    squared gradient norm, one float32 all-reduced. On gloo, as zero_comm builds them: each
-    reduce-scatter an all-reduce of the whole unit (stage 3: of each gradient), each all-gather a
-    broadcast from every rank."""
-    from .parallel.data_parallel import make_buckets
-    from .parallel.zero import module_units
-    from .parallel.zero_comm import from_primitives
-
-    if world == 1:
-        return
-    micro = cfg.train.grad_accum
-    bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
-    if stage == 3:
-        units = [(g, 1 if module is model else 2) for module, g in module_units(model, params, bucket_bytes)]
-    else:
-        units = [(b.params, 0) for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
-    primitives = from_primitives(backend)
-    for group, gathers in units:
-        numel = _padded_numel(group, world)
-        size = group[0].element_size()
-        reduces, gathers = 1 if stage == 1 else micro, gathers * micro if stage == 3 else 1
-        wire = _wire_bytes(numel, size, cfg)
-        if primitives:
-            # stage 3 all-reduces each gradient where autograd left it, stages 1-2 the flat unit
-            for n in [p.numel() for p in group] if stage == 3 else [numel]:
-                r.add_comm("all_reduce", _wire_bytes(n, size, cfg), world, times=reduces)
-            r.add_comm("broadcast", numel // world * size, world, times=gathers * world)
-        else:
-            r.add_comm("reduce_scatter", wire, world, times=reduces)
-            r.add_comm("all_gather", numel * size, world, times=gathers)
-    r.add_comm("all_reduce", 4, world)
-
-
-def peak_in_schedule(actions, stage_of_chunk: list[int], stage_bytes: list[int]) -> int:
-    """The most activation bytes alive at once while a rank plays its actions: a forward adds its
-    stage's, the backward of the same (chunk, microbatch) drops them."""
-    alive = peak = 0
-    for a in actions:
-        alive += stage_bytes[stage_of_chunk[a.chunk]] * (1 if a.kind == "F" else -1)
-        peak = max(peak, alive)
-    return peak
-
-
-def step_peak(actions, stage_of_chunk: list[int], memories: list[StageMemory]) -> int:
-    """The most bytes alive at once, over the model state, while a rank plays its actions (one
-    microbatch's forward, backward, forward, ... without pp): a forward peaks at what is alive
-    plus its stage's forward peak and leaves its kept bytes; its backward peaks at what the other
-    microbatches keep plus its own backward peak, and frees its kept bytes."""
-    alive = peak = 0
-    for a in actions:
-        m = memories[stage_of_chunk[a.chunk]]
-        if a.kind == "F":
-            peak = max(peak, alive + m.forward_peak)
-            alive += m.kept
-        else:
-            alive -= m.kept
-            peak = max(peak, alive + m.backward_peak)
-    return peak
-
-
-def receive_buffers(actions, stages: list[int], boundary: list[int]) -> int:
-    """Bytes of the pipeline engine's receive buffers on a rank playing `actions` (`stages`: the
-    virtual stage of each chunk): each action's receive (a later stage's input for a forward, an
-    earlier stage's output gradient for a backward) is posted LOOKAHEAD actions ahead and its
-    buffer taken back after the microbatch's backward; buffers taken back serve later receives of
-    the same size and are kept between steps, so the pool is the most of each size in use at once."""
-    from .parallel.pipeline import LOOKAHEAD
-
-    last = len(boundary) - 1  # boundary[s]: what enters stage s
-    in_use: dict[int, int] = {}
-    most: dict[int, int] = {}
-    held: dict[tuple[int, int], list[int]] = {}  # (chunk, microbatch) -> sizes of its buffers
-
-    def post(a) -> None:
-        s = stages[a.chunk]
-        size = boundary[s] if a.kind == "F" and s > 0 else boundary[s + 1] if a.kind == "B" and s < last else 0
-        if size:
-            in_use[size] = in_use.get(size, 0) + 1
-            most[size] = max(most.get(size, 0), in_use[size])
-            held.setdefault((a.chunk, a.mb), []).append(size)
-
-    posted = 0
-    for i in range(-1, len(actions)):
-        for a in actions[posted : i + 1 + LOOKAHEAD]:
-            post(a)
-        posted = max(posted, min(i + 1 + LOOKAHEAD, len(actions)))
-        if i >= 0 and actions[i].kind == "B":
-            for size in held.pop((actions[i].chunk, actions[i].mb), []):
-                in_use[size] -= 1
-    return sum(size * n for size, n in most.items())
-
-
-def pipeline_comm(r: RankPlan, actions, boundary: list[int], n_stages: int, world: int) -> None:
-    """Each forward sends its output to the next stage and each backward its input's gradient to
-    the previous one (receives mirror them); the profiler counts them on the world group."""
-    for a in actions:
-        s = r.stages[a.chunk]
-        if a.kind == "F":
-            if s > 0:
-                r.add_comm("recv", boundary[s], world)
-            if s < n_stages - 1:
-                r.add_comm("send", boundary[s + 1], world)
-        else:
-            if s < n_stages - 1:
-                r.add_comm("recv", boundary[s + 1], world)
-            if s > 0:
-                r.add_comm("send", boundary[s], world)
-
-
-def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPlan], rows: int) -> list[dict]:
-    """Tensor and pipeline parallelism: which stages and which tp shard of each parameter every rank
-    holds; the stages."""
-    from .parallel.base import unique_parameters
-    from .parallel.hybrid import sync_ties, virtual_stages
-    from .parallel.pipeline_cut import allowed_cuts, parameter_costs, partition, pipeline_layers, split_ties
-    from .parallel.tensor_parallel import STYLES, plan_for
-    from .parallel.tp_comm import shard_range
-
-    p = cfg.parallel
-    dp = world // (p.tp * p.pp)
-    v = virtual_stages(cfg)
-    n_stages = p.pp * v
-    tp_plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
-    if p.pp > 1:
-        layers = pipeline_layers(model)
-        bounds = partition(parameter_costs(layers), n_stages, allowed_cuts(model, layers, tp_plan, sync_ties(cfg)))
-        stage_layers = [layers[bounds[s] : bounds[s + 1]] for s in range(n_stages)]
-        # parameters shared by layers of different stages: each holder sums its copy's gradient
-        ties = [(t, stages) for t, _, stages in split_ties(model, layers, bounds)]
-    else:
-        bounds, stage_layers, ties = [0, 1], [[model]], []
-    # the dimension each planned module's tensors are split along, by parameter name
-    shard_dims = {f"{name}.{t}": d for name, style in tp_plan.items() for t, d in STYLES[style].shard_dims.items()}
-    name_of = {id(t): n for n, t in model.named_parameters()}
-
-    def shard_of(t: torch.Tensor, tp_rank: int) -> torch.Tensor:
-        """Parameter t as tp rank `tp_rank` holds it (a meta tensor of its shard's shape)."""
-        shape, dim = list(t.shape), shard_dims.get(name_of[id(t)])
-        if dim is not None:
-            start, end = shard_range(t.shape[dim], p.tp, tp_rank)
-            shape[dim] = end - start
-        return torch.empty(shape, dtype=t.dtype, device="meta")
-
-    def stage_params(s: int, tp_rank: int) -> list[torch.Tensor]:
-        """The parameters of stage s as tp rank `tp_rank` holds them."""
-        seen, out = set(), []
-        for layer in stage_layers[s]:
-            for _, t in unique_parameters(layer):
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    out.append(shard_of(t, tp_rank))
-        return out
-
-    from .parallel.hybrid import microbatch_count
-    from .parallel.pipeline_schedules import SCHEDULES, one_f_one_b
-
-    slots = optimizer_slots(cfg)
-    cut = bounds if p.pp > 1 else None
-    boundary = boundary_bytes(cfg, model, bounds, rows) if p.pp > 1 else []
-    activations = saved_activation_bytes(cfg, rows, cut) if p.tp == 1 else None
-    memories = step_memory(cfg, rows, cut, tp_plan, p.tp)
-    tp_payloads = tp_all_reduces(cfg, rows, cut, tp_plan) if p.tp > 1 else [[] for _ in stage_layers]
-    # without pp the engine plays one_f_one_b: each microbatch's forward, then its backward
-    schedule, m = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b, microbatch_count(cfg)
-    for r in ranks:
-        r.pp, rest = divmod(r.rank, dp * p.tp)
-        r.dp, r.tp = divmod(rest, p.tp)
-        r.stages = [c * p.pp + r.pp for c in range(v)]
-        held = {s: stage_params(s, r.tp) for s in r.stages}
-        r.param_bytes = r.grad_bytes = sum(nbytes(t) for t in held.values())
-        r.optimizer_bytes = slots * r.param_bytes
-        actions = schedule(p.pp, r.pp, m, v)
-        if activations is not None:
-            r.activation_bytes = peak_in_schedule(actions, r.stages, activations)
-        for s in r.stages:
-            dp_codec(r, cfg, held[s], dp)
-        if memories is not None:
-            pool = receive_buffers(actions, r.stages, boundary) if p.pp > 1 else 0
-            wire = sum(cast_copies(cfg, held[s], dp) for s in r.stages)
-            r.peak_bytes = r.model_state_bytes + pool + max(step_peak(actions, r.stages, memories), wire)
-        if tp_payloads is None:  # a user loss on a sharded output: its gathers are not modelled
-            continue
-        pipeline_comm(r, actions, boundary, n_stages, world)
-        for s in r.stages:
-            for payload in tp_payloads[s]:
-                r.add_comm("all_reduce", payload, p.tp, times=m)
-            dp_comm(r, cfg, held[s], dp)  # each chunk's gradients, averaged over the dp group
-        for t, holders in ties:
-            if r.pp in holders:
-                r.add_comm("all_reduce", nbytes([shard_of(t, r.tp)]), len(holders))
-        if world > 1:
-            r.add_comm("all_reduce", 8, world)  # the global gradient norm (float64)
-    if p.pp == 1:
-        return []
-    return [
-        {
-            "stage": s,
-            "pp_rank": s % p.pp,
-            "layers": [bounds[s], bounds[s + 1] - 1],
-            "parameters": sum(t.numel() for layer in stage_layers[s] for _, t in unique_parameters(layer)),
-        }
-        for s in range(n_stages)
-    ]
 
 
 def peak_bytes(r: RankPlan) -> int:

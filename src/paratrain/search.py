@@ -68,8 +68,8 @@ def memoised_traces():
     played on it (activations saved, per-stage op costs, tp payloads, pipeline boundary bytes)
     depend only on recompute, the rows of a microbatch and the pipeline cut: each distinct one is
     built or played once, the functions swapped for memoised ones while the search runs."""
-    from . import activations, plan, predict
-    from .parallel import costs
+    from . import activations, predict
+    from .parallel import costs, pipeline_costs
 
     def cut(bounds):
         return None if bounds is None else tuple(bounds)
@@ -78,13 +78,13 @@ def memoised_traces():
     keys = {
         "saved_activation_bytes": (
             lambda cfg, rows, bounds=None: (cfg.train.recompute, rows, cut(bounds)),
-            (activations, plan, costs),
+            (activations, pipeline_costs, costs),
         ),
         "tp_all_reduces": (
             lambda cfg, rows, bounds, tp_plan: (cfg.train.recompute, rows, cut(bounds), tuple(sorted(tp_plan.items()))),
-            (activations, plan),
+            (activations, pipeline_costs),
         ),
-        "boundary_bytes": (lambda cfg, model, bounds, rows: (rows, cut(bounds)), (activations, plan)),
+        "boundary_bytes": (lambda cfg, model, bounds, rows: (rows, cut(bounds)), (activations, pipeline_costs)),
         "step_memory": (
             lambda cfg, rows, bounds=None, tp_plan=None, tp=1: (
                 cfg.train.recompute,
@@ -93,7 +93,7 @@ def memoised_traces():
                 tuple(sorted((tp_plan or {}).items())) if tp > 1 else (),
                 tp,
             ),
-            (activations, plan, costs),
+            (activations, pipeline_costs, costs),
         ),
         "stage_ops": (lambda cfg, rows, bounds: (cfg.train.recompute, rows, cut(bounds)), (predict,)),
     }
@@ -137,20 +137,14 @@ def replica_plan(cfg: Config, model, cluster) -> dict:
     """What the prediction and the fit need of `make_plan`'s plan, for the ranks of data-parallel
     replica 0 alone (every replica holds and computes the same): model state and activations per
     rank, the pipeline cut, the batch; with "capacity" judged as make_plan judges it."""
+    from .activations import saved_activation_bytes, step_memory
     from .parallel.base import unique_parameters
     from .parallel.costs import zero_peak, zero_state
+    from .parallel.dp_costs import cast_copies
     from .parallel.hybrid import microbatch_count
+    from .parallel.pipeline_costs import model_parallel
     from .parallel.registry import spec
-    from .plan import (
-        RankPlan,
-        capacity,
-        cast_copies,
-        model_parallel,
-        nbytes,
-        optimizer_slots,
-        saved_activation_bytes,
-        step_memory,
-    )
+    from .plan import RankPlan, capacity, nbytes, optimizer_slots
 
     p, world, nproc = cfg.parallel, cluster.world, cluster.devices_per_node
     dp = world // (p.tp * p.pp)

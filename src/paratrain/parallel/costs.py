@@ -9,23 +9,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..activations import saved_activation_bytes, step_memory
 from ..config import Config
 from ..plan import (
     MIB,
     RankPlan,
-    cast_copies,
-    dp_codec,
-    dp_comm,
-    model_parallel,
     nbytes,
     optimizer_slots,
     padded_bytes,
-    saved_activation_bytes,
-    step_memory,
 )
-from ..plan import zero_comm as zero_messages
 from .base import unique_parameters
 from .data_parallel import make_buckets
+from .dp_costs import cast_copies, dp_codec, dp_comm
+from .dp_costs import zero_comm as zero_messages
+from .pipeline_costs import model_parallel
 from .ps_wire import HEADER, assign_shards
 from .spec import Spec
 from .zero import module_units
