@@ -400,7 +400,7 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
     assert os.environ.get("OMP_NUM_THREADS") == threads  # the workers' thread count is not left behind
     written = path.read_text()
     keys = ("peak_tflops", "hbm_GBps", "op_overhead_us", "intra_node_GBps", "intra_latency_us", "p2p_latency_us")
-    for key in (*keys, "cpu_contention", "time_layers"):
+    for key in (*keys, "stream_latency_us", "step_overhead_us", "cpu_contention", "time_layers"):
         assert f"\n{key} = " in written
     used = json.loads((tmp_path / "a.json").read_text())["cluster"]
     again = load_cluster(str(path))
@@ -448,9 +448,16 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     first, second = predict.stage_costs(
         load(str(tmp_path / "gpt.toml"), sets), 4, [0, 2, layers], parse_cluster(four), 1
     )[0]
-    assert threads_given[-1] == 1  # four processes on two cores: one thread each, slowed as measured
-    assert first.forward_s == pytest.approx(2.5 * (0.001 + 0.002))
-    assert second.backward_s == pytest.approx(2.5 * sum(t.backward_s for t in fixed[2:]))
+    assert threads_given[-1] == 1  # four processes on two cores: one thread each
+    assert first.forward_s == pytest.approx(0.001 + 0.002)
+    assert second.backward_s == pytest.approx(sum(t.backward_s for t in fixed[2:]))
+    # slowed as measured where all four compute at once; a pipeline's light stage leaves its share
+    body = cpu.format(4) + "cpu_contention = 2.5\n"
+    dp4 = predicted(tmp_path, body, ["data.batch_size=8"])["step_breakdown"]
+    assert dp4["compute_s"] == pytest.approx(2.5 * sum(t.forward_s + t.backward_s for t in fixed))
+    pp4 = predicted(tmp_path, body, [*sets, "parallel.pp=4", "parallel.microbatches=4"])["step_breakdown"]
+    work = [3 * w for w in (0.001, 0.002, 0.003, 0.004)]  # the four layers, one a stage
+    assert pp4["compute_s"] == pytest.approx(4 * max(work) * 2.5 * sum(work) / (4 * max(work)))
     # the search's replica plans are timed alike
     from paratrain.search import search
 

@@ -49,6 +49,13 @@ class Device:
     # a pipeline message between neighbours in one node (0: intra_latency_us; --calibrate measures
     # this machine's, whose pipeline exchanges through shared memory instead of gloo)
     p2p_latency_us: float = 0.0
+    # per collective in a stream of asynchronous all-reduces started back to back (0: a ring
+    # all-reduce's latency; --calibrate measures this machine's)
+    stream_latency_us: float = 0.0
+    # the framework's own cost of a step besides compute, communication and the optimizer's
+    # arithmetic (--calibrate measures it with a tiny model through the trainer; 0 on GPUs, where
+    # it hides behind the queued kernels)
+    step_overhead_us: float = 0.0
     # a cpu cluster only: time the model's layers on this machine instead of modelling them
     # (layer_times; --calibrate writes it, the machine it measured being the one planned for)
     time_layers: bool = False
@@ -105,6 +112,8 @@ _KEYS = {
     "intra_latency_us": float,
     "op_overhead_us": float,
     "p2p_latency_us": float,
+    "stream_latency_us": float,
+    "step_overhead_us": float,
     "time_layers": bool,
     "cpu_contention": float,
 }
@@ -231,6 +240,67 @@ def _contention(rt, train_step) -> float:
     return statistics.median(together) / statistics.median(alone) if rt.rank == 0 else 0.0
 
 
+def _step_overhead_s(rt, run_dir: str) -> float:
+    """The trainer's own cost of a step besides a model's compute, communication and optimizer
+    arithmetic: loading the batch, the profiler's and the strategy's bookkeeping, the optimizer
+    phase's checks. A real run of 12 steps of a tiny mlp on synthetic data through the trainer
+    (trainer.train, on this process group), whose compute is next to nothing: on rank 0, the
+    median over the steps after the first 5 of the slowest rank's data, optimizer and other
+    phases (profile.jsonl)."""
+    import contextlib
+    import io
+    import json
+    import statistics
+    from pathlib import Path
+
+    from .config import from_dict
+    from .trainer import train
+
+    raw = {
+        "model": {"factory": "mlp", "in_features": 32, "hidden": 8, "n_layers": 1},
+        "data": {"factory": "synthetic", "batch_size": 4 * rt.world_size, "shuffle": False},
+        "train": {"steps": 12, "log_every": 12, "optimizer": "adamw"},
+    }
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        train(from_dict(raw), Path(run_dir), rt)
+    if rt.rank != 0:
+        return 0.0
+    steps = [json.loads(line) for line in (Path(run_dir) / "profile.jsonl").read_text().splitlines()]
+    return statistics.median(
+        max(sum(r["phases"][k] for k in ("data", "optimizer", "other")) for r in step["ranks"])
+        for step in steps
+        if step["step"] > 5
+    )
+
+
+def _stream_s(train_step) -> float:
+    """Per collective, what a stream of 30 asynchronous all-reduces of 1 KiB adds to the compute
+    it was started beside (as ZeRO-3 on gloo all-reduces each gradient as backward makes it, and
+    gloo works through them on its own thread while the compute goes on): 40 tiny training steps
+    with the stream started before them and waited for after, less the same steps alone. The
+    median of 5."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    bufs = [torch.zeros(256) for _ in range(30)]
+
+    def steps_s(stream: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        works = [dist.all_reduce(b, async_op=True) for b in bufs] if stream else []
+        for _ in range(40):
+            train_step()
+        for work in works:
+            work.wait()
+        return time.perf_counter() - start
+
+    added = [steps_s(True) - steps_s(False) for _ in range(6)]
+    return max(statistics.median(added[1:]), 0.0) / len(bufs)
+
+
 def _p2p_latency_s(rt) -> float:
     """One way of a 64 KiB pipeline message between ranks 0 and 1, through the pipeline's own
     transport (pipeline_comm.P2P: shared memory between processes of one host): half the median
@@ -268,6 +338,7 @@ def calibration_worker(out_path: str) -> None:
     three times: forward and backward); then all-reduces of CALIBRATION_SIZES bytes, ten at a
     time. Rank 0 writes the medians over ranks as JSON."""
     import json
+    import os
     import statistics
     import time
 
@@ -312,6 +383,8 @@ def calibration_worker(out_path: str) -> None:
         reduce_s.append(statistics.median(times[1:]))
     rates["p2p_s"] = _p2p_latency_s(rt)
     rates["contention"] = _contention(rt, train_step)
+    rates["stream_s"] = _stream_s(train_step)
+    rates["step_overhead_s"] = _step_overhead_s(rt, os.path.join(os.path.dirname(out_path), "tiny-run"))
     mine = torch.tensor([*rates.values(), *reduce_s], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(rt.world_size)]
     dist.all_gather(gathered, mine)
@@ -322,6 +395,7 @@ def calibration_worker(out_path: str) -> None:
         keys = list(rates)
         result["p2p_s"] = max(row[keys.index("p2p_s")] for row in gathered).item()
         result["contention"] = gathered[0][keys.index("contention")].item()  # rank 0's
+        result["step_overhead_s"] = gathered[0][keys.index("step_overhead_s")].item()
         result["all_reduce_s"] = dict(zip(map(str, CALIBRATION_SIZES), medians[len(rates) :]))
         with open(out_path, "w") as fh:
             json.dump(result, fh)
@@ -369,6 +443,8 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         "intra_latency_us": latency_s * 1e6,
         "latency_us": latency_s * 1e6,
         "p2p_latency_us": m["p2p_s"] * 1e6,
+        "stream_latency_us": m["stream_s"] * 1e6,
+        "step_overhead_us": m["step_overhead_s"] * 1e6,
         "time_layers": True,
         "cpu_contention": max(1.0, m["contention"]),
     }
@@ -378,7 +454,8 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         f"# per rank with {ranks} ranks at work, medians: a 512^3 fp32 matmul (peak), an add over 16 MiB",
         "# tensors (memory), a tiny model's training step per op (op overhead); all-reduces of",
         "# 1 KiB-4 MiB over gloo on loopback (alpha-beta); a pipeline message's ping-pong through shared",
-        "# memory (p2p latency). inter_node_Gbps: the cpu preset's, assumed.",
+        "# memory (p2p latency); 30 asynchronous all-reduces beside compute (stream latency, per op).",
+        "# a tiny model's steps through the trainer (step overhead). inter_node_Gbps: the cpu preset's, assumed.",
         "[cluster]",
     ]
     lines.append("# time_layers: plans time the model's layers here; cpu_contention: training steps on every")

@@ -100,10 +100,10 @@ def stage_costs(
         if measured is None:
             forward_s, backward_s = split, 2 * split
         else:
-            # the measured time, stretched as the processes slow each other (and where the rows do
-            # not split evenly over tp, its arithmetic's remainder as modelled)
+            # the measured time (and where the rows do not split evenly over tp, its arithmetic's
+            # remainder as modelled); how the processes slow each other is Step.replica's
             layers = measured if bounds is None else measured[bounds[s] : bounds[s + 1]]
-            scale = d.cpu_contention * split / (fixed_s + (flops_s + memory_s) * timed_rows / rows)
+            scale = split / (fixed_s + (flops_s + memory_s) * timed_rows / rows)
             forward_s = scale * sum(t.forward_s for t in layers)
             backward_s = scale * sum(t.backward_s for t in layers)
         out.append(StageCost(sum(f for f, _ in ops), forward_s, backward_s))
@@ -216,6 +216,15 @@ class Step:
                 back = boundary[s] if s > 0 else 0
                 p2p_s[s] = sum(x / bw + lat for x in (out, back) if x)
 
+        # processes computing at once slow each other (cpu_contention, measured with all of them
+        # busy), as much as they are busy together: a pipeline's light stages leave their share
+        # of the cores to the heavy ones
+        compute = [sum(stages[c * pp + r].work_s(recompute) for c in range(v)) for r in range(pp)]
+        busy = sum(compute) / (pp * max(compute)) if max(compute) > 0 else 1.0
+        stretch = max(1.0, cluster.device.cpu_contention * busy)
+        for stage in stages:
+            stage.forward_s *= stretch
+            stage.backward_s *= stretch
         per_rank = []  # one microbatch's work on each pp rank: (total, backward only, compute only)
         for r in range(pp):
             held = [c * pp + r for c in range(v)]

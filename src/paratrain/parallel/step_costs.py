@@ -10,7 +10,8 @@ step over all replicas, tokens in a sample).
   * zero1/2: reduce-scatter the same way, and all-gather the parameters after the optimizer step,
     exposed; zero3 gathers each unit before its forward and backward, prefetched while the previous
     unit computes: exposed only where the gathers outrun the compute; it reduce-scatters each
-    unit's gradients (on gloo: all-reduces each gradient where it lies, a latency a tensor); and
+    unit's gradients (on gloo: all-reduces each gradient where it lies, asynchronously as backward
+    makes it: a stream latency a tensor); and
     all-reduce the gradient norm;
   * parameter servers: compute, then every shard pushed to and pulled from its server.
 """
@@ -23,7 +24,8 @@ from ..predict import Step, bucketed_s, collective_s
 
 
 def all_reduce(step: Step) -> tuple[float, dict, float, int]:
-    """dp (and tp x pp x dp): each replica's gradients all-reduced over dp, bucket by bucket."""
+    """dp (and tp x pp x dp): each replica's gradients all-reduced over dp, bucket by bucket, through
+    the codec, whose own arithmetic (`codec_s`) is on the critical path."""
     replica = step.replica()
     dp, tp = step.plan["mesh"]["dp"], step.cfg.parallel.tp
     exposed_s = 0.0
@@ -32,7 +34,26 @@ def all_reduce(step: Step) -> tuple[float, dict, float, int]:
         grads, bucket_mb = step.busiest["grad_bytes"], step.cfg.parallel.bucket_mb
         reduce_s = bucketed_s("all_reduce", grads * step.wire, dp, bw, lat, buckets(grads, bucket_mb))
         exposed_s = replica.overlapped(reduce_s, grads, bucket_mb)
+        return finish(step, replica, exposed_s, compress_s=codec_s(step, grads))
     return finish(step, replica, exposed_s)
+
+
+def codec_s(step: Step, grad_bytes: float) -> float:
+    """The codec's arithmetic on a step's gradients (compression.py, powersgd.py): bf16 / fp16
+    cast them down and the sums back (12 bytes moved a 4-byte number); top-k finds and gathers its
+    entries and keeps the error feedback (some 4 passes); PowerSGD multiplies each matrix by its
+    rank-r factors three times (P = MQ, Q = M^T P, M ~ P Q^T: 6 r FLOPs a number) besides the
+    error feedback's passes."""
+    p, d = step.cfg.parallel, step.cluster.device
+    memory_s = grad_bytes / (d.hbm_GBps * 1e9)
+    if p.compression in ("bf16", "fp16"):
+        return 3 * memory_s
+    if p.compression == "topk":
+        return 4 * memory_s
+    if p.compression == "powersgd":
+        flops = 6 * p.powersgd_rank * grad_bytes / 4
+        return flops / (d.peak_tflops * 1e12 * d.gemm_efficiency) + 4 * memory_s
+    return 0.0
 
 
 def model_parallel(step: Step) -> tuple[float, dict, float, int]:
@@ -80,9 +101,13 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
             (-(-sum(t.numel() for t in g) // dp) * dp * g[0].element_size(), 1 if unit is model else 2)
             for unit, g in groups
         ]
-        if primitives:  # gloo: each gradient all-reduced where it lies (zero_comm's in-place path)
+        if primitives:
+            # gloo: each gradient all-reduced where it lies (zero_comm's in-place path), started as
+            # backward makes it: a stream of asynchronous collectives beside the compute, each
+            # adding the stream latency --calibrate measures
             grads = [t.numel() * t.element_size() * step.wire for _, g in groups for t in g]
-            reduce = sum(collective_s("all_reduce", size, dp, bw, lat) for size in grads)
+            each = step.cluster.device.stream_latency_us * 1e-6 or 2 * (dp - 1) * lat
+            reduce = sum(collective_s("all_reduce", size, dp, bw, 0.0) + each for size in grads)
         else:
             reduce = sum(reduce_scatter_s(size * step.wire) for size, _ in units)
         gathers = sum(times * all_gather_s(size) for size, times in units)
@@ -92,7 +117,7 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
         reduce_s = reduce_scatter_s(full * step.wire, buckets(full, p.bucket_mb))
         exposed_s = replica.overlapped(reduce_s, full, p.bucket_mb) + all_gather_s(full)
     exposed_s += collective_s("all_reduce", 8, dp, bw, lat)  # the gradient norm's sum of squares (zero.py)
-    return finish(step, replica, exposed_s, flat=True)
+    return finish(step, replica, exposed_s, flat=True, compress_s=codec_s(step, step.plan["model"]["bytes"]))
 
 
 def buckets(grad_bytes: float, bucket_mb: float) -> int:
@@ -100,11 +125,20 @@ def buckets(grad_bytes: float, bucket_mb: float) -> int:
     return max(1, math.ceil(grad_bytes / (bucket_mb * 2**20)))
 
 
-def finish(step: Step, replica, exposed_s: float, flat: bool = False) -> tuple[float, dict, float, int]:
-    """`flat`: the optimizer steps a flat shard (ZeRO)."""
+def finish(
+    step: Step, replica, exposed_s: float, flat: bool = False, compress_s: float = 0.0
+) -> tuple[float, dict, float, int]:
+    """`flat`: the optimizer steps a flat shard (ZeRO); `compress_s`: a codec's arithmetic."""
     optimizer_s = step.optimizer_s(flat=flat)
-    parts = {**replica.parts, "exposed_dp_comm_s": exposed_s, "optimizer_s": optimizer_s}
-    return replica.pipeline_s + exposed_s + optimizer_s, parts, replica.forward_flops, replica.tokens_per_sample
+    parts = {**replica.parts, "exposed_dp_comm_s": exposed_s}
+    if compress_s:
+        parts["compress_s"] = compress_s
+    parts["optimizer_s"] = optimizer_s
+    overhead_s = step.cluster.device.step_overhead_us * 1e-6
+    if overhead_s:
+        parts["framework_s"] = overhead_s
+    total = replica.pipeline_s + exposed_s + compress_s + optimizer_s + overhead_s
+    return total, parts, replica.forward_flops, replica.tokens_per_sample
 
 
 def parameter_server(step: Step) -> tuple[float, dict, float, int]:
@@ -120,7 +154,9 @@ def parameter_server(step: Step) -> tuple[float, dict, float, int]:
     b = plan["batch"]
     m = b["microbatches"]
     (stage,), tokens_per_sample = stage_costs(step.cfg, b["rows_per_microbatch"], None, cluster, 1)
-    compute_s = m * stage.work_s(step.recompute)
+    # the workers compute at once, the servers hardly: busy as the workers' share of the processes
+    busy = plan["mesh"]["workers"] / plan["world_size"]
+    compute_s = m * stage.work_s(step.recompute) * max(1.0, cluster.device.cpu_contention * busy)
     bw, lat = step.link(plan["world_size"])
 
     def on_the_wire(rank: dict, messages: int) -> float:
