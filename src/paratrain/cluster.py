@@ -200,13 +200,15 @@ def this_machine(nnodes: int, nproc: int) -> Cluster:
 CALIBRATION_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)  # all-reduce payloads, bytes
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    """The median of `repeats` timed calls (the median, not the best: on a shared machine a run
-    sees the machine's typical share, not its best moment)."""
+def median_seconds(fn, repeats: int, warmups: int = 1) -> float:
+    """The median of `repeats` timed calls after `warmups` untimed ones (the kernels' one-time
+    set-up; a thread pool starts on the first call): the median, not the best, since on a shared
+    machine a run sees the machine's typical share, not its best moment."""
     import statistics
     import time
 
-    fn()  # the kernel's one-time set-up
+    for _ in range(warmups):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -364,9 +366,9 @@ def calibration_worker(out_path: str) -> None:
         tiny(x).square().mean()
     dist.barrier()
     rates = {
-        "matmul_s": _median_seconds(lambda: a @ a, 9),
-        "add_s": _median_seconds(lambda: big + big, 9),
-        "op_s": _median_seconds(train_step, 31) / (3 * len(recorder.ops)),
+        "matmul_s": median_seconds(lambda: a @ a, 9),
+        "add_s": median_seconds(lambda: big + big, 9),
+        "op_s": median_seconds(train_step, 31) / (3 * len(recorder.ops)),
     }
     reduce_s = []
     for size in CALIBRATION_SIZES:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cluster import median_seconds
 from .config import Config
 
 MAX_FLOPS = 5e9  # above this one microbatch's forward is not run here (a second or so at ~50 GFLOP/s)
@@ -87,14 +88,7 @@ def optimizer_step_s(cfg: Config, threads: int) -> tuple[float, float] | None:
 
 
 def _median_s(fn) -> float:
-    fn()  # the kernels' one-time set-up (twice: a thread pool starts on the first)
-    fn()
-    times = []
-    for _ in range(REPEATS):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, REPEATS, warmups=2)
 
 
 def _measure(cfg: Config, rows: int) -> list[list[float]]:
