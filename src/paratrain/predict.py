@@ -72,6 +72,14 @@ def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[li
     return [recorder.ops for recorder in recorders], tokens
 
 
+def worker_threads(cluster: Cluster) -> int:
+    """The threads each of a node's processes gets on this machine: the launcher's share of the
+    cores (launch.py)."""
+    import os
+
+    return max(1, (os.cpu_count() or 1) // cluster.devices_per_node)
+
+
 def stage_costs(
     cfg: Config, rows: int, bounds: list[int] | None, cluster: Cluster, tp: int
 ) -> tuple[list[StageCost], int]:
@@ -82,11 +90,9 @@ def stage_costs(
     d = cluster.device
     measured = None
     if d.time_layers:
-        import os
-
         from .layer_times import layer_times
 
-        threads = max(1, (os.cpu_count() or 1) // cluster.devices_per_node)  # the launcher's share
+        threads = worker_threads(cluster)
         # a tp shard runs every op of its layer on 1/tp of the arithmetic: timed as the layer on
         # 1/tp of the rows (the same ops, the same share of the work)
         timed_rows = max(1, rows // tp)
@@ -162,12 +168,9 @@ class Step:
         rank = rank or self.busiest
         d = self.cluster.device
         if d.time_layers:
-            import os
-
             from .layer_times import optimizer_step_s
 
-            threads = max(1, (os.cpu_count() or 1) // self.cluster.devices_per_node)
-            timed = optimizer_step_s(self.cfg, threads)
+            timed = optimizer_step_s(self.cfg, worker_threads(self.cluster))
             if timed is not None:
                 total, slots = self.plan["model"]["bytes"], self.plan["optimizer"]["state_tensors_per_parameter"]
                 stepped = rank["optimizer_bytes"] / slots if slots else rank["param_bytes"]  # what it updates
