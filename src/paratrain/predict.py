@@ -6,10 +6,11 @@ Compute. One microbatch's forward through each pipeline stage is played in fake 
 (matmul, linear, attention: the ops torch.utils.flop_counter counts) takes its FLOPs at the
 device's peak times gemm_efficiency plus a fixed product_overhead_us; every other op is
 memory-bound: it reads and writes its output's bytes at the device's memory bandwidth; backward
-takes twice the forward (two products per forward product). On the cpu device (this machine) the
-model's layers are timed here instead, forward and backward (layer_times: on a CPU eager dispatch,
-not arithmetic, sets a small model's pace), at the thread count a worker gets, and stretched by
-the processes' share of the cores when they outnumber them. `train.recompute = "full"` adds one
+takes twice the forward (two products per forward product). On a calibrated cpu cluster
+(`time_layers`, this machine) the model's layers are timed here instead, forward and backward
+(layer_times: on a CPU eager dispatch, not arithmetic, sets a small model's pace), at the thread
+count a worker gets, and stretched by the measured cpu_contention as much as the ranks are busy
+together (Step.replica). `train.recompute = "full"` adds one
 forward. Under tp, each device does 1/tp of a stage's arithmetic (the few replicated ops, layer
 norms and residual adds, are counted split too) and all of its ops' dispatch (timed layers: the
 layer on 1/tp of the rows, the same ops on the same share of the work).

@@ -11,9 +11,10 @@ step over all replicas, tokens in a sample).
     exposed; zero3 gathers each unit before its forward and backward, prefetched while the previous
     unit computes: exposed only where the gathers outrun the compute; it reduce-scatters each
     unit's gradients (on gloo: all-reduces each gradient where it lies, asynchronously as backward
-    makes it: a stream latency a tensor); and
-    all-reduce the gradient norm;
-  * parameter servers: compute, then every shard pushed to and pulled from its server.
+    makes it: a stream latency a tensor); each stage all-reduces the gradient norm;
+  * parameter servers: compute, then every shard pushed to and pulled from its server;
+  * every strategy: a codec's own arithmetic (codec_s) and the framework's cost of a step
+    (the cluster's step_overhead_us), besides the optimizer.
 """
 
 from __future__ import annotations
