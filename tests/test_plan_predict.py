@@ -400,8 +400,9 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
     assert os.environ.get("OMP_NUM_THREADS") == threads  # the workers' thread count is not left behind
     written = path.read_text()
     keys = ("peak_tflops", "hbm_GBps", "op_overhead_us", "intra_node_GBps", "intra_latency_us", "p2p_latency_us")
-    for key in (*keys, "stream_latency_us", "step_overhead_us", "cpu_contention", "time_layers"):
+    for key in (*keys, "stream_latency_us", "step_overhead_us", "cpu_contention", "sync_skew", "time_layers"):
         assert f"\n{key} = " in written
+    assert (tmp_path / "here.times.json").exists()  # the layers it timed, for later plans
     used = json.loads((tmp_path / "a.json").read_text())["cluster"]
     again = load_cluster(str(path))
     assert used == {"nodes": 1, "devices_per_node": 2, "device": "cpu", **asdict(again.device)}
@@ -429,12 +430,12 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     fixed = [layer_times.LayerTime(0.001 * (i + 1), 0.002 * (i + 1)) for i in range(layers)]
     threads_given = []
 
-    def timed(cfg, rows, threads, forward_flops):
+    def timed(cfg, rows, threads, forward_flops, store=None):
         threads_given.append(threads)
         return fixed
 
     monkeypatch.setattr(layer_times, "layer_times", timed)
-    monkeypatch.setattr(layer_times, "optimizer_step_s", lambda cfg, threads: (0.004, 0.001))
+    monkeypatch.setattr(layer_times, "optimizer_step_s", lambda cfg, threads, store=None: (0.004, 0.001))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     cpu = 'nodes = 1\ndevices_per_node = {}\ndevice = "cpu"\ntime_layers = true\n'
     one = predicted(tmp_path, cpu.format(1), ["data.batch_size=8"])["step_breakdown"]
@@ -458,6 +459,12 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     pp4 = predicted(tmp_path, body, [*sets, "parallel.pp=4", "parallel.microbatches=4"])["step_breakdown"]
     work = [3 * w for w in (0.001, 0.002, 0.003, 0.004)]  # the four layers, one a stage
     assert pp4["compute_s"] == pytest.approx(4 * max(work) * 2.5 * sum(work) / (4 * max(work)))
+    # ranks that meet at collectives wait for the last (sync_skew); a pipeline's stages do not meet
+    skewed = body + "sync_skew = 0.2\n"
+    dp4 = predicted(tmp_path, skewed, ["data.batch_size=8"])["step_breakdown"]
+    assert dp4["compute_s"] == pytest.approx(2.5 * 1.2 * sum(t.forward_s + t.backward_s for t in fixed))
+    pp4 = predicted(tmp_path, skewed, [*sets, "parallel.pp=4", "parallel.microbatches=4"])["step_breakdown"]
+    assert pp4["compute_s"] == pytest.approx(2.5 * sum(work))
     # the search's replica plans are timed alike
     from paratrain.search import search
 
@@ -467,6 +474,45 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     # without time_layers (a cluster file written by hand, or no --cluster) nothing is timed
     predicted(tmp_path, cpu.format(2).replace("time_layers = true\n", ""), ["data.batch_size=8"])
     assert not threads_given
+
+
+def test_layer_times_are_kept_for_later_plans(tmp_path, monkeypatch, capsys):
+    """A plan on a calibrated cluster keeps what it timed in a JSON file beside the cluster file
+    (cluster.times.json); a later plan reads it instead of timing again; another machine's file is
+    timed afresh; a file that is not one exits 2 naming it."""
+    from paratrain import layer_times
+    from paratrain.cli import main
+
+    monkeypatch.setattr(layer_times, "_measured", {})
+    body = 'nodes = 1\ndevices_per_node = 2\ndevice = "cpu"\ntime_layers = true\n'
+    first = predicted(tmp_path, body, ["data.batch_size=8"])["predicted"]["step_s"]
+    store = tmp_path / "cluster.times.json"
+    kept = json.loads(store.read_text())
+    assert sorted(e["of"].split()[0] for e in kept["entries"].values()) == [
+        "adamw",
+        "gpt",
+    ]  # the default model: its layers, its optimizer
+
+    def not_again(fn):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(layer_times, "_measured", {})  # a new planning process
+    monkeypatch.setattr(layer_times, "_median_s", not_again)
+    assert predicted(tmp_path, body, ["data.batch_size=8"])["predicted"]["step_s"] == pytest.approx(first)
+
+    kept["machine"] = "another machine"
+    store.write_text(json.dumps(kept))
+    monkeypatch.undo()
+    monkeypatch.setattr(layer_times, "_measured", {})
+    predicted(tmp_path, body, ["data.batch_size=8"])
+    assert json.loads(store.read_text())["machine"] != "another machine"
+
+    monkeypatch.setattr(layer_times, "_measured", {})
+    store.write_text('{"format": "paratrain-times/1", "machine": ' + json.dumps(layer_times._machine()) + "}")
+    capsys.readouterr()
+    assert main(["plan", "--cluster", str(tmp_path / "cluster.toml")]) == 2
+    err = capsys.readouterr().err
+    assert f"{store}: not a timings file" in err and "Traceback" not in err and len(err.splitlines()) == 1
 
 
 def test_kendall_tau_of_the_bench():

@@ -13,15 +13,16 @@ the server it usually comes in. Where each number comes from:
     within a node; these are typical figures, not measured here.
   * cpu: this machine; its peak is measured once per plan (a large fp32 matmul) since no data sheet
     applies, and its links are shared memory (intra) and a 10 Gb/s Ethernet (inter), both assumed.
-  * `paratrain plan --calibrate [FILE]` measures this machine instead (`calibrate`): a few seconds
-    of --nproc gloo processes (two at least) on loopback, each timing matmuls, memory traffic and a
-    small op at once (as the ranks share the machine in a run), all-reduces by size (alpha-beta)
-    and a pipeline message's latency; it writes
-    them as a cluster file that `--cluster FILE` reads back.
+  * `paratrain plan --calibrate [FILE]` measures this machine instead (`calibrate`): three launches
+    of --nproc gloo processes (two at least) on loopback, ten seconds each, timing matmuls, memory
+    traffic and a small op at once (as the ranks share the machine in a run), all-reduces by size
+    after compute (alpha-beta, and the ranks' skew) and a pipeline message's latency, the median of
+    the three; it writes them as a cluster file that `--cluster FILE` reads back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, fields, replace
 
@@ -63,6 +64,10 @@ class Device:
     # alone (shared caches and memory bandwidth; more processes than cores take turns): timed
     # layers are stretched by it; --calibrate measures it
     cpu_contention: float = 1.0
+    # per second of compute between collectives, the seconds ranks that synchronize wait for the
+    # last of them to arrive (on a shared machine one in a few is late: descheduled, or an idle
+    # core waking); --calibrate measures it; 0 on GPUs, taken to run undisturbed
+    sync_skew: float = 0.0
     # a large GEMM's share of peak_tflops (a data sheet's peak: NVIDIA's GEMM performance guide has
     # 80-90 %); 1 where the peak is itself a measured matmul rate (the cpu preset)
     gemm_efficiency: float = 0.85
@@ -84,6 +89,8 @@ class Cluster:
     devices_per_node: int
     device_name: str
     device: Device
+    # time_layers: where the layers' timings are kept for later plans (times_file_for)
+    times_file: str | None = None
 
     @property
     def world(self) -> int:
@@ -116,6 +123,7 @@ _KEYS = {
     "step_overhead_us": float,
     "time_layers": bool,
     "cpu_contention": float,
+    "sync_skew": float,
 }
 
 
@@ -189,7 +197,19 @@ def load_cluster(path: str) -> Cluster:
     extra = [k for k in doc if k != "cluster"]
     if extra:
         raise ConfigError(extra[0], "unknown table in a cluster file (only [cluster])")
-    return parse_cluster(doc.get("cluster"))
+    cluster = parse_cluster(doc.get("cluster"))
+    if cluster.device.time_layers:
+        cluster = replace(cluster, times_file=times_file_for(path))
+    return cluster
+
+
+def times_file_for(cluster_path: str) -> str:
+    """Where the layers' timings (layer_times) are kept beside a cluster file: cluster.toml ->
+    cluster.times.json."""
+    from pathlib import Path
+
+    path = Path(cluster_path)
+    return str(path.with_name(path.stem + ".times.json"))
 
 
 def this_machine(nnodes: int, nproc: int) -> Cluster:
@@ -197,7 +217,7 @@ def this_machine(nnodes: int, nproc: int) -> Cluster:
     return Cluster(nnodes, nproc, "cpu", for_cpu(PRESETS["cpu"]))
 
 
-CALIBRATION_SIZES = (2**10, 2**14, 2**17, 2**20, 2**22)  # all-reduce payloads, bytes
+CALIBRATION_SIZES = (2**10, 2**22)  # all-reduce payloads, bytes: the latency's and the bandwidth's
 
 
 def median_seconds(fn, repeats: int, warmups: int = 1) -> float:
@@ -218,28 +238,84 @@ def median_seconds(fn, repeats: int, warmups: int = 1) -> float:
 
 
 def _contention(rt, train_step) -> float:
-    """How much slower a run of tiny training steps (tens of ms: longer than the scheduler's slices,
-    so processes that outnumber the cores are seen taking turns) is while every rank runs it
-    than on rank 0 alone: the median of 3 each."""
+    """How much slower tiny training steps run while every rank runs them than on rank 0 alone:
+    the steps rank 0 gets through in a quarter of a second (longer than the scheduler's slices, so
+    processes that outnumber the cores are seen taking turns; a fixed time, not a fixed count, so
+    no rank finishes early and leaves the others its core), the median of 3 each."""
     import statistics
     import time
 
     import torch.distributed as dist
 
-    def steps_s() -> float:
-        start = time.perf_counter()
-        for _ in range(100):
+    def rate() -> float:
+        count, start = 0, time.perf_counter()
+        while time.perf_counter() - start < 0.25:
             train_step()
-        return time.perf_counter() - start
+            count += 1
+        return count / (time.perf_counter() - start)
 
     alone, together = [], []
     for _ in range(3):
         dist.barrier()
         if rt.rank == 0:
-            alone.append(steps_s())
+            alone.append(rate())
         dist.barrier()
-        together.append(steps_s())
-    return statistics.median(together) / statistics.median(alone) if rt.rank == 0 else 0.0
+        together.append(rate())
+    return statistics.median(alone) / statistics.median(together) if rt.rank == 0 else 0.0
+
+
+def _synced_s(size: int, work, iterations: int) -> tuple[float, float]:
+    """What an all-reduce of `size` bytes adds to `work` where every rank does the work and then
+    the all-reduce, as a run's ranks meet a collective each after its own compute (each waits for
+    the last to arrive: on a shared machine one rank in a few is late, descheduled or waiting for
+    an idle core's wake-up), against every rank doing the work alone at once; and the seconds the
+    work takes so. Means over `iterations`, twice each: a run's steps pay the mean."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(size // 4)
+    dist.all_reduce(buf)
+
+    def per_iteration(sync: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            work()
+            if sync:
+                dist.all_reduce(buf)
+        return (time.perf_counter() - start) / iterations
+
+    free, synced = [], []
+    for _ in range(2):
+        free.append(per_iteration(False))
+        synced.append(per_iteration(True))
+    return statistics.mean(synced) - statistics.mean(free), statistics.mean(free)
+
+
+def _work(seconds: float):
+    """A fixed amount of compute (small matmuls) that takes about `seconds` on these ranks, the
+    same count on every rank (the ranks' mean rate), so that a rank slowed on the way arrives late."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(128, 128)
+    start = time.perf_counter()
+    for _ in range(50):
+        a @ a
+    each = torch.tensor((time.perf_counter() - start) / 50)
+    dist.all_reduce(each)
+    count = max(1, round(seconds / (each.item() / dist.get_world_size())))
+
+    def work():
+        for _ in range(count):
+            a @ a
+
+    return work
 
 
 def _step_overhead_s(rt, run_dir: str) -> float:
@@ -337,12 +413,10 @@ def calibration_worker(out_path: str) -> None:
     """One of the ranks: times, together with the others, a 512^3 fp32 matmul, an add over
     16 MiB tensors, and a training step (forward, backward, AdamW) of 8 tiny layers, whose time per
     op is the eager framework's cost of an op (the predictor charges it every op of the forward,
-    three times: forward and backward); then all-reduces of CALIBRATION_SIZES bytes, ten at a
-    time. Rank 0 writes the medians over ranks as JSON."""
+    three times: forward and backward); then all-reduces of CALIBRATION_SIZES bytes, each after
+    some compute on every rank (_synced_s). Rank 0 writes the medians over ranks as JSON."""
     import json
     import os
-    import statistics
-    import time
 
     import torch
     import torch.distributed as dist
@@ -370,19 +444,13 @@ def calibration_worker(out_path: str) -> None:
         "add_s": median_seconds(lambda: big + big, 9),
         "op_s": median_seconds(train_step, 31) / (3 * len(recorder.ops)),
     }
-    reduce_s = []
-    for size in CALIBRATION_SIZES:
-        buf = torch.zeros(size // 4)
-        times = []
-        for _ in range(4):
-            # ten back to back after one barrier: the ranks' skew leaving the barrier (and an idle
-            # core's wake-up) spread over ten, as in a run's stream of collectives
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(10):
-                dist.all_reduce(buf)
-            times.append((time.perf_counter() - start) / 10)
-        reduce_s.append(statistics.median(times[1:]))
+    # all-reduces after 1 ms of compute on every rank (alpha-beta); and after 8 ms, which the
+    # ranks' skew grows with: per second of compute, the skew (sync_skew)
+    short, long = _work(0.001), _work(0.008)
+    (small_s, short_s), (large_s, _) = (_synced_s(n, short, k) for n, k in zip(CALIBRATION_SIZES, (60, 24)))
+    reduce_s = [small_s, large_s]
+    added_long, long_s = _synced_s(CALIBRATION_SIZES[0], long, 24)
+    rates["skew"] = (added_long - small_s) / max(long_s - short_s, 1e-6)
     rates["p2p_s"] = _p2p_latency_s(rt)
     rates["contention"] = _contention(rt, train_step)
     rates["stream_s"] = _stream_s(train_step)
@@ -405,9 +473,25 @@ def calibration_worker(out_path: str) -> None:
     dist.destroy_process_group()
 
 
+# separate launches, each key the median of theirs: on a shared virtual machine one launch's
+# processes meet one state of its scheduler (measured here: a 1 KiB all-reduce after compute at
+# 1.6 ms on average in one launch, 2.6 ms in another; four processes' contention 1.4 and 2.5)
+CALIBRATION_ROUNDS = 3
+
+
+def _median_rounds(rounds: list[dict]) -> dict:
+    """Each measured figure the median over the rounds (the all-reduce times size by size)."""
+    import statistics
+
+    out = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "all_reduce_s"}
+    sizes = rounds[0]["all_reduce_s"]
+    out["all_reduce_s"] = {size: statistics.median(r["all_reduce_s"][size] for r in rounds) for size in sizes}
+    return out
+
+
 def calibrate(path: str, nproc: int = 2) -> Cluster:
     """Measures this machine as `nproc` processes use it (at least two: gloo processes on
-    loopback, a few seconds) and writes `path`: a [cluster] file of one node of `nproc` cpu
+    loopback, half a minute) and writes `path`: a [cluster] file of one node of `nproc` cpu
     devices that `--cluster` reads back."""
     import json
     import os
@@ -418,12 +502,15 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
 
     from .launch import launch_measurement
 
+    ranks = max(2, nproc)
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "calibration.json")
-        ranks = max(2, nproc)
-        launch_measurement(calibration_worker, [out], nproc=ranks, run_id="calibrate")
-        with open(out) as fh:
-            m = json.load(fh)
+        for n in range(CALIBRATION_ROUNDS):
+            out = os.path.join(tmp, f"calibration-{n}.json")
+            launch_measurement(calibration_worker, [out], nproc=ranks, run_id="calibrate")
+            with open(out) as fh:
+                rounds.append(json.load(fh))
+    m = _median_rounds(rounds)
     # alpha-beta from the ring all-reduces of n ranks (each sends 2(n-1)/n of its buffer in 2(n-1)
     # steps): the latency from the smallest, the bandwidth from the smallest to the largest (a
     # least-squares line let one noisy middle size swing the latency tenfold)
@@ -450,23 +537,27 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         "step_overhead_us": max(m["step_overhead_s"] * 1e6, 0.1),
         "time_layers": True,
         "cpu_contention": max(1.0, m["contention"]),
+        "sync_skew": max(m["skew"], 0.001),
     }
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# paratrain plan --calibrate: this machine ({os.cpu_count()} cores, torch {torch.__version__}), {stamp};",
         f"# per rank with {ranks} ranks at work, medians: a 512^3 fp32 matmul (peak), an add over 16 MiB",
         "# tensors (memory), a tiny model's training step per op (op overhead); all-reduces of",
-        "# 1 KiB-4 MiB over gloo on loopback (alpha-beta); a pipeline message's ping-pong through shared",
+        "# 1 KiB and 4 MiB over gloo on loopback, each after 1 ms of compute on every rank (alpha-beta),",
+        "# and after 8 ms (sync skew); a pipeline message's ping-pong through shared",
         "# memory (p2p latency); 30 asynchronous all-reduces beside compute (stream latency, per op).",
         "# a tiny model's steps through the trainer (step overhead). inter_node_Gbps: the cpu preset's, assumed.",
         "[cluster]",
     ]
     lines.append("# time_layers: plans time the model's layers here; cpu_contention: training steps on every")
-    lines.append("# rank at once against rank 0 alone.")
+    lines.append("# rank at once against rank 0 alone. Each figure the median of 3 launches.")
     lines += [f"{k} = {v:.6g}" if isinstance(v, float) else f"{k} = {json.dumps(v)}" for k, v in values.items()]
     try:
         with open(path, "w") as fh:
             fh.write("\n".join(lines) + "\n")
+        with contextlib.suppress(FileNotFoundError):  # a new calibration times the layers afresh
+            os.remove(times_file_for(path))
     except OSError as exc:
         raise ConfigError("--calibrate", f"{path}: {exc.strerror}") from None
     return load_cluster(path)

@@ -10,7 +10,7 @@ takes twice the forward (two products per forward product). On a calibrated cpu 
 (`time_layers`, this machine) the model's layers are timed here instead, forward and backward
 (layer_times: on a CPU eager dispatch, not arithmetic, sets a small model's pace), at the thread
 count a worker gets, and stretched by the measured cpu_contention as much as the ranks are busy
-together (Step.replica). `train.recompute = "full"` adds one
+together and, where ranks synchronize, by the measured sync_skew (Step.replica). `train.recompute = "full"` adds one
 forward. Under tp, each device does 1/tp of a stage's arithmetic (the few replicated ops, layer
 norms and residual adds, are counted split too) and all of its ops' dispatch (timed layers: the
 layer on 1/tp of the rows, the same ops on the same share of the work).
@@ -97,7 +97,8 @@ def stage_costs(
         # a tp shard runs every op of its layer on 1/tp of the arithmetic: timed as the layer on
         # 1/tp of the rows (the same ops, the same share of the work)
         timed_rows = max(1, rows // tp)
-        measured = layer_times(cfg, timed_rows, threads, sum(f for ops in stages for f, _ in ops) // tp)
+        forward_flops = sum(f for ops in stages for f, _ in ops) // tp
+        measured = layer_times(cfg, timed_rows, threads, forward_flops, cluster.times_file)
     out = []
     for s, ops in enumerate(stages):
         flops_s = sum(flops / (d.peak_tflops * 1e12 * d.gemm_efficiency) for flops, _ in ops)
@@ -171,7 +172,7 @@ class Step:
         if d.time_layers:
             from .layer_times import optimizer_step_s
 
-            timed = optimizer_step_s(self.cfg, worker_threads(self.cluster))
+            timed = optimizer_step_s(self.cfg, worker_threads(self.cluster), self.cluster.times_file)
             if timed is not None:
                 total, slots = self.plan["model"]["bytes"], self.plan["optimizer"]["state_tensors_per_parameter"]
                 stepped = rank["optimizer_bytes"] / slots if slots else rank["param_bytes"]  # what it updates
@@ -222,10 +223,14 @@ class Step:
 
         # processes computing at once slow each other (cpu_contention, measured with all of them
         # busy), as much as they are busy together: a pipeline's light stages leave their share
-        # of the cores to the heavy ones
+        # of the cores to the heavy ones; ranks that meet at collectives (dp's, tp's) wait besides
+        # for the last to arrive, more the longer they computed since (sync_skew, per second of
+        # compute); a pipeline's stages pass microbatches on without meeting, a late one's
+        # neighbour waiting in its bubble instead
         compute = [sum(stages[c * pp + r].work_s(recompute) for c in range(v)) for r in range(pp)]
         busy = sum(compute) / (pp * max(compute)) if max(compute) > 0 else 1.0
-        stretch = max(1.0, cluster.device.cpu_contention * busy)
+        skew = cluster.device.sync_skew if dp > 1 or tp > 1 else 0.0
+        stretch = max(1.0, cluster.device.cpu_contention * busy) * (1 + skew)
         for stage in stages:
             stage.forward_s *= stretch
             stage.backward_s *= stretch

@@ -4,7 +4,7 @@ Each layout (a small gpt and an mlp over dp, zero1-3, bf16 on the wire, tp, pp w
 and hybrids, on 1-4 processes) is run for real with `paratrain run` and planned with
 `paratrain plan --cluster` on the cluster file `paratrain plan --calibrate` writes (made first
 unless `--cluster` names one). Measured:
-  * step time: the slowest rank's training step as the profiler times it (profile.jsonl), the
+  * step time: the ranks' mean training step as the profiler times it (profile.jsonl), the
     median over the steps after the first SETUP_STEPS (one-time set-up); with --repeats N the
     fastest of N runs (as timeit reports its best: what the others lose is other processes');
   * memory: the peak of tensor bytes allocated in a step on the run's largest rank
@@ -189,14 +189,20 @@ def shared_by(cluster, nproc: int):
 
 def median_step_s(run_dir: Path) -> float:
     """The median, over the steps after the set-up steps (one-time kernel and allocator set-up),
-    of the slowest rank's step as the profiler timed it (profile.jsonl): the training step itself,
+    of the ranks' mean step as the profiler timed it (profile.jsonl): the training step itself,
     without the log points between steps (a gather of every rank's records and two file writes,
-    which cost more than a small model's step; a run logs every train.log_every steps). On a
-    shared machine a median holds still where a mean takes every other process's burst in."""
+    which cost more than a small model's step; a run logs every train.log_every steps).
+
+    The ranks' mean, not the slowest rank's: each rank's steps follow each other without a gap,
+    so over a run every rank takes the same time a step; a step one rank is late to is long on
+    the others, which wait for it, and the next is short on them (measured here: 17.5 and 22.0 ms,
+    then 20.0 and 16.5): the slowest of each step counts that skew twice, the mean as the run
+    pays it. On a shared machine a median over steps holds still where
+    a mean takes every other process's burst in."""
     import statistics
 
     steps = [json.loads(line) for line in (run_dir / "profile.jsonl").read_text().splitlines()]
-    return statistics.median(max(r["step_s"] for r in s["ranks"]) for s in steps if s["step"] > SETUP_STEPS)
+    return statistics.median(statistics.mean(r["step_s"] for r in s["ranks"]) for s in steps if s["step"] > SETUP_STEPS)
 
 
 def measured_phases(run_dir: Path) -> dict[str, float]:

@@ -84,9 +84,12 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
         return bucketed_s("all_reduce" if primitives else "reduce_scatter", size, dp, bw, lat, count)
 
     def all_gather_s(size: float) -> float:
-        """On gloo ZeRO all-gathers by one broadcast of each rank's shard (zero_comm)."""
+        """On gloo ZeRO all-gathers by one broadcast of each rank's shard (zero_comm), started
+        together: after the first, each costs the stream latency, where a busy machine's is less
+        than a broadcast's own."""
         if primitives:
-            return dp * collective_s("send", size / dp, dp, bw, lat)
+            each = min(step.cluster.device.stream_latency_us * 1e-6 or lat, lat)
+            return dp * collective_s("send", size / dp, dp, bw, 0.0) + lat + (dp - 1) * each
         return collective_s("all_gather", size, dp, bw, lat)
 
     if spec(p.strategy).stage == 3:
