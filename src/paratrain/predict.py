@@ -254,7 +254,8 @@ class Step:
             "p2p_s": m * max(p2p_s),
         }
         forward_flops = sum(s.forward_flops for s in stages) * m * dp
-        return Replica(m * slowest + bubble_s, m, backward, hiding, parts, forward_flops, tokens_per_sample)
+        forward_s = m * max(sum(stages[c * pp + r].forward_s for c in range(v)) for r in range(pp))
+        return Replica(m * slowest + bubble_s, m, backward, hiding, forward_s, parts, forward_flops, tokens_per_sample)
 
 
 @dataclass
@@ -263,6 +264,7 @@ class Replica:
     microbatches: int
     backward_s: float  # the last microbatch's backward on the slowest rank, which buckets overlap (GPU)
     hiding_s: float  # a microbatch's work a prefetch hides behind (GPU; 0 on the CPU)
+    forward_s: float  # the step's forwards on the slowest rank, which a wait at its start hides behind
     parts: dict
     forward_flops: float  # of a step, all replicas
     tokens_per_sample: int

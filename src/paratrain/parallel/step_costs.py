@@ -8,7 +8,7 @@ step over all replicas, tokens in a sample).
     bucket's share); on the CPU nothing hides communication: all of it is exposed;
   * tp and pp: besides, the gradient norm's all-reduce over the world, every step;
   * zero1/2: reduce-scatter the same way, and all-gather the parameters after the optimizer step,
-    exposed; zero3 gathers each unit before its forward and backward, prefetched while the previous
+    waited for in the next forward: their latency hides behind it, their bytes do not; zero3 gathers each unit before its forward and backward, prefetched while the previous
     unit computes: exposed only where the gathers outrun the compute; it reduce-scatters each
     unit's gradients (on gloo: all-reduces each gradient where it lies, asynchronously as backward
     makes it: a stream latency a tensor); each stage all-reduces the gradient norm;
@@ -83,14 +83,17 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
         """On gloo ZeRO reduce-scatters by an all-reduce of the whole buffer (zero_comm)."""
         return bucketed_s("all_reduce" if primitives else "reduce_scatter", size, dp, bw, lat, count)
 
-    def all_gather_s(size: float) -> float:
+    def all_gather_s(size: float, hidden_s: float = 0.0) -> float:
         """On gloo ZeRO all-gathers by one broadcast of each rank's shard (zero_comm), started
         together: after the first, each costs the stream latency, where a busy machine's is less
-        than a broadcast's own."""
+        than a broadcast's own. Their latency elapses behind `hidden_s` of compute (the bytes are
+        moved on the cores that compute: not hidden)."""
         if primitives:
             each = min(step.cluster.device.stream_latency_us * 1e-6 or lat, lat)
-            return dp * collective_s("send", size / dp, dp, bw, 0.0) + lat + (dp - 1) * each
-        return collective_s("all_gather", size, dp, bw, lat)
+            latency_s = lat + (dp - 1) * each
+            return dp * collective_s("send", size / dp, dp, bw, 0.0) + max(latency_s - hidden_s, 0.0)
+        bytes_s = collective_s("all_gather", size, dp, bw, 0.0)
+        return bytes_s + max(collective_s("all_gather", size, dp, bw, lat) - bytes_s - hidden_s, 0.0)
 
     if spec(p.strategy).stage == 3:
         # one gather before each unit's forward and again before its backward (the root unit,
@@ -119,7 +122,9 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
     else:
         full = step.busiest["param_bytes"]
         reduce_s = reduce_scatter_s(full * step.wire, buckets(full, p.bucket_mb))
-        exposed_s = replica.overlapped(reduce_s, full, p.bucket_mb) + all_gather_s(full)
+        # the gathers start after the optimizer step and are waited for in the next forward,
+        # layer by layer (zero.py): their latency elapses behind it
+        exposed_s = replica.overlapped(reduce_s, full, p.bucket_mb) + all_gather_s(full, replica.forward_s)
     exposed_s += collective_s("all_reduce", 8, dp, bw, lat)  # the gradient norm's sum of squares (zero.py)
     return finish(step, replica, exposed_s, flat=True, compress_s=codec_s(step, step.plan["model"]["bytes"]))
 
