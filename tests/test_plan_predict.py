@@ -460,6 +460,8 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     pp4 = predicted(tmp_path, body, [*sets, "parallel.pp=4", "parallel.microbatches=4"])["step_breakdown"]
     work = [3 * w for w in (0.001, 0.002, 0.003, 0.004)]  # the four layers, one a stage
     assert pp4["compute_s"] == pytest.approx(4 * max(work) * 2.5 * sum(work) / (4 * max(work)))
+    # warming up and cooling down half the stages work on average: at 2.5 x 0.625 / 2 < 1, unslowed
+    assert pp4["bubble_s"] == pytest.approx(sum(work) - max(work), rel=0.05)
     # ranks that meet at collectives wait for the last (sync_skew); a pipeline's stages do not meet
     skewed = body + "sync_skew = 0.2\n"
     dp4 = predicted(tmp_path, skewed, ["data.batch_size=8"])["step_breakdown"]

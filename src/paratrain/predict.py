@@ -24,7 +24,8 @@ with the node's other devices, which communicate at the same time.
   * pipeline stages send each microbatch's activation forward and its gradient back (within a node
     at p2p_latency_us a message); a step takes m microbatches at the slowest rank's pace plus,
     warming up and cooling down, one microbatch's work on every other rank, over v (gpipe and
-    1f1b: v = 1; interleaved: v virtual stages per rank): (pp - 1) / v microbatches when balanced;
+    1f1b: v = 1; interleaved: v virtual stages per rank): (pp - 1) / v microbatches when balanced,
+    slowed by the contention of the half of the ranks that work then on average;
   * the optimizer reads and writes its state, the parameters and the gradients once, memory-bound;
   * what each strategy communicates besides (dp's buckets, ZeRO's gathers, the parameter servers'
     push and pull) is its own time model: its spec's `time_model`, in parallel/step_costs.py.
@@ -231,6 +232,9 @@ class Step:
         busy = sum(compute) / (pp * max(compute)) if max(compute) > 0 else 1.0
         skew = cluster.device.sync_skew if dp > 1 or tp > 1 else 0.0
         stretch = max(1.0, cluster.device.cpu_contention * busy) * (1 + skew)
+        # warming up and cooling down, half the stages work on average (1, 2 ... pp - 1 of pp):
+        # the idle ones leave them their cores
+        bubble_stretch = max(1.0, cluster.device.cpu_contention * busy / 2) * (1 + skew)
         for stage in stages:
             stage.forward_s *= stretch
             stage.backward_s *= stretch
@@ -243,7 +247,7 @@ class Step:
         slowest, backward, _ = max(per_rank)
         # the warm-up and cool-down: each microbatch passes every other rank once before the
         # slowest rank's steady pace sets in ((pp - 1) / v of a microbatch's work when balanced)
-        bubble_s = (sum(work for work, _, _ in per_rank) - slowest) / v
+        bubble_s = (sum(work for work, _, _ in per_rank) - slowest) / v * bubble_stretch / stretch
         # what communication can hide behind: on a GPU the compute of the same microbatch; on the
         # CPU nothing, since gloo's threads run on the cores that compute
         backward, hiding = (backward, slowest) if cluster.is_gpu else (0.0, 0.0)
