@@ -510,12 +510,16 @@ def test_layer_times_are_kept_for_later_plans(tmp_path, monkeypatch, capsys):
     predicted(tmp_path, body, ["data.batch_size=8"])
     assert json.loads(store.read_text())["machine"] != "another machine"
 
-    monkeypatch.setattr(layer_times, "_measured", {})
-    store.write_text('{"format": "paratrain-times/1", "machine": ' + json.dumps(layer_times._machine()) + "}")
-    capsys.readouterr()
-    assert main(["plan", "--cluster", str(tmp_path / "cluster.toml")]) == 2
-    err = capsys.readouterr().err
-    assert f"{store}: not a timings file" in err and "Traceback" not in err and len(err.splitlines()) == 1
+    fresh = json.loads(store.read_text())  # this machine's, as the plan above wrote it again
+    no_entries = {k: v for k, v in fresh.items() if k != "entries"}
+    one_number = {**fresh, "entries": {k: {**e, "seconds": [1.0]} for k, e in fresh["entries"].items()}}
+    for doc, said in ((no_entries, "not a timings file"), (one_number, "not the timings paratrain wrote")):
+        monkeypatch.setattr(layer_times, "_measured", {})
+        store.write_text(json.dumps(doc))
+        capsys.readouterr()
+        assert main(["plan", "--cluster", str(tmp_path / "cluster.toml"), "--set", "data.batch_size=8"]) == 2
+        err = capsys.readouterr().err
+        assert f"{store}: " in err and said in err and "Traceback" not in err and len(err.splitlines()) == 1
 
 
 def test_kendall_tau_of_the_bench():

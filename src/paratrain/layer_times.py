@@ -9,10 +9,10 @@ does. So each of the model's pipeline layers (the whole model where it has none)
 real, on a microbatch of the plan's rows, at the thread count a worker of the planned run gets
 (the launcher gives each of N processes cores // N threads): forward alone, and backward alone
 from the gradient of its output, the loss in the last layer's. Medians of a few repeats, once
-per (model, rows, threads); likewise the optimizer's step (from memory, not cache, as a run meets it). They are kept in a small JSON file beside
-the cluster file (`cluster.toml` -> `cluster.times.json`) that later plans on it reuse; --calibrate
-starts it afresh. How much N processes computing at once slow
-each other (shared caches and memory bandwidth; more processes than cores take turns) is the
+per (model, rows, threads); likewise the optimizer's step (from memory, not cache, as a run meets
+it). They are kept in a small JSON file beside the cluster file (`cluster.toml` ->
+`cluster.times.json`) that later plans on it reuse; --calibrate starts it afresh. How much N
+processes computing at once slow each other (shared caches and memory bandwidth; more processes than cores take turns) is the
 cluster's `cpu_contention`, which --calibrate measures. The model is timed only while it is cheap
 to run here (MAX_FLOPS); a larger one is modelled instead.
 """
@@ -57,7 +57,7 @@ def layer_times(
         return None
     key = ("layers", repr(cfg.model), repr(cfg.data), cfg.train.precision, rows, threads)
     what = f"{cfg.model.factory} layers, {rows} rows, {threads} threads"
-    pairs = _remembered(store, key, what, threads, lambda: _measure(cfg, rows))
+    pairs = _remembered(store, key, what, threads, lambda: _measure(cfg, rows), pairs=True)
     return [LayerTime(*pair) for pair in pairs]
 
 
@@ -86,7 +86,7 @@ def optimizer_step_s(cfg: Config, threads: int, store: str | None = None) -> tup
 
     key = ("optimizer", repr(cfg.model), repr(cfg.data), repr(cfg.train), threads)
     what = f"{cfg.train.optimizer} step of {cfg.model.factory}, {threads} threads"
-    model_s, flat_s = _remembered(store, key, what, threads, measure)
+    model_s, flat_s = _remembered(store, key, what, threads, measure, pairs=False)
     return model_s, flat_s
 
 
@@ -98,15 +98,19 @@ def _machine() -> str:
     return f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores"
 
 
-def _remembered(store: str | None, key: tuple, what: str, threads: int, measure):
+def _remembered(store: str | None, key: tuple, what: str, threads: int, measure, pairs: bool):
     """The timings under `key`: this process's, else the store's, else measured at `threads`
-    threads now (and added to the store; a store that cannot be written is only not added to)."""
+    threads now (and added to the store; a store that cannot be written is only not added to).
+    `pairs`: [forward, backward] a layer; else two seconds (the optimizer's)."""
     digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
     if digest in _measured:
         return _measured[digest]
     entries = _read_store(store)
     if digest in entries:
-        _measured[digest] = entries[digest]["seconds"]
+        seconds = entries[digest]["seconds"]
+        if pairs != all(isinstance(s, list) for s in seconds) or (not pairs and len(seconds) != 2):
+            raise ConfigError("--cluster", f"{store}: {what}: not the timings paratrain wrote; delete it to time again")
+        _measured[digest] = seconds
         return _measured[digest]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
