@@ -325,7 +325,6 @@ def _step_overhead_s(rt, run_dir: str) -> float:
     (trainer.train, on this process group), whose compute is next to nothing: on rank 0, the
     median over the steps after the first 5 of the slowest rank's data, optimizer and other
     phases (profile.jsonl)."""
-    import contextlib
     import io
     import json
     import statistics
@@ -447,26 +446,26 @@ def calibration_worker(out_path: str) -> None:
     # all-reduces after 1 ms of compute on every rank (alpha-beta); and after 8 ms, which the
     # ranks' skew grows with: per second of compute, the skew (sync_skew)
     short, long = _work(0.001), _work(0.008)
-    (small_s, short_s), (large_s, _) = (_synced_s(n, short, k) for n, k in zip(CALIBRATION_SIZES, (60, 24)))
-    reduce_s = [small_s, large_s]
-    added_long, long_s = _synced_s(CALIBRATION_SIZES[0], long, 24)
-    rates["skew"] = (added_long - small_s) / max(long_s - short_s, 1e-6)
+    small, large = CALIBRATION_SIZES
+    rates["small_s"], short_s = _synced_s(small, short, 60)
+    rates["large_s"], _ = _synced_s(large, short, 24)
+    added_long, long_s = _synced_s(small, long, 24)
+    rates["skew"] = (added_long - rates["small_s"]) / max(long_s - short_s, 1e-6)
     rates["p2p_s"] = _p2p_latency_s(rt)
     rates["contention"] = _contention(rt, train_step)
     rates["stream_s"] = _stream_s(train_step)
     rates["step_overhead_s"] = _step_overhead_s(rt, os.path.join(os.path.dirname(out_path), "tiny-run"))
-    mine = torch.tensor([*rates.values(), *reduce_s], dtype=torch.float64)
+    mine = torch.tensor(list(rates.values()), dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(rt.world_size)]
     dist.all_gather(gathered, mine)
     if rt.rank == 0:
         medians = torch.stack(gathered).median(dim=0).values.tolist()
-        # the p2p pair's own figure (the other ranks report none)
         result = dict(zip(rates, medians))
         keys = list(rates)
+        # the p2p pair's own figure (the other ranks report none); rank 0's contention and overhead
         result["p2p_s"] = max(row[keys.index("p2p_s")] for row in gathered).item()
-        result["contention"] = gathered[0][keys.index("contention")].item()  # rank 0's
+        result["contention"] = gathered[0][keys.index("contention")].item()
         result["step_overhead_s"] = gathered[0][keys.index("step_overhead_s")].item()
-        result["all_reduce_s"] = dict(zip(map(str, CALIBRATION_SIZES), medians[len(rates) :]))
         with open(out_path, "w") as fh:
             json.dump(result, fh)
     dist.barrier()
@@ -479,22 +478,13 @@ def calibration_worker(out_path: str) -> None:
 CALIBRATION_ROUNDS = 3
 
 
-def _median_rounds(rounds: list[dict]) -> dict:
-    """Each measured figure the median over the rounds (the all-reduce times size by size)."""
-    import statistics
-
-    out = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "all_reduce_s"}
-    sizes = rounds[0]["all_reduce_s"]
-    out["all_reduce_s"] = {size: statistics.median(r["all_reduce_s"][size] for r in rounds) for size in sizes}
-    return out
-
-
 def calibrate(path: str, nproc: int = 2) -> Cluster:
     """Measures this machine as `nproc` processes use it (at least two: gloo processes on
     loopback, half a minute) and writes `path`: a [cluster] file of one node of `nproc` cpu
     devices that `--cluster` reads back."""
     import json
     import os
+    import statistics
     import tempfile
     from datetime import datetime, timezone
 
@@ -510,15 +500,13 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
             launch_measurement(calibration_worker, [out], nproc=ranks, run_id="calibrate")
             with open(out) as fh:
                 rounds.append(json.load(fh))
-    m = _median_rounds(rounds)
+    m = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
     # alpha-beta from the ring all-reduces of n ranks (each sends 2(n-1)/n of its buffer in 2(n-1)
-    # steps): the latency from the smallest, the bandwidth from the smallest to the largest (a
-    # least-squares line let one noisy middle size swing the latency tenfold)
-    times = {int(k): v for k, v in m["all_reduce_s"].items()}
-    small, large = min(times), max(times)
+    # steps): the latency from the small one, the bandwidth from the difference to the large one
+    small, large = CALIBRATION_SIZES
     steps = 2 * (ranks - 1)
-    latency_s = max(times[small] / steps, 1e-7)
-    slope = max(times[large] - times[small], 1e-9) / (large - small) / (steps / ranks)
+    latency_s = max(m["small_s"] / steps, 1e-7)
+    slope = max(m["large_s"] - m["small_s"], 1e-9) / (large - small) / (steps / ranks)
     host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
     values = {
         "nodes": 1,
@@ -549,9 +537,9 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         "# memory (p2p latency); 30 asynchronous all-reduces beside compute (stream latency, per op).",
         "# a tiny model's steps through the trainer (step overhead). inter_node_Gbps: the cpu preset's, assumed.",
         "[cluster]",
+        "# time_layers: plans time the model's layers here; cpu_contention: training steps on every",
+        "# rank at once against rank 0 alone. Each figure the median of 3 launches.",
     ]
-    lines.append("# time_layers: plans time the model's layers here; cpu_contention: training steps on every")
-    lines.append("# rank at once against rank 0 alone. Each figure the median of 3 launches.")
     lines += [f"{k} = {v:.6g}" if isinstance(v, float) else f"{k} = {json.dumps(v)}" for k, v in values.items()]
     try:
         with open(path, "w") as fh:

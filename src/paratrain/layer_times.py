@@ -159,6 +159,12 @@ def _median_s(fn) -> float:
     return median_seconds(fn, REPEATS, warmups=2)
 
 
+def _median_of(timed) -> float:
+    """The median of REPEATS calls of `timed`, which times what it does itself, after two untimed."""
+    timed(), timed()
+    return statistics.median(timed() for _ in range(REPEATS))
+
+
 EVICT_BYTES = 64 * 2**20  # more than a CPU's last-level cache shared by a core (32 MiB here)
 
 
@@ -174,8 +180,7 @@ def _cold_median_s(fn) -> float:
         fn()
         return time.perf_counter() - start
 
-    cold(), cold()
-    return statistics.median(cold() for _ in range(REPEATS))
+    return _median_of(cold)
 
 
 def _measure(cfg: Config, rows: int) -> list[list[float]]:
@@ -216,8 +221,7 @@ def _measure(cfg: Config, rows: int) -> list[list[float]]:
             return time.perf_counter() - start
 
         forward_s = _median_s(forward)
-        backward(), backward()
-        backward_s = statistics.median(backward() for _ in range(REPEATS))
+        backward_s = _median_of(backward)
         model.zero_grad(set_to_none=True)
         out.append([forward_s, backward_s])
     return out

@@ -187,6 +187,12 @@ def shared_by(cluster, nproc: int):
     return dataclasses.replace(cluster, nodes=1, devices_per_node=nproc, device=device)
 
 
+def timed_steps(run_dir: Path) -> list[dict]:
+    """A run's profile.jsonl records of the steps after the set-up steps."""
+    steps = [json.loads(line) for line in (run_dir / "profile.jsonl").read_text().splitlines()]
+    return [s for s in steps if s["step"] > SETUP_STEPS]
+
+
 def median_step_s(run_dir: Path) -> float:
     """The median, over the steps after the set-up steps (one-time kernel and allocator set-up),
     of the ranks' mean step as the profiler timed it (profile.jsonl): the training step itself,
@@ -197,12 +203,11 @@ def median_step_s(run_dir: Path) -> float:
     so over a run every rank takes the same time a step; a step one rank is late to is long on
     the others, which wait for it, and the next is short on them (measured here: 17.5 and 22.0 ms,
     then 20.0 and 16.5): the slowest of each step counts that skew twice, the mean as the run
-    pays it. On a shared machine a median over steps holds still where
-    a mean takes every other process's burst in."""
+    pays it. On a shared machine a median over steps holds still where a mean takes every other
+    process's burst in."""
     import statistics
 
-    steps = [json.loads(line) for line in (run_dir / "profile.jsonl").read_text().splitlines()]
-    return statistics.median(statistics.mean(r["step_s"] for r in s["ranks"]) for s in steps if s["step"] > SETUP_STEPS)
+    return statistics.median(statistics.mean(r["step_s"] for r in s["ranks"]) for s in timed_steps(run_dir))
 
 
 def measured_phases(run_dir: Path) -> dict[str, float]:
@@ -210,8 +215,7 @@ def measured_phases(run_dir: Path) -> dict[str, float]:
     seconds of each phase over the steps after set-up, beside the predicted breakdown."""
     import statistics
 
-    steps = [json.loads(line) for line in (run_dir / "profile.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if s["step"] > SETUP_STEPS]
+    steps = timed_steps(run_dir)
     slowest = max(range(steps[0]["world"]), key=lambda r: statistics.median(s["ranks"][r]["step_s"] for s in steps))
     return {
         phase: statistics.median(s["ranks"][slowest]["phases"][phase] for s in steps)
