@@ -69,7 +69,12 @@ def _describe(f: dataclasses.Field) -> str:
     parts = []
     if doc := f.metadata.get("doc"):
         parts.append(doc)
-    if choices := f.metadata.get("choices"):
+    choices = f.metadata.get("choices")
+    if f.name == "strategy":  # the registry holds the one list of them (config.py imports no strategy)
+        from paratrain.parallel.registry import SPECS
+
+        choices = tuple(SPECS)
+    if choices:
         parts.append("one of " + ", ".join(f"`{c}`" for c in choices))
     check = f.metadata.get("check")
     if check is not None and check.__doc__:

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from paratrain.data.datasets import digits
 from paratrain.models.mlp import mlp
-from paratrain.runtime import leave
+from paratrain.runtime.process import leave
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)

@@ -11,7 +11,7 @@ the peak of what autograd keeps saved for backward during one train_step (each s
 parameters and the batch excluded), the data being whatever the fake collectives leave in the buffers.
 Codec: the storages a gradient codec holds after two steps, besides the gradients.
 Communication: what a second train_step hands the profiler (every collective through
-paratrain.collectives, every pipeline message), by op, with the profiler's own minimum; on the fake
+paratrain.comm.collectives, every pipeline message), by op, with the profiler's own minimum; on the fake
 backend ZeRO takes the native collectives, NCCL's path."""
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from paratrain import collectives
 from paratrain import config as config_mod
-from paratrain.config import data_parallel_degree
+from paratrain.comm import collectives
 from paratrain.data import build_dataset, load_batch
 from paratrain.models import build_model
 from paratrain.optim import build_loss
-from paratrain.parallel import build_strategy, registry
+from paratrain.parallel import registry
+from paratrain.parallel.registry import build_strategy, data_parallel_degree
 from paratrain.profile import min_bytes_sent
-from paratrain.runtime import Runtime
+from paratrain.runtime.process import Runtime
 
 
 def storage_bytes(tensors, seen: set) -> int:

@@ -30,10 +30,12 @@ from safetensors.torch import save as st_save
 import paratrain.data
 from paratrain import checkpoint as ckpt
 from paratrain import config as config_mod
-from paratrain.cli import check_resume, main, prepare_run_dir
-from paratrain.config import ConfigError
-from paratrain.inspect_checkpoint import inspect
+from paratrain.checkpoint import format as checkpoint_format
+from paratrain.checkpoint.inspect import inspect
+from paratrain.cli import main
+from paratrain.errors import ConfigError
 from paratrain.metrics import keep_steps_up_to, read_jsonl
+from paratrain.runtime.run_dir import check_resume, prepare_run_dir
 
 CONFIG = (
     DIGITS_MLP.replace("steps = 20", "steps = 8").replace("log_every = 10", "log_every = 4")
@@ -130,7 +132,7 @@ def test_a_manifest_names_only_files_paratrain_writes(pristine, tmp_path, capsys
     outside = step / name  # an absolute name replaces the directory
     outside.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy(step / "rank-00000.safetensors", outside)
-    entry = {"sha256": ckpt.sha256_file(outside), "bytes": outside.stat().st_size}
+    entry = {"sha256": checkpoint_format.sha256_file(outside), "bytes": outside.stat().st_size}
     rewrite_manifest(step, lambda m: {**m, "files": {name: entry}})
     with pytest.raises(ckpt.CheckpointError, match="not a file name paratrain writes"):
         ckpt.CheckpointReader(step).verify()
@@ -391,7 +393,7 @@ def test_pruning_keeps_the_checkpoint_just_written_and_counts_only_valid_ones(tm
     save_step(tmp_path, 10, keep=3)
     corrupt = save_step(tmp_path, 30, keep=3) / "rank-00000.safetensors"
     corrupt.write_bytes(flip_last_byte(corrupt.read_bytes()))
-    ckpt._VERIFIED.clear()  # another process's checkpoints, as after a restart
+    checkpoint_format.VERIFIED.clear()  # another process's checkpoints, as after a restart
     save_step(tmp_path, 20, keep=1)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step-20", "step-30"], names  # step-10 pruned; the corrupt one neither counts nor goes
@@ -411,7 +413,7 @@ def test_resume_auto_moves_a_corrupt_newer_checkpoint_aside_and_survives_a_torn_
     shard.write_bytes(flip_last_byte(shard.read_bytes()))
     with open(run / "metrics.jsonl", "a") as fh:
         fh.write('{"step": 9, "loss": 2.3')
-    ckpt._VERIFIED.clear()
+    checkpoint_format.VERIFIED.clear()
     assert (
         train_in_process(
             str(pristine / "c.toml"), "--resume", "auto", "--run-dir", str(run), "--set", "checkpoint.keep=1"
@@ -478,9 +480,11 @@ def test_leftovers_of_crashed_saves_and_exports_are_removed(tmp_path):
 
 def test_export_final_syncs_its_directory_before_the_rename(tmp_path, monkeypatch):
     events = []
-    sync = ckpt._fsync_dir
-    monkeypatch.setattr(ckpt, "_fsync_dir", lambda path: (events.append(("fsync", Path(path).name)), sync(path)))
+    from paratrain.checkpoint import export
+
+    sync = export.fsync_dir
+    monkeypatch.setattr(export, "fsync_dir", lambda path: (events.append(("fsync", Path(path).name)), sync(path)))
     rename = os.rename
-    monkeypatch.setattr(ckpt.os, "rename", lambda a, b: (events.append(("rename", Path(a).name)), rename(a, b)))
+    monkeypatch.setattr(export.os, "rename", lambda a, b: (events.append(("rename", Path(a).name)), rename(a, b)))
     ckpt.export_final(tmp_path, {"w": torch.ones(2)}, step=1, config={}, extra={})
     assert events.index(("fsync", ".tmp-final")) < events.index(("rename", ".tmp-final")), events

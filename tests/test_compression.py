@@ -137,7 +137,7 @@ def test_powersgd_blocked_reconstruction_equals_one_product(shape, dtype):
     buffer or straight into the result in fp32; the blocks must add up to exactly the one-product
     result (rows that do not divide, a row wider than a block). The squared norm it returns, taken
     from the factors (the clipping norm), is that of the result it wrote."""
-    from paratrain.parallel.powersgd import _PowerBucket
+    from paratrain.parallel.codecs.powersgd import _PowerBucket
 
     torch.manual_seed(0)
     n, m = shape
@@ -166,7 +166,8 @@ def test_powersgd_computes_in_the_dtype_the_device_multiplies_fast(monkeypatch, 
     """The codec's arithmetic follows the CPU's flags (faked here): on a CPU without bf16 instructions
     no bf16 copy of the matrices is kept (and the planner counts none); what is sent stays fp32."""
     from paratrain import config as config_mod
-    from paratrain.parallel import compression, powersgd
+    from paratrain.parallel.codecs import basic as codecs
+    from paratrain.parallel.codecs import powersgd
 
     monkeypatch.setattr(powersgd, "cpu_multiplies_bf16_natively", lambda: native_bf16)
     assert powersgd.arithmetic_dtype(torch.device(device), torch.float32) == expected
@@ -178,7 +179,7 @@ def test_powersgd_computes_in_the_dtype_the_device_multiplies_fast(monkeypatch, 
         assert st.dtype == expected and st.copies_matrices == (expected != torch.float32)
         assert st.first_round.dtype == st.q_flat.dtype == torch.float32  # the wire
         p = config_mod.from_dict({"parallel": {"compression": "powersgd", "powersgd_rank": 2}}).parallel
-        kept = compression.kept_bytes(p, [shapes], torch.float32, torch.device("cpu"))
+        kept = codecs.kept_bytes(p, [shapes], torch.float32, torch.device("cpu"))
         copies = 64 * 32 * 2 + powersgd.block_numel(st.matrices) * 2 if native_bf16 else 0
         assert kept == (flat.numel() + 2 * (64 + 32) + 32) * 4 + copies  # result, P, Q, the bias; copies
 
@@ -186,7 +187,7 @@ def test_powersgd_computes_in_the_dtype_the_device_multiplies_fast(monkeypatch, 
 def local_sum_job(rt) -> None:
     import torch.distributed as dist
 
-    from paratrain.parallel.shm_p2p import LocalSum
+    from paratrain.comm.shm import LocalSum
 
     rank, world = rt.rank, rt.world_size
     local = LocalSum(None, timeout_s=30, capacity=64 * 1024)
@@ -212,8 +213,8 @@ def test_shared_memory_sum_equals_all_reduce_on_every_rank(gang):
     gang(3).run("test_compression:local_sum_job")
 
 
-class _ScriptedEngine:
-    """Stands in for a bench suite engine: its loss at step s is `loss(s)`."""
+class _ScriptedContender:
+    """Stands in for a bench suite contender: its loss at step s is `loss(s)`."""
 
     def __init__(self, loss):
         self.loss, self.losses = loss, []
@@ -224,13 +225,13 @@ class _ScriptedEngine:
 
 
 def equal_loss_job(rt) -> None:
-    from paratrain.bench.suite import equal_loss
+    from paratrain.bench.suite_worker import equal_loss
 
     rank = rt.rank
     offset = 1.0 if rank == 0 else -1.0  # the ranks' losses differ; their mean is what counts
-    dp = _ScriptedEngine(lambda s: 100 - s + offset)  # pool mean after step s: 101.5 - s
-    slow = _ScriptedEngine(lambda s: 100 - s / 2 + offset)  # 100.75 - s / 2: twice the steps, nearly
-    flat = _ScriptedEngine(lambda s: 95.0)
+    dp = _ScriptedContender(lambda s: 100 - s + offset)  # pool mean after step s: 101.5 - s
+    slow = _ScriptedContender(lambda s: 100 - s / 2 + offset)  # 100.75 - s / 2: twice the steps, nearly
+    flat = _ScriptedContender(lambda s: 95.0)
     for e in (dp, slow, flat):
         e.run(8, None)  # the timed steps
     summary = {"paratrain dp": {"step_ms": 100.0}, "slow": {"step_ms": 50.0}, "flat": {"step_ms": 10.0}}
@@ -242,9 +243,9 @@ def equal_loss_job(rt) -> None:
     assert len(dp.losses) == 12
     assert (out["window"], out["dp_steps"], out["max_steps"]) == (4, 12, 24)
     assert out["dp_loss"] == pytest.approx(89.5)
-    assert out["engines"]["slow"]["steps"] == 23
-    assert out["engines"]["slow"]["speedup_at_equal_loss"] == pytest.approx(12 * 100.0 / (23 * 50.0))
-    assert out["engines"]["flat"] == {"steps": None, "steps_vs_dp": None, "speedup_at_equal_loss": None}
+    assert out["contenders"]["slow"]["steps"] == 23
+    assert out["contenders"]["slow"]["speedup_at_equal_loss"] == pytest.approx(12 * 100.0 / (23 * 50.0))
+    assert out["contenders"]["flat"] == {"steps": None, "steps_vs_dp": None, "speedup_at_equal_loss": None}
     assert len(flat.losses) == 24  # trained on up to twice dp's steps before giving up
 
 

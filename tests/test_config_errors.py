@@ -183,7 +183,7 @@ def test_nodes_sharing_a_run_dir_prepare_it_at_once(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     from paratrain import config as config_mod
-    from paratrain.cli import prepare_run_dir
+    from paratrain.runtime.run_dir import prepare_run_dir
 
     cfg = config_mod.load(write_config(tmp_path / "c.toml", ""))
 
@@ -237,8 +237,8 @@ def test_device_resolution_against_the_gpus_a_node_has(monkeypatch, gpus, device
     GPU for each of the node's processes; 'auto' falls back to CPU and says so, 'cuda' is an error."""
     import torch
 
-    from paratrain.config import ConfigError
-    from paratrain.runtime import resolve_device
+    from paratrain.errors import ConfigError
+    from paratrain.runtime.process import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)

@@ -293,7 +293,7 @@ def test_s3_streamed_training_equals_local_and_one_process_and_resumes_exactly(p
 
     # The same from local files, stopped mid-epoch (step 6, world 2), resumed to exactly an epoch's
     # end (step 10, world 1), resumed a second time to the end (world 2).
-    from paratrain.checkpoint import CheckpointReader
+    from paratrain.checkpoint.reader import CheckpointReader
 
     local_job = gpt_job(tmp_path, str(prepared / "local"), None)
     chain = tmp_path / "chain"
@@ -314,7 +314,7 @@ def test_s3_streamed_training_equals_local_and_one_process_and_resumes_exactly(p
     from paratrain import config as config_mod
     from paratrain.data import build_sampler
     from paratrain.models import build_model
-    from paratrain.runtime import seed_everything
+    from paratrain.runtime.process import seed_everything
 
     cfg = config_mod.load(str(local_job), [])
     ds = shards(str(prepared / "local"), cache_dir=str(tmp_path / "ref"), shuffle_window=64)
@@ -358,8 +358,8 @@ def test_a_corrupt_shard_is_skipped_where_configured_the_next_shard_that_verifie
 ):
     import shutil
 
-    from paratrain.config import ConfigError
     from paratrain.data import shards as shards_mod
+    from paratrain.errors import ConfigError
 
     monkeypatch.setattr(shards_mod.time, "sleep", lambda s: None)  # the retries of a corrupt download
     copy = tmp_path / "shards"

@@ -289,7 +289,7 @@ def test_the_worker_blamed_is_the_one_whose_error_is_its_own(tmp_path):
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from paratrain.launch import blame
+    from paratrain.runtime.launch import blame
 
     def failed(rank, exitcode, message, timestamp=100):
         path = tmp_path / f"error-{rank}.json"

@@ -210,11 +210,11 @@ def test_algorithms_train_in_one_process(algorithm, extra, one_thread):
     and fedadam's server moments are part of the checkpoint."""
     import tomllib
 
-    from paratrain import runtime
     from paratrain.data import build_dataset
     from paratrain.models import build_model
     from paratrain.optim import build_loss
-    from paratrain.parallel import build_strategy
+    from paratrain.parallel.registry import build_strategy
+    from paratrain.runtime import process
 
     raw = tomllib.loads(FED)
     raw["train"]["lr"] = 0.5
@@ -229,9 +229,9 @@ def test_algorithms_train_in_one_process(algorithm, extra, one_thread):
         **extra,
     )
     cfg = config_mod.from_dict(raw)
-    runtime.seed_everything(0)
+    process.seed_everything(0)
     model = build_model(cfg, build_dataset(cfg, "train"))
-    strategy = build_strategy(model, build_loss(cfg), cfg, runtime.Runtime(0, 1, 0, torch.device("cpu"), "gloo", 0))
+    strategy = build_strategy(model, build_loss(cfg), cfg, process.Runtime(0, 1, 0, torch.device("cpu"), "gloo", 0))
     losses = [float(strategy.train_step(None)) for _ in range(8)]
     assert np.mean(losses[-2:]) < 0.95 * np.mean(losses[:2]), losses
     tensors, meta = strategy.state_dict()

@@ -1,11 +1,14 @@
 """The package's import structure: no circle among its modules; config and the registry free of torch.
 
-In-process: the graph is read from the source with `ast`."""
+In-process: the graph is read from the source with `ast`. An edge is any import, wherever it stands
+(at the top, inside a function, under `if TYPE_CHECKING:`), and any `"paratrain.x.y:name"` string
+(a spec's engine, footprint and step time, loaded when first asked for): each is a dependency."""
 
 from __future__ import annotations
 
 import ast
 import functools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,18 +23,22 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+LOADED_NAME = re.compile(r"^(paratrain(?:\.\w+)+):\w+$")  # what parallel.spec.load imports
+
+
 def _imports(tree: ast.Module):
-    """Every import statement, also those run later inside functions (a deferred import is still
-    a dependency), but not those under `if TYPE_CHECKING:` (read by type checkers only)."""
-    pending: list[ast.AST] = [tree]
-    while pending:
-        node = pending.pop()
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            pending += node.orelse
-            continue
+    """Every import statement, wherever it stands: at the top, inside a function (a deferred import
+    is still a dependency) and under `if TYPE_CHECKING:` (annotations name what they need)."""
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        pending += ast.iter_child_nodes(node)
+
+
+def _loaded_modules(tree: ast.Module):
+    """The modules named by `"package.module:attribute"` strings, which specs load by name."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := LOADED_NAME.match(node.value)):
+            yield m.group(1)
 
 
 @functools.cache
@@ -54,6 +61,7 @@ def import_graph() -> dict[str, set[str]]:
                 base = ".".join(anchor + ([base] if base else []))
             targets.add(base)
             targets.update(f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in files)
+        targets.update(_loaded_modules(ast.parse(path.read_text(), str(path))))
         edges = set()
         for target in targets:
             parts = target.split(".")
@@ -87,8 +95,41 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_imports():
     graph = import_graph()
-    assert "paratrain.runtime" in graph["paratrain.stop"]
-    assert "paratrain.parallel.base" in graph["paratrain.parallel.data_parallel"]
+    assert "paratrain.runtime.process" in graph["paratrain.runtime.stop"]  # at the top
+    assert "paratrain.parallel.base" in graph["paratrain.parallel.dp.engine"]
+    assert "paratrain.parallel.base" in graph["paratrain.parallel.registry"]  # under TYPE_CHECKING
+    assert "paratrain.runtime.launch" in graph["paratrain.trainer"]  # inside a function
+    assert "paratrain.parallel.dp.engine" in graph["paratrain.parallel.dp.spec"]  # a "module:Class" string
+    assert "paratrain.parallel.zero.footprint" in graph["paratrain.parallel.zero.spec"]
+
+
+def test_the_layout_is_one_folder_per_strategy_family():
+    """parallel/ holds only the registry, the spec and the engines' contract at its top; the
+    planner lives in plan/ and names no strategy; no source file is over 500 lines."""
+    top = sorted(p.name for p in (PACKAGE_DIR / "parallel").glob("*.py"))
+    assert top == ["__init__.py", "base.py", "registry.py", "spec.py"], top
+    for family in ("dp", "zero", "tensor", "pipeline", "hybrid", "ps", "federated", "codecs"):
+        assert (PACKAGE_DIR / "parallel" / family / "__init__.py").is_file(), family
+    graph = import_graph()
+    for module, targets in graph.items():
+        if module.startswith("paratrain.plan."):
+            named = {t for t in targets if t.startswith("paratrain.parallel.") and t.count(".") >= 3}
+            specs = {t for t in named if t.endswith((".spec", ".engine", ".footprint", ".step_time"))}
+            assert not specs, f"{module} names a strategy's own module: {sorted(specs)}"
+    long = {
+        str(p.relative_to(PACKAGE_DIR)): n
+        for p in PACKAGE_DIR.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long
+
+
+def test_training_code_does_not_import_the_test_tools():
+    """Fault points reach the training code through runtime/faults.py; only the test tools
+    themselves and the benchmarks (which stage network namespaces) import testing/."""
+    graph = import_graph()
+    users = {m for m, ts in graph.items() if any(t.startswith("paratrain.testing") for t in ts)}
+    assert not {m for m in users if not m.startswith(("paratrain.testing", "paratrain.bench"))}, users
 
 
 def test_find_cycle_finds_a_circle():
@@ -111,7 +152,7 @@ def test_config_and_registry_import_no_torch():
     assert out.strip() == "[]"
 
 
-def test_every_spec_names_its_engine_and_cost_model():
+def test_every_spec_names_its_engine_footprint_and_step_time():
     from paratrain.parallel.base import Strategy
     from paratrain.parallel.registry import SPECS
     from paratrain.parallel.spec import load
@@ -119,6 +160,7 @@ def test_every_spec_names_its_engine_and_cost_model():
     for name, spec in SPECS.items():
         assert spec.name == name
         assert issubclass(spec.engine(), Strategy), name
-        assert callable(load(spec.cost_model)), name
+        assert callable(load(spec.footprint)), name
+        assert callable(load(spec.step_time)), name
         assert spec.checkpoint_family, name
         assert "none" in spec.codecs, name

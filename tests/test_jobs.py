@@ -1,6 +1,6 @@
-"""`paratrain job` and the engines' environments: the Kubernetes manifests against the operators' own CRD
+"""`paratrain job` and the schedulers' environments: the Kubernetes manifests against the operators' own CRD
 schemas, then each manifest's container command (and SkyPilot's run script) on two network namespace
-hosts with the variables its operator injects; the engines' variables read by `paratrain run`; the
+hosts with the variables its operator injects; the schedulers' variables read by `paratrain run`; the
 preflight that refuses a node whose config or versions differ; bad options."""
 
 import json
@@ -19,11 +19,11 @@ from helpers import CPU_ONLY, ROOT, final_weights, max_rel_error, outputs_of, wr
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
-from paratrain.config import ConfigError
-from paratrain.engines import detect, expand_nodelist
+from paratrain.errors import ConfigError
 from paratrain.jobs.kubernetes import CONFIG_MOUNT
 from paratrain.jobs.preflight import check_nodes
-from paratrain.runtime import free_port
+from paratrain.runtime.process import free_port
+from paratrain.runtime.schedulers import detect, expand_nodelist
 from paratrain.testing import netns
 
 ok, why = netns.available()
@@ -99,21 +99,21 @@ def test_kubernetes_manifests_validate_against_the_operators_schemas(tmp_path, c
         validate({**docs[1], "spec": {**docs[1]["spec"], "replicas": 3}})
 
 
-@pytest.mark.parametrize("engine", ["trainjob", "pytorchjob"])
+@pytest.mark.parametrize("scheduler", ["trainjob", "pytorchjob"])
 @pytest.mark.skipif(not ok, reason=f"two-host test skipped: {why}")
-def test_job_runs_on_two_hosts_with_the_operators_environment(tmp_path, capsys, engine):
+def test_job_runs_on_two_hosts_with_the_operators_environment(tmp_path, capsys, scheduler):
     """Each node runs exactly the manifest's container command with the variables its operator sets,
     and nothing else: no flag says how many nodes or where."""
     cfg = write_config(tmp_path / "c.toml", DIGITS_MLP.replace("steps = 20", "steps = 12"))
     run_dir = tmp_path / "run"  # the shared volume
     common = [str(cfg), "--nodes", "2", "--nproc", "1", "--run-dir", str(run_dir)]
-    config_map, job = yaml.safe_load_all(job_file(capsys, "kubernetes", *common, "--image", "img", "--kind", engine))
+    config_map, job = yaml.safe_load_all(job_file(capsys, "kubernetes", *common, "--image", "img", "--kind", scheduler))
     mounted = tmp_path / "configmap"  # what the kubelet mounts at CONFIG_MOUNT
     mounted.mkdir()
     for key, text in config_map["data"].items():
         (mounted / key).write_text(text)
     name = job["metadata"]["name"]
-    if engine == "trainjob":
+    if scheduler == "trainjob":
         command = job["spec"]["trainer"]["command"]
         aliases = ((f"{name}-node-0-0.{name}",), (f"{name}-node-0-1.{name}",))
         envs = [
@@ -236,7 +236,7 @@ def test_each_engines_environment_gives_the_nodes_and_the_rendezvous():
             "PET_MASTER_PORT": "29500",
         }
     )
-    assert (trainer.engine, trainer.nnodes, trainer.node_rank, trainer.rdzv, trainer.nproc) == (
+    assert (trainer.scheduler, trainer.nnodes, trainer.node_rank, trainer.rdzv, trainer.nproc) == (
         "Kubeflow Trainer",
         4,
         3,
@@ -253,7 +253,12 @@ def test_each_engines_environment_gives_the_nodes_and_the_rendezvous():
             "PET_NPROC_PER_NODE": "auto",
         }
     )
-    assert (pytorchjob.engine, pytorchjob.nnodes, pytorchjob.node_rank, pytorchjob.nproc) == ("PyTorchJob", 3, 2, None)
+    assert (pytorchjob.scheduler, pytorchjob.nnodes, pytorchjob.node_rank, pytorchjob.nproc) == (
+        "PyTorchJob",
+        3,
+        2,
+        None,
+    )
     slurm = detect(
         {"SLURM_JOB_NODELIST": "cn[007-009]", "SLURM_NNODES": "3", "SLURM_NODEID": "1", "SLURM_JOB_ID": "123456"}
     )
@@ -304,7 +309,7 @@ def test_flags_win_over_the_engines_environment(monkeypatch, capsys):
     assert (seen["nnodes"], seen["node_rank"], seen["rdzv"]) == (1, 0, None)
     assert main(["run"]) == 2
     assert (seen["nnodes"], seen["node_rank"], seen["rdzv"]) == (2, 1, "n1:29500")
-    assert "Slurm" not in capsys.readouterr().err  # the engine line comes once the config is read
+    assert "Slurm" not in capsys.readouterr().err  # the scheduler line comes once the config is read
 
 
 def _meet(facts: list[dict]) -> list[str]:
@@ -389,7 +394,10 @@ def test_a_mismatched_node_is_refused_in_seconds_by_the_cli(tmp_path):
     "args, message",
     [
         (["slurm", "--nodes", "0"], "paratrain: error: --nodes: must be >= 1, got 0"),
-        (["lsf", "--nodes", "2"], "paratrain: error: ENGINE: unknown engine 'lsf': one of slurm, kubernetes, skypilot"),
+        (
+            ["lsf", "--nodes", "2"],
+            "paratrain: error: SCHEDULER: unknown scheduler 'lsf': one of slurm, kubernetes, skypilot",
+        ),
         (
             ["skypilot", "--nodes", "2", "--submit", "--out", "job.yaml"],
             "paratrain: error: --submit: sky is not installed here; write the file with --out and submit it where sky is",
@@ -402,7 +410,7 @@ def test_a_mismatched_node_is_refused_in_seconds_by_the_cli(tmp_path):
     ],
 )
 def test_bad_job_options_exit_2_with_one_line(tmp_path, monkeypatch, capsys, args, message):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no engine's tool here
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scheduler's tool here
     monkeypatch.chdir(tmp_path)
     assert main(["job", *args]) == 2
     captured = capsys.readouterr()

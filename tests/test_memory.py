@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from paratrain.bench.plan import MEMORY_STEPS, MODELS, PIPE, steady_peak_mib
-from paratrain.config import ConfigError, load
+from paratrain.config import load
 from paratrain.data import build_dataset
+from paratrain.errors import ConfigError
 from paratrain.models import build_model
-from paratrain.plan import make_plan
+from paratrain.plan.planner import make_plan
 from paratrain.profile import MemoryTracker
 
 MIB = 2**20

@@ -371,11 +371,11 @@ def _channel_worker(rank: int, port: int, capacity: int) -> None:
 
     import torch.distributed as dist
 
-    from paratrain.parallel import shm_p2p
+    from paratrain.comm import shm
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
-    senders, receivers = shm_p2p.connect(None, {1 - rank}, timeout_s=30, capacity=capacity)
+    senders, receivers = shm.connect(None, {1 - rank}, timeout_s=30, capacity=capacity)
     assert set(senders) == set(receivers) == {1 - rank}
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(1, capacity // 8, (120,), generator=g).tolist()
@@ -396,7 +396,7 @@ def _channel_worker(rank: int, port: int, capacity: int) -> None:
         for i, (r, t) in enumerate(zip(posted, messages)):
             r.wait()
             assert torch.equal(r.buf, t), f"message {i} differs"
-        with pytest.raises(shm_p2p.ChannelError, match="different orders"):
+        with pytest.raises(shm.ChannelError, match="different orders"):
             receivers[0].post(torch.empty(4), tag=999).wait()
     dist.destroy_process_group()
 
@@ -406,7 +406,7 @@ def test_shared_memory_channel_moves_every_message_in_order():
     bf16 and fp32 payloads, a non-contiguous receive buffer, and a tag that does not match."""
     import torch.multiprocessing as mp
 
-    from paratrain.runtime import free_port
+    from paratrain.runtime.process import free_port
 
     mp.start_processes(_channel_worker, args=(free_port(), 64 * 1024), nprocs=2, start_method="spawn")
 
@@ -415,7 +415,7 @@ def _schedule_plays_out(schedule, p: int, m: int, v: int) -> None:
     """Run every rank's action list against its neighbours' with the engine's rules: an action
     waits only for the message it needs, and each rank pair's messages must be received in the
     order they were sent (how NCCL and the shared-memory channel match them)."""
-    from paratrain.parallel.pipeline_schedules import SCHEDULES
+    from paratrain.parallel.pipeline.schedules import SCHEDULES
 
     n_stages = p * v
     actions = {r: SCHEDULES[schedule](p, r, m, v) for r in range(p)}

@@ -91,7 +91,7 @@ from paratrain.config import load
 from paratrain.data import build_dataset, load_batch
 from paratrain.models import build_model
 from paratrain.optim import build_loss
-from paratrain.activations import saved_activation_bytes
+from paratrain.plan.activations import saved_activation_bytes
 
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -229,14 +229,14 @@ def test_prediction_counts_recompute_bubble_and_dp_comm(tmp_path):
 def test_a_pipeline_takes_the_slowest_stages_pace_and_one_pass_of_the_others(tmp_path, monkeypatch):
     """1f1b: m microbatches at the slowest stage's pace, plus one microbatch's work on each other
     stage while the pipeline fills and drains (Narayanan et al.'s (pp - 1) microbatches when equal)."""
-    from paratrain import predict
+    from paratrain.plan import step_time
 
     work_ms = [1.0, 1.0, 1.0, 3.0]  # forward; backward twice it
 
     def stage_costs(cfg, rows, bounds, cluster, tp):
-        return [predict.StageCost(1, f * 1e-3, 2 * f * 1e-3) for f in work_ms], 1
+        return [step_time.StageCost(1, f * 1e-3, 2 * f * 1e-3) for f in work_ms], 1
 
-    monkeypatch.setattr(predict, "stage_costs", stage_costs)
+    monkeypatch.setattr(step_time, "stage_costs", stage_costs)
     sets = [*GPT2, "parallel.strategy='pp'", "parallel.pp=4", "parallel.microbatches=8", "parallel.balance='params'"]
     parts = predicted(tmp_path, 'nodes = 1\ndevices_per_node = 4\ndevice = "h100-sxm"\n', sets)["step_breakdown"]
     p2p = parts["p2p_s"] / 8
@@ -247,8 +247,8 @@ def test_a_pipeline_takes_the_slowest_stages_pace_and_one_pass_of_the_others(tmp
 def test_flops_are_megatrons_count():
     """The op trace's FLOPs of a gpt's forward + backward equal Megatron-LM's closed form
     72Bslh^2(1 + s/6h + V/12lh) (Narayanan et al., SC21, eq. 3 without recompute), exactly."""
-    from paratrain.cluster import PRESETS, Cluster
-    from paratrain.predict import stage_costs
+    from paratrain.plan.cluster import PRESETS, Cluster
+    from paratrain.plan.step_time import stage_costs
 
     L, h, heads, s, V, B = 2, 256, 4, 512, 5120, 4
     cfg = load(
@@ -327,10 +327,10 @@ def test_search_ranks_the_layouts_that_fit(tmp_path, capsys):
 
 def full_plan_search(config, sets: list[str], cluster) -> list[tuple[float, dict]]:
     """The exhaustive slow path: every candidate planned in full, every rank, as `plan` plans it."""
-    from paratrain.cli import preflight
-    from paratrain.config import ConfigError
-    from paratrain.plan import make_plan
-    from paratrain.search import candidates
+    from paratrain.errors import ConfigError
+    from paratrain.plan.planner import make_plan
+    from paratrain.plan.search import candidates
+    from paratrain.preflight import preflight
 
     found = []
     for layout in candidates(load(config, sets).data.batch_size, cluster.world, cluster.devices_per_node):
@@ -352,9 +352,9 @@ def test_search_on_replica_plans_equals_the_full_plans(tmp_path, monkeypatch):
     with memoised traces give every fitting layout the step the full plan gives it, in the same order."""
     import functools
 
-    from paratrain.cluster import parse_cluster
     from paratrain.data import datasets
-    from paratrain.search import search
+    from paratrain.plan.cluster import parse_cluster
+    from paratrain.plan.search import search
 
     # the slow path reads digits.csv.gz for every dataset it builds: once is enough here
     monkeypatch.setattr(datasets, "_digits_arrays", functools.cache(datasets._digits_arrays))
@@ -376,8 +376,8 @@ def test_search_of_4096_devices_finishes():
     and timed well inside a minute (the figure on a quiet machine is in docs/planning.md)."""
     import time
 
-    from paratrain.cluster import parse_cluster
-    from paratrain.search import search
+    from paratrain.plan.cluster import parse_cluster
+    from paratrain.plan.search import search
 
     cluster = parse_cluster({"nodes": 512, "devices_per_node": 8, "device": "h100-sxm"})
     start = time.perf_counter()
@@ -392,7 +392,7 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
     from dataclasses import asdict
 
     from paratrain.cli import main
-    from paratrain.cluster import load_cluster
+    from paratrain.plan.cluster import load_cluster
 
     path = tmp_path / "here.toml"
     threads = os.environ.get("OMP_NUM_THREADS")
@@ -417,8 +417,8 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     and backward timed on this machine (layer_times: one entry per pipeline layer) at the thread
     count a worker gets, stretched by the measured cpu_contention; a model too large to run here
     is modelled."""
-    from paratrain import layer_times, predict
-    from paratrain.cluster import parse_cluster
+    from paratrain.plan import layer_times, step_time
+    from paratrain.plan.cluster import parse_cluster
 
     cfg = load(str(write_config(tmp_path / "gpt.toml", GPT)), [])
     measured = layer_times.layer_times(cfg, 4, 1, forward_flops=0)
@@ -447,7 +447,7 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     assert zero1["optimizer_s"] == pytest.approx(0.001 / 2, rel=0.01)  # half of one flat tensor's
     sets = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.microbatches=2", "data.batch_size=8"]
     four = {"nodes": 1, "devices_per_node": 4, "device": "cpu", "time_layers": True, "cpu_contention": 2.5}
-    first, second = predict.stage_costs(
+    first, second = step_time.stage_costs(
         load(str(tmp_path / "gpt.toml"), sets), 4, [0, 2, layers], parse_cluster(four), 1
     )[0]
     assert threads_given[-1] == 1  # four processes on two cores: one thread each
@@ -469,7 +469,7 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     pp4 = predicted(tmp_path, skewed, [*sets, "parallel.pp=4", "parallel.microbatches=4"])["step_breakdown"]
     assert pp4["compute_s"] == pytest.approx(2.5 * sum(work))
     # the search's replica plans are timed alike
-    from paratrain.search import search
+    from paratrain.plan.search import search
 
     layouts = search(str(tmp_path / "gpt.toml"), ["data.batch_size=8"], parse_cluster(four), top=3)
     assert len(layouts) == 3 and threads_given[-1] == 1
@@ -483,8 +483,8 @@ def test_layer_times_are_kept_for_later_plans(tmp_path, monkeypatch, capsys):
     """A plan on a calibrated cluster keeps what it timed in a JSON file beside the cluster file
     (cluster.times.json); a later plan reads it instead of timing again; another machine's file is
     timed afresh; a file that is not one exits 2 naming it."""
-    from paratrain import layer_times
     from paratrain.cli import main
+    from paratrain.plan import layer_times
 
     monkeypatch.setattr(layer_times, "_measured", {})
     body = 'nodes = 1\ndevices_per_node = 2\ndevice = "cpu"\ntime_layers = true\n'

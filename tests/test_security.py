@@ -120,21 +120,21 @@ def _alive(pid: int) -> bool:
 def test_shared_memory_refuses_a_planted_link_and_stays_private(tmp_path, monkeypatch):
     """Issue 23, point 2: a ring was opened through any link planted at its predictable name in
     world-writable /dev/shm (and its target zero-extended), and its FIFOs were created 0644."""
-    from paratrain.parallel import shm_p2p
+    from paratrain.comm import shm
 
     target = tmp_path / "precious"
     target.write_bytes(b"keep me")
     link = tmp_path / "0to1.ring"
     link.symlink_to(target)
     with pytest.raises(FileExistsError):
-        shm_p2p._create_ring(link, 4096)  # the receiver makes its ring anew, never through a link
+        shm._create_ring(link, 4096)  # the receiver makes its ring anew, never through a link
     with pytest.raises(OSError):
-        shm_p2p._open_ring(link, 4096)  # the sender does not follow one either
+        shm._open_ring(link, 4096)  # the sender does not follow one either
     assert target.read_bytes() == b"keep me"
 
-    monkeypatch.setattr(shm_p2p, "SHM_DIR", tmp_path)
-    monkeypatch.setattr(shm_p2p.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(shm_p2p.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(shm.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(shm.dist, "get_world_size", lambda: 2)
     modes = {}
 
     def gather(out, obj, group=None):
@@ -147,8 +147,8 @@ def test_shared_memory_refuses_a_planted_link_and_stays_private(tmp_path, monkey
             )
             out[:] = [obj, ""]
 
-    monkeypatch.setattr(shm_p2p.dist, "all_gather_object", gather)
-    assert shm_p2p.connect(None, {1}, timeout_s=1, capacity=4096) == ({}, {})
+    monkeypatch.setattr(shm.dist, "all_gather_object", gather)
+    assert shm.connect(None, {1}, timeout_s=1, capacity=4096) == ({}, {})
     assert modes == {"dir": 0o700, "1to0.ring": 0o600, "1to0.data": 0o600, "1to0.ack": 0o600}, modes
     assert not list(tmp_path.glob("paratrain-*")), "the private directory was left behind"
 
@@ -157,14 +157,14 @@ def test_shared_memory_refuses_a_record_outside_the_ring():
     """Issue 23, point 2: a record's offset was trusted, so a copy could read any memory."""
     import torch
 
-    from paratrain.parallel import shm_p2p
+    from paratrain.comm import shm
 
     data_r, data_w = os.pipe()
     ack_r, ack_w = os.pipe()
     ring = torch.zeros(4096, dtype=torch.uint8)
-    receiver = shm_p2p.Receiver(ring, data_r, ack_w, peer=1, timeout_s=1)
-    os.write(data_w, shm_p2p.RECORD.pack(4096 - 8, 64, 7))
-    with pytest.raises(shm_p2p.ChannelError, match="4096-byte ring"):
+    receiver = shm.Receiver(ring, data_r, ack_w, peer=1, timeout_s=1)
+    os.write(data_w, shm.RECORD.pack(4096 - 8, 64, 7))
+    with pytest.raises(shm.ChannelError, match="4096-byte ring"):
         receiver.post(torch.empty(16, dtype=torch.float32), tag=7).wait()
     for fd in (data_r, data_w, ack_r, ack_w):
         os.close(fd)
@@ -227,8 +227,8 @@ def test_faults_that_are_set_are_announced(tmp_path, capsys, monkeypatch):
 def test_a_multi_node_run_binds_the_address_towards_its_rendezvous():
     """Issue 23, point 1: a node's stores listen on its address on the route to --rdzv, and gloo and
     NCCL on the interface holding it (tests/test_multinode.py runs two nodes over a veth pair)."""
-    from paratrain.launch import _address_towards, _interface_of
-    from paratrain.runtime import listen_on
+    from paratrain.runtime.launch import _address_towards, _interface_of
+    from paratrain.runtime.process import listen_on
 
     assert _address_towards("127.0.0.1", 29400) == "127.0.0.1"
     assert _interface_of("127.0.0.1") == "lo"

@@ -257,7 +257,7 @@ def test_resume_at_another_world_size_equals_never_stopping(tmp_path, gang, stra
 
 
 def test_each_rank_writes_only_its_shards(straight):
-    from paratrain.checkpoint import CheckpointReader
+    from paratrain.checkpoint.reader import CheckpointReader
 
     _, run = straight
     reader = CheckpointReader(run / "checkpoints" / "step-6")
@@ -392,8 +392,8 @@ def test_zero3_holds_at_most_two_units_gathered_or_reduced_at_once(codec, tolera
 
     from paratrain import config as config_mod
     from paratrain.optim import build_optimizer, cross_entropy
-    from paratrain.parallel.zero import Zero3
-    from paratrain.runtime import Runtime
+    from paratrain.parallel.zero.engine import Zero3
+    from paratrain.runtime.process import Runtime
 
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(4)]  # one unit each

@@ -3,160 +3,27 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import shutil
 import signal
 import sys
-import tempfile
-import time
-import uuid
 from pathlib import Path
 
-from . import config as config_mod
-from .config import ConfigError
-from .errors import report as _error
-from .extras import MissingExtra
-from .metrics import keep_stdout_when_its_reader_leaves
-from .preflight import load_config, preflight
-
-
-def prepare_run_dir(
-    run_dir: Path, cfg: config_mod.Config, resume: str, node_rank: int, resume_step: int | None = None
-) -> None:
-    """Make the run directory (writable, with room), write its config.toml, and put earlier work
-    that this run must not mix with aside: every checkpoint for a fresh start, and those past
-    `resume_step` for --resume PATH, which are another run's future. Elastic restarts and a later
-    --resume auto go on from the newest checkpoint here, so it must be this run's own."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # A probe file of this process's own: the nodes of a multi-node run may share this
-        # folder, and one node's unlink must not pull a shared name from under another.
-        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-") as probe:
-            probe.write(b"ok")
-    except OSError as exc:
-        raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
-    if shutil.disk_usage(run_dir).free < 64 * 2**20:
-        raise ConfigError("--run-dir", f"{run_dir} has less than 64 MiB free")
-    # Written aside and renamed into place, so a node reading it never sees another's half-write.
-    aside = run_dir / f".config-{uuid.uuid4().hex}.toml"
-    aside.write_text(config_mod.to_toml(cfg))
-    os.replace(aside, run_dir / "config.toml")
-    if node_rank != 0:  # node 0 tidies a folder the nodes share
-        return
-    from .checkpoint import remove_unfinished
-
-    old = run_dir / "checkpoints"
-    for unfinished in (run_dir, old):  # saves and exports a crash cut short
-        remove_unfinished(unfinished)
-    if resume == "none":
-        if old.is_dir() and any(old.iterdir()):
-            aside = new_aside_dir(run_dir)
-            old.rename(aside)
-            print(f"paratrain: starting fresh; checkpoints of the earlier run moved to {aside}", flush=True)
-        if (run_dir / "final").exists():  # it verifies, and would pass for this run's until its export
-            aside = new_aside_dir(run_dir, "final")
-            (run_dir / "final").rename(aside)
-            print(f"paratrain: starting fresh; the earlier run's final export moved to {aside}", flush=True)
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    elif resume_step is not None:
-        from .checkpoint import list_checkpoints
-
-        later = [(step, path) for step, path in list_checkpoints(old) if step > resume_step]
-        if later:
-            aside = new_aside_dir(run_dir)
-            aside.mkdir()
-            for _, path in later:
-                path.rename(aside / path.name)
-            print(
-                f"paratrain: resuming from step {resume_step}; the checkpoints past it here "
-                f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}",
-                flush=True,
-            )
-
-
-_RUN_DIR_LOCKS: list[int] = []  # held until the run ends
-
-
-def lock_run_dir(run_dir: Path) -> None:
-    """Take RUN_DIR/.lock until the run ends; ConfigError if another run holds it.
-
-    Two runs in one folder each put the other's checkpoints aside, prune them and write one
-    metrics file. The lock is the kernel's (flock): it goes with the process, also when it is killed."""
-    import fcntl
-
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ConfigError(
-            "--run-dir",
-            f"{run_dir} is in use by another paratrain run (it holds {run_dir / '.lock'}); "
-            f"wait for it, or give this run another name or --run-dir",
-        ) from None
-    _RUN_DIR_LOCKS.append(fd)
-
-
-def new_aside_dir(run_dir: Path, what: str = "checkpoints") -> Path:
-    """WHAT.prev-TIME, a name not taken yet (two runs may put checkpoints aside in one second)."""
-    stamp = int(time.time())
-    for n in itertools.count(1):
-        aside = run_dir / (f"{what}.prev-{stamp}" + (f"-{n}" if n > 1 else ""))
-        if not aside.exists():
-            return aside
-
-
-def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | None:
-    """Check the checkpoint the run will resume from before any worker starts, and return its step.
-
-    --resume PATH: that checkpoint, files and headers verified. auto: the newest in the run
-    directory whose manifest and headers read; the workers verify its files and fall back to an
-    older one if they fail, but all of them were written by one run, under one strategy and
-    optimizer. None when there is nothing to resume from. ConfigError (exit 2) for a checkpoint this
-    run cannot resume."""
-    if resume == "none":
-        return None
-    import torch
-
-    from .checkpoint import CheckpointError, CheckpointReader, check_resumable, list_checkpoints
-    from .data import build_dataset
-    from .models import build_model
-    from .parallel import strategy_class
-
-    def check(reader: CheckpointReader) -> None:
-        check_resumable(reader, cfg.parallel.strategy, cfg.train.optimizer, "--resume")
-        with torch.device("meta"):  # names and shapes against the model, built on meta (no memory)
-            model = build_model(cfg, build_dataset(cfg, "train"))
-        strategy_class(cfg.parallel.strategy).check_checkpoint(reader, model)
-
-    if resume != "auto":
-        try:
-            reader = CheckpointReader(resume)
-            reader.verify()
-            check(reader)
-        except CheckpointError as exc:
-            raise ConfigError("--resume", str(exc)) from None
-        return reader.step
-    for _, path in reversed(list_checkpoints(run_dir / "checkpoints")):
-        try:
-            reader = CheckpointReader(path)
-            check(reader)
-            return reader.step
-        except CheckpointError:
-            continue  # the workers say why, as they skip it
-    return None
+from paratrain import config as config_mod
+from paratrain.errors import ConfigError, note, warn
+from paratrain.errors import report as _error
+from paratrain.extras import MissingExtra
+from paratrain.metrics import keep_stdout_when_its_reader_leaves
+from paratrain.parallel import registry
+from paratrain.preflight import load_config, preflight
+from paratrain.runtime.run_dir import check_resume, lock_run_dir, newest_checkpoint_note, prepare_run_dir, release_locks
 
 
 def place(cfg: config_mod.Config, args) -> tuple[int, str | None]:
     """Processes per node and the device (set in cfg, with a note when `auto` fell back to CPU),
     then every check that needs the world size. ConfigError if the run cannot start."""
-    from .launch import default_nproc
-    from .runtime import resolve_device
+    from paratrain.runtime.launch import default_nproc
+    from paratrain.runtime.process import resolve_device
 
     nproc = args.nproc or default_nproc(cfg.train.device)
     cfg.train.device, device_note = resolve_device(cfg.train.device, nproc)  # the run dir's config names it
@@ -183,7 +50,7 @@ def check_launch(args) -> None:
 def check_faults() -> None:
     """PARATRAIN_FAULTS, which makes ranks fail on purpose (tests, benchmarks): malformed, it
     failed at the first collective in every worker; well-formed, it must never pass unnoticed."""
-    from .testing import faults
+    from paratrain.runtime import faults
 
     text = os.environ.get(faults.ENV)
     if not text:
@@ -193,29 +60,24 @@ def check_faults() -> None:
     except ValueError as exc:
         raise ConfigError(faults.ENV, str(exc)) from None
     never = f"; {', '.join(unknown)} never fire{'s' * (len(unknown) == 1)} (known: {', '.join(faults.KNOWN)})"
-    print(
-        f"paratrain: warning: {faults.ENV} is set ({text}): these ranks will fail on purpose{never if unknown else ''}",
-        file=sys.stderr,
-        flush=True,
-    )
+    warn(f"{faults.ENV} is set ({text}): these ranks will fail on purpose{never if unknown else ''}")
 
 
 def cmd_run(args) -> int:
     try:
         return train(args)
-    finally:  # an in-process caller (tests) may start another run in the same folder next
-        while _RUN_DIR_LOCKS:
-            os.close(_RUN_DIR_LOCKS.pop())
+    finally:
+        release_locks()
 
 
 def train(args) -> int:
-    from .engines import place_from_environment
-    from .jobs.preflight import check_nodes, node_facts
-    from .launch import STOPPED_EXITS, Interrupted, WorkerFailure, launch, start_worker_server
+    from paratrain.jobs.preflight import check_nodes, node_facts
+    from paratrain.runtime.launch import STOPPED_EXITS, Interrupted, WorkerFailure, launch, start_worker_server
+    from paratrain.runtime.schedulers import place_from_environment
 
     try:
         check_faults()
-        engine = place_from_environment(args, os.environ)
+        scheduler = place_from_environment(args, os.environ)
         check_launch(args)
         cfg = load_config(args)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
@@ -223,14 +85,10 @@ def train(args) -> int:
             lock_run_dir(run_dir)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc, device_note = place(cfg, args)
-        if engine is not None:
-            print(f"paratrain: {engine.describe(nproc)}", file=sys.stderr, flush=True)
+        if scheduler is not None:
+            note(f"{scheduler.describe(nproc)}")
         if args.nnodes > 1:  # every node the same software and config, before anyone waits on a collective
-            print(
-                f"paratrain: node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}",
-                file=sys.stderr,
-                flush=True,
-            )
+            note(f"node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}")
             check_nodes(args.rdzv, args.nnodes, args.node_rank, node_facts(nproc, config_mod.to_toml(cfg)))
         resume_step = check_resume(args.resume, cfg, run_dir)
         prepare_run_dir(
@@ -239,7 +97,7 @@ def train(args) -> int:
     except ConfigError as exc:
         return _error(str(exc), 2)
     if device_note:  # after the checks, so that a bad config still gets its one line
-        print(f"paratrain: {device_note}", file=sys.stderr)
+        note(f"{device_note}")
     worker_args = [
         str(run_dir / "config.toml"),
         "--run-dir",
@@ -248,7 +106,7 @@ def train(args) -> int:
         str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume,
     ]
     try:
-        from .trainer import forked_worker
+        from paratrain.trainer import forked_worker
 
         launch(
             forked_worker,
@@ -275,26 +133,17 @@ def train(args) -> int:
                 f"stopped by {signal.Signals(signum).name} (sent to the workers). {newest_checkpoint_note(run_dir)}",
                 128 + signum,
             )
-        return _error(f"training failed: {exc} [rank {exc.rank} was a {config_mod.role_of(cfg, exc.rank)}]", 1)
+        return _error(f"training failed: {exc} [rank {exc.rank} was a {registry.role_of(cfg, exc.rank)}]", 1)
     return 0
-
-
-def newest_checkpoint_note(run_dir: Path) -> str:
-    from .checkpoint import list_checkpoints
-
-    found = list_checkpoints(run_dir / "checkpoints")
-    if not found:
-        return "No checkpoint was written (checkpoint.every sets how often)."
-    return f"The newest checkpoint is {found[-1][1]}: go on from it with --resume auto."
 
 
 def cmd_plan(args) -> int:
     import torch
 
-    from .cluster import load_cluster
-    from .data import build_dataset
-    from .models import build_model
-    from .plan import emit, make_plan
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.plan.cluster import load_cluster
+    from paratrain.plan.planner import emit, make_plan
 
     try:
         cfg = load_config(args)
@@ -302,10 +151,10 @@ def cmd_plan(args) -> int:
             raise ConfigError("--calibrate", "writes the cluster file it plans for: drop --cluster")
         cluster = load_cluster(args.cluster) if args.cluster else None
         if args.calibrate:
-            from .cluster import calibrate
+            from paratrain.plan.calibrate import calibrate
 
             cluster = calibrate(args.calibrate, args.nproc or 2)
-            print(f"paratrain: this machine measured into {args.calibrate} (reuse it with --cluster)", file=sys.stderr)
+            note(f"this machine measured into {args.calibrate} (reuse it with --cluster)")
         if cluster is not None:  # the cluster's shape replaces --nproc / --nnodes
             args.nproc, args.nnodes = cluster.devices_per_node, cluster.nodes
         nproc, device_note = place(cfg, args)
@@ -316,11 +165,11 @@ def cmd_plan(args) -> int:
     except ConfigError as exc:
         return _error(str(exc), 2)
     if device_note and cluster is None:
-        print(f"paratrain: {device_note}", file=sys.stderr)
+        note(f"{device_note}")
     layouts = []
     if args.search:
-        from .cluster import this_machine
-        from .search import render_search, search
+        from paratrain.plan.cluster import this_machine
+        from paratrain.plan.search import render_search, search
 
         plan["layouts"] = search(args.config, args.overrides, cluster or this_machine(args.nnodes, nproc), args.top)
         layouts = render_search(plan["layouts"])
@@ -329,13 +178,13 @@ def cmd_plan(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .inspect_checkpoint import inspect
+    from paratrain.checkpoint.inspect import inspect
 
     return inspect(args.checkpoint, show_tensors=args.tensors)
 
 
 def cmd_report(args) -> int:
-    from .report import NotARun, write_report
+    from paratrain.report import NotARun, write_report
 
     try:
         path = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
@@ -365,7 +214,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="train: one TOML file picks model, data and parallel strategy")
     add_job_options(r)
-    # Unset, these three come from a cluster engine's environment (paratrain.engines), else 1, 0, none.
+    # Unset, these three come from a cluster scheduler's environment (paratrain.runtime.schedulers), else 1, 0, none.
     r.set_defaults(nnodes=None)
     r.add_argument("--node-rank", type=int, default=None)
     r.add_argument("--rdzv", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (multi-node)")
@@ -427,15 +276,15 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     rep.add_argument("run_dir", metavar="RUN_DIR")
     rep.add_argument("--out", default=None, help="where to write (default: RUN_DIR/report)")
     rep.set_defaults(func=cmd_report)
-    from .data.prepare import add_data_parser
+    from paratrain.data.prepare import add_data_parser
 
     add_data_parser(sub)
 
-    from .jobs import add_job_parser
+    from paratrain.jobs import add_job_parser
 
     add_job_parser(sub)
     if with_benchmarks:  # the benchmark modules import torch: only when they may be asked for
-        from .bench import add_bench_parser
+        from paratrain.bench import add_bench_parser
 
         add_bench_parser(sub)
     return p

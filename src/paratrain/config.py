@@ -17,8 +17,7 @@ from typing import Any
 
 import tomllib
 
-from .errors import ConfigError
-from .parallel import registry
+from paratrain.errors import ConfigError
 
 
 class ArgumentError(ValueError):
@@ -77,7 +76,7 @@ def _factory_name(v):
 
 def _tensorboard_installed(v):
     """TensorBoard must be installed (`pip install 'paratrain[report]'`)."""
-    from .extras import hint
+    from paratrain.extras import hint
 
     return hint("tensorboard") if v else None
 
@@ -161,7 +160,7 @@ class TrainConfig:
 class ParallelConfig:
     """How the work is split over the processes: the strategy, its degrees and its communication."""
 
-    strategy: str = opt(registry.DEFAULT, choices=tuple(registry.SPECS))
+    strategy: str = opt("dp", doc="how the work is split over the processes")
     tp: int = opt(1, check=_positive, doc="tensor-parallel degree (tp, hybrid)")
     pp: int = opt(1, check=_positive, doc="pipeline stages (pp, hybrid)")
     microbatches: int = opt(4, check=_positive, doc="pipeline microbatches per replica batch")
@@ -331,32 +330,6 @@ def _check_combinations(cfg: Config) -> None:
     """Checks that need no world size and no dataset."""
     if cfg.train.track_memory and cfg.train.torch_profiler:
         raise ConfigError("train.track_memory", "counts allocations with torch's profiler: drop train.torch_profiler")
-    registry.spec(cfg.parallel.strategy).check_config(cfg)
-
-
-def data_parallel_degree(cfg: Config, world_size: int) -> int:
-    """How many model replicas read different data: the divisor of the global batch."""
-    return registry.spec(cfg.parallel.strategy).data_parallel_degree(cfg, world_size)
-
-
-def role_of(cfg: Config, rank: int) -> str:
-    """What a rank does, for messages about it."""
-    return registry.spec(cfg.parallel.strategy).role_of(cfg, rank)
-
-
-def check_world(cfg: Config, world_size: int) -> None:
-    """Checks that depend on the number of processes."""
-    spec = registry.spec(cfg.parallel.strategy)
-    spec.check_layout(cfg, world_size)
-    dp = spec.data_parallel_degree(cfg, world_size)
-    per_step = dp * cfg.train.grad_accum
-    if cfg.data.batch_size % per_step:
-        raise ConfigError(
-            "data.batch_size",
-            f"{cfg.data.batch_size} is not divisible by data-parallel degree {dp} "
-            f"x train.grad_accum {cfg.train.grad_accum}",
-        )
-    spec.check_batch(cfg, world_size)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

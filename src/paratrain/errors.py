@@ -1,5 +1,5 @@
-"""The errors a user's input raises and the one line a command prints for one, in a module that
-imports nothing of paratrain: every layer (config, runtime, the strategies' own checks, the
+"""The errors a user's input raises and the lines paratrain prints on stderr (notes, warnings,
+errors), in a module that imports nothing of paratrain: every layer (config, runtime, the strategies' own checks, the
 commands) uses them without importing another."""
 
 from __future__ import annotations
@@ -16,7 +16,26 @@ class ConfigError(ValueError):
         self.why = why
 
 
+def say(line: str) -> None:
+    """One line on stderr, at once: a worker's stderr is a pipe, where an unflushed line arrives
+    late, out of order with the others' or, when the process is killed, never."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def note(msg: str) -> None:
+    say(f"paratrain: {msg}")
+
+
+def warn(msg: str) -> None:
+    say(f"paratrain: warning: {msg}")
+
+
+def error(msg: str) -> None:
+    """The one line every command gives for an error."""
+    say(f"paratrain: error: {msg}")
+
+
 def report(msg: str, code: int) -> int:
-    """Print the one line every command gives for an error, and return its exit code."""
-    print(f"paratrain: error: {msg}", file=sys.stderr, flush=True)
+    """The error's line, and its exit code to return."""
+    error(msg)
     return code

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from paratrain.errors import say
+
 
 class _OutlivesItsReader:
     """sys.stdout that turns into /dev/null when its reader goes away (`paratrain run ... | head`):
@@ -120,11 +122,7 @@ def read_jsonl(path: Path) -> list[dict]:
         if isinstance(entry, dict) and isinstance(entry.get("step", 0), (int, float)):
             entries.append(entry)
         else:
-            print(
-                f"warning: {path}:{number}: skipping a line that is not a log entry (torn by a crash?)",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"warning: {path}:{number}: skipping a line that is not a log entry (torn by a crash?)")
     return entries
 
 

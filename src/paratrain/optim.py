@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import Config, TrainConfig
-from .resolve import resolve_callable
+from paratrain.config import Config, TrainConfig
+from paratrain.resolve import resolve_callable
 
 
 def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: TrainConfig) -> torch.optim.Optimizer:

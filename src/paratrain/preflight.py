@@ -6,27 +6,35 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import config as config_mod
-from .errors import ConfigError
+from paratrain import config as config_mod
+from paratrain.errors import ConfigError
+from paratrain.parallel import registry
 
 
 def load_config(args) -> config_mod.Config:
     """The config file (or the default job) with the --set overrides; ConfigError if invalid."""
     if args.config:
         os.environ["PARATRAIN_CONFIG_DIR"] = str(Path(args.config).resolve().parent)
-    return config_mod.load(args.config, args.overrides)
+    return load(args.config, args.overrides)
+
+
+def load(path, overrides=()) -> config_mod.Config:
+    """A config checked key by key (config.load) and by its strategy (registry.check_config)."""
+    cfg = config_mod.load(path, overrides)
+    registry.check_config(cfg)
+    return cfg
 
 
 def preflight(cfg: config_mod.Config, world: int) -> None:
     """Everything that can be checked before a worker starts: factories, sizes, combinations."""
     import torch
 
-    from .data import build_dataset
-    from .models import build_model
-    from .optim import build_loss
-    from .parallel import strategy_class
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.optim import build_loss
+    from paratrain.parallel.registry import strategy_class
 
-    config_mod.check_world(cfg, world)
+    registry.check_world(cfg, world)
     train_set = build_dataset(cfg, "train")
     if len(train_set) < cfg.data.batch_size:
         raise ConfigError(
@@ -81,7 +89,7 @@ def check_loss_shapes(cfg: config_mod.Config, model, x, target) -> None:
     here instead of in every worker. A model that cannot run on meta is left to the workers."""
     import torch
 
-    from .optim import BUILTIN_LOSSES
+    from paratrain.optim import BUILTIN_LOSSES
 
     loss = BUILTIN_LOSSES.get(cfg.train.loss)
     if loss is None:

@@ -11,7 +11,7 @@ Phases of one step (anything else in the step counts as "other"):
     data       waiting for the batch (sampling, loading, host -> device)
     forward    forward pass and loss
     backward   backward compute (launching async collectives from hooks included)
-    compress   gradient compression arithmetic (parallel/compression.py)
+    compress   gradient compression arithmetic (parallel/codecs/basic.py)
     comm       exposed communication: time blocked waiting on collectives (work.wait(), or a
                blocking collective); communication hidden behind compute costs nothing here
     optimizer  gradient clipping and the optimizer step
@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .metrics import keep_steps_up_to
+from paratrain.comm import collectives
+from paratrain.metrics import keep_steps_up_to
 
 PHASES = ("data", "forward", "backward", "compress", "comm", "optimizer", "idle")
 COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "send", "recv")
@@ -355,14 +355,14 @@ _copied_bytes = 0  # payload bytes this process copied into peers' shared-memory
 
 
 def count_copied_bytes(n: int) -> None:
-    """A sender that copies into a peer's memory (shm_p2p), which no write call sees, counts it here."""
+    """A sender that copies into a peer's memory (comm/shm.py), which no write call sees, counts it here."""
     global _copied_bytes
     _copied_bytes += n
 
 
 def bytes_sent(fd: int | None) -> float:
     """Bytes this process has sent so far: written to sockets and pipes (gloo's TCP traffic), plus
-    the payloads it copied into peers' shared-memory rings (shm_p2p), which no write call sees.
+    the payloads it copied into peers' shared-memory rings (comm/shm.py), which no write call sees.
     `fd`: from open_proc_io()."""
     if fd is None:
         return 0.0

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import tomllib
 
-from .metrics import read_jsonl
-from .profile import PHASES
+from paratrain.metrics import read_jsonl
+from paratrain.profile import PHASES
 
 PHASE_ORDER = (*PHASES, "other")
 PHASE_COLORS = {
@@ -111,7 +111,7 @@ def per_rank_breakdown(profile: list[dict]) -> list[dict]:
 
 # -- plots ----------------------------------------------------------------------------------------
 def _figure(width=7.5, height=4.2, **kw):
-    from .extras import require
+    from paratrain.extras import require
 
     require("matplotlib", "report's plots")
     import matplotlib

@@ -6,7 +6,7 @@ import importlib
 import os
 import sys
 
-from .errors import ConfigError
+from paratrain.errors import ConfigError
 
 CONFIG_DIR_ENV = "PARATRAIN_CONFIG_DIR"
 

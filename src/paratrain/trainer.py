@@ -20,25 +20,30 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from . import checkpoint as ckpt
-from . import collectives, guard, runtime, stop
-from . import config as config_mod
-from .config import Config, ConfigError
-from .data import build_dataset, build_sampler, load_batch
-from .metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to
-from .models import BUILTIN as BUILTIN_MODELS
-from .models import build_model
-from .models.materialize import record_on_meta
-from .optim import build_loss, lr_factor
-from .parallel import build_strategy, registry
-from .profile import MemoryTracker, Profiler
+from paratrain import checkpoint as ckpt
+from paratrain import config as config_mod
+from paratrain import preflight
+from paratrain.checkpoint.resume import check_resumable
+from paratrain.comm import collectives
+from paratrain.config import Config
+from paratrain.data import build_dataset, build_sampler, load_batch
+from paratrain.errors import ConfigError, error, say
+from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to
+from paratrain.models import BUILTIN as BUILTIN_MODELS
+from paratrain.models import build_model
+from paratrain.models.materialize import record_on_meta
+from paratrain.optim import build_loss, lr_factor
+from paratrain.parallel import registry
+from paratrain.parallel.registry import build_strategy
+from paratrain.profile import MemoryTracker, Profiler
+from paratrain.runtime import guard, process, stop
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, rt: runtime.Runtime):
+    def __init__(self, cfg: Config, run_dir: Path, rt: process.Runtime):
         self.cfg, self.run_dir, self.rt = cfg, Path(run_dir), rt
         train = cfg.train
-        runtime.seed_everything(train.seed)  # identical initial weights on every rank
+        process.seed_everything(train.seed)  # identical initial weights on every rank
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "val")
         # made before the model: what exists now (the datasets) is not counted, as on a GPU
@@ -52,7 +57,7 @@ class Trainer:
                 model = build_model(cfg, self.train_set)
         else:
             model = record_on_meta(lambda: build_model(cfg, self.train_set))
-        runtime.seed_everything(train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
+        process.seed_everything(train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
         self.strategy = build_strategy(model, build_loss(cfg), cfg, rt)
         self.strategy.run_dir = self.run_dir
         self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size
@@ -71,7 +76,7 @@ class Trainer:
         path = how
         if how == "auto" or restarted:
             if self.rt.is_main:
-                reader = ckpt.latest_valid(self.run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
+                reader = ckpt.latest_valid(self.run_dir, log=say)
                 path = str(reader.path) if reader else ""
                 if how not in ("none", "auto") and (reader is None or reader.step <= _step_of(how)):
                     path = how
@@ -82,7 +87,7 @@ class Trainer:
                     print("no checkpoint to resume from: starting fresh", flush=True)
                 return
         reader = ckpt.CheckpointReader(path)
-        ckpt.check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
+        check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
         self.strategy.load_state_dict(reader)
         _, meta0 = reader.load(rank=0)
         self.step = int(meta0["trainer"]["step"])
@@ -92,7 +97,7 @@ class Trainer:
             raise ConfigError("--resume", f"{path}: {exc}") from None
         if self.rt.rank < reader.world_size:
             tensors, meta = reader.load(rank=self.rt.rank)
-            runtime.set_rng_state(tensors, meta["rng"])
+            process.set_rng_state(tensors, meta["rng"])
         if self.rt.is_main:
             # the steps after the checkpoint are redone: forget what the lost attempt logged of them
             keep_steps_up_to(self.run_dir / "metrics.jsonl", self.step)
@@ -110,7 +115,7 @@ class Trainer:
             flag = all_reduce_sum(flag, self.rt, "checkpoint-finite", group)
         if flag.item():
             raise NonFiniteError(f"not saving step {self.step}: the model or optimizer state holds non-finite values")
-        rng = runtime.rng_state()
+        rng = process.rng_state()
         tensors = {**tensors, **rng["tensors"]}
         meta = {**meta, "rng": rng["json"], "trainer": {"step": self.step, "data": self.sampler.position(self.step)}}
         ckpt.save(
@@ -280,7 +285,7 @@ class NonFiniteError(RuntimeError):
 
 
 # -- small collectives on scalars -----------------------------------------------------------------
-def all_reduce_sum(t: torch.Tensor, rt: runtime.Runtime, what: str, group=None) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, rt: process.Runtime, what: str, group=None) -> torch.Tensor:
     if rt.world_size == 1:
         return t
     dev = t.to(rt.device)
@@ -288,7 +293,7 @@ def all_reduce_sum(t: torch.Tensor, rt: runtime.Runtime, what: str, group=None) 
     return dev.cpu()
 
 
-def reduce_loss_checking_sequences(loss_sum: torch.Tensor, rt: runtime.Runtime) -> tuple[float, float]:
+def reduce_loss_checking_sequences(loss_sum: torch.Tensor, rt: process.Runtime) -> tuple[float, float]:
     """Sum the logged loss over ranks, and in the same message compare every rank's collective
     fingerprint: ranks whose collectives drifted apart without a hang (same sizes, wrong order)
     are caught here instead of silently averaging the wrong gradients."""
@@ -319,7 +324,7 @@ def _step_of(path: str) -> int:
         return -1
 
 
-def broadcast_str(text: str, rt: runtime.Runtime) -> str:
+def broadcast_str(text: str, rt: process.Runtime) -> str:
     if rt.world_size == 1:
         return text
     raw = text.encode()
@@ -332,7 +337,7 @@ def broadcast_str(text: str, rt: runtime.Runtime) -> str:
     return bytes(buf.cpu().tolist()).decode()
 
 
-def barrier(rt: runtime.Runtime, what: str, group=None) -> None:
+def barrier(rt: process.Runtime, what: str, group=None) -> None:
     if rt.world_size > 1:
         collectives.barrier(what, group=group)
 
@@ -373,25 +378,25 @@ def main(argv=None) -> int:
     if args.config:
         os.environ.setdefault("PARATRAIN_CONFIG_DIR", str(Path(args.config).resolve().parent))
     try:
-        cfg = config_mod.load(args.config, args.overrides)
+        cfg = preflight.load(args.config, args.overrides)
         rank = int(os.environ.get("RANK", 0))
         if registry.spec(cfg.parallel.strategy).expendable(cfg, rank) and not guard.is_guarded_child():
             return guard.run_guarded(sys.argv[1:] if argv is None else argv, f"worker rank {rank}")
-        rt = runtime.init(cfg.train.device, cfg.parallel.timeout_s)
+        rt = process.init(cfg.train.device, cfg.parallel.timeout_s)
         return train(cfg, Path(args.run_dir or Path("runs") / cfg.name), rt, args.resume)
     except ConfigError as exc:
-        print(f"paratrain: error: {exc}", file=sys.stderr, flush=True)
+        error(f"{exc}")
         return 2
     finally:
-        runtime.shutdown()
+        process.shutdown()
 
 
-def train(cfg: Config, run_dir: Path, rt: runtime.Runtime, resume: str = "none") -> int:
-    """One run on a process group that has met: what every worker does between runtime.init and
+def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none") -> int:
+    """One run on a process group that has met: what every worker does between process.init and
     shutdown (the fast test tier calls it in workers that stay up between runs). Returns the exit
     code: 0, or 128 + the signal that stopped the run after a checkpoint. Raises ConfigError."""
     cfg.train.device = rt.device.type  # 'auto' resolved, as the run dir's config records it
-    config_mod.check_world(cfg, rt.world_size)
+    registry.check_world(cfg, rt.world_size)
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
@@ -445,7 +450,7 @@ def run_worker(argv: list[str] | None = None) -> int:
 def forked_worker(*argv: str) -> None:
     """The entry point `paratrain run` hands the elastic agent: a worker forked from the worker
     server (see launch.py), which exits like `python -m paratrain.trainer ARGV` would."""
-    from .launch import prepare_forked_worker
+    from paratrain.runtime.launch import prepare_forked_worker
 
     prepare_forked_worker(f"paratrain-r{os.environ.get('RANK', '?')}")
     code = run_worker(list(argv))
@@ -454,4 +459,4 @@ def forked_worker(*argv: str) -> None:
 
 
 if __name__ == "__main__":
-    runtime.leave(run_worker())
+    process.leave(run_worker())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from .common import heading_with_machine
+from paratrain.bench.common import heading_with_machine
 
 # Each module under bench/ named here adds its sub-command with add_parser(subparsers).
 BENCHMARKS = [

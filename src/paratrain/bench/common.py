@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+from paratrain.errors import error
 
 
 def at_least(low, kind=int):
@@ -63,9 +64,28 @@ def one_or_more_of(allowed):
 COUNT, NONNEG, POSITIVE = at_least(1), at_least(0), positive
 
 
+def register(which, name: str, help: str, add_options, run, procs: tuple[str, int] = ("--nproc", 2)):
+    """Add `paratrain bench NAME`: its own options, how many processes it starts, what runs it."""
+    p = which.add_parser(name, help=help)
+    add_options(p)
+    flag, default = procs
+    p.add_argument(flag, type=COUNT, default=default)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_round_options(p, steps: int, rounds: int, warmup: int | None, steps_help: str) -> None:
+    """The timing every interleaved bench takes: K steps per round per contender, R rounds, after
+    a warm-up."""
+    p.add_argument("--steps", type=COUNT, default=steps, help=steps_help)
+    p.add_argument("--rounds", type=COUNT, default=rounds)
+    if warmup is not None:
+        p.add_argument("--warmup", type=NONNEG, default=warmup)
+
+
 def relaunch(module: str, args, add_options, nproc: int, run_id: str) -> int:
     """`python -m module` on `nproc` workers, passing on every option `add_options` defines."""
-    from ..launch import WorkerFailure, launch
+    from paratrain.runtime.launch import WorkerFailure, launch
 
     probe = argparse.ArgumentParser(add_help=False)
     add_options(probe)
@@ -79,7 +99,7 @@ def relaunch(module: str, args, add_options, nproc: int, run_id: str) -> int:
     try:
         launch(module, argv, nproc=nproc, run_id=run_id)
     except WorkerFailure as exc:
-        print(f"paratrain: error: benchmark failed: {exc}", file=sys.stderr)
+        error(f"benchmark failed: {exc}")
         return 1
     return 0
 
@@ -92,7 +112,7 @@ def machine() -> dict:
 
     import torch
 
-    from ..parallel.powersgd import cpu_multiplies_bf16_natively
+    from paratrain.parallel.codecs.powersgd import cpu_multiplies_bf16_natively
 
     model = platform.processor() or platform.machine()
     try:

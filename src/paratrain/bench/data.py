@@ -23,7 +23,8 @@ import time
 from datetime import date
 from pathlib import Path
 
-from .common import COUNT, POSITIVE, add_json_option, emit_json
+from paratrain.bench.common import COUNT, POSITIVE, add_json_option, emit_json
+from paratrain.errors import error
 
 BUCKET = "paratrain-bench"
 
@@ -53,7 +54,7 @@ def add_parser(which) -> None:
 @contextlib.contextmanager
 def local_s3_server(timeout_s: float = 90):
     """moto's S3 server on 127.0.0.1 for the block, as fsspec storage options (s3fs's keys)."""
-    from ..runtime import free_port
+    from paratrain.runtime.process import free_port
 
     port = free_port()
     server = subprocess.Popen(
@@ -86,7 +87,7 @@ def timed_pass(batches) -> float:
 
 
 def ours(url: str, options: dict, cache: str, args) -> tuple[float, object]:
-    from ..data.stream import shards
+    from paratrain.data.stream import shards
 
     ds = shards(url, cache_dir=cache, storage_options=options)
     sampler = ds.global_batch_sampler(args.batch, True, seed=0)
@@ -157,8 +158,8 @@ def step_overhead(ds, args) -> dict:
     processes falls on both alike: medians of the loader's time and of each kind of step."""
     import torch
 
-    from ..models.gpt import gpt
-    from ..optim import cross_entropy
+    from paratrain.models.gpt import gpt
+    from paratrain.optim import cross_entropy
 
     torch.manual_seed(0)
     block = min(args.block, 128)
@@ -195,14 +196,11 @@ def run(args) -> int:
     import s3fs
     import torch
 
-    from ..data.prepare import Job, prepare
+    from paratrain.data.prepare import Job, prepare
 
     python = None if args.mosaic_venv == "none" else str(Path(args.mosaic_venv) / "bin" / "python")
     if python and not Path(python).exists():
-        print(
-            f"paratrain: error: --mosaic-venv: no {python} (`make bench-data-peer` makes .venv-mosaic), or pass none",
-            file=sys.stderr,
-        )
+        error(f"--mosaic-venv: no {python} (`make bench-data-peer` makes .venv-mosaic), or pass none")
         return 2
     sample_mb = (args.block + 1) * 2 / 2**20
     rows = []

@@ -14,20 +14,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import COUNT, NONNEG, POSITIVE, add_json_option, emit_json, relaunch
+from paratrain.bench.common import (
+    COUNT,
+    POSITIVE,
+    add_json_option,
+    add_round_options,
+    emit_json,
+    register,
+    relaunch,
+)
 
 
 def add_parser(which) -> None:
-    p = which.add_parser("dp", help="paratrain dp vs torch DDP (step time, samples/s, ratio)")
-    add_options(p)
-    p.add_argument("--nproc", type=COUNT, default=2)
-    p.set_defaults(func=run)
+    register(which, "dp", "paratrain dp vs torch DDP (step time, samples/s, ratio)", add_options, run)
 
 
 def add_options(p) -> None:
-    p.add_argument("--steps", type=COUNT, default=10, help="timed steps per round per engine")
-    p.add_argument("--rounds", type=COUNT, default=4)
-    p.add_argument("--warmup", type=NONNEG, default=3)
+    add_round_options(p, steps=10, rounds=4, warmup=3, steps_help="timed steps per round per contender")
     p.add_argument("--batch", type=COUNT, default=32, help="samples per rank")
     p.add_argument("--hidden", type=COUNT, default=2048)
     p.add_argument("--layers", type=COUNT, default=3)
@@ -41,7 +44,7 @@ def run(args) -> int:
 
 
 def build(args) -> nn.Module:
-    from ..models.mlp import mlp
+    from paratrain.models.mlp import mlp
 
     torch.manual_seed(0)
     return mlp(in_features=args.in_features, hidden=args.hidden, n_layers=args.layers, out_features=10)
@@ -60,13 +63,13 @@ def timed_steps(step_fn, n: int) -> list[float]:
 def setup(argv, add_options, optimizer: str, lr: float):
     """A benchmark worker's start: its options, the runtime, the dp config for this MLP and one
     batch of random data per rank. Returns (args, rt, cfg, (x, y))."""
-    from .. import config as config_mod
-    from .. import runtime
+    from paratrain import config as config_mod
+    from paratrain.runtime import process
 
     p = argparse.ArgumentParser()
     add_options(p)
     args = p.parse_args(argv)
-    rt = runtime.init("cpu")
+    rt = process.init("cpu")
     cfg = config_mod.from_dict(
         {
             "data": {"batch_size": args.batch * rt.world_size},
@@ -83,9 +86,9 @@ def setup(argv, add_options, optimizer: str, lr: float):
 def worker(argv=None) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .. import runtime
-    from ..optim import build_optimizer, cross_entropy
-    from ..parallel.data_parallel import DataParallel
+    from paratrain.optim import build_optimizer, cross_entropy
+    from paratrain.parallel.dp.engine import DataParallel
+    from paratrain.runtime import process
 
     args, rt, cfg, (x, y) = setup(argv, add_options, optimizer="sgd", lr=0.01)
     world = rt.world_size
@@ -109,7 +112,7 @@ def worker(argv=None) -> None:
         t_ours += timed_steps(ours_step, args.steps)
         t_ddp += timed_steps(ddp_step, args.steps)
 
-    # Both engines took the same steps on the same data from the same weights: they must agree.
+    # Both contenders took the same steps on the same data from the same weights: they must agree.
     drift = max(
         ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
         for a, b in zip(ours.model.parameters(), ddp_model.module.parameters())
@@ -138,7 +141,7 @@ def worker(argv=None) -> None:
             f"dp benchmark: {params / 1e6:.1f}M-parameter MLP, world {world}, {args.batch} samples/rank, "
             f"bucket {args.bucket_mb:g} MB, median of {len(t_ours)} interleaved steps each"
         )
-        print(f"{'engine':<12}{'step ms':>10}{'samples/s':>12}")
+        print(f"{'contender':<12}{'step ms':>10}{'samples/s':>12}")
         print(f"{'paratrain':<12}{result['paratrain_step_ms']:>10.1f}{result['paratrain_samples_per_s']:>12.1f}")
         print(f"{'torch DDP':<12}{result['ddp_step_ms']:>10.1f}{result['ddp_samples_per_s']:>12.1f}")
         print(
@@ -146,11 +149,11 @@ def worker(argv=None) -> None:
             f"weights agree to {drift:.1e}"
         )
         emit_json(result, args.json)
-    runtime.shutdown(together=True)
+    process.shutdown(together=True)
 
 
 if __name__ == "__main__":
-    from .. import runtime
+    from paratrain.runtime import process
 
     worker()
-    runtime.leave()
+    process.leave()

@@ -4,7 +4,7 @@ local SGD steps of 16 at lr 0.1, 50 rounds, the global model evaluated on the va
 after every round.
 
 Both start from the same initial weights and the same partition (ours, handed to Flower in an .npz,
-so only the engines differ; each samples its own clients). Ours runs twice, without and with
+so only the contenders differ; each samples its own clients). Ours runs twice, without and with
 secure aggregation. Flower runs in its own venv (`make bench-federated` creates .venv-flower with
 flwr[simulation]); without it, the table has our side only.
 
@@ -27,7 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from .common import COUNT, POSITIVE
+from paratrain.bench.common import COUNT, POSITIVE
+from paratrain.errors import note
 
 FLOWER_SCRIPT = Path(__file__).with_name("flower_federated.py")
 
@@ -147,18 +148,18 @@ def write_task(args, path: Path) -> None:
     """Our digits split, partition and initial weights, for Flower (an .npz of plain arrays)."""
     import numpy as np
 
-    from .. import config as config_mod
-    from .. import runtime
-    from ..data import build_dataset
-    from ..models import build_model
-    from ..parallel.federated.partition import deal_clients
+    from paratrain import preflight
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.parallel.federated.partition import deal_clients
+    from paratrain.runtime import process
 
     cfg_path = path.with_suffix(".toml")
     write_config(args, cfg_path, False)
-    cfg = config_mod.load(cfg_path)
+    cfg = preflight.load(cfg_path)
     train, val = build_dataset(cfg, "train"), build_dataset(cfg, "val")
     parts, _ = deal_clients(cfg, train)
-    runtime.seed_everything(cfg.train.seed)  # the trainer's initial weights
+    process.seed_everything(cfg.train.seed)  # the trainer's initial weights
     params = [p.detach().numpy() for p in build_model(cfg, train).parameters()]
     arrays = {
         "x_train": train.tensors[0].numpy(),
@@ -175,10 +176,7 @@ def write_task(args, path: Path) -> None:
 
 def run_flower(args, tmp: Path) -> dict | None:
     if not Path(args.flower_python).is_file():
-        print(
-            f"paratrain: {args.flower_python} not found (make bench-federated creates it): our side only",
-            file=sys.stderr,
-        )
+        note(f"{args.flower_python} not found (make bench-federated creates it): our side only")
         return None
     task, out = tmp / "task.npz", tmp / "flower.json"
     write_task(args, task)
@@ -213,7 +211,7 @@ def round_seconds(r: dict) -> list[float]:
 
 def table(results: dict[str, dict], target: float) -> str:
     rows = [
-        f"| engine | s/round mean | s/round median | rounds to acc >= {target} | time to it | acc @ last round | "
+        f"| contender | s/round mean | s/round median | rounds to acc >= {target} | time to it | acc @ last round | "
         "best acc | wall | peak RSS (tree) | bytes/round |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]

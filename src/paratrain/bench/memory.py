@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .common import COUNT, POSITIVE, add_json_option, emit_json, one_or_more_of
+from paratrain.bench.common import COUNT, POSITIVE, add_json_option, emit_json, one_or_more_of
+from paratrain.errors import error, say
 
 STRATEGIES = ["dp", "zero1", "zero2", "zero3", "fsdp2"]
 
@@ -56,15 +56,15 @@ def add_model_options(p) -> None:
 
 
 def run(args) -> int:
-    from ..config import ConfigError
-    from ..launch import WorkerFailure, launch
-    from ..resolve import resolve_callable
+    from paratrain.errors import ConfigError
+    from paratrain.resolve import resolve_callable
+    from paratrain.runtime.launch import WorkerFailure, launch
 
     if args.model:
         try:
             resolve_callable(args.model, "--model")
         except ConfigError as exc:
-            print(f"paratrain: error: {exc}", file=sys.stderr)
+            error(f"{exc}")
             return 2
     results = []
     for world in [int(w) for w in args.worlds.split(",")]:
@@ -84,10 +84,10 @@ def run(args) -> int:
                 try:
                     launch("paratrain.bench.memory", argv, nproc=world, run_id=f"bench-memory-{strategy}-{world}")
                 except WorkerFailure as exc:
-                    print(f"paratrain: error: {strategy} at world {world} failed: {exc}", file=sys.stderr)
+                    error(f"{strategy} at world {world} failed: {exc}")
                     return 1
                 results.append(json.loads(out.read_text()))
-                print(f"  measured {strategy} at world {world}", file=sys.stderr, flush=True)
+                say(f"  measured {strategy} at world {world}")
     print_table(results)
     emit_json(results, args.json)
     return 0
@@ -139,9 +139,9 @@ def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
 def build_model(args, strategy: str):
     """The model as `strategy` gets it: whole for dp; on the meta device for the others (a user
     factory's construction recorded for zero to replay, as the trainer does)."""
-    from ..models.materialize import record_on_meta
-    from ..models.mlp import mlp
-    from ..resolve import resolve_callable
+    from paratrain.models.materialize import record_on_meta
+    from paratrain.models.mlp import mlp
+    from paratrain.resolve import resolve_callable
 
     torch.manual_seed(0)
     if args.model:
@@ -160,9 +160,9 @@ def build_model(args, strategy: str):
 
 
 def ours(strategy: str, args, rt, step_args):
-    from .. import config as config_mod
-    from ..optim import cross_entropy
-    from ..parallel import strategy_class
+    from paratrain import config as config_mod
+    from paratrain.optim import cross_entropy
+    from paratrain.parallel.registry import strategy_class
 
     cfg = config_mod.from_dict(
         {
@@ -196,7 +196,7 @@ def fsdp2(args, rt, step_args):
     to_empty, then each module's reset_parameters on its shards."""
     from torch.distributed.fsdp import fully_shard
 
-    from ..optim import cross_entropy
+    from paratrain.optim import cross_entropy
 
     model = build_model(args, "fsdp2")
     for layer in model.children():
@@ -221,14 +221,14 @@ def fsdp2(args, rt, step_args):
 
 
 def worker(argv=None) -> None:
-    from .. import runtime
+    from paratrain.runtime import process
 
     p = argparse.ArgumentParser()
     add_model_options(p)
     p.add_argument("--strategy", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    rt = runtime.init("cpu")
+    rt = process.init("cpu")
     g = torch.Generator().manual_seed(1 + rt.rank)
     step_args = (
         torch.randn(args.batch, args.in_features, generator=g),
@@ -264,11 +264,11 @@ def worker(argv=None) -> None:
                 }
             )
         )
-    runtime.shutdown(together=True)
+    process.shutdown(together=True)
 
 
 if __name__ == "__main__":
-    from .. import runtime
+    from paratrain.runtime import process
 
     worker()
-    runtime.leave()
+    process.leave()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import weakref
 
@@ -30,26 +29,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import COUNT, NONNEG, add_json_option, emit_json, one_or_more_of, relaunch
+from paratrain import errors
+from paratrain.bench.common import (
+    COUNT,
+    add_json_option,
+    add_round_options,
+    emit_json,
+    one_or_more_of,
+    register,
+    relaunch,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def add_parser(which) -> None:
-    p = which.add_parser(
+    register(
+        which,
         "pipeline",
-        help="paratrain pipeline vs torch.distributed.pipelining (bubble, "
-        "memory, step time, ideal) and tp parameter bytes",
+        "paratrain pipeline vs torch.distributed.pipelining (bubble, memory, step time, ideal) and tp parameter bytes",
+        add_options,
+        run,
     )
-    add_options(p)
-    p.add_argument("--nproc", type=COUNT, default=2)
-    p.set_defaults(func=run)
 
 
 def add_options(p) -> None:
-    p.add_argument("--steps", type=COUNT, default=5, help="timed steps per round per engine and schedule")
-    p.add_argument("--rounds", type=COUNT, default=4)
-    p.add_argument("--warmup", type=NONNEG, default=2)
+    add_round_options(p, steps=5, rounds=4, warmup=2, steps_help="timed steps per round per contender and schedule")
     p.add_argument("--layers", type=COUNT, default=8)
     p.add_argument("--width", type=COUNT, default=1024)
     p.add_argument("--microbatches", type=COUNT, default=8)
@@ -75,8 +80,8 @@ def shape_error(args) -> str | None:
 
 
 def run(args) -> int:
-    if (error := shape_error(args)) is not None:
-        print(f"paratrain: error: {error}", file=sys.stderr, flush=True)
+    if (why := shape_error(args)) is not None:
+        errors.error(why)
         return 2
     return relaunch("paratrain.bench.pipeline", args, add_options, nproc=args.nproc, run_id="bench-pipeline")
 
@@ -147,9 +152,9 @@ def compare_schedule(schedule: str, args, rt, x, y, torch_classes) -> dict | Non
     """One schedule on both engines, interleaved rounds; rank 0 gets its row, the others None."""
     from torch.distributed.pipelining import PipelineStage
 
-    from .. import config as config_mod
-    from ..optim import build_optimizer, mse
-    from ..parallel.hybrid import ModelParallel
+    from paratrain import config as config_mod
+    from paratrain.optim import build_optimizer, mse
+    from paratrain.parallel.hybrid.engine import ModelParallel
 
     world, rank = rt.world_size, rt.rank
     m, rows = args.microbatches, args.rows
@@ -255,12 +260,12 @@ def compare_schedule(schedule: str, args, rt, x, y, torch_classes) -> dict | Non
 def worker(argv=None) -> None:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    from .. import runtime
+    from paratrain.runtime import process
 
     p = argparse.ArgumentParser()
     add_options(p)
     args = p.parse_args(argv)
-    rt = runtime.init("cpu")
+    rt = process.init("cpu")
     world, rank = rt.world_size, rt.rank
     m, rows = args.microbatches, args.rows
     g = torch.Generator().manual_seed(1)
@@ -277,15 +282,15 @@ def worker(argv=None) -> None:
     tp_result = tensor_parallel_bytes(rt, world)
     if rank == 0:
         report(results, tp_result, args, world)
-    runtime.shutdown(together=True)
+    process.shutdown(together=True)
 
 
 def tensor_parallel_bytes(rt, world: int) -> dict:
     """Per-rank parameter bytes of the built-in gpt (d_model 128, 4 layers) at tp = world."""
-    from .. import config as config_mod
-    from ..models.gpt import gpt
-    from ..optim import cross_entropy
-    from ..parallel.hybrid import ModelParallel
+    from paratrain import config as config_mod
+    from paratrain.models.gpt import gpt
+    from paratrain.optim import cross_entropy
+    from paratrain.parallel.hybrid.engine import ModelParallel
 
     torch.manual_seed(0)
     full = gpt(vocab_size=96, n_layer=4, n_head=4, d_model=128, block_size=64)
@@ -334,7 +339,7 @@ def report(results: list[dict], tp: dict, args, world: int) -> None:
 
 
 if __name__ == "__main__":
-    from .. import runtime
+    from paratrain.runtime import process
 
     worker()
-    runtime.leave()
+    process.leave()

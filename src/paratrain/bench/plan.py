@@ -25,7 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import COUNT, add_json_option, emit_json
+from paratrain.bench.common import COUNT, add_json_option, emit_json
+from paratrain.errors import error
 
 GPT = """
 [model]
@@ -155,10 +156,10 @@ def steady_peak_mib(run_dir: Path) -> float:
 def predict_layout(config: Path, nproc: int, sets: list[str], cluster) -> dict:
     import torch
 
-    from ..config import load
-    from ..data import build_dataset
-    from ..models import build_model
-    from ..plan import make_plan
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.plan.planner import make_plan
+    from paratrain.preflight import load
 
     cfg = load(str(config), sets)
     with torch.device("meta"):
@@ -234,8 +235,9 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
 
 
 def run(args) -> int:
-    from ..cluster import calibrate, load_cluster
-    from ..config import ConfigError
+    from paratrain.errors import ConfigError
+    from paratrain.plan.calibrate import calibrate
+    from paratrain.plan.cluster import load_cluster
 
     tmp = Path(tempfile.mkdtemp(prefix="paratrain-bench-plan-"))
     # the machine as each process count uses it (one process: two's, shared out by `shared_by`)
@@ -246,7 +248,7 @@ def run(args) -> int:
         else:
             clusters = {n: calibrate(str(tmp / f"cluster-{n}.toml"), n) for n in counts}
     except ConfigError as exc:
-        print(f"paratrain: error: {exc}", file=sys.stderr)
+        error(f"{exc}")
         return 2
     for n, cluster in clusters.items():
         print(f"cluster: {args.cluster or f'calibrated now for {n} processes'}: {cluster.device}", flush=True)

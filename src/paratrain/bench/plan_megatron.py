@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from .common import add_json_option, emit_json
+from paratrain.bench.common import add_json_option, emit_json
 
 # params (B), heads, hidden, layers, t, p, GPUs, batch, published TFLOP/s per GPU
 TABLE_1 = [
@@ -36,11 +36,11 @@ def predict_row(row: tuple) -> dict:
     """One Table 1 row through `paratrain plan --cluster` (in-process)."""
     import torch
 
-    from ..cluster import parse_cluster
-    from ..config import load
-    from ..data import build_dataset
-    from ..models import build_model
-    from ..plan import make_plan
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.plan.cluster import parse_cluster
+    from paratrain.plan.planner import make_plan
+    from paratrain.preflight import load
 
     params, heads, h, layers, t, p, gpus, batch, published = row
     d = gpus // (t * p)

@@ -1,6 +1,6 @@
 """Parameter-server modes against dp all-reduce: samples/s and time to a fixed validation loss.
 
-One launch of 1 server + W workers runs every engine in turn, in the same processes, on the same
+One launch of 1 server + W workers runs every contender in turn, in the same processes, on the same
 data order from the same initial weights: sync ps, async ps, ssp and dp all-reduce (over the W
 worker ranks; the server rank idles), each without and with one worker slowed 3x. Rounds repeat
 the whole set interleaved; the table shows medians.
@@ -21,21 +21,28 @@ import time
 import torch
 import torch.distributed as dist
 
-from .common import COUNT, NONNEG, POSITIVE, add_json_option, emit_json, relaunch
+from paratrain.bench.common import (
+    COUNT,
+    NONNEG,
+    POSITIVE,
+    add_json_option,
+    add_round_options,
+    emit_json,
+    register,
+    relaunch,
+)
+from paratrain.comm import grid
 
-ENGINES = ["sync", "async", "ssp", "dp"]
+CONTENDERS = ["sync", "async", "ssp", "dp"]
 
 
 def add_parser(which) -> None:
-    p = which.add_parser("ps", help="sync / async / ssp parameter server vs dp all-reduce, with a straggler")
-    add_options(p)
-    p.add_argument("--workers", type=COUNT, default=3)
-    p.set_defaults(func=run)
+    help = "sync / async / ssp parameter server vs dp all-reduce, with a straggler"
+    register(which, "ps", help, add_options, run, procs=("--workers", 3))
 
 
 def add_options(p) -> None:
-    p.add_argument("--steps", type=COUNT, default=200, help="steps per worker per run")
-    p.add_argument("--rounds", type=COUNT, default=3)
+    add_round_options(p, steps=200, rounds=3, warmup=None, steps_help="steps per worker per run")
     p.add_argument("--batch", type=COUNT, default=64, help="samples per worker per step")
     p.add_argument("--hidden", type=COUNT, default=512)
     p.add_argument("--lr", type=POSITIVE, default=0.1)
@@ -52,8 +59,8 @@ def run(args) -> int:
 
 def compute_time(args, data) -> float:
     """Median seconds of one worker's forward/backward, off the clock: the dp straggler's delay base."""
-    from ..models.mlp import mlp
-    from ..optim import cross_entropy
+    from paratrain.models.mlp import mlp
+    from paratrain.optim import cross_entropy
 
     model = mlp(64, hidden=args.hidden, n_layers=2, out_features=10)
     x, y = data.tensors[0][: args.batch], data.tensors[1][: args.batch]
@@ -66,17 +73,17 @@ def compute_time(args, data) -> float:
 
 
 def one_run(
-    engine: str, straggler: bool, args, rt, worker_group, data, compute_s: float
+    contender: str, straggler: bool, args, rt, worker_group, data, compute_s: float
 ) -> tuple[list[tuple[float, torch.Tensor]], list[float]]:
     """Train once: the recording rank's [(seconds since start, flat parameters)] and this rank's
     step end times."""
-    from .. import config as config_mod
-    from ..data import GlobalBatchSampler, load_batch
-    from ..models.mlp import mlp
-    from ..optim import cross_entropy
-    from ..parallel.data_parallel import DataParallel
-    from ..parallel.parameter_server import ParameterServer
-    from ..parallel.ps_worker import straggle
+    from paratrain import config as config_mod
+    from paratrain.data import GlobalBatchSampler, load_batch
+    from paratrain.models.mlp import mlp
+    from paratrain.optim import cross_entropy
+    from paratrain.parallel.dp.engine import DataParallel
+    from paratrain.parallel.ps.engine import ParameterServer
+    from paratrain.parallel.ps.worker import straggle
 
     workers = rt.world_size - 1
     slow_rank = rt.world_size - 1 if straggler else -1
@@ -85,10 +92,10 @@ def one_run(
         {
             "data": {"batch_size": args.batch * workers, "shuffle": True},
             "train": {"steps": args.steps, "optimizer": "sgd", "lr": args.lr},
-            "parallel": {"strategy": "dp" if engine == "dp" else "ps"},
+            "parallel": {"strategy": "dp" if contender == "dp" else "ps"},
             "ps": {
                 "servers": 1,
-                "mode": engine if engine != "dp" else "sync",
+                "mode": contender if contender != "dp" else "sync",
                 "staleness": args.staleness,
                 "straggler_rank": slow_rank,
                 "straggler_factor": args.factor,
@@ -97,7 +104,7 @@ def one_run(
     )
     torch.manual_seed(0)
     model = mlp(64, hidden=args.hidden, n_layers=2, out_features=10)
-    if engine == "dp":
+    if contender == "dp":
         strategy = DataParallel(model, cross_entropy, cfg, rt, group=worker_group) if rt.rank > 0 else None
         dp_rank, dp_size = rt.rank - 1, workers
     else:
@@ -112,7 +119,7 @@ def one_run(
         if rt.rank > 0:
             batch = load_batch(data, sampler.rank_indices(step, dp_rank, dp_size))
         strategy.train_step(batch)
-        if engine == "dp" and rt.rank == slow_rank:
+        if contender == "dp" and rt.rank == slow_rank:
             # ps workers stretch their measured compute inside train_step; dp's step also holds the
             # all-reduce wait, so the dp straggler stretches a calibrated compute time instead.
             straggle(compute_s, args.factor)
@@ -127,8 +134,8 @@ def one_run(
 
 @torch.no_grad()
 def val_losses(trace, args, val) -> list[tuple[float, float]]:
-    from ..models.mlp import mlp
-    from ..optim import cross_entropy
+    from paratrain.models.mlp import mlp
+    from paratrain.optim import cross_entropy
 
     model = mlp(64, hidden=args.hidden, n_layers=2, out_features=10)
     x, y = val.tensors
@@ -156,26 +163,26 @@ def samples_per_s(window_s: float, ends: list[float], batch: int) -> float:
 
 
 def worker(argv=None) -> None:
-    from .. import runtime
-    from ..data.datasets import digits
+    from paratrain.data.datasets import digits
+    from paratrain.runtime import process
 
     p = argparse.ArgumentParser()
     add_options(p)
     args = p.parse_args(argv)
-    rt = runtime.init("cpu")
+    rt = process.init("cpu")
     workers = rt.world_size - 1
-    worker_group = dist.new_group(list(range(1, rt.world_size)))
+    worker_group = grid.subgroup(list(range(1, rt.world_size)))
     train, val = digits("train"), digits("val")
     compute_s = compute_time(args, train)
     results: dict[str, list] = {}
     curves: dict[str, list] = {}
     for _ in range(args.rounds):
         for straggler in (False, True):
-            for engine in ENGINES:
-                trace, ends = one_run(engine, straggler, args, rt, worker_group, train, compute_s)
+            for contender in CONTENDERS:
+                trace, ends = one_run(contender, straggler, args, rt, worker_group, train, compute_s)
                 window = torch.zeros(1, dtype=torch.float64)
                 if rt.rank == 1:
-                    key = f"{engine}{' +straggler' if straggler else ''}"
+                    key = f"{contender}{' +straggler' if straggler else ''}"
                     curves[key] = val_losses(trace, args, val)
                     summary = summarize(curves[key], args)
                     window[0] = summary["time_to_target_s"] or summary["run_s"]
@@ -186,7 +193,7 @@ def worker(argv=None) -> None:
     if rt.rank == 1:
         report(results, curves, args, workers)
     dist.barrier()
-    runtime.shutdown()
+    process.shutdown()
 
 
 def median_of(runs: list[dict], key: str):
@@ -205,14 +212,14 @@ def report(results: dict, curves: dict, args, workers: int) -> None:
         f"straggler {args.factor:g}x slower; medians of {args.rounds} interleaved rounds"
     )
     print(
-        f"{'engine':<26}{'samples/s':>11}{f'time to val {args.target:g} (s)':>24}{'final val':>11}"
+        f"{'contender':<26}{'samples/s':>11}{f'time to val {args.target:g} (s)':>24}{'final val':>11}"
         f"{'vs sync ps':>12}{'vs dp':>8}"
     )
     for straggler in ("", " +straggler"):
         base_sync = rows[f"sync{straggler}"]["time_to_target_s"]
         base_dp = rows[f"dp{straggler}"]["time_to_target_s"]
-        for engine in ENGINES:
-            key = f"{engine}{straggler}"
+        for contender in CONTENDERS:
+            key = f"{contender}{straggler}"
             r = rows[key]
             ttt = r["time_to_target_s"]
 
@@ -222,7 +229,7 @@ def report(results: dict, curves: dict, args, workers: int) -> None:
             r["speedup_vs_sync_ps"] = base_sync / ttt if ttt and base_sync else None
             r["speedup_vs_dp"] = base_dp / ttt if ttt and base_dp else None
             print(
-                f"{(engine if engine != 'dp' else 'dp all-reduce') + straggler:<26}{r['samples_per_s']:>11.0f}"
+                f"{(contender if contender != 'dp' else 'dp all-reduce') + straggler:<26}{r['samples_per_s']:>11.0f}"
                 f"{(f'{ttt:.2f}' if ttt else 'not reached'):>24}{r['final_val_loss']:>11.3f}"
                 f"{speed(base_sync):>12}{speed(base_dp):>8}"
             )
@@ -242,7 +249,7 @@ def report(results: dict, curves: dict, args, workers: int) -> None:
 
 
 def plot(curves: dict, args) -> None:
-    from ..extras import require
+    from paratrain.extras import require
 
     require("matplotlib", "the benchmark's plot")
     import matplotlib
@@ -252,9 +259,9 @@ def plot(curves: dict, args) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, straggler in zip(axes, ("", " +straggler")):
-        for engine in ENGINES:
-            t, loss = zip(*curves[f"{engine}{straggler}"])
-            ax.plot(t, loss, label="dp all-reduce" if engine == "dp" else f"{engine} ps")
+        for contender in CONTENDERS:
+            t, loss = zip(*curves[f"{contender}{straggler}"])
+            ax.plot(t, loss, label="dp all-reduce" if contender == "dp" else f"{contender} ps")
         ax.axhline(args.target, color="gray", linestyle="--", linewidth=1, label=f"target {args.target:g}")
         ax.set_title(f"one worker {args.factor:g}x slower" if straggler else "no straggler")
         ax.set_xlabel("wall-clock time (s)")
@@ -267,7 +274,7 @@ def plot(curves: dict, args) -> None:
 
 
 if __name__ == "__main__":
-    from .. import runtime
+    from paratrain.runtime import process
 
     worker()
-    runtime.leave()
+    process.leave()

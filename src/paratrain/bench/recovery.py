@@ -19,7 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import COUNT, add_json_option, at_least, emit_json
+from paratrain.bench.common import COUNT, add_json_option, at_least, emit_json
+from paratrain.errors import error, say
 
 SLOW_MODEL = '''
 import time
@@ -211,8 +212,8 @@ def run(args) -> int:
             sig=SIGNALS[args.signal],
         )
     if r["returncode"] != 0:
-        print(r["output"], file=sys.stderr)
-        print("paratrain: error: the run did not recover", file=sys.stderr)
+        say(r["output"])
+        error("the run did not recover")
         return 1
     result = {
         "benchmark": "recovery",

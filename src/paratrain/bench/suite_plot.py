@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def plot(r: dict, path: Path) -> None:
-    from ..extras import require
+    from paratrain.extras import require
 
     require("matplotlib", "the benchmark's plot")
     import matplotlib
@@ -27,8 +27,8 @@ def plot(r: dict, path: Path) -> None:
     labels, ours, peers = [], [], []
     for name, peer in r["pairs"]:
         labels.append(name.replace("paratrain ", ""))
-        ours.append(r["engines"][name]["step_ms"])
-        t = r["engines"].get(peer) if peer else None
+        ours.append(r["contenders"][name]["step_ms"])
+        t = r["contenders"].get(peer) if peer else None
         peers.append(t["step_ms"] if t and "error" not in t else 0.0)
     xs = range(len(labels))
     sx = ax["step"]
@@ -37,18 +37,18 @@ def plot(r: dict, path: Path) -> None:
     for x, p in zip(xs, peers):
         if not p:
             sx.text(x + 0.2, 0, "n/a", ha="center", va="bottom", fontsize=8)
-    floor = r["engines"]["compute only"]["step_ms"]
+    floor = r["contenders"]["compute only"]["step_ms"]
     sx.axhline(floor, color="black", ls="--", lw=1, label="compute only (no communication)")
     sx.set_xticks(list(xs), labels)
     sx.set_ylabel("median step time (ms)")
     sx.set_title(f"(a, b) step time, {r['world_size']} processes, {r['setting'].split(' (')[0]}")
     sx.legend()
     if "equal" in panels:
-        eq, base = r["equal_loss"], r["engines"]["paratrain dp"]["step_ms"]
-        names = list(eq["engines"])
+        eq, base = r["equal_loss"], r["contenders"]["paratrain dp"]["step_ms"]
+        names = list(eq["contenders"])
         ex = range(len(names))
-        per_step = [base / r["engines"][n]["step_ms"] for n in names]
-        at_loss = [eq["engines"][n]["speedup_at_equal_loss"] or 0.0 for n in names]
+        per_step = [base / r["contenders"][n]["step_ms"] for n in names]
+        at_loss = [eq["contenders"][n]["speedup_at_equal_loss"] or 0.0 for n in names]
         qx = ax["equal"]
         qx.bar([x - 0.2 for x in ex], per_step, 0.4, label="per step", color="#4c72b0")
         qx.bar(
@@ -59,7 +59,7 @@ def plot(r: dict, path: Path) -> None:
             color="#55a868",
         )
         for x, n in zip(ex, names):
-            steps = eq["engines"][n]["steps"]
+            steps = eq["contenders"][n]["steps"]
             qx.text(
                 x + 0.2,
                 0,
@@ -78,8 +78,8 @@ def plot(r: dict, path: Path) -> None:
         qx.legend(fontsize=8, loc="upper left")
     if "scaling" in panels:
         cx = ax["scaling"]
-        for name in r["scaling"][0]["engines"]:
-            pts = [(row["world_size"], row["engines"][name]["samples_per_s"]) for row in r["scaling"]]
+        for name in r["scaling"][0]["contenders"]:
+            pts = [(row["world_size"], row["contenders"][name]["samples_per_s"]) for row in r["scaling"]]
             cx.plot(*zip(*pts), marker="o", label=name)
         cx.set_xticks([row["world_size"] for row in r["scaling"]])
         cx.set_xlabel("processes")

@@ -1,6 +1,6 @@
 """Step time of zero2 and zero3 against paratrain dp and PyTorch FSDP2, interleaved in one run.
 
-All four engines live in the same processes, built from the same seed, and take rounds of K steps in
+All four contenders live in the same processes, built from the same seed, and take rounds of K steps in
 turn (dp, zero2, zero3, FSDP2, dp, ...), so machine noise falls on all of them alike; the table shows
 median step times and the ratios zero2/dp, zero3/dp and zero3/FSDP2 (lower is better).
 """
@@ -12,16 +12,13 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from .common import emit_json, relaunch
-from .dp import add_options as dp_options
-from .dp import build, setup, timed_steps
+from paratrain.bench.common import emit_json, register, relaunch
+from paratrain.bench.dp import add_options as dp_options
+from paratrain.bench.dp import build, setup, timed_steps
 
 
 def add_parser(which) -> None:
-    p = which.add_parser("zero", help="zero2/zero3 vs paratrain dp and torch FSDP2 (step time, ratios)")
-    add_options(p)
-    p.add_argument("--nproc", type=int, default=2)
-    p.set_defaults(func=run)
+    register(which, "zero", "zero2/zero3 vs paratrain dp and torch FSDP2 (step time, ratios)", add_options, run)
 
 
 def add_options(p) -> None:
@@ -36,15 +33,15 @@ def run(args) -> int:
 def worker(argv=None) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from .. import runtime
-    from ..optim import build_optimizer, cross_entropy
-    from ..parallel.data_parallel import DataParallel
-    from ..parallel.zero import Zero2, Zero3
+    from paratrain.optim import build_optimizer, cross_entropy
+    from paratrain.parallel.dp.engine import DataParallel
+    from paratrain.parallel.zero.engine import Zero2, Zero3
+    from paratrain.runtime import process
 
     args, rt, cfg, (x, y) = setup(argv, add_options, optimizer="adamw", lr=1e-4)
     world = rt.world_size
 
-    engines = {
+    contenders = {
         name: cls(build(args), cross_entropy, cfg, rt)
         for name, cls in (("dp", DataParallel), ("zero2", Zero2), ("zero3", Zero3))
     }
@@ -60,7 +57,7 @@ def worker(argv=None) -> None:
         fsdp_opt.step()
         fsdp_opt.zero_grad()
 
-    steps = {name: (lambda e=e: e.train_step((x, y))) for name, e in engines.items()}
+    steps = {name: (lambda e=e: e.train_step((x, y))) for name, e in contenders.items()}
     steps["fsdp2"] = fsdp_step
     for fn in steps.values():
         timed_steps(fn, args.warmup)
@@ -70,7 +67,7 @@ def worker(argv=None) -> None:
             times[name] += timed_steps(fn, args.steps)
 
     # Same steps on the same data from the same weights: ours must agree with each other and FSDP2.
-    states = {name: e.full_model_state() for name, e in engines.items()}
+    states = {name: e.full_model_state() for name, e in contenders.items()}
     fsdp_state = {k: v.full_tensor() for k, v in fsdp_model.state_dict().items()}
     # The slowest rank sets the pace: take each step's max over ranks.
     names = list(times)
@@ -104,7 +101,7 @@ def worker(argv=None) -> None:
             f"zero benchmark: {params / 1e6:.1f}M-parameter MLP, AdamW, world {world}, {args.batch} samples/rank, "
             f"bucket {args.bucket_mb:g} MB, median of {len(times['dp'])} interleaved steps each"
         )
-        print(f"{'engine':<16}{'step ms':>10}{'samples/s':>12}")
+        print(f"{'contender':<16}{'step ms':>10}{'samples/s':>12}")
         for n, label in (
             ("dp", "paratrain dp"),
             ("zero2", "paratrain zero2"),
@@ -121,11 +118,11 @@ def worker(argv=None) -> None:
             + ", ".join(f"{k} {v:.1e}" for k, v in result["rel_weight_diff_vs_dp"].items())
         )
         emit_json(result, args.json)
-    runtime.shutdown(together=True)
+    process.shutdown(together=True)
 
 
 if __name__ == "__main__":
-    from .. import runtime
+    from paratrain.runtime import process
 
     worker()
-    runtime.leave()
+    process.leave()

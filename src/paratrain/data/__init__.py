@@ -9,8 +9,9 @@ import functools
 import inspect
 from typing import TYPE_CHECKING
 
-from ..config import ArgumentError, Config, ConfigError
-from ..resolve import check_kwargs, resolve_callable
+from paratrain.config import ArgumentError, Config
+from paratrain.errors import ConfigError
+from paratrain.resolve import check_kwargs, resolve_callable
 
 if TYPE_CHECKING:
     import torch
@@ -21,7 +22,7 @@ __all__ = ["build_dataset", "build_sampler", "load_batch", "GlobalBatchSampler"]
 
 def __getattr__(name: str):
     if name == "GlobalBatchSampler":
-        from .sampler import GlobalBatchSampler
+        from paratrain.data.sampler import GlobalBatchSampler
 
         return GlobalBatchSampler
     raise AttributeError(name)
@@ -29,7 +30,7 @@ def __getattr__(name: str):
 
 def build_dataset(cfg: Config, split: str = "train") -> Dataset | None:
     """The dataset of `split`; None for a user factory that takes no `split` when asked for "val"."""
-    from .datasets import BUILTIN
+    from paratrain.data.datasets import BUILTIN
 
     name = cfg.data.factory
     fn = BUILTIN.get(name) or resolve_callable(name, "data.factory")
@@ -54,7 +55,7 @@ def build_dataset(cfg: Config, split: str = "train") -> Dataset | None:
 def build_sampler(dataset: Dataset, cfg: Config):
     """The dataset's own sampler where it has one (streamed shards: an order that reads few shards
     at a time), else the global-batch sampler over a permutation of all samples."""
-    from .sampler import GlobalBatchSampler
+    from paratrain.data.sampler import GlobalBatchSampler
 
     own = getattr(dataset, "global_batch_sampler", None)
     make = own if callable(own) else functools.partial(GlobalBatchSampler, len(dataset))

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from ..config import ArgumentError, ConfigError, require, require_at_least
-from .stream import shards
+from paratrain.config import ArgumentError, require, require_at_least
+from paratrain.data.stream import shards
+from paratrain.errors import ConfigError
 
 
 class ArrayDataset(TensorDataset):
@@ -41,7 +42,7 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     import gzip
     import importlib.util
 
-    from ..extras import require
+    from paratrain.extras import require
 
     require("sklearn", "data.factory 'digits'")
     spec = importlib.util.find_spec("sklearn")
@@ -144,7 +145,7 @@ def corpus(
     """The standard library's own source text, or the text at `path`, as characters (`chars`), or
     as `bytes` or `bpe:VOCAB` tokens prepared once into shards under `cache_dir` and streamed from
     there as `factory = "shards"` streams them."""
-    from .prepare import parse_tokenizer, prepare_text_once
+    from paratrain.data.prepare import parse_tokenizer, prepare_text_once
 
     require_at_least(1, block_size=block_size, max_chars=max_chars)
     require(0 <= val_fraction < 1, "val_fraction", f"must be in [0, 1) (0: no validation), got {val_fraction}")

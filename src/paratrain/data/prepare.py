@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ConfigError
+from paratrain.errors import ConfigError, error
 
 FORMATS = ("text", "jsonl", "csv", "npy")
 END_OF_TEXT = "<|endoftext|>"
@@ -439,7 +439,7 @@ def cmd_prepare(args) -> int:
         except WorkerInputError as exc:
             raise ConfigError(*exc.args) from None
     except ConfigError as exc:
-        print(f"paratrain: error: {exc}", file=sys.stderr, flush=True)
+        error(f"{exc}")
         return 2
     mb = sum(s["bytes"] for s in index["shards"]) / 2**20
     print(

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .prepare import INDEX, INDEX_FORMAT
+from paratrain.data.prepare import INDEX, INDEX_FORMAT
 
 # A URL that does not exist or refuses us will not start working on a retry.
 PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)

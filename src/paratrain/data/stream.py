@@ -10,7 +10,6 @@ order is the contract's: step i reads samples (i*B + j) mod N.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,9 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..config import ArgumentError, ConfigError, require, require_at_least
-from .sampler import GlobalBatchSampler
-from .shards import CorruptShard, Index, ShardCache, ShardError, read_index
+from paratrain.config import ArgumentError, require, require_at_least
+from paratrain.data.sampler import GlobalBatchSampler
+from paratrain.data.shards import CorruptShard, Index, ShardCache, ShardError, read_index
+from paratrain.errors import ConfigError, warn
 
 
 class ShardDataset(Dataset):
@@ -108,11 +108,9 @@ class ShardDataset(Dataset):
         with self._lock:
             self._loading.pop(s, None)
             self._corrupt.add(s)
-        print(
-            f"paratrain: warning: data.path: {exc}; skipped (data.skip_corrupt): the next shard that "
-            f"verifies stands in for its {self.index.shards[s].samples} samples",
-            file=sys.stderr,
-            flush=True,
+        warn(
+            f"data.path: {exc}; skipped (data.skip_corrupt): the next shard that "
+            f"verifies stands in for its {self.index.shards[s].samples} samples"
         )
 
     def _stand_in(self, s: int) -> np.ndarray:

@@ -1,9 +1,9 @@
-"""`paratrain job slurm|kubernetes|skypilot`: one self-contained job file for a cluster engine.
+"""`paratrain job slurm|kubernetes|skypilot`: one self-contained job file for a cluster scheduler.
 
 The config is checked as `paratrain run` checks it and embedded, resolved, in the file; the nodes then
 need paratrain installed and nothing else copied. Each file starts one `paratrain run` per node with no
-wiring of its own: `run` reads the node count, its rank and the rendezvous from the engine's
-environment (paratrain.engines).
+wiring of its own: `run` reads the node count, its rank and the rendezvous from the scheduler's
+environment (paratrain.runtime.schedulers).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError
+from paratrain.errors import ConfigError, say
 
-ENGINES = ("slurm", "kubernetes", "skypilot")
-# What --submit hands the file to, per engine (the file's path is appended).
+SCHEDULERS = ("slurm", "kubernetes", "skypilot")
+# What --submit hands the file to, per scheduler (the file's path is appended).
 SUBMIT = {"slurm": ["sbatch"], "kubernetes": ["kubectl", "apply", "-f"], "skypilot": ["sky", "launch", "-y"]}
 
 
@@ -39,7 +39,7 @@ class Job:
     kind: str
 
     def run_argv(self, config_path: str, run_dir: str) -> list[str]:
-        """The command each node runs: no --nnodes/--node-rank/--rdzv, those come from the engine."""
+        """The command each node runs: no --nnodes/--node-rank/--rdzv, those come from the scheduler."""
         return [
             "paratrain",
             "run",
@@ -82,10 +82,10 @@ def dns_label(name: str) -> str:
 def add_job_parser(sub) -> None:
     j = sub.add_parser(
         "job",
-        help="write a job file for a cluster engine (Slurm, Kubernetes, SkyPilot) "
-        "with the config embedded; --submit hands it to the engine",
+        help="write a job file for a cluster scheduler (Slurm, Kubernetes, SkyPilot) "
+        "with the config embedded; --submit hands it to the scheduler",
     )
-    j.add_argument("engine", metavar="ENGINE", help="slurm | kubernetes | skypilot")
+    j.add_argument("scheduler", metavar="SCHEDULER", help="slurm | kubernetes | skypilot")
     j.add_argument("config", nargs="?", help="TOML config (default: the built-in default job)")
     j.add_argument("--nodes", type=int, required=True, help="how many nodes (hosts, pods)")
     j.add_argument(
@@ -119,8 +119,8 @@ def add_job_parser(sub) -> None:
 
 def check_options(args) -> None:
     """The job's own options, before the config is read. ConfigError naming the option."""
-    if args.engine not in ENGINES:
-        raise ConfigError("ENGINE", f"unknown engine {args.engine!r}: one of {', '.join(ENGINES)}")
+    if args.scheduler not in SCHEDULERS:
+        raise ConfigError("SCHEDULER", f"unknown scheduler {args.scheduler!r}: one of {', '.join(SCHEDULERS)}")
     for option, value, minimum in (
         ("--nodes", args.nodes, 1),
         ("--nproc", args.nproc, 1),
@@ -132,10 +132,10 @@ def check_options(args) -> None:
             raise ConfigError(option, f"must be >= {minimum}, got {value}")
     if args.kind not in ("trainjob", "pytorchjob"):
         raise ConfigError("--kind", f"unknown kind {args.kind!r}: trainjob or pytorchjob")
-    if args.engine == "kubernetes" and not args.image:
+    if args.scheduler == "kubernetes" and not args.image:
         raise ConfigError("--image", "required for kubernetes: a container image with paratrain installed")
     if args.submit:
-        tool = SUBMIT[args.engine][0]
+        tool = SUBMIT[args.scheduler][0]
         if shutil.which(tool) is None:
             raise ConfigError(
                 "--submit", f"{tool} is not installed here; write the file with --out and submit it where {tool} is"
@@ -146,15 +146,15 @@ def check_options(args) -> None:
 
 def make_job(args) -> Job:
     """Read and check the config as `run` would for this many nodes; ConfigError (exit 2) if invalid."""
-    from .. import config as config_mod
-    from ..preflight import load_config, preflight
+    from paratrain import config as config_mod
+    from paratrain.preflight import load_config, preflight
 
     cfg = load_config(args)
     nproc = args.nproc or args.gpus or 2
     # The device stays as the config says (`auto`): it is resolved on the nodes, not on this host.
     preflight(cfg, nproc * args.nodes)
     name = dns_label(cfg.name)
-    mount = "/paratrain-runs" if args.engine == "kubernetes" and args.volume else None
+    mount = "/paratrain-runs" if args.scheduler == "kubernetes" and args.volume else None
     run_dir = args.run_dir or (f"{mount}/{name}" if mount else f"runs/{cfg.name}")
     return Job(
         name=name,
@@ -172,18 +172,18 @@ def make_job(args) -> Job:
     )
 
 
-def render(engine: str, job: Job) -> str:
-    from . import kubernetes, skypilot, slurm
+def render(scheduler: str, job: Job) -> str:
+    from paratrain.jobs import kubernetes, skypilot, slurm
 
-    return {"slurm": slurm.render, "kubernetes": kubernetes.render, "skypilot": skypilot.render}[engine](job)
+    return {"slurm": slurm.render, "kubernetes": kubernetes.render, "skypilot": skypilot.render}[scheduler](job)
 
 
 def cmd_job(args) -> int:
-    from ..errors import report as _error
+    from paratrain.errors import report as _error
 
     try:
         check_options(args)
-        text = render(args.engine, make_job(args))
+        text = render(args.scheduler, make_job(args))
     except ConfigError as exc:
         return _error(str(exc), 2)
     if args.out is None:
@@ -194,9 +194,9 @@ def cmd_job(args) -> int:
         out.write_text(text)
     except OSError as exc:
         return _error(f"--out: cannot write {out}: {exc.strerror or exc}", 2)
-    if args.engine == "slurm":
+    if args.scheduler == "slurm":
         out.chmod(0o755)
-    print(f"job: {out}", file=sys.stderr)
+    say(f"job: {out}")
     if args.submit:
-        return subprocess.run([*SUBMIT[args.engine], str(out)]).returncode
+        return subprocess.run([*SUBMIT[args.scheduler], str(out)]).returncode
     return 0

@@ -2,7 +2,7 @@
 `torch-distributed`) or, with --kind pytorchjob, a Kubeflow PyTorchJob v1.
 
 Either operator starts one pod per node and injects the variables `paratrain run` reads
-(paratrain.engines): the TrainJob's PET_*, the PyTorchJob's MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK.
+(paratrain.runtime.schedulers): the TrainJob's PET_*, the PyTorchJob's MASTER_ADDR/MASTER_PORT/WORLD_SIZE/RANK.
 The ConfigMap is mounted at CONFIG_MOUNT; --volume CLAIM mounts a PersistentVolumeClaim at RUNS_MOUNT
 for the run directory, which the pods must share for checkpoints and restarts.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import yaml
 
-from . import Job
+from paratrain.jobs import Job
 
 CONFIG_MOUNT = "/etc/paratrain"
 RUNS_MOUNT = "/paratrain-runs"

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import tomllib
 
-from ..config import ConfigError
+from paratrain.errors import ConfigError
 
 PREFIX = "paratrain/preflight"
 # How long node 0 waits for the others' acknowledgement of its verdict before closing the store.
@@ -27,7 +27,7 @@ ACK_TIMEOUT_S = 30
 def node_facts(nproc: int, config_toml: str) -> dict:
     import torch
 
-    from .. import __version__
+    from paratrain import __version__
 
     return {
         "host": socket.gethostname(),
@@ -43,7 +43,7 @@ def check_nodes(rdzv: str, nnodes: int, node_rank: int, facts: dict, timeout_s: 
     all agree; ConfigError (exit 2) naming the node and what differs, or the node that never came."""
     from torch.distributed import TCPStore
 
-    from ..runtime import listen_on, store_server
+    from paratrain.runtime.process import listen_on, store_server
 
     host, _, port = rdzv.rpartition(":")
     try:

@@ -4,9 +4,9 @@ SKYPILOT_NODE_IPS (the head first) and SKYPILOT_NODE_RANK for the rendezvous and
 
 from __future__ import annotations
 
-from .. import __version__
-from . import Job, shell_lines
-from .kubernetes import dump
+from paratrain import __version__
+from paratrain.jobs import Job, shell_lines
+from paratrain.jobs.kubernetes import dump
 
 
 def run_script(job: Job) -> str:

@@ -8,8 +8,8 @@ environment. The script is shellcheck-clean.
 
 from __future__ import annotations
 
-from .. import __version__
-from . import Job, shell_lines
+from paratrain import __version__
+from paratrain.jobs import Job, shell_lines
 
 
 def render(job: Job) -> str:

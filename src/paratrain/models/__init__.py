@@ -7,12 +7,13 @@ import operator
 
 from torch import nn
 
-from ..config import ArgumentError, Config, ConfigError
-from ..resolve import check_kwargs, resolve_callable
-from .cnn import cnn
-from .gpt import gpt
-from .mlp import mlp
-from .recompute import enable_recompute
+from paratrain.config import ArgumentError, Config
+from paratrain.errors import ConfigError
+from paratrain.models.cnn import cnn
+from paratrain.models.gpt import gpt
+from paratrain.models.mlp import mlp
+from paratrain.models.recompute import enable_recompute
+from paratrain.resolve import check_kwargs, resolve_callable
 
 BUILTIN = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
 

@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from ..config import require, require_at_least
+from paratrain.config import require, require_at_least
 
 
 def cnn(in_features: int = 64, channels: int = 32, hidden: int = 128, out_features: int = 10) -> nn.Sequential:

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import require, require_at_least
-from .recompute import run_layers
+from paratrain.config import require, require_at_least
+from paratrain.models.recompute import run_layers
 
 
 class Embedding(nn.Module):

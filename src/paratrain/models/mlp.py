@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from ..config import require_at_least
+from paratrain.config import require_at_least
 
 
 def mlp(in_features: int = 64, hidden: int = 256, n_layers: int = 2, out_features: int = 10) -> nn.Sequential:

@@ -17,7 +17,7 @@ from functools import partial
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ConfigError
+from paratrain.errors import ConfigError
 
 
 def blocks(layers: list[nn.Module]) -> list[list[nn.Module]]:

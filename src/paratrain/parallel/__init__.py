@@ -1,19 +1,14 @@
-"""Strategies, one module (or folder) each, each with its spec in `registry`: the only place that
-knows which is which."""
+"""The parallel strategies: one folder per family, each holding its spec (torch-free), its engine,
+its communication and what it costs (footprint: memory and messages; step_time: seconds).
 
-from __future__ import annotations
+    dp/         data parallelism: bucketed all-reduce overlapped with backward
+    zero/       ZeRO 1-3: optimizer state, gradients and parameters sharded over the replica
+    tensor/     Megatron-style layers split inside, over a tp group
+    pipeline/   a model cut into stages, run by a schedule of microbatches
+    hybrid/     the (pp, dp, tp) grid composing tensor and pipeline parallelism: tp, pp and hybrid
+    ps/         parameter servers: sync, async and bounded staleness
+    federated/  simulated clients, FedAvg / FedProx / FedAdam, secure aggregation
+    codecs/     gradient compression (bf16, fp16, top-k, PowerSGD)
 
-from typing import TYPE_CHECKING
-
-from . import registry
-
-if TYPE_CHECKING:  # importing base imports torch; the registry must not (config reads it)
-    from .base import Strategy
-
-
-def strategy_class(name: str) -> type[Strategy]:
-    return registry.spec(name).engine()
-
-
-def build_strategy(model, loss_fn, cfg, rt) -> Strategy:
-    return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+`registry.py` is the one list of strategies; `spec.py` what a spec declares; `base.py` the contract
+every engine keeps. Nothing outside this package asks a strategy's name: it asks its spec."""

@@ -33,7 +33,7 @@ Hooks with defaults that fit strategies whose ranks run in lockstep (override wh
                       ranks 0..checkpoint_ranks-1 write a checkpoint, meeting in checkpoint_group
                       (default: every rank, the world group); a strategy whose other ranks hold
                       nothing to save (async ps workers) lets them run on instead of waiting.
-Collectives go through `paratrain.collectives` so that a hang names the rank, operation and step.
+Collectives go through `paratrain.comm.collectives` so that a hang names the rank, operation and step.
 
 and sets one: `profiler` (paratrain/profile.py), which a strategy reports to from train_step; the
 default does nothing, so a strategy calls it unconditionally:
@@ -43,7 +43,7 @@ default does nothing, so a strategy calls it unconditionally:
     self.profiler.comm("send", buffer, group)    # a message's payload, for byte accounting
                                                  # (all_reduce | reduce_scatter | all_gather |
                                                  #  broadcast | all_to_all | send | recv)
-Collectives issued through `paratrain.collectives` need neither: it counts each one's payload and
+Collectives issued through `paratrain.comm.collectives` need neither: it counts each one's payload and
 times waits on it (and blocking calls) as "comm" itself. Phases nest (an inner phase's time is
 taken out of the outer one); `phase(name, index=i)` labels a span (e.g. micro-batch i) on the
 trace's timeline.
@@ -57,12 +57,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .. import collectives
-from ..checkpoint import check_model_shapes
-from ..config import Config
-from ..optim import accuracy_counts, set_lr
-from ..profile import NULL_PROFILER
-from ..runtime import Runtime
+from paratrain.checkpoint.reader import check_model_shapes
+from paratrain.comm import collectives
+from paratrain.config import Config
+from paratrain.optim import accuracy_counts, set_lr
+from paratrain.profile import NULL_PROFILER
+from paratrain.runtime.process import Runtime
 
 
 class Strategy:

@@ -1,111 +1,25 @@
-"""The strategies paratrain knows, by name: the one list of them. Torch-free (config.py and
-`paratrain --help` read it); each spec names its engine, imported only when a run builds it."""
+"""The strategies paratrain knows, by name: the one list of them, and the questions about a config
+that depend on its strategy. Torch-free (`paratrain --help` and the checks before any worker starts
+read it); each spec names its engine, imported only when a run builds it.
+
+config.py parses and checks each key on its own and imports no strategy; `check_config` here adds
+what the strategy itself asks of the config (preflight.load_config runs both)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
-from .federated.keys import FederatedSpec
-from .spec import Spec
+from paratrain.errors import ConfigError
+from paratrain.parallel.dp.spec import DataParallelSpec
+from paratrain.parallel.federated.spec import FederatedSpec
+from paratrain.parallel.hybrid.spec import ModelParallelSpec
+from paratrain.parallel.ps.spec import ParameterServerSpec
+from paratrain.parallel.spec import Spec
+from paratrain.parallel.zero.spec import ZeroSpec
 
 if TYPE_CHECKING:
-    from ..config import Config
-
-
-class DataParallelSpec(Spec):
-    name = "dp"
-    engine_path = "data_parallel:DataParallel"
-    cost_model = "costs:data_parallel"
-    checkpoint_family = "dp"
-    codecs = ("none", "bf16", "fp16", "topk", "powersgd")
-    searched_as = "replica"
-
-
-class ZeroSpec(Spec):
-    """ZeRO stage 1, 2 or 3: one replica's state sharded over every rank."""
-
-    cost_model = "costs:zero"
-    time_model = "step_costs:zero"
-    codecs = ("none", "bf16", "fp16")  # a reduce-scatter sums shards: no codec of whole gradients
-    materializes_models = True
-    searched_as = "replica"
-
-    def __init__(self, stage: int):
-        self.stage = stage
-        self.name = self.checkpoint_family = f"zero{stage}"
-        self.engine_path = f"zero:Zero{stage}"
-
-    def codec_refusal(self, compression: str) -> str:
-        return (
-            f"{compression!r} needs an all-reduce of whole gradients; {self.name}'s reduce-scatter "
-            f"takes {', '.join(map(repr, self.codecs[:-1]))} or {self.codecs[-1]!r}"
-        )
-
-
-class ModelParallelSpec(Spec):
-    """Tensor and pipeline parallelism, one engine under three names: each name allows its degrees,
-    and their checkpoints resume under each other."""
-
-    engine_path = "hybrid:ModelParallel"
-    cost_model = "costs:tensor_and_pipeline"
-    time_model = "step_costs:model_parallel"
-    checkpoint_family = "model_parallel"
-
-    def __init__(self, name: str, degrees: tuple[str, ...]):
-        self.name, self.degrees = name, degrees
-        self.searched_as = "mesh" if degrees == ("tp", "pp") else ""  # the one name allowing both
-
-    def check_batch(self, cfg: Config, world_size: int) -> None:
-        p = cfg.parallel
-        if p.pp == 1:
-            return
-        per_replica = cfg.data.batch_size // self.data_parallel_degree(cfg, world_size)
-        micro = p.microbatches * cfg.train.grad_accum
-        if per_replica % micro:
-            raise ConfigError(
-                "parallel.microbatches",
-                f"{p.microbatches} microbatches x train.grad_accum {cfg.train.grad_accum} do not "
-                f"divide the per-replica batch of {per_replica} samples",
-            )
-        if p.schedule == "interleaved" and micro % p.pp:
-            raise ConfigError(
-                "parallel.microbatches", f"the interleaved schedule needs microbatches ({micro}) divisible by pp {p.pp}"
-            )
-
-
-class ParameterServerSpec(Spec):
-    """The first ps.servers ranks hold the parameters; the others are workers reading data."""
-
-    name = "ps"
-    engine_path = "parameter_server:ParameterServer"
-    cost_model = "costs:parameter_server"
-    time_model = "step_costs:parameter_server"
-    checkpoint_family = "ps"
-
-    def check_layout(self, cfg: Config, world_size: int) -> None:
-        ps = cfg.ps
-        if ps.servers >= world_size:
-            raise ConfigError("ps.servers", f"{ps.servers} servers leave no worker among {world_size} processes")
-        if ps.straggler_rank != -1 and not ps.servers <= ps.straggler_rank < world_size:
-            raise ConfigError(
-                "ps.straggler_rank", f"{ps.straggler_rank} is not a worker rank ({ps.servers}..{world_size - 1}) nor -1"
-            )
-
-    def data_parallel_degree(self, cfg: Config, world_size: int) -> int:
-        return world_size - cfg.ps.servers  # the servers read no data
-
-    def role_of(self, cfg: Config, rank: int) -> str:
-        return "parameter server" if rank < cfg.ps.servers else "ps worker"
-
-    def expendable(self, cfg: Config, rank: int) -> bool:
-        return cfg.ps.mode != "sync" and rank >= cfg.ps.servers
-
-    def mesh(self, cfg: Config, world_size: int) -> dict[str, int]:
-        return {"servers": cfg.ps.servers, "workers": world_size - cfg.ps.servers}
-
-
-DEFAULT = "dp"  # parallel.strategy when a config names none
+    from paratrain.config import Config
+    from paratrain.parallel.base import Strategy
 
 SPECS: dict[str, Spec] = {
     spec.name: spec
@@ -122,10 +36,52 @@ SPECS: dict[str, Spec] = {
 
 
 def spec(name: str) -> Spec:
-    """The spec of strategy `name` (config.py has checked it is one of SPECS)."""
+    """The spec of strategy `name` (check_config has checked it is one of SPECS)."""
     return SPECS[name]
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    """The engine of strategy `name` (imports torch)."""
+    return spec(name).engine()
+
+
+def build_strategy(model, loss_fn, cfg: Config, rt) -> Strategy:
+    return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
 
 
 def checkpoint_family(name: str) -> str | None:
     """The family of strategy `name`'s checkpoints; None for a name this version does not know."""
     return SPECS[name].checkpoint_family if name in SPECS else None
+
+
+def check_config(cfg: Config) -> None:
+    """What the config's strategy asks of it, with no world size and no dataset: ConfigError."""
+    name = cfg.parallel.strategy
+    if name not in SPECS:
+        raise ConfigError("parallel.strategy", f"must be one of {' | '.join(SPECS)}, got {name!r}")
+    SPECS[name].check_config(cfg)
+
+
+def data_parallel_degree(cfg: Config, world_size: int) -> int:
+    """How many model replicas read different data: the divisor of the global batch."""
+    return spec(cfg.parallel.strategy).data_parallel_degree(cfg, world_size)
+
+
+def role_of(cfg: Config, rank: int) -> str:
+    """What a rank does, for messages about it."""
+    return spec(cfg.parallel.strategy).role_of(cfg, rank)
+
+
+def check_world(cfg: Config, world_size: int) -> None:
+    """Checks that depend on the number of processes."""
+    strategy = spec(cfg.parallel.strategy)
+    strategy.check_layout(cfg, world_size)
+    dp = strategy.data_parallel_degree(cfg, world_size)
+    per_step = dp * cfg.train.grad_accum
+    if cfg.data.batch_size % per_step:
+        raise ConfigError(
+            "data.batch_size",
+            f"{cfg.data.batch_size} is not divisible by data-parallel degree {dp} "
+            f"x train.grad_accum {cfg.train.grad_accum}",
+        )
+    strategy.check_batch(cfg, world_size)

@@ -9,27 +9,29 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from paratrain.errors import ConfigError
 
 if TYPE_CHECKING:  # config.py imports the registry: a spec only reads the Config it is handed
-    from ..config import Config
-    from .base import Strategy
+    from paratrain.config import Config
+    from paratrain.parallel.base import Strategy
 
 
 def load(path: str):
-    """`module:attribute` under paratrain.parallel, imported when first asked for (engines and cost
-    models import torch; the specs must not)."""
+    """A spec's `package.module:attribute`, imported when first asked for (engines, footprints and
+    step times import torch; the specs must not)."""
     module, _, attribute = path.partition(":")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), attribute)
+    return getattr(importlib.import_module(module), attribute)
 
 
 class Spec:
     """One strategy's declarations. Every hook has the default most strategies want."""
 
     name: str = ""
-    engine_path: str = ""  # "module:Class" of its engine under paratrain.parallel
-    cost_model: str = ""  # "module:function" that plans its ranks (see plan.make_plan)
-    time_model: str = "step_costs:all_reduce"  # "module:function" that predicts its step (predict.py)
+    engine_path: str = ""  # "package.module:Class" of its engine (a base.Strategy)
+    footprint: str = ""  # "package.module:function": what each rank keeps and sends (plan/planner.py)
+    step_time: str = ""  # "package.module:function": the seconds of its step (plan/predict.py)
+    # "package.module:function": replica 0's ranks for `plan --search` (searched strategies only)
+    replica_footprint: str = ""
     checkpoint_family: str = ""  # a checkpoint resumes under any strategy of the family that wrote it
     codecs: tuple[str, ...] = ("none",)  # the parallel.compression values it accepts
     degrees: tuple[str, ...] = ()  # which of parallel.tp and parallel.pp it may set above 1
@@ -87,4 +89,9 @@ class Spec:
     def plan_ranks(self, cfg: Config, model, ranks: list, rows: int, device: str) -> tuple[list[dict], list[str]]:
         """Fill in each rank's plan (`ranks`: plan.RankPlan, `model` on meta, `rows` per microbatch);
         the pipeline stages and the notes."""
-        return load(self.cost_model)(self, cfg, model, ranks, rows, device)
+        return load(self.footprint)(self, cfg, model, ranks, rows, device)
+
+    def plan_replica(self, cfg: Config, model, world: int, rows: int, cluster) -> tuple[list, list[dict]]:
+        """The plans of data-parallel replica 0's ranks (every replica holds and computes the same)
+        at `world` devices of `cluster`, and the pipeline stages: what `plan --search` fits."""
+        return load(self.replica_footprint)(self, cfg, model, world, rows, cluster)

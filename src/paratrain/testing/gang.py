@@ -1,11 +1,11 @@
 """A gang: N worker processes that meet in one gloo process group once and then run job after job
-in it, the fast test tier's engine.
+in it, the fast test tier's machinery.
 
 A `paratrain run` costs about 3 s before its first step on 2 cores (the command's own start, the
 worker server's imports, the elastic agent, the rendezvous), more than most equivalence runs take
 to train. A test that checks what a strategy computes, not how a run is launched, hands its job to a
 gang instead: each member calls `paratrain.trainer.train` (what a launched worker calls between
-runtime.init and shutdown) or a function of the test's own, on the same process group as the last
+process.init and shutdown) or a function of the test's own, on the same process group as the last
 job, and the test reads the run directory as it would after `paratrain run`. The launch itself is
 tested end to end by the integration tier.
 
@@ -30,7 +30,7 @@ import time
 import traceback
 from multiprocessing.connection import wait
 
-PRELOAD = ["paratrain.worker_server"]  # as a launch's worker server: torch and the trainer, once
+PRELOAD = ["paratrain.runtime.worker_server"]  # as a launch's worker server: torch and the trainer, once
 
 
 class JobFailed(AssertionError):
@@ -55,17 +55,17 @@ def _member(rank: int, world: int, port: int, conn, sys_path: list[str]) -> None
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
     import torch
 
-    from paratrain import runtime
+    from paratrain.runtime import process
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as a launch sets OMP_NUM_THREADS
-    rt = runtime.init("cpu", timeout_s=120)
+    rt = process.init("cpu", timeout_s=120)
     while True:
         try:
             job = conn.recv()
         except EOFError:
             job = None
         if job is None:
-            runtime.leave()
+            process.leave()
         target, kwargs = job
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -80,7 +80,7 @@ def _member(rank: int, world: int, port: int, conn, sys_path: list[str]) -> None
 
 class Gang:
     def __init__(self, world: int):
-        from paratrain.runtime import free_port
+        from paratrain.runtime.process import free_port
 
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
@@ -189,8 +189,7 @@ def train_job(rt, config: str | None, run_dir: str, overrides: list[str], resume
     """A member's part of Gang.train: the worker's own path from its config to the end of the run."""
     from pathlib import Path
 
-    from paratrain import config as config_mod
-    from paratrain import trainer
+    from paratrain import preflight, trainer
 
     # Relative paths and `module:function` names in the config are the config's folder's, as under
     # `paratrain run`; the modules found there are forgotten after the run, so that the next job's
@@ -201,7 +200,7 @@ def train_job(rt, config: str | None, run_dir: str, overrides: list[str], resume
     path_before = list(sys.path)
     _set_env(env)
     try:
-        cfg = config_mod.load(config, overrides)
+        cfg = preflight.load(config, overrides)
         code = trainer.train(cfg, Path(run_dir), rt, resume)
     finally:
         _set_env(env_before)

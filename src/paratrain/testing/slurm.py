@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import netns
+from paratrain.testing import netns
 
 PACKAGES = ("slurm-wlm", "munge", "shellcheck")
 TOOLS = ("sbatch", "srun", "slurmctld", "slurmd", "munged", "shellcheck")

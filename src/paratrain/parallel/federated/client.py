@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from ...data import load_batch
-from ...optim import build_optimizer
-from ..base import unique_parameters
+from paratrain.data import load_batch
+from paratrain.optim import build_optimizer
+from paratrain.parallel.base import unique_parameters
 
 
 class LocalTrainer:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...config import ConfigError
+from paratrain.errors import ConfigError
 
 PARTITION_FILE = "partitions.json"
 

@@ -1,5 +1,5 @@
 """A federated round over worker processes, as point-to-point messages (gloo isend/irecv): the
-server's side (rank 0) and a worker's side, mixed into Federated (strategy.py, which describes the
+server's side (rank 0) and a worker's side, mixed into Federated (engine.py, which describes the
 round). Every wait is bounded by federated.round_timeout_s, a worker's receives by that plus
 parallel.timeout_s (the server may be evaluating).
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import struct
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -17,10 +16,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ...testing import faults
-from ..ps_wire import first_line
-from . import secagg
-from .server import owner_of
+from paratrain.errors import say
+from paratrain.parallel.federated import secagg
+from paratrain.parallel.federated.server import owner_of
+from paratrain.parallel.ps.wire import first_line
+from paratrain.runtime import faults
 
 TAG_GLOBAL, TAG_KEYS, TAG_SHARES, TAG_UPDATE, TAG_DROPPED, TAG_REVEAL = range(31, 37)
 HEAD = 2  # per client report: [present, loss] in front of its update
@@ -160,11 +160,9 @@ class ServerRound:
 
     def _drop(self, w: int, why: str) -> None:
         self.live.discard(w)
-        print(
+        say(
             f"federated: round {self.round + 1}: worker rank {w} {why}; dropped with its clients, "
-            f"{len(self.live)} of {len(self.workers)} workers go on",
-            file=sys.stderr,
-            flush=True,
+            f"{len(self.live)} of {len(self.workers)} workers go on"
         )
         if not self.live:
             raise RuntimeError("federated: every worker is gone")
@@ -184,9 +182,7 @@ class WorkerRound:
             self._serve_clients(sampled, mine)
         except LostServer as exc:
             self.cut_off = True
-            print(
-                f"federated: worker rank {self.rt.rank}: {exc}; it leaves the federation", file=sys.stderr, flush=True
-            )
+            say(f"federated: worker rank {self.rt.rank}: {exc}; it leaves the federation")
         return torch.zeros(())
 
     def _serve_clients(self, sampled: list[int], mine: list[int]) -> None:

@@ -1,0 +1,34 @@
+"""Sharded checkpoints and the final export: safetensors files and JSON manifests, never a pickle.
+
+    format.py    the layout, the manifest's format, safetensors encoding, durable writes, checksums
+    save.py      every rank writes its shard into a hidden folder, renamed into place when all are in
+    reader.py    the manifest and checksums verified, a rank's shard read, the newest valid one found
+    state.py     a model's and an optimizer's state as flat tensors and back
+    resume.py    whether a checkpoint resumes under this run's strategy and optimizer
+    export.py    RUN_DIR/final/: the consolidated model
+    inspect.py   `paratrain inspect`
+
+What an engine or the trainer needs is importable from the package itself."""
+
+from paratrain.checkpoint.export import export_final
+from paratrain.checkpoint.format import FORMAT, CheckpointError, CheckpointMismatch, encode, rank_file, read_header
+from paratrain.checkpoint.reader import CheckpointReader, describe_mismatch, latest_valid
+from paratrain.checkpoint.save import save
+from paratrain.checkpoint.state import load_model_state, optimizer_from_tensors, optimizer_to_tensors
+
+__all__ = [
+    "FORMAT",
+    "CheckpointError",
+    "CheckpointMismatch",
+    "CheckpointReader",
+    "describe_mismatch",
+    "encode",
+    "export_final",
+    "latest_valid",
+    "load_model_state",
+    "optimizer_from_tensors",
+    "optimizer_to_tensors",
+    "rank_file",
+    "read_header",
+    "save",
+]

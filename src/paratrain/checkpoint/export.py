@@ -1,0 +1,45 @@
+"""RUN_DIR/final/: the consolidated model as one safetensors file with its manifest, written into
+a hidden folder and renamed into place."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as st_save
+
+from paratrain.checkpoint.format import FINAL_FORMAT, UNFINISHED, fsync_dir, unshared, write_bytes_durably
+from paratrain.checkpoint.save import remove_unfinished
+
+
+# -- the consolidated export ---------------------------------------------------------------------
+def export_final(run_dir: Path, state: dict[str, torch.Tensor], *, step: int, config: dict, extra: dict) -> Path:
+    """RUN_DIR/final/model.safetensors keyed exactly like the user's model.state_dict()."""
+    run_dir = Path(run_dir)
+    tmp, final = run_dir / f"{UNFINISHED}final", run_dir / "final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    data = st_save(unshared(state), metadata={"format": "pt"})
+    write_bytes_durably(tmp / "model.safetensors", data)
+    manifest = {
+        "format": FINAL_FORMAT,
+        "step": step,
+        "config": config,
+        "files": {"model.safetensors": {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}},
+        "tensors": {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in state.items()
+        },
+        **extra,
+    }
+    write_bytes_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+    fsync_dir(tmp)  # the files' names durable before the rename publishes them
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(run_dir)
+    remove_unfinished(run_dir / "checkpoints")  # the run is over: no save of it is under way
+    return final

@@ -1,0 +1,3 @@
+"""Communication every strategy shares: collectives.py (every collective, timed and
+hang-reported), grid.py (every process group, from one rank grid), shm.py (a shared-memory
+transport between processes on one host)."""

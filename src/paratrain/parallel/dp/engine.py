@@ -1,0 +1,251 @@
+"""Data parallelism: every rank holds the whole model; gradients are averaged across ranks.
+
+How the all-reduce hides behind backward:
+  * gradients live in flat bucket buffers (p.grad is a view into its bucket, so no copy in or out);
+  * buckets are filled in reverse registration order, roughly the order backward produces them;
+  * a post-accumulate-grad hook counts each bucket down; when a bucket's last gradient lands, its
+    all-reduce starts asynchronously while backward carries on with earlier layers;
+  * buckets are launched strictly in index order on every rank (gloo and NCCL match collectives by
+    order), so a bucket with a parameter that got no gradient this step simply waits until
+    backward ends and goes then, its unused slice still zero: no hang, no corruption;
+  * with gradient accumulation the hooks stay quiet until the last micro-batch: gradients add up
+    locally and only the final backward communicates;
+  * what a bucket's communication is belongs to the codec (parallel/codecs/base.py): a plain
+    all-reduce, or a compressed one (parallel.compression).
+
+Profiled phases: forward, backward, comm (blocked waiting in finish()), compress (codec arithmetic),
+optimizer (the finite check, clipping and the step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain import checkpoint as ckpt
+from paratrain.optim import build_optimizer
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from paratrain.parallel.codecs.basic import Uncompressed, build_codec
+from paratrain.profile import NULL_PROFILER
+
+
+class Bucket:
+    """Parameters whose gradients travel together in one flat buffer.
+
+    `numel` is padded up to a multiple of `pad_to` so that ZeRO can cut the buffer into equal shards;
+    the buffer itself is allocated by `allocate()` (dp keeps it for good, ZeRO stage 2 only briefly).
+    """
+
+    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device, pad_to: int = 1):
+        self.index = index
+        self.params = params
+        self.shapes = [p.shape for p in params]
+        self.device = device
+        self.dtype = params[0].dtype
+        used = sum(p.numel() for p in params)
+        self.numel = -(-used // pad_to) * pad_to
+        self.buffer: torch.Tensor | None = None
+        self.bound: torch.Tensor | None = None  # the buffer the parameters' .grad views point into
+        self.pending = len(params)
+        self.work = None
+
+    def allocate(self) -> torch.Tensor:
+        self.buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return self.buffer
+
+    def bind_grads(self, flat: torch.Tensor | None = None) -> None:
+        """Point every parameter's .grad at its slice of `flat` (default: the bucket's buffer)."""
+        flat = self.buffer if flat is None else flat
+        if flat is self.bound:
+            return
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.bound = flat
+
+
+def make_buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device, pad_to: int = 1) -> list[Bucket]:
+    """Reverse registration order, cut when a bucket passes `bucket_bytes` or the dtype changes."""
+    groups: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in reversed(params):
+        current = groups[-1]
+        if current and (size + p.numel() * p.element_size() > bucket_bytes or current[0].dtype != p.dtype):
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.numel() * p.element_size()
+    return [Bucket(i, g, device, pad_to) for i, g in enumerate(groups) if g]
+
+
+class GradientReducer:
+    """Bucketed, backward-overlapped gradient averaging over a process group."""
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        bucket_mb: float,
+        device: torch.device,
+        group=None,
+        codec=None,
+        pad_to: int = 1,
+    ):
+        self.group = group
+        self.device = device
+        self.codec = codec or Uncompressed()
+        self.profiler = NULL_PROFILER
+        self.world = dist.get_world_size(group)
+        self.buckets = make_buckets(params, int(bucket_mb * 2**20), device, pad_to)
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.next_to_launch = 0
+        self.sync = False
+        for b in self.buckets:
+            b.allocate()
+            b.bind_grads()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            self.codec.reset(b.index, b.buffer, b.shapes)
+            b.bind_grads()  # backward accumulates into the buffer (finish may have pointed elsewhere)
+
+    def prepare(self, sync: bool) -> None:
+        """Before a backward: `sync` says whether this backward should communicate."""
+        self.sync = sync
+        if sync:
+            self.next_to_launch = 0
+            for b in self.buckets:
+                b.pending, b.work = len(b.params), None
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        bucket = self.bucket_of[id(p)]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch(until=len(self.buckets), only_ready=True)
+
+    def _launch(self, until: int, only_ready: bool) -> None:
+        while self.next_to_launch < until:
+            b = self.buckets[self.next_to_launch]
+            if only_ready and b.pending:
+                return
+            if self.world > 1:
+                b.work = self._communicate(b)
+            self.next_to_launch += 1
+
+    def _communicate(self, b: Bucket):
+        """Start the averaging of one bucket (through the compression codec); returns its work."""
+        return self.codec.launch(b.index, b.buffer, b.shapes, self.group, self.profiler)
+
+    def finish(self) -> torch.Tensor:
+        """After the syncing backward: launch what is left (unused parameters), wait for all, and
+        return the global gradient norm. Each bucket's norm is taken while later buckets are still
+        on the wire; every rank holds the same averaged gradients, so every rank gets the same norm
+        and takes the same decisions from it (clip, skip a non-finite step) without talking."""
+        self._launch(until=len(self.buckets), only_ready=False)
+        for b in self.buckets:  # a codec's second round of communication starts for every bucket
+            if b.work is not None:
+                b.work.advance()
+        norms = []
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            b.bind_grads(self.codec.result(b.index, b.buffer))  # the optimizer reads the average
+            norm = self.codec.result_norm(b.index)
+            norms.append(torch.linalg.vector_norm(b.bound) if norm is None else norm)
+        self.sync = False
+        if not norms:  # no parameters here (a pipeline chunk of activations alone)
+            return torch.zeros((), device=self.device)
+        return torch.linalg.vector_norm(torch.stack(norms))
+
+    def discard(self) -> None:
+        """After a skipped step: forget this step's gradients and the codec's memory of them."""
+        for b in self.buckets:
+            b.buffer.zero_()
+            self.codec.discard(b.index)
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        for b in self.buckets:
+            b.bound.mul_(factor)
+
+
+class DataParallel(Strategy):
+    name = "dp"
+
+    def __init__(self, model, loss_fn, cfg, rt, group=None):
+        super().__init__(model.to(rt.device), loss_fn, cfg, rt)
+        self.group = group
+        src = 0 if group is None else dist.get_global_rank(group, 0)  # the group's first rank
+        broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=src, group=group)
+        named = unique_parameters(model)
+        self.param_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        codec = build_codec(cfg.parallel, seed=cfg.train.seed)
+        self.reducer = GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group, codec)
+        self.optimizer = build_optimizer(self.params, cfg.train)
+
+    @property
+    def profiler(self):
+        return self.reducer.profiler
+
+    @profiler.setter
+    def profiler(self, profiler) -> None:  # the reducer reports its collectives too
+        self.reducer.profiler = profiler
+
+    def train_step(self, batch) -> torch.Tensor:
+        prof = self.profiler
+        self.reducer.zero_grad()
+        micro = self.micro_batches(batch)
+        total = torch.zeros((), device=self.rt.device)
+        for i, (x, y) in enumerate(micro):
+            last = i == len(micro) - 1
+            self.reducer.prepare(sync=last)
+            with prof.phase("forward"), self.autocast():
+                loss = self.loss_fn(self.model(x), y)
+            with prof.phase("backward"):
+                (loss / len(micro)).backward()
+            total += loss.detach()
+        # finish(): waits count as "comm" and codec arithmetic as "compress" (inside the codec)
+        norm = self.reducer.finish()
+        with prof.phase("optimizer"):
+            self.skipped_step = not bool(torch.isfinite(norm))
+            if self.skipped_step:
+                self.reducer.discard()
+                return total / len(micro)
+            if self.cfg.train.clip_grad_norm > 0:
+                self.reducer.scale_(clip_factor(norm, self.cfg.train.clip_grad_norm))
+            self.optimizer.step()
+        return total / len(micro)
+
+    # -- state: every rank holds the same model and optimizer, so rank 0 writes them ----------
+    # (and each rank its own compression memory: error feedback differs per rank)
+    def state_dict(self):
+        codec = {f"compression.{k}": v for k, v in self.reducer.codec.state_dict().items()}
+        if self.rt.rank != 0:
+            return codec, {}
+        tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        tensors.update(codec)
+        opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self.param_names)
+        tensors.update(opt_tensors)
+        return tensors, {"optimizer": opt_meta}
+
+    def load_state_dict(self, reader) -> None:
+        tensors, meta = reader.load(rank=0)
+        model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+        ckpt.load_model_state(self.model, model_state)
+        ckpt.optimizer_from_tensors(self.optimizer, self.param_names, tensors, meta["optimizer"])
+        if reader.world_size == self.rt.world_size:  # at another world size the memory starts empty
+            own = tensors if self.rt.rank == 0 else reader.load(rank=self.rt.rank)[0]
+            self.reducer.codec.load_state_dict(
+                {k[len("compression.") :]: v.to(self.rt.device) for k, v in own.items() if k.startswith("compression.")}
+            )
+
+    def full_model_state(self):
+        if self.rt.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}

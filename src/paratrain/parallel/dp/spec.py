@@ -1,0 +1,21 @@
+"""dp's spec: what data parallelism accepts and costs (torch-free)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from paratrain.parallel.spec import Spec
+
+if TYPE_CHECKING:
+    pass
+
+
+class DataParallelSpec(Spec):
+    name = "dp"
+    engine_path = "paratrain.parallel.dp.engine:DataParallel"
+    footprint = "paratrain.parallel.dp.footprint:data_parallel"
+    replica_footprint = "paratrain.parallel.dp.footprint:replica"
+    step_time = "paratrain.parallel.dp.step_time:all_reduce"
+    checkpoint_family = "dp"
+    codecs = ("none", "bf16", "fp16", "topk", "powersgd")
+    searched_as = "replica"

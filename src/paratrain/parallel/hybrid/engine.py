@@ -1,0 +1,273 @@
+"""Model parallelism on one device mesh: tensor (inside layers) x pipeline (across layers) x data.
+
+Strategies "tp", "pp" and "hybrid" are this one engine; the config decides the degrees (tp and pp
+from parallel.tp / parallel.pp, dp from the world size). Construction, on every rank: the
+(pp, dp, tp) mesh (comm/grid.py) and rank 0's initial weights everywhere, then hybrid/parallelize.py's steps in
+their documented order: decide_cut -> apply_tp -> cut_pipeline -> wrap_dp.
+A step cuts the replica's batch into microbatches and runs the schedule (pipeline/schedules.py);
+each chunk's reducer communicates during that chunk's last backward, overlapped with the rest.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain import checkpoint as ckpt
+from paratrain.comm import collectives
+from paratrain.comm.grid import build_mesh
+from paratrain.config import Config
+from paratrain.errors import ConfigError
+from paratrain.optim import build_optimizer
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, eval_sums
+from paratrain.parallel.hybrid.parallelize import (
+    apply_tp,
+    cut_pipeline,
+    decide_cut,
+    meta_copy,
+    microbatch_count,
+    stage_of_keys,
+    sync_ties,
+    tie_groups,
+    tie_names,
+    virtual_stages,
+    wrap_dp,
+)
+from paratrain.parallel.hybrid.state import gather_full_state, load_resharded
+from paratrain.parallel.pipeline.cut import pipeline_layers, splittable_layers, tied_spans
+from paratrain.parallel.pipeline.runner import PipelineRunner, boundary_shape_fn
+from paratrain.parallel.pipeline.schedules import SCHEDULES, forward_only, one_f_one_b
+from paratrain.parallel.tensor.comm import gather_from_tp
+from paratrain.parallel.tensor.layers import check_plan, full_width, output_is_sharded, parallel_loss, plan_for
+
+
+def check_model(cfg: Config, model: nn.Module) -> None:
+    """Preflight (on a meta-device model): the plan fits the model and the model has enough layers."""
+    p = cfg.parallel
+    plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
+    if p.tp > 1:
+        check_plan(model, plan, p.tp, user=bool(p.tp_plan))
+    if p.pp > 1:
+        if pipeline_layers(model) is None:
+            raise ConfigError(
+                "parallel.pp",
+                f"pp = {p.pp} needs a model that can be cut into layers: an "
+                f"nn.Sequential or a module with pipeline_layers()",
+            )
+        stages, layers = p.pp * virtual_stages(cfg), splittable_layers(model, plan, sync_ties(cfg))
+        if stages > layers:
+            tied = "".join(
+                f"; layers {a}-{b} share {name} (tied weights) and stay in one stage"
+                for a, b, name in tied_spans(model, pipeline_layers(model), sync_ties(cfg))
+            )
+            raise ConfigError(
+                "parallel.pp",
+                f"{stages} pipeline stages (pp {p.pp} x {virtual_stages(cfg)} virtual) "
+                f"but the model has only {layers} layer{'' if layers == 1 else 's'} to split{tied}",
+            )
+
+
+class ModelParallel(Strategy):
+    name = "hybrid"
+    check_model = staticmethod(check_model)
+
+    def __init__(self, model, loss_fn, cfg, rt):
+        super().__init__(model.to(rt.device), loss_fn, cfg, rt)
+        p = cfg.parallel
+        self.mesh = mesh = build_mesh(p.tp, p.pp, rt.device.type)
+        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
+        self.reports_loss = mesh.pp_rank == mesh.pp - 1 and mesh.tp_rank == 0
+        broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=0)
+        self.full_meta = meta_copy(model)  # the unsplit model's keys, shapes and dtypes
+        self.m = microbatch_count(cfg)
+        self.v = virtual_stages(cfg)
+        self.n_stages = p.pp * self.v
+        self.tie_names = tie_names(model)
+        plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
+        # hybrid/parallelize.py's steps, in its order
+        self.bounds = decide_cut(model, cfg, plan, self._sample_input, self.autocast, rt.device, rt.is_main)
+        stage_of_key = stage_of_keys(model, cfg, self.bounds)
+        self.shard_dims = apply_tp(model, mesh, plan)
+        self.stage_ids, self.chunks = cut_pipeline(model, mesh, cfg, self.bounds)
+        self.reducers, self.param_names, self.params = wrap_dp(model, self.chunks, mesh, cfg, rt.device)
+        self.owned_keys = [k for k, s in stage_of_key.items() if s in self.stage_ids]
+        self.optimizer = build_optimizer(self.params, cfg.train)
+        self.tied = (
+            tie_groups(model, self.full_meta, mesh, self.bounds, rt.rank, rt.is_main)
+            if p.pp > 1 and sync_ties(cfg)
+            else []
+        )
+
+        self.sharded_output = p.tp > 1 and output_is_sharded(model)
+        if self.sharded_output:
+            width = full_width(model)
+            self.train_loss = parallel_loss(loss_fn, mesh.tp_group, width)
+            self.full_output = lambda out: gather_from_tp(out, mesh.tp_group, width)
+        else:
+            self.train_loss, self.full_output = loss_fn, (lambda out: out)
+        self._build_engine()
+
+    # -- construction helpers -------------------------------------------------------------------
+    def _build_engine(self) -> None:
+        """The engine that runs this rank's chunks, and its part of the schedule."""
+        p, mesh, rt = self.cfg.parallel, self.mesh, self.rt
+        meta_layers = pipeline_layers(self.full_meta) if p.pp > 1 else [self.full_meta]
+        shapes = boundary_shape_fn([meta_layers[self.bounds[s] : self.bounds[s + 1]] for s in range(self.n_stages)])
+        self.engine = PipelineRunner(
+            self.chunks,
+            self.stage_ids,
+            self.n_stages,
+            lambda s: mesh.stage_rank(s % p.pp),
+            mesh.pp_group,
+            shapes,
+            rt.device,
+            p.timeout_s,
+        )
+        if rt.is_main and p.pp > 1:
+            shm = sorted(self.engine.p2p.shm_senders)
+            print(
+                f"pipeline messages of rank 0: shared memory with ranks {shm}, torch.distributed otherwise"
+                if shm
+                else "pipeline messages: torch.distributed",
+                flush=True,
+            )
+        schedule = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b
+        self.actions = schedule(p.pp, mesh.pp_rank, self.m, self.v)
+        self.last_backward = {a.chunk: a.mb for a in self.actions if a.kind == "B"}  # each chunk's last backward
+
+    def _sample_input(self) -> torch.Tensor:
+        """The first microbatch of the training data: what the per-layer timing runs on."""
+        from paratrain.data import build_dataset, load_batch
+
+        dataset = build_dataset(self.cfg, "train")
+        rows = max(self.cfg.data.batch_size // self.dp_size // self.m, 1)
+        x, _ = load_batch(dataset, torch.arange(min(rows, len(dataset))))
+        return x.to(self.rt.device)
+
+    def _sum_tied_grads(self) -> torch.Tensor:
+        """Sum each tied parameter's gradient over the stages holding a copy, so that every copy
+        takes the step the one parameter of the unsplit model takes. Returns the change to this
+        rank's share of the squared gradient norm: its copy's part out, the sum in, once (on the
+        tie's first stage)."""
+        change = torch.zeros((), dtype=torch.float64, device=self.rt.device)
+        for param, group, first in self.tied:
+            if param.grad is None:
+                continue
+            change -= param.grad.double().pow(2).sum()
+            collectives.all_reduce(param.grad, "tied-weight-grad", group)
+            if first:
+                change += param.grad.double().pow(2).sum()
+        return change
+
+    # -- the step -------------------------------------------------------------------------------
+    @property
+    def profiler(self):
+        return self.engine.profiler
+
+    @profiler.setter
+    def profiler(self, profiler) -> None:  # the engine times the microbatches, the reducers their codecs
+        self.engine.profiler = profiler
+        for r in self.reducers:
+            r.profiler = profiler
+
+    def train_step(self, batch) -> torch.Tensor:
+        for r in self.reducers:
+            r.zero_grad()
+        inputs, targets = batch
+
+        def before_backward(a):
+            self.reducers[a.chunk].prepare(sync=self.last_backward[a.chunk] == a.mb)
+
+        losses = self.engine.run(
+            self.actions,
+            list(torch.chunk(inputs, self.m)),
+            list(torch.chunk(targets, self.m)),
+            self.train_loss,
+            self.autocast,
+            train=True,
+            before_backward=before_backward,
+        )
+        chunk_norms = [r.finish() for r in self.reducers]
+        with self.profiler.phase("optimizer"):
+            norm = self._global_grad_norm(chunk_norms, self._sum_tied_grads())
+            self.skipped_step = not math.isfinite(norm)  # the same norm, so the same decision, on every rank
+            if not self.skipped_step:
+                if self.cfg.train.clip_grad_norm > 0:
+                    factor = clip_factor(torch.tensor(norm, device=self.rt.device), self.cfg.train.clip_grad_norm)
+                    for t in self.params:
+                        if t.grad is not None:
+                            t.grad.mul_(factor)
+                self.optimizer.step()
+        if self.stage_ids[-1] == self.n_stages - 1:
+            return torch.stack([loss.detach().float() for loss in losses]).mean()
+        return torch.zeros((), device=self.rt.device)
+
+    def _global_grad_norm(self, chunk_norms: list[torch.Tensor], tied_change: torch.Tensor) -> float:
+        """The norm over all shards of the model. dp replicas hold equal gradients, so the
+        world-wide sum of squares is divided by dp. Without tp the reducers' norms of their chunks
+        are exact (corrected for tied copies: `tied_change`); with tp a replicated tensor (layer
+        norms, row-parallel biases) counts once, on tp rank 0, and a tied tensor (its copies
+        already summed) once, on its first stage."""
+        if self.mesh.tp == 1:
+            squares = tied_change + sum(n.double() ** 2 for n in chunk_norms)
+        else:
+            squares = torch.zeros((), dtype=torch.float64, device=self.rt.device)
+            later_copies = {id(param) for param, _, first in self.tied if not first}
+            grads = [
+                t.grad
+                for name, t in zip(self.param_names, self.params)
+                if t.grad is not None
+                and id(t) not in later_copies
+                and (name in self.shard_dims or self.mesh.tp_rank == 0)
+            ]
+            if grads:
+                squares += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+        if dist.get_world_size() > 1:
+            collectives.all_reduce(squares, "grad-norm")
+        return math.sqrt(squares.item() / self.mesh.dp)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            xs, ys = list(torch.chunk(inputs, self.m)), list(torch.chunk(targets, self.m))
+            actions = forward_only(self.cfg.parallel.pp, self.mesh.pp_rank, len(xs), self.v)
+            sums = self.engine.run(
+                actions,
+                xs,
+                ys,
+                lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y),
+                self.autocast,
+                train=False,
+            )
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+        if self.reports_loss:
+            return torch.stack(sums).sum(dim=0)
+        return torch.zeros(4, dtype=torch.float64)
+
+    # -- state ----------------------------------------------------------------------------------
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        own = self.model.state_dict()
+        return {k: own[k] for k in self.owned_keys}
+
+    def state_dict(self):
+        """dp rank 0 of every (pp, tp) position writes its shards under the unsplit model's names,
+        with the dimension each sharded tensor is split along."""
+        if self.mesh.dp_rank != 0:
+            return {}, {}
+        tensors = {f"model.{k}": v for k, v in self._local_state().items()}
+        opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self.param_names)
+        tensors.update(opt_tensors)
+        return tensors, {"optimizer": opt_meta, "shard_dims": self.shard_dims}
+
+    def load_state_dict(self, reader) -> None:
+        load_resharded(self, reader)
+
+    def full_model_state(self):
+        return gather_full_state(self)

@@ -1,0 +1,120 @@
+"""ModelParallel's state across layouts: resuming any (pp, dp, tp) layout from a checkpoint of any
+other, and gathering the consolidated model on rank 0. `mp` is the ModelParallel of this rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from paratrain import checkpoint as ckpt
+from paratrain.parallel.hybrid.parallelize import stage_of_keys
+from paratrain.parallel.tensor.comm import all_gather_dim, shard_range
+
+
+def load_resharded(mp, reader) -> None:
+    """Any layout resumes any other: each rank reads the saved shards of every stage, joins a
+    tensor's tp shards when the saved tp differs from ours, and cuts out its own slice."""
+    saved = reader.manifest["config"]["parallel"]
+    old_tp, old_pp = int(saved.get("tp", 1)), int(saved.get("pp", 1))
+    old_dp = reader.world_size // (old_tp * old_pp)
+    same_tp = old_tp == mp.mesh.tp
+    pieces: dict[str, list[torch.Tensor]] = {}
+    scalars, groups, old_dims = {}, None, {}
+    for q in range(old_pp):
+        for t in [mp.mesh.tp_rank] if same_tp else range(old_tp):
+            tensors, meta = reader.load(rank=(q * old_dp) * old_tp + t)
+            for k, v in tensors.items():
+                pieces.setdefault(k, []).append(v)
+            scalars.update(meta["optimizer"]["scalars"])
+            groups = groups or meta["optimizer"]["param_groups"]
+            old_dims.update(meta.get("shard_dims", {}))
+
+    def mine(key: str, name: str) -> torch.Tensor | None:
+        """The saved tensor `key` (of parameter or buffer `name`) as this rank holds it."""
+        parts = pieces.get(key)
+        if parts is None or same_tp or parts[0].dim() == 0:
+            return parts[0] if parts else None
+        whole = torch.cat(parts, dim=old_dims[name]) if name in old_dims else parts[0]
+        if name not in mp.shard_dims:
+            return whole
+        dim = mp.shard_dims[name]
+        start, end = shard_range(whole.shape[dim], mp.mesh.tp, mp.mesh.tp_rank)
+        return whole.narrow(dim, start, end - start)
+
+    local = mp._local_state()
+    state = {k: mine(f"model.{k}", k) for k in local}
+    missing = [k for k, v in state.items() if v is None]
+    wrong = [k for k, v in state.items() if v is not None and v.shape != local[k].shape]
+    if missing or wrong:
+        raise ckpt.CheckpointMismatch(
+            "resume", f"checkpoint does not match the model: missing {missing[:5]}, shape differs {wrong[:5]}"
+        )
+    with torch.no_grad():
+        for k, t in local.items():
+            t.copy_(state[k])
+    optim = {}
+    for name in mp.param_names:
+        # A tied parameter's state may be saved under another of its names: the name of the
+        # copy a stage held, or the first name when one stage held all its uses.
+        for saved in (name, *mp.tie_names.get(name, ())):
+            prefix = f"optim.{saved}."
+            found = {f"optim.{name}.{key[len(prefix) :]}": mine(key, saved) for key in pieces if key.startswith(prefix)}
+            if found:
+                optim.update(found)
+                break
+    ckpt.optimizer_from_tensors(mp.optimizer, mp.param_names, optim, {"param_groups": groups, "scalars": scalars})
+
+
+def gather_full_state(mp):
+    """Collective. tp shards are gathered inside each stage, then every stage's leader sends its
+    tensors to rank 0 in one flat message per dtype; rank 0 knows every shape from the meta copy."""
+    mesh = mp.mesh
+    full = mp.full_meta.state_dict()
+    mine = {}
+    if mesh.dp_rank == 0:
+        for k, t in mp._local_state().items():
+            if k in mp.shard_dims:
+                dim = mp.shard_dims[k]
+                t = all_gather_dim(t.detach(), dim, full[k].shape[dim], mesh.tp_group)
+            mine[k] = t.detach()
+    if mesh.dp_rank != 0 or mesh.tp_rank != 0:
+        return None
+    stage_keys = keys_per_pp_rank(mp, full)
+    if mp.rt.rank != 0:
+        for flat in _flatten_by_dtype([mine[k] for k in stage_keys[mesh.pp_rank]]):
+            dist.send(flat, dst=0)
+        return None
+    state = dict(mine)
+    for q in range(1, mesh.pp):
+        keys = stage_keys[q]
+        metas = [full[k] for k in keys]
+        for dtype, members in _group_by_dtype(metas).items():
+            flat = torch.empty(sum(metas[i].numel() for i in members), dtype=dtype, device=mp.rt.device)
+            dist.recv(flat, src=mesh.global_rank(q, 0, 0))
+            offset = 0
+            for i in members:
+                n = metas[i].numel()
+                state[keys[i]] = flat[offset : offset + n].view(metas[i].shape)
+                offset += n
+    return {k: state[k].cpu() for k in full}
+
+
+def keys_per_pp_rank(mp, full: dict) -> list[list[str]]:
+    """The keys each pipeline rank holds, in the unsplit model's order (the same cut on the
+    meta copy tells every rank what the others hold)."""
+    stage_of_key = stage_of_keys(mp.full_meta, mp.cfg, mp.bounds)
+    per_rank: list[list[str]] = [[] for _ in range(mp.mesh.pp)]
+    for k in full:
+        per_rank[stage_of_key[k] % mp.mesh.pp].append(k)
+    return per_rank
+
+
+def _group_by_dtype(tensors) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return groups
+
+
+def _flatten_by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat([tensors[i].reshape(-1) for i in members]) for members in _group_by_dtype(tensors).values()]

@@ -1,0 +1,263 @@
+"""Tensor parallelism (Megatron-style): layers split inside, across the ranks of the tp group.
+
+    column-parallel Linear  W = [W_0; W_1; ...] by output rows: each rank computes its slice of the
+                            output; input through copy_to_tp (its gradient is all-reduced)
+    row-parallel Linear     W = [W_0, W_1, ...] by input columns: each rank takes its slice of the
+                            input, the partial products are all-reduced; bias added once, after
+    vocab-parallel Embedding  each rank holds a contiguous range of the vocabulary; ids outside it
+                            give zeros, and one all-reduce assembles the rows
+    vocab-parallel cross-entropy  on logits split by vocabulary (a column-parallel head): global max,
+                            sum of exponentials and target logit by all-reduces of per-token scalars,
+                            so the full logits are never gathered
+
+A plan maps module names to "colwise" / "rowwise" (and, for the built-in gpt, "vocab"). A column
+split followed by a row split (q/k/v then proj; fc then proj) needs one all-reduce each way. The
+modules are replaced in place, under the same names, so the state dict keeps the user's keys; the
+shards are slices of the same initial weights every rank built, so training starts where one
+process would.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.comm import collectives
+from paratrain.errors import ConfigError
+from paratrain.parallel.tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp, shard_range
+
+USER_STYLES = ("colwise", "rowwise")
+
+
+class ColumnParallelLinear(nn.Module):
+    shard_dims = {"weight": 0, "bias": 0}
+
+    def __init__(self, linear: nn.Linear, group, rank: int, world: int):
+        super().__init__()
+        self.group = group
+        self.in_features, self.full_out_features = linear.in_features, linear.out_features
+        start, end = shard_range(linear.out_features, world, rank)
+        self.out_features = end - start  # local: attention derives its local head count from it
+        self.weight = nn.Parameter(linear.weight.detach()[start:end].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[start:end].clone()) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    shard_dims = {"weight": 1}
+
+    def __init__(self, linear: nn.Linear, group, rank: int, world: int):
+        super().__init__()
+        self.group = group
+        self.full_in_features, self.out_features = linear.in_features, linear.out_features
+        start, end = shard_range(linear.in_features, world, rank)
+        self.in_features = end - start
+        self.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone())
+        self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    shard_dims = {"weight": 0}
+
+    def __init__(self, emb: nn.Embedding, group, rank: int, world: int):
+        super().__init__()
+        self.group = group
+        self.num_embeddings = emb.num_embeddings
+        self.start, self.end = shard_range(emb.num_embeddings, world, rank)
+        self.weight = nn.Parameter(emb.weight.detach()[self.start : self.end].clone())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.start) | (idx >= self.end)
+        rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+STYLES = {"colwise": ColumnParallelLinear, "rowwise": RowParallelLinear, "vocab": VocabParallelEmbedding}
+
+
+def plan_for(model: nn.Module, user_plan: dict) -> dict[str, str]:
+    """parallel.tp_plan, else the model's own `tp_plan()` (module name -> style), else none."""
+    if user_plan:
+        return dict(user_plan)
+    own = getattr(model, "tp_plan", None)
+    return dict(own()) if callable(own) else {}
+
+
+def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
+    """Every planned module exists, is a Linear, and splits evenly (ConfigError otherwise)."""
+    from paratrain.models.gpt import GPT
+
+    key = "parallel.tp_plan"
+    if tp > 1 and not plan:
+        raise ConfigError(
+            key,
+            f"tp = {tp} needs a plan for this model: a table of module name -> "
+            f'colwise | rowwise (e.g. {{ "0" = "colwise", "2" = "rowwise" }})',
+        )
+    modules = dict(model.named_modules(remove_duplicate=False))
+    holders: dict[int, list[str]] = {}  # parameter -> the modules holding it (several: tied)
+    for owner, module in modules.items():
+        for t in module.parameters(recurse=False):
+            holders.setdefault(id(t), []).append(owner)
+    for name, style in plan.items():
+        if style not in (USER_STYLES if user else STYLES):
+            raise ConfigError(key, f"{name!r}: style must be one of {' | '.join(USER_STYLES)}, got {style!r}")
+        if name not in modules or name == "":
+            raise ConfigError(key, f"{name!r} is not a module of the model")
+        module = modules[name]
+        want = nn.Embedding if style == "vocab" else nn.Linear
+        if not isinstance(module, want):
+            raise ConfigError(key, f"{name!r} is a {type(module).__name__}, not a {want.__name__}")
+        if sum(m is module for m in modules.values()) > 1:
+            raise ConfigError(
+                key, f"{name!r} is one module used in several places, which tensor parallelism cannot split"
+            )
+        for attr, t in module.named_parameters(recurse=False):
+            others = [o for o in holders[id(t)] if o != name]
+            # Tied weights stay tied only if every holder shards them alike (the gpt's vocab-parallel
+            # embedding and column-parallel head both split rows of one (vocab, d) matrix):
+            # otherwise each would get its own tensor, one sharded (or sharded otherwise), one not.
+            if others and any(o not in plan or _shard_dim(plan[o], attr) != _shard_dim(style, attr) for o in others):
+                raise ConfigError(
+                    key,
+                    f"{name!r} shares its {attr} with {', '.join(map(repr, others))} (tied "
+                    f"weights or one module used twice), which this plan would split apart",
+                )
+        # User plans split evenly; the built-in gpt's vocabulary may split unevenly (by one row).
+        size = module.out_features if style == "colwise" else module.in_features if style == "rowwise" else tp
+        if user and size % tp:
+            dim = "out_features" if style == "colwise" else "in_features"
+            raise ConfigError("parallel.tp", f"tp {tp} does not divide {name}.{dim} = {size}")
+    if user and isinstance(model, nn.Sequential):
+        check_pairs(model, plan)
+    if isinstance(model, GPT):
+        heads = model.blocks[0].attn.q.out_features // model.blocks[0].attn.head_dim if len(model.blocks) else 0
+        if heads % tp:
+            raise ConfigError("parallel.tp", f"tp {tp} does not divide the gpt's {heads} attention heads")
+
+
+def check_pairs(model: nn.Sequential, plan: dict) -> None:
+    """In an nn.Sequential (forward order = module order) a colwise Linear's output is split
+    across the tp ranks, and only a rowwise Linear can take it (parameter-free modules between them
+    act on each rank's part alike); a rowwise Linear needs such a split input. The model's output
+    may stay split (the loss is vocab-parallel). Before, a plan that broke this passed `plan` and
+    failed in the workers with a shape error."""
+    key, split_by = "parallel.tp_plan", None
+    for name, module in model.named_modules():
+        if list(module.children()) or not any(True for _ in module.parameters(recurse=False)):
+            continue  # containers and parameter-free modules (activations, dropout)
+        style = plan.get(name)
+        if split_by is not None and style != "rowwise":
+            raise ConfigError(
+                key,
+                f"{name!r} takes the split output of colwise {split_by!r}, so it must be "
+                f"rowwise (a colwise -> rowwise pair), but it is {style or 'not planned'}",
+            )
+        if split_by is None and style == "rowwise":
+            raise ConfigError(
+                key,
+                f"{name!r} is rowwise but its input is whole: a rowwise Linear must follow "
+                f"a colwise one (a colwise -> rowwise pair)",
+            )
+        split_by = name if style == "colwise" else None
+
+
+def _shard_dim(style: str, attr: str) -> int | None:
+    return STYLES[style].shard_dims.get(attr) if style in STYLES else None
+
+
+def apply_tensor_parallel(model: nn.Module, plan: dict, group) -> dict[str, int]:
+    """Replace the planned modules by their parallel versions, in place.
+
+    Returns {state-dict key: dimension it is split along} for every sharded tensor."""
+    return shard_modules(model, plan, group, dist.get_rank(group), dist.get_world_size(group))
+
+
+def shard_modules(model: nn.Module, plan: dict, group, rank: int, world: int) -> dict[str, int]:
+    """apply_tensor_parallel for tp rank `rank` of `world` (the planner plays a rank without a group)."""
+    modules = dict(model.named_modules())
+    tied: dict[int, list[tuple[str, str]]] = {}  # parameter -> the planned (module, attribute) holding it
+    for name in plan:
+        for attr, t in modules[name].named_parameters(recurse=False):
+            tied.setdefault(id(t), []).append((name, attr))
+    shard_dims = {}
+    for name, style in plan.items():
+        parent_name, _, attr = name.rpartition(".")
+        parallel = STYLES[style](modules[name], group, rank, world)
+        setattr(modules[parent_name], attr, parallel)
+        prefix = f"{name}." if name else ""
+        shard_dims.update(
+            {prefix + p: d for p, d in parallel.shard_dims.items() if getattr(parallel, p, None) is not None}
+        )
+    # Each holder of a tied parameter cut the same slice of it (check_plan): tie the slices again.
+    modules = dict(model.named_modules())
+    for (first, first_attr), *rest in tied.values():
+        for name, attr in rest:
+            setattr(modules[name], attr, getattr(modules[first], first_attr))
+    return shard_dims
+
+
+def output_is_sharded(model: nn.Module) -> bool:
+    """A model whose last Linear is column-parallel returns its last dimension split across ranks."""
+    last = None
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
+            last = module
+    return isinstance(last, ColumnParallelLinear)
+
+
+def full_width(model: nn.Module) -> int:
+    last = [m for m in model.modules() if isinstance(m, ColumnParallelLinear)][-1]
+    return last.full_out_features
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, start: int):
+        logits = logits.float()
+        end = start + logits.shape[-1]
+        peak = logits.max(dim=-1).values
+        collectives.all_reduce(peak, "tp-ce-max", group=group, op=dist.ReduceOp.MAX)
+        shifted = logits - peak.unsqueeze(-1)
+        exp = shifted.exp()
+        mine = (target >= start) & (target < end)
+        local_target = (target - start).masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        both = torch.stack([exp.sum(dim=-1), target_logit])  # one all-reduce for both
+        collectives.all_reduce(both, "tp-ce-sums", group=group)
+        sum_exp, target_logit = both
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, mine, local_target)
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, mine, local_target = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local_target] -= mine.to(g.dtype)
+        return g * (grad / g.shape[0]), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, full: int) -> torch.Tensor:
+    """Mean cross-entropy over all tokens, from this rank's vocabulary slice of the logits."""
+    start, _ = shard_range(full, dist.get_world_size(group), dist.get_rank(group))
+    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, start)
+
+
+def parallel_loss(loss_fn, group, full: int):
+    """The loss on a sharded output: vocab-parallel for the built-in cross-entropy, else on the
+    gathered output (a user loss sees exactly what the unsplit model would return)."""
+    from paratrain.optim import cross_entropy
+
+    if loss_fn is cross_entropy:
+        return lambda out, y: vocab_parallel_cross_entropy(out, y, group, full)
+    return lambda out, y: loss_fn(gather_from_tp(out, group, full), y)

@@ -1,0 +1,317 @@
+"""ZeRO's pieces of communication: flat units of parameters, and the gradient reduce-scatters.
+
+A *unit* is a group of parameters that is gathered and sharded together: one flat space, padded to a
+multiple of the world size, cut into equal contiguous shards, shard r on rank r:
+
+    unit flat space   | p0 ....... | p1 .. | p2 ............ |pad|
+    shards            |  rank 0    |  rank 1    |  rank 2    |      (numel / world each)
+
+Stages 1 and 2 make one unit per gradient bucket (dp's `make_buckets`: reverse registration order,
+`parallel.bucket_mb` each); stage 3 one per module (see zero/gather.py).
+
+Collectives. On NCCL, reduce-scatter and all-gather are the native ones (in place: the output is the
+rank's slice of the input). Gloo has both too, but measured here on a 64 MB flat buffer at world 2
+they are the slowest way to do the job and each allocates a full-size temporary (which would undo
+the memory ZeRO saves), so on gloo we build them from in-place primitives:
+    all-gather      = one broadcast per rank of its chunk, straight into the flat buffer
+                      (~80 ms vs ~260 ms for all_gather_into_tensor, no temporary)
+    reduce-scatter  = all_reduce of the flat buffer in place, then keep our chunk
+                      (~105 ms vs ~240 ms, no temporary; twice the bytes on the wire, which on
+                      loopback costs less than gloo's reduce-scatter does)
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm import collectives
+from paratrain.comm.collectives import Handle
+from paratrain.parallel.dp.engine import Bucket, GradientReducer
+
+
+def from_primitives(backend: str) -> bool:
+    """Whether to build reduce-scatter and all-gather from in-place primitives (an all-reduce; one
+    broadcast per chunk), as gloo needs. PARATRAIN_NATIVE_COLLECTIVES=1 takes the native ones
+    (NCCL's path) on gloo too, so that a CPU test covers that path."""
+    return backend == "gloo" and os.environ.get("PARATRAIN_NATIVE_COLLECTIVES", "0") != "1"
+
+
+def _on_gloo(group) -> bool:
+    return from_primitives(dist.get_backend(group))
+
+
+def reduce_scatter(output: torch.Tensor, flat: torch.Tensor, what: str, group, wire_dtype=None) -> Handle:
+    """Async: `output` (this rank's chunk of `flat`, or a tensor of its size) gets the chunk's sum.
+    `wire_dtype` (parallel.compression bf16 | fp16): reduce a 16-bit copy, half the bytes."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if wire_dtype is not None and wire_dtype != flat.dtype:
+        small = flat.to(wire_dtype)
+        own_small = small.chunk(world)[rank]
+        return Handle(
+            [reduce_scatter(own_small, small, f"{what}-{wire_dtype}", group)], then=lambda: output.copy_(own_small)
+        )
+    if not _on_gloo(group):
+        return Handle([collectives.reduce_scatter(output, flat, what, group=group, async_op=True)])
+    own = flat.chunk(world)[rank]
+    same = output.data_ptr() == own.data_ptr()
+    return Handle(
+        [collectives.all_reduce(flat, what, group=group, async_op=True)],
+        then=None if same else lambda: output.copy_(own),
+    )
+
+
+def all_gather(flat: torch.Tensor, shard: torch.Tensor, what: str, group) -> Handle:
+    """Async: every rank's `shard` into its chunk of `flat` (`shard` may be our chunk of `flat` itself)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not _on_gloo(group):
+        return Handle([collectives.all_gather_into(flat, shard, what, group=group, async_op=True)])
+    chunks = flat.chunk(world)
+    if chunks[rank].data_ptr() != shard.data_ptr():
+        chunks[rank].copy_(shard)
+    return Handle(
+        [
+            collectives.broadcast(
+                c,
+                dist.get_global_rank(group, i) if group is not None else i,
+                f"{what}-from-{i}",
+                group=group,
+                async_op=True,
+            )
+            for i, c in enumerate(chunks)
+        ]
+    )
+
+
+class FlatUnit:
+    """Parameters gathered and sharded together (see the module docstring for the layout)."""
+
+    def __init__(
+        self,
+        index: int,
+        params: list[nn.Parameter],
+        names: list[str],
+        rank: int,
+        world: int,
+        device: torch.device,
+        module: nn.Module | None = None,
+    ):
+        self.index, self.params, self.names, self.module = index, params, names, module
+        self.dtype, self.device = params[0].dtype, device
+        self.shapes = [tuple(p.shape) for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        used = sum(self.numels)
+        self.numel = -(-used // world) * world
+        self.shard_numel = self.numel // world
+        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        self.full: torch.Tensor | None = None  # the whole flat parameter (views: the module's params)
+        self.shard: nn.Parameter | None = None  # this rank's slice: what the optimizer updates
+        self.grad_full: torch.Tensor | None = None  # the whole flat gradient, while it is being reduced
+        self.grads: list[torch.Tensor | None] = [None] * len(params)  # or each gradient, reduced in place
+        self.pending = len(params)
+        self.work = None
+
+    def own_pieces(self):
+        """(param index, start, end within the flattened parameter, start within the shard) of what this rank owns."""
+        for i, (offset, numel) in enumerate(zip(self.offsets, self.numels)):
+            start, end = max(self.lo, offset), min(self.hi, offset + numel)
+            if start < end:
+                yield i, start - offset, end - offset, start - self.lo
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+    def full_nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class ShardReducer(GradientReducer):
+    """Stage 1: dp's reducer (persistent buckets, p.grad views, in-order overlapped launch), but each
+    bucket is reduce-scattered in place: afterwards this rank's slice of it holds the average (the
+    rest is whatever the collective left there, and unused)."""
+
+    def __init__(self, params, bucket_mb, device, group=None, wire_dtype=None):
+        super().__init__(params, bucket_mb, device, group, pad_to=dist.get_world_size(group))
+        self.rank = dist.get_rank(group)
+        self.wire_dtype = wire_dtype
+
+    def own_slice(self, b: Bucket) -> torch.Tensor:
+        size = b.numel // self.world
+        return b.buffer[self.rank * size : (self.rank + 1) * size]
+
+    def _communicate(self, b: Bucket):
+        b.buffer.div_(self.world)
+        return reduce_scatter(self.own_slice(b), b.buffer, f"zero-grad-bucket-{b.index}", self.group, self.wire_dtype)
+
+
+class StreamingShardReducer:
+    """Stages 2 and 3: full gradients exist only briefly, per unit, while they are reduce-scattered.
+
+        backward:  grad of p ready -> copy into its unit's flat gradient, p.grad = None -> unit complete
+                   -> async reduce-scatter, which overlaps the backward compute of the next unit's
+                   gradients -> the next unit's first gradient arrives: wait, add into the grad shard,
+                   free, and only then allocate the next unit's flat gradient
+    so at most one full unit of gradients exists at a time (besides autograd's own temporary).
+    Every micro-batch of an accumulation reduces (the shard accumulates), so no full gradient
+    outlives its unit's backward. `in_order` (stage 2) launches units strictly by index like dp, which
+    keeps unused parameters from hanging; stage 3 launches as units complete (its per-module units
+    have no fixed backward order), which is the same order on every rank since the graph is.
+    `on_launch(unit)` runs when a unit's gradients are all in (stage 3 frees its parameters then).
+
+    `in_place` (stage 3), where the reduce-scatter is an all-reduce anyway (gloo, see the module
+    docstring): no flat copy. Each gradient is all-reduced where autograd left it and this rank's
+    pieces are taken from it, so a unit's gradients take their own bytes once instead of twice
+    while they are copied. `live_bytes` counts the gradients held; `drain()` completes what is in
+    flight (stage 3's gatherer calls it when a unit's backward would not fit beside them).
+    """
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        group=None,
+        in_order: bool = True,
+        on_launch=None,
+        wire_dtype=None,
+        in_place: bool = False,
+    ):
+        self.units, self.group, self.in_order = units, group, in_order
+        self.wire_dtype = wire_dtype
+        self.in_place = in_place and _on_gloo(group)
+        self.world = dist.get_world_size(group)
+        self.slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
+        self.on_launch = on_launch or (lambda unit: None)
+        self.launched: deque[FlatUnit] = deque()
+        self.live_bytes = self.peak_bytes = 0  # full gradients alive at once (for the memory benchmark)
+        self.next_to_launch = 0
+        self.accumulate = False
+        for u in units:
+            u.grad_shard = torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device)
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_shard.zero_()
+
+    def prepare(self, accumulate: bool) -> None:
+        """Before each backward: `accumulate` adds to the grad shards instead of overwriting them."""
+        self.accumulate = accumulate
+        self.next_to_launch = 0
+        for u in self.units:
+            u.pending, u.work, u.grad_full, u.grads = len(u.params), None, None, [None] * len(u.params)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        unit, i = self.slot_of[id(p)]
+        if self.in_place:
+            if unit.pending == len(unit.params):  # the unit's first gradient: hand the previous ones over
+                self.drain()
+            unit.grads[i] = p.grad
+            self._count(p.grad.nbytes)
+        else:
+            if unit.grad_full is None:
+                self._allocate(unit)
+            unit.grad_full[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(p.grad.reshape(-1))
+        p.grad = None
+        unit.pending -= 1
+        if unit.pending == 0:
+            if self.in_order:
+                self._launch_in_order(only_ready=True)
+            else:
+                self._launch(unit)
+
+    def _launch_in_order(self, only_ready: bool) -> None:
+        while self.next_to_launch < len(self.units):
+            unit = self.units[self.next_to_launch]
+            if only_ready and unit.pending:
+                return
+            self._launch(unit)
+            self.next_to_launch += 1
+
+    def _launch(self, unit: FlatUnit) -> None:
+        if self.in_place:
+            unit.work = self._all_reduce_each(unit)
+        else:
+            if unit.grad_full is None:  # no gradient reached this unit in this backward (same on all ranks)
+                self._allocate(unit)
+            unit.grad_full.div_(self.world)
+            own = unit.grad_full[unit.lo : unit.hi]
+            unit.work = reduce_scatter(
+                own,
+                unit.grad_full,
+                f"zero-grad-unit-{unit.index}",
+                self.group,  # in place
+                self.wire_dtype,
+            )
+        self.on_launch(unit)
+        self.launched.append(unit)
+
+    def _all_reduce_each(self, unit: FlatUnit) -> Handle:
+        """Average each gradient of `unit` where it lies; a parameter no gradient reached in this
+        backward (the same on every rank: the graph is) contributes zeros and sends nothing."""
+        works = []
+        for i, g in enumerate(unit.grads):
+            if g is None:
+                continue
+            g.div_(self.world)
+            if self.wire_dtype is not None and self.wire_dtype != g.dtype:
+                unit.grads[i] = small = g.to(self.wire_dtype)
+                self._count(small.nbytes - g.nbytes)  # the full-precision gradient is freed
+                g = small
+            works.append(collectives.all_reduce(g, f"zero-grad-unit-{unit.index}-{i}", group=self.group, async_op=True))
+        return Handle(works)
+
+    def _count(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _allocate(self, unit: FlatUnit) -> None:
+        self.drain()  # hand the previous unit over first: one full gradient at a time
+        unit.grad_full = torch.zeros(unit.numel, dtype=unit.dtype, device=unit.device)
+        self._count(unit.full_nbytes())
+
+    def _complete(self, unit: FlatUnit) -> None:
+        unit.work.wait()
+        if self.in_place:
+            self._take_own_pieces(unit)
+            self._count(-sum(g.nbytes for g in unit.grads if g is not None))
+            unit.grads = [None] * len(unit.params)
+        else:
+            own = unit.grad_full[unit.lo : unit.hi]
+            if self.accumulate:
+                unit.grad_shard.add_(own)
+            else:
+                unit.grad_shard.copy_(own)
+            unit.grad_full = None
+            self._count(-unit.full_nbytes())
+        unit.work = None
+
+    def _take_own_pieces(self, unit: FlatUnit) -> None:
+        """This rank's pieces of the unit's averaged gradients into (or onto) its gradient shard."""
+        for i, start, end, at in unit.own_pieces():
+            own, g = unit.grad_shard[at : at + end - start], unit.grads[i]
+            if g is not None:
+                piece = g.reshape(-1)[start:end]
+                own.add_(piece) if self.accumulate else own.copy_(piece)
+            elif not self.accumulate:
+                own.zero_()
+
+    def drain(self) -> None:
+        """Wait for the launched reductions and take their results: their gradients are freed."""
+        while self.launched:
+            self._complete(self.launched.popleft())
+
+    def finish(self) -> None:
+        """After each backward: reduce what is left (units with unused parameters) and wait for all."""
+        if self.in_order:
+            self._launch_in_order(only_ready=False)
+        else:
+            for unit in self.units:
+                if unit.pending:
+                    unit.pending = 0
+                    self._launch(unit)
+        self.drain()

@@ -1,0 +1,346 @@
+"""ZeRO: data parallelism whose optimizer state (stage 1), gradients (2) and parameters (3) are sharded.
+
+Trainable parameters form flat *units* (comm.FlatUnit), each padded to a multiple of the world
+size and cut into equal shards; rank r owns shard r of every unit, and the optimizer (any elementwise
+one: sgd, adamw) sees only those shards, so each rank updates 1/N of the numbers and they come out
+exactly as one process would compute them.
+
+One optimizer step, per stage (N ranks; "full" = every rank holds all of it):
+
+  stage 1   params full | grads full          | forward, backward -> buckets reduce-scattered
+            (dp's GradientReducer, overlapped with backward) -> step on own shard -> all-gather params
+  stage 2   params full | grads 1/N + in flight | backward: each bucket's gradients are copied into a
+            short-lived flat buffer, reduce-scattered as soon as the bucket is complete (overlapped
+            with the backward of the next bucket, at most one full bucket alive) and added into the
+            rank's gradient shard -> step -> all-gather params
+            (stages 1 and 2: the all-gathers start after the step and are waited for module by module
+            in the next forward, so they overlap it)
+  stage 3   params 1/N + gathered units | grads 1/N + in flight | one unit per module:
+
+     forward:   pre-hook(m_i): gather m_i (wait for its prefetch), start gathering m_i+1 | run m_i |
+                post-hook(m_i): free m_i's full parameters, hook m_i's outputs
+     backward:  output-grad hook(m_i): gather m_i again (first finish reducing the gradients in
+                flight if m_i's would not fit beside them) | m_i's backward | m_i's gradients
+                complete: reduce-scatter them (async; on gloo each where autograd left it), free m_i's
+                full parameters, start gathering m_i-1
+                (prefetches only within twice the largest unit: zero/gather.py.ParameterGatherer)
+     step:      optimizer on the shards; nothing to gather (the next forward gathers)
+
+Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
+Checkpoints: every rank writes the pieces of parameters and optimizer state it owns, keyed by
+parameter name with their offsets within the parameter, so a checkpoint written at world N loads at
+any world M (zero/reshard.py). Stage 3's units and their gathering: zero/gather.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm import collectives
+from paratrain.models.materialize import materialize
+from paratrain.optim import build_optimizer
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from paratrain.parallel.codecs.basic import CAST_DTYPES
+from paratrain.parallel.dp.engine import make_buckets
+from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
+from paratrain.parallel.zero.gather import ParameterGatherer, module_units
+from paratrain.parallel.zero.reshard import check_checkpoint, load_sharded_state, sharded_state
+
+
+def wire_dtype(cfg) -> torch.dtype | None:
+    """parallel.compression for ZeRO: bf16 / fp16 reduce-scatter a 16-bit copy of each gradient
+    bucket (the other codecs need an all-reduce of every rank's whole gradient: config rejects them)."""
+    return CAST_DTYPES.get(cfg.parallel.compression)
+
+
+def on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters())
+
+
+class Zero(Strategy):
+    stage = 0
+    # The trainer builds models on the meta device for us (ZeroSpec.materializes_models; see models/materialize.py).
+
+    def __init__(self, model: nn.Module, loss_fn, cfg, rt, group=None):
+        super().__init__(model, loss_fn, cfg, rt)
+        self.group = group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.device = rt.device
+        named = unique_parameters(model)
+        self.name_of = {id(p): n for n, p in named}
+        self.units = self._make_units(model, named)
+        self.slot_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self._allocate(model)
+        self._load_initial_values(model)
+        self._install(model)
+        self._setup_communication(model)
+        self._overlap_gathers_with_forward(model)
+        self.optimizer = build_optimizer([u.shard for u in self.units], cfg.train)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def _make_units(self, model, named) -> list[FlatUnit]:
+        """Stages 1 and 2: one unit per gradient bucket (dp's make_buckets)."""
+        params = [p for _, p in named]
+        buckets = make_buckets(params, int(self.cfg.parallel.bucket_mb * 2**20), self.device, self.world)
+        return [
+            FlatUnit(b.index, b.params, [self.name_of[id(p)] for p in b.params], self.rank, self.world, self.device)
+            for b in buckets
+        ]
+
+    def _allocate(self, model) -> None:
+        """Stages 1 and 2: the full flat parameter of every unit is kept; the shard is a view of it."""
+        for u in self.units:
+            u.full = torch.zeros(u.numel, dtype=u.dtype, device=self.device)
+            u.shard = nn.Parameter(u.full[u.lo : u.hi])
+
+    def _take_values(self, unit: FlatUnit, i: int, value: torch.Tensor) -> None:
+        """Store parameter i of `unit` (the whole tensor) where this stage keeps it."""
+        flat = value.detach().reshape(-1)
+        unit.full[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(flat)
+
+    def _load_initial_values(self, model) -> None:
+        """Shard by shard for meta-built models (no rank holds the whole model), else from the model."""
+        if not on_meta(model):
+            for u in self.units:
+                for i, p in enumerate(u.params):
+                    self._take_values(u, i, p)
+            model.to(self.device)  # buffers and frozen parameters
+            broadcast_tensors(list(model.buffers()), src=0, group=self.group)
+            self._sync_full_from_shards()
+            return
+        replicated: dict[int, torch.Tensor] = {}
+
+        def keep(meta_tensor: torch.Tensor, value: torch.Tensor) -> None:
+            slot = self.slot_of.get(id(meta_tensor))
+            if slot is not None:
+                self._take_values(*slot, value)
+            else:
+                replicated[id(meta_tensor)] = value.to(self.device)
+
+        materialize(model, self.cfg.train.seed, keep)
+        for module in model.modules():  # buffers and frozen parameters: whole on every rank
+            for name, t in list(module._parameters.items()):
+                if t is not None and id(t) in replicated:
+                    module._parameters[name] = nn.Parameter(replicated[id(t)], requires_grad=False)
+            for name, t in list(module._buffers.items()):
+                if t is not None and id(t) in replicated:
+                    module._buffers[name] = replicated[id(t)]
+        self._sync_full_from_shards()
+
+    def _sync_full_from_shards(self) -> None:
+        self._start_gathers()
+        self._wait_gathers(self.units)
+
+    def _start_gathers(self) -> None:
+        for u in self.units:
+            u.sync_work = all_gather(u.full, u.shard.detach(), f"zero-params-unit-{u.index}", self.group)
+
+    def _wait_gathers(self, units) -> None:
+        for u in units:
+            if getattr(u, "sync_work", None) is not None:
+                u.sync_work.wait()
+                u.sync_work = None
+
+    def _overlap_gathers_with_forward(self, model) -> None:
+        """Stages 1 and 2: the parameter all-gathers started after a step finish during the next
+        forward; each module waits only for the units holding its own parameters."""
+        for module in model.modules():
+            units = list(
+                {
+                    id(self.slot_of[id(p)][0]): self.slot_of[id(p)][0]
+                    for p in module._parameters.values()
+                    if p is not None and id(p) in self.slot_of
+                }.values()
+            )
+            if units:
+                module.register_forward_pre_hook(lambda m, args, units=units: self._wait_gathers(units))
+
+    def _install(self, model) -> None:
+        """Replace the model's parameters by views into the units' full flat parameters."""
+        new = {}
+        for u in self.units:
+            for p, view in zip(u.params, self._param_views(u)):
+                new[id(p)] = nn.Parameter(view, requires_grad=True)
+            u.params = [new[id(p)] for p in u.params]
+        for module in model.modules():
+            for name, t in list(module._parameters.items()):
+                if t is not None and id(t) in new:
+                    module._parameters[name] = new[id(t)]
+        self.slot_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+
+    def _param_views(self, u: FlatUnit) -> list[torch.Tensor]:
+        return u.views(u.full)
+
+    def _setup_communication(self, model) -> None:
+        """Stage 1: dp's persistent buckets, reduce-scattered in place; the shard's grad is a view."""
+        params = [p for u in reversed(self.units) for p in reversed(u.params)]  # registration order
+        self.reducer = ShardReducer(params, self.cfg.parallel.bucket_mb, self.device, self.group, wire_dtype(self.cfg))
+        for u, b in zip(self.units, self.reducer.buckets):
+            assert [id(p) for p in u.params] == [id(p) for p in b.params], "bucket and unit layouts differ"
+            u.shard.grad = self.reducer.own_slice(b)
+
+    # -- the step -------------------------------------------------------------------------------
+    def train_step(self, batch) -> torch.Tensor:
+        self.reducer.zero_grad()
+        micro = self.micro_batches(batch)
+        total = torch.zeros((), device=self.device)
+        prof = self.profiler  # waits on gathers and reduce-scatters are its "comm" (paratrain.comm.collectives)
+        for i, (x, y) in enumerate(micro):
+            self._before_backward(i, last=i == len(micro) - 1)
+            with prof.phase("forward"), self.autocast():
+                loss = self.loss_fn(self.model(x), y)
+            with prof.phase("backward"):
+                (loss / len(micro)).backward()
+            self._after_backward(last=i == len(micro) - 1)
+            total += loss.detach()
+        self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
+        with prof.phase("optimizer"):
+            grads = [u.shard.grad for u in self.units]
+            norm = sharded_grad_norm(grads, self.group)
+            self.skipped_step = not bool(torch.isfinite(norm))  # the same on every rank: the norm is global
+            if not self.skipped_step:
+                if self.cfg.train.clip_grad_norm > 0:
+                    factor = clip_factor(norm, self.cfg.train.clip_grad_norm)
+                    for g in grads:
+                        g.mul_(factor.to(g.dtype))
+                self.optimizer.step()
+                self._after_step()
+        return total / len(micro)
+
+    def _before_backward(self, micro: int, last: bool) -> None:
+        self.reducer.prepare(sync=last)  # stage 1 communicates once per step, like dp
+
+    def _after_backward(self, last: bool) -> None:
+        if last:
+            self.reducer.finish()
+
+    def _after_step(self) -> None:
+        self._start_gathers()  # waited for by the next forward, module by module
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self):
+        """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
+        return sharded_state(self.units, self.optimizer, self.model, self.rank, self.world, self.stage)
+
+    check_checkpoint = staticmethod(check_checkpoint)  # the CLI's preflight of --resume
+
+    def load_state_dict(self, reader) -> None:
+        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device)
+        self._after_load()
+
+    def _after_load(self) -> None:
+        self._sync_full_from_shards()
+
+    def full_model_state(self):
+        self._wait_gathers(self.units)
+        if self.rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+
+class Zero1(Zero):
+    name = "zero1"
+    stage = 1
+
+
+class Zero2(Zero):
+    name = "zero2"
+    stage = 2
+
+    def _setup_communication(self, model) -> None:
+        self.reducer = StreamingShardReducer(self.units, self.group, in_order=True, wire_dtype=wire_dtype(self.cfg))
+        for u in self.units:
+            u.shard.grad = u.grad_shard
+
+    def _before_backward(self, micro: int, last: bool) -> None:
+        self.reducer.prepare(accumulate=micro > 0)
+
+    def _after_backward(self, last: bool) -> None:
+        self.reducer.finish()
+
+
+class Zero3(Zero2):
+    name = "zero3"
+    stage = 3
+    collective_forward = True  # each unit's parameters are gathered from every rank
+
+    def _make_units(self, model, named) -> list[FlatUnit]:
+        """One unit per module (see `module_units`), indexed in reverse forward order like buckets."""
+        groups = module_units(model, [p for _, p in named], int(self.cfg.parallel.bucket_mb * 2**20))
+        return [
+            FlatUnit(
+                i, params, [self.name_of[id(p)] for p in params], self.rank, self.world, self.device, module=module
+            )
+            for i, (module, params) in enumerate(reversed(groups))
+        ]
+
+    def _allocate(self, model) -> None:
+        """The full flat parameter of a unit has storage only while gathered; the shard is its own."""
+        for u in self.units:
+            u.full = torch.empty(u.numel, dtype=u.dtype, device=self.device)
+            u.full.untyped_storage().resize_(0)
+            u.shard = nn.Parameter(torch.zeros(u.shard_numel, dtype=u.dtype, device=self.device))
+
+    def _take_values(self, unit: FlatUnit, i: int, value: torch.Tensor) -> None:
+        flat = value.detach().reshape(-1)
+        for j, start, end, at in unit.own_pieces():
+            if j == i:
+                with torch.no_grad():
+                    unit.shard[at : at + end - start].copy_(flat[start:end])
+
+    def _sync_full_from_shards(self) -> None:
+        pass  # parameters are gathered on demand
+
+    def _param_views(self, u: FlatUnit) -> list[torch.Tensor]:
+        """Views need storage to exist while they are made; it is freed again right after."""
+        u.full.untyped_storage().resize_(u.full_nbytes())
+        views = u.views(u.full)
+        u.full.untyped_storage().resize_(0)
+        return views
+
+    def _setup_communication(self, model) -> None:
+        after_backward = lambda u: self.gatherer.after_backward(u)  # noqa: E731 (the gatherer comes next)
+        kwargs = dict(on_launch=after_backward, wire_dtype=wire_dtype(self.cfg), in_place=True)
+        self.reducer = StreamingShardReducer(self.units, self.group, in_order=False, **kwargs)
+        self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer)
+        for u in self.units:
+            u.shard.grad = u.grad_shard
+
+    def _after_backward(self, last: bool) -> None:
+        self.reducer.finish()
+        self.gatherer.reshard_all()
+
+    def _after_step(self) -> None:
+        pass
+
+    def _overlap_gathers_with_forward(self, model) -> None:
+        pass  # the ParameterGatherer's hooks gather on demand
+
+    def _after_load(self) -> None:
+        pass
+
+    def full_model_state(self):
+        """Unit by unit: gather (all ranks), rank 0 keeps a copy, free."""
+        values = {}
+        for u in self.units:
+            self.gatherer.unshard(u)
+            if self.rank == 0:
+                values.update({id(p): p.detach().cpu().clone() for p in u.params})
+            self.gatherer.reshard(u)
+        if self.rank != 0:
+            return None
+        return {
+            k: values[id(v)] if id(v) in values else v.detach().cpu().clone()
+            for k, v in self.model.state_dict(keep_vars=True).items()
+        }
+
+
+def sharded_grad_norm(grads: list[torch.Tensor], group) -> torch.Tensor:
+    """The global gradient norm of gradients sharded across ranks: the square root of the all-reduced
+    sum of each rank's squared shard norms (padding is zero)."""
+    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    if dist.get_world_size(group) > 1:
+        collectives.all_reduce(squares, "zero-grad-norm", group=group)
+    return squares.sqrt()

@@ -1,0 +1,117 @@
+"""ZeRO's footprint for `paratrain plan`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.config import Config
+from paratrain.parallel.base import unique_parameters
+from paratrain.parallel.dp.engine import make_buckets
+from paratrain.parallel.dp.footprint import Planned, wire_bytes
+from paratrain.parallel.spec import Spec
+from paratrain.parallel.zero.gather import module_units
+from paratrain.plan.activations import saved_activation_bytes, step_memory, whole_model_activations
+from paratrain.plan.ranks import MIB, RankPlan, optimizer_slots, padded_bytes, padded_numel
+
+
+def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parameter], world: int):
+    """(parameter, gradient and optimizer bytes, a note on what comes on top for a while, and what
+    does at most: (during backward, after it)) of a rank at `stage`. During backward, besides what a
+    step of the whole model holds (activations.step_memory, which counts each incoming gradient until
+    it is added to the one kept): stage 2, one unit's full gradients, which zero/comm.py's
+    StreamingShardReducer holds while it reduces them; stage 3, the root unit, gathered through
+    forward and backward, and the unit whose forward or backward runs (the ParameterGatherer allows
+    twice the largest unit besides the root for a prefetch and the gradients in flight, but a step
+    peaks where backward starts: the most activations, no gradient in flight yet). After it, the
+    gradient norm squares each unit's gradient shard into a temporary (zero.sharded_grad_norm)."""
+    bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
+    units = module_units(model, params, bucket_bytes) if stage == 3 else []
+    if stage == 3:
+        groups = [g for _, g in units]
+    else:
+        groups = [b.params for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
+    whole, shard = padded_bytes(groups, world)
+    biggest = max(padded_bytes([g], world)[0] for g in groups)
+    root = sum(padded_bytes([g], world)[0] for module, g in units if module is model)
+    largest = max((padded_bytes([g], world)[0] for module, g in units if module is not model), default=0)
+    backward = {1: 0, 2: biggest, 3: largest + root}[stage]
+    norm = max(padded_bytes([g], world)[1] for g in groups)
+    param_bytes = whole if stage < 3 else shard
+    grad_bytes = whole if stage == 1 else shard
+    transient = {
+        1: "",
+        2: f"state plus one unit's full gradients while reduced (at most {biggest / MIB:.3g} MiB), counted in the "
+        "step's peak",
+        3: f"state plus units gathered for their forward and backward and their full gradients while reduced, "
+        f"at most twice the largest unit ({biggest / MIB:.3g} MiB) at once; the step's peak counts the root "
+        "unit and the running one",
+    }[stage]
+    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, (backward, norm)
+
+
+def zero_peak(step: int, on_top: tuple[int, int]) -> int:
+    """What a ZeRO rank holds over its state at its peak: the step's own (activations.step_memory)
+    with what comes on top during backward, or the gradient norm's temporary after it."""
+    during_backward, after = on_top
+    return max(step + during_backward, after)
+
+
+def zero(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
+    params = [t for _, t in unique_parameters(model)]
+    world = len(ranks)
+    step = whole_model_activations(cfg, ranks, rows)
+    param_b, grad_b, opt_b, transient, on_top = zero_state(cfg, spec.stage, model, params, world)
+    for r in ranks:
+        r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
+        r.peak_bytes = r.model_state_bytes + zero_peak(step, on_top)
+        zero_messages(r, cfg, spec.stage, model, params, world, "nccl" if device == "cuda" else "gloo")
+    return [], [f"{spec.name}: {transient}"] if transient else []
+
+
+def zero_messages(
+    r: RankPlan, cfg: Config, stage: int, model: nn.Module, params: list[nn.Parameter], world: int, backend: str
+) -> None:
+    """Per unit: its gradients reduce-scattered (stage 1 once a step, 2 and 3 every microbatch) and
+    its parameters all-gathered (stages 1 and 2 after the step; stage 3 before each module's forward
+    and again before its backward, the root unit, kept gathered through both, once); plus the
+    squared gradient norm, one float32 all-reduced. On gloo, as zero/comm.py builds them: each
+    reduce-scatter an all-reduce of the whole unit (stage 3: of each gradient), each all-gather a
+    broadcast from every rank."""
+    from paratrain.parallel.dp.engine import make_buckets
+    from paratrain.parallel.zero.comm import from_primitives
+    from paratrain.parallel.zero.gather import module_units
+
+    if world == 1:
+        return
+    micro = cfg.train.grad_accum
+    bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
+    if stage == 3:
+        units = [(g, 1 if module is model else 2) for module, g in module_units(model, params, bucket_bytes)]
+    else:
+        units = [(b.params, 0) for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
+    primitives = from_primitives(backend)
+    for group, gathers in units:
+        numel = padded_numel(group, world)
+        size = group[0].element_size()
+        reduces, gathers = 1 if stage == 1 else micro, gathers * micro if stage == 3 else 1
+        wire = wire_bytes(numel, size, cfg)
+        if primitives:
+            # stage 3 all-reduces each gradient where autograd left it, stages 1-2 the flat unit
+            for n in [p.numel() for p in group] if stage == 3 else [numel]:
+                r.add_comm("all_reduce", wire_bytes(n, size, cfg), world, times=reduces)
+            r.add_comm("broadcast", numel // world * size, world, times=gathers * world)
+        else:
+            r.add_comm("reduce_scatter", wire, world, times=reduces)
+            r.add_comm("all_gather", numel * size, world, times=gathers)
+    r.add_comm("all_reduce", 4, world)
+
+
+def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cluster) -> tuple[list[RankPlan], list]:
+    """Replica 0 for `plan --search`: rank 0's shard of the state (every rank holds the same)."""
+    params = [t for _, t in unique_parameters(model)]
+    one = RankPlan(0, 0, 0, "worker", activation_bytes=saved_activation_bytes(cfg, rows)[0])
+    (step,) = step_memory(cfg, rows)
+    one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = zero_state(cfg, spec.stage, model, params, world)
+    one.peak_bytes = one.model_state_bytes + zero_peak(max(step.forward_peak, step.backward_peak), on_top)
+    return [one], []

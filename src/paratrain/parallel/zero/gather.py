@@ -1,0 +1,186 @@
+"""Stage 3's units and their gathering: one flat unit per module, gathered just before the module
+runs (forward and backward) and freed after, with the next unit prefetched.
+
+    module_units       which parameters form a unit (a module's subtree up to parallel.bucket_mb,
+                       split into children when bigger; the root unit for shared and loose ones)
+    ParameterGatherer  the forward/backward hooks that gather, prefetch and free the units
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain.parallel.zero.comm import FlatUnit, all_gather
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their children are
+
+
+def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -> list[tuple[nn.Module, list]]:
+    """Stage 3's units, in registration (forward) order: a module whose parameters total at most
+    `max_bytes` is one unit with all of them; a bigger one is split into its children, its own direct
+    parameters forming a unit of their own. The root's direct parameters, those of containers
+    (ModuleList/ModuleDict are never called, so their hooks would never run) and parameters shared
+    by several modules (a tied weight is used outside its own module's forward) form the root unit,
+    which stays gathered from the start of forward to the end of its backward."""
+    trainable = {id(p) for p in params}
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and id(p) in trainable:
+                owners[id(p)] = owners.get(id(p), 0) + 1
+    taken: set[int] = {i for i, n in owners.items() if n > 1}
+    root_params = [p for p in params if id(p) in taken]
+    units: list[tuple[nn.Module, list]] = []
+
+    def subtree(module):
+        seen, out = set(), []
+        for p in module.parameters():
+            if id(p) in trainable and id(p) not in taken and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
+
+    def direct(module):
+        return [p for p in module._parameters.values() if p is not None and id(p) in trainable and id(p) not in taken]
+
+    def visit(module, is_root: bool):
+        below = subtree(module)
+        if not below:
+            return
+        if (
+            not is_root
+            and not isinstance(module, CONTAINERS)
+            and sum(p.numel() * p.element_size() for p in below) <= max_bytes
+        ):
+            units.append((module, below))
+            taken.update(id(p) for p in below)
+            return
+        own = direct(module)
+        taken.update(id(p) for p in own)
+        if own and not is_root and not isinstance(module, CONTAINERS):
+            units.append((module, own))
+        else:
+            root_params.extend(own)
+        for child in module.children():
+            visit(child, False)
+
+    visit(model, True)
+    order = {id(p): i for i, p in enumerate(params)}
+    if root_params:
+        units.insert(0, (model, sorted(root_params, key=lambda p: order[id(p)])))
+    return units
+
+
+class ParameterGatherer:
+    """Stage 3: gathers each unit's full parameters just before its module runs (forward and backward)
+    and frees them after, prefetching the next unit in the forward order recorded on the first pass.
+
+    What is gathered plus the full gradients held by `reducer` (a StreamingShardReducer) stays within
+    `budget`: twice the largest unit, plus the root unit, which stays gathered through forward and
+    backward. A prefetch starts only where it fits, and before a unit's backward, which creates
+    gradients the size of the unit, the gradients in flight are reduced first unless they fit beside
+    them. With equal units: forward holds a unit and the next one; backward a unit and its gradients,
+    then, its parameters freed, its gradients in flight beside the next unit's gather. Smaller units
+    keep every overlap of gathers and reductions with compute."""
+
+    def __init__(self, units: list[FlatUnit], root: nn.Module, group, reducer):
+        self.units, self.root, self.group, self.reducer = units, root, group, reducer
+        self.order: list[FlatUnit] = []
+        self.position: dict[int, int] = {}
+        self.recording = True
+        self.live_bytes = self.peak_bytes = 0  # full parameters gathered at once (for the memory benchmark)
+        sizes = [u.full_nbytes() for u in units if u.module is not root]
+        self.budget = 2 * max(sizes, default=0) + sum(u.full_nbytes() for u in units if u.module is root)
+        for u in units:
+            u.state, u.gather_work = "free", None
+            u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
+        root.register_forward_hook(lambda m, args, out: self._end_of_forward())
+
+    # -- gather and free ------------------------------------------------------------------------
+    def _start(self, u: FlatUnit) -> None:
+        u.full.untyped_storage().resize_(u.full_nbytes())
+        self.live_bytes += u.full_nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        u.version = u.full._version
+        u.gather_work = all_gather(u.full, u.shard.detach(), f"zero3-params-unit-{u.index}", self.group)
+        u.state = "gathering"
+
+    def _wait(self, u: FlatUnit) -> None:
+        u.gather_work.wait()
+        u.gather_work = None
+        # Autograd saved these very tensors in forward; refilling them with the same values is not a
+        # modification it should see, so the version counter (bumped by the gather, on gloo from its
+        # worker thread by the time the work completes) goes back to where it was.
+        torch._C._autograd._unsafe_set_version_counter((u.full,), (u.version,))
+
+    def unshard(self, u: FlatUnit) -> None:
+        if u.state == "free":
+            self._start(u)
+        if u.state == "gathering":
+            self._wait(u)
+            u.state = "gathered"
+
+    def _transient(self) -> int:
+        return self.live_bytes + self.reducer.live_bytes
+
+    def _prefetch_within_budget(self, u: FlatUnit | None, reserve: int = 0) -> None:
+        """Start gathering `u` if it fits beside what is held and `reserve` bytes about to be."""
+        if u is not None and u.state == "free" and self._transient() + reserve + u.full_nbytes() <= self.budget:
+            self._start(u)
+
+    def reshard(self, u: FlatUnit) -> None:
+        if u.state == "gathering":
+            self._wait(u)
+        if u.state != "free":
+            u.full.untyped_storage().resize_(0)
+            self.live_bytes -= u.full_nbytes()
+            u.state = "free"
+
+    def reshard_all(self) -> None:
+        for u in self.units:
+            self.reshard(u)
+
+    def _neighbour(self, u: FlatUnit, step: int) -> FlatUnit | None:
+        i = self.position.get(id(u))
+        if i is None or not 0 <= i + step < len(self.order):
+            return None
+        return self.order[i + step]
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _pre_forward(self, u: FlatUnit) -> None:
+        if self.recording and id(u) not in self.position:
+            self.position[id(u)] = len(self.order)
+            self.order.append(u)
+        self.unshard(u)
+        if not self.recording:
+            self._prefetch_within_budget(self._neighbour(u, +1))
+
+    def _post_forward(self, u: FlatUnit, output) -> None:
+        if torch.is_grad_enabled():
+            for t in torch.utils._pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self._pre_backward(u))
+            if u.module is self.root:
+                return  # backward starts with it: keep it gathered
+        self.reshard(u)
+
+    def _end_of_forward(self) -> None:
+        self.recording = False
+
+    def _pre_backward(self, u: FlatUnit) -> None:
+        gradients = u.full_nbytes()  # what u's backward is about to create
+        gathering = gradients if u.state == "free" else 0
+        if self._transient() + gathering + gradients > self.budget:
+            self.reducer.drain()
+        self.unshard(u)
+        # Backward runs the forward order in reverse; the root's backward is followed by the last unit's.
+        self._prefetch_within_budget(self.order[-1] if u.module is self.root else self._neighbour(u, -1), gradients)
+
+    def after_backward(self, u: FlatUnit) -> None:
+        """`u`'s gradients are all in and being reduced: free its parameters, and prefetch the unit
+        whose backward comes next if it fits now."""
+        self.reshard(u)
+        if u.module is not self.root:
+            self._prefetch_within_budget(self._neighbour(u, -1))

@@ -1,0 +1,127 @@
+"""ZeRO checkpoints, resharded across world sizes.
+
+Every rank writes the pieces of parameters and optimizer state it owns, keyed by parameter name with
+their [start, end) offsets within the flattened parameter; buffers and frozen parameters (whole on
+every rank) go into rank 0's file. A checkpoint written at world N loads at any world M: each rank
+reads, from every rank's file, the pieces overlapping its new shards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paratrain import checkpoint as ckpt
+from paratrain.parallel.base import unique_parameters
+from paratrain.parallel.zero.comm import FlatUnit
+
+
+def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int, world: int, stage: int):
+    """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
+    tensors, pieces, scalars, shared = {}, {}, {}, {}
+    for u in units:
+        state = optimizer.state.get(u.shard, {})
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.numel() == u.shard_numel and value.dim() == 1:
+                continue
+            if isinstance(value, torch.Tensor):
+                shared[f"zero.optim.{key}"] = value  # e.g. adam's step: the same for every shard
+            elif value is not None:
+                scalars[key] = value
+        for i, start, end, at in u.own_pieces():
+            name = u.names[i]
+            pieces[name] = [start, end]
+            tensors[f"zero.param.{name}"] = u.shard.detach()[at : at + end - start]
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.numel() == u.shard_numel and value.dim() == 1:
+                    tensors[f"zero.optim.{name}.{key}"] = value[at : at + end - start]
+    tensors.update(shared)
+    if rank == 0:
+        tensors.update({f"replicated.{k}": v for k, v in replicated_state(model).items()})
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+    meta = {
+        "zero": {
+            "stage": stage,
+            "world_size": world,
+            "pieces": pieces,
+            "params": {n: list(s) for u in units for n, s in zip(u.names, u.shapes)},
+            "optimizer": {"param_groups": groups, "scalars": scalars},
+        }
+    }
+    return tensors, meta
+
+
+def check_checkpoint(reader, model: nn.Module) -> None:
+    """Before any worker starts (the CLI's preflight, `model` on meta): the checkpoint's
+    parameter names and shapes must be the model's. Reads only rank 0's safetensors header."""
+    meta, shapes = ckpt.read_header(reader.path / ckpt.rank_file(0))
+    saved = meta.get("zero")
+    replicated = {k[len("replicated.") :]: shape for k, shape in shapes.items() if k.startswith("replicated.")}
+    if not isinstance(saved, dict) or not isinstance(saved.get("params"), dict):
+        raise ckpt.CheckpointMismatch("--resume", f"{reader.path} holds no ZeRO state")
+    check_layout(model, saved["params"], replicated, key="--resume")
+
+
+def load_sharded_state(reader, units: list[FlatUnit], optimizer, model: nn.Module, device: torch.device) -> None:
+    """Each rank takes, from every rank's file of the checkpoint, the pieces overlapping its own shards."""
+    tensors0, meta0 = reader.load(rank=0)
+    saved = meta0.get("zero")
+    if saved is None:
+        raise ckpt.CheckpointMismatch("resume", f"{reader.path} holds no ZeRO state")
+    check_layout(
+        model,
+        saved["params"],
+        {k[len("replicated.") :]: list(v.shape) for k, v in tensors0.items() if k.startswith("replicated.")},
+    )
+    shard_state: dict[int, dict[str, torch.Tensor]] = {u.index: {} for u in units}
+    own = {u.names[i]: (u, start, end, at) for u in units for i, start, end, at in u.own_pieces()}
+    for r in range(reader.world_size):
+        tensors, meta = (tensors0, meta0) if r == 0 else reader.load(rank=r)
+        for name, (s, e) in meta["zero"]["pieces"].items():
+            if name not in own:
+                continue
+            u, os_, oe, at = own[name]
+            a, b = max(s, os_), min(e, oe)
+            if a >= b:
+                continue
+            dst = slice(at + a - os_, at + b - os_)
+            src = slice(a - s, b - s)
+            with torch.no_grad():
+                u.shard[dst].copy_(tensors[f"zero.param.{name}"][src])
+            prefix = f"zero.optim.{name}."
+            for key in (k[len(prefix) :] for k in tensors if k.startswith(prefix)):
+                buf = shard_state[u.index].setdefault(
+                    key, torch.zeros(u.shard_numel, dtype=tensors[prefix + key].dtype, device=device)
+                )
+                buf[dst].copy_(tensors[prefix + key][src])
+    shared = {
+        k[len("zero.optim.") :]: v for k, v in tensors0.items() if k.startswith("zero.optim.") and k.count(".") == 2
+    }
+    opt = saved["optimizer"]
+    state = {
+        i: {**shard_state[u.index], **{k: v.clone() for k, v in shared.items()}, **opt["scalars"]}
+        for i, u in enumerate(units)
+        if shard_state[u.index] or shared
+    }
+    current = optimizer.state_dict()
+    groups = [dict(g, params=c["params"]) for g, c in zip(opt["param_groups"], current["param_groups"])]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    replicated = {k[len("replicated.") :]: v for k, v in tensors0.items() if k.startswith("replicated.")}
+    with torch.no_grad():
+        for k, v in replicated_state(model).items():
+            v.copy_(replicated[k])
+
+
+def replicated_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What ZeRO does not shard: buffers and frozen parameters, by state_dict key."""
+    trainable = {id(p) for _, p in unique_parameters(model)}
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in trainable}
+
+
+def check_layout(model: nn.Module, saved_params: dict, saved_replicated: dict, key: str = "resume") -> None:
+    """Exit 2 naming the parameters or buffers whose name or shape differs from the checkpoint's."""
+    ours = {n: p.shape for n, p in unique_parameters(model)}
+    ours.update({k: v.shape for k, v in replicated_state(model).items()})
+    differs = ckpt.describe_mismatch(ours, {**saved_params, **saved_replicated})
+    if differs:
+        raise ckpt.CheckpointMismatch(key, differs)

@@ -1,0 +1,32 @@
+"""ZeRO's spec: what stages 1-3 accept and cost (torch-free)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from paratrain.parallel.spec import Spec
+
+if TYPE_CHECKING:
+    pass
+
+
+class ZeroSpec(Spec):
+    """ZeRO stage 1, 2 or 3: one replica's state sharded over every rank."""
+
+    footprint = "paratrain.parallel.zero.footprint:zero"
+    replica_footprint = "paratrain.parallel.zero.footprint:replica"
+    step_time = "paratrain.parallel.zero.step_time:zero"
+    codecs = ("none", "bf16", "fp16")  # a reduce-scatter sums shards: no codec of whole gradients
+    materializes_models = True
+    searched_as = "replica"
+
+    def __init__(self, stage: int):
+        self.stage = stage
+        self.name = self.checkpoint_family = f"zero{stage}"
+        self.engine_path = f"paratrain.parallel.zero.engine:Zero{stage}"
+
+    def codec_refusal(self, compression: str) -> str:
+        return (
+            f"{compression!r} needs an all-reduce of whole gradients; {self.name}'s reduce-scatter "
+            f"takes {', '.join(map(repr, self.codecs[:-1]))} or {self.codecs[-1]!r}"
+        )

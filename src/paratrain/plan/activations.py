@@ -1,0 +1,317 @@
+"""One microbatch through the model in fake tensors (FakeRun): the activations autograd saves for
+backward, the bytes a pipeline stage sends on, the payloads of tensor parallelism's all-reduces.
+`paratrain plan` counts memory and messages with them, its step-time prediction times them."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from paratrain.config import Config
+from paratrain.models.recompute import blocks, run_layers
+from paratrain.plan.ranks import RankPlan
+
+
+@dataclass
+class FakeRun:
+    """The model and one microbatch in fake tensors (torch's FakeTensorMode: shapes, dtypes and the
+    CPU's own choice of kernels, no memory and no arithmetic; the meta device would run attention by
+    its math path, which saves other tensors than the CPU's flash attention), cut into stages."""
+
+    mode: object
+    model: nn.Module
+    stages: list[list[nn.Module]]
+    x: torch.Tensor
+    y: torch.Tensor
+    autocast: object  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
+    recompute: bool  # train.recompute = "full": each block keeps only its input
+
+    def block_starts(self, s: int) -> list[nn.Module]:
+        """The first layer of each recomputed block of stage s (whose input the block keeps)."""
+        layers = self.stages[s]
+        if layers == [self.model]:
+            from paratrain.parallel.pipeline.cut import pipeline_layers
+
+            layers = pipeline_layers(self.model) or [self.model]
+        return [block[0] for block in blocks(layers)]
+
+    @classmethod
+    def build(
+        cls, cfg: Config, rows: int, bounds: list[int] | None, tp_plan: dict | None = None, tp: int = 1
+    ) -> FakeRun:
+        """`bounds` over pipeline_layers; None: the whole model as one stage. With tp > 1 the
+        planned modules are tp rank 0's shards (the largest: shard_sizes)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from paratrain.data import build_dataset, load_batch
+        from paratrain.models import build_model
+        from paratrain.parallel.pipeline.cut import pipeline_layers
+
+        dataset = build_dataset(cfg, "train")
+        x, y = load_batch(dataset, torch.arange(rows))
+        mode = FakeTensorMode()
+        with mode:
+            model = build_model(cfg, dataset)
+            if tp > 1:
+                from paratrain.parallel.tensor.layers import shard_modules
+
+                shard_modules(model, tp_plan, None, 0, tp)
+        if bounds is None:
+            stages = [[model]]
+        else:
+            layers = pipeline_layers(model)
+            stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+        autocast = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
+        )
+        return cls(
+            mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast, cfg.train.recompute == "full"
+        )
+
+    def forward(self, loss_fn=None, around_stage=lambda s: contextlib.nullcontext()) -> None:
+        """One forward through the stages as the pipeline engine runs them: a stage after the first
+        starts from a detached input that needs its gradient; the loss (if given) in the last
+        stage. `around_stage(s)` is a context each stage's compute runs in."""
+        with self.mode, self.autocast:
+            act = self.x
+            for s, layers in enumerate(self.stages):
+                act = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())
+                with around_stage(s):
+                    act = run_layers(layers, act, self.recompute)
+                    if loss_fn is not None and s == len(self.stages) - 1:
+                        loss_fn(act, self.y)
+
+
+def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = None) -> list[int]:
+    """Bytes autograd saves for backward in the forward of one microbatch of `rows` samples through
+    each pipeline stage, the loss in the last stage's; each tensor once (views count as their
+    base), parameters and the batch never (the batch is the data, held anyway)."""
+    from paratrain.optim import build_loss
+
+    run = FakeRun.build(cfg, rows, bounds)
+    params = {id(t) for t in run.model.parameters()} | {id(run.x), id(run.y)}
+    out: list[int] = []
+
+    @contextlib.contextmanager
+    def counting(s: int):
+        seen: dict[int, torch.Tensor] = {}  # keeps what it counted alive, so no id is reused
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            base = t._base if t._base is not None else t
+            if id(base) not in params and id(base) not in seen:
+                seen[id(base)] = base
+            return t
+
+        def keep_block_input(module, args):
+            pack(args[0])
+
+        # under recompute autograd's hooks never see a checkpointed block's tensors: the block keeps
+        # its input instead, counted as its first layer receives it
+        handles = [m.register_forward_pre_hook(keep_block_input) for m in run.block_starts(s)] if run.recompute else []
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+        out.append(sum(t.numel() * t.element_size() for t in seen.values()))
+
+    run.forward(build_loss(cfg), counting)
+    return out
+
+
+def boundary_bytes(cfg: Config, model: nn.Module, bounds: list[int], rows: int) -> list[int]:
+    """Bytes of one microbatch's activation entering each stage, as the engine sends it (its dtype
+    from the same meta-device pass the engine uses)."""
+    from paratrain.data import build_dataset, load_batch
+    from paratrain.parallel.hybrid.parallelize import meta_copy
+    from paratrain.parallel.pipeline.cut import pipeline_layers
+    from paratrain.parallel.pipeline.runner import boundary_shape_fn
+
+    meta = pipeline_layers(meta_copy(model))
+    x, _ = load_batch(build_dataset(cfg, "train"), torch.arange(rows))
+    shapes = boundary_shape_fn([meta[a:b] for a, b in zip(bounds, bounds[1:])])(x)
+    return [shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]
+
+
+def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: dict) -> list[list[int]] | None:
+    """Per stage, the payloads of the all-reduces tensor parallelism runs for one microbatch
+    (tensor/comm.py's paired operators): a row-parallel layer's output in forward, a column-parallel
+    layer's input gradient in backward (when that input needs one), a vocabulary-parallel
+    embedding's rows, and the vocabulary-parallel cross-entropy's per-token max and sums. Their
+    shapes and dtypes are the unsplit layers' own, from one forward in fake tensors. None when a
+    user loss takes a sharded output (it gathers the output first; not modelled)."""
+    from paratrain.optim import build_loss, cross_entropy
+
+    run = FakeRun.build(cfg, rows, bounds)
+    modules = dict(run.model.named_modules())
+    last_linear = [n for n, m in modules.items() if isinstance(m, nn.Linear)][-1]
+    sharded_output = tp_plan.get(last_linear) == "colwise"
+    if sharded_output and build_loss(cfg) is not cross_entropy:
+        return None
+    stage_of = {id(m): s for s, layers in enumerate(run.stages) for layer in layers for m in layer.modules()}
+    payloads: list[list[int]] = [[] for _ in run.stages]
+
+    def record(style: str):
+        def hook(module, args, out):
+            if style in ("rowwise", "vocab"):
+                payloads[stage_of[id(module)]].append(out.numel() * out.element_size())
+            elif args[0].requires_grad:
+                payloads[stage_of[id(module)]].append(args[0].numel() * args[0].element_size())
+
+        return hook
+
+    handles = [modules[name].register_forward_hook(record(style)) for name, style in tp_plan.items()]
+    try:
+        run.forward()
+    finally:
+        for h in handles:
+            h.remove()
+    if sharded_output:  # the vocabulary-parallel cross-entropy: max, then (sum of exp, target logit)
+        tokens = run.y.numel()
+        payloads[-1] += [tokens * 4, 2 * tokens * 4]
+    return payloads
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every storage an op creates while it is alive (a weak reference to each
+    storage tells when it goes), and their peak: the memory a step of fake tensors would hold.
+    Storages made before (parameters, gradients, the batch) are not counted."""
+
+    def __init__(self, made_before=()):
+        super().__init__()
+        self.live = self.peak = 0
+        self._refs: dict[int, weakref.ref] = {}
+        self._before = [t.untyped_storage() for t in made_before]  # views of them are not new memory
+        for storage in self._before:
+            self._refs[id(storage)] = None
+
+    def mark(self) -> int:
+        """Starts a new peak from what is alive now; returns it."""
+        self.peak = self.live
+        return self.live
+
+    def forget(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`'s storage is counted elsewhere (a pipeline's receive buffer): not here, from now on."""
+        key = id(t.untyped_storage())
+        if self._refs.get(key) is not None:
+            self._refs[key] = None  # its weak reference goes, and with it the callback
+            self.live -= t.untyped_storage().nbytes()
+        return t
+
+    def _gone(self, key: int, size: int) -> None:
+        self._refs.pop(key, None)
+        self.live -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._refs:
+                    size = storage.nbytes()
+                    self._refs[key] = weakref.ref(storage, lambda _, key=key, size=size: self._gone(key, size))
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+        return out
+
+
+@dataclass
+class StageMemory:
+    """One microbatch through one pipeline stage (the whole model without pp), in bytes over what
+    was alive before its forward: parameters and gradients (kept by the strategy) not included."""
+
+    forward_peak: int  # the most alive at once during its forward (and loss)
+    kept: int  # what its forward leaves alive until its backward: saved activations, its input and output
+    backward_peak: int  # the most alive at once during its backward, its kept bytes included
+
+
+@contextlib.contextmanager
+def without_peers():
+    """tp's layers all-reduce through paratrain.comm.collectives; one rank played alone in fake tensors
+    has no group to reduce with, and a collective leaves its tensor's shape as it is: each does
+    nothing meanwhile."""
+    from paratrain.comm import collectives
+
+    all_reduce = collectives.all_reduce
+    collectives.all_reduce = lambda tensor, what, group=None, async_op=False, op=None: None
+    try:
+        yield
+    finally:
+        collectives.all_reduce = all_reduce
+
+
+def step_memory(
+    cfg: Config, rows: int, bounds: list[int] | None = None, tp_plan: dict | None = None, tp: int = 1
+) -> list[StageMemory] | None:
+    """Each stage's memory over one microbatch's forward and backward, played in fake tensors with
+    every storage counted while alive: saved activations, the temporaries of each op, the logits and
+    the loss, activation gradients in backward, each parameter's incoming gradient before it is
+    added to the one the strategy keeps (present, as after the first step), and a later stage's
+    input gradient. Stage by stage, each from a fresh input as the engine receives it; what the
+    engine receives is not counted here (it keeps a pool of receive buffers: pipeline/footprint.receive_buffers).
+    Under tp (`tp_plan` over `tp` ranks) tp rank 0's shards, and the vocabulary-parallel
+    cross-entropy on a sharded output; None for a user loss on a sharded output (it gathers the
+    output first: not modelled)."""
+    from paratrain.optim import build_loss, cross_entropy
+
+    run = FakeRun.build(cfg, rows, bounds, tp_plan, tp)
+    loss_fn = build_loss(cfg)
+    if tp > 1:
+        from paratrain.parallel.tensor.layers import _VocabParallelCrossEntropy, output_is_sharded
+
+        if output_is_sharded(run.model):
+            if loss_fn is not cross_entropy:
+                return None
+            loss_fn = lambda logits, target: _VocabParallelCrossEntropy.apply(  # noqa: E731
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), None, 0
+            )
+    out: list[StageMemory] = []
+    with run.mode:
+        for p in run.model.parameters():
+            if p.grad is None:  # the strategy's gradients, kept between steps (a shared run may have them)
+                p.grad = torch.zeros_like(p)
+    held = [t for p in run.model.parameters() for t in (p, p.grad)] + [run.x, run.y]
+    shape_in = run.x
+    for s, layers in enumerate(run.stages):
+        if run.recompute and layers == [run.model]:  # recomputed block by block, as the engines run it
+            from paratrain.parallel.pipeline.cut import pipeline_layers
+
+            layers = pipeline_layers(run.model) or layers
+        with run.mode, run.autocast, without_peers(), LiveBytes(held) as count:
+            start = count.mark()
+            # what the pipeline engine receives (this stage's input, its output's gradient) lies
+            # in its pool of receive buffers, counted apart (pipeline/footprint.receive_buffers)
+            x = shape_in if s == 0 else count.forget(torch.empty_like(shape_in))
+            x.requires_grad_(x.is_floating_point() and s > 0)
+            y = run_layers(layers, x, run.recompute)
+            last = s == len(run.stages) - 1
+            loss = loss_fn(y, run.y) if last else None
+            forward_peak, kept = count.peak - start, count.live - start
+            count.mark()
+            if last:
+                loss.backward()
+            else:
+                y.backward(count.forget(torch.empty_like(y)))
+            backward_peak = count.peak - start
+            shape_in = y.detach()
+            del x, y, loss
+        out.append(StageMemory(forward_peak, kept, backward_peak))
+    return out
+
+
+def whole_model_activations(cfg: Config, ranks: list[RankPlan], rows: int) -> int:
+    """Every rank runs one microbatch through the whole model at a time: its saved activations on
+    each rank; returns the most a microbatch's forward and backward hold at once."""
+    activations = saved_activation_bytes(cfg, rows)[0]
+    for r in ranks:
+        r.activation_bytes = activations
+    (m,) = step_memory(cfg, rows)
+    return max(m.forward_peak, m.backward_peak)

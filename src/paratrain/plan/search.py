@@ -1,0 +1,277 @@
+"""`paratrain plan --cluster FILE --search [--top K]`: the fastest layouts that fit.
+
+Enumerates, for the config's model and global batch on the cluster's devices: dp x tp x pp (tp
+within a node), for pure data parallelism the ZeRO stage (dp, zero1-3), for pipelines the
+microbatch count (pp, 2pp, 4pp, 8pp where the batch allows) and the schedule (1f1b, interleaved
+with 2 virtual stages), and recompute (none, full). Each candidate goes through the same checks as
+`run` (an invalid one is dropped) and the same plan and prediction as `paratrain plan`; those that
+do not fit the device's memory are dropped, the rest ranked by predicted step time.
+
+To search thousands of devices in seconds, a candidate is not a full plan (every rank's bytes and
+messages): it is planned for one data-parallel replica's ranks, which hold and compute what every
+replica does, checked against memory before it is timed, and every fake-tensor trace is played once
+per distinct shape for the whole search (`memoised_traces`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import replace
+from itertools import product
+
+from paratrain.config import Config
+from paratrain.errors import ConfigError
+from paratrain.preflight import load
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(batch: int, world: int, devices_per_node: int) -> list[list[str]]:
+    """--set overrides of every layout to try (before the config's own checks)."""
+    from paratrain.parallel.registry import SPECS
+
+    replicas = [s.name for s in SPECS.values() if s.searched_as == "replica"]
+    (mesh,) = [s.name for s in SPECS.values() if s.searched_as == "mesh"]
+    out = []
+    for tp in [d for d in _divisors(world) if d <= devices_per_node]:
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            if batch % dp:
+                continue
+            for recompute in ("none", "full"):
+                base = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"train.recompute='{recompute}'"]
+                if tp == pp == 1:
+                    out += [[*base, f"parallel.strategy='{s}'"] for s in replicas]
+                    continue
+                if pp == 1:
+                    out.append([*base, f"parallel.strategy='{mesh}'"])
+                    continue
+                per_replica = batch // dp
+                for m, schedule in product((pp, 2 * pp, 4 * pp, 8 * pp), ("1f1b", "interleaved")):
+                    if per_replica % m == 0:
+                        out.append(
+                            [
+                                *base,
+                                f"parallel.strategy='{mesh}'",
+                                f"parallel.microbatches={m}",
+                                f"parallel.schedule='{schedule}'",
+                                "parallel.balance='params'",
+                            ]
+                        )
+    return out
+
+
+@contextlib.contextmanager
+def memoised_traces():
+    """Within one search the candidates' configs differ only in their [parallel] keys and
+    train.recompute, so a fake-tensor model and microbatch (activations.FakeRun) and each trace
+    played on it (activations saved, per-stage op costs, tp payloads, pipeline boundary bytes)
+    depend only on recompute, the rows of a microbatch and the pipeline cut: each distinct one is
+    built or played once, the functions swapped for memoised ones while the search runs."""
+    from paratrain.parallel.registry import SPECS
+    from paratrain.parallel.spec import load
+    from paratrain.plan import activations, step_time
+
+    for spec in SPECS.values():  # import every module that calls them before they are swapped
+        load(spec.footprint), load(spec.step_time)
+
+    def cut(bounds):
+        return None if bounds is None else tuple(bounds)
+
+    # each function and its memo key; every module that calls it by a name of its own gets the memo
+    keys = {
+        (activations, "saved_activation_bytes"): lambda cfg, rows, bounds=None: (
+            cfg.train.recompute,
+            rows,
+            cut(bounds),
+        ),
+        (activations, "tp_all_reduces"): lambda cfg, rows, bounds, tp_plan: (
+            cfg.train.recompute,
+            rows,
+            cut(bounds),
+            tuple(sorted(tp_plan.items())),
+        ),
+        (activations, "boundary_bytes"): lambda cfg, model, bounds, rows: (rows, cut(bounds)),
+        (activations, "step_memory"): lambda cfg, rows, bounds=None, tp_plan=None, tp=1: (
+            cfg.train.recompute,
+            rows,
+            cut(bounds),
+            tuple(sorted((tp_plan or {}).items())) if tp > 1 else (),
+            tp,
+        ),
+        (step_time, "stage_ops"): lambda cfg, rows, bounds: (cfg.train.recompute, rows, cut(bounds)),
+    }
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("paratrain.") and m is not None]
+    callers = {
+        (home, name): [m for m in modules if getattr(m, name, None) is getattr(home, name)] for home, name in keys
+    }
+    # the attributes as stored (FakeRun.build: the classmethod itself), to put back
+    stored = {(owner, name): vars(owner)[name] for (_, name), owners in callers.items() for owner in owners}
+    stored[activations.FakeRun, "build"] = vars(activations.FakeRun)["build"]
+
+    def memoised(original, key):
+        seen = {}
+
+        def call(*args, **kwargs):
+            k = key(*args, **kwargs)
+            if k not in seen:
+                seen[k] = original(*args, **kwargs)
+            return seen[k]
+
+        return call
+
+    try:
+        activations.FakeRun.build = memoised(
+            activations.FakeRun.build,
+            lambda cfg, rows, bounds, tp_plan=None, tp=1: (
+                cfg.train.recompute,
+                rows,
+                cut(bounds),
+                tuple(sorted((tp_plan or {}).items())) if tp > 1 else (),
+                tp,
+            ),
+        )
+        for (home, name), key in keys.items():
+            shared = memoised(getattr(home, name), key)
+            for owner in callers[home, name]:
+                setattr(owner, name, shared)
+        yield
+    finally:
+        for (owner, name), original in stored.items():
+            setattr(owner, name, original)
+
+
+def replica_plan(cfg: Config, model, cluster) -> dict:
+    """What the prediction and the fit need of `make_plan`'s plan, for the ranks of data-parallel
+    replica 0 alone (every replica holds and computes the same): model state and activations per
+    rank, the pipeline cut, the batch; with "capacity" judged as make_plan judges it."""
+    from paratrain.parallel.base import unique_parameters
+    from paratrain.parallel.hybrid.parallelize import microbatch_count
+    from paratrain.parallel.registry import spec
+    from paratrain.plan.planner import capacity
+    from paratrain.plan.ranks import nbytes, optimizer_slots
+
+    p, world, nproc = cfg.parallel, cluster.world, cluster.devices_per_node
+    dp = world // (p.tp * p.pp)
+    per_replica, micro = cfg.data.batch_size // dp, microbatch_count(cfg)
+    rows = per_replica // micro
+    params = [t for _, t in unique_parameters(model)]
+    total, slots = nbytes(params), optimizer_slots(cfg)
+    replica, stages = spec(p.strategy).plan_replica(cfg, model, world, rows, cluster)
+    if cluster.is_gpu:
+        ranks = replica
+    else:  # the busiest node's ranks together: every rank, each as its replica-0 twin
+        twin = {(r.pp, r.tp): r for r in replica}
+        ranks = [
+            replace(twin[(r // (dp * p.tp), r % p.tp)], rank=r, node=r // nproc, local_rank=r % nproc)
+            for r in range(world)
+        ]
+    return {
+        "capacity": capacity(ranks, "cuda" if cluster.is_gpu else "cpu", cluster),
+        "world_size": world,
+        "mesh": {"dp": dp, "tp": p.tp, "pp": p.pp},
+        "batch": {
+            "global": cfg.data.batch_size,
+            "per_replica": per_replica,
+            "microbatches": micro,
+            "rows_per_microbatch": rows,
+        },
+        "model": {"bytes": total},
+        "optimizer": {"state_tensors_per_parameter": slots},
+        "stages": stages,
+        "ranks": [r.as_dict() for r in replica],
+    }
+
+
+def layout(cfg: Config, predicted: dict, breakdown: dict) -> dict:
+    """The contract's "layouts" entry (plus the step's breakdown)."""
+    p = cfg.parallel
+    return {
+        "parallel": {
+            "strategy": p.strategy,
+            "tp": p.tp,
+            "pp": p.pp,
+            "microbatches": p.microbatches,
+            "schedule": p.schedule,
+            "virtual_stages": p.virtual_stages,
+        },
+        "train": {"recompute": cfg.train.recompute},
+        "predicted": predicted,
+        "step_breakdown": breakdown,
+    }
+
+
+def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
+    """The `top` fastest layouts that fit, fastest first, as the contract's "layouts" entries (plus
+    each one's step breakdown). Each candidate is judged on its replica plan: memory first, and only
+    what fits is timed; its figures are those `paratrain plan` gives the layout alone (a test holds
+    every candidate of a small search to the full plans)."""
+    import torch
+
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.parallel.registry import check_world, strategy_class
+    from paratrain.plan.predict import predict
+    from paratrain.preflight import preflight
+
+    batch = load(config_path, overrides).data.batch_size
+    ranked = []
+    with memoised_traces():
+        models = {}  # the meta model by recompute (the only key here that may change its build), once checked
+        for sets in candidates(batch, cluster.world, cluster.devices_per_node):
+            try:
+                cfg = load(config_path, [*overrides, *sets])
+                recompute = cfg.train.recompute
+                if recompute in models:  # the data, model and loss checks passed: only the layout's
+                    check_world(cfg, cluster.world)
+                    strategy_class(cfg.parallel.strategy).check_model(cfg, models[recompute])
+                else:
+                    preflight(cfg, cluster.world)
+                    with torch.device("meta"):
+                        models[recompute] = build_model(cfg, build_dataset(cfg, "train"))
+            except ConfigError:
+                continue
+            plan = replica_plan(cfg, models[recompute], cluster)
+            if not plan["capacity"]["fits"]:
+                continue
+            predicted, breakdown = predict(cfg, models[recompute], plan, cluster)
+            if predicted is not None:
+                ranked.append(layout(cfg, predicted, breakdown))
+    ranked.sort(key=lambda x: x["predicted"]["step_s"])
+    return ranked[:top]
+
+
+def _name(layout: dict) -> str:
+    p = layout["parallel"]
+    name = p["strategy"] if p["tp"] == p["pp"] == 1 else f"tp {p['tp']} x pp {p['pp']}"
+    if p["pp"] > 1:
+        name += f", {p['microbatches']} mb {p['schedule']}"
+    return name + (", recompute" if layout["train"]["recompute"] == "full" else "")
+
+
+def render_search(layouts: list[dict]) -> list[str]:
+    if not layouts:
+        return ["search: no layout fits"]
+    lines = [
+        f"search: the {len(layouts)} fastest layouts that fit",
+        f"{'layout':<44}{'step s':>9}{'MFU':>7}{'bubble s':>10}{'exposed comm s':>16}{'headroom GiB':>14}",
+    ]
+    for x in layouts:
+        b = x["step_breakdown"]
+        comm = b["tp_comm_s"] + b["p2p_s"] + b["exposed_dp_comm_s"]
+        lines.append(
+            f"{_name(x):<44}{x['predicted']['step_s']:>9.4g}{x['predicted']['mfu']:>7.1%}"
+            f"{b['bubble_s']:>10.3g}{comm:>16.3g}{b['memory_headroom_gib']:>14.3g}"
+        )
+    if len(layouts) > 1:
+        win, second = layouts[0]["step_breakdown"], layouts[1]["step_breakdown"]
+        parts = [k for k in win if k.endswith("_s")]
+        gap = max(parts, key=lambda k: second[k] - win[k])
+        lines.append(
+            f"why: {_name(layouts[0])} beats {_name(layouts[1])} most on "
+            f"{gap[:-2].replace('_', ' ')} ({win[gap]:.3g} s against {second[gap]:.3g} s)"
+        )
+    return lines

@@ -1,0 +1,68 @@
+"""Keep one crashing worker from ending the whole job, where the strategy can do without it.
+
+The elastic agent treats any worker that exits non-zero as the failure of the whole group: it
+stops every rank (and restarts them all with --max-restarts). An async parameter-server worker,
+though, is expendable: the servers drop it and the others train on. So such a rank runs the real
+worker as a child process and only watches it:
+
+    elastic agent ── guard (this module, no torch.distributed) ── worker (the trainer, same argv/env)
+
+When the child dies (a crash, an OOM kill, SIGKILL), the guard says so and exits 0, which the agent
+takes as "this rank is done"; the servers see the broken connection and drop the rank. When the
+guard itself is stopped (the agent tearing the group down), the child dies with it (PDEATHSIG), so
+nothing is left behind. A child that exits 2 (bad input) passes its code through, and so does one
+that fails because the run itself is broken (its server is gone: `FailsRun`), which must not look
+like a worker that merely died.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+
+from paratrain.errors import note
+
+GUARDED = "PARATRAIN_GUARDED"  # set in the child: run the trainer itself, not another guard
+FAILS_RUN_EXIT = 3  # the child's exit code for FailsRun
+
+
+class FailsRun(RuntimeError):
+    """An error on an expendable rank that is not its own fault (e.g. its parameter server is gone):
+    the run must fail rather than go on without this rank."""
+
+
+def is_guarded_child() -> bool:
+    return os.environ.get(GUARDED) == "1"
+
+
+def run_guarded(argv: list[str], what: str) -> int:
+    """Run `python -m paratrain.trainer argv` as a child; a death of it is reported, not propagated."""
+    from paratrain.runtime.launch import die_with_parent
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "paratrain.trainer", *argv],
+        env={**os.environ, GUARDED: "1"},
+        preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()),
+    )
+
+    def forward(signum, _frame):  # the agent stopping this rank stops the worker first
+        child.send_signal(signum)
+        try:  # not child.wait(): the wait this handler interrupts holds its lock (a deadlock until SIGKILL)
+            os.waitpid(child.pid, 0)
+        except ChildProcessError:  # already reaped
+            pass
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    code = child.wait()
+    if code in (0, 2):
+        return code
+    if code == FAILS_RUN_EXIT:
+        return 1
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    note(f"{what} died ({how}); the run goes on without it")
+    return 0

@@ -1,0 +1,250 @@
+"""Process group, device and seeding for one worker.
+
+Reads the standard torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+so a worker runs the same under `paratrain run`, a plain `torchrun`, or the elastic agent's restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from paratrain.errors import ConfigError
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    restart_count: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(device: str, nproc: int) -> tuple[str, str | None]:
+    """The device this node's workers train on, 'cpu' or 'cuda', decided before any of them starts,
+    and a note for the user when 'auto' could not pick the GPU it found.
+
+    NCCL takes one GPU per rank: two ranks on one GPU fail at init ("Duplicate GPU detected"). So
+    'auto' picks CUDA only when this node has a GPU for each of its processes and otherwise
+    trains on CPU with gloo, saying so; an explicit 'cuda' that cannot be honoured is a config
+    error. Raises ConfigError.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "cpu" or (device == "auto" and gpus == 0):
+        return "cpu", None
+    if gpus == 0:
+        raise ConfigError("train.device", "'cuda' but no CUDA device is available")
+    if nproc > gpus:
+        if device == "cuda":
+            raise ConfigError(
+                "train.device",
+                f"'cuda' needs one GPU per process (NCCL): {nproc} processes "
+                f"per node, {gpus} GPU{'s' * (gpus > 1)} here; lower --nproc "
+                f"or set train.device = 'cpu'",
+            )
+        return "cpu", (
+            f"train.device 'auto': {nproc} processes per node but {gpus} GPU{'s' * (gpus > 1)} "
+            f"(NCCL takes one GPU per process), so training on CPU with gloo"
+        )
+    return "cuda", None
+
+
+def pick_device(kind: str, local_rank: int, local_world: int) -> torch.device:
+    """This worker's device. `paratrain run` has resolved 'auto' already; under plain torchrun the
+    worker resolves it here, from how many processes share this node."""
+    kind, note = resolve_device(kind, local_world)
+    if note and local_rank == 0:
+        note(f"{note}")
+    if kind == "cpu":
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory() -> bool:
+    """Let glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.
+
+    By default a freed block of over a few MiB goes back to the kernel (munmap, or a trim of the
+    heap's top), so the next step's same-sized temporary (a weight gradient of a 2048 x 2048 layer
+    is 16 MiB) is fresh memory again and faults in page by page: measured, 8-32 MiB of page
+    faults per step per rank in the bench MLP, several ms of a ~90 ms step. Keeping blocks up to
+    glibc's ceiling of 32 MiB on the heap and never trimming it is what jemalloc/tcmalloc preloads
+    buy CPU training elsewhere; a process's resident memory stays at its peak, as with a CUDA
+    caching allocator. No-op (False) where the C library is not glibc.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def init(device_kind: str = "auto", timeout_s: float = 300.0) -> Runtime:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_kind, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    if device.type == "cpu":
+        keep_freed_memory()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if not dist.is_initialized():
+        store = _store(rank, world, timeout_s)
+        attempt = _rendezvous_round(store, attempt)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"paratrain/attempt-{attempt}", store),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return Runtime(rank, world, local_rank, device, backend, attempt)
+
+
+def _store(rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """The store the workers meet in (the elastic agent's, when it hosts one)."""
+    listener = None
+    if "MASTER_ADDR" not in os.environ:  # a lone process started by hand
+        listener = listen_on("127.0.0.1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(listener.getsockname()[1]))
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store_server(listener or listen_on(addr, port), timeout, world_size=world)
+    return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+
+
+def round_key(group_rank: int) -> str:
+    """Where the agent of node `group_rank` puts the rendezvous round in the workers' store."""
+    return f"paratrain/rendezvous-round/node-{group_rank}"
+
+
+def _rendezvous_round(store: dist.TCPStore, restart_count: int) -> int:
+    """Which start of the worker group this is, the same number on every node: the rendezvous
+    round, which paratrain's launcher puts in the store (launch._register_rendezvous); under another launcher
+    (plain torchrun), the agent's restart count.
+
+    The agent's store lives as long as the job, so each start of the group gets a key prefix of its
+    own: without one, a restarted worker can read the address its dead predecessor published and
+    try to connect to nobody. The agents' restart counts disagree across nodes after a membership
+    change, which only the nodes whose workers failed count."""
+    key = round_key(int(os.environ.get("GROUP_RANK", 0)))
+    if os.environ.get("TORCHELASTIC_RUN_ID") and store.check([key]):
+        return int(store.get(key))
+    return restart_count
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for tests that hand one to processes they spawn; a launch holds its
+    sockets open instead (listen_on), since another process may take this port before it is used."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def listen_on(host: str, port: int = 0):
+    """A TCP socket listening on `host`'s address alone, on `port` (0: one the kernel picks), for a
+    store_server to take over: held open from the start, so no other process can take its port."""
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port just left (TIME_WAIT), as torch does
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def store_server(listener, timeout: timedelta = timedelta(minutes=5), **kwargs) -> dist.TCPStore:
+    """A TCPStore server on `listener` (listen_on), which it takes over.
+
+    Given a host and a port, torch's TCPStore server listens on every interface whatever the host,
+    and torch's elastic rendezvous unpickles what it reads from its store: anyone who could reach
+    the port could run code in the launcher (docs/security.md)."""
+    host, port = listener.getsockname()[:2]
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+        **kwargs,
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """Every RNG of this process: tensors for torch, JSON-able values for Python and NumPy."""
+    state = {"tensors": {"rng.torch": torch.get_rng_state()}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["tensors"]["rng.cuda"] = torch.cuda.get_rng_state()
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    state["json"] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+    }
+    return state
+
+
+def set_rng_state(tensors: dict, meta: dict) -> None:
+    torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = meta["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+
+
+def leave(code: int = 0) -> None:
+    """End a worker process once everything it opened is closed and flushed, skipping the
+    interpreter's teardown of torch: it costs most of a second, and a process group that something
+    still holds (DDP's reducer, a torch peer in a benchmark) is only freed there, where gloo's
+    threads can abort the process ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def shutdown(together: bool = False) -> None:
+    """Leave the process group; `together` (on a success path only) waits for every rank first:
+    a rank tearing gloo down while a peer still talks to it can abort the peer."""
+    if dist.is_initialized():
+        if together and dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
