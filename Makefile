@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[report,datasets,test]'
 	touch $@
 
-run: setup          ## the built-in default job: character GPT, data parallel, 2 processes
+run: setup          ## the built-in default job: a GPT on BPE shards of the stdlib source, data parallel, 2 processes
 	$(VENV)/bin/paratrain run
 
 # Two test processes: most of a test's time is its workers starting and meeting (imports, the

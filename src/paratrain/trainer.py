@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -37,6 +38,23 @@ from paratrain.parallel import registry
 from paratrain.parallel.registry import build_strategy
 from paratrain.profile import MemoryTracker, Profiler
 from paratrain.runtime import guard, process, stop
+
+
+@dataclass
+class _Tally:
+    """What the steps since the last logged one add up to."""
+
+    first_step: int
+    t_start: float = field(default_factory=time.perf_counter)
+    t_last: float = field(default_factory=time.perf_counter)
+    steps_since: int = 0
+    bad_in_a_row: int = 0
+    skipped: int = 0
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))  # loss, reports
+
+    def restart(self) -> None:
+        self.t_last, self.steps_since, self.skipped = time.perf_counter(), 0, 0
+        self.loss_sum = torch.zeros_like(self.loss_sum)
 
 
 class Trainer:
@@ -163,9 +181,10 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> dict:
+        """Train from self.step to train.steps: each step, then its accounting, logging and
+        checkpoint; on SIGTERM stop at the step every rank agrees on, after a checkpoint there."""
         cfg, rt = self.cfg, self.rt
-        total = cfg.train.steps
-        log = MetricsLog(self.run_dir, total, self.step, enabled=rt.is_main, tensorboard=cfg.log.tensorboard)
+        log = MetricsLog(self.run_dir, cfg.train.steps, self.step, enabled=rt.is_main, tensorboard=cfg.log.tensorboard)
         prof = Profiler(
             self.run_dir,
             rt.rank,
@@ -176,79 +195,20 @@ class Trainer:
             memory=self.memory,
         )
         self.strategy.profiler = prof
-        t_start, first_step = time.perf_counter(), self.step
-        t_last, steps_since, bad_in_a_row, skipped = t_start, 0, 0, 0
-        loss_sum = torch.zeros(2, dtype=torch.float64)  # summed loss of reporting ranks, their count
+        tally = _Tally(first_step=self.step)
         last, stopped_by = {}, 0
-        stops = (
-            stop.StopAgreement(rt.world_size, self.step, timedelta(seconds=cfg.parallel.timeout_s))
-            if self.strategy.lockstep
-            else None
-        )
+        timeout = timedelta(seconds=cfg.parallel.timeout_s)
+        stops = stop.StopAgreement(rt.world_size, self.step, timeout) if self.strategy.lockstep else None
         try:
-            while self.step < total:
-                collectives.LOG.step = self.step
-                with prof.step(self.step + 1):
-                    with prof.phase("data"):
-                        lr = cfg.train.lr * self.lr_at(self.step)
-                        self.strategy.set_lr(lr)
-                        batch = None
-                        if self.strategy.reads_data:
-                            idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
-                            x, y = load_batch(self.train_set, idx)
-                            batch = (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
-                    loss = self.strategy.train_step(batch)
-                self.step += 1
-                steps_since += 1
-                if self.strategy.skipped_step:  # the same decision on every rank
-                    bad_in_a_row += 1
-                    skipped += 1
-                    log.print(
-                        f"step {self.step}: non-finite loss or gradient, update skipped "
-                        f"({bad_in_a_row} in a row, at most {cfg.train.max_bad_steps})"
-                    )
-                    if bad_in_a_row > cfg.train.max_bad_steps:
-                        raise NonFiniteError(
-                            f"{bad_in_a_row} steps in a row had a non-finite loss or gradient "
-                            f"(train.max_bad_steps = {cfg.train.max_bad_steps}); last at step "
-                            f"{self.step}, lr {lr:.3e}: lower train.lr or clip gradients"
-                        )
-                else:
-                    bad_in_a_row = 0
-                    if self.strategy.reports_loss:
-                        loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
-                log.advance()
-                done = self.step == total
+            while self.step < cfg.train.steps:
+                lr, loss = self._step(prof)
+                self._account(loss, lr, tally, log)
+                done = self.step == cfg.train.steps
                 # preempted: log, save, leave (the last step finishes the run as usual instead)
                 stopped_by = stops.after_step(self.step) if stops and not done else 0
                 evaluate = done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
                 if done or stopped_by or evaluate or self.step % cfg.train.log_every == 0:
-                    reduced = self.strategy.reduce_loss(loss_sum)
-                    total_loss, reports = (
-                        reduce_loss_checking_sequences(loss_sum, rt) if reduced is None else reduced.tolist()
-                    )
-                    now = time.perf_counter()
-                    entry = {
-                        "step": self.step,
-                        "loss": total_loss / reports if reports else float("nan"),
-                        "lr": lr,
-                        "samples_per_s": steps_since * cfg.data.batch_size / (now - t_last),
-                        "time": now - t_start,
-                        "wall": time.time(),
-                        **self.strategy.step_metrics(),
-                    }
-                    # A strategy that reduces its own loss (async ps) has ranks that do not meet at
-                    # every logged step: its profile travels once, at the end, where they all meet.
-                    if reduced is None or done or stopped_by:
-                        entry.update(prof.flush(self.strategy.trainer_group))
-                    if skipped:
-                        entry["skipped_steps"] = skipped
-                    if evaluate:
-                        entry.update(self.evaluate())
-                    log.record(entry)
-                    last = entry
-                    t_last, steps_since, skipped = time.perf_counter(), 0, 0
-                    loss_sum = torch.zeros_like(loss_sum)
+                    last = self._log(lr, tally, log, prof, evaluate, final=bool(done or stopped_by))
                 if stopped_by or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                     self.save_checkpoint()
                 if stopped_by:  # without the final export: the run is not over
@@ -258,10 +218,88 @@ class Trainer:
         finally:
             log.close()
             prof.close()
-        elapsed = time.perf_counter() - t_start
+        elapsed = time.perf_counter() - tally.t_start
         if not stopped_by:
             self.export()
-        return {**last, "elapsed": elapsed, "first_step": first_step, "last_step": self.step, "stopped_by": stopped_by}
+        return {
+            **last,
+            "elapsed": elapsed,
+            "first_step": tally.first_step,
+            "last_step": self.step,
+            "stopped_by": stopped_by,
+        }
+
+    def _step(self, prof) -> tuple[float, torch.Tensor]:
+        """One optimizer step: its learning rate, this rank's slice of the global batch, the
+        strategy's step. (lr, the local loss)."""
+        cfg, rt = self.cfg, self.rt
+        collectives.LOG.step = self.step
+        with prof.step(self.step + 1):
+            with prof.phase("data"):
+                lr = cfg.train.lr * self.lr_at(self.step)
+                self.strategy.set_lr(lr)
+                batch = None
+                if self.strategy.reads_data:
+                    idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
+                    x, y = load_batch(self.train_set, idx)
+                    batch = (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+            loss = self.strategy.train_step(batch)
+        self.step += 1
+        return lr, loss
+
+    def _account(self, loss: torch.Tensor, lr: float, tally: _Tally, log: MetricsLog) -> None:
+        """Count the step: its loss towards the next logged mean, or a skipped update (a
+        non-finite loss or gradient, the same decision on every rank), too many of which in a row
+        end the run."""
+        tally.steps_since += 1
+        limit = self.cfg.train.max_bad_steps
+        if self.strategy.skipped_step:
+            tally.bad_in_a_row += 1
+            tally.skipped += 1
+            log.print(
+                f"step {self.step}: non-finite loss or gradient, update skipped "
+                f"({tally.bad_in_a_row} in a row, at most {limit})"
+            )
+            if tally.bad_in_a_row > limit:
+                raise NonFiniteError(
+                    f"{tally.bad_in_a_row} steps in a row had a non-finite loss or gradient "
+                    f"(train.max_bad_steps = {limit}); last at step "
+                    f"{self.step}, lr {lr:.3e}: lower train.lr or clip gradients"
+                )
+        else:
+            tally.bad_in_a_row = 0
+            if self.strategy.reports_loss:
+                tally.loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
+        log.advance()
+
+    def _log(self, lr: float, tally: _Tally, log: MetricsLog, prof, evaluate: bool, final: bool) -> dict:
+        """The logged step's metrics.jsonl entry (the loss averaged over the steps since the last
+        one and over the ranks that report it), written; the tally starts again."""
+        reduced = self.strategy.reduce_loss(tally.loss_sum)
+        total_loss, reports = (
+            reduce_loss_checking_sequences(tally.loss_sum, self.rt) if reduced is None else reduced.tolist()
+        )
+        now = time.perf_counter()
+        entry = {
+            "step": self.step,
+            "loss": total_loss / reports if reports else float("nan"),
+            "lr": lr,
+            "samples_per_s": tally.steps_since * self.cfg.data.batch_size / (now - tally.t_last),
+            "time": now - tally.t_start,
+            "wall": time.time(),
+            **self.strategy.step_metrics(),
+        }
+        # A strategy that reduces its own loss (async ps) has ranks that do not meet at every
+        # logged step: its profile travels once, at the end, where they all meet.
+        if reduced is None or final:
+            entry.update(prof.flush(self.strategy.trainer_group))
+        if tally.skipped:
+            entry["skipped_steps"] = tally.skipped
+        if evaluate:
+            entry.update(self.evaluate())
+        log.record(entry)
+        tally.restart()
+        return entry
 
     def export(self) -> None:
         state = self.strategy.full_model_state()

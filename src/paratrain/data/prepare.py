@@ -268,7 +268,7 @@ def prepare(job: Job) -> dict:
 
     with (
         tempfile.TemporaryDirectory(prefix="paratrain-prepare-") as scratch,
-        ProcessPoolExecutor(workers, initializer=_quiet_worker) as pool,
+        _encoders(workers) as pool,
     ):
         parts = list(
             progress(
@@ -391,6 +391,23 @@ def prepare_text_once(text: str, tokenizer: str, block_size: int, val_fraction: 
                 os.replace(out, root)
             print(f"data: prepared the corpus as {tokenizer} tokens in {time.perf_counter() - started:.1f}s at {root}")
     return root
+
+
+class _InProcess:
+    """One worker: encode here. A corpus prepared by a training rank on first use (a daemonic
+    process where the test gang or another launcher runs it) may not start processes of its own."""
+
+    map = staticmethod(map)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _encoders(workers: int):
+    return ProcessPoolExecutor(workers, initializer=_quiet_worker) if workers > 1 else _InProcess()
 
 
 def _quiet_worker() -> None:

@@ -65,7 +65,9 @@ class ShardDataset(Dataset):
             block = self._shard(s)
             rows[mask] = block[(ids[mask] - self.shard_starts[s]) % len(block)]  # a stand-in may hold more or fewer
         tokens = torch.from_numpy(rows)
-        return tokens[:, :-1], tokens[:, 1:]
+        # Two tensors of their own, as the character corpus gives: views of one buffer would keep
+        # it whole for as long as either lives (the planner counts the inputs and targets apart)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def global_batch_sampler(self, global_batch: int, shuffle: bool, seed: int) -> ShardSampler:
         return ShardSampler(self, global_batch, shuffle, seed)

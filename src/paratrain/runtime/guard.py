@@ -23,7 +23,17 @@ import signal
 import subprocess
 import sys
 
-from paratrain.errors import note
+from paratrain.errors import note, say
+
+
+def drop_worker(live: set[int], worker: int, line) -> None:
+    """The one rule for a worker that is gone (a parameter server's or a federated server's):
+    take it out of `live`, say `line(workers left)`, and end the run when none is left."""
+    live.discard(worker)
+    say(line(len(live)))
+    if not live:
+        raise RuntimeError(line(0).split(":")[0] + ": every worker is gone")
+
 
 GUARDED = "PARATRAIN_GUARDED"  # set in the child: run the trainer itself, not another guard
 FAILS_RUN_EXIT = 3  # the child's exit code for FailsRun

@@ -275,38 +275,14 @@ def launch_measurement(target: Callable, args: list[str], *, nproc: int, run_id:
             os.environ["OMP_NUM_THREADS"] = before
 
 
-def launch(
-    target: str | Callable,
-    args: list[str],
-    *,
-    nproc: int,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    rdzv: str | None = None,
-    max_restarts: int = 0,
-    run_id: str = "paratrain",
-) -> None:
-    """Run `target(*args)` on nproc x nnodes workers; raise WorkerFailure if they fail.
-
-    target: a module-level function, called in workers forked from the worker server (where the
-    platform has one, else spawned), or a module name, run as `python -u -m target *args`."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
+def _bind_rendezvous(rdzv: str | None, node_rank: int) -> tuple[str, str]:
+    """(the rendezvous endpoint, this node's address). Every socket of the run listens on one
+    address (docs/security.md): loopback for a local run; for a multi-node run, this node's address
+    towards --rdzv, where the other nodes reach it. The rendezvous store's socket is bound now and
+    held (_RDZV_LISTENERS), so no other process can take its port."""
     from paratrain.errors import ConfigError
     from paratrain.runtime.process import listen_on
 
-    _register_rendezvous()
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
-        logging.getLogger(name).addFilter(_not_a_stop)
-    # Each worker gets an equal share of the cores (torchrun does the same), so N processes
-    # on N cores do not each spawn N compute threads and thrash.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # Every socket of the run listens on one address (docs/security.md): loopback for a local run;
-    # for a multi-node run, this node's address towards --rdzv, where the other nodes reach it.
-    # The rendezvous store's socket is bound now and held, so no other process can take its port.
     if rdzv is None:
         listener = listen_on("127.0.0.1")
         endpoint, local_addr = f"127.0.0.1:{listener.getsockname()[1]}", "127.0.0.1"
@@ -326,6 +302,36 @@ def launch(
                 os.environ.setdefault(var, iface)
     if listener is not None:
         _RDZV_LISTENERS[endpoint] = listener
+    return endpoint, local_addr
+
+
+def launch(
+    target: str | Callable,
+    args: list[str],
+    *,
+    nproc: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv: str | None = None,
+    max_restarts: int = 0,
+    run_id: str = "paratrain",
+) -> None:
+    """Run `target(*args)` on nproc x nnodes workers; raise WorkerFailure if they fail.
+
+    target: a module-level function, called in workers forked from the worker server (where the
+    platform has one, else spawned), or a module name, run as `python -u -m target *args`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _register_rendezvous()
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api"):
+        logging.getLogger(name).addFilter(_not_a_stop)
+    # Each worker gets an equal share of the cores (torchrun does the same), so N processes
+    # on N cores do not each spawn N compute threads and thrash.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    endpoint, local_addr = _bind_rendezvous(rdzv, node_rank)
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,

@@ -96,24 +96,19 @@ def _nproc(env: Mapping[str, str]) -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def _kubeflow_trainer(env: Mapping[str, str]) -> Placement:
-    return Placement(
-        "Kubeflow Trainer",
-        _int(env, "PET_NNODES", 1),
-        _int(env, "PET_NODE_RANK"),
-        f"{env['PET_MASTER_ADDR']}:{_int(env, 'PET_MASTER_PORT', 1)}",
-        _nproc(env),
-    )
+def _torchrun_style(name: str, nodes: str, rank: str, addr: str, port: str):
+    """A reader of a scheduler that hands each node torchrun's own figures under its own names."""
+
+    def read(env: Mapping[str, str]) -> Placement:
+        return Placement(name, _int(env, nodes, 1), _int(env, rank), f"{env[addr]}:{_int(env, port, 1)}", _nproc(env))
+
+    return read
 
 
-def _pytorchjob(env: Mapping[str, str]) -> Placement:
-    return Placement(
-        "PyTorchJob",
-        _int(env, "WORLD_SIZE", 1),
-        _int(env, "RANK"),
-        f"{env['MASTER_ADDR']}:{_int(env, 'MASTER_PORT', 1)}",
-        _nproc(env),
-    )
+_kubeflow_trainer = _torchrun_style(
+    "Kubeflow Trainer", "PET_NNODES", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT"
+)
+_pytorchjob = _torchrun_style("PyTorchJob", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _slurm(env: Mapping[str, str]) -> Placement:

@@ -21,6 +21,7 @@ from paratrain.parallel.federated import secagg
 from paratrain.parallel.federated.server import owner_of
 from paratrain.parallel.ps.wire import first_line
 from paratrain.runtime import faults
+from paratrain.runtime.guard import drop_worker
 
 TAG_GLOBAL, TAG_KEYS, TAG_SHARES, TAG_UPDATE, TAG_DROPPED, TAG_REVEAL = range(31, 37)
 HEAD = 2  # per client report: [present, loss] in front of its update
@@ -159,13 +160,14 @@ class ServerRound:
         return True
 
     def _drop(self, w: int, why: str) -> None:
-        self.live.discard(w)
-        say(
-            f"federated: round {self.round + 1}: worker rank {w} {why}; dropped with its clients, "
-            f"{len(self.live)} of {len(self.workers)} workers go on"
+        drop_worker(
+            self.live,
+            w,
+            lambda left: (
+                f"federated: round {self.round + 1}: worker rank {w} {why}; dropped with its clients, "
+                f"{left} of {len(self.workers)} workers go on"
+            ),
         )
-        if not self.live:
-            raise RuntimeError("federated: every worker is gone")
 
 
 class WorkerRound:

@@ -24,6 +24,7 @@ from paratrain.errors import say
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import clip_factor
 from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG, first_line
+from paratrain.runtime.guard import drop_worker
 
 
 class ServerSide:
@@ -161,16 +162,16 @@ class ServerSide:
                 self._drop(w, f"silent for {now - self.last_heard[w]:.1f}s (> ps.drop_after_s)")
 
     def _drop(self, w: int, why: str) -> None:
-        self.live.discard(w)
         if w in self.held:
             self.held.remove(w)
         self.stats.dropped.append(w)
-        say(
-            f"ps: server rank {self.rt.rank} drops worker rank {w}: {why}; training goes on with "
-            f"{len(self.live)} workers"
+        drop_worker(
+            self.live,
+            w,
+            lambda left: (
+                f"ps: server rank {self.rt.rank} drops worker rank {w}: {why}; training goes on with {left} workers"
+            ),
         )
-        if not self.live:
-            raise RuntimeError("ps: every worker is gone")
         self._release_held()
 
     def _malformed(self, buf: torch.Tensor, w: int) -> str:
