@@ -248,6 +248,45 @@ class Zero(Strategy):
     def _after_step(self) -> None:
         self._start_gathers()  # waited for by the next forward, module by module
 
+    # -- the Python API's own loop ----------------------------------------------------------------
+    adopts_optimizers = True
+
+    def adopt_optimizer(self, optimizer):
+        """The user's optimizer class and hyper-parameters over this rank's pieces, each piece in
+        the param group of its parameter (a group may hold no piece on some rank)."""
+        piece_of = {u.names[i]: piece for u in self.units for i, *_, piece in u.pieces}
+        groups = []
+        for g in optimizer.param_groups:
+            names = [self.name_of.get(id(p)) for p in g["params"]]
+            if None in names:
+                raise ValueError("pt.setup: the optimizer holds a tensor that is no trainable parameter of the model")
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append({**hyper, "params": [piece_of[n] for n in names if n in piece_of]})
+        self.optimizer = self._with_gathers(type(optimizer)(groups, **optimizer.defaults))
+        return self.optimizer
+
+    def backward(self, loss) -> None:
+        """A backward before any zero_grad adds to the gradients (accumulation)."""
+        fresh = self._grads_let_go()
+        if fresh:
+            self.reducer.zero_grad()
+            self._bind_piece_grads()
+        self._before_backward(0 if fresh else 1, last=True)
+        loss.backward()
+        self._after_backward(last=True)
+        self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
+
+    def _grads_let_go(self) -> bool:
+        """Whether the user's zero_grad() set gradients to None (the optimizer's pieces', or the
+        model's, which stage 1 keeps in its buckets)."""
+        full = (p for u in self.units for p in u.params)
+        return any(piece.grad is None for piece in self.pieces) or any(p.grad is None for p in full)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        norm = self._grad_norm()
+        self._scale_grads(clip_factor(norm, max_norm))
+        return norm
+
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
         """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
@@ -288,6 +327,9 @@ class Zero2(Zero):
 
     def _after_backward(self, last: bool) -> None:
         self.reducer.finish()
+
+    def _grads_let_go(self) -> bool:
+        return any(piece.grad is None for piece in self.pieces)  # the model's are freed as reduced
 
 
 class Zero3(Zero2):
