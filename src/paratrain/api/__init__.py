@@ -64,6 +64,8 @@ def _config(strategy: str | None, path, keys: dict) -> Config:
             raw.setdefault("parallel", {})[key] = value
     if strategy is not None:
         raw.setdefault("parallel", {})["strategy"] = strategy
+    # a pipeline cut by measured layer times would time them on [data]'s dataset: the API has none
+    raw.setdefault("parallel", {}).setdefault("balance", "params")
     cfg = config_mod.from_dict(raw)
     registry.check_config(cfg)
     return cfg

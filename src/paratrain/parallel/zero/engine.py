@@ -34,6 +34,8 @@ any world M (zero/reshard.py). Stage 3's units and their gathering: zero/gather.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -262,7 +264,11 @@ class Zero(Strategy):
                 raise ValueError("pt.setup: the optimizer holds a tensor that is no trainable parameter of the model")
             hyper = {k: v for k, v in g.items() if k != "params"}
             groups.append({**hyper, "params": [piece_of[n] for n in names if n in piece_of]})
-        self.optimizer = self._with_gathers(type(optimizer)(groups, **optimizer.defaults))
+        # each group carries every hyper-parameter; the constructor takes the defaults it names
+        # (AdamW's defaults also hold keys its constructor does not take)
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self.optimizer = self._with_gathers(type(optimizer)(groups, **defaults))
         return self.optimizer
 
     def backward(self, loss) -> None:
