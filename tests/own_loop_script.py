@@ -1,6 +1,6 @@
 """The own-loop script the API tests run under plain python (world 1), `paratrain launch` and torchrun.
 
-    own_loop_script.py STRATEGY OPTIMIZER OUT [--steps N] [--ckpt DIR --save-at K] [--die-at K]
+own_loop_script.py STRATEGY OPTIMIZER OUT [--steps N] [--ckpt DIR --save-at K] [--die-at K]
 """
 
 import argparse
