@@ -166,3 +166,13 @@ def test_paratrain_launch_exit_codes(tmp_path):
     failing.write_text("import paratrain\npt = paratrain.init()\nraise SystemExit(3 if pt.rank == 1 else 0)\n")
     proc = run_cli("launch", "--nproc", "2", str(failing), cwd=tmp_path)
     assert proc.returncode == 1 and "rank 1 failed (exit code 3)" in proc.stderr, proc.stderr
+
+
+def test_the_docs_script_runs_as_written_under_paratrain_launch(tmp_path):
+    import re
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "own-loop.md").read_text()
+    (tmp_path / "digits_own_loop.py").write_text(re.search(r"```python\n(.*?)```", page, re.S).group(1))
+    proc = check_ok(run_cli("launch", "--nproc", "2", "digits_own_loop.py", cwd=tmp_path))
+    assert "done: step 100" in proc.stdout
+    assert (tmp_path / "runs" / "digits" / "final" / "model.safetensors").exists()
