@@ -19,45 +19,32 @@ def weights(out: Path) -> dict:
     return load_file(str(out / "model.safetensors"))
 
 
+def trained(gang, world: int, tmp_path: Path, **kwargs) -> dict:
+    """The own loop (own_loop_model.train) on a gang of `world`; its final weights."""
+    gang(world).run("own_loop_model:job", out=str(tmp_path / "out"), run_dir=str(tmp_path / "run"), **kwargs)
+    return weights(tmp_path / "out")
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3"])
 def test_own_loop_at_world_2_equals_plain_pytorch(tmp_path, gang, strategy, optimizer):
-    gang(2).run(
-        "own_loop_model:job",
-        strategy=strategy,
-        optimizer=optimizer,
-        out=str(tmp_path / "out"),
-        run_dir=str(tmp_path / "run"),
+    assert (
+        max_rel_error(trained(gang, 2, tmp_path, strategy=strategy, optimizer=optimizer), reference(optimizer, 6))
+        <= TOL
     )
-    assert max_rel_error(weights(tmp_path / "out"), reference(optimizer, 6)) <= TOL
 
 
 @pytest.mark.parametrize("strategy", ["dp", "zero2"])
 def test_clip_grad_norm_over_all_shards_equals_torch(tmp_path, gang, strategy):
-    gang(2).run(
-        "own_loop_model:job",
-        strategy=strategy,
-        optimizer="sgd",
-        out=str(tmp_path / "out"),
-        clip=0.05,
-        run_dir=str(tmp_path / "run"),
-    )
-    assert max_rel_error(weights(tmp_path / "out"), reference("sgd", 6, clip=0.05)) <= TOL
+    got = trained(gang, 2, tmp_path, strategy=strategy, optimizer="sgd", clip=0.05)
+    assert max_rel_error(got, reference("sgd", 6, clip=0.05)) <= TOL
 
 
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])
 def test_unequal_shares_of_a_short_last_batch_still_give_the_global_mean(tmp_path, gang, strategy):
     """40 samples in batches of 12 without drop_last: every fourth batch holds 4, shared 2-1-1."""
-    gang(3).run(
-        "own_loop_model:job",
-        strategy=strategy,
-        optimizer="adamw",
-        out=str(tmp_path / "out"),
-        steps=8,
-        drop_last=False,
-        run_dir=str(tmp_path / "run"),
-    )
-    assert max_rel_error(weights(tmp_path / "out"), reference("adamw", 8, drop_last=False)) <= TOL
+    got = trained(gang, 3, tmp_path, strategy=strategy, optimizer="adamw", steps=8, drop_last=False)
+    assert max_rel_error(got, reference("adamw", 8, drop_last=False)) <= TOL
 
 
 @pytest.mark.parametrize("strategy", ["dp", "zero2", "zero3"])
