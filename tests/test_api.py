@@ -75,6 +75,18 @@ def test_a_bad_key_exits_2_naming_it_before_joining(capsys):
     )
 
 
+def test_a_loader_whose_order_the_api_cannot_keep_is_refused():
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+
+    from paratrain.api.loader import GlobalBatchLoader
+
+    data = TensorDataset(torch.zeros(8, 1))
+    loader = DataLoader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 8, 8))
+    with pytest.raises(ValueError, match="WeightedRandomSampler"):
+        GlobalBatchLoader(loader, 0, place=None, share=None)
+
+
 def test_import_paratrain_stays_free_of_torch():
     import subprocess
 

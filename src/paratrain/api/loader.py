@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from paratrain.data.sampler import GlobalBatchSampler
 
@@ -25,9 +25,17 @@ class GlobalBatchLoader:
         """`place(batch, weight)`: onto the device, this rank's share of the global batch times the
         dp size noted (for the loss's weight); `share()`: (dp rank, dp size, whether this rank reads
         data), asked at each batch (the strategy may be set up after the loader)."""
+        if isinstance(loader.dataset, IterableDataset):
+            raise ValueError("pt.setup_dataloader: the dataset must be map-style (indexable, with a length)")
         if loader.batch_size is None:
             raise ValueError(
                 "pt.setup_dataloader: the loader needs a batch_size (the global batch), not a batch_sampler"
+            )
+        if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+            # its order would not be the same at every world size: say so rather than drop it
+            raise ValueError(
+                f"pt.setup_dataloader: the loader's order comes from shuffle=True or False, not a "
+                f"{type(loader.sampler).__name__}"
             )
         self.loader, self.place, self.share = loader, place, share
         self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
