@@ -147,7 +147,6 @@ def outcome(start, after_stop, role_of) -> int:
 
 
 def cmd_launch(args) -> int:
-    from paratrain.api.script import launch_script
     from paratrain.runtime.schedulers import place_from_environment
 
     try:
@@ -157,8 +156,12 @@ def cmd_launch(args) -> int:
             raise ConfigError("script", f"file not found: {args.script}")
     except ConfigError as exc:
         return _error(str(exc), 2)
+    from paratrain.api.script import launch_script  # torch: after the checks, which need none
+    from paratrain.runtime.launch import default_nproc
+
+    args.nproc = args.nproc or default_nproc("auto")
     if scheduler is not None:
-        note(f"{scheduler.describe(args.nproc or 1)}")
+        note(f"{scheduler.describe(args.nproc)}")
     return outcome(lambda: launch_script(args), lambda: "", lambda r: "")
 
 

@@ -35,12 +35,12 @@ def run_script(path: str, *argv: str) -> None:
 
 def launch_script(args) -> None:
     """Start args.nproc x args.nnodes workers of args.script (WorkerFailure, Interrupted as launch)."""
-    from paratrain.runtime.launch import default_nproc, launch
+    from paratrain.runtime.launch import launch
 
     launch(
         run_script,
         [str(Path(args.script).resolve()), *args.script_args],
-        nproc=args.nproc or default_nproc("auto"),
+        nproc=args.nproc,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         rdzv=args.rdzv,
