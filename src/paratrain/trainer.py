@@ -25,6 +25,7 @@ from paratrain import checkpoint as ckpt
 from paratrain import config as config_mod
 from paratrain import preflight
 from paratrain.checkpoint.resume import check_resumable
+from paratrain.checkpoint.train_state import NonFiniteError, load_train_state, save_train_state
 from paratrain.comm import collectives
 from paratrain.config import Config
 from paratrain.data import build_dataset, build_sampler, load_batch
@@ -106,48 +107,26 @@ class Trainer:
                 return
         reader = ckpt.CheckpointReader(path)
         check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
-        self.strategy.load_state_dict(reader)
-        _, meta0 = reader.load(rank=0)
-        self.step = int(meta0["trainer"]["step"])
+        loop = load_train_state(self.strategy, reader, self.rt)
+        self.step = int(loop["step"])
         try:
-            self.sampler.resume_at(self.step, meta0["trainer"].get("data"))
+            self.sampler.resume_at(self.step, loop.get("data"))
         except ValueError as exc:
             raise ConfigError("--resume", f"{path}: {exc}") from None
-        if self.rt.rank < reader.world_size:
-            tensors, meta = reader.load(rank=self.rt.rank)
-            process.set_rng_state(tensors, meta["rng"])
         if self.rt.is_main:
             # the steps after the checkpoint are redone: forget what the lost attempt logged of them
             keep_steps_up_to(self.run_dir / "metrics.jsonl", self.step)
             print(f"resumed from {path} at step {self.step} (saved by {reader.world_size} ranks)", flush=True)
 
     def save_checkpoint(self) -> None:
-        savers, group = self.strategy.checkpoint_ranks, self.strategy.checkpoint_group
-        if self.rt.rank >= savers:
-            return
-        tensors, meta = self.strategy.state_dict()
-        # Skipped steps keep weights finite; this makes sure, agreed by all savers, before writing.
-        finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
-        flag = torch.tensor([0.0 if finite else 1.0])
-        if savers > 1:
-            flag = all_reduce_sum(flag, self.rt, "checkpoint-finite", group)
-        if flag.item():
-            raise NonFiniteError(f"not saving step {self.step}: the model or optimizer state holds non-finite values")
-        rng = process.rng_state()
-        tensors = {**tensors, **rng["tensors"]}
-        meta = {**meta, "rng": rng["json"], "trainer": {"step": self.step, "data": self.sampler.position(self.step)}}
-        ckpt.save(
+        save_train_state(
+            self.strategy,
+            self.rt,
             self.run_dir,
-            self.step,
-            tensors,
-            meta,
-            rank=self.rt.rank,
-            world_size=savers,
-            strategy=self.cfg.parallel.strategy,
+            {"step": self.step, "data": self.sampler.position(self.step)},
+            strategy_name=self.cfg.parallel.strategy,
             config=self.cfg.to_dict(),
             keep=self.cfg.checkpoint.keep,
-            device=self.rt.device,
-            group=group,
         )
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -316,10 +295,6 @@ class Trainer:
                 },
             )
         barrier(self.rt, "export", self.strategy.trainer_group)
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
 
 
 # -- small collectives on scalars -----------------------------------------------------------------

@@ -19,8 +19,15 @@ from paratrain.checkpoint.save import remove_unfinished
 # -- the consolidated export ---------------------------------------------------------------------
 def export_final(run_dir: Path, state: dict[str, torch.Tensor], *, step: int, config: dict, extra: dict) -> Path:
     """RUN_DIR/final/model.safetensors keyed exactly like the user's model.state_dict()."""
-    run_dir = Path(run_dir)
-    tmp, final = run_dir / f"{UNFINISHED}final", run_dir / "final"
+    final = export_model(Path(run_dir) / "final", state, step=step, config=config, extra=extra)
+    remove_unfinished(Path(run_dir) / "checkpoints")  # the run is over: no save of it is under way
+    return final
+
+
+def export_model(final: Path, state: dict[str, torch.Tensor], *, step: int, config: dict, extra: dict) -> Path:
+    """FOLDER/model.safetensors and its manifest.json (the Python API's pt.export names FOLDER)."""
+    final = Path(final)
+    tmp = final.parent / f"{UNFINISHED}{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     data = st_save(unshared(state), metadata={"format": "pt"})
@@ -40,6 +47,5 @@ def export_final(run_dir: Path, state: dict[str, torch.Tensor], *, step: int, co
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    fsync_dir(run_dir)
-    remove_unfinished(run_dir / "checkpoints")  # the run is over: no save of it is under way
+    fsync_dir(final.parent)
     return final

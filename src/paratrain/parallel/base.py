@@ -136,6 +136,24 @@ class Strategy:
         finally:
             self.model.train()
 
+    # -- the Python API's own loop (paratrain/api.py) ---------------------------------------------
+    # A strategy whose schedule owns forward and backward keeps these defaults: the user's loop
+    # calls train_step, and the engine's optimizer is built from the [train] keys the API set.
+    adopts_optimizers = False  # True: adopt_optimizer takes any torch.optim optimizer
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Train with the user's optimizer (its class, hyper-parameters and param groups, built
+        over the model's parameters as the user passed it); returns the one to step."""
+        return self.optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The user's own loop: leaves every rank's gradients the global batch's mean."""
+        raise OwnLoopUnsupported(self.name, "backward")
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over every rank's gradients) to max_norm; returns it."""
+        raise OwnLoopUnsupported(self.name, "clip_grad_norm_")
+
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         raise NotImplementedError
@@ -145,6 +163,16 @@ class Strategy:
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         raise NotImplementedError
+
+
+class OwnLoopUnsupported(RuntimeError):
+    """An own-loop call under a strategy whose schedule owns forward and backward."""
+
+    def __init__(self, strategy: str, call: str):
+        super().__init__(
+            f"pt.{call}: strategy {strategy!r} runs forward and backward in its own schedule; "
+            f"use pt.setup(model, optimizer, loss=fn) and loss = pt.train_step(batch)"
+        )
 
 
 @torch.no_grad()
