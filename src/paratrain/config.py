@@ -130,7 +130,11 @@ class TrainConfig:
     warmup_steps: int = opt(0, check=_non_negative, doc="steps of linear learning-rate warm-up, under either schedule")
     momentum: float = opt(0.0, check=_non_negative, doc="sgd only")
     weight_decay: float = opt(0.0, check=_non_negative, doc="sgd and adamw")
-    loss: str = opt("cross_entropy", check=_factory_name, doc="cross_entropy | mse | module:function")
+    loss: str = opt(
+        "cross_entropy",
+        check=_factory_name,
+        doc="cross_entropy | mse | model (the output's own `loss`) | module:function",
+    )
     grad_accum: int = opt(
         1, check=_positive, doc="micro-batches per optimizer step; the global batch stays data.batch_size"
     )

@@ -28,6 +28,7 @@ from paratrain.checkpoint.resume import check_resumable
 from paratrain.comm import collectives
 from paratrain.config import Config
 from paratrain.data import build_dataset, build_sampler, load_batch
+from paratrain.data.batch import take, to_device
 from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to
 from paratrain.models import BUILTIN as BUILTIN_MODELS
@@ -169,10 +170,10 @@ class Trainer:
             if len(chunk):
                 x, y = load_batch(self.val_set, chunk)
             elif self.strategy.collective_forward:  # sample 0 cut to none: a collate cannot make an empty batch
-                x, y = (t[:0] for t in load_batch(self.val_set, torch.zeros(1, dtype=torch.long)))
+                x, y = take(load_batch(self.val_set, torch.zeros(1, dtype=torch.long)), 0)
             else:
                 continue
-            sums += self.strategy.eval_step(x.to(self.rt.device), y.to(self.rt.device))
+            sums += self.strategy.eval_step(to_device(x, self.rt.device), to_device(y, self.rt.device))
         sums = all_reduce_sum(sums, self.rt, "eval-sums", self.strategy.trainer_group)
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}
         if sums[3] > 0:
@@ -241,8 +242,7 @@ class Trainer:
                 batch = None
                 if self.strategy.reads_data:
                     idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
-                    x, y = load_batch(self.train_set, idx)
-                    batch = (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+                    batch = to_device(load_batch(self.train_set, idx), rt.device, non_blocking=True)
             loss = self.strategy.train_step(batch)
         self.step += 1
         return lr, loss

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain import checkpoint as ckpt
+from paratrain.data.batch import feed
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from paratrain.parallel.codecs.basic import Uncompressed, build_codec
@@ -206,7 +207,7 @@ class DataParallel(Strategy):
             last = i == len(micro) - 1
             self.reducer.prepare(sync=last)
             with prof.phase("forward"), self.autocast():
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(feed(self.model, x), y)
             with prof.phase("backward"):
                 (loss / len(micro)).backward()
             total += loss.detach()

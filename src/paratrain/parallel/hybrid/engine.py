@@ -20,6 +20,7 @@ from paratrain import checkpoint as ckpt
 from paratrain.comm import collectives
 from paratrain.comm.grid import build_mesh
 from paratrain.config import Config
+from paratrain.data.batch import num_samples, split_batch
 from paratrain.errors import ConfigError
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, eval_sums
@@ -176,15 +177,15 @@ class ModelParallel(Strategy):
     def train_step(self, batch) -> torch.Tensor:
         for r in self.reducers:
             r.zero_grad()
-        inputs, targets = batch
+        micro = split_batch(batch, self.m)
 
         def before_backward(a):
             self.reducers[a.chunk].prepare(sync=self.last_backward[a.chunk] == a.mb)
 
         losses = self.engine.run(
             self.actions,
-            list(torch.chunk(inputs, self.m)),
-            list(torch.chunk(targets, self.m)),
+            [x for x, _ in micro],
+            [y for _, y in micro],
             self.train_loss,
             self.autocast,
             train=True,
@@ -230,17 +231,17 @@ class ModelParallel(Strategy):
         return math.sqrt(squares.item() / self.mesh.dp)
 
     @torch.no_grad()
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval_step(self, inputs, targets) -> torch.Tensor:
         for chunk in self.chunks:
             chunk.eval()
         try:
-            xs, ys = list(torch.chunk(inputs, self.m)), list(torch.chunk(targets, self.m))
+            xs, ys = (list(part) for part in zip(*split_batch((inputs, targets), self.m)))
             actions = forward_only(self.cfg.parallel.pp, self.mesh.pp_rank, len(xs), self.v)
             sums = self.engine.run(
                 actions,
                 xs,
                 ys,
-                lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y),
+                lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y, num_samples(out)),
                 self.autocast,
                 train=False,
             )

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from paratrain.data.batch import feed
 from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG
 from paratrain.runtime import faults
 
@@ -57,7 +58,7 @@ class WorkerSide:
         total = torch.zeros((), device=self.rt.device)
         for x, y in micro:
             with self.profiler.phase("forward"), self.autocast():
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(feed(self.model, x), y)
             with self.profiler.phase("backward"):
                 (loss / len(micro)).backward()
             total += loss.detach().float()

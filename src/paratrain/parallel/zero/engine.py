@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import collectives
+from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
@@ -190,7 +191,7 @@ class Zero(Strategy):
         for i, (x, y) in enumerate(micro):
             self._before_backward(i, last=i == len(micro) - 1)
             with prof.phase("forward"), self.autocast():
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(feed(self.model, x), y)
             with prof.phase("backward"):
                 (loss / len(micro)).backward()
             self._after_backward(last=i == len(micro) - 1)
