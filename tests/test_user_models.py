@@ -73,3 +73,86 @@ def test_bad_samples_and_outputs_exit_2(tmp_path, capsys, overrides, key):
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and key in lines[0], err
+
+
+BN_CNN = """
+name = "bn"
+[model]
+factory = "user_models:bn_cnn"
+[data]
+factory = "digits"
+batch_size = 24
+shuffle = false
+[train]
+steps = 12
+optimizer = "sgd"
+lr = 0.1
+log_every = 6
+"""
+
+
+@pytest.fixture(scope="module")
+def bn_reference():
+    from reference import train_reference
+    from user_models import bn_cnn
+
+    from paratrain.data.datasets import digits
+
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    return train_reference(bn_cnn(), x, y, steps=12, batch_size=24, lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "world, overrides",
+    [
+        (2, ["parallel.strategy='dp'"]),
+        (3, ["parallel.strategy='dp'"]),
+        (2, ["parallel.strategy='zero2'"]),
+        (3, ["parallel.strategy='zero2'"]),
+        (3, ["parallel.strategy='zero3'"]),
+        (3, ["parallel.strategy='ps'", "ps.mode='sync'"]),  # one server, two workers
+        (2, ["parallel.strategy='hybrid'", "parallel.microbatches=1"]),  # dp 2 x tp 1 x pp 1
+    ],
+)
+def test_batchnorm_over_the_global_batch_equals_single_process(tmp_path, gang, bn_reference, world, overrides):
+    """Weights and running statistics (final/ holds them) equal one process's."""
+    cfg = write_config(tmp_path / "c.toml", BN_CNN)
+    gang(world).train(cfg, tmp_path / "run", overrides)
+    weights = final_weights(tmp_path / "run")
+    assert {"2.running_mean", "2.running_var", "6.running_var"} <= weights.keys()
+    assert max_rel_error(weights, bn_reference) <= 1e-4
+
+
+def ddp_bn_job(rt, out: str, steps: int = 12, batch: int = 24) -> None:
+    """torch DDP (broadcast_buffers: rank 0's statistics before every forward) on paratrain dp's
+    data split, run on a gang's process group; rank 0 writes the final weights."""
+    from safetensors.torch import save_file
+    from torch.nn.parallel import DistributedDataParallel
+    from user_models import bn_cnn
+
+    from paratrain.data.datasets import digits
+
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    model = DistributedDataParallel(bn_cnn())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    share = batch // rt.world_size
+    for step in range(steps):
+        idx = (torch.arange(step * batch, (step + 1) * batch) % len(x))[rt.rank * share : (rt.rank + 1) * share]
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    if rt.rank == 0:
+        save_file({k: v.contiguous() for k, v in model.module.state_dict().items()}, out)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero2"])
+def test_batchnorm_per_rank_equals_torch_ddp(tmp_path, gang, strategy):
+    """parallel.sync_batchnorm = false: each rank's own statistics, rank 0's kept, as DDP does."""
+    from safetensors.torch import load_file
+
+    gang(2).run("test_user_models:ddp_bn_job", out=str(tmp_path / "ddp.safetensors"))
+    cfg = write_config(tmp_path / "c.toml", BN_CNN)
+    gang(2).train(cfg, tmp_path / "run", [f"parallel.strategy='{strategy}'", "parallel.sync_batchnorm=false"])
+    assert max_rel_error(final_weights(tmp_path / "run"), load_file(str(tmp_path / "ddp.safetensors"))) <= 1e-4

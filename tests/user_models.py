@@ -64,3 +64,19 @@ class DigitHalves(torch.utils.data.Dataset):
 
 def digit_halves(split: str = "train", layout: str = "tuple") -> DigitHalves:
     return DigitHalves(split, layout)
+
+
+def bn_cnn(channels: int = 4) -> nn.Sequential:
+    """A small CNN with batch norm over 8x8 digits given as 64 pixels (Conv, BatchNorm2d, ReLU, and
+    a BatchNorm1d before the head): the layer whose statistics span the batch."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, channels, 3, padding=1),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(channels * 64, 16),
+        nn.BatchNorm1d(16, momentum=None),
+        nn.ReLU(),
+        nn.Linear(16, 10),
+    )

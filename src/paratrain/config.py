@@ -182,6 +182,11 @@ class ParallelConfig:
     powersgd_rank: int = opt(4, check=_at_least_one, doc="powersgd: rank of the low-rank factors")
     powersgd_warm_start: bool = opt(True, doc="powersgd: start each step from the last step's Q")
     timeout_s: float = opt(300.0, check=_timeout, doc="collective timeout")
+    sync_batchnorm: bool = opt(
+        True,
+        doc="batch-norm layers normalise over the global batch (dp, zero1-3, sync ps, hybrid); "
+        "false: each rank over its own samples, rank 0's statistics broadcast before every step as DDP does",
+    )
 
 
 @dataclass

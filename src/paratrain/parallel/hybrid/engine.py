@@ -24,6 +24,7 @@ from paratrain.data.batch import num_samples, split_batch
 from paratrain.errors import ConfigError
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, eval_sums
+from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.hybrid.parallelize import (
     apply_tp,
     cut_pipeline,
@@ -94,6 +95,8 @@ class ModelParallel(Strategy):
         self.shard_dims = apply_tp(model, mesh, plan)
         self.stage_ids, self.chunks = cut_pipeline(model, mesh, cfg, self.bounds)
         self.reducers, self.param_names, self.params = wrap_dp(model, self.chunks, mesh, cfg, rt.device)
+        # within a pipeline, over each microbatch of the dp ranks' samples (docs/models.md)
+        self.batchnorm = BatchNormPolicy(model, p.sync_batchnorm, mesh.dp_group)
         self.owned_keys = [k for k, s in stage_of_key.items() if s in self.stage_ids]
         self.optimizer = build_optimizer(self.params, cfg.train)
         self.tied = (
@@ -177,6 +180,7 @@ class ModelParallel(Strategy):
     def train_step(self, batch) -> torch.Tensor:
         for r in self.reducers:
             r.zero_grad()
+        self.batchnorm.before_step()
         micro = split_batch(batch, self.m)
 
         def before_backward(a):

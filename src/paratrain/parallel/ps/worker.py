@@ -33,6 +33,7 @@ class WorkerSide:
     """The worker's half of ParameterServer (which mixes it in on ranks ps.servers and up)."""
 
     is_server = False
+    batchnorm = None  # sync mode: the policy for batch-norm layers over the workers (dp/batchnorm.py)
 
     def _init_side(self) -> None:
         # Host buffers go on the wire; on a CPU they are the parameters' and gradients' own storage,
@@ -54,6 +55,8 @@ class WorkerSide:
         t0 = time.perf_counter()
         for buf in self.dev_grad_bufs:
             buf.zero_()
+        if self.batchnorm is not None:
+            self.batchnorm.before_step()
         micro = self.micro_batches(batch)
         total = torch.zeros((), device=self.rt.device)
         for x, y in micro:

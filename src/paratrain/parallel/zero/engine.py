@@ -44,6 +44,7 @@ from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from paratrain.parallel.codecs.basic import CAST_DTYPES
+from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.dp.engine import make_buckets
 from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
@@ -78,6 +79,7 @@ class Zero(Strategy):
         self._install(model)
         self._setup_communication(model)
         self._overlap_gathers_with_forward(model)
+        self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
         self.optimizer = build_optimizer([u.shard for u in self.units], cfg.train)
 
     # -- layout ---------------------------------------------------------------------------------
@@ -185,6 +187,7 @@ class Zero(Strategy):
     # -- the step -------------------------------------------------------------------------------
     def train_step(self, batch) -> torch.Tensor:
         self.reducer.zero_grad()
+        self.batchnorm.before_step()
         micro = self.micro_batches(batch)
         total = torch.zeros((), device=self.device)
         prof = self.profiler  # waits on gathers and reduce-scatters are its "comm" (paratrain.comm.collectives)
