@@ -80,3 +80,31 @@ def bn_cnn(channels: int = 4) -> nn.Sequential:
         nn.ReLU(),
         nn.Linear(16, 10),
     )
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """Random token blocks (a fixed seed per split) as a language model's or classifier's samples
+    (`layout`): `pair` (ids, next ids); `labelled` {"input_ids", "labels"} (the model shifts and
+    computes its own loss); `classify` ({"input_ids", "attention_mask"}, a class of 3)."""
+
+    def __init__(self, split: str, layout: str, vocab: int, block: int, n: int):
+        g = torch.Generator().manual_seed(0 if split == "train" else 1)
+        self.tokens = torch.randint(vocab, (n, block + 1), generator=g)
+        self.lengths = torch.randint(block // 2, block + 1, (n,), generator=g)
+        self.layout = layout
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        ids = self.tokens[i, :-1]
+        if self.layout == "pair":
+            return ids, self.tokens[i, 1:]
+        if self.layout == "labelled":
+            return {"input_ids": ids, "labels": ids}
+        mask = (torch.arange(len(ids)) < self.lengths[i]).long()
+        return {"input_ids": ids, "attention_mask": mask}, self.tokens[i, -1] % 3
+
+
+def token_blocks(split: str = "train", layout: str = "pair", vocab: int = 64, block: int = 16, n: int = 96):
+    return TokenBlocks(split, layout, vocab, block, n)

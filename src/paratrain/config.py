@@ -98,7 +98,7 @@ def _timeout(v):
 class ModelConfig:
     """The model: a built-in factory or your own `module:function` returning an `nn.Module`."""
 
-    factory: str = opt("gpt", check=_factory_name, doc="mlp | cnn | gpt | module:function")
+    factory: str = opt("gpt", check=_factory_name, doc="mlp | cnn | gpt | hf (transformers) | module:function")
     kwargs: dict = opt({}, doc="every other key of [model], passed to the factory")
 
 

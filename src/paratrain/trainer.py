@@ -33,6 +33,7 @@ from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to
 from paratrain.models import BUILTIN as BUILTIN_MODELS
 from paratrain.models import build_model
+from paratrain.models.hf import model_files
 from paratrain.models.materialize import record_on_meta
 from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
@@ -155,7 +156,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Validation loss (and accuracy for classification), each dp rank taking a shard."""
-        if self.val_set is None or len(self.val_set) == 0:
+        if not self.val_set:  # none, or empty
             return {}
         per_rank = max(4 * self.cfg.data.batch_size // self.dp_size, 1)  # no activations kept: bigger batches
         order = torch.arange(self.dp_rank, len(self.val_set), self.dp_size)
@@ -231,8 +232,7 @@ class Trainer:
         }
 
     def _step(self, prof) -> tuple[float, torch.Tensor]:
-        """One optimizer step: its learning rate, this rank's slice of the global batch, the
-        strategy's step. (lr, the local loss)."""
+        """One optimizer step on this rank's slice of the global batch: (lr, the local loss)."""
         cfg, rt = self.cfg, self.rt
         collectives.LOG.step = self.step
         with prof.step(self.step + 1):
@@ -248,9 +248,8 @@ class Trainer:
         return lr, loss
 
     def _account(self, loss: torch.Tensor, lr: float, tally: _Tally, log: MetricsLog) -> None:
-        """Count the step: its loss towards the next logged mean, or a skipped update (a
-        non-finite loss or gradient, the same decision on every rank), too many of which in a row
-        end the run."""
+        """Count the step: its loss towards the next logged mean, or a skipped update (a non-finite
+        loss or gradient, agreed by every rank), too many of which in a row end the run."""
         tally.steps_since += 1
         limit = self.cfg.train.max_bad_steps
         if self.strategy.skipped_step:
@@ -314,6 +313,7 @@ class Trainer:
                     "world_size": self.rt.world_size,
                     "parameters": sum(v.numel() for v in state.values()),
                 },
+                files=model_files(self.strategy.model),
             )
         barrier(self.rt, "export", self.strategy.trainer_group)
 
