@@ -86,13 +86,18 @@ def built(text: str):
 
 
 @pytest.mark.parametrize(
-    "strategy, layout, loss",
-    [("dp", "pair", "cross_entropy"), ("zero3", "labelled", "model")],
+    "strategy, layout, loss, recompute",
+    [
+        ("dp", "pair", "cross_entropy", "none"),
+        ("zero3", "labelled", "model", "none"),
+        ("dp", "labelled", "model", "full"),  # through the model's gradient_checkpointing_enable()
+    ],
 )
-def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss):
+def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, recompute):
     reference = train_alone(built(LLAMA), layout, next_token_loss if layout == "pair" else own_loss)
     cfg = write_config(tmp_path / "c.toml", LLAMA)
     sets = [f"parallel.strategy='{strategy}'", f"data.layout='{layout}'", f"train.loss='{loss}'"]
+    sets.append(f"train.recompute='{recompute}'")
     gang(2).train(cfg, tmp_path / "run", sets)
     assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
 
