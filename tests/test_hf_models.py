@@ -144,3 +144,22 @@ def test_bad_hf_model_exits_2_naming_the_key(tmp_path, capsys, override, key):
     code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and key in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "job, sets",
+    [
+        ("LLAMA", []),
+        ("LLAMA", ["parallel.strategy='zero3'", "data.layout='labelled'", "train.loss='model'"]),
+        ("LLAMA", ["train.recompute='full'"]),
+        ("BERT", []),
+    ],
+)
+def test_plan_takes_model_outputs_and_dict_batches(tmp_path, capsys, job, sets):
+    """`paratrain plan`'s fake-tensor run accepts ModelOutput outputs and dict batches."""
+    from paratrain.cli import main
+
+    cfg = write_config(tmp_path / "c.toml", globals()[job])
+    code = main(["plan", str(cfg), "--nproc", "2", *[a for s in sets for a in ("--set", s)]])
+    out = capsys.readouterr()
+    assert code == 0 and "predicted" in out.out, out.err

@@ -156,3 +156,14 @@ def test_batchnorm_per_rank_equals_torch_ddp(tmp_path, gang, strategy):
     cfg = write_config(tmp_path / "c.toml", BN_CNN)
     gang(2).train(cfg, tmp_path / "run", [f"parallel.strategy='{strategy}'", "parallel.sync_batchnorm=false"])
     assert max_rel_error(final_weights(tmp_path / "run"), load_file(str(tmp_path / "ddp.safetensors"))) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "job, sets",
+    [(BN_CNN, ["parallel.strategy='zero2'"]), (HALVES, ["data.layout='labelled'", "train.loss='model'"])],
+)
+def test_plan_takes_these_jobs(tmp_path, capsys, job, sets):
+    cfg = write_config(tmp_path / "c.toml", job)
+    code = main(["plan", str(cfg), "--nproc", "2", *[a for s in sets for a in ("--set", s)]])
+    out = capsys.readouterr()
+    assert code == 0 and "predicted" in out.out, out.err
