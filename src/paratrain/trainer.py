@@ -29,10 +29,12 @@ from paratrain.checkpoint.train_state import NonFiniteError, load_train_state, s
 from paratrain.comm import collectives
 from paratrain.config import Config
 from paratrain.data import build_dataset, build_sampler, load_batch
+from paratrain.data.batch import take, to_device
 from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to
 from paratrain.models import BUILTIN as BUILTIN_MODELS
 from paratrain.models import build_model
+from paratrain.models.hf import model_files
 from paratrain.models.materialize import record_on_meta
 from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
@@ -133,7 +135,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Validation loss (and accuracy for classification), each dp rank taking a shard."""
-        if self.val_set is None or len(self.val_set) == 0:
+        if not self.val_set:  # none, or empty
             return {}
         per_rank = max(4 * self.cfg.data.batch_size // self.dp_size, 1)  # no activations kept: bigger batches
         order = torch.arange(self.dp_rank, len(self.val_set), self.dp_size)
@@ -148,10 +150,10 @@ class Trainer:
             if len(chunk):
                 x, y = load_batch(self.val_set, chunk)
             elif self.strategy.collective_forward:  # sample 0 cut to none: a collate cannot make an empty batch
-                x, y = (t[:0] for t in load_batch(self.val_set, torch.zeros(1, dtype=torch.long)))
+                x, y = take(load_batch(self.val_set, torch.zeros(1, dtype=torch.long)), 0)
             else:
                 continue
-            sums += self.strategy.eval_step(x.to(self.rt.device), y.to(self.rt.device))
+            sums += self.strategy.eval_step(to_device(x, self.rt.device), to_device(y, self.rt.device))
         sums = all_reduce_sum(sums, self.rt, "eval-sums", self.strategy.trainer_group)
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}
         if sums[3] > 0:
@@ -209,8 +211,7 @@ class Trainer:
         }
 
     def _step(self, prof) -> tuple[float, torch.Tensor]:
-        """One optimizer step: its learning rate, this rank's slice of the global batch, the
-        strategy's step. (lr, the local loss)."""
+        """One optimizer step on this rank's slice of the global batch: (lr, the local loss)."""
         cfg, rt = self.cfg, self.rt
         collectives.LOG.step = self.step
         with prof.step(self.step + 1):
@@ -220,16 +221,14 @@ class Trainer:
                 batch = None
                 if self.strategy.reads_data:
                     idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
-                    x, y = load_batch(self.train_set, idx)
-                    batch = (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+                    batch = to_device(load_batch(self.train_set, idx), rt.device, non_blocking=True)
             loss = self.strategy.train_step(batch)
         self.step += 1
         return lr, loss
 
     def _account(self, loss: torch.Tensor, lr: float, tally: _Tally, log: MetricsLog) -> None:
-        """Count the step: its loss towards the next logged mean, or a skipped update (a
-        non-finite loss or gradient, the same decision on every rank), too many of which in a row
-        end the run."""
+        """Count the step: its loss towards the next logged mean, or a skipped update (a non-finite
+        loss or gradient, agreed by every rank), too many of which in a row end the run."""
         tally.steps_since += 1
         limit = self.cfg.train.max_bad_steps
         if self.strategy.skipped_step:
@@ -293,6 +292,7 @@ class Trainer:
                     "world_size": self.rt.world_size,
                     "parameters": sum(v.numel() for v in state.values()),
                 },
+                files=model_files(self.strategy.model),
             )
         barrier(self.rt, "export", self.strategy.trainer_group)
 

@@ -24,9 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain import checkpoint as ckpt
+from paratrain.data.batch import feed
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from paratrain.parallel.codecs.basic import Uncompressed, build_codec
+from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.profile import NULL_PROFILER
 
 
@@ -186,6 +188,7 @@ class DataParallel(Strategy):
         self.group = group
         src = 0 if group is None else dist.get_global_rank(group, 0)  # the group's first rank
         broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=src, group=group)
+        self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
         named = unique_parameters(model)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -204,13 +207,14 @@ class DataParallel(Strategy):
     def train_step(self, batch) -> torch.Tensor:
         prof = self.profiler
         self.reducer.zero_grad()
+        self.batchnorm.before_step()
         micro = self.micro_batches(batch)
         total = torch.zeros((), device=self.rt.device)
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
             self.reducer.prepare(sync=last)
             with prof.phase("forward"), self.autocast():
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(feed(self.model, x), y)
             with prof.phase("backward"):
                 (loss / len(micro)).backward()
             total += loss.detach()

@@ -41,10 +41,12 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import collectives
+from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from paratrain.parallel.codecs.basic import CAST_DTYPES
+from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.dp.engine import make_buckets
 from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
@@ -79,6 +81,7 @@ class Zero(Strategy):
         self._install(model)
         self._setup_communication(model)
         self._overlap_gathers_with_forward(model)
+        self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
         self._make_pieces()
         self.optimizer = self._with_gathers(build_optimizer(self.pieces, cfg.train))
 
@@ -212,13 +215,14 @@ class Zero(Strategy):
     # -- the step -------------------------------------------------------------------------------
     def train_step(self, batch) -> torch.Tensor:
         self.reducer.zero_grad()
+        self.batchnorm.before_step()
         micro = self.micro_batches(batch)
         total = torch.zeros((), device=self.device)
         prof = self.profiler  # waits on gathers and reduce-scatters are its "comm" (paratrain.comm.collectives)
         for i, (x, y) in enumerate(micro):
             self._before_backward(i, last=i == len(micro) - 1)
             with prof.phase("forward"), self.autocast():
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(feed(self.model, x), y)
             with prof.phase("backward"):
                 (loss / len(micro)).backward()
             self._after_backward(last=i == len(micro) - 1)
