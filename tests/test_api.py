@@ -69,10 +69,9 @@ def test_a_bad_key_exits_2_naming_it_before_joining(capsys):
     with pytest.raises(SystemExit) as exc:
         paratrain.init(strategy="zero2", bucket=1)
     assert exc.value.code == 2
-    assert capsys.readouterr().err.strip() == "paratrain: error: parallel.bucket: unknown key " + (
-        "(known: strategy, tp, pp, microbatches, schedule, virtual_stages, balance, tp_plan, bucket_mb, "
-        "compression, topk_ratio, powersgd_rank, powersgd_warm_start, timeout_s)"
-    )
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("paratrain: error: parallel.bucket: unknown key (known: strategy, tp, pp, "), line
+    assert "bucket_mb" in line, line
 
 
 def test_a_loader_whose_order_the_api_cannot_keep_is_refused():
