@@ -25,7 +25,7 @@ from torch import nn
 
 from paratrain import checkpoint as ckpt
 from paratrain.optim import build_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters, whole_model_chunks
 from paratrain.parallel.codecs.basic import Uncompressed, build_codec
 from paratrain.profile import NULL_PROFILER
 
@@ -245,7 +245,5 @@ class DataParallel(Strategy):
                 {k[len("compression.") :]: v.to(self.rt.device) for k, v in own.items() if k.startswith("compression.")}
             )
 
-    def full_model_state(self):
-        if self.rt.rank != 0:
-            return None
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+    def model_chunks(self):
+        return whole_model_chunks(self.model) if self.rt.rank == 0 else iter(())
