@@ -280,20 +280,23 @@ class Trainer:
         return entry
 
     def export(self) -> None:
-        state = self.strategy.full_model_state()
+        chunks = self.strategy.model_chunks()  # every rank takes part in gathering each unit
         if self.rt.is_main:
             ckpt.export_final(
                 self.run_dir,
-                state,
+                self.strategy.model_layout(),
+                chunks,
                 step=self.step,
                 config=self.cfg.to_dict(),
                 extra={
                     "strategy": self.cfg.parallel.strategy,
                     "world_size": self.rt.world_size,
-                    "parameters": sum(v.numel() for v in state.values()),
                 },
                 files=model_files(self.strategy.model),
             )
+        else:
+            for _ in chunks:
+                pass
         barrier(self.rt, "export", self.strategy.trainer_group)
 
 

@@ -203,11 +203,15 @@ class Paratrain:
     def export(self, path, step: int = 0) -> Path | None:
         """Collective: PATH/model.safetensors (keyed like model.state_dict()) and its manifest."""
         strategy = self._strategy("export")
-        state = strategy.full_model_state()
+        chunks = strategy.model_chunks()  # every rank takes part in gathering each unit
         out = None
         if self.is_main:
             extra = {"strategy": self.cfg.parallel.strategy, "world_size": self.world_size}
-            out = ckpt.export_model(Path(path), state, step=step, config=self.cfg.to_dict(), extra=extra)
+            layout = strategy.model_layout()
+            out = ckpt.export_model(Path(path), layout, chunks, step=step, config=self.cfg.to_dict(), extra=extra)
+        else:
+            for _ in chunks:
+                pass
         barrier(self.rt, "export", strategy.trainer_group)
         return out
 

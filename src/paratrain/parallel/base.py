@@ -3,7 +3,10 @@
 A strategy owns the (possibly split) model and its optimizer. The trainer only calls:
     set_lr(lr); train_step((inputs, targets)) -> local mean loss; eval_step(...);
     state_dict() -> (tensors, json) for this rank's checkpoint file; load_state_dict(reader);
-    full_model_state() -> the consolidated state dict on rank 0 (None elsewhere; a collective).
+    model_layout() -> on rank 0, every tensor of the consolidated model: (dtype, shape) by name;
+    model_chunks() -> the consolidated model, a piece at a time on rank 0 (a collective: one unit
+                      gathered at a time, so the export never holds the whole model beside the
+                      training state); full_model_state() joins them (None off rank 0).
 and reads three attributes:
     dp_rank, dp_size  which share of each global batch this rank reads (ranks of one model replica,
                       e.g. the tp or pp ranks of it, read the same share);
@@ -52,7 +55,7 @@ trace's timeline.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -161,8 +164,26 @@ class Strategy:
     def load_state_dict(self, reader) -> None:
         raise NotImplementedError
 
-    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+    def model_layout(self) -> dict[str, tuple[torch.dtype, torch.Size]]:
+        """What the export's header needs before any value: the dtype and shape of every tensor,
+        keyed like the user's model.state_dict()."""
+        return {k: (v.dtype, v.shape) for k, v in self.model.state_dict().items()}
+
+    def model_chunks(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Collective: {name: tensor} pieces that together are the consolidated model, yielded on
+        rank 0 (nothing elsewhere). A piece's memory may be reused once the next is asked for."""
         raise NotImplementedError
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """The consolidated state dict on rank 0 (None elsewhere; a collective)."""
+        state = {k: v.detach().cpu().clone() for chunk in self.model_chunks() for k, v in chunk.items()}
+        return state if self.rt.rank == 0 else None
+
+
+def whole_model_chunks(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The chunks of a model this rank holds whole: a tensor at a time, no copy."""
+    for k, v in model.state_dict().items():
+        yield {k: v}
 
 
 class OwnLoopUnsupported(RuntimeError):

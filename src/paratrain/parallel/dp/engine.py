@@ -26,7 +26,7 @@ from torch import nn
 from paratrain import checkpoint as ckpt
 from paratrain.data.batch import feed
 from paratrain.optim import build_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters, whole_model_chunks
 from paratrain.parallel.codecs.basic import Uncompressed, build_codec
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.profile import NULL_PROFILER
@@ -281,7 +281,5 @@ class DataParallel(Strategy):
         name_of = {id(p): n for n, p in zip(self.param_names, self.params)}
         return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
-    def full_model_state(self):
-        if self.rt.rank != 0:
-            return None
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+    def model_chunks(self):
+        return whole_model_chunks(self.model) if self.rt.rank == 0 else iter(())

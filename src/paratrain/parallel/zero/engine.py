@@ -44,7 +44,7 @@ from paratrain.comm import collectives
 from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters, whole_model_chunks
 from paratrain.parallel.codecs.basic import CAST_DTYPES
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.dp.engine import make_buckets
@@ -311,11 +311,9 @@ class Zero(Strategy):
     def _after_load(self) -> None:
         self._sync_full_from_shards()
 
-    def full_model_state(self):
+    def model_chunks(self):
         self._wait_gathers(self.units)
-        if self.rank != 0:
-            return None
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return whole_model_chunks(self.model) if self.rank == 0 else iter(())
 
 
 class Zero1(Zero):
@@ -402,20 +400,23 @@ class Zero3(Zero2):
     def _after_load(self) -> None:
         pass
 
-    def full_model_state(self):
-        """Unit by unit: gather (all ranks), rank 0 keeps a copy, free."""
-        values = {}
+    def model_chunks(self):
+        """Unit by unit: gathered (all ranks), handed over on rank 0, freed; then what every rank
+        holds whole (buffers, frozen parameters)."""
+        names: dict[int, list[str]] = {}  # a tied parameter has several
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            names.setdefault(id(v), []).append(k)
+        whole = dict(names)
         for u in self.units:
             self.gatherer.unshard(u)
             if self.rank == 0:
-                values.update({id(p): p.detach().cpu().clone() for p in u.params})
+                yield {k: p.detach() for p in u.params for k in names.get(id(p), ())}
             self.gatherer.reshard(u)
-        if self.rank != 0:
-            return None
-        return {
-            k: values[id(v)] if id(v) in values else v.detach().cpu().clone()
-            for k, v in self.model.state_dict(keep_vars=True).items()
-        }
+            for p in u.params:
+                whole.pop(id(p), None)
+        if self.rank == 0:
+            state = self.model.state_dict()
+            yield {k: state[k] for keys in whole.values() for k in keys}
 
 
 def sharded_grad_norm(grads: list[torch.Tensor], group) -> torch.Tensor:
