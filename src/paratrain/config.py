@@ -178,6 +178,11 @@ class ParallelConfig:
     powersgd_rank: int = opt(4, check=_at_least_one, doc="powersgd: rank of the low-rank factors")
     powersgd_warm_start: bool = opt(True, doc="powersgd: start each step from the last step's Q")
     timeout_s: float = opt(300.0, check=_timeout, doc="collective timeout")
+    replicas: int = opt(
+        1,
+        check=_positive,
+        doc="model replicas (dp, zero1-3): each is sharded over world/replicas ranks; zero3 with replicas is HSDP",
+    )
 
 
 @dataclass

@@ -19,3 +19,4 @@ class DataParallelSpec(Spec):
     checkpoint_family = "dp"
     codecs = ("none", "bf16", "fp16", "topk", "powersgd")
     searched_as = "replica"
+    takes_replicas = True

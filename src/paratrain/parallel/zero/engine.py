@@ -26,6 +26,13 @@ One optimizer step, per stage (N ranks; "full" = every rank holds all of it):
                 (prefetches only within twice the largest unit: zero/gather.py.ParameterGatherer)
      step:      optimizer on the shards; nothing to gather (the next forward gathers)
 
+Replica groups (parallel.replicas = R, comm/grid.py): the units are sharded over the S = N/R ranks of
+one replica, every rank still reading its own slice of the global batch; after the reduce-scatter
+inside the replica each rank's gradient shard is averaged with the same shard of the other
+replicas (one all-reduce of the shard over R ranks), so every replica steps on the global batch's
+mean gradient. Stage 3 with replicas is HSDP: gathers and reduce-scatters stay inside a replica
+(a node), only 1/S of the gradients cross between replicas. Replica 0 writes the checkpoints.
+
 Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
 Checkpoints: every rank writes the pieces of parameters and optimizer state it owns, keyed by
 parameter name with their offsets within the parameter, so a checkpoint written at world N loads at
@@ -39,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import collectives
+from paratrain.comm.grid import replica_groups
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
@@ -63,10 +71,13 @@ class Zero(Strategy):
     stage = 0
     # The trainer builds models on the meta device for us (ZeroSpec.materializes_models; see models/materialize.py).
 
-    def __init__(self, model: nn.Module, loss_fn, cfg, rt, group=None):
+    def __init__(self, model: nn.Module, loss_fn, cfg, rt):
         super().__init__(model, loss_fn, cfg, rt)
-        self.group = group
+        self.replicas = replica_groups(cfg.parallel.replicas)
+        self.group = group = self.replicas.inner  # None: the world is the one replica
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # every replica holds the same shards: replica 0 (ranks 0..world-1) saves them
+        self.checkpoint_ranks, self.checkpoint_group = self.world, group
         self.device = rt.device
         named = unique_parameters(model)
         self.name_of = {id(p): n for n, p in named}
@@ -107,7 +118,8 @@ class Zero(Strategy):
                 for i, p in enumerate(u.params):
                     self._take_values(u, i, p)
             model.to(self.device)  # buffers and frozen parameters
-            broadcast_tensors(list(model.buffers()), src=0, group=self.group)
+            first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+            broadcast_tensors(list(model.buffers()), src=first, group=self.group)
             self._sync_full_from_shards()
             return
         replicated: dict[int, torch.Tensor] = {}
@@ -196,8 +208,9 @@ class Zero(Strategy):
             self._after_backward(last=i == len(micro) - 1)
             total += loss.detach()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
+        grads = [u.shard.grad for u in self.units]
+        self._average_across_replicas(grads)
         with prof.phase("optimizer"):
-            grads = [u.shard.grad for u in self.units]
             norm = sharded_grad_norm(grads, self.group)
             self.skipped_step = not bool(torch.isfinite(norm))  # the same on every rank: the norm is global
             if not self.skipped_step:
@@ -208,6 +221,20 @@ class Zero(Strategy):
                 self.optimizer.step()
                 self._after_step()
         return total / len(micro)
+
+    def _average_across_replicas(self, grads: list[torch.Tensor]) -> None:
+        """Each gradient shard, the mean of its replica's slices of the batch, becomes the mean of
+        every replica's: all-reduced over the ranks that hold the same shard in the others."""
+        if self.replicas.count == 1:
+            return
+        works = []
+        for u, g in zip(self.units, grads):
+            g.div_(self.replicas.count)
+            works.append(
+                collectives.all_reduce(g, f"zero-grad-replicas-{u.index}", group=self.replicas.across, async_op=True)
+            )
+        for work in works:
+            work.wait()
 
     def _before_backward(self, micro: int, last: bool) -> None:
         self.reducer.prepare(sync=last)  # stage 1 communicates once per step, like dp
@@ -235,7 +262,7 @@ class Zero(Strategy):
 
     def full_model_state(self):
         self._wait_gathers(self.units)
-        if self.rank != 0:
+        if self.rt.rank != 0:  # (the first rank of every replica holds the same)
             return None
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
@@ -322,14 +349,14 @@ class Zero3(Zero2):
         pass
 
     def full_model_state(self):
-        """Unit by unit: gather (all ranks), rank 0 keeps a copy, free."""
+        """Unit by unit: gather (every replica, each inside itself), rank 0 keeps a copy, free."""
         values = {}
         for u in self.units:
             self.gatherer.unshard(u)
-            if self.rank == 0:
+            if self.rt.rank == 0:
                 values.update({id(p): p.detach().cpu().clone() for p in u.params})
             self.gatherer.reshard(u)
-        if self.rank != 0:
+        if self.rt.rank != 0:
             return None
         return {
             k: values[id(v)] if id(v) in values else v.detach().cpu().clone()
