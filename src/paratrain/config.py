@@ -194,6 +194,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultConfig:
+    """What a run does when a worker dies (docs/fault-tolerance.md)."""
+
+    on_failure: str = opt(
+        "restart",
+        choices=("restart", "continue"),
+        doc="restart: every worker from the newest checkpoint; continue: the surviving replicas go on",
+    )
+
+
+@dataclass
 class PSConfig:
     """Parameter servers (strategy = "ps")."""
 
@@ -254,6 +265,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     ps: PSConfig = field(default_factory=PSConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     log: LogConfig = field(default_factory=LogConfig)

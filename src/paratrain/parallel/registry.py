@@ -62,6 +62,14 @@ def check_config(cfg: Config) -> None:
     if cfg.parallel.replicas > 1 and not SPECS[name].takes_replicas:
         takers = " | ".join(n for n, s in SPECS.items() if s.takes_replicas)
         raise ConfigError("parallel.replicas", f"must be 1 for strategy {name!r} (replica groups take {takers})")
+    if cfg.fault.on_failure == "continue":
+        if not SPECS[name].takes_replicas:
+            takers = " | ".join(n for n, s in SPECS.items() if s.takes_replicas)
+            raise ConfigError("fault.on_failure", f"'continue' takes strategies {takers}, not {name!r}")
+        if cfg.parallel.compression in ("topk", "powersgd"):  # each rank's error feedback: not re-dealt
+            raise ConfigError(
+                "fault.on_failure", f"'continue' takes no parallel.compression {cfg.parallel.compression!r}"
+            )
     SPECS[name].check_config(cfg)
 
 

@@ -74,6 +74,10 @@ class Spec:
         """How many model replicas read different data: the divisor of the global batch."""
         return world_size // (cfg.parallel.tp * cfg.parallel.pp)
 
+    def replica_size(self, cfg: Config, world_size: int) -> int:
+        """The ranks of one replica: what fault.on_failure = "continue" loses and restarts together."""
+        return world_size // cfg.parallel.replicas
+
     def role_of(self, cfg: Config, rank: int) -> str:
         """What a rank does, for messages about it."""
         return "worker"
