@@ -81,6 +81,8 @@ def train(args) -> int:
         check_launch(args)
         cfg = load_config(args)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if cfg.fault.on_failure == "continue" and args.nnodes > 1:  # (runtime/supervise.py)
+            raise ConfigError("fault.on_failure", "'continue' runs on one node: its store lives with the launcher")
         if args.node_rank == 0:  # the other nodes of this run share the folder
             lock_run_dir(run_dir)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
@@ -107,16 +109,24 @@ def train(args) -> int:
     ]
     from paratrain.trainer import forked_worker
 
-    start = lambda: launch(  # noqa: E731
-        forked_worker,
-        worker_args,
-        nproc=nproc,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        rdzv=args.rdzv,
-        max_restarts=args.max_restarts,
-        run_id=cfg.name,
-    )
+    def start() -> None:
+        if cfg.fault.on_failure == "continue":  # our own supervisor: the agent would restart everyone
+            from paratrain.runtime.supervise import supervise
+
+            size = registry.spec(cfg.parallel.strategy).replica_size(cfg, nproc)
+            supervise(forked_worker, worker_args, nproc=nproc, replica_size=size, max_restarts=args.max_restarts)
+        else:
+            launch(
+                forked_worker,
+                worker_args,
+                nproc=nproc,
+                nnodes=args.nnodes,
+                node_rank=args.node_rank,
+                rdzv=args.rdzv,
+                max_restarts=args.max_restarts,
+                run_id=cfg.name,
+            )
+
     return outcome(
         start, lambda: newest_checkpoint_note(run_dir), lambda r: f" [rank {r} was a {registry.role_of(cfg, r)}]"
     )

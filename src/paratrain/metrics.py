@@ -144,3 +144,24 @@ def keep_steps_up_to(path: Path, step: int) -> list[dict]:
         tmp.write_text("".join(json.dumps(entry) + "\n" for entry in kept))
         os.replace(tmp, path)
     return kept
+
+
+def summary_line(result: dict, cfg, run_dir: Path) -> str:
+    """The line a finished run ends with."""
+    first, last = result["first_step"], result["last_step"]
+    if last == first:  # train.steps = 0, or resumed at or past it
+        why = f"the checkpoint is at step {last}, " if last else ""
+        return (
+            f"done: nothing to train ({why}train.steps = {cfg.train.steps}) | "
+            f"model: {run_dir / 'final' / 'model.safetensors'}"
+        )
+    steps = f"steps {first + 1}-{last}" if first else f"{last} steps"
+    parts = [f"done: {steps} in {result['elapsed']:.1f}s"]
+    if "loss" in result:
+        parts.append(f"loss {result['loss']:.4f}")
+    for key in ("val_loss", "val_acc"):
+        if key in result:
+            parts.append(f"{key} {result[key]:.4f}")
+    parts.append(f"{(last - first) * cfg.data.batch_size / max(result['elapsed'], 1e-9):.1f} samples/s")
+    parts.append(f"model: {run_dir / 'final' / 'model.safetensors'}")
+    return " | ".join(parts)

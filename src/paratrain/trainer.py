@@ -31,7 +31,7 @@ from paratrain.config import Config
 from paratrain.data import build_dataset, build_sampler, load_batch
 from paratrain.data.batch import take, to_device
 from paratrain.errors import ConfigError, error, say
-from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to
+from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to, summary_line
 from paratrain.models import BUILTIN as BUILTIN_MODELS
 from paratrain.models import build_model
 from paratrain.models.hf import model_files
@@ -40,7 +40,7 @@ from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
 from paratrain.parallel.registry import build_strategy
 from paratrain.profile import MemoryTracker, Profiler
-from paratrain.runtime import guard, process, stop
+from paratrain.runtime import faults, guard, process, stop, survive
 
 
 @dataclass
@@ -61,14 +61,22 @@ class _Tally:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, rt: process.Runtime):
-        self.cfg, self.run_dir, self.rt = cfg, Path(run_dir), rt
+    def __init__(self, cfg: Config, run_dir: Path, rt: process.Runtime, membership=None):
+        self.cfg, self.run_dir, self.rt, self.membership = cfg, Path(run_dir), rt, membership  # (survive.py)
         train = cfg.train
         process.seed_everything(train.seed)  # identical initial weights on every rank
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "val")
         # made before the model: what exists now (the datasets) is not counted, as on a GPU
         self.memory = MemoryTracker(rt.device) if train.track_memory else None
+        self.build_strategy()
+        self.sampler = build_sampler(self.train_set, cfg)
+        self.lr_at = lr_factor(train)
+        self.step = 0
+
+    def build_strategy(self) -> None:
+        """The model and the strategy over the process group (again after a change of membership)."""
+        cfg, rt, train = self.cfg, self.rt, self.cfg.train
         # A sharding strategy materialises the model shard by shard from its meta-device build: a
         # built-in's initialisation is replayed, a user factory's construction recorded to be replayed.
         if not registry.spec(cfg.parallel.strategy).materializes_models:
@@ -82,15 +90,14 @@ class Trainer:
         self.strategy = build_strategy(model, build_loss(cfg), cfg, rt)
         self.strategy.run_dir = self.run_dir
         self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size
-        self.sampler = build_sampler(self.train_set, cfg)
-        self.lr_at = lr_factor(train)
-        self.step = 0
 
     # -- resume ---------------------------------------------------------------------------------
     def resume(self, how: str) -> None:
         """`how`: none | auto | PATH. An elastic restart goes on from the newest checkpoint in the
         run directory, or from PATH while the run has saved none past it (the launcher moved any
         other run's later checkpoints aside: cli.prepare_run_dir)."""
+        if self.membership and self.membership.joining:  # the state of a live replica instead
+            return self.membership.settle(self, -1)
         restarted = self.rt.restart_count > 0
         if how == "none" and not restarted:
             return
@@ -109,16 +116,25 @@ class Trainer:
                 return
         reader = ckpt.CheckpointReader(path)
         check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
-        loop = load_train_state(self.strategy, reader, self.rt)
-        self.step = int(loop["step"])
-        try:
-            self.sampler.resume_at(self.step, loop.get("data"))
-        except ValueError as exc:
-            raise ConfigError("--resume", f"{path}: {exc}") from None
+        self._continue_at(load_train_state(self.strategy, reader, self.rt), path)
         if self.rt.is_main:
             # the steps after the checkpoint are redone: forget what the lost attempt logged of them
             keep_steps_up_to(self.run_dir / "metrics.jsonl", self.step)
             print(f"resumed from {path} at step {self.step} (saved by {reader.world_size} ranks)", flush=True)
+
+    def take_state(self, reader) -> None:
+        """The strategy's state, step and data position from a live replica's (runtime/survive.py)."""
+        self.strategy.load_state_dict(reader)
+        _, meta0 = reader.load(rank=0)
+        self._continue_at(meta0["trainer"], reader.path)
+
+    def _continue_at(self, loop: dict, where) -> None:
+        """Go on after the step `loop` saved, at the sample after its data position."""
+        self.step = int(loop["step"])
+        try:
+            self.sampler.resume_at(self.step, loop.get("data"))
+        except ValueError as exc:
+            raise ConfigError("--resume", f"{where}: {exc}") from None
 
     def save_checkpoint(self) -> None:
         save_train_state(
@@ -179,7 +195,8 @@ class Trainer:
         tally = _Tally(first_step=self.step)
         last, stopped_by = {}, 0
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
-        stops = stop.StopAgreement(rt.world_size, self.step, timeout) if self.strategy.lockstep else None
+        agreed = self.strategy.lockstep and not self.membership  # (its group would not outlive a regroup)
+        stops = stop.StopAgreement(rt.world_size, self.step, timeout) if agreed else None
         try:
             while self.step < cfg.train.steps:
                 lr, loss = self._step(prof)
@@ -211,20 +228,25 @@ class Trainer:
         }
 
     def _step(self, prof) -> tuple[float, torch.Tensor]:
-        """One optimizer step on this rank's slice of the global batch: (lr, the local loss)."""
-        cfg, rt = self.cfg, self.rt
+        """One optimizer step, through any change of membership: (its learning rate, the local loss)."""
         collectives.LOG.step = self.step
+        faults.kill_if("kill", rank=self.rt.rank, step=self.step, attempt=self.rt.restart_count)
+        lr = self.cfg.train.lr * self.lr_at(self.step)
         with prof.step(self.step + 1):
-            with prof.phase("data"):
-                lr = cfg.train.lr * self.lr_at(self.step)
-                self.strategy.set_lr(lr)
-                batch = None
-                if self.strategy.reads_data:
-                    idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
-                    batch = to_device(load_batch(self.train_set, idx), rt.device, non_blocking=True)
-            loss = self.strategy.train_step(batch)
-        self.step += 1
+            run = lambda: self._train_step(lr, prof)  # noqa: E731
+            loss = self.membership.step(self, run) if self.membership else run()
         return lr, loss
+
+    def _train_step(self, lr: float, prof) -> torch.Tensor:
+        with prof.phase("data"):
+            self.strategy.set_lr(lr)
+            batch = None
+            if self.strategy.reads_data:
+                idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
+                batch = to_device(load_batch(self.train_set, idx), self.rt.device, non_blocking=True)
+        loss = self.strategy.train_step(batch)
+        self.step += 1
+        return loss
 
     def _account(self, loss: torch.Tensor, lr: float, tally: _Tally, log: MetricsLog) -> None:
         """Count the step: its loss towards the next logged mean, or a skipped update (a non-finite
@@ -358,26 +380,6 @@ def barrier(rt: process.Runtime, what: str, group=None) -> None:
         collectives.barrier(what, group=group)
 
 
-def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:
-    first, last = result["first_step"], result["last_step"]
-    if last == first:  # train.steps = 0, or resumed at or past it
-        why = f"the checkpoint is at step {last}, " if last else ""
-        return (
-            f"done: nothing to train ({why}train.steps = {cfg.train.steps}) | "
-            f"model: {run_dir / 'final' / 'model.safetensors'}"
-        )
-    steps = f"steps {first + 1}-{last}" if first else f"{last} steps"
-    parts = [f"done: {steps} in {result['elapsed']:.1f}s"]
-    if "loss" in result:
-        parts.append(f"loss {result['loss']:.4f}")
-    for key in ("val_loss", "val_acc"):
-        if key in result:
-            parts.append(f"{key} {result[key]:.4f}")
-    parts.append(f"{(last - first) * cfg.data.batch_size / max(result['elapsed'], 1e-9):.1f} samples/s")
-    parts.append(f"model: {run_dir / 'final' / 'model.safetensors'}")
-    return " | ".join(parts)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="paratrain-worker", description="one paratrain worker process")
     p.add_argument("config", nargs="?", help="TOML config (default: the built-in default job)")
@@ -398,8 +400,11 @@ def main(argv=None) -> int:
         rank = int(os.environ.get("RANK", 0))
         if registry.spec(cfg.parallel.strategy).expendable(cfg, rank) and not guard.is_guarded_child():
             return guard.run_guarded(sys.argv[1:] if argv is None else argv, f"worker rank {rank}")
+        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if survive.continuing():
+            return survive.train(cfg, run_dir, args.resume, train)
         rt = process.init(cfg.train.device, cfg.parallel.timeout_s)
-        return train(cfg, Path(args.run_dir or Path("runs") / cfg.name), rt, args.resume)
+        return train(cfg, run_dir, rt, args.resume)
     except ConfigError as exc:
         error(f"{exc}")
         return 2
@@ -407,7 +412,7 @@ def main(argv=None) -> int:
         process.shutdown()
 
 
-def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none") -> int:
+def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none", membership=None) -> int:
     """One run on a process group that has met: what every worker does between process.init and
     shutdown (the fast test tier calls it in workers that stay up between runs). Returns the exit
     code: 0, or 128 + the signal that stopped the run after a checkpoint. Raises ConfigError."""
@@ -416,8 +421,9 @@ def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none")
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-    barrier(rt, "start")
-    trainer = Trainer(cfg, run_dir, rt)
+    if not (membership and membership.joining):  # a joiner's peers are mid-run (runtime/survive.py)
+        barrier(rt, "start")
+    trainer = Trainer(cfg, run_dir, rt, membership)
     trainer.resume(resume)
     result = trainer.fit()
     if result["stopped_by"]:

@@ -59,6 +59,17 @@ def check_config(cfg: Config) -> None:
     name = cfg.parallel.strategy
     if name not in SPECS:
         raise ConfigError("parallel.strategy", f"must be one of {' | '.join(SPECS)}, got {name!r}")
+    if cfg.parallel.replicas > 1 and not SPECS[name].takes_replicas:
+        takers = " | ".join(n for n, s in SPECS.items() if s.takes_replicas)
+        raise ConfigError("parallel.replicas", f"must be 1 for strategy {name!r} (replica groups take {takers})")
+    if cfg.fault.on_failure == "continue":
+        if not SPECS[name].takes_replicas:
+            takers = " | ".join(n for n, s in SPECS.items() if s.takes_replicas)
+            raise ConfigError("fault.on_failure", f"'continue' takes strategies {takers}, not {name!r}")
+        if cfg.parallel.compression in ("topk", "powersgd"):  # each rank's error feedback: not re-dealt
+            raise ConfigError(
+                "fault.on_failure", f"'continue' takes no parallel.compression {cfg.parallel.compression!r}"
+            )
     SPECS[name].check_config(cfg)
 
 
@@ -76,6 +87,8 @@ def check_world(cfg: Config, world_size: int) -> None:
     """Checks that depend on the number of processes."""
     strategy = spec(cfg.parallel.strategy)
     strategy.check_layout(cfg, world_size)
+    if world_size % cfg.parallel.replicas:
+        raise ConfigError("parallel.replicas", f"{cfg.parallel.replicas} does not divide the world size {world_size}")
     dp = strategy.data_parallel_degree(cfg, world_size)
     per_step = dp * cfg.train.grad_accum
     if cfg.data.batch_size % per_step:

@@ -26,6 +26,13 @@ One optimizer step, per stage (N ranks; "full" = every rank holds all of it):
                 (prefetches only within twice the largest unit: zero/gather.py.ParameterGatherer)
      step:      optimizer on the shards; nothing to gather (the next forward gathers)
 
+Replica groups (parallel.replicas = R, comm/grid.py): the units are sharded over the S = N/R ranks of
+one replica, every rank still reading its own slice of the global batch; after the reduce-scatter
+inside the replica each rank's gradient shard is averaged with the same shard of the other
+replicas (one all-reduce of the shard over R ranks), so every replica steps on the global batch's
+mean gradient. Stage 3 with replicas is HSDP: gathers and reduce-scatters stay inside a replica
+(a node), only 1/S of the gradients cross between replicas. Replica 0 writes the checkpoints.
+
 Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
 Checkpoints: every rank writes the pieces of parameters and optimizer state it owns, keyed by
 parameter name with their offsets within the parameter, so a checkpoint written at world N loads at
@@ -41,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import collectives
+from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer
@@ -67,10 +75,13 @@ class Zero(Strategy):
     stage = 0
     # The trainer builds models on the meta device for us (ZeroSpec.materializes_models; see models/materialize.py).
 
-    def __init__(self, model: nn.Module, loss_fn, cfg, rt, group=None):
+    def __init__(self, model: nn.Module, loss_fn, cfg, rt):
         super().__init__(model, loss_fn, cfg, rt)
-        self.group = group
+        self.replicas = replica_groups(cfg.parallel.replicas)
+        self.group = group = self.replicas.inner  # None: the world is the one replica
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # every replica holds the same shards: replica 0 (ranks 0..world-1) saves them
+        self.checkpoint_ranks, self.checkpoint_group = self.world, group
         self.device = rt.device
         named = unique_parameters(model)
         self.name_of = {id(p): n for n, p in named}
@@ -113,7 +124,8 @@ class Zero(Strategy):
                 for i, p in enumerate(u.params):
                     self._take_values(u, i, p)
             model.to(self.device)  # buffers and frozen parameters
-            broadcast_tensors(list(model.buffers()), src=0, group=self.group)
+            first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+            broadcast_tensors(list(model.buffers()), src=first, group=self.group)
             self._sync_full_from_shards()
             return
         replicated: dict[int, torch.Tensor] = {}
@@ -228,6 +240,8 @@ class Zero(Strategy):
             self._after_backward(last=i == len(micro) - 1)
             total += loss.detach()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
+        grads = [u.shard.grad for u in self.units]
+        self._average_across_replicas(grads)
         with prof.phase("optimizer"):
             norm = self._grad_norm()
             self.skipped_step = not bool(torch.isfinite(norm))  # the same on every rank: the norm is global
@@ -243,6 +257,20 @@ class Zero(Strategy):
     def _scale_grads(self, factor: torch.Tensor) -> None:
         for u in self.units:
             u.shard.grad.mul_(factor.to(u.shard.grad.dtype))
+
+    def _average_across_replicas(self, grads: list[torch.Tensor]) -> None:
+        """Each gradient shard, the mean of its replica's slices of the batch, becomes the mean of
+        every replica's: all-reduced over the ranks that hold the same shard in the others."""
+        if self.replicas.count == 1:
+            return
+        works = []
+        for u, g in zip(self.units, grads):
+            g.div_(self.replicas.count)
+            works.append(
+                collectives.all_reduce(g, f"zero-grad-replicas-{u.index}", group=self.replicas.across, async_op=True)
+            )
+        for work in works:
+            work.wait()
 
     def _before_backward(self, micro: int, last: bool) -> None:
         self.reducer.prepare(sync=last)  # stage 1 communicates once per step, like dp
@@ -285,6 +313,7 @@ class Zero(Strategy):
         loss.backward()
         self._after_backward(last=True)
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
+        self._average_across_replicas([u.shard.grad for u in self.units])
 
     def _grads_let_go(self) -> bool:
         """Whether the user's zero_grad() set gradients to None (the optimizer's pieces', or the
@@ -313,7 +342,7 @@ class Zero(Strategy):
 
     def model_chunks(self):
         self._wait_gathers(self.units)
-        return whole_model_chunks(self.model) if self.rank == 0 else iter(())
+        return whole_model_chunks(self.model) if self.rt.rank == 0 else iter(())
 
 
 class Zero1(Zero):
@@ -409,12 +438,12 @@ class Zero3(Zero2):
         whole = dict(names)
         for u in self.units:
             self.gatherer.unshard(u)
-            if self.rank == 0:
+            if self.rt.rank == 0:
                 yield {k: p.detach() for p in u.params for k in names.get(id(p), ())}
             self.gatherer.reshard(u)
             for p in u.params:
                 whole.pop(id(p), None)
-        if self.rank == 0:
+        if self.rt.rank == 0:
             state = self.model.state_dict()
             yield {k: state[k] for keys in whole.values() for k in keys}
 
