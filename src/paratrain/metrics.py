@@ -7,8 +7,12 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from paratrain.errors import say
+
+if TYPE_CHECKING:
+    from paratrain.config import Config
 
 
 class _OutlivesItsReader:
@@ -92,6 +96,8 @@ class MetricsLog:
         for key in ("val_loss", "val_acc"):
             if key in entry:
                 parts.append(f"{key} {entry[key]:.4f}")
+        if "compile_s" in entry:  # the first step's, left out of samples/s
+            parts.append(f"compile {entry['compile_s']:.1f}s")
         parts.append(f"time {entry['time']:.1f}s")
         self.print("  ".join(parts))
 
@@ -136,3 +142,25 @@ def keep_steps_up_to(path: Path, step: int) -> list[dict]:
         tmp.write_text("".join(json.dumps(entry) + "\n" for entry in kept))
         os.replace(tmp, path)
     return kept
+
+
+def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:
+    first, last = result["first_step"], result["last_step"]
+    if last == first:  # train.steps = 0, or resumed at or past it
+        why = f"the checkpoint is at step {last}, " if last else ""
+        return (
+            f"done: nothing to train ({why}train.steps = {cfg.train.steps}) | "
+            f"model: {run_dir / 'final' / 'model.safetensors'}"
+        )
+    steps = f"steps {first + 1}-{last}" if first else f"{last} steps"
+    compile_s = result.get("compile_s", 0.0)  # train.compile's first step: out of samples/s
+    parts = [f"done: {steps} in {result['elapsed']:.1f}s" + (f" (compile {compile_s:.1f}s)" if compile_s else "")]
+    if "loss" in result:
+        parts.append(f"loss {result['loss']:.4f}")
+    for key in ("val_loss", "val_acc"):
+        if key in result:
+            parts.append(f"{key} {result[key]:.4f}")
+    trained = last - first - (1 if compile_s else 0)
+    parts.append(f"{trained * cfg.data.batch_size / max(result['elapsed'] - compile_s, 1e-9):.1f} samples/s")
+    parts.append(f"model: {run_dir / 'final' / 'model.safetensors'}")
+    return " | ".join(parts)

@@ -46,7 +46,12 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def build_strategy(model, loss_fn, cfg: Config, rt) -> Strategy:
-    return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+    strategy = strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+    if cfg.train.compile:  # the blocks as the strategy placed, sharded and cut them (models/compiled.py)
+        from paratrain.models.compiled import compile_blocks
+
+        compile_blocks(model)
+    return strategy
 
 
 def checkpoint_family(name: str) -> str | None:
