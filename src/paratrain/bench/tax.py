@@ -32,6 +32,11 @@ def add_parser(which) -> None:
 def add_options(p) -> None:
     add_round_options(p, steps=10, rounds=6, warmup=5, steps_help="steps per round per side (train.log_every = this)")
     p.add_argument("--models", type=one_or_more_of(MODELS), default="mlp,gpt", help="mlp (a user factory), gpt")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="train.compile = true for paratrain, the plain loop eager: what compiling gains, tax included",
+    )
     add_json_option(p)
 
 
@@ -50,10 +55,10 @@ def user_mlp(in_features: int, hidden: int = 1536, n_layers: int = 4, out_featur
     return nn.Sequential(*layers, nn.Linear(width, out_features))
 
 
-def job(model: str, steps: int) -> dict:
+def job(model: str, steps: int, compiled: bool = False) -> dict:
     """The config of each contender: a user MLP on synthetic data, or the built-in GPT (4 layers,
     d_model 256, sequence 128) on the character corpus; AdamW at a constant rate, no clipping."""
-    train = {"steps": steps, "optimizer": "adamw", "lr": 1e-3, "log_every": steps}
+    train = {"steps": steps, "optimizer": "adamw", "lr": 1e-3, "log_every": steps, "compile": compiled}
     if model == "mlp":
         return {
             "model": {"factory": "paratrain.bench.tax:user_mlp", "in_features": 1024},
@@ -77,13 +82,13 @@ def measure(model: str, args, rt) -> dict:
     from paratrain.trainer import Trainer
 
     k, total = args.steps, args.warmup + args.rounds * args.steps
-    cfg = config_mod.from_dict(job(model, k))
+    cfg = config_mod.from_dict(job(model, k, args.compile))
     cfg.train.steps, cfg.train.device = total, "cpu"
     times = {"paratrain": [], "plain": []}
 
     process.seed_everything(cfg.train.seed)  # the trainer's initial weights
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer_cls = _paced(Trainer)
+        trainer_cls = paced(Trainer)
         trainer = trainer_cls(cfg, run_dir, rt)
         plain_set = trainer.train_set
         process.seed_everything(cfg.train.seed)
@@ -124,6 +129,7 @@ def measure(model: str, args, rt) -> dict:
         "model": model,
         "parameters": sum(p.numel() for p in net.parameters()),
         "batch": cfg.data.batch_size,
+        "paratrain_compiled": args.compile,
         "timed_steps": len(times["plain"]) * k,
         "paratrain_step_ms": med["paratrain"] * 1e3,
         "plain_step_ms": med["plain"] * 1e3,
@@ -132,7 +138,7 @@ def measure(model: str, args, rt) -> dict:
     }
 
 
-def _paced(trainer_cls):
+def paced(trainer_cls):
     """The trainer, which after every `pause_every`-th step from `pause_from` on calls
     pause(step, seconds since the last pause ended) and leaves its time out of its own."""
 
@@ -156,8 +162,8 @@ def worker(argv=None) -> None:
     rt = process.init("cpu")
     rows = [measure(model, args, rt) for model in args.models.split(",")]
     print(
-        f"tax benchmark: paratrain run --nproc 1 (the trainer's whole step) vs a plain PyTorch loop, "
-        f"median of {args.rounds} interleaved rounds of {args.steps} steps"
+        f"tax benchmark: paratrain run --nproc 1 (the trainer's whole step"
+        f"{', compiled' if args.compile else ''}) vs a plain PyTorch loop (eager), median of {args.rounds} interleaved rounds of {args.steps} steps"
     )
     print(f"{'model':<6}{'params':>9}{'batch':>7}{'paratrain ms':>14}{'plain ms':>10}{'ratio':>8}{'weights agree':>15}")
     for r in rows:
