@@ -1,6 +1,7 @@
 """User model factories (`module:function`), as a user's own code would define them: built by their
 own construction code, not by paratrain's built-ins."""
 
+import torch
 from torch import nn
 
 
@@ -11,3 +12,99 @@ def wide_mlp(in_features: int = 1024, hidden: int = 4096, layers: int = 4, class
     for a, b in zip(widths, widths[1:]):
         blocks += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*blocks, nn.Linear(widths[-1], classes))
+
+
+class TwoHalves(nn.Module):
+    """A classifier of 8x8 digits given as two halves of 32 pixels, called with two arguments
+    (`model(left, right)` or `model(**{"left": ..., "right": ...})`). It returns its logits, or
+    with `labels` or a `key` a dict of them under `key` (and its own loss, as Hugging Face models do)."""
+
+    def __init__(self, key: str = ""):
+        super().__init__()
+        self.left, self.right = nn.Linear(32, 16), nn.Linear(32, 16)
+        self.head = nn.Linear(16, 10)
+        self.key = key or "logits"
+        self.as_dict = bool(key)
+
+    def forward(self, left, right, labels=None):
+        logits = self.head(torch.relu(self.left(left) + self.right(right)))
+        if labels is None and not self.as_dict:
+            return logits
+        loss = {} if labels is None else {"loss": nn.functional.cross_entropy(logits, labels)}
+        return {self.key: logits, **loss}
+
+
+def two_halves(key: str = "") -> TwoHalves:
+    return TwoHalves(key)
+
+
+class DigitHalves(torch.utils.data.Dataset):
+    """The built-in digits as user samples of each supported structure (`layout`): `tuple`
+    ((left, right), y), `dict` ({"left", "right"}, y), `labelled` {"left", "right", "labels"}."""
+
+    def __init__(self, split: str, layout: str):
+        from paratrain.data.datasets import digits
+
+        self.x, self.y = digits(split).tensors
+        self.layout = layout
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        left, right, y = self.x[i, :32], self.x[i, 32:], self.y[i]
+        if self.layout == "tuple":
+            return (left, right), y
+        if self.layout == "dict":
+            return {"left": left, "right": right}, y
+        if self.layout == "labelled":
+            return {"left": left, "right": right, "labels": y}
+        return left  # any other layout: a bare tensor, which is no sample paratrain takes
+
+
+def digit_halves(split: str = "train", layout: str = "tuple") -> DigitHalves:
+    return DigitHalves(split, layout)
+
+
+def bn_cnn(channels: int = 4) -> nn.Sequential:
+    """A small CNN with batch norm over 8x8 digits given as 64 pixels (Conv, BatchNorm2d, ReLU, and
+    a BatchNorm1d before the head): the layer whose statistics span the batch."""
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, channels, 3, padding=1),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(channels * 64, 16),
+        nn.BatchNorm1d(16, momentum=None),
+        nn.ReLU(),
+        nn.Linear(16, 10),
+    )
+
+
+class TokenBlocks(torch.utils.data.Dataset):
+    """Random token blocks (a fixed seed per split) as a language model's or classifier's samples
+    (`layout`): `pair` (ids, next ids); `labelled` {"input_ids", "labels"} (the model shifts and
+    computes its own loss); `classify` ({"input_ids", "attention_mask"}, a class of 3)."""
+
+    def __init__(self, split: str, layout: str, vocab: int, block: int, n: int):
+        g = torch.Generator().manual_seed(0 if split == "train" else 1)
+        self.tokens = torch.randint(vocab, (n, block + 1), generator=g)
+        self.lengths = torch.randint(block // 2, block + 1, (n,), generator=g)
+        self.layout = layout
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        ids = self.tokens[i, :-1]
+        if self.layout == "pair":
+            return ids, self.tokens[i, 1:]
+        if self.layout == "labelled":
+            return {"input_ids": ids, "labels": ids}
+        mask = (torch.arange(len(ids)) < self.lengths[i]).long()
+        return {"input_ids": ids, "attention_mask": mask}, self.tokens[i, -1] % 3
+
+
+def token_blocks(split: str = "train", layout: str = "pair", vocab: int = 64, block: int = 16, n: int = 96):
+    return TokenBlocks(split, layout, vocab, block, n)

@@ -98,7 +98,7 @@ def _timeout(v):
 class ModelConfig:
     """The model: a built-in factory or your own `module:function` returning an `nn.Module`."""
 
-    factory: str = opt("gpt", check=_factory_name, doc="mlp | cnn | gpt | module:function")
+    factory: str = opt("gpt", check=_factory_name, doc="mlp | cnn | gpt | hf (transformers) | module:function")
     kwargs: dict = opt({}, doc="every other key of [model], passed to the factory")
 
 
@@ -130,7 +130,11 @@ class TrainConfig:
     warmup_steps: int = opt(0, check=_non_negative, doc="steps of linear learning-rate warm-up, under either schedule")
     momentum: float = opt(0.0, check=_non_negative, doc="sgd only")
     weight_decay: float = opt(0.0, check=_non_negative, doc="sgd and adamw")
-    loss: str = opt("cross_entropy", check=_factory_name, doc="cross_entropy | mse | module:function")
+    loss: str = opt(
+        "cross_entropy",
+        check=_factory_name,
+        doc="cross_entropy | mse | model (the output's own `loss`) | module:function",
+    )
     grad_accum: int = opt(
         1, check=_positive, doc="micro-batches per optimizer step; the global batch stays data.batch_size"
     )
@@ -183,6 +187,11 @@ class ParallelConfig:
     powersgd_rank: int = opt(4, check=_at_least_one, doc="powersgd: rank of the low-rank factors")
     powersgd_warm_start: bool = opt(True, doc="powersgd: start each step from the last step's Q")
     timeout_s: float = opt(300.0, check=_timeout, doc="collective timeout")
+    sync_batchnorm: bool = opt(
+        True,
+        doc="batch-norm layers normalise over the global batch (dp, zero1-3, sync ps, hybrid); "
+        "false: each rank over its own samples, rank 0's statistics broadcast before every step as DDP does",
+    )
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
     pip install 'paratrain[report]'     matplotlib (report plots, benchmark plots), tensorboard
     pip install 'paratrain[datasets]'   scikit-learn (the built-in digits dataset)
+    pip install 'paratrain[hf]'         transformers ([model] factory = "hf")
 
 `make setup` installs both (through the test extra)."""
 
@@ -14,6 +15,7 @@ EXTRAS = {
     "matplotlib": ("matplotlib", "report"),
     "tensorboard": ("tensorboard", "report"),
     "sklearn": ("scikit-learn", "datasets"),
+    "transformers": ("transformers", "hf"),
 }
 
 

@@ -49,6 +49,18 @@ def keep_stdout_when_its_reader_leaves() -> None:
         sys.stdout = _OutlivesItsReader(sys.stdout)
 
 
+# the keys of a metrics line, in its order, and how each is written
+_LINE = (
+    ("loss", "loss {:.6f}"),
+    ("lr", "lr {:.3e}"),
+    ("samples_per_s", "samples/s {:.1f}"),
+    ("val_loss", "val_loss {:.4f}"),
+    ("val_acc", "val_acc {:.4f}"),
+    ("compile_s", "compile {:.1f}s"),  # train.compile: the first step's, left out of samples/s
+    ("time", "time {:.1f}s"),
+)
+
+
 class MetricsLog:
     """Rank 0 only. Appends to RUN_DIR/metrics.jsonl (a resumed run continues the same file)."""
 
@@ -90,15 +102,10 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(key, value, entry["step"])
             self.tensorboard.flush()
-        parts = [f"step {entry['step']:>6}"]
-        if "loss" in entry:
-            parts += [f"loss {entry['loss']:.6f}", f"lr {entry['lr']:.3e}", f"samples/s {entry['samples_per_s']:.1f}"]
-        for key in ("val_loss", "val_acc"):
-            if key in entry:
-                parts.append(f"{key} {entry[key]:.4f}")
-        if "compile_s" in entry:  # the first step's, left out of samples/s
-            parts.append(f"compile {entry['compile_s']:.1f}s")
-        parts.append(f"time {entry['time']:.1f}s")
+        parts = [f"step {entry['step']:>6}"]  # pt.log's entries hold what the user's loop logged
+        for key, template in _LINE:
+            if isinstance(entry.get(key), (int, float)):
+                parts.append(template.format(entry[key]))
         self.print("  ".join(parts))
 
     def close(self) -> None:

@@ -58,16 +58,23 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def output_field(output, name: str):
+    """`output.name` or `output[name]` (a ModelOutput is both, a dict only the second), or None."""
+    value = output.get(name) if isinstance(output, dict) else getattr(output, name, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def _output_tensor(output):
-    """The logits inside whatever the model returned: a tensor, a tuple, or an object with .logits."""
+    """The logits inside whatever the model returned: a tensor, a tuple, or `logits` (attribute or
+    key) of anything else."""
     if isinstance(output, torch.Tensor):
         return output
+    logits = output_field(output, "logits")
+    if logits is not None:
+        return logits
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    raise TypeError(f"the built-in losses need a tensor output, got {type(output).__name__}")
+    raise TypeError(f"the built-in losses need a tensor output or one with `logits`, got {type(output).__name__}")
 
 
 def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
@@ -80,7 +87,21 @@ def mse(output, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out.float(), target.reshape(out.shape).to(torch.float32))
 
 
-BUILTIN_LOSSES = {"cross_entropy": cross_entropy, "mse": mse}
+def model_loss(output, target=None) -> torch.Tensor:
+    """train.loss = "model": the loss the model computed itself (Hugging Face style, `labels` in
+    the inputs): the output's `loss` (attribute or key), or the output when it is a scalar."""
+    loss = output if isinstance(output, torch.Tensor) else output_field(output, "loss")
+    if loss is None or loss.dim() != 0:
+        what = (
+            f"a tensor of shape {tuple(loss.shape)}"
+            if loss is not None
+            else f"a {type(output).__name__} without `loss`"
+        )
+        raise TypeError(f'train.loss = "model" needs a scalar output or one with `loss`, got {what}')
+    return loss
+
+
+BUILTIN_LOSSES = {"cross_entropy": cross_entropy, "mse": mse, "model": model_loss}
 
 
 def build_loss(cfg: Config) -> Callable:
@@ -94,7 +115,7 @@ def accuracy_counts(output, target: torch.Tensor) -> tuple[int, int] | None:
         logits = _output_tensor(output)
     except TypeError:
         return None
-    if not (target.dtype in (torch.long, torch.int) and logits.dim() == target.dim() + 1):
+    if target is None or not (target.dtype in (torch.long, torch.int) and logits.dim() == target.dim() + 1):
         return None
     pred = logits.argmax(dim=-1)
     return int((pred == target).sum()), target.numel()

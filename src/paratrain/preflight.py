@@ -50,7 +50,8 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
 
 
 def check_samples(cfg: config_mod.Config, train_set, model=None) -> None:
-    """The first training sample, as the workers will see it: an (input, target) pair, and for the
+    """The first training sample, as the workers will see it: `(input, target)` with a tensor,
+    tuple/list or dict input, or a dict alone (its own `labels`, with train.loss = "model"); for the
     built-in cross-entropy a class index, not a real-valued target (a regression task); for a
     built-in loss, the model's output (`model` on meta) must fit the targets. Each would otherwise
     fail in every worker at the first step."""
@@ -64,14 +65,22 @@ def check_samples(cfg: config_mod.Config, train_set, model=None) -> None:
         raise ConfigError(
             "data.factory", f"{cfg.data.factory}: reading sample 0 failed: {type(exc).__name__}: {exc}"
         ) from None
-    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
-        what = (
-            f"a dict with keys {sorted(sample)}"
-            if isinstance(sample, dict)
-            else f"a {type(sample).__name__}" + (f" of {len(sample)}" if isinstance(sample, (tuple, list)) else "")
+    if isinstance(sample, dict) and _all_tensors(sample):
+        if cfg.train.loss in ("cross_entropy", "mse"):
+            raise ConfigError(
+                "train.loss",
+                f"{cfg.data.factory}'s samples are dicts with no separate target (keys {sorted(sample)}): "
+                f'{cfg.train.loss} needs one; train.loss = "model" takes the loss the model computes',
+            )
+        inputs, target = sample, None
+    elif isinstance(sample, (tuple, list)) and len(sample) == 2 and _all_tensors(sample[0]):
+        inputs, target = sample
+    else:
+        raise ConfigError(
+            "data.factory",
+            f"{cfg.data.factory}'s samples must be (input, target) pairs, whose input is a tensor, a tuple or "
+            f"list of tensors or a dict of tensors, or dicts of tensors; got {_describe(sample)}",
         )
-        raise ConfigError("data.factory", f"{cfg.data.factory}'s samples must be (input, target) pairs, got {what}")
-    target = sample[1]
     if cfg.train.loss == "cross_entropy" and isinstance(target, torch.Tensor) and target.is_floating_point():
         raise ConfigError(
             "train.loss",
@@ -79,34 +88,55 @@ def check_samples(cfg: config_mod.Config, train_set, model=None) -> None:
             f"are {str(target.dtype).removeprefix('torch.')} (a regression task: use "
             f"'mse'; soft labels: a module:function loss)",
         )
-    if model is not None and isinstance(sample[0], torch.Tensor) and isinstance(target, torch.Tensor):
-        check_loss_shapes(cfg, model, sample[0], target)
+    if model is not None and (target is None or isinstance(target, torch.Tensor)):
+        check_loss_shapes(cfg, model, inputs, target)
 
 
-def check_loss_shapes(cfg: config_mod.Config, model, x, target) -> None:
-    """A batch of two samples through the model and a built-in loss, all on the meta device
-    (shapes only): `mse` on class indices, or an output width that is not the targets', fails
-    here instead of in every worker. A model that cannot run on meta is left to the workers."""
+def _all_tensors(obj) -> bool:
+    """A tensor, or a non-empty dict, tuple or list of tensors (nested)."""
     import torch
 
+    if isinstance(obj, torch.Tensor):
+        return True
+    values = list(obj.values()) if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else []
+    return bool(values) and all(_all_tensors(v) for v in values)
+
+
+def _describe(sample) -> str:
+    if isinstance(sample, dict):
+        return f"a dict with keys {sorted(map(str, sample))} not all tensors"
+    if isinstance(sample, (tuple, list)):
+        parts = ", ".join(type(v).__name__ for v in sample[:4])
+        return f"a {type(sample).__name__} of {len(sample)} ({parts})"
+    return f"a {type(sample).__name__}"
+
+
+def check_loss_shapes(cfg: config_mod.Config, model, inputs, target) -> None:
+    """A batch of two samples through the model and a built-in loss, all on the meta device
+    (shapes only): `mse` on class indices, an output width that is not the targets', or an output
+    with no logits (or no loss, for train.loss = "model") fails here instead of in every worker. A
+    model that cannot run on meta is left to the workers."""
+    import torch
+
+    from paratrain.data.batch import feed, tree_map
     from paratrain.optim import BUILTIN_LOSSES
 
     loss = BUILTIN_LOSSES.get(cfg.train.loss)
     if loss is None:
         return
-    xs = torch.empty((2, *x.shape), dtype=x.dtype, device="meta")
-    ys = torch.empty((2, *target.shape), dtype=target.dtype, device="meta")
+    pair = tree_map(lambda t: torch.empty((2, *t.shape), dtype=t.dtype, device="meta"), (inputs, target))
     try:
         with torch.no_grad():
-            out = model(xs)
+            out = feed(model, pair[0])
     except Exception:
         return
     try:
-        loss(out, ys)
-    except (RuntimeError, ValueError) as exc:
+        loss(out, pair[1])
+    except Exception as exc:  # any failure here is the loss meeting this model's output
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        target_shape = "none" if pair[1] is None else tuple(pair[1].shape)
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ConfigError(
             "train.loss",
-            f"{cfg.train.loss} cannot compare the model's output {shape} with "
-            f"targets {tuple(ys.shape)} ({str(exc).splitlines()[0]})",
+            f"{cfg.train.loss} cannot compare the model's output {shape} with targets {target_shape} ({first})",
         ) from None

@@ -25,13 +25,16 @@ from paratrain import checkpoint as ckpt
 from paratrain import config as config_mod
 from paratrain import preflight
 from paratrain.checkpoint.resume import check_resumable
+from paratrain.checkpoint.train_state import NonFiniteError, load_train_state, save_train_state
 from paratrain.comm import collectives
 from paratrain.config import Config
 from paratrain.data import build_dataset, build_sampler, load_batch
+from paratrain.data.batch import take, to_device
 from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to, summary_line
 from paratrain.models import BUILTIN as BUILTIN_MODELS
 from paratrain.models import build_model
+from paratrain.models.hf import model_files
 from paratrain.models.materialize import record_on_meta
 from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
@@ -116,55 +119,33 @@ class Trainer:
                 return
         reader = ckpt.CheckpointReader(path)
         check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
-        self.strategy.load_state_dict(reader)
-        _, meta0 = reader.load(rank=0)
-        self.step = int(meta0["trainer"]["step"])
+        loop = load_train_state(self.strategy, reader, self.rt)
+        self.step = int(loop["step"])
         try:
-            self.sampler.resume_at(self.step, meta0["trainer"].get("data"))
+            self.sampler.resume_at(self.step, loop.get("data"))
         except ValueError as exc:
             raise ConfigError("--resume", f"{path}: {exc}") from None
-        if self.rt.rank < reader.world_size:
-            tensors, meta = reader.load(rank=self.rt.rank)
-            process.set_rng_state(tensors, meta["rng"])
         if self.rt.is_main:
             # the steps after the checkpoint are redone: forget what the lost attempt logged of them
             keep_steps_up_to(self.run_dir / "metrics.jsonl", self.step)
             print(f"resumed from {path} at step {self.step} (saved by {reader.world_size} ranks)", flush=True)
 
     def save_checkpoint(self) -> None:
-        savers, group = self.strategy.checkpoint_ranks, self.strategy.checkpoint_group
-        if self.rt.rank >= savers:
-            return
-        tensors, meta = self.strategy.state_dict()
-        # Skipped steps keep weights finite; this makes sure, agreed by all savers, before writing.
-        finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
-        flag = torch.tensor([0.0 if finite else 1.0])
-        if savers > 1:
-            flag = all_reduce_sum(flag, self.rt, "checkpoint-finite", group)
-        if flag.item():
-            raise NonFiniteError(f"not saving step {self.step}: the model or optimizer state holds non-finite values")
-        rng = process.rng_state()
-        tensors = {**tensors, **rng["tensors"]}
-        meta = {**meta, "rng": rng["json"], "trainer": {"step": self.step, "data": self.sampler.position(self.step)}}
-        ckpt.save(
+        save_train_state(
+            self.strategy,
+            self.rt,
             self.run_dir,
-            self.step,
-            tensors,
-            meta,
-            rank=self.rt.rank,
-            world_size=savers,
-            strategy=self.cfg.parallel.strategy,
+            {"step": self.step, "data": self.sampler.position(self.step)},
+            strategy_name=self.cfg.parallel.strategy,
             config=self.cfg.to_dict(),
             keep=self.cfg.checkpoint.keep,
-            device=self.rt.device,
-            group=group,
         )
 
     # -- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Validation loss (and accuracy for classification), each dp rank taking a shard."""
-        if self.val_set is None or len(self.val_set) == 0:
+        if not self.val_set:  # none, or empty
             return {}
         per_rank = max(4 * self.cfg.data.batch_size // self.dp_size, 1)  # no activations kept: bigger batches
         order = torch.arange(self.dp_rank, len(self.val_set), self.dp_size)
@@ -179,10 +160,10 @@ class Trainer:
             if len(chunk):
                 x, y = load_batch(self.val_set, chunk)
             elif self.strategy.collective_forward:  # sample 0 cut to none: a collate cannot make an empty batch
-                x, y = (t[:0] for t in load_batch(self.val_set, torch.zeros(1, dtype=torch.long)))
+                x, y = take(load_batch(self.val_set, torch.zeros(1, dtype=torch.long)), 0)
             else:
                 continue
-            sums += self.strategy.eval_step(x.to(self.rt.device), y.to(self.rt.device))
+            sums += self.strategy.eval_step(to_device(x, self.rt.device), to_device(y, self.rt.device))
         sums = all_reduce_sum(sums, self.rt, "eval-sums", self.strategy.trainer_group)
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}
         if sums[3] > 0:
@@ -243,8 +224,7 @@ class Trainer:
         }
 
     def _step(self, prof) -> tuple[float, torch.Tensor]:
-        """One optimizer step: its learning rate, this rank's slice of the global batch, the
-        strategy's step. (lr, the local loss)."""
+        """One optimizer step on this rank's slice of the global batch: (lr, the local loss)."""
         cfg, rt = self.cfg, self.rt
         collectives.LOG.step = self.step
         with prof.step(self.step + 1):
@@ -254,16 +234,14 @@ class Trainer:
                 batch = None
                 if self.strategy.reads_data:
                     idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
-                    x, y = load_batch(self.train_set, idx)
-                    batch = (x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True))
+                    batch = to_device(load_batch(self.train_set, idx), rt.device, non_blocking=True)
             loss = self.strategy.train_step(batch)
         self.step += 1
         return lr, loss
 
     def _account(self, loss: torch.Tensor, lr: float, tally: _Tally, log: MetricsLog) -> None:
-        """Count the step: its loss towards the next logged mean, or a skipped update (a
-        non-finite loss or gradient, the same decision on every rank), too many of which in a row
-        end the run."""
+        """Count the step: its loss towards the next logged mean, or a skipped update (a non-finite
+        loss or gradient, agreed by every rank), too many of which in a row end the run."""
         tally.steps_since += 1
         limit = self.cfg.train.max_bad_steps
         if self.strategy.skipped_step:
@@ -328,12 +306,9 @@ class Trainer:
                     "world_size": self.rt.world_size,
                     "parameters": sum(v.numel() for v in state.values()),
                 },
+                files=model_files(self.strategy.model),
             )
         barrier(self.rt, "export", self.strategy.trainer_group)
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
 
 
 # -- small collectives on scalars -----------------------------------------------------------------

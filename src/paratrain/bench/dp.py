@@ -36,6 +36,11 @@ def add_options(p) -> None:
     p.add_argument("--layers", type=COUNT, default=3)
     p.add_argument("--in-features", type=COUNT, default=512)
     p.add_argument("--bucket-mb", type=POSITIVE, default=25.0)
+    p.add_argument(
+        "--own-loop",
+        action="store_true",
+        help="ours through the Python API (pt.setup, pt.backward, the optimizer's own step) on DDP's loop",
+    )
     add_json_option(p)
 
 
@@ -93,12 +98,13 @@ def worker(argv=None) -> None:
     args, rt, cfg, (x, y) = setup(argv, add_options, optimizer="sgd", lr=0.01)
     world = rt.world_size
 
-    ours = DataParallel(build(args), cross_entropy, cfg, rt)
+    if args.own_loop:
+        ours_step, ours_model = own_loop_contender(args, cfg, x, y)
+    else:
+        ours = DataParallel(build(args), cross_entropy, cfg, rt)
+        ours_step, ours_model = lambda: ours.train_step((x, y)), ours.model
     ddp_model = DDP(build(args), bucket_cap_mb=args.bucket_mb)
     ddp_opt = build_optimizer(ddp_model.parameters(), cfg.train)  # the same optimizer as ours
-
-    def ours_step():
-        ours.train_step((x, y))
 
     def ddp_step():
         ddp_opt.zero_grad(set_to_none=False)
@@ -115,16 +121,17 @@ def worker(argv=None) -> None:
     # Both contenders took the same steps on the same data from the same weights: they must agree.
     drift = max(
         ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-        for a, b in zip(ours.model.parameters(), ddp_model.module.parameters())
+        for a, b in zip(ours_model.parameters(), ddp_model.module.parameters())
     )
     # The slowest rank sets the pace: take each step's max over ranks.
     both = torch.tensor([t_ours, t_ddp], dtype=torch.float64)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     if rt.is_main:
-        params = sum(p.numel() for p in ours.params)
+        params = sum(p.numel() for p in ours_model.parameters())
         med_ours, med_ddp = statistics.median(both[0].tolist()), statistics.median(both[1].tolist())
         result = {
             "benchmark": "dp",
+            "form": "own loop (pt.setup)" if args.own_loop else "train_step",
             "world_size": world,
             "parameters": params,
             "bucket_mb": args.bucket_mb,
@@ -139,7 +146,7 @@ def worker(argv=None) -> None:
         }
         print(
             f"dp benchmark: {params / 1e6:.1f}M-parameter MLP, world {world}, {args.batch} samples/rank, "
-            f"bucket {args.bucket_mb:g} MB, median of {len(t_ours)} interleaved steps each"
+            f"bucket {args.bucket_mb:g} MB, median of {len(t_ours)} interleaved steps each; ours: {result['form']}"
         )
         print(f"{'contender':<12}{'step ms':>10}{'samples/s':>12}")
         print(f"{'paratrain':<12}{result['paratrain_step_ms']:>10.1f}{result['paratrain_samples_per_s']:>12.1f}")
@@ -150,6 +157,24 @@ def worker(argv=None) -> None:
         )
         emit_json(result, args.json)
     process.shutdown(together=True)
+
+
+def own_loop_contender(args, cfg, x, y):
+    """--own-loop: the Python API's dp around the very loop DDP runs (the same optimizer); returns
+    (its step, its model)."""
+    import paratrain
+    from paratrain.optim import build_optimizer, cross_entropy
+
+    pt = paratrain.init(strategy="dp", bucket_mb=args.bucket_mb)
+    model = build(args)
+    model, optimizer = pt.setup(model, build_optimizer(model.parameters(), cfg.train))
+
+    def step():
+        optimizer.zero_grad(set_to_none=False)
+        pt.backward(cross_entropy(model(x), y))
+        optimizer.step()
+
+    return step, model
 
 
 if __name__ == "__main__":

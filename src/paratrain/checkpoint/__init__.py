@@ -10,7 +10,7 @@
 
 What an engine or the trainer needs is importable from the package itself."""
 
-from paratrain.checkpoint.export import export_final
+from paratrain.checkpoint.export import export_final, export_model
 from paratrain.checkpoint.format import FORMAT, CheckpointError, CheckpointMismatch, encode, rank_file, read_header
 from paratrain.checkpoint.reader import CheckpointReader, describe_mismatch, latest_valid
 from paratrain.checkpoint.save import save
@@ -24,6 +24,7 @@ __all__ = [
     "describe_mismatch",
     "encode",
     "export_final",
+    "export_model",
     "latest_valid",
     "load_model_state",
     "optimizer_from_tensors",

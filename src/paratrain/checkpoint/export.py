@@ -17,19 +17,34 @@ from paratrain.checkpoint.save import remove_unfinished
 
 
 # -- the consolidated export ---------------------------------------------------------------------
-def export_final(run_dir: Path, state: dict[str, torch.Tensor], *, step: int, config: dict, extra: dict) -> Path:
-    """RUN_DIR/final/model.safetensors keyed exactly like the user's model.state_dict()."""
-    run_dir = Path(run_dir)
-    tmp, final = run_dir / f"{UNFINISHED}final", run_dir / "final"
+def export_final(
+    run_dir: Path, state: dict[str, torch.Tensor], *, step: int, config: dict, extra: dict, files: dict | None = None
+) -> Path:
+    """RUN_DIR/final/model.safetensors keyed exactly like the user's model.state_dict(), and `files`
+    (name -> bytes) beside it: a transformers model's config.json (models/hf.py)."""
+    final = export_model(Path(run_dir) / "final", state, step=step, config=config, extra=extra, files=files)
+    remove_unfinished(Path(run_dir) / "checkpoints")  # the run is over: no save of it is under way
+    return final
+
+
+def export_model(
+    final: Path, state: dict[str, torch.Tensor], *, step: int, config: dict, extra: dict, files: dict | None = None
+) -> Path:
+    """FOLDER/model.safetensors, `files` beside it and its manifest.json (the Python API's
+    pt.export names FOLDER)."""
+    final = Path(final)
+    tmp = final.parent / f"{UNFINISHED}{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     data = st_save(unshared(state), metadata={"format": "pt"})
-    write_bytes_durably(tmp / "model.safetensors", data)
+    files = {"model.safetensors": data, **(files or {})}
+    for name, content in files.items():
+        write_bytes_durably(tmp / name, content)
     manifest = {
         "format": FINAL_FORMAT,
         "step": step,
         "config": config,
-        "files": {"model.safetensors": {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}},
+        "files": {name: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)} for name, b in files.items()},
         "tensors": {
             k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in state.items()
         },
@@ -40,6 +55,5 @@ def export_final(run_dir: Path, state: dict[str, torch.Tensor], *, step: int, co
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    fsync_dir(run_dir)
-    remove_unfinished(run_dir / "checkpoints")  # the run is over: no save of it is under way
+    fsync_dir(final.parent)
     return final

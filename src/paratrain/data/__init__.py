@@ -64,8 +64,11 @@ def build_sampler(dataset: Dataset, cfg: Config):
 
 def load_batch(dataset: Dataset, indices: torch.Tensor):
     """(inputs, targets) for `indices`; tensor datasets are sliced without a per-item loop, and
-    a dataset that loads batches itself (streamed shards) does."""
+    a dataset that loads batches itself (streamed shards) does. Samples of any structure go through
+    torch's default collate; dict samples (no separate target) give (dict, None): data/batch.py."""
     from torch.utils.data import default_collate
+
+    from paratrain.data.batch import as_pair
 
     own = getattr(dataset, "load_batch", None)
     if callable(own):
@@ -73,4 +76,4 @@ def load_batch(dataset: Dataset, indices: torch.Tensor):
     tensors = getattr(dataset, "tensors", None)
     if tensors is not None:
         return tuple(t[indices] for t in tensors)
-    return default_collate([dataset[i] for i in indices.tolist()])
+    return as_pair(default_collate([dataset[i] for i in indices.tolist()]))

@@ -11,11 +11,15 @@ from paratrain.config import ArgumentError, Config
 from paratrain.errors import ConfigError
 from paratrain.models.cnn import cnn
 from paratrain.models.gpt import gpt
+from paratrain.models.hf import hf
 from paratrain.models.mlp import mlp
 from paratrain.models.recompute import enable_recompute
 from paratrain.resolve import check_kwargs, resolve_callable
 
 BUILTIN = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
+# hf is named like a built-in, but its construction is transformers' own: a sharding strategy
+# records and replays it as it does a user's factory (models/materialize.py), so it is not in BUILTIN.
+FACTORIES = {**BUILTIN, "hf": hf}
 
 # Built-in factory arguments taken from the dataset when the config does not give them, and how a
 # value the config gives must compare with the data's: (the dataset's attribute, the test, the rule).
@@ -46,7 +50,7 @@ def model_kwargs(cfg: Config, dataset) -> dict:
 def build_model(cfg: Config, dataset) -> nn.Module:
     """The user's model, built on the current default device (use a meta device to only check it)."""
     name = cfg.model.factory
-    fn = BUILTIN.get(name) or resolve_callable(name, "model.factory")
+    fn = FACTORIES.get(name) or resolve_callable(name, "model.factory")
     check_kwargs(fn, cfg.model.kwargs, "model", name)
     kwargs = model_kwargs(cfg, dataset)
     try:

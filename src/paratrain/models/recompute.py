@@ -59,14 +59,21 @@ class RecomputedSequential(nn.Sequential):
 
 def enable_recompute(model: nn.Module, name: str) -> None:
     """Switch a built model to recompute per block: models with a `recompute` attribute (gpt) set
-    it; an nn.Sequential (mlp, cnn, a user's) runs its children by block."""
+    it; a model with a switch of its own uses it (transformers' gradient_checkpointing_enable(),
+    timm's set_grad_checkpointing()); an nn.Sequential (mlp, cnn, a user's) runs its children by
+    block."""
     if hasattr(model, "recompute"):
         model.recompute = True
+    elif callable(getattr(model, "gradient_checkpointing_enable", None)):
+        # non-reentrant, as ours: right for blocks whose input needs no gradient
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif callable(getattr(model, "set_grad_checkpointing", None)):
+        model.set_grad_checkpointing(True)
     elif type(model) is nn.Sequential:
         model.__class__ = RecomputedSequential
     else:
         raise ConfigError(
             "train.recompute",
-            f"{name} builds a {type(model).__name__}, which neither is an "
-            f"nn.Sequential nor has a `recompute` attribute to switch recomputation on",
+            f"{name} builds a {type(model).__name__}, which neither is an nn.Sequential nor has a "
+            f"`recompute` attribute or gradient_checkpointing_enable() to switch recomputation on",
         )

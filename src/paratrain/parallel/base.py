@@ -60,6 +60,7 @@ from torch import nn
 from paratrain.checkpoint.reader import check_model_shapes
 from paratrain.comm import collectives
 from paratrain.config import Config
+from paratrain.data.batch import feed, num_samples, split_batch
 from paratrain.optim import accuracy_counts, set_lr
 from paratrain.profile import NULL_PROFILER
 from paratrain.runtime.process import Runtime
@@ -110,8 +111,7 @@ class Strategy:
 
     def micro_batches(self, batch):
         """The rank's batch for one optimizer step, cut into train.grad_accum equal micro-batches."""
-        inputs, targets = batch
-        return list(zip(torch.chunk(inputs, self.grad_accum), torch.chunk(targets, self.grad_accum)))
+        return split_batch(batch, self.grad_accum)
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)
@@ -126,15 +126,33 @@ class Strategy:
         raise NotImplementedError
 
     @torch.no_grad()
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval_step(self, inputs, targets) -> torch.Tensor:
         """[loss * n, n, correct, counted] for this rank's share of a validation batch."""
         self.model.eval()
         try:
             with self.autocast():
-                output = self.model(inputs)
-            return eval_sums(self.loss_fn, output, targets)
+                output = feed(self.model, inputs)
+            return eval_sums(self.loss_fn, output, targets, num_samples(inputs))
         finally:
             self.model.train()
+
+    # -- the Python API's own loop (paratrain/api.py) ---------------------------------------------
+    # A strategy whose schedule owns forward and backward keeps these defaults: the user's loop
+    # calls train_step, and the engine's optimizer is built from the [train] keys the API set.
+    adopts_optimizers = False  # True: adopt_optimizer takes any torch.optim optimizer
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Train with the user's optimizer (its class, hyper-parameters and param groups, built
+        over the model's parameters as the user passed it); returns the one to step."""
+        return self.optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The user's own loop: leaves every rank's gradients the global batch's mean."""
+        raise OwnLoopUnsupported(self.name, "backward")
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over every rank's gradients) to max_norm; returns it."""
+        raise OwnLoopUnsupported(self.name, "clip_grad_norm_")
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -145,6 +163,16 @@ class Strategy:
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         raise NotImplementedError
+
+
+class OwnLoopUnsupported(RuntimeError):
+    """An own-loop call under a strategy whose schedule owns forward and backward."""
+
+    def __init__(self, strategy: str, call: str):
+        super().__init__(
+            f"pt.{call}: strategy {strategy!r} runs forward and backward in its own schedule; "
+            f"use pt.setup(model, optimizer, loss=fn) and loss = pt.train_step(batch)"
+        )
 
 
 @torch.no_grad()
@@ -177,8 +205,8 @@ def unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return out
 
 
-def eval_sums(loss_fn, output, targets: torch.Tensor) -> torch.Tensor:
-    n = targets.shape[0]
+def eval_sums(loss_fn, output, targets, n: int) -> torch.Tensor:
+    """[loss * n, n, correct, counted] of n samples' output (targets None: the model's own loss)."""
     if n == 0:  # a rank's empty share (its mean loss would be NaN and poison the sum)
         return torch.zeros(4, dtype=torch.float64)
     correct, counted = accuracy_counts(output, targets) or (0, 0)

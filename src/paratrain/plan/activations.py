@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from paratrain.config import Config
+from paratrain.data.batch import feed, tensors_in, tree_map
 from paratrain.models.recompute import blocks, run_layers
 from paratrain.plan.ranks import RankPlan
 
@@ -27,8 +28,8 @@ class FakeRun:
     mode: object
     model: nn.Module
     stages: list[list[nn.Module]]
-    x: torch.Tensor
-    y: torch.Tensor
+    x: object  # the batch's inputs and targets, of any structure (data/batch.py)
+    y: object
     autocast: object  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
     recompute: bool  # train.recompute = "full": each block keeps only its input
 
@@ -70,9 +71,19 @@ class FakeRun:
         autocast = (
             torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
         )
-        return cls(
-            mode, model, stages, mode.from_tensor(x), mode.from_tensor(y), autocast, cfg.train.recompute == "full"
-        )
+        x, y = tree_map(mode.from_tensor, (x, y))
+        return cls(mode, model, stages, x, y, autocast, cfg.train.recompute == "full")
+
+    def held(self) -> list[torch.Tensor]:
+        """The batch's tensors: the data, held anyway."""
+        return tensors_in((self.x, self.y))
+
+    def run_stage(self, s: int, layers: list[nn.Module], x):
+        """Stage s on its input. A batch that is not one tensor goes to the first layer as the
+        model takes it (model(**x) for a dict), which recomputes by its own switch if at all."""
+        if s == 0 and not isinstance(x, torch.Tensor):
+            x, layers = feed(layers[0], x), layers[1:]
+        return run_layers(layers, x, self.recompute)
 
     def forward(self, loss_fn=None, around_stage=lambda s: contextlib.nullcontext()) -> None:
         """One forward through the stages as the pipeline engine runs them: a stage after the first
@@ -83,7 +94,7 @@ class FakeRun:
             for s, layers in enumerate(self.stages):
                 act = act if s == 0 else act.detach().requires_grad_(act.is_floating_point())
                 with around_stage(s):
-                    act = run_layers(layers, act, self.recompute)
+                    act = self.run_stage(s, layers, act)
                     if loss_fn is not None and s == len(self.stages) - 1:
                         loss_fn(act, self.y)
 
@@ -95,7 +106,7 @@ def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = No
     from paratrain.optim import build_loss
 
     run = FakeRun.build(cfg, rows, bounds)
-    params = {id(t) for t in run.model.parameters()} | {id(run.x), id(run.y)}
+    params = {id(t) for t in [*run.model.parameters(), *run.held()]}
     out: list[int] = []
 
     @contextlib.contextmanager
@@ -278,7 +289,7 @@ def step_memory(
         for p in run.model.parameters():
             if p.grad is None:  # the strategy's gradients, kept between steps (a shared run may have them)
                 p.grad = torch.zeros_like(p)
-    held = [t for p in run.model.parameters() for t in (p, p.grad)] + [run.x, run.y]
+    held = [t for p in run.model.parameters() for t in (p, p.grad)] + run.held()
     shape_in = run.x
     for s, layers in enumerate(run.stages):
         if run.recompute and layers == [run.model]:  # recomputed block by block, as the engines run it
@@ -289,9 +300,12 @@ def step_memory(
             start = count.mark()
             # what the pipeline engine receives (this stage's input, its output's gradient) lies
             # in its pool of receive buffers, counted apart (pipeline/footprint.receive_buffers)
-            x = shape_in if s == 0 else count.forget(torch.empty_like(shape_in))
-            x.requires_grad_(x.is_floating_point() and s > 0)
-            y = run_layers(layers, x, run.recompute)
+            if s > 0:
+                x = count.forget(torch.empty_like(shape_in))
+                x.requires_grad_(x.is_floating_point())
+            else:
+                x = shape_in
+            y = run.run_stage(s, layers, x)
             last = s == len(run.stages) - 1
             loss = loss_fn(y, run.y) if last else None
             forward_peak, kept = count.peak - start, count.live - start
@@ -300,8 +314,8 @@ def step_memory(
                 loss.backward()
             else:
                 y.backward(count.forget(torch.empty_like(y)))
+                shape_in = y.detach()
             backward_peak = count.peak - start
-            shape_in = y.detach()
             del x, y, loss
         out.append(StageMemory(forward_peak, kept, backward_peak))
     return out

@@ -186,6 +186,7 @@ def _cold_median_s(fn) -> float:
 def _measure(cfg: Config, rows: int) -> list[list[float]]:
     """[forward_s, backward_s] of each pipeline layer."""
     from paratrain.data import build_dataset, load_batch
+    from paratrain.data.batch import feed, tree_map
     from paratrain.models import build_model
     from paratrain.optim import build_loss
     from paratrain.parallel.pipeline.cut import pipeline_layers
@@ -201,16 +202,17 @@ def _measure(cfg: Config, rows: int) -> list[list[float]]:
     )
     inputs = [x]
     with torch.no_grad(), autocast:
-        for layer in layers[:-1]:
-            inputs.append(layer(inputs[-1]))
+        for i, layer in enumerate(layers[:-1]):
+            inputs.append(feed(layer, inputs[-1]) if i == 0 else layer(inputs[-1]))
     out = []
     for i, layer in enumerate(layers):
         last = i == len(layers) - 1
-        given = inputs[i].detach().requires_grad_(inputs[i].is_floating_point())
+        given = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()), inputs[i])
 
-        def forward(layer=layer, given=given, last=last):
+        def forward(layer=layer, given=given, last=last, first=i == 0):
             with autocast:
-                result = layer(given)
+                # the batch goes to the first layer as the model takes it (model(**x) for a dict)
+                result = feed(layer, given) if first else layer(given)
                 return loss_fn(result, y) if last else result
 
         def backward(forward=forward):

@@ -55,7 +55,8 @@ def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[li
             yield
 
     run.forward(build_loss(cfg), recording)
-    tokens = run.x[0].numel() if not run.x.is_floating_point() else 1
+    first = run.held()[0]  # token ids come first (a dict batch's input_ids)
+    tokens = first[0].numel() if not first.is_floating_point() else 1
     return [recorder.ops for recorder in recorders], tokens
 
 

@@ -24,9 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain import checkpoint as ckpt
+from paratrain.data.batch import feed
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from paratrain.parallel.codecs.basic import Uncompressed, build_codec
+from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.profile import NULL_PROFILER
 
 
@@ -108,9 +110,13 @@ class GradientReducer:
             for p in params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, rebind: bool = False) -> None:
+        """`rebind`: point .grad at the buckets again even where it already was (the user's
+        optimizer.zero_grad() set it to None)."""
         for b in self.buckets:
             self.codec.reset(b.index, b.buffer, b.shapes)
+            if rebind:
+                b.bound = None
             b.bind_grads()  # backward accumulates into the buffer (finish may have pointed elsewhere)
 
     def prepare(self, sync: bool) -> None:
@@ -216,6 +222,7 @@ class DataParallel(Strategy):
         self.group = group
         src = 0 if group is None else dist.get_global_rank(group, 0)  # the group's first rank
         broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=src, group=group)
+        self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
         named = unique_parameters(model)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -238,13 +245,14 @@ class DataParallel(Strategy):
     def train_step(self, batch) -> torch.Tensor:
         prof = self.profiler
         self.reducer.zero_grad()
+        self.batchnorm.before_step()
         micro = self.micro_batches(batch)
         losses = []
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
             self.reducer.prepare(sync=last)
             with prof.phase("forward"), self.autocast():
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(feed(self.model, x), y)
             with prof.phase("backward"):
                 (loss / len(micro) if len(micro) > 1 else loss).backward()
             losses.append(loss.detach())
@@ -261,6 +269,28 @@ class DataParallel(Strategy):
             self.optimizer.step()
         return mean
 
+    # -- the Python API's own loop ----------------------------------------------------------------
+    adopts_optimizers = True
+
+    def adopt_optimizer(self, optimizer):
+        """The user's optimizer as it is: it holds the model's own parameters, whose .grad are
+        views into the buckets."""
+        self.optimizer = optimizer
+        return optimizer
+
+    def backward(self, loss) -> None:
+        """Every backward communicates (a second one before a zero_grad adds the next average to
+        the first: gradient accumulation, as under DDP without no_sync)."""
+        if any(p.grad is None for p in self.params):  # the user's zero_grad() let them go
+            self.reducer.zero_grad(rebind=True)
+        self.reducer.prepare(sync=True)
+        loss.backward()
+        self.grad_norm = self.reducer.finish()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        self.reducer.scale_(clip_factor(self.grad_norm, max_norm))
+        return self.grad_norm
+
     # -- state: every rank holds the same model and optimizer, so rank 0 writes them ----------
     # (and each rank its own compression memory: error feedback differs per rank)
     def state_dict(self):
@@ -269,7 +299,7 @@ class DataParallel(Strategy):
             return codec, {}
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         tensors.update(codec)
-        opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self.param_names)
+        opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self._optimizer_names())
         tensors.update(opt_tensors)
         return tensors, {"optimizer": opt_meta}
 
@@ -277,12 +307,18 @@ class DataParallel(Strategy):
         tensors, meta = reader.load(rank=0)
         model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
         ckpt.load_model_state(self.model, model_state)
-        ckpt.optimizer_from_tensors(self.optimizer, self.param_names, tensors, meta["optimizer"])
+        ckpt.optimizer_from_tensors(self.optimizer, self._optimizer_names(), tensors, meta["optimizer"])
         if reader.world_size == self.rt.world_size:  # at another world size the memory starts empty
             own = tensors if self.rt.rank == 0 else reader.load(rank=self.rt.rank)[0]
             self.reducer.codec.load_state_dict(
                 {k[len("compression.") :]: v.to(self.rt.device) for k, v in own.items() if k.startswith("compression.")}
             )
+
+    def _optimizer_names(self) -> list[str]:
+        """The names of the optimizer's parameters in its param_groups order (a user's optimizer
+        may group them otherwise than the model registers them)."""
+        name_of = {id(p): n for n, p in zip(self.param_names, self.params)}
+        return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
     def full_model_state(self):
         if self.rt.rank != 0:

@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from paratrain.data import load_batch
+from paratrain.data.batch import feed, to_device
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import unique_parameters
 
@@ -40,11 +41,10 @@ class LocalTrainer:
         anchors = [p.detach().clone() for p in self.params] if self.mu else None
         total = 0.0
         for idx in batches:
-            x, y = load_batch(dataset, torch.from_numpy(idx))
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = to_device(load_batch(dataset, torch.from_numpy(idx)), self.device)
             self.optimizer.zero_grad(set_to_none=False)
             with profiler.phase("forward"):
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(feed(self.model, x), y)
             with profiler.phase("backward"):
                 loss.backward()
             if anchors is not None:

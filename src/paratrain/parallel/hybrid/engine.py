@@ -20,9 +20,11 @@ from paratrain import checkpoint as ckpt
 from paratrain.comm import collectives
 from paratrain.comm.grid import build_mesh
 from paratrain.config import Config
+from paratrain.data.batch import num_samples, split_batch
 from paratrain.errors import ConfigError
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, eval_sums
+from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.hybrid.parallelize import (
     apply_tp,
     cut_pipeline,
@@ -93,6 +95,8 @@ class ModelParallel(Strategy):
         self.shard_dims = apply_tp(model, mesh, plan)
         self.stage_ids, self.chunks = cut_pipeline(model, mesh, cfg, self.bounds)
         self.reducers, self.param_names, self.params = wrap_dp(model, self.chunks, mesh, cfg, rt.device)
+        # within a pipeline, over each microbatch of the dp ranks' samples (docs/models.md)
+        self.batchnorm = BatchNormPolicy(model, p.sync_batchnorm, mesh.dp_group)
         self.owned_keys = [k for k, s in stage_of_key.items() if s in self.stage_ids]
         self.optimizer = build_optimizer(self.params, cfg.train)
         self.tied = (
@@ -176,15 +180,16 @@ class ModelParallel(Strategy):
     def train_step(self, batch) -> torch.Tensor:
         for r in self.reducers:
             r.zero_grad()
-        inputs, targets = batch
+        self.batchnorm.before_step()
+        micro = split_batch(batch, self.m)
 
         def before_backward(a):
             self.reducers[a.chunk].prepare(sync=self.last_backward[a.chunk] == a.mb)
 
         losses = self.engine.run(
             self.actions,
-            list(torch.chunk(inputs, self.m)),
-            list(torch.chunk(targets, self.m)),
+            [x for x, _ in micro],
+            [y for _, y in micro],
             self.train_loss,
             self.autocast,
             train=True,
@@ -230,17 +235,17 @@ class ModelParallel(Strategy):
         return math.sqrt(squares.item() / self.mesh.dp)
 
     @torch.no_grad()
-    def eval_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval_step(self, inputs, targets) -> torch.Tensor:
         for chunk in self.chunks:
             chunk.eval()
         try:
-            xs, ys = list(torch.chunk(inputs, self.m)), list(torch.chunk(targets, self.m))
+            xs, ys = (list(part) for part in zip(*split_batch((inputs, targets), self.m)))
             actions = forward_only(self.cfg.parallel.pp, self.mesh.pp_rank, len(xs), self.v)
             sums = self.engine.run(
                 actions,
                 xs,
                 ys,
-                lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y),
+                lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y, num_samples(out)),
                 self.autocast,
                 train=False,
             )

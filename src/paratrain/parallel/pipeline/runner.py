@@ -212,7 +212,9 @@ def boundary_shape_fn(meta_layers: list[list[nn.Module]]):
                 for layers in meta_layers:
                     out.append((act.shape, act.dtype))
                     for layer in layers:
-                        act = layer(act)
+                        # eval: batch norm's momentum=None counts batches with .item(), which a
+                        # meta tensor has not; the shapes are the same
+                        act = layer.eval()(act)
             cache[key] = out
         return cache[key]
 

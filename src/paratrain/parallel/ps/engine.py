@@ -48,6 +48,7 @@ from paratrain import checkpoint as ckpt
 from paratrain.comm import grid
 from paratrain.optim import set_lr
 from paratrain.parallel.base import Strategy, unique_parameters
+from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.ps.server import ServerSide
 from paratrain.parallel.ps.wire import FlatShard, assign_shards, first_line
 from paratrain.parallel.ps.worker import WorkerSide
@@ -93,6 +94,11 @@ class ParameterServer(Strategy):
             # dropped worker at one): the servers write it among themselves.
             self.checkpoint_ranks, self.checkpoint_group = len(self.servers), self.server_group
             self.lockstep = False
+        # sync: the workers step together, so their batch norm spans the global batch (dp/batchnorm.py)
+        if self.mode == "sync" and len(self.workers) > 1:
+            group = grid.subgroup(self.workers)
+            if not self.is_server:
+                self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
         self.step_index = 0  # the trainer step the next train_step is for
         self.total_steps = cfg.train.steps
         self.t0 = None  # first step: pushes/s count from there

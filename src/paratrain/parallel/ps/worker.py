@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from paratrain.data.batch import feed
 from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG
 from paratrain.runtime import faults
 
@@ -32,6 +33,7 @@ class WorkerSide:
     """The worker's half of ParameterServer (which mixes it in on ranks ps.servers and up)."""
 
     is_server = False
+    batchnorm = None  # sync mode: the policy for batch-norm layers over the workers (dp/batchnorm.py)
 
     def _init_side(self) -> None:
         # Host buffers go on the wire; on a CPU they are the parameters' and gradients' own storage,
@@ -53,11 +55,13 @@ class WorkerSide:
         t0 = time.perf_counter()
         for buf in self.dev_grad_bufs:
             buf.zero_()
+        if self.batchnorm is not None:
+            self.batchnorm.before_step()
         micro = self.micro_batches(batch)
         total = torch.zeros((), device=self.rt.device)
         for x, y in micro:
             with self.profiler.phase("forward"), self.autocast():
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(feed(self.model, x), y)
             with self.profiler.phase("backward"):
                 (loss / len(micro)).backward()
             total += loss.detach().float()

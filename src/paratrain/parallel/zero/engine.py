@@ -34,15 +34,19 @@ any world M (zero/reshard.py). Stage 3's units and their gathering: zero/gather.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import collectives
+from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from paratrain.parallel.codecs.basic import CAST_DTYPES
+from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.dp.engine import make_buckets
 from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
@@ -77,7 +81,9 @@ class Zero(Strategy):
         self._install(model)
         self._setup_communication(model)
         self._overlap_gathers_with_forward(model)
-        self.optimizer = build_optimizer([u.shard for u in self.units], cfg.train)
+        self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
+        self._make_pieces()
+        self.optimizer = self._with_gathers(build_optimizer(self.pieces, cfg.train))
 
     # -- layout ---------------------------------------------------------------------------------
     def _make_units(self, model, named) -> list[FlatUnit]:
@@ -181,33 +187,62 @@ class Zero(Strategy):
             assert [id(p) for p in u.params] == [id(p) for p in b.params], "bucket and unit layouts differ"
             u.shard.grad = self.reducer.own_slice(b)
 
+    def _make_pieces(self) -> None:
+        """The optimizer's parameters: each unit shard cut where the model's parameters meet, views
+        of the shard and of its gradient. An elementwise optimizer (SGD, Adam, AdamW, ...) computes
+        the same numbers on them as on the whole parameters, and each piece can go into the param
+        group of the parameter it belongs to (the Python API keeps the user's groups)."""
+        self.pieces = []
+        for u in self.units:
+            u.pieces = [
+                (i, start, end, at, nn.Parameter(u.shard.detach()[at : at + end - start]))
+                for i, start, end, at in u.own_pieces()
+            ]
+            self.pieces.extend(piece for *_, piece in u.pieces)
+        self._bind_piece_grads()
+
+    def _bind_piece_grads(self) -> None:
+        for u in self.units:
+            for _, start, end, at, piece in u.pieces:
+                piece.grad = u.shard.grad[at : at + end - start]
+
+    def _with_gathers(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Every step of `optimizer` is followed by _after_step (stages 1 and 2: the parameters'
+        all-gathers), whoever calls it: train_step or the user's own loop."""
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
+        return optimizer
+
     # -- the step -------------------------------------------------------------------------------
     def train_step(self, batch) -> torch.Tensor:
         self.reducer.zero_grad()
+        self.batchnorm.before_step()
         micro = self.micro_batches(batch)
         total = torch.zeros((), device=self.device)
         prof = self.profiler  # waits on gathers and reduce-scatters are its "comm" (paratrain.comm.collectives)
         for i, (x, y) in enumerate(micro):
             self._before_backward(i, last=i == len(micro) - 1)
             with prof.phase("forward"), self.autocast():
-                loss = self.loss_fn(self.model(x), y)
+                loss = self.loss_fn(feed(self.model, x), y)
             with prof.phase("backward"):
                 (loss / len(micro)).backward()
             self._after_backward(last=i == len(micro) - 1)
             total += loss.detach()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
         with prof.phase("optimizer"):
-            grads = [u.shard.grad for u in self.units]
-            norm = sharded_grad_norm(grads, self.group)
+            norm = self._grad_norm()
             self.skipped_step = not bool(torch.isfinite(norm))  # the same on every rank: the norm is global
             if not self.skipped_step:
                 if self.cfg.train.clip_grad_norm > 0:
-                    factor = clip_factor(norm, self.cfg.train.clip_grad_norm)
-                    for g in grads:
-                        g.mul_(factor.to(g.dtype))
-                self.optimizer.step()
-                self._after_step()
+                    self._scale_grads(clip_factor(norm, self.cfg.train.clip_grad_norm))
+                self.optimizer.step()  # then _after_step (a hook of the optimizer's)
         return total / len(micro)
+
+    def _grad_norm(self) -> torch.Tensor:
+        return sharded_grad_norm([u.shard.grad for u in self.units], self.group)
+
+    def _scale_grads(self, factor: torch.Tensor) -> None:
+        for u in self.units:
+            u.shard.grad.mul_(factor.to(u.shard.grad.dtype))
 
     def _before_backward(self, micro: int, last: bool) -> None:
         self.reducer.prepare(sync=last)  # stage 1 communicates once per step, like dp
@@ -218,6 +253,49 @@ class Zero(Strategy):
 
     def _after_step(self) -> None:
         self._start_gathers()  # waited for by the next forward, module by module
+
+    # -- the Python API's own loop ----------------------------------------------------------------
+    adopts_optimizers = True
+
+    def adopt_optimizer(self, optimizer):
+        """The user's optimizer class and hyper-parameters over this rank's pieces, each piece in
+        the param group of its parameter (a group may hold no piece on some rank)."""
+        piece_of = {u.names[i]: piece for u in self.units for i, *_, piece in u.pieces}
+        groups = []
+        for g in optimizer.param_groups:
+            names = [self.name_of.get(id(p)) for p in g["params"]]
+            if None in names:
+                raise ValueError("pt.setup: the optimizer holds a tensor that is no trainable parameter of the model")
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append({**hyper, "params": [piece_of[n] for n in names if n in piece_of]})
+        # each group carries every hyper-parameter; the constructor takes the defaults it names
+        # (AdamW's defaults also hold keys its constructor does not take)
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self.optimizer = self._with_gathers(type(optimizer)(groups, **defaults))
+        return self.optimizer
+
+    def backward(self, loss) -> None:
+        """A backward before any zero_grad adds to the gradients (accumulation)."""
+        fresh = self._grads_let_go()
+        if fresh:
+            self.reducer.zero_grad()
+            self._bind_piece_grads()
+        self._before_backward(0 if fresh else 1, last=True)
+        loss.backward()
+        self._after_backward(last=True)
+        self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
+
+    def _grads_let_go(self) -> bool:
+        """Whether the user's zero_grad() set gradients to None (the optimizer's pieces', or the
+        model's, which stage 1 keeps in its buckets)."""
+        full = (p for u in self.units for p in u.params)
+        return any(piece.grad is None for piece in self.pieces) or any(p.grad is None for p in full)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        norm = self._grad_norm()
+        self._scale_grads(clip_factor(norm, max_norm))
+        return norm
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
@@ -259,6 +337,9 @@ class Zero2(Zero):
 
     def _after_backward(self, last: bool) -> None:
         self.reducer.finish()
+
+    def _grads_let_go(self) -> bool:
+        return any(piece.grad is None for piece in self.pieces)  # the model's are freed as reduced
 
 
 class Zero3(Zero2):

@@ -1,0 +1,165 @@
+"""Hugging Face transformers models as users bring them (`[model] factory = "hf"`, random init from
+a config, or a local save_pretrained directory): each strategy equals single-process PyTorch
+written here, and final/ loads back with from_pretrained."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import final_weights, max_rel_error, write_config
+from torch.utils.data import default_collate
+from user_models import token_blocks
+
+transformers = pytest.importorskip("transformers")
+
+LLAMA = """
+name = "llama"
+[model]
+factory = "hf"
+task = "causal-lm"
+config = { model_type = "llama", vocab_size = 64, hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64, tie_word_embeddings = true }
+[data]
+factory = "user_models:token_blocks"
+batch_size = 8
+shuffle = false
+[train]
+steps = 10
+optimizer = "sgd"
+lr = 0.5
+log_every = 5
+"""
+
+BERT = """
+name = "bert"
+[model]
+factory = "hf"
+task = "sequence-classification"
+config = { model_type = "bert", vocab_size = 64, hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2, num_attention_heads = 2, max_position_embeddings = 32, num_labels = 3, hidden_dropout_prob = 0.0, attention_probs_dropout_prob = 0.0 }
+[data]
+factory = "user_models:token_blocks"
+layout = "classify"
+batch_size = 8
+shuffle = false
+[train]
+steps = 10
+optimizer = "sgd"
+lr = 0.5
+log_every = 5
+"""
+
+
+def next_token_loss(model, batch):
+    ids, targets = batch
+    logits = model(ids).logits
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def own_loss(model, batch):
+    return model(**batch).loss
+
+
+def classify_loss(model, batch):
+    inputs, labels = batch
+    return F.cross_entropy(model(**inputs).logits, labels)
+
+
+def train_alone(model, layout: str, loss_of, steps: int = 10, batch: int = 8, lr: float = 0.5) -> dict:
+    """Plain single-process training on the contract's unshuffled batches."""
+    data = token_blocks("train", layout)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        idx = torch.arange(step * batch, (step + 1) * batch) % len(data)
+        opt.zero_grad()
+        loss_of(model, default_collate([data[i] for i in idx.tolist()])).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def built(text: str):
+    """The model the config's [model] section builds, from the seed every run starts with."""
+    import tomllib
+
+    from paratrain.models.hf import hf
+
+    section = tomllib.loads(text)["model"]
+    torch.manual_seed(0)
+    return hf(config=section["config"], task=section["task"])
+
+
+@pytest.mark.parametrize(
+    "strategy, layout, loss, recompute",
+    [
+        ("dp", "pair", "cross_entropy", "none"),
+        ("zero3", "labelled", "model", "none"),
+        ("dp", "labelled", "model", "full"),  # through the model's gradient_checkpointing_enable()
+    ],
+)
+def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, recompute):
+    reference = train_alone(built(LLAMA), layout, next_token_loss if layout == "pair" else own_loss)
+    cfg = write_config(tmp_path / "c.toml", LLAMA)
+    sets = [f"parallel.strategy='{strategy}'", f"data.layout='{layout}'", f"train.loss='{loss}'"]
+    sets.append(f"train.recompute='{recompute}'")
+    gang(2).train(cfg, tmp_path / "run", sets)
+    assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
+
+
+def test_bert_classifier_with_dict_inputs_equals_single_process(tmp_path, gang):
+    reference = train_alone(built(BERT), "classify", classify_loss)
+    cfg = write_config(tmp_path / "c.toml", BERT)
+    gang(2).train(cfg, tmp_path / "run")
+    # Attention's key biases get a gradient that is zero but for rounding (softmax ignores a shift
+    # common to every key), so they hold rounding noise alone: compared absolutely, below 1e-3.
+    assert max_rel_error(final_weights(tmp_path / "run"), reference, floor=1e-3) <= 1e-4
+
+
+def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, gang):
+    """pretrained = DIR (save_pretrained's) trains like the model loaded from it; final/ is a
+    Hugging Face model directory holding the trained weights, tied ones included."""
+    built(LLAMA).save_pretrained(tmp_path / "start")
+    start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "start")
+    reference = train_alone(start, "pair", next_token_loss)
+    text = LLAMA.replace(LLAMA[LLAMA.index("config = {") : LLAMA.index("[data]")], 'pretrained = "start"\n')
+    cfg = write_config(tmp_path / "c.toml", text)
+    gang(2).train(cfg, tmp_path / "run")
+    weights = final_weights(tmp_path / "run")
+    assert max_rel_error(weights, reference) <= 1e-4
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    state = loaded.state_dict()
+    assert state.keys() == weights.keys() and all(torch.equal(state[k], weights[k]) for k in weights)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # still tied
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.task='translation'", "model.task"),
+        ("model.config={hidden_size=32}", "model.config"),  # no model_type
+        ("model.config={model_type='nosuchmodel'}", "model.config"),
+        ("model.pretrained='missing'", "model.config"),  # both config and pretrained
+    ],
+)
+def test_bad_hf_model_exits_2_naming_the_key(tmp_path, capsys, override, key):
+    from paratrain.cli import main
+
+    cfg = write_config(tmp_path / "c.toml", LLAMA)
+    code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and key in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "job, sets",
+    [
+        ("LLAMA", []),
+        ("LLAMA", ["parallel.strategy='zero3'", "data.layout='labelled'", "train.loss='model'"]),
+        ("LLAMA", ["train.recompute='full'"]),
+        ("BERT", []),
+    ],
+)
+def test_plan_takes_model_outputs_and_dict_batches(tmp_path, capsys, job, sets):
+    """`paratrain plan`'s fake-tensor run accepts ModelOutput outputs and dict batches."""
+    from paratrain.cli import main
+
+    cfg = write_config(tmp_path / "c.toml", globals()[job])
+    code = main(["plan", str(cfg), "--nproc", "2", *[a for s in sets for a in ("--set", s)]])
+    out = capsys.readouterr()
+    assert code == 0 and "predicted" in out.out, out.err

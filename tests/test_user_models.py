@@ -1,0 +1,169 @@
+"""Models and samples as users bring them: inputs of any structure, outputs with their own loss
+or logits, each strategy equal to single-process PyTorch written here."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import final_weights, max_rel_error, write_config
+from user_models import two_halves
+
+from paratrain.cli import main
+
+HALVES = """
+name = "halves"
+[model]
+factory = "user_models:two_halves"
+[data]
+factory = "user_models:digit_halves"
+batch_size = 24
+shuffle = false
+[train]
+steps = 12
+optimizer = "sgd"
+lr = 0.1
+log_every = 6
+"""
+
+
+@pytest.fixture(scope="module")
+def halves_reference():
+    """TwoHalves trained in one plain process on the unshuffled digits (the contract's batches)."""
+    from paratrain.data.datasets import digits
+
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    model = two_halves()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(12):
+        idx = torch.arange(step * 24, (step + 1) * 24) % len(x)
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx, :32], x[idx, 32:]), y[idx]).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "world, layout, overrides",
+    [
+        (2, "tuple", ["train.grad_accum=2"]),  # model(*x), cut into micro-batches
+        (2, "dict", ["model.key='logits'"]),  # model(**x); the built-in loss reads `logits`
+        (3, "labelled", ["train.loss='model'"]),  # model(**item) computes its own loss
+        (2, "labelled", ["train.loss='model'", "parallel.strategy='zero3'"]),
+    ],
+)
+def test_structured_samples_equal_single_process(tmp_path, gang, halves_reference, world, layout, overrides):
+    cfg = write_config(tmp_path / "c.toml", HALVES)
+    gang(world).train(cfg, tmp_path / "run", [f"data.layout='{layout}'", *overrides])
+    assert max_rel_error(final_weights(tmp_path / "run"), halves_reference) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data.layout='bare'"], "data.factory"),  # a bare tensor is no sample
+        (["data.layout='labelled'"], "train.loss"),  # no target for cross_entropy
+        (["data.layout='dict'", "model.key='scores'"], "train.loss"),  # a dict output with no logits
+        (["data.layout='dict'", "train.loss='model'"], "train.loss"),  # an output with no loss
+    ],
+)
+def test_bad_samples_and_outputs_exit_2(tmp_path, capsys, overrides, key):
+    cfg = write_config(tmp_path / "c.toml", HALVES)
+    sets = [a for o in overrides for a in ("--set", o)]
+    code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *sets])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and key in lines[0], err
+
+
+BN_CNN = """
+name = "bn"
+[model]
+factory = "user_models:bn_cnn"
+[data]
+factory = "digits"
+batch_size = 24
+shuffle = false
+[train]
+steps = 12
+optimizer = "sgd"
+lr = 0.1
+log_every = 6
+"""
+
+
+@pytest.fixture(scope="module")
+def bn_reference():
+    from reference import train_reference
+    from user_models import bn_cnn
+
+    from paratrain.data.datasets import digits
+
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    return train_reference(bn_cnn(), x, y, steps=12, batch_size=24, lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "world, overrides",
+    [
+        (2, ["parallel.strategy='dp'"]),
+        (3, ["parallel.strategy='dp'"]),
+        (2, ["parallel.strategy='zero2'"]),
+        (3, ["parallel.strategy='zero2'"]),
+        (3, ["parallel.strategy='zero3'"]),
+        (3, ["parallel.strategy='ps'", "ps.mode='sync'"]),  # one server, two workers
+        (2, ["parallel.strategy='hybrid'", "parallel.microbatches=1"]),  # dp 2 x tp 1 x pp 1
+    ],
+)
+def test_batchnorm_over_the_global_batch_equals_single_process(tmp_path, gang, bn_reference, world, overrides):
+    """Weights and running statistics (final/ holds them) equal one process's."""
+    cfg = write_config(tmp_path / "c.toml", BN_CNN)
+    gang(world).train(cfg, tmp_path / "run", overrides)
+    weights = final_weights(tmp_path / "run")
+    assert {"2.running_mean", "2.running_var", "6.running_var"} <= weights.keys()
+    assert max_rel_error(weights, bn_reference) <= 1e-4
+
+
+def ddp_bn_job(rt, out: str, steps: int = 12, batch: int = 24) -> None:
+    """torch DDP (broadcast_buffers: rank 0's statistics before every forward) on paratrain dp's
+    data split, run on a gang's process group; rank 0 writes the final weights."""
+    from safetensors.torch import save_file
+    from torch.nn.parallel import DistributedDataParallel
+    from user_models import bn_cnn
+
+    from paratrain.data.datasets import digits
+
+    x, y = digits("train").tensors
+    torch.manual_seed(0)
+    model = DistributedDataParallel(bn_cnn())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    share = batch // rt.world_size
+    for step in range(steps):
+        idx = (torch.arange(step * batch, (step + 1) * batch) % len(x))[rt.rank * share : (rt.rank + 1) * share]
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    if rt.rank == 0:
+        save_file({k: v.contiguous() for k, v in model.module.state_dict().items()}, out)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero2"])
+def test_batchnorm_per_rank_equals_torch_ddp(tmp_path, gang, strategy):
+    """parallel.sync_batchnorm = false: each rank's own statistics, rank 0's kept, as DDP does."""
+    from safetensors.torch import load_file
+
+    gang(2).run("test_user_models:ddp_bn_job", out=str(tmp_path / "ddp.safetensors"))
+    cfg = write_config(tmp_path / "c.toml", BN_CNN)
+    gang(2).train(cfg, tmp_path / "run", [f"parallel.strategy='{strategy}'", "parallel.sync_batchnorm=false"])
+    assert max_rel_error(final_weights(tmp_path / "run"), load_file(str(tmp_path / "ddp.safetensors"))) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "job, sets",
+    [(BN_CNN, ["parallel.strategy='zero2'"]), (HALVES, ["data.layout='labelled'", "train.loss='model'"])],
+)
+def test_plan_takes_these_jobs(tmp_path, capsys, job, sets):
+    cfg = write_config(tmp_path / "c.toml", job)
+    code = main(["plan", str(cfg), "--nproc", "2", *[a for s in sets for a in ("--set", s)]])
+    out = capsys.readouterr()
+    assert code == 0 and "predicted" in out.out, out.err
