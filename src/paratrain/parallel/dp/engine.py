@@ -192,9 +192,11 @@ class LoneReducer:
         self.params, self.device, self.codec = params, device, codec  # the codec: only its (empty) state
         self.profiler = NULL_PROFILER
 
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+    def zero_grad(self, rebind: bool = False) -> None:
+        """`rebind` (the Python API, after the user's own zero_grad): nothing to point back at."""
+        if not rebind:
+            for p in self.params:
+                p.grad = None
 
     def prepare(self, sync: bool) -> None:
         pass
@@ -208,7 +210,8 @@ class LoneReducer:
             return torch.zeros((), device=self.device)
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
-    discard = zero_grad
+    def discard(self) -> None:
+        self.zero_grad()
 
     def scale_(self, factor: torch.Tensor) -> None:
         torch._foreach_mul_(self._grads(), factor)
