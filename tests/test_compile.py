@@ -87,3 +87,17 @@ def test_compiled_equals_eager_at_world_2(tmp_path, gang, eager_reference, name,
     assert "compile " in out and out.count("torch.compile: ") == 1  # the graph breaks reported once
     graphs = int(out.split("torch.compile: ")[1].split()[0])
     assert graphs > 0, f"{name}: nothing compiled"
+
+
+def test_the_planner_times_compiled_layers(tmp_path):
+    """paratrain plan --calibrate times each layer as the run will run it: compiled where the config
+    compiles (its own entry in the timings file, apart from eager's)."""
+    from torch._dynamo.utils import counters
+
+    from paratrain.plan import layer_times
+    from paratrain.preflight import load
+
+    cfg = load(str(write_config(tmp_path / "gpt.toml", GPT)), [])
+    measured = layer_times.layer_times(cfg, 2, 1, forward_flops=0)
+    assert len(measured) == 4 and all(t.forward_s > 0 and t.backward_s > 0 for t in measured)  # embed, 2 blocks, head
+    assert counters["stats"]["unique_graphs"] > 0
