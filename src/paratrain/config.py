@@ -140,6 +140,11 @@ class TrainConfig:
     )
     clip_grad_norm: float = opt(0.0, check=_non_negative, doc="clip the global gradient norm to this; 0 = off")
     precision: str = opt("fp32", choices=("fp32", "bf16"), doc="bf16: autocast of forward and loss")
+    compile: bool = opt(
+        False,
+        doc="torch.compile the model block by block (pipeline_layers, an nn.Sequential's children, "
+        "ModuleList elements) under every strategy; the first step compiles",
+    )
     recompute: str = opt(
         "none", choices=("none", "full"), doc="full: keep only each block's input and run its forward again in backward"
     )

@@ -7,8 +7,12 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from paratrain.errors import say
+
+if TYPE_CHECKING:
+    from paratrain.config import Config
 
 
 class _OutlivesItsReader:
@@ -52,6 +56,7 @@ _LINE = (
     ("samples_per_s", "samples/s {:.1f}"),
     ("val_loss", "val_loss {:.4f}"),
     ("val_acc", "val_acc {:.4f}"),
+    ("compile_s", "compile {:.1f}s"),  # train.compile: the first step's, left out of samples/s
     ("time", "time {:.1f}s"),
 )
 
@@ -146,8 +151,7 @@ def keep_steps_up_to(path: Path, step: int) -> list[dict]:
     return kept
 
 
-def summary_line(result: dict, cfg, run_dir: Path) -> str:
-    """The line a finished run ends with."""
+def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:
     first, last = result["first_step"], result["last_step"]
     if last == first:  # train.steps = 0, or resumed at or past it
         why = f"the checkpoint is at step {last}, " if last else ""
@@ -156,12 +160,14 @@ def summary_line(result: dict, cfg, run_dir: Path) -> str:
             f"model: {run_dir / 'final' / 'model.safetensors'}"
         )
     steps = f"steps {first + 1}-{last}" if first else f"{last} steps"
-    parts = [f"done: {steps} in {result['elapsed']:.1f}s"]
+    compile_s = result.get("compile_s", 0.0)  # train.compile's first step: out of samples/s
+    parts = [f"done: {steps} in {result['elapsed']:.1f}s" + (f" (compile {compile_s:.1f}s)" if compile_s else "")]
     if "loss" in result:
         parts.append(f"loss {result['loss']:.4f}")
     for key in ("val_loss", "val_acc"):
         if key in result:
             parts.append(f"{key} {result[key]:.4f}")
-    parts.append(f"{(last - first) * cfg.data.batch_size / max(result['elapsed'], 1e-9):.1f} samples/s")
+    trained = last - first - (1 if compile_s else 0)
+    parts.append(f"{trained * cfg.data.batch_size / max(result['elapsed'] - compile_s, 1e-9):.1f} samples/s")
     parts.append(f"model: {run_dir / 'final' / 'model.safetensors'}")
     return " | ".join(parts)

@@ -53,11 +53,21 @@ class _Tally:
     steps_since: int = 0
     bad_in_a_row: int = 0
     skipped: int = 0
-    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))  # loss, reports
+    losses: list = field(default_factory=list)  # reported steps' losses, summed when logged: no copy per step
+    compile_s: float = 0.0  # train.compile: the first step's time, which compiled, out of samples/s
 
     def restart(self) -> None:
         self.t_last, self.steps_since, self.skipped = time.perf_counter(), 0, 0
-        self.loss_sum = torch.zeros_like(self.loss_sum)
+        self.losses, self.compile_s = [], 0.0
+
+    def compiled(self, is_main: bool) -> float:
+        """After the first step under train.compile: its time is compiling's, reported once."""
+        from paratrain.models.compiled import report_graph_breaks
+
+        now = time.perf_counter()
+        self.compile_s, self.t_last, self.steps_since = now - self.t_last, now, -1  # _account counts it next
+        report_graph_breaks(is_main, self.compile_s)
+        return self.compile_s
 
 
 class Trainer:
@@ -193,13 +203,15 @@ class Trainer:
         )
         self.strategy.profiler = prof
         tally = _Tally(first_step=self.step)
-        last, stopped_by = {}, 0
+        last, stopped_by, compile_s = {}, 0, 0.0
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
         agreed = self.strategy.lockstep and not self.membership  # (its group would not outlive a regroup)
         stops = stop.StopAgreement(rt.world_size, self.step, timeout) if agreed else None
         try:
             while self.step < cfg.train.steps:
                 lr, loss = self._step(prof)
+                if cfg.train.compile and self.step == tally.first_step + 1:
+                    compile_s = tally.compiled(rt.is_main)
                 self._account(loss, lr, tally, log)
                 done = self.step == cfg.train.steps
                 # preempted: log, save, leave (the last step finishes the run as usual instead)
@@ -222,6 +234,7 @@ class Trainer:
         return {
             **last,
             "elapsed": elapsed,
+            "compile_s": compile_s,
             "first_step": tally.first_step,
             "last_step": self.step,
             "stopped_by": stopped_by,
@@ -269,22 +282,23 @@ class Trainer:
         else:
             tally.bad_in_a_row = 0
             if self.strategy.reports_loss:
-                tally.loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
+                tally.losses.append(loss.detach())
         log.advance()
 
     def _log(self, lr: float, tally: _Tally, log: MetricsLog, prof, evaluate: bool, final: bool) -> dict:
         """The logged step's metrics.jsonl entry (the loss averaged over the steps since the last
         one and over the ranks that report it), written; the tally starts again."""
-        reduced = self.strategy.reduce_loss(tally.loss_sum)
-        total_loss, reports = (
-            reduce_loss_checking_sequences(tally.loss_sum, self.rt) if reduced is None else reduced.tolist()
-        )
+        losses = torch.stack(tally.losses).double().cpu() if tally.losses else torch.zeros(0, dtype=torch.float64)
+        loss_sum = torch.tensor([losses.sum().item(), len(losses)], dtype=torch.float64)
+        reduced = self.strategy.reduce_loss(loss_sum)
+        total_loss, reports = reduce_loss_checking_sequences(loss_sum, self.rt) if reduced is None else reduced.tolist()
         now = time.perf_counter()
         entry = {
             "step": self.step,
             "loss": total_loss / reports if reports else float("nan"),
             "lr": lr,
             "samples_per_s": tally.steps_since * self.cfg.data.batch_size / (now - tally.t_last),
+            **({"compile_s": tally.compile_s} if tally.compile_s else {}),
             "time": now - tally.t_start,
             "wall": time.time(),
             **self.strategy.step_metrics(),

@@ -41,6 +41,8 @@ def add_options(p) -> None:
         action="store_true",
         help="ours through the Python API (pt.setup, pt.backward, the optimizer's own step) on DDP's loop",
     )
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="bf16: both under autocast")
+    p.add_argument("--compile", action="store_true", help="train.compile = true against torch.compile(DDP)")
     add_json_option(p)
 
 
@@ -78,7 +80,7 @@ def setup(argv, add_options, optimizer: str, lr: float):
     cfg = config_mod.from_dict(
         {
             "data": {"batch_size": args.batch * rt.world_size},
-            "train": {"optimizer": optimizer, "lr": lr},
+            "train": {"optimizer": optimizer, "lr": lr, "precision": args.precision, "compile": args.compile},
             "parallel": {"bucket_mb": args.bucket_mb},
         }
     )
@@ -92,7 +94,7 @@ def worker(argv=None) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from paratrain.optim import build_optimizer, cross_entropy
-    from paratrain.parallel.dp.engine import DataParallel
+    from paratrain.parallel.registry import build_strategy
     from paratrain.runtime import process
 
     args, rt, cfg, (x, y) = setup(argv, add_options, optimizer="sgd", lr=0.01)
@@ -101,14 +103,17 @@ def worker(argv=None) -> None:
     if args.own_loop:
         ours_step, ours_model = own_loop_contender(args, cfg, x, y)
     else:
-        ours = DataParallel(build(args), cross_entropy, cfg, rt)
+        ours = build_strategy(build(args), cross_entropy, cfg, rt)  # dp, compiled by train.compile
         ours_step, ours_model = lambda: ours.train_step((x, y)), ours.model
     ddp_model = DDP(build(args), bucket_cap_mb=args.bucket_mb)
     ddp_opt = build_optimizer(ddp_model.parameters(), cfg.train)  # the same optimizer as ours
+    ddp_forward = torch.compile(ddp_model) if args.compile else ddp_model
 
     def ddp_step():
         ddp_opt.zero_grad(set_to_none=False)
-        cross_entropy(ddp_model(x), y).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = cross_entropy(ddp_forward(x), y)
+        loss.backward()
         ddp_opt.step()
 
     timed_steps(ours_step, args.warmup)
@@ -132,6 +137,8 @@ def worker(argv=None) -> None:
         result = {
             "benchmark": "dp",
             "form": "own loop (pt.setup)" if args.own_loop else "train_step",
+            "precision": args.precision,
+            "compiled": args.compile,
             "world_size": world,
             "parameters": params,
             "bucket_mb": args.bucket_mb,
@@ -148,6 +155,7 @@ def worker(argv=None) -> None:
             f"dp benchmark: {params / 1e6:.1f}M-parameter MLP, world {world}, {args.batch} samples/rank, "
             f"bucket {args.bucket_mb:g} MB, median of {len(t_ours)} interleaved steps each; ours: {result['form']}"
         )
+        print(f"precision {precision_line(args.precision)}; {'both compiled' if args.compile else 'eager'}")
         print(f"{'contender':<12}{'step ms':>10}{'samples/s':>12}")
         print(f"{'paratrain':<12}{result['paratrain_step_ms']:>10.1f}{result['paratrain_samples_per_s']:>12.1f}")
         print(f"{'torch DDP':<12}{result['ddp_step_ms']:>10.1f}{result['ddp_samples_per_s']:>12.1f}")
@@ -157,6 +165,17 @@ def worker(argv=None) -> None:
         )
         emit_json(result, args.json)
     process.shutdown(together=True)
+
+
+def precision_line(precision: str) -> str:
+    """The precision as this CPU runs it: bf16 without native bf16 (AVX2) is emulated, slower than fp32."""
+    from paratrain.parallel.codecs.powersgd import cpu_multiplies_bf16_natively
+
+    if precision == "fp32":
+        return "fp32"
+    return "bf16 autocast" + (
+        "" if cpu_multiplies_bf16_natively() else " (no native bf16 here: emulated, slower than fp32)"
+    )
 
 
 def own_loop_contender(args, cfg, x, y):

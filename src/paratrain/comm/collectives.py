@@ -132,6 +132,9 @@ class _Tracked:
             raise CollectiveFailure(explain_failure(exc, self.record)) from exc
 
 
+# Inside a block that train.compile compiles (tensor parallelism's paired operators), a collective
+# is a graph break: its logging, fingerprint and profiling run eagerly, as everywhere else
+@torch.compiler.disable
 def _issue(kind: str, fn, tensor: torch.Tensor, what: str, **kwargs):
     if faults.active("skip_collective", rank=dist.get_rank(), step=LOG.step, what=what):
         return Handle() if kwargs.get("async_op") else None  # as if this rank never issued it

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, note
 from paratrain.parallel.dp.spec import DataParallelSpec
 from paratrain.parallel.federated.spec import FederatedSpec
 from paratrain.parallel.hybrid.spec import ModelParallelSpec
@@ -46,7 +46,19 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def build_strategy(model, loss_fn, cfg: Config, rt) -> Strategy:
-    return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+    strategy = strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+    if cfg.train.precision == "bf16" and rt.device.type == "cpu" and rt.is_main:
+        from paratrain.parallel.codecs.powersgd import cpu_multiplies_bf16_natively
+
+        if not cpu_multiplies_bf16_natively():
+            note(
+                "train.precision = bf16 on a CPU without native bf16 (no AMX or AVX512-BF16): its matmuls are emulated, slower than fp32"
+            )
+    if cfg.train.compile:  # the blocks as the strategy placed, sharded and cut them (models/compiled.py)
+        from paratrain.models.compiled import compile_blocks
+
+        compile_blocks(model)
+    return strategy
 
 
 def checkpoint_family(name: str) -> str | None:

@@ -106,8 +106,9 @@ class GradientReducer:
         for b in self.buckets:
             b.allocate()
             b.bind_grads()
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.world > 1:  # alone, nothing overlaps backward: finish() does the little there is
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def zero_grad(self, rebind: bool = False) -> None:
         """`rebind`: point .grad at the buckets again even where it already was (the user's
@@ -180,6 +181,42 @@ class GradientReducer:
             b.bound.mul_(factor)
 
 
+class LoneReducer:
+    """dp in a group of one: nothing to average, so no buckets. Gradients are what backward makes
+    (set to None between steps: no zeroing pass, and the first gradient is taken, not added into a
+    bucket), as in a plain loop; finish() only takes the norm, for clipping and the skip of a
+    non-finite step. Measured on an 8.7M-parameter MLP at one thread: the buckets' zeroing,
+    accumulation and norm made the step 17% slower than a plain loop's."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device, codec):
+        self.params, self.device, self.codec = params, device, codec  # the codec: only its (empty) state
+        self.profiler = NULL_PROFILER
+
+    def zero_grad(self, rebind: bool = False) -> None:
+        """`rebind` (the Python API, after the user's own zero_grad): nothing to point back at."""
+        if not rebind:
+            for p in self.params:
+                p.grad = None
+
+    def prepare(self, sync: bool) -> None:
+        pass
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def finish(self) -> torch.Tensor:
+        grads = self._grads()
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+    def discard(self) -> None:
+        self.zero_grad()
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        torch._foreach_mul_(self._grads(), factor)
+
+
 class DataParallel(Strategy):
     name = "dp"
 
@@ -193,7 +230,11 @@ class DataParallel(Strategy):
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         codec = build_codec(cfg.parallel, seed=cfg.train.seed)
-        self.reducer = GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group, codec)
+        self.reducer = (
+            GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group, codec)
+            if dist.get_world_size(group) > 1
+            else LoneReducer(self.params, rt.device, codec)
+        )
         self.optimizer = build_optimizer(self.params, cfg.train)
 
     @property
@@ -209,26 +250,27 @@ class DataParallel(Strategy):
         self.reducer.zero_grad()
         self.batchnorm.before_step()
         micro = self.micro_batches(batch)
-        total = torch.zeros((), device=self.rt.device)
+        losses = []
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
             self.reducer.prepare(sync=last)
             with prof.phase("forward"), self.autocast():
                 loss = self.loss_fn(feed(self.model, x), y)
             with prof.phase("backward"):
-                (loss / len(micro)).backward()
-            total += loss.detach()
+                (loss / len(micro) if len(micro) > 1 else loss).backward()
+            losses.append(loss.detach())
+        mean = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         # finish(): waits count as "comm" and codec arithmetic as "compress" (inside the codec)
         norm = self.reducer.finish()
         with prof.phase("optimizer"):
             self.skipped_step = not bool(torch.isfinite(norm))
             if self.skipped_step:
                 self.reducer.discard()
-                return total / len(micro)
+                return mean
             if self.cfg.train.clip_grad_norm > 0:
                 self.reducer.scale_(clip_factor(norm, self.cfg.train.clip_grad_norm))
             self.optimizer.step()
-        return total / len(micro)
+        return mean
 
     # -- the Python API's own loop ----------------------------------------------------------------
     adopts_optimizers = True
