@@ -91,13 +91,15 @@ def built(text: str):
         ("dp", "pair", "cross_entropy", "none"),
         ("zero3", "labelled", "model", "none"),
         ("dp", "labelled", "model", "full"),  # through the model's gradient_checkpointing_enable()
+        ("tp", "pair", "cross_entropy", "none"),  # the model's own base_model_tp_plan
+        ("tp", "labelled", "model", "none"),  # its loss on logits gathered by colwise_gather_output
     ],
 )
 def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, recompute):
     reference = train_alone(built(LLAMA), layout, next_token_loss if layout == "pair" else own_loss)
     cfg = write_config(tmp_path / "c.toml", LLAMA)
     sets = [f"parallel.strategy='{strategy}'", f"data.layout='{layout}'", f"train.loss='{loss}'"]
-    sets.append(f"train.recompute='{recompute}'")
+    sets += [f"train.recompute='{recompute}'", f"parallel.tp={2 if strategy == 'tp' else 1}"]
     gang(2).train(cfg, tmp_path / "run", sets)
     assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
 
@@ -135,15 +137,45 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
         ("model.config={hidden_size=32}", "model.config"),  # no model_type
         ("model.config={model_type='nosuchmodel'}", "model.config"),
         ("model.pretrained='missing'", "model.config"),  # both config and pretrained
+        (
+            "parallel.strategy='tp' --set parallel.tp=2 --set parallel.tp_plan={'model.layers.*.mlp.fc'='colwise'}",
+            "parallel.tp_plan",
+        ),
+        (
+            "parallel.strategy='tp' --set parallel.tp=2 --set parallel.tp_plan={'model.*.mlp.up_proj'='packed_colwise'}",
+            "parallel.tp_plan",
+        ),
+        ("parallel.strategy='tp' --set parallel.tp=2 --set model.config.num_key_value_heads=1", "parallel.tp"),
+        # phi3's own plan splits o_proj as rowwise_split_input, a style paratrain does not run
+        (
+            "parallel.strategy='tp' --set parallel.tp=2 --set model.config.model_type='phi3' --set model.config.pad_token_id=0",
+            "rowwise_split_input",
+        ),
     ],
 )
 def test_bad_hf_model_exits_2_naming_the_key(tmp_path, capsys, override, key):
     from paratrain.cli import main
 
     cfg = write_config(tmp_path / "c.toml", LLAMA)
-    code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", override])
+    sets = [a for part in override.split(" --set ") for a in ("--set", part)]
+    code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *sets])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and key in lines[0], lines
+
+
+def test_llama_with_a_wildcard_tp_plan_equals_single_process(tmp_path, gang):
+    reference = train_alone(built(LLAMA), "pair", next_token_loss)
+    cfg = write_config(tmp_path / "c.toml", LLAMA + TP_MLP_ONLY)
+    gang(2).train(cfg, tmp_path / "run")
+    assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
+
+
+TP_MLP_ONLY = """
+[parallel]
+strategy = "tp"
+tp = 2
+tp_plan = { "model.layers.*.mlp.gate_proj" = "colwise", "model.layers.*.mlp.up_proj" = "colwise", "model.layers.*.mlp.down_proj" = "rowwise" }
+"""
 
 
 @pytest.mark.parametrize(

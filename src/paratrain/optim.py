@@ -64,7 +64,7 @@ def output_field(output, name: str):
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _output_tensor(output):
+def output_logits(output):
     """The logits inside whatever the model returned: a tensor, a tuple, or `logits` (attribute or
     key) of anything else."""
     if isinstance(output, torch.Tensor):
@@ -78,12 +78,12 @@ def _output_tensor(output):
 
 
 def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
-    logits = _output_tensor(output)
+    logits = output_logits(output)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
 def mse(output, target: torch.Tensor) -> torch.Tensor:
-    out = _output_tensor(output)
+    out = output_logits(output)
     return F.mse_loss(out.float(), target.reshape(out.shape).to(torch.float32))
 
 
@@ -112,7 +112,7 @@ def build_loss(cfg: Config) -> Callable:
 def accuracy_counts(output, target: torch.Tensor) -> tuple[int, int] | None:
     """(correct, total) for classification-shaped outputs, else None."""
     try:
-        logits = _output_tensor(output)
+        logits = output_logits(output)
     except TypeError:
         return None
     if target is None or not (target.dtype in (torch.long, torch.int) and logits.dim() == target.dim() + 1):

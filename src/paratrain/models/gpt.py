@@ -1,9 +1,9 @@
 """Decoder-only character transformer (GPT).
 
 Written to be split: `pipeline_layers()` lists the modules that run one after another
-(embedding, each block, head), `tp_plan()` how tensor parallelism splits them, and attention takes its number of heads from the width of its
-projections, so a tensor-parallel plan that narrows q/k/v to a slice of the heads needs no other
-change. Separate q, k and v projections (not one fused qkv) make that column split a plain slice.
+(embedding, each block, head), `paratrain_tp_plan()` how tensor parallelism splits them, and
+attention takes its number of heads from the width of its projections, so a tensor-parallel plan
+that narrows q/k/v to a slice of the heads needs no other change. Separate q, k and v projections (not one fused qkv) make that column split a plain slice.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class GPT(nn.Module):
         """The modules that run one after another; a pipeline cuts between them."""
         return [self.embed, *self.blocks, self.head]
 
-    def tp_plan(self) -> dict[str, str]:
+    def paratrain_tp_plan(self) -> dict[str, str]:
         """Tensor parallelism: heads split across ranks (q/k/v by column, proj by row), the MLP
         likewise, the vocabulary split in the embedding and the head."""
         plan = {"embed.tok": "vocab", "head.lm_head": "colwise"}

@@ -52,7 +52,7 @@ def hf(config: dict | None = None, pretrained: str = "", task: str = "causal-lm"
     try:
         hf_config = transformers.AutoConfig.for_model(model_type, **settings)
         return auto.from_config(hf_config)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AssertionError) as exc:  # torch's modules assert their sizes
         raise ArgumentError("config", f"{model_type}: {str(exc).splitlines()[0]}") from None
 
 

@@ -22,7 +22,7 @@ from paratrain.comm.grid import build_mesh
 from paratrain.config import Config
 from paratrain.data.batch import num_samples, split_batch
 from paratrain.errors import ConfigError
-from paratrain.optim import build_optimizer
+from paratrain.optim import build_optimizer, output_logits
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, eval_sums
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.hybrid.parallelize import (
@@ -245,7 +245,7 @@ class ModelParallel(Strategy):
                 actions,
                 xs,
                 ys,
-                lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y, num_samples(out)),
+                lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y, num_samples(output_logits(out))),
                 self.autocast,
                 train=False,
             )

@@ -5,7 +5,7 @@ torchtitan's `apply_*(model, mesh, cfg)` are.
                     decided on the whole, unsharded layers, since rank 0 times them alone, and
                     before tp, which changes no layer boundary;
   1. apply_tp       the planned Linear / Embedding modules become their shards (tensor/layers.py;
-                    the plan is parallel.tp_plan or the model's own tp_plan()); names are kept;
+                    the plan is parallel.tp_plan or the model's own paratrain_tp_plan() or transformers plan); names are kept;
   2. cut_pipeline   this rank's stages become chunks; the layers of every other stage move to the
                     meta device (no memory); after tp, so that a chunk holds the sharded modules;
   3. wrap_dp        each chunk gets a GradientReducer over the dp sub-group only; last, since it

@@ -15,6 +15,7 @@ import time
 import torch
 from torch import nn
 
+from paratrain.data.batch import feed, tensors_in, tree_map
 from paratrain.models.recompute import run_layers
 from paratrain.parallel.pipeline.comm import P2P
 from paratrain.parallel.pipeline.schedules import Action
@@ -32,7 +33,10 @@ class StageChunk(nn.Module):
         self.recompute = recompute  # train.recompute = "full": each block of the chunk checkpointed
 
     def forward(self, x):
-        return run_layers(list(self.layers), x, self.recompute)
+        layers = list(self.layers)
+        if not isinstance(x, torch.Tensor):  # the first stage's batch, as the model would take it
+            x, layers = feed(layers[0], x), layers[1:]
+        return run_layers(layers, x, self.recompute)
 
 
 class PipelineRunner:
@@ -167,7 +171,8 @@ class _StepRun:
             x.requires_grad_()
         with r.profiler.phase("forward", a.mb):
             with self.autocast():
-                out = r.chunks[a.chunk](x)
+                chunk = r.chunks[a.chunk]  # the whole model without pp: it takes the batch as given
+                out = chunk(x) if isinstance(chunk, StageChunk) else feed(chunk, x)
             value = self.loss_fn(out, self.targets[a.mb]) if s == self.last else None
         if s == self.last:
             self.results[a.mb] = value
@@ -201,20 +206,25 @@ class _StepRun:
 
 def boundary_shape_fn(meta_layers: list[list[nn.Module]]):
     """Shapes and dtypes of the activation entering each virtual stage, for a microbatch input,
-    found by running the unsplit model on the meta device (no memory, no communication)."""
+    found by running the unsplit model on the meta device (no memory, no communication). The
+    first stage's entry is the input's first tensor (a batch may be a dict: data/batch.py); the
+    last stage's layers are not run, their output going nowhere (so without pp nothing runs)."""
     cache: dict[tuple, list] = {}
 
-    def shapes(x: torch.Tensor) -> list[tuple[torch.Size, torch.dtype]]:
-        key = (tuple(x.shape), x.dtype)
+    def shapes(x) -> list[tuple[torch.Size, torch.dtype]]:
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors_in(x))
         if key not in cache:
-            out, act = [], torch.empty(x.shape, dtype=x.dtype, device="meta")
+            out, act = [], tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), x)
             with torch.no_grad():
-                for layers in meta_layers:
-                    out.append((act.shape, act.dtype))
-                    for layer in layers:
+                for s, layers in enumerate(meta_layers):
+                    lead = tensors_in(act)[0]
+                    out.append((lead.shape, lead.dtype))
+                    if s == len(meta_layers) - 1:
+                        break
+                    for i, layer in enumerate(layers):
                         # eval: batch norm's momentum=None counts batches with .item(), which a
                         # meta tensor has not; the shapes are the same
-                        act = layer.eval()(act)
+                        act = feed(layer.eval(), act) if s == 0 and i == 0 else layer.eval()(act)
             cache[key] = out
         return cache[key]
 

@@ -27,8 +27,9 @@ from torch import nn
 from paratrain.comm import collectives
 from paratrain.errors import ConfigError
 from paratrain.parallel.tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp, shard_range
+from paratrain.parallel.tensor.model_plans import check_heads, expand, transformers_plan
 
-USER_STYLES = ("colwise", "rowwise")
+USER_STYLES = ("colwise", "rowwise", "colwise_gather_output")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -45,6 +46,14 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class GatheredColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel, its output gathered whole on every rank (transformers' colwise_gather_output:
+    a head whose logits the model's own loss reads)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_from_tp(super().forward(x), self.group, self.full_out_features)
 
 
 class RowParallelLinear(nn.Module):
@@ -80,15 +89,21 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
-STYLES = {"colwise": ColumnParallelLinear, "rowwise": RowParallelLinear, "vocab": VocabParallelEmbedding}
+STYLES = {
+    "colwise": ColumnParallelLinear,
+    "rowwise": RowParallelLinear,
+    "colwise_gather_output": GatheredColumnParallelLinear,
+    "vocab": VocabParallelEmbedding,
+}
 
 
 def plan_for(model: nn.Module, user_plan: dict) -> dict[str, str]:
-    """parallel.tp_plan, else the model's own `tp_plan()` (module name -> style), else none."""
+    """parallel.tp_plan (wildcards expanded), else the model's own `paratrain_tp_plan()` (module
+    name -> style), else a transformers model's own plan (tensor/model_plans.py), else none."""
     if user_plan:
-        return dict(user_plan)
-    own = getattr(model, "tp_plan", None)
-    return dict(own()) if callable(own) else {}
+        return expand(user_plan, model, strict=True)
+    own = getattr(model, "paratrain_tp_plan", None)
+    return dict(own()) if callable(own) else transformers_plan(model)
 
 
 def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
@@ -142,6 +157,8 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
         heads = model.blocks[0].attn.q.out_features // model.blocks[0].attn.head_dim if len(model.blocks) else 0
         if heads % tp:
             raise ConfigError("parallel.tp", f"tp {tp} does not divide the gpt's {heads} attention heads")
+    elif plan:
+        check_heads(model, tp)
 
 
 def check_pairs(model: nn.Sequential, plan: dict) -> None:
@@ -211,7 +228,7 @@ def output_is_sharded(model: nn.Module) -> bool:
     for module in model.modules():
         if isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
             last = module
-    return isinstance(last, ColumnParallelLinear)
+    return isinstance(last, ColumnParallelLinear) and not isinstance(last, GatheredColumnParallelLinear)
 
 
 def full_width(model: nn.Module) -> int:
@@ -256,8 +273,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 def parallel_loss(loss_fn, group, full: int):
     """The loss on a sharded output: vocab-parallel for the built-in cross-entropy, else on the
     gathered output (a user loss sees exactly what the unsplit model would return)."""
-    from paratrain.optim import cross_entropy
+    from paratrain.optim import cross_entropy, output_logits
 
     if loss_fn is cross_entropy:
-        return lambda out, y: vocab_parallel_cross_entropy(out, y, group, full)
+        return lambda out, y: vocab_parallel_cross_entropy(output_logits(out), y, group, full)
     return lambda out, y: loss_fn(gather_from_tp(out, group, full), y)
