@@ -60,6 +60,23 @@ def test_a_lost_replica_rejoins_and_the_run_equals_one_process(tmp_path, nproc, 
     assert max_rel_error(final_weights(tmp_path / "run"), want) <= 1e-4
 
 
+def test_a_replica_lost_again_while_it_rejoins_rejoins_later(tmp_path):
+    """Rank 2 killed at step 30, and its first restart killed while it takes the state: the
+    survivors wait for the next generation and take it back on its second restart."""
+    cfg = write_config(tmp_path / "c.toml", CONTINUE)
+    faults = "kill@rank=2,step=30,attempt=0;kill_joining@rank=2,incarnation=1"
+    proc = run_cli(
+        *("run", str(cfg), "--nproc", "3", "--max-restarts", "3", "--run-dir", str(tmp_path / "run")),
+        env={"PARATRAIN_FAULTS": faults},
+    )
+    check_ok(proc)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["replica"]) for e in lines if "event" in e] == [("replica_lost", 2), ("replica_joined", 2)]
+    assert proc.stderr.count("rank 2 killed by SIGKILL") == 2, proc.stderr
+    assert [e["step"] for e in lines if "event" not in e] == list(range(10, 81, 10))
+    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
+
+
 def test_losing_replica_0_falls_back_to_a_restart_saying_why(tmp_path):
     """Replica 0's ranks hold the log and the state the others copy: the run restarts from the
     step-30 checkpoint, as under "restart", and still ends equal to one process."""

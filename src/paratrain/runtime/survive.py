@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from paratrain.comm import collectives
 from paratrain.errors import ConfigError, say
-from paratrain.runtime import process
+from paratrain.runtime import faults, process
 
 INCARNATION = "PARATRAIN_INCARNATION"  # 0 at a worker's first start, n after its n-th restart
 REPLICA_SIZE = "PARATRAIN_REPLICA_SIZE"  # ranks per replica (supervise.py)
@@ -227,6 +227,8 @@ class Membership:
         replica 0's ranks."""
         from paratrain.parallel.registry import check_world
 
+        if done < 0:  # a joiner lost on its way in
+            faults.kill_if("kill_joining", rank=self.rank, incarnation=os.environ[INCARNATION])
         try:
             check_world(trainer.cfg, len(self.members))
         except ConfigError as exc:
