@@ -29,6 +29,14 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module] | None:
     return None
 
 
+def parameters_outside(model: nn.Module, layers: list[nn.Module]) -> list[str]:
+    """Names of the trainable parameters that no layer holds: no pipeline stage would train them
+    (a hand-written pipeline_layers() that forgot GPT-2's position embedding trained on, exit 0,
+    with that parameter frozen at its initial value)."""
+    held = {id(t) for layer in layers for t in layer.parameters()}
+    return [n for n, t in model.named_parameters() if t.requires_grad and id(t) not in held]
+
+
 def allowed_cuts(model: nn.Module, layers: list[nn.Module], plan: dict, sync_ties: bool = False) -> list[bool]:
     """allowed[i]: may a stage end after layer i? Not inside a colwise -> rowwise pair, and not
     between two layers that share a parameter unless the engine keeps the copies in sync
