@@ -93,6 +93,7 @@ def built(text: str):
         ("dp", "labelled", "model", "full"),  # through the model's gradient_checkpointing_enable()
         ("tp", "pair", "cross_entropy", "none"),  # the model's own base_model_tp_plan
         ("tp", "labelled", "model", "none"),  # its loss on logits gathered by colwise_gather_output
+        ("pp", "pair", "cross_entropy", "none"),  # cut by its base_model_pp_plan, ties summed
     ],
 )
 def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, recompute):
@@ -100,6 +101,7 @@ def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, rec
     cfg = write_config(tmp_path / "c.toml", LLAMA)
     sets = [f"parallel.strategy='{strategy}'", f"data.layout='{layout}'", f"train.loss='{loss}'"]
     sets += [f"train.recompute='{recompute}'", f"parallel.tp={2 if strategy == 'tp' else 1}"]
+    sets += [f"parallel.pp={2 if strategy == 'pp' else 1}"]
     gang(2).train(cfg, tmp_path / "run", sets)
     assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
 

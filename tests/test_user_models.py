@@ -167,3 +167,11 @@ def test_plan_takes_these_jobs(tmp_path, capsys, job, sets):
     code = main(["plan", str(cfg), "--nproc", "2", *[a for s in sets for a in ("--set", s)]])
     out = capsys.readouterr()
     assert code == 0 and "predicted" in out.out, out.err
+
+
+def test_pipeline_that_would_train_no_copy_of_a_parameter_exits_2(tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.toml", BN_CNN.replace("user_models:bn_cnn", "user_models:forgetful_stack"))
+    sets = ["--set", "parallel.strategy='pp'", "--set", "parallel.pp=2"]
+    code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *sets])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "parallel.pp" in lines[0] and "scale" in lines[0], lines

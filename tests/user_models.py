@@ -108,3 +108,23 @@ class TokenBlocks(torch.utils.data.Dataset):
 
 def token_blocks(split: str = "train", layout: str = "pair", vocab: int = 64, block: int = 16, n: int = 96):
     return TokenBlocks(split, layout, vocab, block, n)
+
+
+class ForgetfulStack(nn.Module):
+    """Two Linear layers and a learned scale between them, whose pipeline_layers() leaves the
+    scale out (as a hand-cut GPT-2 that forgot its position embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(64, 32), nn.Linear(32, 10)
+        self.scale = nn.Parameter(torch.ones(32))
+
+    def forward(self, x):
+        return self.second(self.first(x) * self.scale)
+
+    def pipeline_layers(self):
+        return [self.first, self.second]
+
+
+def forgetful_stack() -> ForgetfulStack:
+    return ForgetfulStack()

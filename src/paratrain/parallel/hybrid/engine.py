@@ -39,7 +39,7 @@ from paratrain.parallel.hybrid.parallelize import (
     wrap_dp,
 )
 from paratrain.parallel.hybrid.state import load_resharded, model_chunks
-from paratrain.parallel.pipeline.cut import pipeline_layers, splittable_layers, tied_spans
+from paratrain.parallel.pipeline.cut import parameters_outside, pipeline_layers, splittable_layers, tied_spans
 from paratrain.parallel.pipeline.runner import PipelineRunner, boundary_shape_fn
 from paratrain.parallel.pipeline.schedules import SCHEDULES, forward_only, one_f_one_b
 from paratrain.parallel.tensor.comm import gather_from_tp
@@ -58,6 +58,13 @@ def check_model(cfg: Config, model: nn.Module) -> None:
                 "parallel.pp",
                 f"pp = {p.pp} needs a model that can be cut into layers: an "
                 f"nn.Sequential or a module with pipeline_layers()",
+            )
+        outside = parameters_outside(model, pipeline_layers(model))
+        if outside:
+            raise ConfigError(
+                "parallel.pp",
+                f"no pipeline stage would train {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''}: "
+                f"every trainable parameter must belong to one of the model's pipeline layers",
             )
         stages, layers = p.pp * virtual_stages(cfg), splittable_layers(model, plan, sync_ties(cfg))
         if stages > layers:

@@ -75,12 +75,14 @@ def stage_of_keys(model: nn.Module, cfg: Config, bounds: list[int]) -> dict[str,
     """State-dict key -> the virtual stage holding it (keys outside every layer: stage 0)."""
     if cfg.parallel.pp == 1:
         return {k: 0 for k in model.state_dict()}
-    name_of = {id(m): n for n, m in model.named_modules()}
     layers = pipeline_layers(model)
-    prefix_stage = []
+    stage_of_module: dict[int, int] = {}  # by identity: a layer may wrap the model's modules (hf_pipeline)
     for s in range(len(bounds) - 1):
-        prefix_stage += [(name_of[id(layer)] + ".", s) for layer in layers[bounds[s] : bounds[s + 1]]]
-    return {k: next((s for prefix, s in prefix_stage if k.startswith(prefix)), 0) for k in model.state_dict()}
+        for layer in layers[bounds[s] : bounds[s + 1]]:
+            for m in layer.modules():
+                stage_of_module.setdefault(id(m), s)
+    modules = dict(model.named_modules())
+    return {k: stage_of_module.get(id(modules.get(k.rpartition(".")[0])), 0) for k in model.state_dict()}
 
 
 def apply_tp(model: nn.Module, mesh: Mesh, plan: dict) -> dict[str, int]:

@@ -19,14 +19,25 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import collectives
+from paratrain.models.hf_pipeline import transformers_layers
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module] | None:
+    """The model's own pipeline_layers(), an nn.Sequential's children, or a transformers decoder's
+    layers from its base_model_pp_plan (models/hf_pipeline.py); None: the model cannot be cut."""
     if hasattr(model, "pipeline_layers"):
         return list(model.pipeline_layers())
     if isinstance(model, nn.Sequential):
         return list(model)  # as forward runs them: children() lists a module used twice once
-    return None
+    return transformers_layers(model)
+
+
+def parameters_outside(model: nn.Module, layers: list[nn.Module]) -> list[str]:
+    """Names of the trainable parameters that no layer holds: no pipeline stage would train them
+    (a hand-written pipeline_layers() that forgot GPT-2's position embedding trained on, exit 0,
+    with that parameter frozen at its initial value)."""
+    held = {id(t) for layer in layers for t in layer.parameters()}
+    return [n for n, t in model.named_parameters() if t.requires_grad and id(t) not in held]
 
 
 def allowed_cuts(model: nn.Module, layers: list[nn.Module], plan: dict, sync_ties: bool = False) -> list[bool]:
