@@ -1,43 +1,16 @@
 """train.compile = true: block by block, equal to eager (rel <= 1e-4, fp32) under dp, zero3, tp
 and pp at world 2; what is compiled; the compile time out of samples/s.
 
-Compiling on 2 shared cores is slow: one tiny GPT, few steps (inductor's on-disk cache makes the
-runs after the first quicker)."""
+Compiling on 2 shared cores is slow: the model-parallel tests' tiny GPT (inductor's on-disk cache
+makes the runs after the first quicker)."""
 
 import pytest
-import torch
-from helpers import final_weights, metrics, rel_error, write_config
-from reference import train_reference
+from helpers import metrics, write_config
+from test_model_parallel import GPT, check_equal, gpt_reference  # noqa: F401 (a fixture)
 from torch import nn
 
-from paratrain.data import load_batch
-from paratrain.data.datasets import corpus
 from paratrain.models.compiled import blocks_of
 from paratrain.models.gpt import gpt
-
-STEPS, BATCH = 4, 8
-GPT = f"""
-name = "compiled"
-[model]
-factory = "gpt"
-n_layer = 2
-n_head = 4
-d_model = 32
-[data]
-factory = "corpus"
-block_size = 16
-max_chars = 20000
-batch_size = {BATCH}
-shuffle = false
-[train]
-steps = {STEPS}
-optimizer = "sgd"
-lr = 0.1
-log_every = 2
-compile = true
-[parallel]
-microbatches = 2
-"""
 
 
 def test_blocks_are_the_layers_a_pipeline_cuts_between():
@@ -60,15 +33,6 @@ def test_blocks_are_the_layers_a_pipeline_cuts_between():
     assert blocks_of(single) == [single]
 
 
-@pytest.fixture(scope="module")
-def eager_reference():
-    train = corpus("train", block_size=16, max_chars=20000)
-    x, y = load_batch(train, torch.arange(STEPS * BATCH) % len(train))
-    torch.manual_seed(0)
-    model = gpt(train.vocab_size, n_layer=2, n_head=4, d_model=32, block_size=16)
-    return train_reference(model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1)
-
-
 @pytest.mark.parametrize(
     "name,sets",
     [
@@ -78,10 +42,10 @@ def eager_reference():
         ("pp", ["parallel.strategy='pp'", "parallel.pp=2"]),
     ],
 )
-def test_compiled_equals_eager_at_world_2(tmp_path, gang, eager_reference, name, sets):
+def test_compiled_equals_eager_at_world_2(tmp_path, gang, gpt_reference, name, sets):  # noqa: F811
     cfg = write_config(tmp_path / "gpt.toml", GPT)
-    out = gang(2).train(cfg, tmp_path / name, sets, timeout=600)
-    assert rel_error(final_weights(tmp_path / name), eager_reference) <= 1e-4, name
+    out = gang(2).train(cfg, tmp_path / name, ["train.compile=true", *sets], timeout=600)
+    check_equal(tmp_path, name, gpt_reference)  # the final weights and the validation loss
     first = metrics(tmp_path / name)[0]
     assert first["compile_s"] > 0 and "compile_s" not in metrics(tmp_path / name)[1]
     assert "compile " in out and out.count("torch.compile: ") == 1  # the graph breaks reported once
@@ -97,7 +61,7 @@ def test_the_planner_times_compiled_layers(tmp_path):
     from paratrain.plan import layer_times
     from paratrain.preflight import load
 
-    cfg = load(str(write_config(tmp_path / "gpt.toml", GPT)), [])
+    cfg = load(str(write_config(tmp_path / "gpt.toml", GPT)), ["train.compile=true"])
     measured = layer_times.layer_times(cfg, 2, 1, forward_flops=0)
     assert len(measured) == 4 and all(t.forward_s > 0 and t.backward_s > 0 for t in measured)  # embed, 2 blocks, head
     assert counters["stats"]["unique_graphs"] > 0
