@@ -12,9 +12,13 @@ import inspect
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the tests' own cache of machine calibrations (a `plan --calibrate` kept in the user's would
+# change what every later `plan` without --cluster predicts, and time layers there)
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="paratrain-tests-cache-")
 
 import pytest  # noqa: E402
 

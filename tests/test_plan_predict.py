@@ -388,14 +388,20 @@ def test_search_of_4096_devices_finishes():
     assert len(layouts) == 3 and layouts[0]["predicted"]["step_s"] <= layouts[-1]["predicted"]["step_s"]
 
 
-def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
+def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, monkeypatch, capsys):
     """Two gloo processes measure this machine into a [cluster] file; the plan uses it at once and
-    `--cluster` reads back the same device; with --cluster besides, exit 2."""
+    `--cluster` reads back the same device; with --cluster besides, exit 2. The calibration is kept
+    for this host and its process count in the user's cache: a later plan without --cluster at that
+    count uses it and says so, one at another count (or before) the cpu preset, saying that."""
     from dataclasses import asdict
 
     from paratrain.cli import main
-    from paratrain.plan.cluster import load_cluster
+    from paratrain.plan.cluster import calibration_file, load_cluster
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--nproc", "2", "--json", str(out)]) == 0
+    assert "step times from the cpu preset" in capsys.readouterr().err
     path = tmp_path / "here.toml"
     threads = os.environ.get("OMP_NUM_THREADS")
     assert main(["plan", "--calibrate", str(path), "--json", str(tmp_path / "a.json")]) == 0
@@ -409,7 +415,14 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, capsys):
     used = json.loads((tmp_path / "a.json").read_text())["cluster"]
     again = load_cluster(str(path))
     assert used == {"nodes": 1, "devices_per_node": 2, "device": "cpu", **asdict(again.device)}
+    kept = calibration_file(2)
+    assert kept.parent == tmp_path / "cache" / "paratrain" / "calibration" and kept.read_text() == written
     capsys.readouterr()
+    assert main(["plan", "--nproc", "2", "--json", str(out)]) == 0
+    assert f"step times from this machine's calibration for 2 processes ({kept})" in capsys.readouterr().err
+    assert json.loads(out.read_text())["cluster"] == used
+    assert main(["plan", "--nproc", "1", "--json", str(out)]) == 0
+    assert "step times from the cpu preset" in capsys.readouterr().err
     assert main(["plan", "--calibrate", str(path), "--cluster", str(path)]) == 2
     assert "paratrain: error: --calibrate:" in capsys.readouterr().err
 

@@ -180,7 +180,7 @@ def cmd_plan(args) -> int:
 
     from paratrain.data import build_dataset
     from paratrain.models import build_model
-    from paratrain.plan.cluster import load_cluster
+    from paratrain.plan.cluster import load_cluster, this_machines_cluster
     from paratrain.plan.planner import emit, make_plan
 
     try:
@@ -199,6 +199,9 @@ def cmd_plan(args) -> int:
         with torch.device("meta"):  # shapes only: no memory, no time
             model = build_model(cfg, build_dataset(cfg, "train"))
         device = "cuda" if cluster is not None and cluster.is_gpu else cfg.train.device
+        if cluster is None and device == "cpu":  # this host's calibration where one was kept
+            cluster, figures = this_machines_cluster(args.nnodes, nproc)
+            note(figures)
         plan = make_plan(cfg, model, nproc, args.nnodes, device, cluster)
     except ConfigError as exc:
         return _error(str(exc), 2)

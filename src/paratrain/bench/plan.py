@@ -34,11 +34,11 @@ factory = "gpt"
 n_layer = {layers}
 n_head = 4
 d_model = {width}
-block_size = 32
+block_size = {block}
 [data]
 factory = "corpus"
-block_size = 32
-batch_size = 16
+block_size = {block}
+batch_size = {batch}
 shuffle = false
 max_chars = 200000
 [train]
@@ -60,7 +60,14 @@ shuffle = false
 optimizer = "adamw"
 """
 
-MODELS = {"gpt": (GPT, {"layers": 2, "width": 128}), "mlp": (MLP, {"layers": 4, "width": 512})}
+MODELS = {
+    "gpt": (GPT, {"layers": 2, "width": 128, "block": 32, "batch": 16}),
+    "mlp": (MLP, {"layers": 4, "width": 512}),
+    # a second size of gpt: the time model holds at more than the sizes it was tuned on
+    "gpt256": (GPT, {"layers": 4, "width": 256, "block": 64, "batch": 32}),
+}
+# the larger gpt's layouts: 2 processes, each strategy (the time a run of it takes here)
+SECOND_SIZE = {"gpt256": ("x2 dp", "x2 zero3", "x2 tp 2", "x2 pp 2 1f1b")}
 
 SETUP_STEPS = 5  # a run's first steps set up kernels and buffers (the 4th, here, up to 25x a step)
 MEMORY_STEPS = 4  # the optimizer's state exists from the first step on: the later ones are the steady peak
@@ -96,7 +103,12 @@ def add_parser(which) -> None:
         "--steps", type=COUNT, default=16, help=f"steps per run (default 16; the first {SETUP_STEPS} are set-up)"
     )
     p.add_argument("--repeats", type=COUNT, default=1, help="timed runs per layout, the fastest taken (default 1)")
-    p.add_argument("--models", default="gpt,mlp", help="comma-separated: gpt, mlp (default both)")
+    p.add_argument(
+        "--models",
+        default="gpt,mlp,gpt256",
+        help="comma-separated: gpt, mlp, gpt256 (d_model 256, 4 layers, sequence 64, batch 32: its 2-process dp, zero3, "
+        "tp and pp 1f1b); default all",
+    )
     p.add_argument(
         "--only",
         default="",
@@ -246,7 +258,7 @@ def run(args) -> int:
         if args.cluster:
             clusters = dict.fromkeys(counts, load_cluster(args.cluster))
         else:
-            clusters = {n: calibrate(str(tmp / f"cluster-{n}.toml"), n) for n in counts}
+            clusters = {n: calibrate(str(tmp / f"cluster-{n}.toml"), n, keep=False) for n in counts}
     except ConfigError as exc:
         error(f"{exc}")
         return 2
@@ -263,6 +275,8 @@ def run(args) -> int:
         for n, (nproc, sets) in enumerate(LAYOUTS):
             name = label(model, nproc, sets)
             if args.only and not any(part in name for part in args.only.split(",")):
+                continue
+            if model in SECOND_SIZE and name not in [f"{model} {which}" for which in SECOND_SIZE[model]]:
                 continue
             try:
                 runs = []
@@ -299,6 +313,11 @@ def run(args) -> int:
     if not rows:
         return 1
     step_mae = sum(abs(r["step_error"]) for r in rows) / len(rows)
+    by_model = {
+        m: [abs(r["step_error"]) for r in rows if r["model"] == m] for m in dict.fromkeys(r["model"] for r in rows)
+    }
+    for m, errors in by_model.items():
+        print(f"{m}: {len(errors)} layouts, step-time MAE {sum(errors) / len(errors):.1%}, worst {max(errors):.1%}")
     memory_mae = sum(abs(r["memory_error"]) for r in rows) / len(rows)
     tau = kendall_tau([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows])
     pick = min(rows, key=lambda r: r["predicted_step_s"])
@@ -313,6 +332,7 @@ def run(args) -> int:
         {
             "rows": rows,
             "step_mae": step_mae,
+            "step_mae_by_model": {m: sum(e) / len(e) for m, e in by_model.items()},
             "memory_mae": memory_mae,
             "kendall_tau": tau,
             "pick_over_fastest": pick_ratio,

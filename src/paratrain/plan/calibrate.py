@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 
 from paratrain.errors import ConfigError
-from paratrain.plan.cluster import GIB, Cluster, load_cluster, times_file_for
+from paratrain.plan.cluster import GIB, Cluster, calibration_file, load_cluster, times_file_for
 from paratrain.plan.layer_times import median_seconds
 
 CALIBRATION_SIZES = (2**10, 2**22)  # all-reduce payloads, bytes: the latency's and the bandwidth's
@@ -255,10 +255,11 @@ def calibration_worker(out_path: str) -> None:
 CALIBRATION_ROUNDS = 3
 
 
-def calibrate(path: str, nproc: int = 2) -> Cluster:
+def calibrate(path: str, nproc: int = 2, keep: bool = True) -> Cluster:
     """Measures this machine as `nproc` processes use it (at least two: gloo processes on
     loopback, half a minute) and writes `path`: a [cluster] file of one node of `nproc` cpu
-    devices that `--cluster` reads back."""
+    devices that `--cluster` reads back; `keep`: also this host's calibration for `nproc`, which
+    plans without --cluster take (cluster.calibration_file)."""
     import json
     import os
     import statistics
@@ -318,11 +319,23 @@ def calibrate(path: str, nproc: int = 2) -> Cluster:
         "# rank at once against rank 0 alone. Each figure the median of 3 launches.",
     ]
     lines += [f"{k} = {v:.6g}" if isinstance(v, float) else f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    text = "\n".join(lines) + "\n"
     try:
-        with open(path, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
-        with contextlib.suppress(FileNotFoundError):  # a new calibration times the layers afresh
-            os.remove(times_file_for(path))
+        write_calibration(path, text)
     except OSError as exc:
         raise ConfigError("--calibrate", f"{path}: {exc.strerror}") from None
+    if keep:  # for this host's plans without --cluster, where it can be kept
+        with contextlib.suppress(OSError):
+            calibration_file(nproc).parent.mkdir(parents=True, exist_ok=True)
+            write_calibration(str(calibration_file(nproc)), text)
     return load_cluster(path)
+
+
+def write_calibration(path: str, text: str) -> None:
+    """A cluster file, its kept layer times gone: a new calibration times the layers afresh."""
+    import os
+
+    with open(path, "w") as fh:
+        fh.write(text)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(times_file_for(path))

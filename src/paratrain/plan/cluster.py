@@ -214,3 +214,28 @@ def times_file_for(cluster_path: str) -> str:
 def this_machine(nnodes: int, nproc: int) -> Cluster:
     """Without --cluster: nnodes machines like this one, nproc processes each."""
     return Cluster(nnodes, nproc, "cpu", for_cpu(PRESETS["cpu"]))
+
+
+def calibration_file(nproc: int):
+    """Where `plan --calibrate --nproc N` keeps this host's figures for N processes, for the plans
+    without --cluster that follow: the user's cache (XDG_CACHE_HOME, else ~/.cache), per host (a
+    home directory may be shared by several)."""
+    import os
+    import socket
+    from pathlib import Path
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "paratrain" / "calibration" / f"{socket.gethostname()}-{nproc}.toml"
+
+
+def this_machines_cluster(nnodes: int, nproc: int) -> tuple[Cluster, str]:
+    """Without --cluster on a CPU: this host's calibration for nproc processes where one was kept,
+    else the cpu preset; and a line saying which figures the prediction uses."""
+    path = calibration_file(nproc)
+    if path.is_file():
+        cluster = replace(load_cluster(str(path)), nodes=nnodes)
+        return cluster, f"step times from this machine's calibration for {nproc} processes ({path})"
+    return this_machine(nnodes, nproc), (
+        "step times from the cpu preset (this machine's matmul rate, the rest assumed): "
+        f"`paratrain plan --calibrate --nproc {nproc}` measures this machine for later plans"
+    )
