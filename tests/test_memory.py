@@ -100,23 +100,8 @@ def test_the_planned_peak_is_within_5_percent_of_the_measured_one(gang, tmp_path
     assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
 
 
-EXPORTED = """
-[model]
-factory = "mlp"
-hidden = 512
-n_layers = 8
-[data]
-factory = "digits"
-batch_size = 64
-shuffle = false
-[train]
-optimizer = "adamw"
-steps = 3
-log_every = 1
-track_memory = true
-[parallel]
-bucket_mb = 0.5  # a unit per Linear under zero3
-"""
+# 1.9M parameters, AdamW: a unit per Linear under zero3 (each 512 x 512 about 1 MiB)
+EXPORTED = ["train.steps=3", "train.log_every=1", "train.track_memory=true", "parallel.bucket_mb=0.5"]
 
 
 def export_peak_job(rt, config: str, run_dir: str, overrides: list[str]) -> int:
@@ -153,15 +138,15 @@ def test_the_export_streams_a_unit_at_a_time_and_zero3_peaks_below_dp(gang, tmp_
     from paratrain.checkpoint.format import sha256_file
 
     config = tmp_path / "job.toml"
-    config.write_text(EXPORTED)
-    cfg = load(str(config))
+    config.write_text(MODELS["mlp"][0].format(layers=8, width=512))
+    cfg = load(str(config), EXPORTED)
     with torch.device("meta"):
         model = build_model(cfg, build_dataset(cfg, "train"))
     unit = max(sum(p.numel() * p.element_size() for p in m.parameters()) for m in model.children())
     whole_run, weights = {}, {}
     for strategy in ("dp", "zero3"):
         run = tmp_path / strategy
-        overrides = [f"parallel.strategy='{strategy}'"]
+        overrides = [*EXPORTED, f"parallel.strategy='{strategy}'"]
         run.mkdir()
         exports = gang(2).run("test_memory:export_peak_job", config=str(config), run_dir=str(run), overrides=overrides)
         steps = [json.loads(line) for line in (run / "profile.jsonl").read_text().splitlines()]
