@@ -147,8 +147,11 @@ def held(world: int, rank: int, cfg) -> dict:
         params = opt_params + list(s.model.parameters())
         seen: set = set()
         out = {"rank": rank, "param_bytes": storage_bytes(params, seen)}
-        # a parameter server's receive buffers hold its workers' gradients
-        out["grad_bytes"] = storage_bytes([p.grad for p in params] + list(getattr(s, "recv_bufs", {}).values()), seen)
+        # a parameter server's receive buffers hold its workers' gradients; ZeRO's gradient shards
+        # are its optimizer's (under mixed precision the bf16 working ones: the fp32 copy is the step's)
+        shards = [u.shard.grad for u in getattr(s, "units", [])]
+        grads = [p.grad for p in params] + list(getattr(s, "recv_bufs", {}).values()) + shards
+        out["grad_bytes"] = storage_bytes(grads, seen)
         if s.optimizer:
             s.optimizer.step()
         state = [

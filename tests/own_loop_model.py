@@ -31,9 +31,12 @@ def build(optimizer: str, groups: bool = True, drop_last: bool = True):
     return model, opt, DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=drop_last)
 
 
-def reference(optimizer: str, steps: int, clip: float = 0.0, groups: bool = True, drop_last: bool = True) -> dict:
+def reference(
+    optimizer: str, steps: int, clip: float = 0.0, groups: bool = True, drop_last: bool = True, bf16: bool = False
+) -> dict:
     """One process, plain PyTorch, the batches in the documented order: epoch e is the
-    permutation torch.randperm(N) draws from seed 0 * 1_000_003 + e, cut into batches."""
+    permutation torch.randperm(N) draws from seed 0 * 1_000_003 + e, cut into batches. `bf16`: the
+    forward under bf16 autocast."""
     model, opt, loader = build(optimizer, groups, drop_last)
     x_all, y_all = loader.dataset.tensors
     n, step, epoch = len(x_all), 0, 0
@@ -41,7 +44,8 @@ def reference(optimizer: str, steps: int, clip: float = 0.0, groups: bool = True
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).numpy()
         for b in range(len(loader)):
             ids = perm[np.arange(b * BATCH, min((b + 1) * BATCH, n))]
-            loss = nn.functional.mse_loss(model(x_all[ids]), y_all[ids])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = nn.functional.mse_loss(model(x_all[ids]), y_all[ids])
             loss.backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -55,10 +59,24 @@ def reference(optimizer: str, steps: int, clip: float = 0.0, groups: bool = True
 
 
 def train(
-    strategy, optimizer, out, steps=6, ckpt=None, save_at=0, die_at=0, clip=0.0, drop_last=True, run_dir=None, **keys
+    strategy,
+    optimizer,
+    out,
+    steps=6,
+    ckpt=None,
+    save_at=0,
+    die_at=0,
+    clip=0.0,
+    drop_last=True,
+    run_dir=None,
+    bf16=False,
+    **keys,
 ):
     """The user's own loop: resume from `ckpt` if it holds a checkpoint, save there at step
-    `save_at`, rank 1 dies at step `die_at` on the first attempt; the weights to OUT (pt.export)."""
+    `save_at`, rank 1 dies at step `die_at` on the first attempt; the weights to OUT (pt.export).
+    `bf16`: train.precision = "bf16", the forward under bf16 autocast."""
+    if bf16:
+        keys["train"] = {"precision": "bf16"}
     pt = paratrain.init(strategy=strategy, bucket_mb=0.0005, run_dir=run_dir, **keys)
     model, opt, loader = build(optimizer, drop_last=drop_last)
     model, opt = pt.setup(model, opt)
@@ -67,7 +85,8 @@ def train(
     step = meta["step"] if meta else 0
     while step < steps:
         for x, y in loader:
-            loss = nn.functional.mse_loss(model(x), y)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = nn.functional.mse_loss(model(x), y)
             pt.backward(loss)
             if clip:
                 pt.clip_grad_norm_(clip)

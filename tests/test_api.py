@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import CPU_ONLY, check_ok, max_rel_error, metrics, run_cli, run_torchrun
 from own_loop_model import reference
 from safetensors.torch import load_file
@@ -38,6 +39,18 @@ def test_own_loop_at_world_2_equals_plain_pytorch(tmp_path, gang, strategy, opti
 def test_clip_grad_norm_over_all_shards_equals_torch(tmp_path, gang, strategy):
     got = trained(gang, 2, tmp_path, strategy=strategy, optimizer="sgd", clip=0.05)
     assert max_rel_error(got, reference("sgd", 6, clip=0.05)) <= TOL
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_own_loop_under_mixed_precision_zero_trains_like_bf16_autocast(tmp_path, gang, strategy):
+    """Under bf16, zero1/zero2 keep bf16 weights and the fp32 masters in the optimizer's shards
+    (the user's optimizer, its param groups, steps pieces of them): within bf16's rounding of fp32
+    weights under autocast; a checkpoint resumes exactly, the export is fp32."""
+    ckpt, common = str(tmp_path / "ckpt"), dict(strategy=strategy, optimizer="adamw", steps=6, bf16=True)
+    first = trained(gang, 2, tmp_path / "a", ckpt=ckpt, save_at=3, **common)
+    assert all(v.dtype == torch.float32 for v in first.values())
+    assert max_rel_error(first, reference("adamw", 6, bf16=True)) <= 2e-2
+    assert max_rel_error(trained(gang, 2, tmp_path / "b", ckpt=ckpt, **common), first) == 0
 
 
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])

@@ -44,10 +44,18 @@ class FakeRun:
 
     @classmethod
     def build(
-        cls, cfg: Config, rows: int, bounds: list[int] | None, tp_plan: dict | None = None, tp: int = 1
+        cls,
+        cfg: Config,
+        rows: int,
+        bounds: list[int] | None,
+        tp_plan: dict | None = None,
+        tp: int = 1,
+        working: torch.dtype | None = None,
     ) -> FakeRun:
         """`bounds` over pipeline_layers; None: the whole model as one stage. With tp > 1 the
-        planned modules are tp rank 0's shards (the largest: shard_sizes)."""
+        planned modules are tp rank 0's shards (the largest: shard_sizes). `working`: the dtype of
+        the trainable parameters the strategy computes with, where not the model's own (mixed-precision
+        ZeRO's bf16 working copies)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from paratrain.data import build_dataset, load_batch
@@ -63,6 +71,9 @@ class FakeRun:
                 from paratrain.parallel.tensor.layers import shard_modules
 
                 shard_modules(model, tp_plan, None, 0, tp)
+            for p in model.parameters() if working is not None else ():
+                if p.requires_grad and p.is_floating_point():
+                    p.data = p.data.to(working)
         if bounds is None:
             stages = [[model]]
         else:
@@ -99,13 +110,15 @@ class FakeRun:
                         loss_fn(act, self.y)
 
 
-def saved_activation_bytes(cfg: Config, rows: int, bounds: list[int] | None = None) -> list[int]:
+def saved_activation_bytes(
+    cfg: Config, rows: int, bounds: list[int] | None = None, working: torch.dtype | None = None
+) -> list[int]:
     """Bytes autograd saves for backward in the forward of one microbatch of `rows` samples through
     each pipeline stage, the loss in the last stage's; each tensor once (views count as their
     base), parameters and the batch never (the batch is the data, held anyway)."""
     from paratrain.optim import build_loss
 
-    run = FakeRun.build(cfg, rows, bounds)
+    run = FakeRun.build(cfg, rows, bounds, working=working)
     params = {id(t) for t in [*run.model.parameters(), *run.held()]}
     out: list[int] = []
 
@@ -260,7 +273,12 @@ def without_peers():
 
 
 def step_memory(
-    cfg: Config, rows: int, bounds: list[int] | None = None, tp_plan: dict | None = None, tp: int = 1
+    cfg: Config,
+    rows: int,
+    bounds: list[int] | None = None,
+    tp_plan: dict | None = None,
+    tp: int = 1,
+    working: torch.dtype | None = None,
 ) -> list[StageMemory] | None:
     """Each stage's memory over one microbatch's forward and backward, played in fake tensors with
     every storage counted while alive: saved activations, the temporaries of each op, the logits and
@@ -273,7 +291,7 @@ def step_memory(
     output first: not modelled)."""
     from paratrain.optim import build_loss, cross_entropy
 
-    run = FakeRun.build(cfg, rows, bounds, tp_plan, tp)
+    run = FakeRun.build(cfg, rows, bounds, tp_plan, tp, working)
     loss_fn = build_loss(cfg)
     if tp > 1:
         from paratrain.parallel.tensor.layers import _VocabParallelCrossEntropy, output_is_sharded
@@ -321,11 +339,11 @@ def step_memory(
     return out
 
 
-def whole_model_activations(cfg: Config, ranks: list[RankPlan], rows: int) -> int:
+def whole_model_activations(cfg: Config, ranks: list[RankPlan], rows: int, working: torch.dtype | None = None) -> int:
     """Every rank runs one microbatch through the whole model at a time: its saved activations on
     each rank; returns the most a microbatch's forward and backward hold at once."""
-    activations = saved_activation_bytes(cfg, rows)[0]
+    activations = saved_activation_bytes(cfg, rows, working=working)[0]
     for r in ranks:
         r.activation_bytes = activations
-    (m,) = step_memory(cfg, rows)
+    (m,) = step_memory(cfg, rows, working=working)
     return max(m.forward_peak, m.backward_peak)

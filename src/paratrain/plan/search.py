@@ -69,7 +69,8 @@ def memoised_traces():
     """Within one search the candidates' configs differ only in their [parallel] keys and
     train.recompute, so a fake-tensor model and microbatch (activations.FakeRun) and each trace
     played on it (activations saved, per-stage op costs, tp payloads, pipeline boundary bytes)
-    depend only on recompute, the rows of a microbatch and the pipeline cut: each distinct one is
+    depend only on recompute, the rows of a microbatch, the pipeline cut and the dtype of the
+    working parameters (mixed-precision ZeRO's bf16): each distinct one is
     built or played once, the functions swapped for memoised ones while the search runs."""
     from paratrain.parallel.registry import SPECS
     from paratrain.parallel.spec import load
@@ -83,10 +84,11 @@ def memoised_traces():
 
     # each function and its memo key; every module that calls it by a name of its own gets the memo
     keys = {
-        (activations, "saved_activation_bytes"): lambda cfg, rows, bounds=None: (
+        (activations, "saved_activation_bytes"): lambda cfg, rows, bounds=None, working=None: (
             cfg.train.recompute,
             rows,
             cut(bounds),
+            working,
         ),
         (activations, "tp_all_reduces"): lambda cfg, rows, bounds, tp_plan: (
             cfg.train.recompute,
@@ -95,12 +97,13 @@ def memoised_traces():
             tuple(sorted(tp_plan.items())),
         ),
         (activations, "boundary_bytes"): lambda cfg, model, bounds, rows: (rows, cut(bounds)),
-        (activations, "step_memory"): lambda cfg, rows, bounds=None, tp_plan=None, tp=1: (
+        (activations, "step_memory"): lambda cfg, rows, bounds=None, tp_plan=None, tp=1, working=None: (
             cfg.train.recompute,
             rows,
             cut(bounds),
             tuple(sorted((tp_plan or {}).items())) if tp > 1 else (),
             tp,
+            working,
         ),
         (step_time, "stage_ops"): lambda cfg, rows, bounds: (cfg.train.recompute, rows, cut(bounds)),
     }
@@ -126,12 +129,13 @@ def memoised_traces():
     try:
         activations.FakeRun.build = memoised(
             activations.FakeRun.build,
-            lambda cfg, rows, bounds, tp_plan=None, tp=1: (
+            lambda cfg, rows, bounds, tp_plan=None, tp=1, working=None: (
                 cfg.train.recompute,
                 rows,
                 cut(bounds),
                 tuple(sorted((tp_plan or {}).items())) if tp > 1 else (),
                 tp,
+                working,
             ),
         )
         for (home, name), key in keys.items():

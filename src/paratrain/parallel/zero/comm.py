@@ -31,7 +31,7 @@ from torch import nn
 
 from paratrain.comm import collectives
 from paratrain.comm.collectives import Handle
-from paratrain.parallel.dp.engine import Bucket, GradientReducer
+from paratrain.parallel.dp.engine import Bucket, GradientReducer, make_buckets
 
 
 def from_primitives(backend: str) -> bool:
@@ -87,6 +87,22 @@ def all_gather(flat: torch.Tensor, shard: torch.Tensor, what: str, group) -> Han
     )
 
 
+def working_dtype(cfg, dtype: torch.dtype, stage: int) -> torch.dtype:
+    """The dtype of a unit's working parameters and gradients: bf16 under mixed precision (stages 1
+    and 2, train.precision = "bf16"), else the model's own."""
+    return torch.bfloat16 if cfg.train.precision == "bf16" and stage < 3 and dtype.is_floating_point else dtype
+
+
+def bucket_groups(params: list[nn.Parameter], cfg, world: int) -> list[list[nn.Parameter]]:
+    """Stages 1 and 2: the parameters of each unit, dp's buckets of parallel.bucket_mb of working
+    parameters (under mixed precision, the buckets stage 1's reducer makes of the bf16 ones)."""
+    if not params:
+        return []
+    scale = params[0].element_size() / working_dtype(cfg, params[0].dtype, 1).itemsize
+    bucket_bytes = int(cfg.parallel.bucket_mb * 2**20 * scale)
+    return [b.params for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
+
+
 class FlatUnit:
     """Parameters gathered and sharded together (see the module docstring for the layout)."""
 
@@ -110,9 +126,11 @@ class FlatUnit:
         self.shard_numel = self.numel // world
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         self.full: torch.Tensor | None = None  # the whole flat parameter (views: the module's params)
-        self.shard: nn.Parameter | None = None  # this rank's slice
+        self.shard: nn.Parameter | None = None  # this rank's slice of the working parameters
+        # what the optimizer steps: the shard itself, or its full-precision master copy (mixed precision)
+        self.master: torch.Tensor | None = None
         # what the optimizer updates: (param index, start, end, at as in own_pieces, the piece of
-        # the shard as a parameter of its own), so an optimizer's param groups can follow the model's
+        # the master as a parameter of its own), so an optimizer's param groups can follow the model's
         self.pieces: list[tuple[int, int, int, int, nn.Parameter]] = []
         self.grad_full: torch.Tensor | None = None  # the whole flat gradient, while it is being reduced
         self.grads: list[torch.Tensor | None] = [None] * len(params)  # or each gradient, reduced in place
@@ -125,6 +143,14 @@ class FlatUnit:
             start, end = max(self.lo, offset), min(self.hi, offset + numel)
             if start < end:
                 yield i, start - offset, end - offset, start - self.lo
+
+    def copy_own(self, target: torch.Tensor, i: int, flat: torch.Tensor) -> None:
+        """This rank's pieces of parameter i (`flat`: the whole of it, flattened) into `target`, a
+        tensor the size of the rank's shard."""
+        for j, start, end, at in self.own_pieces():
+            if j == i:
+                with torch.no_grad():
+                    target[at : at + end - start].copy_(flat[start:end])
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
@@ -318,3 +344,12 @@ class StreamingShardReducer:
                     unit.pending = 0
                     self._launch(unit)
         self.drain()
+
+
+def sharded_grad_norm(grads: list[torch.Tensor], group) -> torch.Tensor:
+    """The global gradient norm of gradients sharded across ranks: the square root of the all-reduced
+    sum of each rank's squared shard norms (padding is zero)."""
+    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    if dist.get_world_size(group) > 1:
+        collectives.all_reduce(squares, "zero-grad-norm", group=group)
+    return squares.sqrt()

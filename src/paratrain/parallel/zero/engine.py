@@ -33,6 +33,13 @@ replicas (one all-reduce of the shard over R ranks), so every replica steps on t
 mean gradient. Stage 3 with replicas is HSDP: gathers and reduce-scatters stay inside a replica
 (a node), only 1/S of the gradients cross between replicas. Replica 0 writes the checkpoints.
 
+Mixed precision (train.precision = "bf16", stages 1 and 2), as DeepSpeed's and Megatron's distributed
+optimizer: bf16 working parameters (`unit.full`) and gradients on every rank, the fp32 master copy only
+in each rank's shard (`unit.master`; the optimizer's pieces are views of it), which steps with the
+gradient shard cast up for the step only, then is rounded into the bf16 shard that is all-gathered.
+Per parameter: 2 + 2 bytes on every rank and 12 / N for the master and AdamW's moments (stage 2:
+2 + (2 + 12) / N), where fp32 autocast keeps 4 + 4 + 8 / N. Stage 3 keeps fp32 shards (16 / N either way).
+
 Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
 Checkpoints: every rank writes the pieces of parameters and optimizer state it owns, keyed by
 parameter name with their offsets within the parameter, so a checkpoint written at world N loads at
@@ -52,11 +59,12 @@ from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters, whole_model_chunks
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from paratrain.parallel.codecs.basic import CAST_DTYPES
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
-from paratrain.parallel.dp.engine import make_buckets
+from paratrain.parallel.zero import comm as zero_comm
 from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
+from paratrain.parallel.zero.export import full_precision_layout, unit_chunks
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
 from paratrain.parallel.zero.reshard import check_checkpoint, load_sharded_state, sharded_state
 
@@ -83,6 +91,8 @@ class Zero(Strategy):
         # every replica holds the same shards: replica 0 (ranks 0..world-1) saves them
         self.checkpoint_ranks, self.checkpoint_group = self.world, group
         self.device = rt.device
+        self.mixed = cfg.train.precision == "bf16" and self.stage < 3
+        self.zero_grad_called = True  # mixed precision: the pieces' gradients exist only in the step
         named = unique_parameters(model)
         self.name_of = {id(p): n for n, p in named}
         self.units = self._make_units(model, named)
@@ -98,24 +108,31 @@ class Zero(Strategy):
 
     # -- layout ---------------------------------------------------------------------------------
     def _make_units(self, model, named) -> list[FlatUnit]:
-        """Stages 1 and 2: one unit per gradient bucket (dp's make_buckets)."""
-        params = [p for _, p in named]
-        buckets = make_buckets(params, int(self.cfg.parallel.bucket_mb * 2**20), self.device, self.world)
-        return [
-            FlatUnit(b.index, b.params, [self.name_of[id(p)] for p in b.params], self.rank, self.world, self.device)
-            for b in buckets
+        """Stages 1 and 2: one unit per gradient bucket (dp's make_buckets; of working parameters)."""
+        groups = zero_comm.bucket_groups([p for _, p in named], self.cfg, self.world)
+        units = [
+            FlatUnit(i, g, [self.name_of[id(p)] for p in g], self.rank, self.world, self.device)
+            for i, g in enumerate(groups)
         ]
+        for u in units:
+            u.dtype = zero_comm.working_dtype(self.cfg, u.dtype, self.stage)
+        return units
 
     def _allocate(self, model) -> None:
-        """Stages 1 and 2: the full flat parameter of every unit is kept; the shard is a view of it."""
+        """Stages 1 and 2: the full flat parameter of every unit is kept; the shard is a view of it,
+        and the master too unless it is a copy in full precision (mixed precision)."""
         for u in self.units:
             u.full = torch.zeros(u.numel, dtype=u.dtype, device=self.device)
             u.shard = nn.Parameter(u.full[u.lo : u.hi])
+            full_precision = u.params[0].dtype
+            u.master = torch.zeros(u.shard_numel, dtype=full_precision, device=self.device) if self.mixed else u.shard
 
     def _take_values(self, unit: FlatUnit, i: int, value: torch.Tensor) -> None:
         """Store parameter i of `unit` (the whole tensor) where this stage keeps it."""
         flat = value.detach().reshape(-1)
         unit.full[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(flat)
+        if unit.master is not unit.shard:
+            unit.copy_own(unit.master, i, flat)
 
     def _load_initial_values(self, model) -> None:
         """Shard by shard for meta-built models (no rank holds the whole model), else from the model."""
@@ -201,27 +218,43 @@ class Zero(Strategy):
 
     def _make_pieces(self) -> None:
         """The optimizer's parameters: each unit shard cut where the model's parameters meet, views
-        of the shard and of its gradient. An elementwise optimizer (SGD, Adam, AdamW, ...) computes
-        the same numbers on them as on the whole parameters, and each piece can go into the param
-        group of the parameter it belongs to (the Python API keeps the user's groups)."""
+        of the master (the shard, or its full-precision copy) and of its gradient. An elementwise
+        optimizer (SGD, Adam, AdamW, ...) computes the same numbers on them as on the whole
+        parameters, and each piece can go into the param group of the parameter it belongs to (the
+        Python API keeps the user's groups)."""
         self.pieces = []
         for u in self.units:
             u.pieces = [
-                (i, start, end, at, nn.Parameter(u.shard.detach()[at : at + end - start]))
+                (i, start, end, at, nn.Parameter(u.master.detach()[at : at + end - start]))
                 for i, start, end, at in u.own_pieces()
             ]
             self.pieces.extend(piece for *_, piece in u.pieces)
         self._bind_piece_grads()
 
-    def _bind_piece_grads(self) -> None:
+    def _bind_piece_grads(self, up: bool = False) -> None:
+        """The pieces' gradients: views of the gradient shard; under mixed precision (`up`, just
+        before a step) of its copy in full precision, which lives until the step ends."""
+        if self.mixed and not up:
+            return
         for u in self.units:
+            grad = u.shard.grad.to(u.master.dtype)
             for _, start, end, at, piece in u.pieces:
-                piece.grad = u.shard.grad[at : at + end - start]
+                piece.grad = grad[at : at + end - start]
 
     def _with_gathers(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Every step of `optimizer` is followed by _after_step (stages 1 and 2: the parameters'
-        all-gathers), whoever calls it: train_step or the user's own loop."""
+        all-gathers), whoever calls it: train_step or the user's own loop. Under mixed precision it
+        is preceded by the gradients' cast up, and its zero_grad is noted (_pieces_let_go)."""
         optimizer.register_step_post_hook(lambda *_: self._after_step())
+        if self.mixed:
+            optimizer.register_step_pre_hook(lambda *_: self._bind_piece_grads(up=True))
+            zero_grad = optimizer.zero_grad
+
+            def noted_zero_grad(set_to_none: bool = True) -> None:
+                self.zero_grad_called = True
+                zero_grad(set_to_none)
+
+            optimizer.zero_grad = noted_zero_grad
         return optimizer
 
     # -- the step -------------------------------------------------------------------------------
@@ -252,7 +285,7 @@ class Zero(Strategy):
         return total / len(micro)
 
     def _grad_norm(self) -> torch.Tensor:
-        return sharded_grad_norm([u.shard.grad for u in self.units], self.group)
+        return zero_comm.sharded_grad_norm([u.shard.grad for u in self.units], self.group)
 
     def _scale_grads(self, factor: torch.Tensor) -> None:
         for u in self.units:
@@ -280,6 +313,10 @@ class Zero(Strategy):
             self.reducer.finish()
 
     def _after_step(self) -> None:
+        if self.mixed:  # the stepped masters rounded into the working shards; their gradients go
+            for piece in self.pieces:
+                piece.grad = None
+            self._round_masters()
         self._start_gathers()  # waited for by the next forward, module by module
 
     # -- the Python API's own loop ----------------------------------------------------------------
@@ -319,7 +356,15 @@ class Zero(Strategy):
         """Whether the user's zero_grad() set gradients to None (the optimizer's pieces', or the
         model's, which stage 1 keeps in its buckets)."""
         full = (p for u in self.units for p in u.params)
-        return any(piece.grad is None for piece in self.pieces) or any(p.grad is None for p in full)
+        return self._pieces_let_go() or any(p.grad is None for p in full)
+
+    def _pieces_let_go(self) -> bool:
+        """Whether the optimizer's zero_grad() let the pieces' gradients go; under mixed precision,
+        where they exist only during the step, whether it was called since the last backward."""
+        if self.mixed:
+            called, self.zero_grad_called = self.zero_grad_called, False
+            return called
+        return any(piece.grad is None for piece in self.pieces)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         norm = self._grad_norm()
@@ -338,11 +383,33 @@ class Zero(Strategy):
         self._after_load()
 
     def _after_load(self) -> None:
+        if self.mixed:
+            self._round_masters()
         self._sync_full_from_shards()
 
+    def _round_masters(self) -> None:
+        with torch.no_grad():
+            for u in self.units:
+                u.shard.copy_(u.master)
+
+    # -- the consolidated model -------------------------------------------------------------------
+    def model_layout(self):
+        return full_precision_layout(self.units, self.model)
+
     def model_chunks(self):
-        self._wait_gathers(self.units)
-        return whole_model_chunks(self.model) if self.rt.rank == 0 else iter(())
+        return unit_chunks(self.units, self.model, self.rt.rank == 0, self._gather_full_precision, self._release)
+
+    def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
+        """The unit's whole flat parameter in full precision: the working one, or the masters gathered."""
+        self._wait_gathers([u])
+        if u.master is u.shard:
+            return u.full.detach()
+        flat = torch.empty(u.numel, dtype=u.master.dtype, device=self.device)
+        all_gather(flat, u.master, f"zero-export-unit-{u.index}", self.group).wait()
+        return flat
+
+    def _release(self, u: FlatUnit) -> None:
+        """After the unit is handed over (stage 3 frees its gathered parameters)."""
 
 
 class Zero1(Zero):
@@ -366,7 +433,7 @@ class Zero2(Zero):
         self.reducer.finish()
 
     def _grads_let_go(self) -> bool:
-        return any(piece.grad is None for piece in self.pieces)  # the model's are freed as reduced
+        return self._pieces_let_go()  # the model's are freed as reduced
 
 
 class Zero3(Zero2):
@@ -389,14 +456,10 @@ class Zero3(Zero2):
         for u in self.units:
             u.full = torch.empty(u.numel, dtype=u.dtype, device=self.device)
             u.full.untyped_storage().resize_(0)
-            u.shard = nn.Parameter(torch.zeros(u.shard_numel, dtype=u.dtype, device=self.device))
+            u.shard = u.master = nn.Parameter(torch.zeros(u.shard_numel, dtype=u.dtype, device=self.device))
 
     def _take_values(self, unit: FlatUnit, i: int, value: torch.Tensor) -> None:
-        flat = value.detach().reshape(-1)
-        for j, start, end, at in unit.own_pieces():
-            if j == i:
-                with torch.no_grad():
-                    unit.shard[at : at + end - start].copy_(flat[start:end])
+        unit.copy_own(unit.shard, i, value.detach().reshape(-1))
 
     def _sync_full_from_shards(self) -> None:
         pass  # parameters are gathered on demand
@@ -426,32 +489,9 @@ class Zero3(Zero2):
     def _overlap_gathers_with_forward(self, model) -> None:
         pass  # the ParameterGatherer's hooks gather on demand
 
-    def _after_load(self) -> None:
-        pass
+    def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
+        self.gatherer.unshard(u)
+        return u.full.detach()
 
-    def model_chunks(self):
-        """Unit by unit: gathered (all ranks), handed over on rank 0, freed; then what every rank
-        holds whole (buffers, frozen parameters)."""
-        names: dict[int, list[str]] = {}  # a tied parameter has several
-        for k, v in self.model.state_dict(keep_vars=True).items():
-            names.setdefault(id(v), []).append(k)
-        whole = dict(names)
-        for u in self.units:
-            self.gatherer.unshard(u)
-            if self.rt.rank == 0:
-                yield {k: p.detach() for p in u.params for k in names.get(id(p), ())}
-            self.gatherer.reshard(u)
-            for p in u.params:
-                whole.pop(id(p), None)
-        if self.rt.rank == 0:
-            state = self.model.state_dict()
-            yield {k: state[k] for keys in whole.values() for k in keys}
-
-
-def sharded_grad_norm(grads: list[torch.Tensor], group) -> torch.Tensor:
-    """The global gradient norm of gradients sharded across ranks: the square root of the all-reduced
-    sum of each rank's squared shard norms (padding is zero)."""
-    squares = torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
-    if dist.get_world_size(group) > 1:
-        collectives.all_reduce(squares, "zero-grad-norm", group=group)
-    return squares.sqrt()
+    def _release(self, u: FlatUnit) -> None:
+        self.gatherer.reshard(u)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from paratrain.config import Config
 from paratrain.parallel.base import unique_parameters
-from paratrain.parallel.dp.engine import make_buckets
 from paratrain.parallel.dp.footprint import Planned, wire_bytes
 from paratrain.parallel.spec import Spec
+from paratrain.parallel.zero.comm import bucket_groups, from_primitives, working_dtype
 from paratrain.parallel.zero.gather import module_units
 from paratrain.plan.activations import saved_activation_bytes, step_memory, whole_model_activations
 from paratrain.plan.ranks import MIB, RankPlan, optimizer_slots, padded_bytes, padded_numel
@@ -24,21 +23,28 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
     forward and backward, and the unit whose forward or backward runs (the ParameterGatherer allows
     twice the largest unit besides the root for a prefetch and the gradients in flight, but a step
     peaks where backward starts: the most activations, no gradient in flight yet). After it, the
-    gradient norm squares each unit's gradient shard into a temporary (zero.sharded_grad_norm)."""
+    gradient norm squares each unit's gradient shard into a temporary (zero/comm.py: sharded_grad_norm).
+
+    Mixed precision (stages 1 and 2 under bf16, zero/engine.py): working parameters and gradients in
+    bf16, and the parameters' full-precision master copy in the rank's shard (counted with its
+    parameters); the norm casts a gradient shard up before squaring it, and the step holds the
+    rank's whole gradient shard cast up to full precision."""
     bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
     units = module_units(model, params, bucket_bytes) if stage == 3 else []
-    if stage == 3:
-        groups = [g for _, g in units]
-    else:
-        groups = [b.params for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
-    whole, shard = padded_bytes(groups, world)
+    groups = [g for _, g in units] if stage == 3 else bucket_groups(params, cfg, world)
+    whole, shard = padded_bytes(groups, world)  # in the parameters' own precision
+    mixed = mixed_working_dtype(cfg, params, stage) is not None
+    work = working_dtype(cfg, params[0].dtype, stage).itemsize / params[0].element_size()
     biggest = max(padded_bytes([g], world)[0] for g in groups)
     root = sum(padded_bytes([g], world)[0] for module, g in units if module is model)
     largest = max((padded_bytes([g], world)[0] for module, g in units if module is not model), default=0)
-    backward = {1: 0, 2: biggest, 3: largest + root}[stage]
-    norm = max(padded_bytes([g], world)[1] for g in groups)
-    param_bytes = whole if stage < 3 else shard
-    grad_bytes = whole if stage == 1 else shard
+    backward = {1: 0, 2: int(biggest * work), 3: largest + root}[stage]
+    # the norm's temporary (under mixed precision a gradient shard cast up too), or the step's
+    # gradient shard in full precision (mixed precision)
+    norm = max(padded_bytes([g], world)[1] for g in groups) * (2 if mixed else 1)
+    after = max(norm, shard if mixed else 0)
+    param_bytes = int(whole * work) + (shard if mixed else 0) if stage < 3 else shard
+    grad_bytes = int((whole if stage == 1 else shard) * work)
     transient = {
         1: "",
         2: f"state plus one unit's full gradients while reduced (at most {biggest / MIB:.3g} MiB), counted in the "
@@ -47,7 +53,14 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
         f"at most twice the largest unit ({biggest / MIB:.3g} MiB) at once; the step's peak counts the root "
         "unit and the running one",
     }[stage]
-    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, (backward, norm)
+    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, (backward, after)
+
+
+def mixed_working_dtype(cfg: Config, params: list[nn.Parameter], stage: int):
+    """The working parameters' dtype under mixed precision (they are what the step computes with),
+    else None: the model's own."""
+    working = working_dtype(cfg, params[0].dtype, stage) if params else None
+    return working if params and working != params[0].dtype else None
 
 
 def zero_peak(step: int, on_top: tuple[int, int]) -> int:
@@ -60,7 +73,7 @@ def zero_peak(step: int, on_top: tuple[int, int]) -> int:
 def zero(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
     params = [t for _, t in unique_parameters(model)]
     world = len(ranks) // cfg.parallel.replicas  # the ranks of one replica, which shard the state
-    step = whole_model_activations(cfg, ranks, rows)
+    step = whole_model_activations(cfg, ranks, rows, mixed_working_dtype(cfg, params, spec.stage))
     param_b, grad_b, opt_b, transient, on_top = zero_state(cfg, spec.stage, model, params, world)
     for r in ranks:
         r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
@@ -79,10 +92,6 @@ def zero_messages(
     reduce-scatter an all-reduce of the whole unit (stage 3: of each gradient), each all-gather a
     broadcast from every rank. `world`: the ranks of one replica; with parallel.replicas, each
     gradient shard is then all-reduced with the same shard of the other replicas (engine.py)."""
-    from paratrain.parallel.dp.engine import make_buckets
-    from paratrain.parallel.zero.comm import from_primitives
-    from paratrain.parallel.zero.gather import module_units
-
     replicas = cfg.parallel.replicas
     if world * replicas == 1:
         return
@@ -91,11 +100,11 @@ def zero_messages(
     if stage == 3:
         units = [(g, 1 if module is model else 2) for module, g in module_units(model, params, bucket_bytes)]
     else:
-        units = [(b.params, 0) for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
+        units = [(g, 0) for g in bucket_groups(params, cfg, world)]
     primitives = from_primitives(backend)
     for group, gathers in units:
         numel = padded_numel(group, world)
-        size = group[0].element_size()
+        size = working_dtype(cfg, group[0].dtype, stage).itemsize
         if replicas > 1:
             r.add_comm("all_reduce", numel // world * size, replicas)
         if world == 1:
@@ -117,8 +126,9 @@ def zero_messages(
 def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cluster) -> tuple[list[RankPlan], list]:
     """Replica 0 for `plan --search`: rank 0's shard of the state (every rank holds the same)."""
     params = [t for _, t in unique_parameters(model)]
-    one = RankPlan(0, 0, 0, "worker", activation_bytes=saved_activation_bytes(cfg, rows)[0])
-    (step,) = step_memory(cfg, rows)
+    working = mixed_working_dtype(cfg, params, spec.stage)
+    one = RankPlan(0, 0, 0, "worker", activation_bytes=saved_activation_bytes(cfg, rows, working=working)[0])
+    (step,) = step_memory(cfg, rows, working=working)
     shards = world // cfg.parallel.replicas
     one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = zero_state(cfg, spec.stage, model, params, shards)
     one.peak_bytes = one.model_state_bytes + zero_peak(max(step.forward_peak, step.backward_peak), on_top)

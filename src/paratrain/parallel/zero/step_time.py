@@ -63,7 +63,7 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
         gathers = sum(times * all_gather_s(size) for size, times in units)
         exposed_s = replica.microbatches * (max(reduce - replica.backward_s, 0) + max(gathers - replica.hiding_s, 0))
     else:
-        full = step.busiest["param_bytes"]
+        full = working_param_bytes(step, dp)
         reduce_s = reduce_scatter_s(full * step.wire, buckets(full, p.bucket_mb))
         # the gathers start after the optimizer step and are waited for in the next forward,
         # layer by layer (zero.py): their latency elapses behind it
@@ -71,3 +71,19 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
     exposed_s += collective_s("all_reduce", 8, dp, bw, lat)  # the gradient norm's sum of squares (zero.py)
     exposed_s += across_s
     return finish(step, replica, exposed_s, flat=True, compress_s=codec_s(step, step.plan["model"]["bytes"]))
+
+
+def working_param_bytes(step: Step, dp: int) -> float:
+    """Stages 1 and 2: the bytes of the parameters every rank holds whole, which are all-gathered.
+    Under mixed precision a rank's param_bytes also hold its fp32 master shard (footprint.zero_state:
+    whole * w + whole_fp32 / dp, w the working dtype's share of the full precision's bytes)."""
+    from paratrain.parallel.base import unique_parameters
+    from paratrain.parallel.zero.footprint import mixed_working_dtype
+
+    held = step.busiest["param_bytes"]
+    params = [t for _, t in unique_parameters(step.model)]
+    working = mixed_working_dtype(step.cfg, params, 1)
+    if working is None:
+        return held
+    w = working.itemsize / params[0].element_size()
+    return held * w / (w + 1 / dp)
