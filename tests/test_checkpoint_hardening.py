@@ -194,7 +194,7 @@ def shard_dims_out_of_range(step: Path) -> None:
     """A second shard of the same tensors, claiming they are split along dimension 7."""
     tensors, meta = ckpt.CheckpointReader(step).load(0)
     meta["shard_dims"] = {"0.weight": 7}
-    (step / "rank-00001.safetensors").write_bytes(ckpt.encode(tensors, meta))
+    (step / "rank-00001.safetensors").write_bytes(st_save(tensors, metadata={"json": json.dumps(meta)}))
 
     def edit(m):
         m["files"]["rank-00001.safetensors"] = m["files"]["rank-00000.safetensors"]
@@ -486,5 +486,5 @@ def test_export_final_syncs_its_directory_before_the_rename(tmp_path, monkeypatc
     monkeypatch.setattr(export, "fsync_dir", lambda path: (events.append(("fsync", Path(path).name)), sync(path)))
     rename = os.rename
     monkeypatch.setattr(export.os, "rename", lambda a, b: (events.append(("rename", Path(a).name)), rename(a, b)))
-    ckpt.export_final(tmp_path, {"w": torch.ones(2)}, step=1, config={}, extra={})
+    ckpt.export_final(tmp_path, {"w": (torch.float32, (2,))}, [{"w": torch.ones(2)}], step=1, config={}, extra={})
     assert events.index(("fsync", ".tmp-final")) < events.index(("rename", ".tmp-final")), events

@@ -1,6 +1,7 @@
 """Peak memory: train.track_memory's measurement (the peak of tensor bytes torch allocates on a
 rank) on a known allocation pattern, and the planner's predicted peak against it on real runs."""
 
+import hashlib
 import json
 
 import pytest
@@ -97,3 +98,107 @@ def test_the_planned_peak_is_within_5_percent_of_the_measured_one(gang, tmp_path
         meta_model = build_model(cfg, build_dataset(cfg, "train"))
     predicted = make_plan(cfg, meta_model, 2, 1, "cpu")["predicted"]["peak_memory_gib"] * 1024
     assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+
+
+EXPORTED = """
+[model]
+factory = "mlp"
+hidden = 512
+n_layers = 8
+[data]
+factory = "digits"
+batch_size = 64
+shuffle = false
+[train]
+optimizer = "adamw"
+steps = 3
+log_every = 1
+track_memory = true
+[parallel]
+bucket_mb = 0.5  # a unit per Linear under zero3
+"""
+
+
+def export_peak_job(rt, config: str, run_dir: str, overrides: list[str]) -> int:
+    """A run whose final export is counted like a step (train.track_memory's count): this rank's
+    peak of tensor bytes during the export."""
+    from pathlib import Path
+
+    from paratrain import preflight
+    from paratrain.trainer import Trainer
+
+    cfg = preflight.load(config, overrides)
+    cfg.train.device = rt.device.type
+    trainer = Trainer(cfg, Path(run_dir), rt)
+    export, peaks = trainer.export, []
+
+    def counted() -> None:
+        trainer.memory.begin_step()
+        export()
+        peaks.append(trainer.memory.end_step())
+
+    trainer.export = counted
+    trainer.fit()
+    return peaks[0]
+
+
+def test_the_export_streams_a_unit_at_a_time_and_zero3_peaks_below_dp(gang, tmp_path):
+    """final/ is written as the strategy gathers it, a unit at a time: no rank's export holds more
+    than one unit beyond its training peak (zero3's rank 0 held the whole model, gathered and copied,
+    before), so zero3's whole-run peak stays well below dp's; the file is a safetensors file keyed
+    like the model's state_dict, its sha256 in the manifest."""
+    from helpers import max_rel_error
+    from safetensors.torch import load_file
+
+    from paratrain.checkpoint.format import sha256_file
+
+    config = tmp_path / "job.toml"
+    config.write_text(EXPORTED)
+    cfg = load(str(config))
+    with torch.device("meta"):
+        model = build_model(cfg, build_dataset(cfg, "train"))
+    unit = max(sum(p.numel() * p.element_size() for p in m.parameters()) for m in model.children())
+    whole_run, weights = {}, {}
+    for strategy in ("dp", "zero3"):
+        run = tmp_path / strategy
+        overrides = [f"parallel.strategy='{strategy}'"]
+        run.mkdir()
+        exports = gang(2).run("test_memory:export_peak_job", config=str(config), run_dir=str(run), overrides=overrides)
+        steps = [json.loads(line) for line in (run / "profile.jsonl").read_text().splitlines()]
+        training = [max(step["ranks"][r]["peak_memory_bytes"] for step in steps) for r in range(2)]
+        for rank in range(2):
+            assert exports[rank] <= training[rank] + unit, (strategy, rank, exports[rank] - training[rank], unit)
+        whole_run[strategy] = max(*exports, *training)
+        final = run / "final"
+        weights[strategy] = load_file(final / "model.safetensors")
+        assert set(weights[strategy]) == set(model.state_dict())
+        manifest = json.loads((final / "manifest.json").read_text())
+        assert manifest["files"]["model.safetensors"]["sha256"] == sha256_file(final / "model.safetensors")
+    assert whole_run["zero3"] <= 0.7 * whole_run["dp"], whole_run
+    assert max_rel_error(weights["zero3"], weights["dp"]) <= 1e-5
+
+
+def test_a_file_written_a_tensor_at_a_time_is_the_one_safetensors_writes(tmp_path):
+    """Pieces in any order give safetensors' own bytes (every dtype's alignment kept); a piece
+    outside the header, twice, or a tensor never given is an error, not a file with a hole."""
+    from safetensors.torch import save
+
+    from paratrain.checkpoint.writer import layout_of, write_safetensors
+
+    tensors = {
+        "b": torch.randn(3, 4).t(),  # not contiguous
+        "a": torch.arange(2),
+        "mask": torch.ones(3, dtype=torch.bool),
+        "h": torch.ones(2, dtype=torch.bfloat16),
+        "scalar": torch.tensor(3.0),
+        "empty": torch.zeros(0, 5),
+    }
+    path = tmp_path / "x.safetensors"
+    pieces = [{k: v} for k, v in reversed(tensors.items())]
+    digest, size = write_safetensors(path, layout_of(tensors), pieces, {"format": "pt"})
+    expected = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
+    assert path.read_bytes() == expected and size == len(expected)
+    assert digest == hashlib.sha256(expected).hexdigest()
+    for wrong in ([*pieces, {"a": tensors["a"]}], pieces[1:], [{"other": torch.ones(1)}]):
+        with pytest.raises(ValueError, match="x.safetensors"):
+            write_safetensors(path, layout_of(tensors), wrong, {"format": "pt"})

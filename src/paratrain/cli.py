@@ -72,7 +72,7 @@ def cmd_run(args) -> int:
 
 def train(args) -> int:
     from paratrain.jobs.preflight import check_nodes, node_facts
-    from paratrain.runtime.launch import STOPPED_EXITS, Interrupted, WorkerFailure, launch, start_worker_server
+    from paratrain.runtime.launch import launch, start_worker_server
     from paratrain.runtime.schedulers import place_from_environment
 
     try:
@@ -81,6 +81,8 @@ def train(args) -> int:
         check_launch(args)
         cfg = load_config(args)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if cfg.fault.on_failure == "continue" and args.nnodes > 1:  # (runtime/supervise.py)
+            raise ConfigError("fault.on_failure", "'continue' runs on one node: its store lives with the launcher")
         if args.node_rank == 0:  # the other nodes of this run share the folder
             lock_run_dir(run_dir)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
@@ -105,36 +107,72 @@ def train(args) -> int:
         "--resume",
         str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume,
     ]
-    try:
-        from paratrain.trainer import forked_worker
+    from paratrain.trainer import forked_worker
 
-        launch(
-            forked_worker,
-            worker_args,
-            nproc=nproc,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            rdzv=args.rdzv,
-            max_restarts=args.max_restarts,
-            run_id=cfg.name,
-        )
+    def start() -> None:
+        if cfg.fault.on_failure == "continue":  # our own supervisor: the agent would restart everyone
+            from paratrain.runtime.supervise import supervise
+
+            size = registry.spec(cfg.parallel.strategy).replica_size(cfg, nproc)
+            supervise(forked_worker, worker_args, nproc=nproc, replica_size=size, max_restarts=args.max_restarts)
+        else:
+            launch(
+                forked_worker,
+                worker_args,
+                nproc=nproc,
+                nnodes=args.nnodes,
+                node_rank=args.node_rank,
+                rdzv=args.rdzv,
+                max_restarts=args.max_restarts,
+                run_id=cfg.name,
+            )
+
+    return outcome(
+        start, lambda: newest_checkpoint_note(run_dir), lambda r: f" [rank {r} was a {registry.role_of(cfg, r)}]"
+    )
+
+
+def outcome(start, after_stop, role_of) -> int:
+    """Run `start()` (a launch) and turn how its workers ended into the exit code and its line:
+    0; 2 where the workers named bad input; 128 + the signal that stopped them (`after_stop()`
+    says where to go on from); 1 for a failure, naming the rank (`role_of(rank)` adds its role)."""
+    from paratrain.runtime.launch import STOPPED_EXITS, Interrupted, WorkerFailure
+
+    try:
+        start()
     except ConfigError as exc:  # the rendezvous address cannot be used
         return _error(str(exc), 2)
     except Interrupted as exc:
-        return _error(
-            f"stopped by {exc}; the workers were stopped. {newest_checkpoint_note(run_dir)}", 128 + exc.signum
-        )
+        return _error(f"stopped by {exc}; the workers were stopped. {after_stop()}", 128 + exc.signum)
     except WorkerFailure as exc:
         if exc.own_exitcodes == {2}:
             return 2  # the worker printed which key was wrong
         if exc.own_exitcodes and exc.own_exitcodes <= STOPPED_EXITS:  # the workers were sent the signal
             signum = max(exc.own_exitcodes) - 128
             return _error(
-                f"stopped by {signal.Signals(signum).name} (sent to the workers). {newest_checkpoint_note(run_dir)}",
-                128 + signum,
+                f"stopped by {signal.Signals(signum).name} (sent to the workers). {after_stop()}", 128 + signum
             )
-        return _error(f"training failed: {exc} [rank {exc.rank} was a {registry.role_of(cfg, exc.rank)}]", 1)
+        return _error(f"training failed: {exc}{role_of(exc.rank)}", 1)
     return 0
+
+
+def cmd_launch(args) -> int:
+    from paratrain.runtime.schedulers import place_from_environment
+
+    try:
+        scheduler = place_from_environment(args, os.environ)
+        check_launch(args)
+        if not Path(args.script).is_file():
+            raise ConfigError("script", f"file not found: {args.script}")
+    except ConfigError as exc:
+        return _error(str(exc), 2)
+    from paratrain.api.script import launch_script  # torch: after the checks, which need none
+    from paratrain.runtime.launch import default_nproc
+
+    args.nproc = args.nproc or default_nproc("auto")
+    if scheduler is not None:
+        note(f"{scheduler.describe(args.nproc)}")
+    return outcome(lambda: launch_script(args), lambda: "", lambda r: "")
 
 
 def cmd_plan(args) -> int:
@@ -223,6 +261,16 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--resume", default="none", help="auto | none | PATH")
     r.set_defaults(func=cmd_run)
 
+    la = sub.add_parser("launch", help="run your own training script (paratrain.init) on every process")
+    la.add_argument("--nproc", type=int, default=None, help="processes per node (default: 2 on CPU, one per GPU)")
+    la.add_argument("--nnodes", type=int, default=None)
+    la.add_argument("--node-rank", type=int, default=None)
+    la.add_argument("--rdzv", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (multi-node)")
+    la.add_argument("--max-restarts", type=int, default=0)
+    la.add_argument("script", help="a Python script, run as `python script.py ARGS` on each process")
+    la.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    la.set_defaults(func=cmd_launch)
+
     pl = sub.add_parser(
         "plan",
         help="the layout of a run before it starts: rank grid, pipeline cut, "
@@ -293,7 +341,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(
-        with_benchmarks=argv[:1] not in (["run"], ["plan"], ["inspect"], ["report"], ["job"], ["data"])
+        with_benchmarks=argv[:1] not in (["run"], ["launch"], ["plan"], ["inspect"], ["report"], ["job"], ["data"])
     ).parse_args(argv)
     if getattr(args, "nproc", 1) is not None and getattr(args, "nproc", 1) < 1:
         return _error("--nproc: must be >= 1", 2)

@@ -140,6 +140,11 @@ class TrainConfig:
     )
     clip_grad_norm: float = opt(0.0, check=_non_negative, doc="clip the global gradient norm to this; 0 = off")
     precision: str = opt("fp32", choices=("fp32", "bf16"), doc="bf16: autocast of forward and loss")
+    compile: bool = opt(
+        False,
+        doc="torch.compile the model block by block (pipeline_layers, an nn.Sequential's children, "
+        "ModuleList elements) under every strategy; the first step compiles",
+    )
     recompute: str = opt(
         "none", choices=("none", "full"), doc="full: keep only each block's input and run its forward again in backward"
     )
@@ -187,6 +192,11 @@ class ParallelConfig:
         doc="batch-norm layers normalise over the global batch (dp, zero1-3, sync ps, hybrid); "
         "false: each rank over its own samples, rank 0's statistics broadcast before every step as DDP does",
     )
+    replicas: int = opt(
+        1,
+        check=_positive,
+        doc="model replicas (dp, zero1-3): each is sharded over world/replicas ranks; zero3 with replicas is HSDP",
+    )
 
 
 @dataclass
@@ -195,6 +205,17 @@ class CheckpointConfig:
 
     every: int = opt(0, check=_non_negative, doc="steps between checkpoints; 0 = final export only")
     keep: int = opt(3, check=_positive, doc="newest checkpoints kept; older ones are deleted")
+
+
+@dataclass
+class FaultConfig:
+    """What a run does when a worker dies (docs/fault-tolerance.md)."""
+
+    on_failure: str = opt(
+        "restart",
+        choices=("restart", "continue"),
+        doc="restart: every worker from the newest checkpoint; continue: the surviving replicas go on",
+    )
 
 
 @dataclass
@@ -258,6 +279,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     ps: PSConfig = field(default_factory=PSConfig)
     federated: FederatedConfig = field(default_factory=FederatedConfig)
     log: LogConfig = field(default_factory=LogConfig)

@@ -7,8 +7,12 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from paratrain.errors import say
+
+if TYPE_CHECKING:
+    from paratrain.config import Config
 
 
 class _OutlivesItsReader:
@@ -43,6 +47,18 @@ class _OutlivesItsReader:
 def keep_stdout_when_its_reader_leaves() -> None:
     if not isinstance(sys.stdout, _OutlivesItsReader):
         sys.stdout = _OutlivesItsReader(sys.stdout)
+
+
+# the keys of a metrics line, in its order, and how each is written
+_LINE = (
+    ("loss", "loss {:.6f}"),
+    ("lr", "lr {:.3e}"),
+    ("samples_per_s", "samples/s {:.1f}"),
+    ("val_loss", "val_loss {:.4f}"),
+    ("val_acc", "val_acc {:.4f}"),
+    ("compile_s", "compile {:.1f}s"),  # train.compile: the first step's, left out of samples/s
+    ("time", "time {:.1f}s"),
+)
 
 
 class MetricsLog:
@@ -86,13 +102,10 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)):
                     self.tensorboard.add_scalar(key, value, entry["step"])
             self.tensorboard.flush()
-        parts = [f"step {entry['step']:>6}"]
-        if "loss" in entry:
-            parts += [f"loss {entry['loss']:.6f}", f"lr {entry['lr']:.3e}", f"samples/s {entry['samples_per_s']:.1f}"]
-        for key in ("val_loss", "val_acc"):
-            if key in entry:
-                parts.append(f"{key} {entry[key]:.4f}")
-        parts.append(f"time {entry['time']:.1f}s")
+        parts = [f"step {entry['step']:>6}"]  # pt.log's entries hold what the user's loop logged
+        for key, template in _LINE:
+            if isinstance(entry.get(key), (int, float)):
+                parts.append(template.format(entry[key]))
         self.print("  ".join(parts))
 
     def close(self) -> None:
@@ -136,3 +149,25 @@ def keep_steps_up_to(path: Path, step: int) -> list[dict]:
         tmp.write_text("".join(json.dumps(entry) + "\n" for entry in kept))
         os.replace(tmp, path)
     return kept
+
+
+def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:
+    first, last = result["first_step"], result["last_step"]
+    if last == first:  # train.steps = 0, or resumed at or past it
+        why = f"the checkpoint is at step {last}, " if last else ""
+        return (
+            f"done: nothing to train ({why}train.steps = {cfg.train.steps}) | "
+            f"model: {run_dir / 'final' / 'model.safetensors'}"
+        )
+    steps = f"steps {first + 1}-{last}" if first else f"{last} steps"
+    compile_s = result.get("compile_s", 0.0)  # train.compile's first step: out of samples/s
+    parts = [f"done: {steps} in {result['elapsed']:.1f}s" + (f" (compile {compile_s:.1f}s)" if compile_s else "")]
+    if "loss" in result:
+        parts.append(f"loss {result['loss']:.4f}")
+    for key in ("val_loss", "val_acc"):
+        if key in result:
+            parts.append(f"{key} {result[key]:.4f}")
+    trained = last - first - (1 if compile_s else 0)
+    parts.append(f"{trained * cfg.data.batch_size / max(result['elapsed'] - compile_s, 1e-9):.1f} samples/s")
+    parts.append(f"model: {run_dir / 'final' / 'model.safetensors'}")
+    return " | ".join(parts)

@@ -25,12 +25,13 @@ from paratrain import checkpoint as ckpt
 from paratrain import config as config_mod
 from paratrain import preflight
 from paratrain.checkpoint.resume import check_resumable
+from paratrain.checkpoint.train_state import NonFiniteError, load_train_state, save_train_state
 from paratrain.comm import collectives
 from paratrain.config import Config
 from paratrain.data import build_dataset, build_sampler, load_batch
 from paratrain.data.batch import take, to_device
 from paratrain.errors import ConfigError, error, say
-from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to
+from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to, summary_line
 from paratrain.models import BUILTIN as BUILTIN_MODELS
 from paratrain.models import build_model
 from paratrain.models.hf import model_files
@@ -39,7 +40,7 @@ from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
 from paratrain.parallel.registry import build_strategy
 from paratrain.profile import MemoryTracker, Profiler
-from paratrain.runtime import guard, process, stop
+from paratrain.runtime import faults, guard, process, stop, survive
 
 
 @dataclass
@@ -52,22 +53,40 @@ class _Tally:
     steps_since: int = 0
     bad_in_a_row: int = 0
     skipped: int = 0
-    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros(2, dtype=torch.float64))  # loss, reports
+    losses: list = field(default_factory=list)  # reported steps' losses, summed when logged: no copy per step
+    compile_s: float = 0.0  # train.compile: the first step's time, which compiled, out of samples/s
 
     def restart(self) -> None:
         self.t_last, self.steps_since, self.skipped = time.perf_counter(), 0, 0
-        self.loss_sum = torch.zeros_like(self.loss_sum)
+        self.losses, self.compile_s = [], 0.0
+
+    def compiled(self, is_main: bool) -> float:
+        """After the first step under train.compile: its time is compiling's, reported once."""
+        from paratrain.models.compiled import report_graph_breaks
+
+        now = time.perf_counter()
+        self.compile_s, self.t_last, self.steps_since = now - self.t_last, now, -1  # _account counts it next
+        report_graph_breaks(is_main, self.compile_s)
+        return self.compile_s
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, rt: process.Runtime):
-        self.cfg, self.run_dir, self.rt = cfg, Path(run_dir), rt
+    def __init__(self, cfg: Config, run_dir: Path, rt: process.Runtime, membership=None):
+        self.cfg, self.run_dir, self.rt, self.membership = cfg, Path(run_dir), rt, membership  # (survive.py)
         train = cfg.train
         process.seed_everything(train.seed)  # identical initial weights on every rank
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "val")
         # made before the model: what exists now (the datasets) is not counted, as on a GPU
         self.memory = MemoryTracker(rt.device) if train.track_memory else None
+        self.build_strategy()
+        self.sampler = build_sampler(self.train_set, cfg)
+        self.lr_at = lr_factor(train)
+        self.step = 0
+
+    def build_strategy(self) -> None:
+        """The model and the strategy over the process group (again after a change of membership)."""
+        cfg, rt, train = self.cfg, self.rt, self.cfg.train
         # A sharding strategy materialises the model shard by shard from its meta-device build: a
         # built-in's initialisation is replayed, a user factory's construction recorded to be replayed.
         if not registry.spec(cfg.parallel.strategy).materializes_models:
@@ -81,15 +100,14 @@ class Trainer:
         self.strategy = build_strategy(model, build_loss(cfg), cfg, rt)
         self.strategy.run_dir = self.run_dir
         self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size
-        self.sampler = build_sampler(self.train_set, cfg)
-        self.lr_at = lr_factor(train)
-        self.step = 0
 
     # -- resume ---------------------------------------------------------------------------------
     def resume(self, how: str) -> None:
         """`how`: none | auto | PATH. An elastic restart goes on from the newest checkpoint in the
         run directory, or from PATH while the run has saved none past it (the launcher moved any
         other run's later checkpoints aside: cli.prepare_run_dir)."""
+        if self.membership and self.membership.joining:  # the state of a live replica instead
+            return self.membership.settle(self, -1)
         restarted = self.rt.restart_count > 0
         if how == "none" and not restarted:
             return
@@ -108,48 +126,35 @@ class Trainer:
                 return
         reader = ckpt.CheckpointReader(path)
         check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
-        self.strategy.load_state_dict(reader)
-        _, meta0 = reader.load(rank=0)
-        self.step = int(meta0["trainer"]["step"])
-        try:
-            self.sampler.resume_at(self.step, meta0["trainer"].get("data"))
-        except ValueError as exc:
-            raise ConfigError("--resume", f"{path}: {exc}") from None
-        if self.rt.rank < reader.world_size:
-            tensors, meta = reader.load(rank=self.rt.rank)
-            process.set_rng_state(tensors, meta["rng"])
+        self._continue_at(load_train_state(self.strategy, reader, self.rt), path)
         if self.rt.is_main:
             # the steps after the checkpoint are redone: forget what the lost attempt logged of them
             keep_steps_up_to(self.run_dir / "metrics.jsonl", self.step)
             print(f"resumed from {path} at step {self.step} (saved by {reader.world_size} ranks)", flush=True)
 
+    def take_state(self, reader) -> None:
+        """The strategy's state, step and data position from a live replica's (runtime/survive.py)."""
+        self.strategy.load_state_dict(reader)
+        _, meta0 = reader.load(rank=0)
+        self._continue_at(meta0["trainer"], reader.path)
+
+    def _continue_at(self, loop: dict, where) -> None:
+        """Go on after the step `loop` saved, at the sample after its data position."""
+        self.step = int(loop["step"])
+        try:
+            self.sampler.resume_at(self.step, loop.get("data"))
+        except ValueError as exc:
+            raise ConfigError("--resume", f"{where}: {exc}") from None
+
     def save_checkpoint(self) -> None:
-        savers, group = self.strategy.checkpoint_ranks, self.strategy.checkpoint_group
-        if self.rt.rank >= savers:
-            return
-        tensors, meta = self.strategy.state_dict()
-        # Skipped steps keep weights finite; this makes sure, agreed by all savers, before writing.
-        finite = all(bool(torch.isfinite(t).all()) for t in tensors.values() if t.is_floating_point())
-        flag = torch.tensor([0.0 if finite else 1.0])
-        if savers > 1:
-            flag = all_reduce_sum(flag, self.rt, "checkpoint-finite", group)
-        if flag.item():
-            raise NonFiniteError(f"not saving step {self.step}: the model or optimizer state holds non-finite values")
-        rng = process.rng_state()
-        tensors = {**tensors, **rng["tensors"]}
-        meta = {**meta, "rng": rng["json"], "trainer": {"step": self.step, "data": self.sampler.position(self.step)}}
-        ckpt.save(
+        save_train_state(
+            self.strategy,
+            self.rt,
             self.run_dir,
-            self.step,
-            tensors,
-            meta,
-            rank=self.rt.rank,
-            world_size=savers,
-            strategy=self.cfg.parallel.strategy,
+            {"step": self.step, "data": self.sampler.position(self.step)},
+            strategy_name=self.cfg.parallel.strategy,
             config=self.cfg.to_dict(),
             keep=self.cfg.checkpoint.keep,
-            device=self.rt.device,
-            group=group,
         )
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -198,12 +203,15 @@ class Trainer:
         )
         self.strategy.profiler = prof
         tally = _Tally(first_step=self.step)
-        last, stopped_by = {}, 0
+        last, stopped_by, compile_s = {}, 0, 0.0
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
-        stops = stop.StopAgreement(rt.world_size, self.step, timeout) if self.strategy.lockstep else None
+        agreed = self.strategy.lockstep and not self.membership  # (its group would not outlive a regroup)
+        stops = stop.StopAgreement(rt.world_size, self.step, timeout) if agreed else None
         try:
             while self.step < cfg.train.steps:
                 lr, loss = self._step(prof)
+                if cfg.train.compile and self.step == tally.first_step + 1:
+                    compile_s = tally.compiled(rt.is_main)
                 self._account(loss, lr, tally, log)
                 done = self.step == cfg.train.steps
                 # preempted: log, save, leave (the last step finishes the run as usual instead)
@@ -226,26 +234,32 @@ class Trainer:
         return {
             **last,
             "elapsed": elapsed,
+            "compile_s": compile_s,
             "first_step": tally.first_step,
             "last_step": self.step,
             "stopped_by": stopped_by,
         }
 
     def _step(self, prof) -> tuple[float, torch.Tensor]:
-        """One optimizer step on this rank's slice of the global batch: (lr, the local loss)."""
-        cfg, rt = self.cfg, self.rt
+        """One optimizer step, through any change of membership: (its learning rate, the local loss)."""
         collectives.LOG.step = self.step
+        faults.kill_if("kill", rank=self.rt.rank, step=self.step, attempt=self.rt.restart_count)
+        lr = self.cfg.train.lr * self.lr_at(self.step)
         with prof.step(self.step + 1):
-            with prof.phase("data"):
-                lr = cfg.train.lr * self.lr_at(self.step)
-                self.strategy.set_lr(lr)
-                batch = None
-                if self.strategy.reads_data:
-                    idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
-                    batch = to_device(load_batch(self.train_set, idx), rt.device, non_blocking=True)
-            loss = self.strategy.train_step(batch)
-        self.step += 1
+            run = lambda: self._train_step(lr, prof)  # noqa: E731
+            loss = self.membership.step(self, run) if self.membership else run()
         return lr, loss
+
+    def _train_step(self, lr: float, prof) -> torch.Tensor:
+        with prof.phase("data"):
+            self.strategy.set_lr(lr)
+            batch = None
+            if self.strategy.reads_data:
+                idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
+                batch = to_device(load_batch(self.train_set, idx), self.rt.device, non_blocking=True)
+        loss = self.strategy.train_step(batch)
+        self.step += 1
+        return loss
 
     def _account(self, loss: torch.Tensor, lr: float, tally: _Tally, log: MetricsLog) -> None:
         """Count the step: its loss towards the next logged mean, or a skipped update (a non-finite
@@ -268,22 +282,23 @@ class Trainer:
         else:
             tally.bad_in_a_row = 0
             if self.strategy.reports_loss:
-                tally.loss_sum += torch.stack([loss.detach().double().cpu(), torch.ones((), dtype=torch.float64)])
+                tally.losses.append(loss.detach())
         log.advance()
 
     def _log(self, lr: float, tally: _Tally, log: MetricsLog, prof, evaluate: bool, final: bool) -> dict:
         """The logged step's metrics.jsonl entry (the loss averaged over the steps since the last
         one and over the ranks that report it), written; the tally starts again."""
-        reduced = self.strategy.reduce_loss(tally.loss_sum)
-        total_loss, reports = (
-            reduce_loss_checking_sequences(tally.loss_sum, self.rt) if reduced is None else reduced.tolist()
-        )
+        losses = torch.stack(tally.losses).double().cpu() if tally.losses else torch.zeros(0, dtype=torch.float64)
+        loss_sum = torch.tensor([losses.sum().item(), len(losses)], dtype=torch.float64)
+        reduced = self.strategy.reduce_loss(loss_sum)
+        total_loss, reports = reduce_loss_checking_sequences(loss_sum, self.rt) if reduced is None else reduced.tolist()
         now = time.perf_counter()
         entry = {
             "step": self.step,
             "loss": total_loss / reports if reports else float("nan"),
             "lr": lr,
             "samples_per_s": tally.steps_since * self.cfg.data.batch_size / (now - tally.t_last),
+            **({"compile_s": tally.compile_s} if tally.compile_s else {}),
             "time": now - tally.t_start,
             "wall": time.time(),
             **self.strategy.step_metrics(),
@@ -301,25 +316,24 @@ class Trainer:
         return entry
 
     def export(self) -> None:
-        state = self.strategy.full_model_state()
+        chunks = self.strategy.model_chunks()  # every rank takes part in gathering each unit
         if self.rt.is_main:
             ckpt.export_final(
                 self.run_dir,
-                state,
+                self.strategy.model_layout(),
+                chunks,
                 step=self.step,
                 config=self.cfg.to_dict(),
                 extra={
                     "strategy": self.cfg.parallel.strategy,
                     "world_size": self.rt.world_size,
-                    "parameters": sum(v.numel() for v in state.values()),
                 },
                 files=model_files(self.strategy.model),
             )
+        else:
+            for _ in chunks:
+                pass
         barrier(self.rt, "export", self.strategy.trainer_group)
-
-
-class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a non-finite loss or gradient."""
 
 
 # -- small collectives on scalars -----------------------------------------------------------------
@@ -380,26 +394,6 @@ def barrier(rt: process.Runtime, what: str, group=None) -> None:
         collectives.barrier(what, group=group)
 
 
-def summary_line(result: dict, cfg: Config, run_dir: Path) -> str:
-    first, last = result["first_step"], result["last_step"]
-    if last == first:  # train.steps = 0, or resumed at or past it
-        why = f"the checkpoint is at step {last}, " if last else ""
-        return (
-            f"done: nothing to train ({why}train.steps = {cfg.train.steps}) | "
-            f"model: {run_dir / 'final' / 'model.safetensors'}"
-        )
-    steps = f"steps {first + 1}-{last}" if first else f"{last} steps"
-    parts = [f"done: {steps} in {result['elapsed']:.1f}s"]
-    if "loss" in result:
-        parts.append(f"loss {result['loss']:.4f}")
-    for key in ("val_loss", "val_acc"):
-        if key in result:
-            parts.append(f"{key} {result[key]:.4f}")
-    parts.append(f"{(last - first) * cfg.data.batch_size / max(result['elapsed'], 1e-9):.1f} samples/s")
-    parts.append(f"model: {run_dir / 'final' / 'model.safetensors'}")
-    return " | ".join(parts)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="paratrain-worker", description="one paratrain worker process")
     p.add_argument("config", nargs="?", help="TOML config (default: the built-in default job)")
@@ -420,8 +414,11 @@ def main(argv=None) -> int:
         rank = int(os.environ.get("RANK", 0))
         if registry.spec(cfg.parallel.strategy).expendable(cfg, rank) and not guard.is_guarded_child():
             return guard.run_guarded(sys.argv[1:] if argv is None else argv, f"worker rank {rank}")
+        run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        if survive.continuing():
+            return survive.train(cfg, run_dir, args.resume, train)
         rt = process.init(cfg.train.device, cfg.parallel.timeout_s)
-        return train(cfg, Path(args.run_dir or Path("runs") / cfg.name), rt, args.resume)
+        return train(cfg, run_dir, rt, args.resume)
     except ConfigError as exc:
         error(f"{exc}")
         return 2
@@ -429,7 +426,7 @@ def main(argv=None) -> int:
         process.shutdown()
 
 
-def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none") -> int:
+def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none", membership=None) -> int:
     """One run on a process group that has met: what every worker does between process.init and
     shutdown (the fast test tier calls it in workers that stay up between runs). Returns the exit
     code: 0, or 128 + the signal that stopped the run after a checkpoint. Raises ConfigError."""
@@ -438,8 +435,9 @@ def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none")
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-    barrier(rt, "start")
-    trainer = Trainer(cfg, run_dir, rt)
+    if not (membership and membership.joining):  # a joiner's peers are mid-run (runtime/survive.py)
+        barrier(rt, "start")
+    trainer = Trainer(cfg, run_dir, rt, membership)
     trainer.resume(resume)
     result = trainer.fit()
     if result["stopped_by"]:

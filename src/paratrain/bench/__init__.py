@@ -19,6 +19,7 @@ BENCHMARKS = [
     "data",
     "plan_megatron",
     "plan",
+    "tax",
 ]
 
 

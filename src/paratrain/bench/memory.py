@@ -1,23 +1,26 @@
-"""Per-rank memory of dp, zero1/2/3 and PyTorch FSDP2 (`fully_shard`) on the same model.
+"""Per-rank memory of dp and zero1/2/3 through `paratrain run`, beside PyTorch FSDP2 (`fully_shard`).
 
-Every (strategy, world size) runs in its own fresh worker processes, so one configuration's peak
-cannot hide in another's high-water mark. Each rank counts the bytes of the tensors it holds for
-parameters, gradients and optimizer state (for zero2/zero3 including the peak of what is briefly
-full: gradients while they are reduce-scattered, parameters while gathered), and reads its peak
-resident memory (VmHWM) after a few AdamW steps. Both ours and FSDP2 build the model on the meta
-device and initialise it shard by shard; dp builds it whole, as DDP would.
+Each of ours is a whole `paratrain run` (its final export included) in fresh processes, so one
+configuration's peak cannot hide in another's high-water mark. Every 50 ms the bench reads each
+worker's resident memory (VmRSS) and high-water mark (VmHWM) from /proc: a worker's training peak is
+its high-water mark when the last step's metrics appear (evaluation included; the sample before may
+be up to 50 ms into the export), its export peak the largest resident memory sampled after, and its
+whole-run peak its last high-water mark. FSDP2 is no paratrain strategy: it runs the same steps in
+workers of its own, and has no export.
 
-`--model module:function` measures a user's factory instead of the built-in MLP (called with no
-arguments; its model takes (batch, --in-features) inputs and returns logits over at least 10
-classes), materialised by zero1/2/3 as a training run does: its construction recorded on the meta
-device and replayed a tensor at a time (models/materialize.py); FSDP2 runs each module's
-reset_parameters on its shards.
+The model: the built-in MLP, or `--model module:function`, a user's factory (called with no
+arguments; its model takes (batch, --in-features) inputs and returns logits over 10 classes),
+materialised by zero1/2/3 as a training run does: its construction recorded on the meta device and
+replayed a tensor at a time (models/materialize.py); FSDP2 runs each module's reset_parameters on
+its shards. Data: `synthetic` inputs, AdamW.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,13 +32,37 @@ from paratrain.bench.common import COUNT, POSITIVE, add_json_option, emit_json, 
 from paratrain.errors import error, say
 
 STRATEGIES = ["dp", "zero1", "zero2", "zero3", "fsdp2"]
+SAMPLE_S = 0.05
+MB = 2**20
+
+CONFIG = """
+[model]
+factory = "{factory}"
+{model_keys}
+[data]
+factory = "synthetic"
+in_features = {in_features}
+n_samples = {samples}
+batch_size = {global_batch}
+shuffle = false
+[train]
+optimizer = "adamw"
+lr = 1e-4
+steps = {steps}
+log_every = 1
+precision = "{precision}"
+[parallel]
+strategy = "{strategy}"
+bucket_mb = {bucket_mb}
+"""
 
 
 def add_parser(which) -> None:
-    p = which.add_parser("memory", help="per-rank memory: dp vs zero1/2/3 vs torch FSDP2")
+    p = which.add_parser("memory", help="per-rank memory through `paratrain run`: dp vs zero1/2/3 vs torch FSDP2")
     add_model_options(p)
     p.add_argument("--worlds", type=one_or_more_of(COUNT), default="2,4", help="comma-separated world sizes")
     p.add_argument("--strategies", type=one_or_more_of(STRATEGIES), default=",".join(STRATEGIES))
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="train.precision of our runs")
     add_json_option(p)
     p.set_defaults(func=run)
 
@@ -51,14 +78,13 @@ def add_model_options(p) -> None:
     p.add_argument("--hidden", type=COUNT, default=4096)
     p.add_argument("--layers", type=COUNT, default=4, help="hidden layers of the MLP (default: 54.6M parameters)")
     p.add_argument("--batch", type=COUNT, default=8, help="samples per rank")
-    p.add_argument("--steps", type=COUNT, default=3, help="AdamW steps before reading the peak")
+    p.add_argument("--steps", type=COUNT, default=3, help="AdamW steps before the export")
     p.add_argument("--bucket-mb", type=POSITIVE, default=25.0)
 
 
 def run(args) -> int:
     from paratrain.errors import ConfigError
     from paratrain.resolve import resolve_callable
-    from paratrain.runtime.launch import WorkerFailure, launch
 
     if args.model:
         try:
@@ -70,56 +96,169 @@ def run(args) -> int:
     for world in [int(w) for w in args.worlds.split(",")]:
         for strategy in args.strategies.split(","):
             with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "result.json"
-                argv = [
-                    f"--strategy={strategy}",
-                    f"--out={out}",
-                    f"--in-features={args.in_features}",
-                    f"--hidden={args.hidden}",
-                    f"--layers={args.layers}",
-                    f"--batch={args.batch}",
-                    f"--steps={args.steps}",
-                    f"--bucket-mb={args.bucket_mb}",
-                ] + ([f"--model={args.model}"] if args.model else [])
-                try:
-                    launch("paratrain.bench.memory", argv, nproc=world, run_id=f"bench-memory-{strategy}-{world}")
-                except WorkerFailure as exc:
-                    error(f"{strategy} at world {world} failed: {exc}")
-                    return 1
-                results.append(json.loads(out.read_text()))
-                say(f"  measured {strategy} at world {world}")
+                measure = measure_fsdp2 if strategy == "fsdp2" else measure_run
+                result = measure(strategy, world, args, Path(tmp))
+            if result is None:
+                return 1
+            results.append(result)
+            say(f"  measured {strategy} at world {world}")
     print_table(results)
     emit_json(results, args.json)
     return 0
 
 
-def print_table(results: list[dict]) -> None:
-    mb = 2**20
-    r0 = results[0]
-    print(
-        f"memory benchmark: {r0['parameters'] / 1e6:.1f}M-parameter {r0['model']}, AdamW fp32, {r0['batch']} samples/rank, "
-        f"bucket {r0['bucket_mb']:g} MB; per-rank MB (max over ranks)"
+def measure_run(strategy: str, world: int, args, tmp: Path) -> dict | None:
+    """`paratrain run` of the model under `strategy`, its workers' memory sampled as it goes."""
+    model_keys = (
+        ""
+        if args.model
+        else f"hidden = {args.hidden}\nn_layers = {args.layers}\nout_features = 10"  # in_features: the data's
     )
-    head = f"{'world':>5} {'strategy':<9}{'params':>9}{'grads':>9}{'optim':>9}{'tensors':>9}{'peak RSS':>10}{'RSS-base':>10}"
-    print(head)
-    for r in results:
-        base = next(x for x in results if x["world"] == r["world"] and x["strategy"] == "dp")
-        print(
-            f"{r['world']:>5} {r['strategy']:<9}{r['params_bytes'] / mb:>9.1f}{r['grads_bytes'] / mb:>9.1f}"
-            f"{r['optim_bytes'] / mb:>9.1f}{r['tensor_bytes'] / mb:>9.1f}{r['peak_rss_bytes'] / mb:>10.1f}"
-            f"{(r['peak_rss_bytes'] - r['base_rss_bytes']) / mb:>10.1f}"
+    config = tmp / "job.toml"
+    config.write_text(
+        CONFIG.format(
+            factory=args.model or "mlp",
+            model_keys=model_keys,
+            in_features=args.in_features,
+            samples=args.batch * world * args.steps,
+            global_batch=args.batch * world,
+            steps=args.steps,
+            precision=args.precision,
+            strategy=strategy,
+            bucket_mb=args.bucket_mb,
         )
-        r["optim_vs_dp"] = r["optim_bytes"] / base["optim_bytes"]
-    for world in sorted({r["world"] for r in results}):
-        by = {r["strategy"]: r for r in results if r["world"] == world}
-        if "zero3" in by and "fsdp2" in by:
-            print(
-                f"world {world}: zero3/FSDP2 peak RSS ratio {by['zero3']['peak_rss_bytes'] / by['fsdp2']['peak_rss_bytes']:.3f}"
-                f" (<= 1.00: zero3 peaks lower)"
-            )
+    )
+    run_dir = tmp / "run"
+    cmd = [sys.executable, "-m", "paratrain.cli", "run", str(config), f"--nproc={world}", f"--run-dir={run_dir}"]
+    with open(tmp / "output.txt", "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        trained, exported, peak = sample_workers(proc, world, run_dir / "metrics.jsonl", args.steps)
+    if proc.returncode != 0:
+        tail = (tmp / "output.txt").read_text().strip().splitlines()[-5:]
+        error(f"{strategy} at world {world} failed (exit {proc.returncode}): " + " | ".join(tail))
+        return None
+    manifest = json.loads((run_dir / "final" / "manifest.json").read_text())
+    return {
+        **common_fields(strategy, world, args, manifest["parameters"]),
+        "precision": args.precision,
+        "train_peak_rss_bytes": trained,
+        "export_peak_rss_bytes": exported,
+        "peak_rss_bytes": peak,
+    }
 
 
-# -- worker ---------------------------------------------------------------------------------------
+def sample_workers(proc: subprocess.Popen, world: int, metrics: Path, steps: int) -> tuple[list, list, list]:
+    """Until `proc` ends, every SAMPLE_S: each worker's (named paratrain-rN) VmRSS and VmHWM. Per
+    rank: the high-water mark when step `steps` was logged, the largest RSS after, the last
+    high-water mark."""
+    pids: dict[int, int] = {}  # rank -> pid
+    hwm, export_rss, trained = [0] * world, [0] * world, None
+    while proc.poll() is None:
+        if trained is None and last_logged_step(metrics) >= steps:
+            trained = list(hwm)
+        if len(pids) < world:
+            pids.update(find_workers(proc.pid))
+        for rank, pid in pids.items():
+            rss, high = read_status(pid)
+            hwm[rank] = max(hwm[rank], high)
+            if trained is not None:
+                export_rss[rank] = max(export_rss[rank], rss)
+        time.sleep(SAMPLE_S)
+    return trained or list(hwm), export_rss, hwm
+
+
+def last_logged_step(metrics: Path) -> int:
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return 0
+    return json.loads(lines[-1]).get("step", 0) if lines else 0
+
+
+def find_workers(root: int) -> dict[int, int]:
+    """{rank: pid} of the workers under `root` (they name themselves paratrain-rN)."""
+    parent, found = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                name = (entry / "comm").read_text().strip()
+            except (OSError, ValueError, IndexError):
+                continue
+            if name.startswith("paratrain-r") and name[11:].isdigit():
+                found[int(entry.name)] = int(name[11:])
+
+    def under_root(pid: int) -> bool:
+        while pid in parent and pid != root:
+            pid = parent[pid]
+        return pid == root
+
+    return {rank: pid for pid, rank in found.items() if under_root(pid)}
+
+
+def read_status(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) of process `pid` in bytes; zeros once it is gone."""
+    values = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return values.get("VmRSS", 0), values.get("VmHWM", 0)
+
+
+def common_fields(strategy: str, world: int, args, parameters: int) -> dict:
+    return {
+        "strategy": strategy,
+        "world": world,
+        "model": args.model or "MLP",
+        "parameters": parameters,
+        "batch": args.batch,
+        "bucket_mb": args.bucket_mb,
+    }
+
+
+def measure_fsdp2(strategy: str, world: int, args, tmp: Path) -> dict | None:
+    """FSDP2's steps in workers of its own (no export): each worker's peak RSS at the end."""
+    from paratrain.runtime.launch import WorkerFailure, launch
+
+    out = tmp / "result.json"
+    argv = [f"--out={out}"] + [
+        f"--{dest.replace('_', '-')}={getattr(args, dest)}"
+        for dest in ("in_features", "hidden", "layers", "batch", "steps", "bucket_mb", "model")
+        if getattr(args, dest) is not None
+    ]
+    try:
+        launch("paratrain.bench.memory", argv, nproc=world, run_id=f"bench-memory-fsdp2-{world}")
+    except WorkerFailure as exc:
+        error(f"fsdp2 at world {world} failed: {exc}")
+        return None
+    return json.loads(out.read_text())
+
+
+def print_table(results: list[dict]) -> None:
+    r0 = results[0]
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(
+        f"memory benchmark: {r0['parameters'] / 1e6:.1f}M-parameter {r0['model']}, AdamW, {r0['batch']} samples/rank, "
+        f"bucket {r0['bucket_mb']:g} MB; per-rank peak RSS in MB (max over ranks), sampled every "
+        f"{SAMPLE_S * 1000:.0f} ms; CPU capability {capability}"
+    )
+    print(f"{'world':>5} {'strategy':<9}{'precision':>10}{'training':>10}{'export':>10}{'whole run':>11}{'vs dp':>9}")
+    for r in results:
+        dp = next((x for x in results if x["world"] == r["world"] and x["strategy"] == "dp"), None)
+        export = max(r["export_peak_rss_bytes"]) / MB if r.get("export_peak_rss_bytes") else None
+        saved = f"{(max(r['peak_rss_bytes']) - max(dp['peak_rss_bytes'])) / MB:>+9.1f}" if dp else f"{'':>9}"
+        print(
+            f"{r['world']:>5} {r['strategy']:<9}{r.get('precision', 'fp32'):>10}"
+            f"{max(r['train_peak_rss_bytes']) / MB:>10.1f}{f'{export:.1f}' if export else '-':>10}"
+            f"{max(r['peak_rss_bytes']) / MB:>11.1f}{saved}"
+        )
+
+
+# -- FSDP2's worker ---------------------------------------------------------------------------------
 def rss_bytes(field: str) -> int:
     """VmRSS (now) or VmHWM (peak) of this process, from /proc (kB)."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -128,77 +267,26 @@ def rss_bytes(field: str) -> int:
     return 0
 
 
-def nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def optimizer_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(nbytes(v.to_local() if hasattr(v, "to_local") else v for v in s.values()) for s in opt.state.values())
-
-
-def build_model(args, strategy: str):
-    """The model as `strategy` gets it: whole for dp; on the meta device for the others (a user
-    factory's construction recorded for zero to replay, as the trainer does)."""
-    from paratrain.models.materialize import record_on_meta
+def build_model(args):
+    """The model on the meta device, as FSDP2's documentation builds it."""
     from paratrain.models.mlp import mlp
     from paratrain.resolve import resolve_callable
 
     torch.manual_seed(0)
-    if args.model:
-        factory = resolve_callable(args.model, "--model")
-    else:
-
-        def factory():
-            return mlp(in_features=args.in_features, hidden=args.hidden, n_layers=args.layers, out_features=10)
-
-    if strategy == "dp":
-        return factory()
-    if args.model and strategy != "fsdp2":
-        return record_on_meta(factory)
     with torch.device("meta"):
-        return factory()
+        if args.model:
+            return resolve_callable(args.model, "--model")()
+        return mlp(in_features=args.in_features, hidden=args.hidden, n_layers=args.layers, out_features=10)
 
 
-def ours(strategy: str, args, rt, step_args):
-    from paratrain import config as config_mod
-    from paratrain.optim import cross_entropy
-    from paratrain.parallel.registry import strategy_class
-
-    cfg = config_mod.from_dict(
-        {
-            "data": {"batch_size": args.batch * rt.world_size},
-            "train": {"optimizer": "adamw", "lr": 1e-4},
-            "parallel": {"strategy": strategy, "bucket_mb": args.bucket_mb},
-        }
-    )
-    engine = strategy_class(strategy)(build_model(args, strategy), cross_entropy, cfg, rt)
-    for _ in range(args.steps):
-        engine.train_step(step_args)
-    if strategy == "dp":
-        params = nbytes(engine.params)
-        grads = nbytes(b.buffer for b in engine.reducer.buckets)
-    else:
-        stage = engine.stage
-        if stage == 3:
-            params = nbytes(u.shard for u in engine.units) + engine.gatherer.peak_bytes
-        else:
-            params = nbytes(u.full for u in engine.units)
-        if stage == 1:
-            grads = nbytes(b.buffer for b in engine.reducer.buckets)
-        else:
-            grads = nbytes(u.grad_shard for u in engine.units) + engine.reducer.peak_bytes
-    n_params = sum(sum(u.numels) for u in engine.units) if strategy != "dp" else sum(p.numel() for p in engine.params)
-    return params, grads, optimizer_bytes(engine.optimizer), n_params
-
-
-def fsdp2(args, rt, step_args):
+def fsdp2(args, step_args) -> int:
     """FSDP2 as its documentation recommends: meta build, fully_shard every Linear and the root,
-    to_empty, then each module's reset_parameters on its shards."""
+    to_empty, then each module's reset_parameters on its shards; the steps. Its parameters."""
     from torch.distributed.fsdp import fully_shard
 
     from paratrain.optim import cross_entropy
 
-    model = build_model(args, "fsdp2")
+    model = build_model(args)
     for layer in model.children():
         if any(True for _ in layer.parameters()):
             fully_shard(layer)
@@ -214,10 +302,7 @@ def fsdp2(args, rt, step_args):
         cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()  # set_to_none: FSDP2 frees its sharded gradients
-    n_params = sum(p.numel() for p in model.parameters())  # global (DTensor) sizes
-    local = [p.to_local() for p in model.parameters()]
-    # Gradients were freed by zero_grad: count what the step held (one local shard per parameter).
-    return nbytes(local), nbytes(local), optimizer_bytes(opt), n_params
+    return sum(p.numel() for p in model.parameters())  # global (DTensor) sizes
 
 
 def worker(argv=None) -> None:
@@ -225,7 +310,6 @@ def worker(argv=None) -> None:
 
     p = argparse.ArgumentParser()
     add_model_options(p)
-    p.add_argument("--strategy", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     rt = process.init("cpu")
@@ -234,36 +318,14 @@ def worker(argv=None) -> None:
         torch.randn(args.batch, args.in_features, generator=g),
         torch.randint(0, 10, (args.batch,), generator=g),
     )
-    base_rss = rss_bytes("VmRSS")
-    t0 = time.perf_counter()
-    if args.strategy == "fsdp2":
-        params, grads, optim, n_params = fsdp2(args, rt, step_args)
-    else:
-        params, grads, optim, n_params = ours(args.strategy, args, rt, step_args)
-    elapsed = time.perf_counter() - t0
-    mine = torch.tensor([params, grads, optim, rss_bytes("VmHWM"), base_rss], dtype=torch.float64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    n_params = fsdp2(args, step_args)
+    peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(rt.world_size)]
+    dist.all_gather(peaks, torch.tensor([float(rss_bytes("VmHWM"))], dtype=torch.float64))
     if rt.is_main:
-        params, grads, optim, peak, base = mine.tolist()
-        Path(args.out).write_text(
-            json.dumps(
-                {
-                    "strategy": args.strategy,
-                    "world": rt.world_size,
-                    "model": args.model or "MLP",
-                    "parameters": n_params,
-                    "batch": args.batch,
-                    "bucket_mb": args.bucket_mb,
-                    "params_bytes": params,
-                    "grads_bytes": grads,
-                    "optim_bytes": optim,
-                    "tensor_bytes": params + grads + optim,
-                    "peak_rss_bytes": peak,
-                    "base_rss_bytes": base,
-                    "seconds": elapsed,
-                }
-            )
-        )
+        peak = [int(t.item()) for t in peaks]
+        fields = common_fields("fsdp2", rt.world_size, args, n_params)
+        result = {**fields, "precision": "fp32", "train_peak_rss_bytes": peak, "export_peak_rss_bytes": None}
+        Path(args.out).write_text(json.dumps({**result, "peak_rss_bytes": peak}))
     process.shutdown(together=True)
 
 

@@ -6,12 +6,13 @@
     state.py     a model's and an optimizer's state as flat tensors and back
     resume.py    whether a checkpoint resumes under this run's strategy and optimizer
     export.py    RUN_DIR/final/: the consolidated model
+    writer.py    safetensors files written a tensor at a time
     inspect.py   `paratrain inspect`
 
 What an engine or the trainer needs is importable from the package itself."""
 
-from paratrain.checkpoint.export import export_final
-from paratrain.checkpoint.format import FORMAT, CheckpointError, CheckpointMismatch, encode, rank_file, read_header
+from paratrain.checkpoint.export import export_final, export_model
+from paratrain.checkpoint.format import FORMAT, CheckpointError, CheckpointMismatch, rank_file, read_header
 from paratrain.checkpoint.reader import CheckpointReader, describe_mismatch, latest_valid
 from paratrain.checkpoint.save import save
 from paratrain.checkpoint.state import load_model_state, optimizer_from_tensors, optimizer_to_tensors
@@ -22,8 +23,8 @@ __all__ = [
     "CheckpointMismatch",
     "CheckpointReader",
     "describe_mismatch",
-    "encode",
     "export_final",
+    "export_model",
     "latest_valid",
     "load_model_state",
     "optimizer_from_tensors",

@@ -1,43 +1,75 @@
 """RUN_DIR/final/: the consolidated model as one safetensors file with its manifest, written into
-a hidden folder and renamed into place."""
+a hidden folder and renamed into place. The model comes a piece at a time (a strategy's
+model_chunks: one unit gathered at a time), each written as it comes (checkpoint/writer.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as st_save
 
-from paratrain.checkpoint.format import FINAL_FORMAT, UNFINISHED, fsync_dir, unshared, write_bytes_durably
+from paratrain.checkpoint.format import FINAL_FILE, FINAL_FORMAT, UNFINISHED, fsync_dir, write_bytes_durably
 from paratrain.checkpoint.save import remove_unfinished
+from paratrain.checkpoint.writer import Layout, write_safetensors
 
 
 # -- the consolidated export ---------------------------------------------------------------------
 def export_final(
-    run_dir: Path, state: dict[str, torch.Tensor], *, step: int, config: dict, extra: dict, files: dict | None = None
+    run_dir: Path,
+    layout: Layout,
+    chunks: Iterable[dict[str, torch.Tensor]],
+    *,
+    step: int,
+    config: dict,
+    extra: dict,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
-    """RUN_DIR/final/model.safetensors keyed exactly like the user's model.state_dict(), and `files`
-    (name -> bytes) beside it: a transformers model's config.json (models/hf.py)."""
+    """RUN_DIR/final/model.safetensors keyed exactly like the user's model.state_dict(): `layout`
+    names every tensor's dtype and shape, `chunks` bring their values; `files` (name -> bytes) go
+    beside it (a transformers model's config.json: models/hf.py)."""
     run_dir = Path(run_dir)
-    tmp, final = run_dir / f"{UNFINISHED}final", run_dir / "final"
+    final = export_model(run_dir / "final", layout, chunks, step=step, config=config, extra=extra, files=files)
+    remove_unfinished(run_dir / "checkpoints")  # the run is over: no save of it is under way
+    return final
+
+
+def export_model(
+    final: Path,
+    layout: Layout,
+    chunks: Iterable[dict[str, torch.Tensor]],
+    *,
+    step: int,
+    config: dict,
+    extra: dict,
+    files: dict[str, bytes] | None = None,
+) -> Path:
+    """FOLDER/model.safetensors, `files` beside it and its manifest.json, written aside and renamed
+    into place (the Python API's pt.export names FOLDER)."""
+    final = Path(final)
+    tmp = final.parent / f"{UNFINISHED}{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    data = st_save(unshared(state), metadata={"format": "pt"})
-    files = {"model.safetensors": data, **(files or {})}
-    for name, content in files.items():
+    digest, size = write_safetensors(tmp / FINAL_FILE, layout, chunks, {"format": "pt"})
+    listed = {FINAL_FILE: {"sha256": digest, "bytes": size}}
+    for name, content in (files or {}).items():
         write_bytes_durably(tmp / name, content)
+        listed[name] = {"sha256": hashlib.sha256(content).hexdigest(), "bytes": len(content)}
     manifest = {
         "format": FINAL_FORMAT,
         "step": step,
         "config": config,
-        "files": {name: {"sha256": hashlib.sha256(b).hexdigest(), "bytes": len(b)} for name, b in files.items()},
+        "files": listed,
         "tensors": {
-            k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in state.items()
+            k: {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+            for k, (dtype, shape) in layout.items()
         },
+        "parameters": sum(math.prod(shape) for _, shape in layout.values()),
         **extra,
     }
     write_bytes_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
@@ -45,6 +77,5 @@ def export_final(
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    fsync_dir(run_dir)
-    remove_unfinished(run_dir / "checkpoints")  # the run is over: no save of it is under way
+    fsync_dir(final.parent)
     return final

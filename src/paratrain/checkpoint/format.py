@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from paratrain.errors import ConfigError
 
@@ -62,24 +61,6 @@ def write_bytes_durably(path: Path, data: bytes) -> None:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
-
-
-def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses views and tensors that share memory: give each its own storage."""
-    seen, out = set(), {}
-    for key, t in tensors.items():
-        t = t.detach().cpu()
-        storage = t.untyped_storage()
-        whole = t.is_contiguous() and t.storage_offset() == 0 and storage.nbytes() == t.numel() * t.element_size()
-        if not whole or storage.data_ptr() in seen:
-            t = t.clone(memory_format=torch.contiguous_format)
-        seen.add(t.untyped_storage().data_ptr())
-        out[key] = t
-    return out
-
-
-def encode(tensors: dict[str, torch.Tensor], meta: dict) -> bytes:
-    return st_save(unshared(tensors), metadata={"json": json.dumps(meta)})
 
 
 def decode(data: bytes, source: Path) -> tuple[dict[str, torch.Tensor], dict]:

@@ -3,7 +3,6 @@ manifest, the folder synced and renamed into place; older ones pruned."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -13,8 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratrain.checkpoint.format import FORMAT, UNFINISHED, VERIFIED, encode, fsync_dir, rank_file, write_bytes_durably
+from paratrain.checkpoint.format import FORMAT, UNFINISHED, VERIFIED, fsync_dir, rank_file, write_bytes_durably
 from paratrain.checkpoint.reader import is_valid, list_checkpoints
+from paratrain.checkpoint.writer import layout_of, write_safetensors
 from paratrain.comm import collectives
 from paratrain.runtime import faults
 
@@ -61,12 +61,12 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier(world_size, group)
-    data = encode(tensors, meta)
-    write_bytes_durably(tmp / rank_file(rank), data)
+    # a tensor at a time: no copy of the shard is made (dp's rank 0 holds the whole model and optimizer)
+    pieces = ({k: v} for k, v in tensors.items())
+    digest, size = write_safetensors(tmp / rank_file(rank), layout_of(tensors), pieces, {"json": json.dumps(meta)})
     if faults.active("exit_in_save", rank=rank, step=step):
         os._exit(17)  # a crash between the shards and the manifest
-    digests = _gather_digests(hashlib.sha256(data).hexdigest(), len(data), device, world_size, group)
-    del data
+    digests = _gather_digests(digest, size, device, world_size, group)
     if rank == 0:
         manifest = {
             "format": FORMAT,

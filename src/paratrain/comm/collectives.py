@@ -132,6 +132,9 @@ class _Tracked:
             raise CollectiveFailure(explain_failure(exc, self.record)) from exc
 
 
+# Inside a block that train.compile compiles (tensor parallelism's paired operators), a collective
+# is a graph break: its logging, fingerprint and profiling run eagerly, as everywhere else
+@torch.compiler.disable
 def _issue(kind: str, fn, tensor: torch.Tensor, what: str, **kwargs):
     if faults.active("skip_collective", rank=dist.get_rank(), step=LOG.step, what=what):
         return Handle() if kwargs.get("async_op") else None  # as if this rank never issued it
@@ -191,6 +194,9 @@ class CollectiveFailure(RuntimeError):
     """A collective timed out or broke; the message names the rank, operation and step."""
 
 
+DIAGNOSE = True  # whether a failed collective waits for its peers' logs to name the culprit
+
+
 def _store():
     return dist.distributed_c10d._get_default_store()
 
@@ -201,6 +207,8 @@ def explain_failure(exc: BaseException, record: Record | None = None, wait_s: fl
     if isinstance(exc, CollectiveFailure):
         return str(exc)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if not DIAGNOSE:  # fault.on_failure = "continue": the survivors regroup instead (runtime/survive.py)
+        return f"rank {rank}: {str(exc).strip()[:200]}"
     mine = record or LOG.last
     head = (
         f"rank {rank}: collective {mine.describe()} did not complete" if mine else f"rank {rank}: a collective failed"

@@ -2,6 +2,7 @@
 the (pp, dp, tp) mesh of model parallelism, and the few groups other parts need besides.
 
     build_mesh    the (pp, dp, tp) DeviceMesh of tp, pp and hybrid
+    replica_groups  parallel.replicas: the ranks of one replica, and each shard's ranks across them
     subgroup      some ranks, made by every rank (tied weights across pipeline stages, ps servers)
     host_group    every rank on gloo: host-side agreements (a stop, ps traffic beside NCCL)
     live_group    some ranks, made by them alone: the ones left when others are gone
@@ -72,6 +73,31 @@ def build_mesh(tp: int, pp: int, device_type: str) -> Mesh:
     mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
     return Mesh(mesh, pp, dp, tp, pp_rank, dp_rank, tp_rank)
+
+
+@dataclass
+class Replicas:
+    """parallel.replicas = R over a world of W ranks: replica r is ranks r*S .. r*S+S-1 (S = W/R,
+    adjacent like tp's ranks, so that the frequent traffic inside a replica stays on a node's fast
+    links); a strategy shards over `inner` and averages each shard over `across`, the ranks at the
+    same place in every replica. Both are None when R is 1 (the world is the one replica)."""
+
+    count: int
+    size: int
+    replica: int  # this rank's replica
+    inner: object = None
+    across: object = None
+
+
+def replica_groups(replicas: int) -> Replicas:
+    """Collective over the world: every rank makes every replica's groups, in the same order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    size = world // replicas
+    if replicas == 1:
+        return Replicas(1, world, 0)
+    inner = [dist.new_group(list(range(r * size, (r + 1) * size))) for r in range(replicas)]
+    across = [dist.new_group(list(range(i, world, size))) for i in range(size)]
+    return Replicas(replicas, size, rank // size, inner[rank // size], across[rank % size])
 
 
 def subgroup(ranks: list[int], backend: str | None = None):

@@ -66,6 +66,9 @@ class GlobalBatchSampler:
     def global_indices(self, step: int) -> torch.Tensor:
         # NumPy inside: a step's indices take a dozen small operations, cheaper there than in torch.
         first = self.first_position(step)
+        epoch, offset = divmod(first, self.n)
+        if offset + self.global_batch <= self.n:  # within one epoch, as most batches are: a slice
+            return torch.from_numpy(self.epoch_ids(epoch, np.arange(offset, offset + self.global_batch)))
         pos = np.arange(first, first + self.global_batch)
         epochs = pos // self.n
         out = np.empty_like(pos)

@@ -3,7 +3,10 @@
 A strategy owns the (possibly split) model and its optimizer. The trainer only calls:
     set_lr(lr); train_step((inputs, targets)) -> local mean loss; eval_step(...);
     state_dict() -> (tensors, json) for this rank's checkpoint file; load_state_dict(reader);
-    full_model_state() -> the consolidated state dict on rank 0 (None elsewhere; a collective).
+    model_layout() -> on rank 0, every tensor of the consolidated model: (dtype, shape) by name;
+    model_chunks() -> the consolidated model, a piece at a time on rank 0 (a collective: one unit
+                      gathered at a time, so the export never holds the whole model beside the
+                      training state); full_model_state() joins them (None off rank 0).
 and reads three attributes:
     dp_rank, dp_size  which share of each global batch this rank reads (ranks of one model replica,
                       e.g. the tp or pp ranks of it, read the same share);
@@ -52,7 +55,7 @@ trace's timeline.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -136,6 +139,24 @@ class Strategy:
         finally:
             self.model.train()
 
+    # -- the Python API's own loop (paratrain/api.py) ---------------------------------------------
+    # A strategy whose schedule owns forward and backward keeps these defaults: the user's loop
+    # calls train_step, and the engine's optimizer is built from the [train] keys the API set.
+    adopts_optimizers = False  # True: adopt_optimizer takes any torch.optim optimizer
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Train with the user's optimizer (its class, hyper-parameters and param groups, built
+        over the model's parameters as the user passed it); returns the one to step."""
+        return self.optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The user's own loop: leaves every rank's gradients the global batch's mean."""
+        raise OwnLoopUnsupported(self.name, "backward")
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over every rank's gradients) to max_norm; returns it."""
+        raise OwnLoopUnsupported(self.name, "clip_grad_norm_")
+
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         raise NotImplementedError
@@ -143,8 +164,36 @@ class Strategy:
     def load_state_dict(self, reader) -> None:
         raise NotImplementedError
 
-    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+    def model_layout(self) -> dict[str, tuple[torch.dtype, torch.Size]]:
+        """What the export's header needs before any value: the dtype and shape of every tensor,
+        keyed like the user's model.state_dict()."""
+        return {k: (v.dtype, v.shape) for k, v in self.model.state_dict().items()}
+
+    def model_chunks(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Collective: {name: tensor} pieces that together are the consolidated model, yielded on
+        rank 0 (nothing elsewhere). A piece's memory may be reused once the next is asked for."""
         raise NotImplementedError
+
+    def full_model_state(self) -> dict[str, torch.Tensor] | None:
+        """The consolidated state dict on rank 0 (None elsewhere; a collective)."""
+        state = {k: v.detach().cpu().clone() for chunk in self.model_chunks() for k, v in chunk.items()}
+        return state if self.rt.rank == 0 else None
+
+
+def whole_model_chunks(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """The chunks of a model this rank holds whole: a tensor at a time, no copy."""
+    for k, v in model.state_dict().items():
+        yield {k: v}
+
+
+class OwnLoopUnsupported(RuntimeError):
+    """An own-loop call under a strategy whose schedule owns forward and backward."""
+
+    def __init__(self, strategy: str, call: str):
+        super().__init__(
+            f"pt.{call}: strategy {strategy!r} runs forward and backward in its own schedule; "
+            f"use pt.setup(model, optimizer, loss=fn) and loss = pt.train_step(batch)"
+        )
 
 
 @torch.no_grad()

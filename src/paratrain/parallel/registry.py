@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, note
 from paratrain.parallel.dp.spec import DataParallelSpec
 from paratrain.parallel.federated.spec import FederatedSpec
 from paratrain.parallel.hybrid.spec import ModelParallelSpec
@@ -46,7 +46,19 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def build_strategy(model, loss_fn, cfg: Config, rt) -> Strategy:
-    return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+    strategy = strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+    if cfg.train.precision == "bf16" and rt.device.type == "cpu" and rt.is_main:
+        from paratrain.parallel.codecs.powersgd import cpu_multiplies_bf16_natively
+
+        if not cpu_multiplies_bf16_natively():
+            note(
+                "train.precision = bf16 on a CPU without native bf16 (no AMX or AVX512-BF16): its matmuls are emulated, slower than fp32"
+            )
+    if cfg.train.compile:  # the blocks as the strategy placed, sharded and cut them (models/compiled.py)
+        from paratrain.models.compiled import compile_blocks
+
+        compile_blocks(model)
+    return strategy
 
 
 def checkpoint_family(name: str) -> str | None:
@@ -59,6 +71,17 @@ def check_config(cfg: Config) -> None:
     name = cfg.parallel.strategy
     if name not in SPECS:
         raise ConfigError("parallel.strategy", f"must be one of {' | '.join(SPECS)}, got {name!r}")
+    if cfg.parallel.replicas > 1 and not SPECS[name].takes_replicas:
+        takers = " | ".join(n for n, s in SPECS.items() if s.takes_replicas)
+        raise ConfigError("parallel.replicas", f"must be 1 for strategy {name!r} (replica groups take {takers})")
+    if cfg.fault.on_failure == "continue":
+        if not SPECS[name].takes_replicas:
+            takers = " | ".join(n for n, s in SPECS.items() if s.takes_replicas)
+            raise ConfigError("fault.on_failure", f"'continue' takes strategies {takers}, not {name!r}")
+        if cfg.parallel.compression in ("topk", "powersgd"):  # each rank's error feedback: not re-dealt
+            raise ConfigError(
+                "fault.on_failure", f"'continue' takes no parallel.compression {cfg.parallel.compression!r}"
+            )
     SPECS[name].check_config(cfg)
 
 
@@ -76,6 +99,8 @@ def check_world(cfg: Config, world_size: int) -> None:
     """Checks that depend on the number of processes."""
     strategy = spec(cfg.parallel.strategy)
     strategy.check_layout(cfg, world_size)
+    if world_size % cfg.parallel.replicas:
+        raise ConfigError("parallel.replicas", f"{cfg.parallel.replicas} does not divide the world size {world_size}")
     dp = strategy.data_parallel_degree(cfg, world_size)
     per_step = dp * cfg.train.grad_accum
     if cfg.data.batch_size % per_step:

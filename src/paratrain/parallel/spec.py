@@ -36,6 +36,7 @@ class Spec:
     codecs: tuple[str, ...] = ("none",)  # the parallel.compression values it accepts
     degrees: tuple[str, ...] = ()  # which of parallel.tp and parallel.pp it may set above 1
     materializes_models = False  # builds the model on meta and materialises it shard by shard
+    takes_replicas = False  # whether parallel.replicas may split the world into replica groups
     # where `plan --search` tries it: "replica" (every device holds the whole model: tp = pp = 1),
     # "mesh" (the tp x pp grids), "" (not searched)
     searched_as = ""
@@ -73,6 +74,10 @@ class Spec:
         """How many model replicas read different data: the divisor of the global batch."""
         return world_size // (cfg.parallel.tp * cfg.parallel.pp)
 
+    def replica_size(self, cfg: Config, world_size: int) -> int:
+        """The ranks of one replica: what fault.on_failure = "continue" loses and restarts together."""
+        return world_size // cfg.parallel.replicas
+
     def role_of(self, cfg: Config, rank: int) -> str:
         """What a rank does, for messages about it."""
         return "worker"
@@ -84,7 +89,7 @@ class Spec:
     def mesh(self, cfg: Config, world_size: int) -> dict[str, int]:
         """The rank grid the plan shows."""
         p = cfg.parallel
-        return {"dp": self.data_parallel_degree(cfg, world_size), "tp": p.tp, "pp": p.pp}
+        return {"dp": self.data_parallel_degree(cfg, world_size), "tp": p.tp, "pp": p.pp, "replicas": p.replicas}
 
     def plan_ranks(self, cfg: Config, model, ranks: list, rows: int, device: str) -> tuple[list[dict], list[str]]:
         """Fill in each rank's plan (`ranks`: plan.RankPlan, `model` on meta, `rows` per microbatch);

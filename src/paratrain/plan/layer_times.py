@@ -8,7 +8,8 @@ changes with every op's shape, thread count and kernel; no FLOP count predicts i
 does. So each of the model's pipeline layers (the whole model where it has none) runs here for
 real, on a microbatch of the plan's rows, at the thread count a worker of the planned run gets
 (the launcher gives each of N processes cores // N threads): forward alone, and backward alone
-from the gradient of its output, the loss in the last layer's. Medians of a few repeats, once
+from the gradient of its output, the loss in the last layer's; compiled block by block where the
+config says train.compile = true (models/compiled.py). Medians of a few repeats, once
 per (model, rows, threads); likewise the optimizer's step (from memory, not cache, as a run meets
 it). They are kept in a small JSON file beside the cluster file (`cluster.toml` ->
 `cluster.times.json`) that later plans on it reuse; --calibrate starts it afresh. How much N
@@ -56,6 +57,8 @@ def layer_times(
     if forward_flops > MAX_FLOPS:
         return None
     key = ("layers", repr(cfg.model), repr(cfg.data), cfg.train.precision, rows, threads)
+    if cfg.train.compile:  # a compiled layer is another stopwatch reading (the key keeps eager's as it was)
+        key += ("compiled",)
     what = f"{cfg.model.factory} layers, {rows} rows, {threads} threads"
     pairs = _remembered(store, key, what, threads, lambda: _measure(cfg, rows), pairs=True)
     return [LayerTime(*pair) for pair in pairs]
@@ -188,12 +191,15 @@ def _measure(cfg: Config, rows: int) -> list[list[float]]:
     from paratrain.data import build_dataset, load_batch
     from paratrain.data.batch import feed, tree_map
     from paratrain.models import build_model
+    from paratrain.models.compiled import compile_blocks
     from paratrain.optim import build_loss
     from paratrain.parallel.pipeline.cut import pipeline_layers
 
     torch.manual_seed(cfg.train.seed)
     dataset = build_dataset(cfg, "train")
     model = build_model(cfg, dataset)
+    if cfg.train.compile:  # the layers as the run will run them; each timing's untimed first calls compile
+        compile_blocks(model)
     layers = pipeline_layers(model) or [model]
     loss_fn = build_loss(cfg)
     x, y = load_batch(dataset, torch.arange(rows))

@@ -148,6 +148,12 @@ def render(plan: dict) -> str:
             f"mesh: dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} "
             f"(global rank = (pp * {mesh['dp']} + dp) * {mesh['tp']} + tp)"
         )
+        if mesh.get("replicas", 1) > 1:
+            size = plan["world_size"] // mesh["replicas"]
+            lines.append(
+                f"replicas {mesh['replicas']} of {size} ranks (replica = rank // {size}): state sharded inside "
+                "a replica, gradient shards averaged across them"
+            )
     lines.append(
         f"batch: {b['global']} samples per step, {b['per_replica']} per data-parallel replica, "
         f"{b['microbatches']} microbatch(es) of {b['rows_per_microbatch']}"

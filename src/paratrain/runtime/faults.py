@@ -8,6 +8,8 @@ PARATRAIN_FAULTS holds `;`-separated faults, each `name@key=value,key=value`, e.
     fed_kill@rank=2,round=2                              federated worker rank 2 SIGKILLs itself mid-round
     fed_stall@rank=2,round=1                             federated worker rank 2 stalls 1.5 round_timeout_s
     fed_drop@client=4,round=0                            federated client 4 masks its update, then never sends it
+    kill@rank=2,step=30,attempt=0                        rank 2 SIGKILLs itself as step 31 begins (first start only)
+    kill_joining@rank=2,incarnation=1                    rank 2, started again once (continue), dies rejoining
 A fault fires when every key it names matches; unset (the normal case) costs one environment lookup.
 `paratrain` checks the value before any worker starts (exit 2 if malformed) and warns whenever it
 is set: a run with faults set fails on purpose.
@@ -31,6 +33,8 @@ KNOWN = (
     "fed_drop",
     "fed_stall",
     "fed_kill",
+    "kill",  # any rank, at the start of a step (the trainer)
+    "kill_joining",  # a rank rejoining under fault.on_failure = "continue", before it takes the state
 )  # federated clients and client ranks
 
 
@@ -61,3 +65,11 @@ def active(name: str, **context) -> bool:
         if all(str(context.get(k)) == v for k, v in spec.items()):
             return True
     return False
+
+
+def kill_if(name: str, **context) -> None:
+    """SIGKILL this process where fault `name` fires: a node lost, with no word to anyone."""
+    if active(name, **context):
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -26,7 +26,7 @@ from torch import nn
 from paratrain import checkpoint as ckpt
 from paratrain.data.batch import feed
 from paratrain.optim import build_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters, whole_model_chunks
 from paratrain.parallel.codecs.basic import Uncompressed, build_codec
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.profile import NULL_PROFILER
@@ -106,12 +106,17 @@ class GradientReducer:
         for b in self.buckets:
             b.allocate()
             b.bind_grads()
-        for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.world > 1:  # alone, nothing overlaps backward: finish() does the little there is
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, rebind: bool = False) -> None:
+        """`rebind`: point .grad at the buckets again even where it already was (the user's
+        optimizer.zero_grad() set it to None)."""
         for b in self.buckets:
             self.codec.reset(b.index, b.buffer, b.shapes)
+            if rebind:
+                b.bound = None
             b.bind_grads()  # backward accumulates into the buffer (finish may have pointed elsewhere)
 
     def prepare(self, sync: bool) -> None:
@@ -176,6 +181,42 @@ class GradientReducer:
             b.bound.mul_(factor)
 
 
+class LoneReducer:
+    """dp in a group of one: nothing to average, so no buckets. Gradients are what backward makes
+    (set to None between steps: no zeroing pass, and the first gradient is taken, not added into a
+    bucket), as in a plain loop; finish() only takes the norm, for clipping and the skip of a
+    non-finite step. Measured on an 8.7M-parameter MLP at one thread: the buckets' zeroing,
+    accumulation and norm made the step 17% slower than a plain loop's."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device, codec):
+        self.params, self.device, self.codec = params, device, codec  # the codec: only its (empty) state
+        self.profiler = NULL_PROFILER
+
+    def zero_grad(self, rebind: bool = False) -> None:
+        """`rebind` (the Python API, after the user's own zero_grad): nothing to point back at."""
+        if not rebind:
+            for p in self.params:
+                p.grad = None
+
+    def prepare(self, sync: bool) -> None:
+        pass
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def finish(self) -> torch.Tensor:
+        grads = self._grads()
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+    def discard(self) -> None:
+        self.zero_grad()
+
+    def scale_(self, factor: torch.Tensor) -> None:
+        torch._foreach_mul_(self._grads(), factor)
+
+
 class DataParallel(Strategy):
     name = "dp"
 
@@ -189,7 +230,11 @@ class DataParallel(Strategy):
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         codec = build_codec(cfg.parallel, seed=cfg.train.seed)
-        self.reducer = GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group, codec)
+        self.reducer = (
+            GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group, codec)
+            if dist.get_world_size(group) > 1
+            else LoneReducer(self.params, rt.device, codec)
+        )
         self.optimizer = build_optimizer(self.params, cfg.train)
 
     @property
@@ -205,26 +250,49 @@ class DataParallel(Strategy):
         self.reducer.zero_grad()
         self.batchnorm.before_step()
         micro = self.micro_batches(batch)
-        total = torch.zeros((), device=self.rt.device)
+        losses = []
         for i, (x, y) in enumerate(micro):
             last = i == len(micro) - 1
             self.reducer.prepare(sync=last)
             with prof.phase("forward"), self.autocast():
                 loss = self.loss_fn(feed(self.model, x), y)
             with prof.phase("backward"):
-                (loss / len(micro)).backward()
-            total += loss.detach()
+                (loss / len(micro) if len(micro) > 1 else loss).backward()
+            losses.append(loss.detach())
+        mean = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         # finish(): waits count as "comm" and codec arithmetic as "compress" (inside the codec)
         norm = self.reducer.finish()
         with prof.phase("optimizer"):
             self.skipped_step = not bool(torch.isfinite(norm))
             if self.skipped_step:
                 self.reducer.discard()
-                return total / len(micro)
+                return mean
             if self.cfg.train.clip_grad_norm > 0:
                 self.reducer.scale_(clip_factor(norm, self.cfg.train.clip_grad_norm))
             self.optimizer.step()
-        return total / len(micro)
+        return mean
+
+    # -- the Python API's own loop ----------------------------------------------------------------
+    adopts_optimizers = True
+
+    def adopt_optimizer(self, optimizer):
+        """The user's optimizer as it is: it holds the model's own parameters, whose .grad are
+        views into the buckets."""
+        self.optimizer = optimizer
+        return optimizer
+
+    def backward(self, loss) -> None:
+        """Every backward communicates (a second one before a zero_grad adds the next average to
+        the first: gradient accumulation, as under DDP without no_sync)."""
+        if any(p.grad is None for p in self.params):  # the user's zero_grad() let them go
+            self.reducer.zero_grad(rebind=True)
+        self.reducer.prepare(sync=True)
+        loss.backward()
+        self.grad_norm = self.reducer.finish()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        self.reducer.scale_(clip_factor(self.grad_norm, max_norm))
+        return self.grad_norm
 
     # -- state: every rank holds the same model and optimizer, so rank 0 writes them ----------
     # (and each rank its own compression memory: error feedback differs per rank)
@@ -234,7 +302,7 @@ class DataParallel(Strategy):
             return codec, {}
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         tensors.update(codec)
-        opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self.param_names)
+        opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self._optimizer_names())
         tensors.update(opt_tensors)
         return tensors, {"optimizer": opt_meta}
 
@@ -242,14 +310,18 @@ class DataParallel(Strategy):
         tensors, meta = reader.load(rank=0)
         model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
         ckpt.load_model_state(self.model, model_state)
-        ckpt.optimizer_from_tensors(self.optimizer, self.param_names, tensors, meta["optimizer"])
+        ckpt.optimizer_from_tensors(self.optimizer, self._optimizer_names(), tensors, meta["optimizer"])
         if reader.world_size == self.rt.world_size:  # at another world size the memory starts empty
             own = tensors if self.rt.rank == 0 else reader.load(rank=self.rt.rank)[0]
             self.reducer.codec.load_state_dict(
                 {k[len("compression.") :]: v.to(self.rt.device) for k, v in own.items() if k.startswith("compression.")}
             )
 
-    def full_model_state(self):
-        if self.rt.rank != 0:
-            return None
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+    def _optimizer_names(self) -> list[str]:
+        """The names of the optimizer's parameters in its param_groups order (a user's optimizer
+        may group them otherwise than the model registers them)."""
+        name_of = {id(p): n for n, p in zip(self.param_names, self.params)}
+        return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
+    def model_chunks(self):
+        return whole_model_chunks(self.model) if self.rt.rank == 0 else iter(())

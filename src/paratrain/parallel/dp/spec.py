@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from paratrain.parallel.spec import Spec
 
 if TYPE_CHECKING:
-    pass
+    from paratrain.config import Config
 
 
 class DataParallelSpec(Spec):
@@ -19,3 +19,8 @@ class DataParallelSpec(Spec):
     checkpoint_family = "dp"
     codecs = ("none", "bf16", "fp16", "topk", "powersgd")
     searched_as = "replica"
+    takes_replicas = True
+
+    def replica_size(self, cfg: Config, world_size: int) -> int:
+        """Every rank holds the whole model: each is a replica unless parallel.replicas groups them."""
+        return world_size // cfg.parallel.replicas if cfg.parallel.replicas > 1 else 1

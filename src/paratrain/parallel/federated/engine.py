@@ -39,7 +39,7 @@ from paratrain.comm import grid
 from paratrain.data import build_dataset
 from paratrain.errors import say
 from paratrain.optim import set_lr
-from paratrain.parallel.base import Strategy, unique_parameters
+from paratrain.parallel.base import Strategy, unique_parameters, whole_model_chunks
 from paratrain.parallel.federated import secagg
 from paratrain.parallel.federated.client import LocalTrainer, copy_into
 from paratrain.parallel.federated.partition import deal_clients, describe, local_batches, write_report
@@ -205,8 +205,8 @@ class Federated(ServerRound, WorkerRound, Strategy):
         self.round = int(meta["federated"]["round"])
         copy_into(self.params, self.global_flat.to(self.rt.device))
 
-    def full_model_state(self):
+    def model_chunks(self):
         if not self.is_server:
-            return None
+            return iter(())
         copy_into(self.params, self.global_flat.to(self.rt.device))
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return whole_model_chunks(self.model)

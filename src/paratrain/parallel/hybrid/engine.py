@@ -38,7 +38,7 @@ from paratrain.parallel.hybrid.parallelize import (
     virtual_stages,
     wrap_dp,
 )
-from paratrain.parallel.hybrid.state import gather_full_state, load_resharded
+from paratrain.parallel.hybrid.state import load_resharded, model_chunks
 from paratrain.parallel.pipeline.cut import parameters_outside, pipeline_layers, splittable_layers, tied_spans
 from paratrain.parallel.pipeline.runner import PipelineRunner, boundary_shape_fn
 from paratrain.parallel.pipeline.schedules import SCHEDULES, forward_only, one_f_one_b
@@ -281,5 +281,8 @@ class ModelParallel(Strategy):
     def load_state_dict(self, reader) -> None:
         load_resharded(self, reader)
 
-    def full_model_state(self):
-        return gather_full_state(self)
+    def model_layout(self):
+        return {k: (v.dtype, v.shape) for k, v in self.full_meta.state_dict().items()}
+
+    def model_chunks(self):
+        return model_chunks(self)

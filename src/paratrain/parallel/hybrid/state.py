@@ -1,5 +1,5 @@
 """ModelParallel's state across layouts: resuming any (pp, dp, tp) layout from a checkpoint of any
-other, and gathering the consolidated model on rank 0. `mp` is the ModelParallel of this rank."""
+other, and handing the consolidated model to rank 0 a tensor at a time. `mp` is the ModelParallel of this rank."""
 
 from __future__ import annotations
 
@@ -65,56 +65,27 @@ def load_resharded(mp, reader) -> None:
     ckpt.optimizer_from_tensors(mp.optimizer, mp.param_names, optim, {"param_groups": groups, "scalars": scalars})
 
 
-def gather_full_state(mp):
-    """Collective. tp shards are gathered inside each stage, then every stage's leader sends its
-    tensors to rank 0 in one flat message per dtype; rank 0 knows every shape from the meta copy."""
+def model_chunks(mp):
+    """Collective, a tensor at a time in the unsplit model's order: its tp shards joined inside its
+    stage, then sent by the stage's leader to rank 0, which knows every shape from the meta copy."""
     mesh = mp.mesh
     full = mp.full_meta.state_dict()
-    mine = {}
-    if mesh.dp_rank == 0:
-        for k, t in mp._local_state().items():
+    if mesh.dp_rank != 0:
+        return
+    local = mp._local_state()
+    stage_of_key = stage_of_keys(mp.full_meta, mp.cfg, mp.bounds)
+    for k, meta in full.items():
+        q = stage_of_key[k] % mesh.pp
+        if mesh.pp_rank == q:
+            t = local[k].detach()
             if k in mp.shard_dims:
                 dim = mp.shard_dims[k]
-                t = all_gather_dim(t.detach(), dim, full[k].shape[dim], mesh.tp_group)
-            mine[k] = t.detach()
-    if mesh.dp_rank != 0 or mesh.tp_rank != 0:
-        return None
-    stage_keys = keys_per_pp_rank(mp, full)
-    if mp.rt.rank != 0:
-        for flat in _flatten_by_dtype([mine[k] for k in stage_keys[mesh.pp_rank]]):
-            dist.send(flat, dst=0)
-        return None
-    state = dict(mine)
-    for q in range(1, mesh.pp):
-        keys = stage_keys[q]
-        metas = [full[k] for k in keys]
-        for dtype, members in _group_by_dtype(metas).items():
-            flat = torch.empty(sum(metas[i].numel() for i in members), dtype=dtype, device=mp.rt.device)
-            dist.recv(flat, src=mesh.global_rank(q, 0, 0))
-            offset = 0
-            for i in members:
-                n = metas[i].numel()
-                state[keys[i]] = flat[offset : offset + n].view(metas[i].shape)
-                offset += n
-    return {k: state[k].cpu() for k in full}
-
-
-def keys_per_pp_rank(mp, full: dict) -> list[list[str]]:
-    """The keys each pipeline rank holds, in the unsplit model's order (the same cut on the
-    meta copy tells every rank what the others hold)."""
-    stage_of_key = stage_of_keys(mp.full_meta, mp.cfg, mp.bounds)
-    per_rank: list[list[str]] = [[] for _ in range(mp.mesh.pp)]
-    for k in full:
-        per_rank[stage_of_key[k] % mp.mesh.pp].append(k)
-    return per_rank
-
-
-def _group_by_dtype(tensors) -> dict[torch.dtype, list[int]]:
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    return groups
-
-
-def _flatten_by_dtype(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.cat([tensors[i].reshape(-1) for i in members]) for members in _group_by_dtype(tensors).values()]
+                t = all_gather_dim(t, dim, meta.shape[dim], mesh.tp_group)
+            if mp.rt.rank == 0:
+                yield {k: t}
+            elif mesh.tp_rank == 0:
+                dist.send(t.contiguous(), dst=0)
+        elif mp.rt.rank == 0:
+            t = torch.empty(meta.shape, dtype=meta.dtype, device=mp.rt.device)
+            dist.recv(t, src=mesh.global_rank(q, 0, 0))
+            yield {k: t}

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from paratrain import checkpoint as ckpt
 from paratrain.errors import say
 from paratrain.optim import build_optimizer
-from paratrain.parallel.base import clip_factor
+from paratrain.parallel.base import clip_factor, whole_model_chunks
 from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG, first_line
 from paratrain.runtime.guard import drop_worker
 
@@ -308,12 +308,12 @@ class ServerSide:
                 self.optimizer, self.own_names, tensors, {"param_groups": groups[0], "scalars": scalars}
             )
 
-    def full_model_state(self):
+    def model_chunks(self):
         """Rank 0 gathers every server's shard (and the model's buffers from the first live worker)."""
         buffers = [b for _, b in self.model.named_buffers()]
         if self.rt.rank != 0:
             self._wait(self._p2p(dist.isend, self.param_buf, 0, EXPORT_TAG), 0)
-            return None
+            return iter(())
         for s in self.servers[1:]:
             buf = self.shards[s].new_buffer()
             self._wait(self._p2p(dist.irecv, buf, s, EXPORT_TAG), s)
@@ -327,7 +327,7 @@ class ServerSide:
             for b in buffers:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return whole_model_chunks(self.model)
 
 
 class PushStats:

@@ -115,10 +115,10 @@ class WorkerSide:
     def _resume(self, metas: list[dict], tensors: dict) -> None:
         self.versions = [max(m["ps"]["version"] for m in metas)] * len(self.servers)
 
-    def full_model_state(self):
+    def model_chunks(self):
         """The first live worker sends rank 0 the model's buffers (servers hold parameters only)."""
         buffers = [b for _, b in self.model.named_buffers()]
         if self.rt.rank == self._first_live_worker() and buffers:
             flat = torch.cat([b.detach().double().cpu().reshape(-1) for b in buffers])
             self._wait(self._p2p(dist.isend, flat, 0, EXPORT_TAG), 0)
-        return None
+        return iter(())

@@ -110,7 +110,10 @@ class FlatUnit:
         self.shard_numel = self.numel // world
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         self.full: torch.Tensor | None = None  # the whole flat parameter (views: the module's params)
-        self.shard: nn.Parameter | None = None  # this rank's slice: what the optimizer updates
+        self.shard: nn.Parameter | None = None  # this rank's slice
+        # what the optimizer updates: (param index, start, end, at as in own_pieces, the piece of
+        # the shard as a parameter of its own), so an optimizer's param groups can follow the model's
+        self.pieces: list[tuple[int, int, int, int, nn.Parameter]] = []
         self.grad_full: torch.Tensor | None = None  # the whole flat gradient, while it is being reduced
         self.grads: list[torch.Tensor | None] = [None] * len(params)  # or each gradient, reduced in place
         self.pending = len(params)

@@ -26,6 +26,13 @@ One optimizer step, per stage (N ranks; "full" = every rank holds all of it):
                 (prefetches only within twice the largest unit: zero/gather.py.ParameterGatherer)
      step:      optimizer on the shards; nothing to gather (the next forward gathers)
 
+Replica groups (parallel.replicas = R, comm/grid.py): the units are sharded over the S = N/R ranks of
+one replica, every rank still reading its own slice of the global batch; after the reduce-scatter
+inside the replica each rank's gradient shard is averaged with the same shard of the other
+replicas (one all-reduce of the shard over R ranks), so every replica steps on the global batch's
+mean gradient. Stage 3 with replicas is HSDP: gathers and reduce-scatters stay inside a replica
+(a node), only 1/S of the gradients cross between replicas. Replica 0 writes the checkpoints.
+
 Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
 Checkpoints: every rank writes the pieces of parameters and optimizer state it owns, keyed by
 parameter name with their offsets within the parameter, so a checkpoint written at world N loads at
@@ -34,15 +41,18 @@ any world M (zero/reshard.py). Stage 3's units and their gathering: zero/gather.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import collectives
+from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters, whole_model_chunks
 from paratrain.parallel.codecs.basic import CAST_DTYPES
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.dp.engine import make_buckets
@@ -65,10 +75,13 @@ class Zero(Strategy):
     stage = 0
     # The trainer builds models on the meta device for us (ZeroSpec.materializes_models; see models/materialize.py).
 
-    def __init__(self, model: nn.Module, loss_fn, cfg, rt, group=None):
+    def __init__(self, model: nn.Module, loss_fn, cfg, rt):
         super().__init__(model, loss_fn, cfg, rt)
-        self.group = group
+        self.replicas = replica_groups(cfg.parallel.replicas)
+        self.group = group = self.replicas.inner  # None: the world is the one replica
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # every replica holds the same shards: replica 0 (ranks 0..world-1) saves them
+        self.checkpoint_ranks, self.checkpoint_group = self.world, group
         self.device = rt.device
         named = unique_parameters(model)
         self.name_of = {id(p): n for n, p in named}
@@ -80,7 +93,8 @@ class Zero(Strategy):
         self._setup_communication(model)
         self._overlap_gathers_with_forward(model)
         self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
-        self.optimizer = build_optimizer([u.shard for u in self.units], cfg.train)
+        self._make_pieces()
+        self.optimizer = self._with_gathers(build_optimizer(self.pieces, cfg.train))
 
     # -- layout ---------------------------------------------------------------------------------
     def _make_units(self, model, named) -> list[FlatUnit]:
@@ -110,7 +124,8 @@ class Zero(Strategy):
                 for i, p in enumerate(u.params):
                     self._take_values(u, i, p)
             model.to(self.device)  # buffers and frozen parameters
-            broadcast_tensors(list(model.buffers()), src=0, group=self.group)
+            first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+            broadcast_tensors(list(model.buffers()), src=first, group=self.group)
             self._sync_full_from_shards()
             return
         replicated: dict[int, torch.Tensor] = {}
@@ -184,6 +199,31 @@ class Zero(Strategy):
             assert [id(p) for p in u.params] == [id(p) for p in b.params], "bucket and unit layouts differ"
             u.shard.grad = self.reducer.own_slice(b)
 
+    def _make_pieces(self) -> None:
+        """The optimizer's parameters: each unit shard cut where the model's parameters meet, views
+        of the shard and of its gradient. An elementwise optimizer (SGD, Adam, AdamW, ...) computes
+        the same numbers on them as on the whole parameters, and each piece can go into the param
+        group of the parameter it belongs to (the Python API keeps the user's groups)."""
+        self.pieces = []
+        for u in self.units:
+            u.pieces = [
+                (i, start, end, at, nn.Parameter(u.shard.detach()[at : at + end - start]))
+                for i, start, end, at in u.own_pieces()
+            ]
+            self.pieces.extend(piece for *_, piece in u.pieces)
+        self._bind_piece_grads()
+
+    def _bind_piece_grads(self) -> None:
+        for u in self.units:
+            for _, start, end, at, piece in u.pieces:
+                piece.grad = u.shard.grad[at : at + end - start]
+
+    def _with_gathers(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Every step of `optimizer` is followed by _after_step (stages 1 and 2: the parameters'
+        all-gathers), whoever calls it: train_step or the user's own loop."""
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
+        return optimizer
+
     # -- the step -------------------------------------------------------------------------------
     def train_step(self, batch) -> torch.Tensor:
         self.reducer.zero_grad()
@@ -200,18 +240,37 @@ class Zero(Strategy):
             self._after_backward(last=i == len(micro) - 1)
             total += loss.detach()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
+        grads = [u.shard.grad for u in self.units]
+        self._average_across_replicas(grads)
         with prof.phase("optimizer"):
-            grads = [u.shard.grad for u in self.units]
-            norm = sharded_grad_norm(grads, self.group)
+            norm = self._grad_norm()
             self.skipped_step = not bool(torch.isfinite(norm))  # the same on every rank: the norm is global
             if not self.skipped_step:
                 if self.cfg.train.clip_grad_norm > 0:
-                    factor = clip_factor(norm, self.cfg.train.clip_grad_norm)
-                    for g in grads:
-                        g.mul_(factor.to(g.dtype))
-                self.optimizer.step()
-                self._after_step()
+                    self._scale_grads(clip_factor(norm, self.cfg.train.clip_grad_norm))
+                self.optimizer.step()  # then _after_step (a hook of the optimizer's)
         return total / len(micro)
+
+    def _grad_norm(self) -> torch.Tensor:
+        return sharded_grad_norm([u.shard.grad for u in self.units], self.group)
+
+    def _scale_grads(self, factor: torch.Tensor) -> None:
+        for u in self.units:
+            u.shard.grad.mul_(factor.to(u.shard.grad.dtype))
+
+    def _average_across_replicas(self, grads: list[torch.Tensor]) -> None:
+        """Each gradient shard, the mean of its replica's slices of the batch, becomes the mean of
+        every replica's: all-reduced over the ranks that hold the same shard in the others."""
+        if self.replicas.count == 1:
+            return
+        works = []
+        for u, g in zip(self.units, grads):
+            g.div_(self.replicas.count)
+            works.append(
+                collectives.all_reduce(g, f"zero-grad-replicas-{u.index}", group=self.replicas.across, async_op=True)
+            )
+        for work in works:
+            work.wait()
 
     def _before_backward(self, micro: int, last: bool) -> None:
         self.reducer.prepare(sync=last)  # stage 1 communicates once per step, like dp
@@ -222,6 +281,50 @@ class Zero(Strategy):
 
     def _after_step(self) -> None:
         self._start_gathers()  # waited for by the next forward, module by module
+
+    # -- the Python API's own loop ----------------------------------------------------------------
+    adopts_optimizers = True
+
+    def adopt_optimizer(self, optimizer):
+        """The user's optimizer class and hyper-parameters over this rank's pieces, each piece in
+        the param group of its parameter (a group may hold no piece on some rank)."""
+        piece_of = {u.names[i]: piece for u in self.units for i, *_, piece in u.pieces}
+        groups = []
+        for g in optimizer.param_groups:
+            names = [self.name_of.get(id(p)) for p in g["params"]]
+            if None in names:
+                raise ValueError("pt.setup: the optimizer holds a tensor that is no trainable parameter of the model")
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append({**hyper, "params": [piece_of[n] for n in names if n in piece_of]})
+        # each group carries every hyper-parameter; the constructor takes the defaults it names
+        # (AdamW's defaults also hold keys its constructor does not take)
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self.optimizer = self._with_gathers(type(optimizer)(groups, **defaults))
+        return self.optimizer
+
+    def backward(self, loss) -> None:
+        """A backward before any zero_grad adds to the gradients (accumulation)."""
+        fresh = self._grads_let_go()
+        if fresh:
+            self.reducer.zero_grad()
+            self._bind_piece_grads()
+        self._before_backward(0 if fresh else 1, last=True)
+        loss.backward()
+        self._after_backward(last=True)
+        self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
+        self._average_across_replicas([u.shard.grad for u in self.units])
+
+    def _grads_let_go(self) -> bool:
+        """Whether the user's zero_grad() set gradients to None (the optimizer's pieces', or the
+        model's, which stage 1 keeps in its buckets)."""
+        full = (p for u in self.units for p in u.params)
+        return any(piece.grad is None for piece in self.pieces) or any(p.grad is None for p in full)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        norm = self._grad_norm()
+        self._scale_grads(clip_factor(norm, max_norm))
+        return norm
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
@@ -237,11 +340,9 @@ class Zero(Strategy):
     def _after_load(self) -> None:
         self._sync_full_from_shards()
 
-    def full_model_state(self):
+    def model_chunks(self):
         self._wait_gathers(self.units)
-        if self.rank != 0:
-            return None
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return whole_model_chunks(self.model) if self.rt.rank == 0 else iter(())
 
 
 class Zero1(Zero):
@@ -263,6 +364,9 @@ class Zero2(Zero):
 
     def _after_backward(self, last: bool) -> None:
         self.reducer.finish()
+
+    def _grads_let_go(self) -> bool:
+        return any(piece.grad is None for piece in self.pieces)  # the model's are freed as reduced
 
 
 class Zero3(Zero2):
@@ -325,20 +429,23 @@ class Zero3(Zero2):
     def _after_load(self) -> None:
         pass
 
-    def full_model_state(self):
-        """Unit by unit: gather (all ranks), rank 0 keeps a copy, free."""
-        values = {}
+    def model_chunks(self):
+        """Unit by unit: gathered (all ranks), handed over on rank 0, freed; then what every rank
+        holds whole (buffers, frozen parameters)."""
+        names: dict[int, list[str]] = {}  # a tied parameter has several
+        for k, v in self.model.state_dict(keep_vars=True).items():
+            names.setdefault(id(v), []).append(k)
+        whole = dict(names)
         for u in self.units:
             self.gatherer.unshard(u)
-            if self.rank == 0:
-                values.update({id(p): p.detach().cpu().clone() for p in u.params})
+            if self.rt.rank == 0:
+                yield {k: p.detach() for p in u.params for k in names.get(id(p), ())}
             self.gatherer.reshard(u)
-        if self.rank != 0:
-            return None
-        return {
-            k: values[id(v)] if id(v) in values else v.detach().cpu().clone()
-            for k, v in self.model.state_dict(keep_vars=True).items()
-        }
+            for p in u.params:
+                whole.pop(id(p), None)
+        if self.rt.rank == 0:
+            state = self.model.state_dict()
+            yield {k: state[k] for keys in whole.values() for k in keys}
 
 
 def sharded_grad_norm(grads: list[torch.Tensor], group) -> torch.Tensor:

@@ -59,7 +59,7 @@ def zero_peak(step: int, on_top: tuple[int, int]) -> int:
 
 def zero(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
     params = [t for _, t in unique_parameters(model)]
-    world = len(ranks)
+    world = len(ranks) // cfg.parallel.replicas  # the ranks of one replica, which shard the state
     step = whole_model_activations(cfg, ranks, rows)
     param_b, grad_b, opt_b, transient, on_top = zero_state(cfg, spec.stage, model, params, world)
     for r in ranks:
@@ -77,12 +77,14 @@ def zero_messages(
     and again before its backward, the root unit, kept gathered through both, once); plus the
     squared gradient norm, one float32 all-reduced. On gloo, as zero/comm.py builds them: each
     reduce-scatter an all-reduce of the whole unit (stage 3: of each gradient), each all-gather a
-    broadcast from every rank."""
+    broadcast from every rank. `world`: the ranks of one replica; with parallel.replicas, each
+    gradient shard is then all-reduced with the same shard of the other replicas (engine.py)."""
     from paratrain.parallel.dp.engine import make_buckets
     from paratrain.parallel.zero.comm import from_primitives
     from paratrain.parallel.zero.gather import module_units
 
-    if world == 1:
+    replicas = cfg.parallel.replicas
+    if world * replicas == 1:
         return
     micro = cfg.train.grad_accum
     bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
@@ -94,6 +96,10 @@ def zero_messages(
     for group, gathers in units:
         numel = padded_numel(group, world)
         size = group[0].element_size()
+        if replicas > 1:
+            r.add_comm("all_reduce", numel // world * size, replicas)
+        if world == 1:
+            continue
         reduces, gathers = 1 if stage == 1 else micro, gathers * micro if stage == 3 else 1
         wire = wire_bytes(numel, size, cfg)
         if primitives:
@@ -104,7 +110,8 @@ def zero_messages(
         else:
             r.add_comm("reduce_scatter", wire, world, times=reduces)
             r.add_comm("all_gather", numel * size, world, times=gathers)
-    r.add_comm("all_reduce", 4, world)
+    if world > 1:
+        r.add_comm("all_reduce", 4, world)
 
 
 def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cluster) -> tuple[list[RankPlan], list]:
@@ -112,6 +119,7 @@ def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cl
     params = [t for _, t in unique_parameters(model)]
     one = RankPlan(0, 0, 0, "worker", activation_bytes=saved_activation_bytes(cfg, rows)[0])
     (step,) = step_memory(cfg, rows)
-    one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = zero_state(cfg, spec.stage, model, params, world)
+    shards = world // cfg.parallel.replicas
+    one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = zero_state(cfg, spec.stage, model, params, shards)
     one.peak_bytes = one.model_state_bytes + zero_peak(max(step.forward_peak, step.backward_peak), on_top)
     return [one], []

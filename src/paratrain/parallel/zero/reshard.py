@@ -17,24 +17,21 @@ from paratrain.parallel.zero.comm import FlatUnit
 
 
 def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int, world: int, stage: int):
-    """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
+    """This rank's pieces of every parameter and its optimizer state, keyed by parameter name
+    (the optimizer's parameters are those pieces: FlatUnit.pieces)."""
     tensors, pieces, scalars, shared = {}, {}, {}, {}
     for u in units:
-        state = optimizer.state.get(u.shard, {})
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.numel() == u.shard_numel and value.dim() == 1:
-                continue
-            if isinstance(value, torch.Tensor):
-                shared[f"zero.optim.{key}"] = value  # e.g. adam's step: the same for every shard
-            elif value is not None:
-                scalars[key] = value
-        for i, start, end, at in u.own_pieces():
+        for i, start, end, _, piece in u.pieces:
             name = u.names[i]
             pieces[name] = [start, end]
-            tensors[f"zero.param.{name}"] = u.shard.detach()[at : at + end - start]
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.numel() == u.shard_numel and value.dim() == 1:
-                    tensors[f"zero.optim.{name}.{key}"] = value[at : at + end - start]
+            tensors[f"zero.param.{name}"] = piece.detach()
+            for key, value in optimizer.state.get(piece, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == piece.shape:
+                    tensors[f"zero.optim.{name}.{key}"] = value
+                elif isinstance(value, torch.Tensor):
+                    shared[f"zero.optim.{key}"] = value  # e.g. adam's step: the same for every piece
+                elif value is not None:
+                    scalars[key] = value
     tensors.update(shared)
     if rank == 0:
         tensors.update({f"replicated.{k}": v for k, v in replicated_state(model).items()})
@@ -73,35 +70,36 @@ def load_sharded_state(reader, units: list[FlatUnit], optimizer, model: nn.Modul
         saved["params"],
         {k[len("replicated.") :]: list(v.shape) for k, v in tensors0.items() if k.startswith("replicated.")},
     )
-    shard_state: dict[int, dict[str, torch.Tensor]] = {u.index: {} for u in units}
-    own = {u.names[i]: (u, start, end, at) for u in units for i, start, end, at in u.own_pieces()}
+    own = {u.names[i]: (start, end, piece) for u in units for i, start, end, _, piece in u.pieces}
+    piece_state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in own}
     for r in range(reader.world_size):
         tensors, meta = (tensors0, meta0) if r == 0 else reader.load(rank=r)
         for name, (s, e) in meta["zero"]["pieces"].items():
             if name not in own:
                 continue
-            u, os_, oe, at = own[name]
+            os_, oe, piece = own[name]
             a, b = max(s, os_), min(e, oe)
             if a >= b:
                 continue
-            dst = slice(at + a - os_, at + b - os_)
-            src = slice(a - s, b - s)
+            dst, src = slice(a - os_, b - os_), slice(a - s, b - s)
             with torch.no_grad():
-                u.shard[dst].copy_(tensors[f"zero.param.{name}"][src])
+                piece[dst].copy_(tensors[f"zero.param.{name}"][src])
             prefix = f"zero.optim.{name}."
             for key in (k[len(prefix) :] for k in tensors if k.startswith(prefix)):
-                buf = shard_state[u.index].setdefault(
-                    key, torch.zeros(u.shard_numel, dtype=tensors[prefix + key].dtype, device=device)
+                buf = piece_state[name].setdefault(
+                    key, torch.zeros(piece.numel(), dtype=tensors[prefix + key].dtype, device=device)
                 )
                 buf[dst].copy_(tensors[prefix + key][src])
     shared = {
         k[len("zero.optim.") :]: v for k, v in tensors0.items() if k.startswith("zero.optim.") and k.count(".") == 2
     }
     opt = saved["optimizer"]
+    name_of = {id(piece): name for name, (_, _, piece) in own.items()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]  # state_dict's numbering
     state = {
-        i: {**shard_state[u.index], **{k: v.clone() for k, v in shared.items()}, **opt["scalars"]}
-        for i, u in enumerate(units)
-        if shard_state[u.index] or shared
+        index: {**piece_state[name_of[id(p)]], **{k: v.clone() for k, v in shared.items()}, **opt["scalars"]}
+        for index, p in enumerate(params)
+        if piece_state[name_of[id(p)]] or shared
     }
     current = optimizer.state_dict()
     groups = [dict(g, params=c["params"]) for g, c in zip(opt["param_groups"], current["param_groups"])]

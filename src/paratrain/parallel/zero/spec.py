@@ -19,6 +19,7 @@ class ZeroSpec(Spec):
     codecs = ("none", "bf16", "fp16")  # a reduce-scatter sums shards: no codec of whole gradients
     materializes_models = True
     searched_as = "replica"
+    takes_replicas = True
 
     def __init__(self, stage: int):
         self.stage = stage

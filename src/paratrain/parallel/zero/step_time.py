@@ -6,13 +6,19 @@ from paratrain.plan.step_time import Step, bucketed_s, buckets, codec_s, collect
 
 
 def zero(step: Step) -> tuple[float, dict, float, int]:
-    """ZeRO 1-3 over dp (tp = pp = 1)."""
+    """ZeRO 1-3 over dp (tp = pp = 1); with parallel.replicas, sharded over the ranks of one replica,
+    whose gradient shards are then all-reduced across the replicas after backward (engine.py)."""
     from paratrain.parallel.zero.comm import from_primitives
 
     replica = step.replica()
-    dp, p = step.plan["mesh"]["dp"], step.cfg.parallel
+    p = step.cfg.parallel
+    dp = step.plan["mesh"]["dp"] // p.replicas  # the ranks that shard the state
+    across_s = 0.0
+    if p.replicas > 1:  # the replicas' ranks lie the world's span apart; not overlapped with backward
+        shard = step.plan["model"]["bytes"] / dp  # in full precision: no codec crosses replicas
+        across_s = collective_s("all_reduce", shard, p.replicas, *step.link(step.plan["mesh"]["dp"]))
     if dp == 1:
-        return finish(step, replica, 0.0, flat=True)
+        return finish(step, replica, across_s, flat=True)
     bw, lat = step.link(dp)
     primitives = from_primitives("nccl" if step.cluster.is_gpu else "gloo")
 
@@ -63,4 +69,5 @@ def zero(step: Step) -> tuple[float, dict, float, int]:
         # layer by layer (zero.py): their latency elapses behind it
         exposed_s = replica.overlapped(reduce_s, full, p.bucket_mb) + all_gather_s(full, replica.forward_s)
     exposed_s += collective_s("all_reduce", 8, dp, bw, lat)  # the gradient norm's sum of squares (zero.py)
+    exposed_s += across_s
     return finish(step, replica, exposed_s, flat=True, compress_s=codec_s(step, step.plan["model"]["bytes"]))

@@ -1,0 +1,97 @@
+"""pt.setup_dataloader: the user's DataLoader, its batch_size read as the GLOBAL batch.
+
+Every global batch is the same at any world size: epoch e of the dataset is the permutation
+data.sampler.GlobalBatchSampler gives seed and e (the identity without shuffle), cut into batches
+of batch_size (the last one short unless drop_last). Data-parallel rank r of D takes the r-th
+contiguous share of each (shares differ by at most one sample where D does not divide it: the
+API's backward weights each rank's loss by its share, so the gradient is still the global mean).
+
+The loader's position (epoch, batch within it) advances as batches are handed out, and goes into
+pt.save's checkpoints: after pt.load, iterating goes on at the exact next batch. Each iter()
+continues from the position: an epoch ends when its last batch has been taken.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from paratrain.data.sampler import GlobalBatchSampler
+
+
+class GlobalBatchLoader:
+    def __init__(self, loader: DataLoader, seed: int, place, share):
+        """`place(batch, weight)`: onto the device, this rank's share of the global batch times the
+        dp size noted (for the loss's weight); `share()`: (dp rank, dp size, whether this rank reads
+        data), asked at each batch (the strategy may be set up after the loader)."""
+        if isinstance(loader.dataset, IterableDataset):
+            raise ValueError("pt.setup_dataloader: the dataset must be map-style (indexable, with a length)")
+        if loader.batch_size is None:
+            raise ValueError(
+                "pt.setup_dataloader: the loader needs a batch_size (the global batch), not a batch_sampler"
+            )
+        if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
+            # its order would not be the same at every world size: say so rather than drop it
+            raise ValueError(
+                f"pt.setup_dataloader: the loader's order comes from shuffle=True or False, not a "
+                f"{type(loader.sampler).__name__}"
+            )
+        self.loader, self.place, self.share = loader, place, share
+        self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
+        self.n = len(loader.dataset)
+        self.sampler = GlobalBatchSampler(self.n, self.batch_size, isinstance(loader.sampler, RandomSampler), seed)
+        self.epoch = self.batch = 0  # the position: the next batch handed out
+
+    def __len__(self) -> int:
+        return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
+
+    def _global_ids(self, batch: int) -> np.ndarray:
+        first = batch * self.batch_size
+        return self.sampler.epoch_ids(self.epoch, np.arange(first, min(first + self.batch_size, self.n)))
+
+    def _local_batches(self):
+        """This rank's (indices, weight) of every batch from the position to the epoch's end."""
+        for batch in range(self.batch, len(self)):
+            ids = self._global_ids(batch)
+            rank, size, reads = self.share()
+            if len(ids) < size:
+                raise ValueError(
+                    f"pt.setup_dataloader: a batch of {len(ids)} samples cannot be shared by {size} data-parallel "
+                    f"ranks (set drop_last=True or a batch_size of at least {size})"
+                )
+            part = np.array_split(ids, size)[rank]
+            yield (part.tolist() if reads else None), len(part) * size / len(ids)
+
+    def __iter__(self):
+        batches = list(self._local_batches())
+        # The user's loader does the loading (its workers, collate_fn, pin_memory), on our indices.
+        inner = DataLoader(
+            self.loader.dataset,
+            batch_sampler=[ids for ids, _ in batches if ids is not None],
+            num_workers=self.loader.num_workers,
+            collate_fn=self.loader.collate_fn,
+            pin_memory=self.loader.pin_memory,
+        )
+        loaded = iter(inner)
+        for ids, weight in batches:
+            self.batch += 1
+            yield None if ids is None else self.place(next(loaded), weight)
+        self.epoch, self.batch = self.epoch + 1, 0
+
+    # -- checkpoints (the same position record as `paratrain run`'s sampler) ------------------------
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "sample_in_epoch": self.batch * self.batch_size}
+
+    def resume_at(self, position: dict) -> None:
+        epoch, sample = int(position["epoch"]), int(position["sample_in_epoch"])
+        if sample % self.batch_size:
+            raise ValueError(f"the checkpoint's data position (sample {sample}) is not at a batch of {self.batch_size}")
+        self.epoch, self.batch = epoch, sample // self.batch_size
+
+
+def to_device(batch, device: torch.device):
+    """Every tensor of a batch of any structure onto `device`."""
+    return torch.utils._pytree.tree_map(
+        lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch
+    )

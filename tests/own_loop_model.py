@@ -1,0 +1,112 @@
+"""The own loop of the API tests (`train`: what tests/own_loop_script.py runs under plain python,
+`paratrain launch` and torchrun, and the gang's members run in-process), its model, optimizer and
+data, and the plain-PyTorch loop it must equal (`reference`)."""
+
+import os
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import paratrain
+
+BATCH = 12
+
+
+def build(optimizer: str, groups: bool = True, drop_last: bool = True):
+    """A small MLP, its optimizer (in two param groups: no weight decay on biases), a shuffled loader."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    groups = (
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        if groups
+        else [{"params": decay + rest}]
+    )
+    opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9) if optimizer == "sgd" else torch.optim.AdamW(groups, lr=0.01)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(40, 5, generator=g), torch.randn(40, 3, generator=g))
+    return model, opt, DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=drop_last)
+
+
+def reference(optimizer: str, steps: int, clip: float = 0.0, groups: bool = True, drop_last: bool = True) -> dict:
+    """One process, plain PyTorch, the batches in the documented order: epoch e is the
+    permutation torch.randperm(N) draws from seed 0 * 1_000_003 + e, cut into batches."""
+    model, opt, loader = build(optimizer, groups, drop_last)
+    x_all, y_all = loader.dataset.tensors
+    n, step, epoch = len(x_all), 0, 0
+    while step < steps:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).numpy()
+        for b in range(len(loader)):
+            ids = perm[np.arange(b * BATCH, min((b + 1) * BATCH, n))]
+            loss = nn.functional.mse_loss(model(x_all[ids]), y_all[ids])
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if step == steps:
+                break
+        epoch += 1
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train(
+    strategy, optimizer, out, steps=6, ckpt=None, save_at=0, die_at=0, clip=0.0, drop_last=True, run_dir=None, **keys
+):
+    """The user's own loop: resume from `ckpt` if it holds a checkpoint, save there at step
+    `save_at`, rank 1 dies at step `die_at` on the first attempt; the weights to OUT (pt.export)."""
+    pt = paratrain.init(strategy=strategy, bucket_mb=0.0005, run_dir=run_dir, **keys)
+    model, opt, loader = build(optimizer, drop_last=drop_last)
+    model, opt = pt.setup(model, opt)
+    loader = pt.setup_dataloader(loader)
+    meta = pt.load(ckpt) if ckpt else None
+    step = meta["step"] if meta else 0
+    while step < steps:
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            pt.backward(loss)
+            if clip:
+                pt.clip_grad_norm_(clip)
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            pt.log(step, loss=loss)
+            if ckpt and step == save_at:
+                pt.save(ckpt, step=step)
+            if step == die_at and pt.rank == 1 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+                os._exit(9)  # a dead worker, on the first attempt only
+            if step == steps:
+                break
+    pt.export(out, step=step)
+    return pt.world_size
+
+
+def job(rt, **kwargs):
+    """The gang's form of `train` (its members have joined their process group already)."""
+    return train(**kwargs)
+
+
+def pipeline_job(rt, out, steps, run_dir):
+    """pp through train_step (one param group: pp builds its optimizer from [train]); the message
+    an own-loop call gets under it."""
+    pt = paratrain.init(strategy="pp", pp=2, microbatches=2, run_dir=run_dir)
+    model, opt, loader = build("sgd", groups=False)
+    model, opt = pt.setup(model, opt, loss=nn.functional.mse_loss)
+    loader = pt.setup_dataloader(loader)
+    step = 0
+    while step < steps:
+        for batch in loader:
+            pt.train_step(batch)
+            step += 1
+            if step == steps:
+                break
+    pt.export(out, step=step)
+    try:
+        pt.backward(torch.zeros((), requires_grad=True))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

@@ -1,0 +1,176 @@
+"""The Python API (paratrain.init, the user's own loop) and `paratrain launch`: the same loop at any
+world size, under dp and zero1-3, launched or not, equals plain single-process PyTorch."""
+
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import CPU_ONLY, check_ok, max_rel_error, metrics, run_cli, run_torchrun
+from own_loop_model import reference
+from safetensors.torch import load_file
+
+import paratrain
+
+SCRIPT = str(Path(__file__).resolve().parent / "own_loop_script.py")
+TOL = 1e-4
+
+
+def weights(out: Path) -> dict:
+    return load_file(str(out / "model.safetensors"))
+
+
+def trained(gang, world: int, tmp_path: Path, **kwargs) -> dict:
+    """The own loop (own_loop_model.train) on a gang of `world`; its final weights."""
+    gang(world).run("own_loop_model:job", out=str(tmp_path / "out"), run_dir=str(tmp_path / "run"), **kwargs)
+    return weights(tmp_path / "out")
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3"])
+def test_own_loop_at_world_2_equals_plain_pytorch(tmp_path, gang, strategy, optimizer):
+    assert (
+        max_rel_error(trained(gang, 2, tmp_path, strategy=strategy, optimizer=optimizer), reference(optimizer, 6))
+        <= TOL
+    )
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero2"])
+def test_clip_grad_norm_over_all_shards_equals_torch(tmp_path, gang, strategy):
+    got = trained(gang, 2, tmp_path, strategy=strategy, optimizer="sgd", clip=0.05)
+    assert max_rel_error(got, reference("sgd", 6, clip=0.05)) <= TOL
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+def test_unequal_shares_of_a_short_last_batch_still_give_the_global_mean(tmp_path, gang, strategy):
+    """40 samples in batches of 12 without drop_last: every fourth batch holds 4, shared 2-1-1."""
+    got = trained(gang, 3, tmp_path, strategy=strategy, optimizer="adamw", steps=8, drop_last=False)
+    assert max_rel_error(got, reference("adamw", 8, drop_last=False)) <= TOL
+
+
+@pytest.mark.parametrize("strategy, world", [("dp", 4), ("zero2", 3), ("zero3", 4)])
+def test_a_checkpoint_saved_at_world_2_resumes_at_another_world_and_ends_equal(tmp_path, gang, strategy, world):
+    ckpt = str(tmp_path / "ckpt")
+    common = dict(strategy=strategy, optimizer="adamw", steps=7, ckpt=ckpt)
+    gang(2).run("own_loop_model:job", out=str(tmp_path / "first"), save_at=4, run_dir=str(tmp_path / "a"), **common)
+    gang(world).run("own_loop_model:job", out=str(tmp_path / "resumed"), run_dir=str(tmp_path / "b"), **common)
+    # the first run went on past its save to step 7; the second from its step 4, at the other world
+    assert [m["step"] for m in metrics(tmp_path / "b")] == [5, 6, 7]
+    assert max_rel_error(weights(tmp_path / "resumed"), reference("adamw", 7)) <= TOL
+    assert max_rel_error(weights(tmp_path / "first"), reference("adamw", 7)) <= TOL
+
+
+def test_train_step_under_pp_equals_one_process_and_own_loop_calls_name_it(tmp_path, gang):
+    said = gang(2).run("own_loop_model:pipeline_job", out=str(tmp_path / "out"), steps=5, run_dir=str(tmp_path / "run"))
+    assert max_rel_error(weights(tmp_path / "out"), reference("sgd", 5, groups=False)) <= TOL
+    assert all("pt.backward" in s and "train_step" in s for s in said), said
+
+
+def test_a_bad_key_exits_2_naming_it_before_joining(capsys):
+    with pytest.raises(SystemExit) as exc:
+        paratrain.init(strategy="zero2", bucket=1)
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("paratrain: error: parallel.bucket: unknown key (known: strategy, tp, pp, "), line
+    assert "bucket_mb" in line, line
+
+
+def test_a_loader_whose_order_the_api_cannot_keep_is_refused():
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+
+    from paratrain.api.loader import GlobalBatchLoader
+
+    data = TensorDataset(torch.zeros(8, 1))
+    loader = DataLoader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 8, 8))
+    with pytest.raises(ValueError, match="WeightedRandomSampler"):
+        GlobalBatchLoader(loader, 0, place=None, share=None)
+
+
+def test_import_paratrain_stays_free_of_torch():
+    import subprocess
+
+    code = "import sys, paratrain; assert 'torch' not in sys.modules; paratrain.init"
+    check_ok(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True))
+
+
+# -- the integration tier: the same script as a command ----------------------------------------------
+def test_plain_python_runs_at_world_1_and_equals_plain_pytorch(tmp_path):
+    import os
+    import subprocess
+
+    out = tmp_path / "out"
+    check_ok(
+        subprocess.run(
+            [sys.executable, SCRIPT, "zero2", "adamw", str(out), "--run-dir", str(tmp_path / "run")],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **CPU_ONLY},
+            timeout=120,
+        )
+    )
+    assert max_rel_error(weights(out), reference("adamw", 6)) <= TOL
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 6
+
+
+def test_paratrain_launch_at_world_2_equals_plain_pytorch(tmp_path):
+    out = tmp_path / "out"
+    check_ok(
+        run_cli(
+            "launch", "--nproc", "2", SCRIPT, "zero3", "sgd", str(out), "--run-dir", str(tmp_path / "run"), cwd=tmp_path
+        )
+    )
+    assert max_rel_error(weights(out), reference("sgd", 6)) <= TOL
+
+
+def test_torchrun_at_world_2_equals_plain_pytorch(tmp_path):
+    out = tmp_path / "out"
+    check_ok(run_torchrun(2, SCRIPT, "zero1", "adamw", str(out), "--run-dir", str(tmp_path / "run")))
+    assert max_rel_error(weights(out), reference("adamw", 6)) <= TOL
+
+
+def test_a_dead_worker_restarts_and_the_script_resumes_from_its_last_save(tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    proc = check_ok(
+        run_cli(
+            "launch",
+            "--nproc",
+            "2",
+            "--max-restarts",
+            "1",
+            SCRIPT,
+            "dp",
+            "adamw",
+            str(out),
+            "--ckpt",
+            str(ckpt),
+            "--save-at",
+            "3",
+            "--die-at",
+            "5",
+            "--run-dir",
+            str(tmp_path / "run"),
+            cwd=tmp_path,
+        )
+    )
+    assert max_rel_error(weights(out), reference("adamw", 6)) <= TOL, proc.stderr
+    # the first attempt logged steps 1-5 (rank 1 died after step 5), the restarted one 4-6
+    steps = [m["step"] for m in metrics(tmp_path / "run")]
+    assert steps[:5] == [1, 2, 3, 4, 5] and steps[-3:] == [4, 5, 6], steps
+
+
+def test_paratrain_launch_exit_codes(tmp_path):
+    assert run_cli("launch", "--nproc", "2", str(tmp_path / "missing.py")).returncode == 2
+    failing = tmp_path / "fails.py"
+    failing.write_text("import paratrain\npt = paratrain.init()\nraise SystemExit(3 if pt.rank == 1 else 0)\n")
+    proc = run_cli("launch", "--nproc", "2", str(failing), cwd=tmp_path)
+    assert proc.returncode == 1 and "rank 1 failed (exit code 3)" in proc.stderr, proc.stderr
+
+
+def test_the_docs_script_runs_as_written_under_paratrain_launch(tmp_path):
+    import re
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "own-loop.md").read_text()
+    (tmp_path / "digits_own_loop.py").write_text(re.search(r"```python\n(.*?)```", page, re.S).group(1))
+    proc = check_ok(run_cli("launch", "--nproc", "2", "digits_own_loop.py", cwd=tmp_path))
+    assert "done: step 100" in proc.stdout
+    assert (tmp_path / "runs" / "digits" / "final" / "model.safetensors").exists()

@@ -1,0 +1,112 @@
+"""fault.on_failure = "continue": a rank SIGKILLed mid-run takes its replica out, the others train
+on with the whole global batch, the replica rejoins with a live replica's state, and the run ends
+equal to one process; what cannot continue falls back to today's restart."""
+
+import json
+
+import pytest
+from helpers import check_ok, final_weights, max_rel_error, run_cli, write_config
+from reference import DIGITS_MLP, digits_mlp_reference
+
+from paratrain.cli import main
+
+CONTINUE = (
+    DIGITS_MLP.replace("steps = 20", "steps = 80")
+    + """
+[parallel]
+bucket_mb = 0.002
+[checkpoint]
+every = 10
+[fault]
+on_failure = "continue"
+"""
+)
+
+
+def run_killed(tmp_path, rank: int, nproc: int, *sets: str):
+    cfg = write_config(tmp_path / "c.toml", CONTINUE)
+    args = ["run", str(cfg), "--nproc", str(nproc), "--max-restarts", "2", "--run-dir", str(tmp_path / "run")]
+    for s in sets:
+        args += ["--set", s]
+    proc = run_cli(*args, env={"PARATRAIN_FAULTS": f"kill@rank={rank},step=30,attempt=0"})
+    check_ok(proc)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [e["step"] for e in lines if "event" not in e]
+    events = [(e["event"], e["replica"]) for e in lines if "event" in e]
+    return proc.stdout + proc.stderr, steps, events
+
+
+@pytest.mark.parametrize(
+    "nproc, rank, replica, sets, optimizer, lr",
+    [
+        (3, 2, 2, [], "sgd", 0.1),  # dp: every rank a replica
+        (
+            4,
+            3,
+            1,
+            ["parallel.strategy='zero2'", "parallel.replicas=2", "train.optimizer='adamw'", "train.lr=0.01"],
+            "adamw",
+            0.01,
+        ),
+    ],
+    ids=["dp-world3", "zero2-replicas2-world4"],
+)
+def test_a_lost_replica_rejoins_and_the_run_equals_one_process(tmp_path, nproc, rank, replica, sets, optimizer, lr):
+    out, steps, events = run_killed(tmp_path, rank, nproc, *sets)
+    assert "resumed from" not in out and "restarting every worker" not in out, out
+    assert steps == sorted(set(steps)) == list(range(10, 81, 10)), steps  # none twice, none missing
+    assert events == [("replica_lost", replica), ("replica_joined", replica)], events
+    want = digits_mlp_reference(steps=80, optimizer=optimizer, lr=lr)
+    assert max_rel_error(final_weights(tmp_path / "run"), want) <= 1e-4
+
+
+def test_a_replica_lost_again_while_it_rejoins_rejoins_later(tmp_path):
+    """Rank 2 killed at step 30, and its first restart killed while it takes the state: the
+    survivors wait for the next generation and take it back on its second restart."""
+    cfg = write_config(tmp_path / "c.toml", CONTINUE)
+    faults = "kill@rank=2,step=30,attempt=0;kill_joining@rank=2,incarnation=1"
+    proc = run_cli(
+        *("run", str(cfg), "--nproc", "3", "--max-restarts", "3", "--run-dir", str(tmp_path / "run")),
+        env={"PARATRAIN_FAULTS": faults},
+    )
+    check_ok(proc)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["replica"]) for e in lines if "event" in e] == [("replica_lost", 2), ("replica_joined", 2)]
+    assert proc.stderr.count("rank 2 killed by SIGKILL") == 2, proc.stderr
+    assert [e["step"] for e in lines if "event" not in e] == list(range(10, 81, 10))
+    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
+
+
+def test_losing_replica_0_falls_back_to_a_restart_saying_why(tmp_path):
+    """Replica 0's ranks hold the log and the state the others copy: the run restarts from the
+    step-30 checkpoint, as under "restart", and still ends equal to one process."""
+    out, steps, events = run_killed(tmp_path, 0, 3)
+    assert "rank 0 killed by SIGKILL, in replica 0" in out and "restarting every worker" in out, out
+    assert "resumed from" in out and events == []
+    assert steps == list(range(10, 81, 10)), steps
+    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
+
+
+def test_a_lost_replica_under_restart_restarts_every_worker_as_before(tmp_path):
+    out, steps, events = run_killed(tmp_path, 2, 3, "fault.on_failure='restart'")
+    assert "resumed from" in out and "at step 30" in out and events == [], out
+    assert steps == list(range(10, 81, 10)), steps
+    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "sets, nnodes, why",
+    [
+        (["parallel.strategy='tp'", "parallel.tp=2"], [], "'continue' takes strategies"),
+        (["parallel.compression='powersgd'"], [], "parallel.compression 'powersgd'"),
+        ([], ["--nnodes", "2", "--rdzv", "127.0.0.1:29999"], "runs on one node"),
+    ],
+)
+def test_what_continue_cannot_take_exits_2_naming_the_key(tmp_path, capsys, sets, nnodes, why):
+    cfg = write_config(tmp_path / "c.toml", CONTINUE)
+    args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *nnodes]
+    for s in sets:
+        args += ["--set", s]
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "fault.on_failure" in err and why in err, err
