@@ -153,6 +153,8 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
             "parallel.strategy='tp' --set parallel.tp=2 --set model.config.model_type='phi3' --set model.config.pad_token_id=0",
             "rowwise_split_input",
         ),
+        # no pipeline stage computes the model's own loss
+        ("parallel.strategy='pp' --set parallel.pp=2 --set train.loss='model'", "train.loss"),
     ],
 )
 def test_bad_hf_model_exits_2_naming_the_key(tmp_path, capsys, override, key):
