@@ -73,8 +73,13 @@ class StopAgreement:
         global _received
         _received = 0
         signal.signal(signal.SIGTERM, _flag)
-        # host_group is collective: every rank builds the trainer, so every rank gets here.
-        self.group = grid.host_group(timeout) if world_size > 1 else None
+        # host_group is collective: every rank builds the trainer, so every rank gets here. Its
+        # timeout outlasts a training collective's and that one's diagnosis (collectives.
+        # explain_failure waits up to 10 s for the peers' logs): when a rank hangs in training, its
+        # peers may already wait here, and the failure to report is the training collective's,
+        # which names the rank and operation, not this agreement's bare timeout.
+        wait = timeout * 2 + timedelta(seconds=15) if world_size > 1 else timeout
+        self.group = grid.host_group(wait) if world_size > 1 else None
         self.next_check, self.every = step + 1, 1
         self.since = time.perf_counter()
 
