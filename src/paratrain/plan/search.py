@@ -82,6 +82,11 @@ def memoised_traces():
     def cut(bounds):
         return None if bounds is None else tuple(bounds)
 
+    def fake_run_key(cfg, rows, bounds=None, tp_plan=None, tp=1, working=None):
+        """What a fake-tensor run of a microbatch depends on (FakeRun.build, step_memory)."""
+        plan = tuple(sorted((tp_plan or {}).items())) if tp > 1 else ()
+        return cfg.train.recompute, rows, cut(bounds), plan, tp, working
+
     # each function and its memo key; every module that calls it by a name of its own gets the memo
     keys = {
         (activations, "saved_activation_bytes"): lambda cfg, rows, bounds=None, working=None: (
@@ -97,14 +102,7 @@ def memoised_traces():
             tuple(sorted(tp_plan.items())),
         ),
         (activations, "boundary_bytes"): lambda cfg, model, bounds, rows: (rows, cut(bounds)),
-        (activations, "step_memory"): lambda cfg, rows, bounds=None, tp_plan=None, tp=1, working=None: (
-            cfg.train.recompute,
-            rows,
-            cut(bounds),
-            tuple(sorted((tp_plan or {}).items())) if tp > 1 else (),
-            tp,
-            working,
-        ),
+        (activations, "step_memory"): fake_run_key,
         (step_time, "stage_ops"): lambda cfg, rows, bounds: (cfg.train.recompute, rows, cut(bounds)),
     }
     modules = [m for name, m in list(sys.modules.items()) if name.startswith("paratrain.") and m is not None]
@@ -129,14 +127,7 @@ def memoised_traces():
     try:
         activations.FakeRun.build = memoised(
             activations.FakeRun.build,
-            lambda cfg, rows, bounds, tp_plan=None, tp=1, working=None: (
-                cfg.train.recompute,
-                rows,
-                cut(bounds),
-                tuple(sorted((tp_plan or {}).items())) if tp > 1 else (),
-                tp,
-                working,
-            ),
+            fake_run_key,
         )
         for (home, name), key in keys.items():
             shared = memoised(getattr(home, name), key)
