@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,12 +120,17 @@ def test_two_nodes_restart_after_a_killed_worker_and_resume(tmp_path):
             )
         try:
             deadline = time.monotonic() + 120
-            while not any(json.loads(line)["step"] >= 12 for line in complete_lines(run_dir / "metrics.jsonl")):
-                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 12"
-                time.sleep(0.05)
+
+            def wait_for_step(step):
+                while not any(json.loads(line)["step"] >= step for line in complete_lines(run_dir / "metrics.jsonl")):
+                    assert time.monotonic() < deadline and all(p.poll() is None for p in procs), f"no step {step}"
+                    time.sleep(0.05)
+
+            wait_for_step(2)
             for node, p in enumerate(procs):  # each node listens on its address on the link alone (docs/security.md)
                 listening = listening_addresses(descendants(p.pid))
                 assert listening and all(a == hosts.addr(node) or is_loopback(a) for a, _ in listening), listening
+            wait_for_step(12)
             os.kill(next(iter(worker_pids(procs[1].pid).values())), signal.SIGKILL)
             outs = [p.communicate(timeout=120)[0] for p in procs]
         finally:
@@ -133,7 +139,10 @@ def test_two_nodes_restart_after_a_killed_worker_and_resume(tmp_path):
                 p.communicate()
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
-    assert "resumed from" in outs[0] and "at step 10 " in outs[0], outs[0]
+    # From the newest checkpoint before the kill: step 10, or 15 where a loaded machine ran on
+    # between seeing step 12 logged and the kill landing (CI saw that once).
+    resumed = re.search(r"resumed from .* at step (\d+) ", outs[0])
+    assert resumed and int(resumed.group(1)) in (10, 15), outs[0]
     steps = [json.loads(line)["step"] for line in complete_lines(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, 31)), "every step is logged exactly once"
     assert max_rel_error(final_weights(run_dir), final_weights(tmp_path / "single")) <= 1e-4

@@ -72,7 +72,7 @@ def cmd_run(args) -> int:
 
 def train(args) -> int:
     from paratrain.jobs.preflight import check_nodes, node_facts
-    from paratrain.runtime.launch import launch, start_worker_server
+    from paratrain.runtime.launch import call_preloaded, launch, start_worker_server
     from paratrain.runtime.schedulers import place_from_environment
 
     try:
@@ -101,23 +101,23 @@ def train(args) -> int:
     if device_note:  # after the checks, so that a bad config still gets its one line
         note(f"{device_note}")
     worker_args = [
+        "paratrain.trainer:forked_worker",  # launch.call_preloaded's target
         str(run_dir / "config.toml"),
         "--run-dir",
         str(run_dir),
         "--resume",
         str(Path(args.resume).resolve()) if args.resume not in ("none", "auto") else args.resume,
     ]
-    from paratrain.trainer import forked_worker
 
     def start() -> None:
         if cfg.fault.on_failure == "continue":  # our own supervisor: the agent would restart everyone
             from paratrain.runtime.supervise import supervise
 
             size = registry.spec(cfg.parallel.strategy).replica_size(cfg, nproc)
-            supervise(forked_worker, worker_args, nproc=nproc, replica_size=size, max_restarts=args.max_restarts)
+            supervise(call_preloaded, worker_args, nproc=nproc, replica_size=size, max_restarts=args.max_restarts)
         else:
             launch(
-                forked_worker,
+                call_preloaded,
                 worker_args,
                 nproc=nproc,
                 nnodes=args.nnodes,

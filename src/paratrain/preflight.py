@@ -111,11 +111,19 @@ def _describe(sample) -> str:
     return f"a {type(sample).__name__}"
 
 
+# Up to this many parameters, the shape check runs on the CPU, on zero weights and zero inputs
+# (milliseconds); above it, on the meta device, whose kernels for a Linear are decompositions
+# that import torch.compile's modules (about 2 s of CPU in a launcher that never compiles).
+SHAPE_CHECK_ON_CPU_PARAMS = 2_000_000
+
+
 def check_loss_shapes(cfg: config_mod.Config, model, inputs, target) -> None:
-    """A batch of two samples through the model and a built-in loss, all on the meta device
-    (shapes only): `mse` on class indices, an output width that is not the targets', or an output
-    with no logits (or no loss, for train.loss = "model") fails here instead of in every worker. A
-    model that cannot run on meta is left to the workers."""
+    """A batch of two samples through the model (built on meta) and a built-in loss, shapes only:
+    `mse` on class indices, an output width that is not the targets', or an output with no logits
+    (or no loss, for train.loss = "model") fails here instead of in every worker. A model that
+    cannot run this way is left to the workers."""
+    import copy
+
     import torch
 
     from paratrain.data.batch import feed, tree_map
@@ -124,7 +132,12 @@ def check_loss_shapes(cfg: config_mod.Config, model, inputs, target) -> None:
     loss = BUILTIN_LOSSES.get(cfg.train.loss)
     if loss is None:
         return
-    pair = tree_map(lambda t: torch.empty((2, *t.shape), dtype=t.dtype, device="meta"), (inputs, target))
+    device = "meta"
+    if sum(p.numel() for p in model.parameters()) <= SHAPE_CHECK_ON_CPU_PARAMS:
+        device = "cpu"
+        # zeros, not to_empty: torch.empty_like of a meta tensor is one of those decompositions
+        model = copy.deepcopy(model)._apply(lambda t: torch.zeros(t.shape, dtype=t.dtype))
+    pair = tree_map(lambda t: torch.zeros((2, *t.shape), dtype=t.dtype, device=device), (inputs, target))
     try:
         with torch.no_grad():
             out = feed(model, pair[0])

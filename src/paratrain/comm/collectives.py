@@ -12,6 +12,7 @@ fell behind, or never answered.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -132,9 +133,26 @@ class _Tracked:
             raise CollectiveFailure(explain_failure(exc, self.record)) from exc
 
 
+def _eager_under_compile(fn):
+    """torch.compiler.disable(fn), applied at the first call instead of at import: applying it
+    imports torch._dynamo (about 2 s of CPU, sympy included), which a launcher, `plan` or `inspect`
+    would pay for this module and never use. A worker has dynamo before its first collective (the
+    worker server preloads it) and torch.compile imports it before it traces anything."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
 # Inside a block that train.compile compiles (tensor parallelism's paired operators), a collective
 # is a graph break: its logging, fingerprint and profiling run eagerly, as everywhere else
-@torch.compiler.disable
+@_eager_under_compile
 def _issue(kind: str, fn, tensor: torch.Tensor, what: str, **kwargs):
     if faults.active("skip_collective", rank=dist.get_rank(), step=LOG.step, what=what):
         return Handle() if kwargs.get("async_op") else None  # as if this rank never issued it
