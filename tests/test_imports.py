@@ -152,6 +152,22 @@ def test_config_and_registry_import_no_torch():
     assert out.strip() == "[]"
 
 
+def test_a_launcher_imports_no_compiler(tmp_path):
+    """What `paratrain run`'s launcher runs before its workers start (the checks on a small model,
+    the agent, the checkpoint code) leaves torch.compile's modules and sympy unimported: 2 s of CPU
+    a launch spent on imports it never used."""
+    from reference import DIGITS_MLP
+
+    (tmp_path / "c.toml").write_text(DIGITS_MLP)
+    code = (
+        "import sys; from paratrain import preflight; import paratrain.runtime.launch, paratrain.runtime.supervise, "
+        f"paratrain.checkpoint, paratrain.runtime.run_dir; preflight.preflight(preflight.load({str(tmp_path / 'c.toml')!r}), 2); "
+        "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'sympy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_every_spec_names_its_engine_footprint_and_step_time():
     from paratrain.parallel.base import Strategy
     from paratrain.parallel.registry import SPECS
