@@ -20,9 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # change what every later `plan` without --cluster predicts, and time layers there)
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="paratrain-tests-cache-")
 
+# One compute thread per process: the two test processes (make test) share the machine's cores and
+# each starts workers of its own, and OpenMP's threads spin while they wait for a core: the pipeline
+# oracle (tests/fake_ranks.py) took 25 s of CPU with two threads and 9 s with one, for the same counts.
+# A launch gives its workers this count (launch.py sets OMP_NUM_THREADS only where it is unset).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from paratrain.testing.gang import Gangs  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # this process's own work: references, plans
 
 # what starts a command or an interpreter of its own
 LAUNCHES = re.compile(

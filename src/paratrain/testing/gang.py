@@ -57,7 +57,11 @@ def _member(rank: int, world: int, port: int, conn, sys_path: list[str]) -> None
 
     from paratrain.runtime import process
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as a launch sets OMP_NUM_THREADS
+    # as a launch sets OMP_NUM_THREADS: the caller's own where it set one, else a share of the cores
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(
+        int(threads) if threads.isdigit() and int(threads) > 0 else max(1, (os.cpu_count() or 1) // world)
+    )
     rt = process.init("cpu", timeout_s=120)
     while True:
         try:
