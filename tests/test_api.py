@@ -53,6 +53,39 @@ def test_own_loop_under_mixed_precision_zero_trains_like_bf16_autocast(tmp_path,
     assert max_rel_error(trained(gang, 2, tmp_path / "b", ckpt=ckpt, **common), first) == 0
 
 
+@pytest.mark.parametrize("optimizer, world", [("sgd", 2), ("adamw", 4)])
+def test_own_loop_under_tp_with_a_given_plan_equals_plain_pytorch(tmp_path, gang, optimizer, world):
+    """tp = 2 (at world 4 also dp = 2) on the MLP with parallel.tp_plan: the user's optimizer and its
+    param groups over the shards, the global norm clipped over them."""
+    plan = {"0": "colwise", "2": "rowwise"}
+    got = trained(gang, world, tmp_path, strategy="tp", tp=2, tp_plan=plan, optimizer=optimizer, clip=0.05)
+    assert max_rel_error(got, reference(optimizer, 6, clip=0.05)) <= TOL
+
+
+@pytest.mark.parametrize("model, optimizer", [("gpt", "adamw"), ("llama", "sgd")])
+def test_own_loop_under_tp_with_the_models_own_plan_equals_plain_pytorch(tmp_path, gang, model, optimizer):
+    """The built-in gpt's plan (vocabulary-parallel head: its logits gathered for the user's loss,
+    split unevenly) and a transformers Llama's base_model_tp_plan; a checkpoint resumes exactly."""
+    if model == "llama":
+        pytest.importorskip("transformers")
+    ckpt, common = str(tmp_path / "ckpt"), dict(strategy="tp", tp=2, model=model, optimizer=optimizer, steps=4)
+    first = trained(gang, 2, tmp_path / "a", ckpt=ckpt, save_at=2, **common)
+    # the gpt's key bias gets a gradient that is zero but for rounding (softmax ignores a shift
+    # shared by all keys), which AdamW scales up: noise that differs with summation order
+    expected = {k: v for k, v in reference(optimizer, 4, model=model).items() if not k.endswith("attn.k.bias")}
+    assert max_rel_error({k: first[k] for k in expected}, expected) <= TOL
+    assert max_rel_error(trained(gang, 2, tmp_path / "b", ckpt=ckpt, **common), first) == 0
+
+
+def test_tp_on_a_model_without_a_plan_exits_2_naming_it(gang):
+    assert gang(2).run("own_loop_model:no_plan_job") == [2, 2]
+    for said in gang(2).outputs:
+        (line,) = said.strip().splitlines()
+        assert line.startswith("paratrain: error: parallel.tp_plan: tp = 2 needs a plan for the model (Sequential"), (
+            line
+        )
+
+
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])
 def test_unequal_shares_of_a_short_last_batch_still_give_the_global_mean(tmp_path, gang, strategy):
     """40 samples in batches of 12 without drop_last: every fourth batch holds 4, shared 2-1-1."""

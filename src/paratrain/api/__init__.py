@@ -92,11 +92,15 @@ class Paratrain:
             raise RuntimeError("pt.setup: called once per pt (one model and its optimizer)")
         cls = registry.strategy_class(self.cfg.parallel.strategy)
         if optimizer is not None:
-            self._take_optimizer_keys(optimizer, cls.adopts_optimizers)
+            self._take_optimizer_keys(optimizer, cls.adopts_optimizers(self.cfg))
         model.to(self.device)
         if self.world_size > 1:  # every rank starts from rank 0's weights, as one process would
             broadcast_tensors(list(model.parameters()) + list(model.buffers()))
-        self.strategy = registry.build_strategy(model, loss or build_loss(self.cfg), self.cfg, self.rt)
+        try:
+            self.strategy = registry.build_strategy(model, loss or build_loss(self.cfg), self.cfg, self.rt)
+        except ConfigError as exc:  # what the model cannot take (a tp plan), on every rank alike
+            error(f"{exc}")
+            raise SystemExit(2) from None
         if optimizer is not None:
             optimizer = self.strategy.adopt_optimizer(optimizer)
         return self.strategy.model, optimizer or self.strategy.optimizer
