@@ -132,6 +132,21 @@ def test_a_loader_whose_order_the_api_cannot_keep_is_refused():
         GlobalBatchLoader(loader, 0, place=None, share=None)
 
 
+def test_srun_tasks_read_as_torchrun_workers_and_an_sbatch_shell_is_left_alone():
+    from paratrain.runtime.schedulers import slurm_task
+
+    step = dict(SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_STEP_NUM_TASKS="5", SLURM_NTASKS="9", SLURM_LOCALID="1")
+    step.update(SLURM_NODEID="1", SLURM_STEP_NODELIST="gpu[07-09]", SLURM_STEP_TASKS_PER_NODE="2(x2),1")
+    assert slurm_task({**step, "SLURM_JOB_ID": "1234"}) == dict(
+        RANK="3", WORLD_SIZE="5", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="gpu07", MASTER_PORT="29734"
+    )
+    given = slurm_task({**step, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "4000"})
+    assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("10.0.0.7", "4000")
+    batch_shell = {k: v for k, v in step.items() if not k.startswith("SLURM_STEP")}
+    assert slurm_task(batch_shell) is None  # sbatch's shell: SLURM_PROCID=0 too, but no step
+    assert slurm_task({**step, "RANK": "3"}) is None  # a launcher's worker
+
+
 def test_import_paratrain_stays_free_of_torch():
     import subprocess
 
@@ -202,6 +217,34 @@ def test_a_dead_worker_restarts_and_the_script_resumes_from_its_last_save(tmp_pa
     # the first attempt logged steps 1-5 (rank 1 died after step 5), the restarted one 4-6
     steps = [m["step"] for m in metrics(tmp_path / "run")]
     assert steps[:5] == [1, 2, 3, 4, 5] and steps[-3:] == [4, 5, 6], steps
+
+
+def test_plain_python_under_srun_joins_the_step_and_equals_plain_pytorch(tmp_path):
+    """Two tasks as `srun --ntasks 2 python own_loop_script.py ...` starts them (Slurm's variables,
+    no RANK): each joins the group on the step's first node, at MASTER_PORT."""
+    import os
+    import subprocess
+
+    from paratrain.runtime.process import free_port
+
+    out, port = tmp_path / "out", str(free_port())
+    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_NODEID="0", MASTER_PORT=port)
+    slurm.update(SLURM_JOB_NODELIST="127.0.0.1", SLURM_TASKS_PER_NODE="2")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    argv = [sys.executable, SCRIPT, "zero2", "sgd", str(out), "--run-dir", str(tmp_path / "run")]
+    tasks = [
+        subprocess.Popen(
+            argv,
+            env={**env, **CPU_ONLY, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    said = [task.communicate(timeout=120)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], said
+    assert max_rel_error(weights(out), reference("sgd", 6)) <= TOL
 
 
 def test_paratrain_launch_exit_codes(tmp_path):

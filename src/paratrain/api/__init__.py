@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -34,19 +35,20 @@ from paratrain.metrics import MetricsLog
 from paratrain.optim import build_loss
 from paratrain.parallel import registry
 from paratrain.parallel.base import broadcast_tensors
-from paratrain.runtime import process
+from paratrain.runtime import process, schedulers
 from paratrain.trainer import barrier, broadcast_str
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "name")
 
 
 def init(strategy: str | None = None, *, config: str | Path | None = None, run_dir=None, **keys) -> Paratrain:
-    """Join the process group of the launcher's environment (paratrain launch, torchrun), or
-    run alone at world 1. `keys`: any [parallel] key (bucket_mb=..., tp=...), or a section's table
+    """Join the process group of the launcher's environment (paratrain launch, torchrun, srun's
+    tasks), or run alone at world 1. `keys`: any [parallel] key (bucket_mb=..., tp=...), or a section's table
     (train={"seed": 1}); `config`: a TOML file they override. `run_dir` (default runs/NAME):
     where pt.log writes metrics.jsonl. Bad input: one line naming the key, exit 2."""
     try:
         cfg = _config(strategy, config, keys)
+        os.environ.update(schedulers.slurm_task(os.environ) or {})
         rt = process.init(cfg.train.device, cfg.parallel.timeout_s)
         registry.spec(cfg.parallel.strategy).check_layout(cfg, rt.world_size)
     except ConfigError as exc:
