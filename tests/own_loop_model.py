@@ -184,3 +184,22 @@ def no_plan_job(rt):
     except SystemExit as exc:
         return exc.code
     return "no error"
+
+
+def step_job(rt, run_dir):
+    """The step the collectives of each own-loop backward are logged with, which a hang's report
+    names: the optimizer steps taken, then the step pt.log was given."""
+    from paratrain.comm import collectives
+
+    pt = paratrain.init(strategy="zero2", bucket_mb=0.0005, run_dir=run_dir)
+    model, opt, loader = build("sgd")
+    model, opt = pt.setup(model, opt)
+    seen = []
+    for x, y in pt.setup_dataloader(loader):
+        pt.backward(loss_of(model, x, y))
+        seen.append(collectives.LOG.last.describe())
+        opt.step()
+        opt.zero_grad()
+        if len(seen) == 2:
+            pt.log(10)
+    return seen

@@ -77,6 +77,14 @@ def test_own_loop_under_tp_with_the_models_own_plan_equals_plain_pytorch(tmp_pat
     assert max_rel_error(trained(gang, 2, tmp_path / "b", ckpt=ckpt, **common), first) == 0
 
 
+def test_own_loop_collectives_name_the_step_a_hang_report_gives(tmp_path, gang):
+    """A hang's report is the failed collective's describe(): its step counts optimizer steps, or
+    is the step pt.log was given (3 batches: steps 0, 1, then pt.log(10))."""
+    for seen in gang(2).run("own_loop_model:step_job", run_dir=str(tmp_path)):
+        assert [line.rpartition(" at step ")[2] for line in seen] == ["0", "1", "10"], seen
+        assert all("zero-grad-unit" in line for line in seen), seen  # the backward's own
+
+
 def test_tp_on_a_model_without_a_plan_exits_2_naming_it(gang):
     assert gang(2).run("own_loop_model:no_plan_job") == [2, 2]
     for said in gang(2).outputs:

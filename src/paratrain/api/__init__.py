@@ -29,6 +29,7 @@ from paratrain import config as config_mod
 from paratrain.api.loader import GlobalBatchLoader, to_device
 from paratrain.checkpoint.resume import check_resumable
 from paratrain.checkpoint.train_state import load_train_state, save_train_state
+from paratrain.comm import collectives
 from paratrain.config import Config
 from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog
@@ -54,6 +55,7 @@ def init(strategy: str | None = None, *, config: str | Path | None = None, run_d
     except ConfigError as exc:
         error(f"{exc}")
         raise SystemExit(2) from None
+    collectives.LOG.step = 0
     return Paratrain(cfg, rt, Path(run_dir or Path("runs") / cfg.name))
 
 
@@ -105,7 +107,15 @@ class Paratrain:
             raise SystemExit(2) from None
         if optimizer is not None:
             optimizer = self.strategy.adopt_optimizer(optimizer)
-        return self.strategy.model, optimizer or self.strategy.optimizer
+        optimizer = optimizer or self.strategy.optimizer
+        optimizer.register_step_post_hook(self._stepped)
+        return self.strategy.model, optimizer
+
+    @staticmethod
+    def _stepped(*_) -> None:
+        """Collectives are logged with the number of optimizer steps taken, as in `paratrain run`: a
+        hang's report names the step (pt.log's and pt.load's step numbers set it too)."""
+        collectives.LOG.step += 1
 
     def _take_optimizer_keys(self, optimizer: torch.optim.Optimizer, adopted: bool) -> None:
         """Checkpoints name the optimizer (a resume with another is refused); a strategy that builds
@@ -202,6 +212,7 @@ class Paratrain:
         reader = ckpt.CheckpointReader(path)
         check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "pt.load")
         loop = load_train_state(strategy, reader, self.rt)
+        collectives.LOG.step = int(loop["step"])
         for loader, position in zip(self.loaders, loop.get("loaders", [])):
             loader.resume_at(position)
         return {"step": int(loop["step"]), **loop.get("extras", {})}
@@ -229,6 +240,7 @@ class Paratrain:
             if self.is_main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             self._metrics = MetricsLog(self.run_dir, self.cfg.train.steps, 0, self.is_main, self.cfg.log.tensorboard)
+        collectives.LOG.step = int(step)
         numbers = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
         now = time.perf_counter()
         self._metrics.record({"step": int(step), **numbers, "time": now - self._t0, "wall": time.time()})
