@@ -27,7 +27,6 @@ from torch import nn
 from paratrain import checkpoint as ckpt
 from paratrain import config as config_mod
 from paratrain.api.loader import GlobalBatchLoader, to_device
-from paratrain.checkpoint.resume import check_resumable
 from paratrain.checkpoint.train_state import load_train_state, save_train_state
 from paratrain.comm import collectives
 from paratrain.config import Config
@@ -209,9 +208,8 @@ class Paratrain:
             if not found:
                 return None
             path = Path(found)
-        reader = ckpt.CheckpointReader(path)
-        check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "pt.load")
-        loop = load_train_state(strategy, reader, self.rt)
+        resumes = (self.cfg.parallel.strategy, self.cfg.train.optimizer, "pt.load")
+        loop = load_train_state(strategy, ckpt.CheckpointReader(path), self.rt, resumes=resumes)
         collectives.LOG.step = int(loop["step"])
         for loader, position in zip(self.loaders, loop.get("loaders", [])):
             loader.resume_at(position)
