@@ -274,7 +274,7 @@ class ModelParallel(Strategy):
         """Every backward all-reduces over the dp ranks (a second one before a zero_grad adds to the
         first: accumulation); tp's own all-reduces run inside it."""
         if not self.adopts_optimizers(self.cfg):
-            super().backward(loss)
+            return super().backward(loss)  # raises: the pipeline's schedule owns backward
         reducer = self.reducers[0]
         if any(t.grad is None for t in self.params):  # the user's zero_grad() let them go
             reducer.zero_grad(rebind=True)
@@ -284,7 +284,7 @@ class ModelParallel(Strategy):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if not self.adopts_optimizers(self.cfg):
-            super().clip_grad_norm_(max_norm)
+            return super().clip_grad_norm_(max_norm)  # raises, as backward
         norm = self._global_grad_norm([self.grad_norm], torch.zeros((), dtype=torch.float64, device=self.rt.device))
         self._clip(norm, max_norm)
         return torch.tensor(norm)
