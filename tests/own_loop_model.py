@@ -12,12 +12,46 @@ from torch.utils.data import DataLoader, TensorDataset
 import paratrain
 
 BATCH = 12
+VOCAB, BLOCK = 15, 6  # an odd vocabulary: tp=2 splits the gpt's head unevenly
+# a tiny Llama at random init (nothing downloaded): its own base_model_tp_plan, a gathered head
+LLAMA = dict(
+    model_type="llama",
+    vocab_size=16,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=BLOCK,
+)
 
 
-def build(optimizer: str, groups: bool = True, drop_last: bool = True):
-    """A small MLP, its optimizer (in two param groups: no weight decay on biases), a shuffled loader."""
+def make_model(kind: str) -> nn.Module:
+    """mlp: regression on 5 features; gpt (the built-in model's own tp plan) and llama (transformers'):
+    next-token prediction on VOCAB ids."""
+    if kind == "gpt":
+        from paratrain.models.gpt import GPT
+
+        return GPT(VOCAB, n_layer=1, n_head=2, d_model=8, block_size=BLOCK)
+    if kind == "llama":
+        from paratrain.models.hf import hf
+
+        return hf(config=LLAMA)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def loss_of(model: nn.Module, x, y) -> torch.Tensor:
+    out = model(x)
+    if x.dtype != torch.long:
+        return nn.functional.mse_loss(out, y)
+    logits = getattr(out, "logits", out)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def build(optimizer: str, groups: bool = True, drop_last: bool = True, model: str = "mlp"):
+    """A small model, its optimizer (in two param groups: no weight decay on biases), a shuffled loader."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+    kind, model = model, make_model(model)
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
     groups = (
@@ -27,17 +61,27 @@ def build(optimizer: str, groups: bool = True, drop_last: bool = True):
     )
     opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9) if optimizer == "sgd" else torch.optim.AdamW(groups, lr=0.01)
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(40, 5, generator=g), torch.randn(40, 3, generator=g))
+    if kind == "mlp":
+        data = TensorDataset(torch.randn(40, 5, generator=g), torch.randn(40, 3, generator=g))
+    else:
+        ids = torch.randint(VOCAB, (40, BLOCK + 1), generator=g)
+        data = TensorDataset(ids[:, :-1], ids[:, 1:])
     return model, opt, DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=drop_last)
 
 
 def reference(
-    optimizer: str, steps: int, clip: float = 0.0, groups: bool = True, drop_last: bool = True, bf16: bool = False
+    optimizer: str,
+    steps: int,
+    clip: float = 0.0,
+    groups: bool = True,
+    drop_last: bool = True,
+    bf16: bool = False,
+    model: str = "mlp",
 ) -> dict:
     """One process, plain PyTorch, the batches in the documented order: epoch e is the
     permutation torch.randperm(N) draws from seed 0 * 1_000_003 + e, cut into batches. `bf16`: the
     forward under bf16 autocast."""
-    model, opt, loader = build(optimizer, groups, drop_last)
+    model, opt, loader = build(optimizer, groups, drop_last, model)
     x_all, y_all = loader.dataset.tensors
     n, step, epoch = len(x_all), 0, 0
     while step < steps:
@@ -45,7 +89,7 @@ def reference(
         for b in range(len(loader)):
             ids = perm[np.arange(b * BATCH, min((b + 1) * BATCH, n))]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = nn.functional.mse_loss(model(x_all[ids]), y_all[ids])
+                loss = loss_of(model, x_all[ids], y_all[ids])
             loss.backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -70,6 +114,7 @@ def train(
     drop_last=True,
     run_dir=None,
     bf16=False,
+    model="mlp",
     **keys,
 ):
     """The user's own loop: resume from `ckpt` if it holds a checkpoint, save there at step
@@ -78,7 +123,7 @@ def train(
     if bf16:
         keys["train"] = {"precision": "bf16"}
     pt = paratrain.init(strategy=strategy, bucket_mb=0.0005, run_dir=run_dir, **keys)
-    model, opt, loader = build(optimizer, drop_last=drop_last)
+    model, opt, loader = build(optimizer, drop_last=drop_last, model=model)
     model, opt = pt.setup(model, opt)
     loader = pt.setup_dataloader(loader)
     meta = pt.load(ckpt) if ckpt else None
@@ -86,7 +131,7 @@ def train(
     while step < steps:
         for x, y in loader:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = nn.functional.mse_loss(model(x), y)
+                loss = loss_of(model, x, y)
             pt.backward(loss)
             if clip:
                 pt.clip_grad_norm_(clip)
@@ -129,3 +174,32 @@ def pipeline_job(rt, out, steps, run_dir):
     except RuntimeError as exc:
         return str(exc)
     return "no error"
+
+
+def no_plan_job(rt):
+    """tp on a model with no plan of its own and none given: setup's exit code (its line: the output)."""
+    pt = paratrain.init(strategy="tp", tp=2)
+    try:
+        pt.setup(*build("sgd")[:2])
+    except SystemExit as exc:
+        return exc.code
+    return "no error"
+
+
+def step_job(rt, run_dir):
+    """The step the collectives of each own-loop backward are logged with, which a hang's report
+    names: the optimizer steps taken, then the step pt.log was given."""
+    from paratrain.comm import collectives
+
+    pt = paratrain.init(strategy="zero2", bucket_mb=0.0005, run_dir=run_dir)
+    model, opt, loader = build("sgd")
+    model, opt = pt.setup(model, opt)
+    seen = []
+    for x, y in pt.setup_dataloader(loader):
+        pt.backward(loss_of(model, x, y))
+        seen.append(collectives.LOG.last.describe())
+        opt.step()
+        opt.zero_grad()
+        if len(seen) == 2:
+            pt.log(10)
+    return seen

@@ -53,6 +53,47 @@ def test_own_loop_under_mixed_precision_zero_trains_like_bf16_autocast(tmp_path,
     assert max_rel_error(trained(gang, 2, tmp_path / "b", ckpt=ckpt, **common), first) == 0
 
 
+@pytest.mark.parametrize("optimizer, world", [("sgd", 2), ("adamw", 4)])
+def test_own_loop_under_tp_with_a_given_plan_equals_plain_pytorch(tmp_path, gang, optimizer, world):
+    """tp = 2 (at world 4 also dp = 2) on the MLP with parallel.tp_plan: the user's optimizer and its
+    param groups over the shards, the global norm clipped over them."""
+    plan = {"0": "colwise", "2": "rowwise"}
+    got = trained(gang, world, tmp_path, strategy="tp", tp=2, tp_plan=plan, optimizer=optimizer, clip=0.05)
+    assert max_rel_error(got, reference(optimizer, 6, clip=0.05)) <= TOL
+
+
+@pytest.mark.parametrize("model, optimizer", [("gpt", "adamw"), ("llama", "sgd")])
+def test_own_loop_under_tp_with_the_models_own_plan_equals_plain_pytorch(tmp_path, gang, model, optimizer):
+    """The built-in gpt's plan (vocabulary-parallel head: its logits gathered for the user's loss,
+    split unevenly) and a transformers Llama's base_model_tp_plan; a checkpoint resumes exactly."""
+    if model == "llama":
+        pytest.importorskip("transformers")
+    ckpt, common = str(tmp_path / "ckpt"), dict(strategy="tp", tp=2, model=model, optimizer=optimizer, steps=4)
+    first = trained(gang, 2, tmp_path / "a", ckpt=ckpt, save_at=2, **common)
+    # the gpt's key bias gets a gradient that is zero but for rounding (softmax ignores a shift
+    # shared by all keys), which AdamW scales up: noise that differs with summation order
+    expected = {k: v for k, v in reference(optimizer, 4, model=model).items() if not k.endswith("attn.k.bias")}
+    assert max_rel_error({k: first[k] for k in expected}, expected) <= TOL
+    assert max_rel_error(trained(gang, 2, tmp_path / "b", ckpt=ckpt, **common), first) == 0
+
+
+def test_own_loop_collectives_name_the_step_a_hang_report_gives(tmp_path, gang):
+    """A hang's report is the failed collective's describe(): its step counts optimizer steps, or
+    is the step pt.log was given (3 batches: steps 0, 1, then pt.log(10))."""
+    for seen in gang(2).run("own_loop_model:step_job", run_dir=str(tmp_path)):
+        assert [line.rpartition(" at step ")[2] for line in seen] == ["0", "1", "10"], seen
+        assert all("zero-grad-unit" in line for line in seen), seen  # the backward's own
+
+
+def test_tp_on_a_model_without_a_plan_exits_2_naming_it(gang):
+    assert gang(2).run("own_loop_model:no_plan_job") == [2, 2]
+    for said in gang(2).outputs:
+        (line,) = said.strip().splitlines()
+        assert line.startswith("paratrain: error: parallel.tp_plan: tp = 2 needs a plan for the model (Sequential"), (
+            line
+        )
+
+
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])
 def test_unequal_shares_of_a_short_last_batch_still_give_the_global_mean(tmp_path, gang, strategy):
     """40 samples in batches of 12 without drop_last: every fourth batch holds 4, shared 2-1-1."""
@@ -97,6 +138,21 @@ def test_a_loader_whose_order_the_api_cannot_keep_is_refused():
     loader = DataLoader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 8, 8))
     with pytest.raises(ValueError, match="WeightedRandomSampler"):
         GlobalBatchLoader(loader, 0, place=None, share=None)
+
+
+def test_srun_tasks_read_as_torchrun_workers_and_an_sbatch_shell_is_left_alone():
+    from paratrain.runtime.schedulers import slurm_task
+
+    step = dict(SLURM_STEP_ID="0", SLURM_PROCID="3", SLURM_STEP_NUM_TASKS="5", SLURM_NTASKS="9", SLURM_LOCALID="1")
+    step.update(SLURM_NODEID="1", SLURM_STEP_NODELIST="gpu[07-09]", SLURM_STEP_TASKS_PER_NODE="2(x2),1")
+    assert slurm_task({**step, "SLURM_JOB_ID": "1234"}) == dict(
+        RANK="3", WORLD_SIZE="5", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="gpu07", MASTER_PORT="29734"
+    )
+    given = slurm_task({**step, "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "4000"})
+    assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("10.0.0.7", "4000")
+    batch_shell = {k: v for k, v in step.items() if not k.startswith("SLURM_STEP")}
+    assert slurm_task(batch_shell) is None  # sbatch's shell: SLURM_PROCID=0 too, but no step
+    assert slurm_task({**step, "RANK": "3"}) is None  # a launcher's worker
 
 
 def test_import_paratrain_stays_free_of_torch():
@@ -169,6 +225,34 @@ def test_a_dead_worker_restarts_and_the_script_resumes_from_its_last_save(tmp_pa
     # the first attempt logged steps 1-5 (rank 1 died after step 5), the restarted one 4-6
     steps = [m["step"] for m in metrics(tmp_path / "run")]
     assert steps[:5] == [1, 2, 3, 4, 5] and steps[-3:] == [4, 5, 6], steps
+
+
+def test_plain_python_under_srun_joins_the_step_and_equals_plain_pytorch(tmp_path):
+    """Two tasks as `srun --ntasks 2 python own_loop_script.py ...` starts them (Slurm's variables,
+    no RANK): each joins the group on the step's first node, at MASTER_PORT."""
+    import os
+    import subprocess
+
+    from paratrain.runtime.process import free_port
+
+    out, port = tmp_path / "out", str(free_port())
+    slurm = dict(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_NODEID="0", MASTER_PORT=port)
+    slurm.update(SLURM_JOB_NODELIST="127.0.0.1", SLURM_TASKS_PER_NODE="2")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    argv = [sys.executable, SCRIPT, "zero2", "sgd", str(out), "--run-dir", str(tmp_path / "run")]
+    tasks = [
+        subprocess.Popen(
+            argv,
+            env={**env, **CPU_ONLY, **slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    said = [task.communicate(timeout=120)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], said
+    assert max_rel_error(weights(out), reference("sgd", 6)) <= TOL
 
 
 def test_paratrain_launch_exit_codes(tmp_path):

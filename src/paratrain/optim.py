@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Iterable
 
@@ -31,6 +32,27 @@ def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: TrainConfi
         except (RuntimeError, ValueError):  # a build of torch without this fused kernel
             pass
     return kind(params, **kwargs)
+
+
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, name_of: dict[int, str], new: dict[str, torch.Tensor]
+) -> torch.optim.Optimizer:
+    """The user's optimizer class and hyper-parameters over the tensors a strategy trains in place
+    of the model's parameters (`new`: by the name of the parameter each stands for; `name_of`: the
+    name of each parameter the user's optimizer holds, by id). Each keeps the param group of its
+    parameter; a parameter with no tensor in `new` (held by another rank) is left out, so a group
+    may be empty on some rank."""
+    groups = []
+    for g in optimizer.param_groups:
+        names = [name_of.get(id(p)) for p in g["params"]]
+        if None in names:
+            raise ValueError("pt.setup: the optimizer holds a tensor that is no trainable parameter of the model")
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        groups.append({**hyper, "params": [new[n] for n in names if n in new]})
+    # each group carries every hyper-parameter; the constructor takes the defaults it names
+    # (AdamW's defaults also hold keys its constructor does not take)
+    accepted = inspect.signature(type(optimizer)).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
 def _fusable(params: list) -> bool:

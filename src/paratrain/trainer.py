@@ -24,7 +24,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from paratrain import checkpoint as ckpt
 from paratrain import config as config_mod
 from paratrain import preflight
-from paratrain.checkpoint.resume import check_resumable
 from paratrain.checkpoint.train_state import NonFiniteError, load_train_state, save_train_state
 from paratrain.comm import collectives
 from paratrain.config import Config
@@ -125,8 +124,8 @@ class Trainer:
                     print("no checkpoint to resume from: starting fresh", flush=True)
                 return
         reader = ckpt.CheckpointReader(path)
-        check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
-        self._continue_at(load_train_state(self.strategy, reader, self.rt), path)
+        resumes = (self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
+        self._continue_at(load_train_state(self.strategy, reader, self.rt, resumes=resumes), path)
         if self.rt.is_main:
             # the steps after the checkpoint are redone: forget what the lost attempt logged of them
             keep_steps_up_to(self.run_dir / "metrics.jsonl", self.step)

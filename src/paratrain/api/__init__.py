@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 
@@ -26,32 +27,34 @@ from torch import nn
 from paratrain import checkpoint as ckpt
 from paratrain import config as config_mod
 from paratrain.api.loader import GlobalBatchLoader, to_device
-from paratrain.checkpoint.resume import check_resumable
 from paratrain.checkpoint.train_state import load_train_state, save_train_state
+from paratrain.comm import collectives
 from paratrain.config import Config
 from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog
 from paratrain.optim import build_loss
 from paratrain.parallel import registry
 from paratrain.parallel.base import broadcast_tensors
-from paratrain.runtime import process
+from paratrain.runtime import process, schedulers
 from paratrain.trainer import barrier, broadcast_str
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "name")
 
 
 def init(strategy: str | None = None, *, config: str | Path | None = None, run_dir=None, **keys) -> Paratrain:
-    """Join the process group of the launcher's environment (paratrain launch, torchrun), or
-    run alone at world 1. `keys`: any [parallel] key (bucket_mb=..., tp=...), or a section's table
+    """Join the process group of the launcher's environment (paratrain launch, torchrun, srun's
+    tasks), or run alone at world 1. `keys`: any [parallel] key (bucket_mb=..., tp=...), or a section's table
     (train={"seed": 1}); `config`: a TOML file they override. `run_dir` (default runs/NAME):
     where pt.log writes metrics.jsonl. Bad input: one line naming the key, exit 2."""
     try:
         cfg = _config(strategy, config, keys)
+        os.environ.update(schedulers.slurm_task(os.environ) or {})
         rt = process.init(cfg.train.device, cfg.parallel.timeout_s)
         registry.spec(cfg.parallel.strategy).check_layout(cfg, rt.world_size)
     except ConfigError as exc:
         error(f"{exc}")
         raise SystemExit(2) from None
+    collectives.LOG.step = 0
     return Paratrain(cfg, rt, Path(run_dir or Path("runs") / cfg.name))
 
 
@@ -92,14 +95,26 @@ class Paratrain:
             raise RuntimeError("pt.setup: called once per pt (one model and its optimizer)")
         cls = registry.strategy_class(self.cfg.parallel.strategy)
         if optimizer is not None:
-            self._take_optimizer_keys(optimizer, cls.adopts_optimizers)
+            self._take_optimizer_keys(optimizer, cls.adopts_optimizers(self.cfg))
         model.to(self.device)
         if self.world_size > 1:  # every rank starts from rank 0's weights, as one process would
             broadcast_tensors(list(model.parameters()) + list(model.buffers()))
-        self.strategy = registry.build_strategy(model, loss or build_loss(self.cfg), self.cfg, self.rt)
+        try:
+            self.strategy = registry.build_strategy(model, loss or build_loss(self.cfg), self.cfg, self.rt)
+        except ConfigError as exc:  # what the model cannot take (a tp plan), on every rank alike
+            error(f"{exc}")
+            raise SystemExit(2) from None
         if optimizer is not None:
             optimizer = self.strategy.adopt_optimizer(optimizer)
-        return self.strategy.model, optimizer or self.strategy.optimizer
+        optimizer = optimizer or self.strategy.optimizer
+        optimizer.register_step_post_hook(self._stepped)
+        return self.strategy.model, optimizer
+
+    @staticmethod
+    def _stepped(*_) -> None:
+        """Collectives are logged with the number of optimizer steps taken, as in `paratrain run`: a
+        hang's report names the step (pt.log's and pt.load's step numbers set it too)."""
+        collectives.LOG.step += 1
 
     def _take_optimizer_keys(self, optimizer: torch.optim.Optimizer, adopted: bool) -> None:
         """Checkpoints name the optimizer (a resume with another is refused); a strategy that builds
@@ -193,9 +208,9 @@ class Paratrain:
             if not found:
                 return None
             path = Path(found)
-        reader = ckpt.CheckpointReader(path)
-        check_resumable(reader, self.cfg.parallel.strategy, self.cfg.train.optimizer, "pt.load")
-        loop = load_train_state(strategy, reader, self.rt)
+        resumes = (self.cfg.parallel.strategy, self.cfg.train.optimizer, "pt.load")
+        loop = load_train_state(strategy, ckpt.CheckpointReader(path), self.rt, resumes=resumes)
+        collectives.LOG.step = int(loop["step"])
         for loader, position in zip(self.loaders, loop.get("loaders", [])):
             loader.resume_at(position)
         return {"step": int(loop["step"]), **loop.get("extras", {})}
@@ -223,6 +238,7 @@ class Paratrain:
             if self.is_main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             self._metrics = MetricsLog(self.run_dir, self.cfg.train.steps, 0, self.is_main, self.cfg.log.tensorboard)
+        collectives.LOG.step = int(step)
         numbers = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
         now = time.perf_counter()
         self._metrics.record({"step": int(step), **numbers, "time": now - self._t0, "wall": time.time()})

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from paratrain.checkpoint.reader import CheckpointReader
+from paratrain.checkpoint.resume import check_resumable
 from paratrain.checkpoint.save import save
 from paratrain.comm import collectives
 from paratrain.runtime import process
@@ -51,9 +52,12 @@ def save_train_state(
     )
 
 
-def load_train_state(strategy, reader: CheckpointReader, rt: process.Runtime) -> dict:
+def load_train_state(strategy, reader: CheckpointReader, rt: process.Runtime, *, resumes: tuple[str, str, str]) -> dict:
     """The strategy's state and this rank's RNGs (a rank the saving world did not have keeps its
-    own) from `reader`; returns what the loop saved ("trainer")."""
+    own) from `reader`, once check_resumable(reader, *resumes) passes: `resumes` = (strategy name,
+    optimizer, the flag or call a mismatch names). Returns what the loop saved ("trainer"):
+    `paratrain run`'s resume and the Python API's pt.load both come through here."""
+    check_resumable(reader, *resumes)
     strategy.load_state_dict(reader)
     _, meta0 = reader.load(rank=0)
     if rt.rank < reader.world_size:

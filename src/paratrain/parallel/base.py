@@ -139,10 +139,14 @@ class Strategy:
         finally:
             self.model.train()
 
-    # -- the Python API's own loop (paratrain/api.py) ---------------------------------------------
+    # -- the Python API's own loop (paratrain/api) ---------------------------------------------
     # A strategy whose schedule owns forward and backward keeps these defaults: the user's loop
     # calls train_step, and the engine's optimizer is built from the [train] keys the API set.
-    adopts_optimizers = False  # True: adopt_optimizer takes any torch.optim optimizer
+    @classmethod
+    def adopts_optimizers(cls, cfg: Config) -> bool:
+        """Whether adopt_optimizer takes any torch.optim optimizer (asked before the engine is built:
+        one that does not builds its own from [train], which the API fills from the user's)."""
+        return False
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Train with the user's optimizer (its class, hyper-parameters and param groups, built

@@ -117,8 +117,46 @@ def _slurm(env: Mapping[str, str]) -> Placement:
     if len(nodes) != nnodes:
         raise ConfigError("SLURM_JOB_NODELIST", f"names {len(nodes)} nodes, SLURM_NNODES says {nnodes}")
     job_id = _int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
-    port = _int(env, "MASTER_PORT", 1) if "MASTER_PORT" in env else SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
-    return Placement("Slurm", nnodes, _int(env, "SLURM_NODEID"), f"{nodes[0]}:{port}", None, str(job_id or ""))
+    return Placement(
+        "Slurm", nnodes, _int(env, "SLURM_NODEID"), f"{nodes[0]}:{_slurm_port(env)}", None, str(job_id or "")
+    )
+
+
+def _slurm_port(env: Mapping[str, str]) -> int:
+    job_id = _int(env, "SLURM_JOB_ID") if "SLURM_JOB_ID" in env else 0
+    return _int(env, "MASTER_PORT", 1) if "MASTER_PORT" in env else SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+
+
+def slurm_task(env: Mapping[str, str]) -> dict[str, str] | None:
+    """The torchrun environment of a process that srun started itself (`srun python script.py`: a
+    task per process, no launcher between), for paratrain.init; None elsewhere. srun marks its
+    tasks with SLURM_STEP_ID: an sbatch script's own shell has SLURM_PROCID = 0 and the job's
+    SLURM_NTASKS too, and must not wait for peers. A launcher's worker (RANK set) is left alone.
+    The store is on task 0's node, the step's first, at the port `paratrain run` would take;
+    MASTER_ADDR and MASTER_PORT win."""
+    if "RANK" in env or not env.get("SLURM_STEP_ID", "").strip() or "SLURM_PROCID" not in env:
+        return None
+    world = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    nodes = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_JOB_NODELIST"
+    task = {
+        "RANK": str(_int(env, "SLURM_PROCID")),
+        "WORLD_SIZE": str(_int(env, world, 1)),
+        "LOCAL_RANK": str(_int(env, "SLURM_LOCALID")),
+        "MASTER_ADDR": env.get("MASTER_ADDR") or expand_nodelist(env[nodes])[0],
+        "MASTER_PORT": str(_slurm_port(env)),
+    }
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if per_node and "SLURM_NODEID" in env:  # `2(x3),1`: two tasks on each of three nodes, then one
+        counts = [int(n) for part in per_node.split(",") for n in _repeat(part, per_node)]
+        task["LOCAL_WORLD_SIZE"] = str(counts[min(_int(env, "SLURM_NODEID"), len(counts) - 1)])
+    return task
+
+
+def _repeat(part: str, whole: str) -> list[str]:
+    match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+    if not match:
+        raise ConfigError("SLURM_STEP_TASKS_PER_NODE", f"cannot read {whole!r}")
+    return [match[1]] * int(match[2] or 1)
 
 
 # SkyPilot's own port convention for multi-node tasks, also what its examples pass to torchrun.

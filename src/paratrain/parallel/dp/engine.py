@@ -273,7 +273,9 @@ class DataParallel(Strategy):
         return mean
 
     # -- the Python API's own loop ----------------------------------------------------------------
-    adopts_optimizers = True
+    @classmethod
+    def adopts_optimizers(cls, cfg) -> bool:
+        return True
 
     def adopt_optimizer(self, optimizer):
         """The user's optimizer as it is: it holds the model's own parameters, whose .grad are

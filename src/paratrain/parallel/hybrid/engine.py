@@ -22,8 +22,8 @@ from paratrain.comm.grid import build_mesh
 from paratrain.config import Config
 from paratrain.data.batch import num_samples, split_batch
 from paratrain.errors import ConfigError
-from paratrain.optim import build_optimizer, output_logits
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, eval_sums
+from paratrain.optim import build_optimizer, output_logits, rebuild_optimizer
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, eval_sums, unique_parameters
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.hybrid.parallelize import (
     apply_tp,
@@ -96,12 +96,17 @@ class ModelParallel(Strategy):
         self.n_stages = p.pp * self.v
         self.tie_names = tie_names(model)
         plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
+        if p.tp > 1:  # the Python API brings its model here unchecked (a run's preflight checked it)
+            check_plan(model, plan, p.tp, user=bool(p.tp_plan))
+        # by the parameters the user's model had before tp replaced some: what their optimizer holds
+        self.name_of = {id(t): n for n, t in unique_parameters(model)}
         # hybrid/parallelize.py's steps, in its order
         self.bounds = decide_cut(model, cfg, plan, self._sample_input, self.autocast, rt.device, rt.is_main)
         stage_of_key = stage_of_keys(model, cfg, self.bounds)
         self.shard_dims = apply_tp(model, mesh, plan)
         self.stage_ids, self.chunks = cut_pipeline(model, mesh, cfg, self.bounds)
         self.reducers, self.param_names, self.params = wrap_dp(model, self.chunks, mesh, cfg, rt.device)
+        self.optimizer_names = self.param_names  # in the optimizer's param_groups order
         # within a pipeline, over each microbatch of the dp ranks' samples (docs/models.md)
         self.batchnorm = BatchNormPolicy(model, p.sync_batchnorm, mesh.dp_group)
         self.owned_keys = [k for k, s in stage_of_key.items() if s in self.stage_ids]
@@ -208,14 +213,17 @@ class ModelParallel(Strategy):
             self.skipped_step = not math.isfinite(norm)  # the same norm, so the same decision, on every rank
             if not self.skipped_step:
                 if self.cfg.train.clip_grad_norm > 0:
-                    factor = clip_factor(torch.tensor(norm, device=self.rt.device), self.cfg.train.clip_grad_norm)
-                    for t in self.params:
-                        if t.grad is not None:
-                            t.grad.mul_(factor)
+                    self._clip(norm, self.cfg.train.clip_grad_norm)
                 self.optimizer.step()
         if self.stage_ids[-1] == self.n_stages - 1:
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         return torch.zeros((), device=self.rt.device)
+
+    def _clip(self, norm: float, max_norm: float) -> None:
+        factor = clip_factor(torch.tensor(norm, device=self.rt.device), max_norm)
+        for t in self.params:
+            if t.grad is not None:
+                t.grad.mul_(factor)
 
     def _global_grad_norm(self, chunk_norms: list[torch.Tensor], tied_change: torch.Tensor) -> float:
         """The norm over all shards of the model. dp replicas hold equal gradients, so the
@@ -240,6 +248,46 @@ class ModelParallel(Strategy):
         if dist.get_world_size() > 1:
             collectives.all_reduce(squares, "grad-norm")
         return math.sqrt(squares.item() / self.mesh.dp)
+
+    # -- the Python API's own loop: tp (and dp) without pp, whose model runs whole on every rank ----
+    @classmethod
+    def adopts_optimizers(cls, cfg) -> bool:
+        return cfg.parallel.pp == 1
+
+    def adopt_optimizer(self, optimizer):
+        """The user's optimizer class, hyper-parameters and param groups over the tensors this rank
+        trains (a tp shard in place of each split parameter); the model returns its whole output
+        from now on (gathered where the last layer is column-parallel), which the user's loss reads
+        as the unsplit model's, and so do train_step's and evaluation's."""
+        if not self.adopts_optimizers(self.cfg):
+            return self.optimizer
+        self.optimizer = rebuild_optimizer(optimizer, self.name_of, dict(zip(self.param_names, self.params)))
+        name_of = {id(t): n for n, t in zip(self.param_names, self.params)}
+        self.optimizer_names = [name_of[id(t)] for g in self.optimizer.param_groups for t in g["params"]]
+        if self.sharded_output:
+            gather = self.full_output
+            self.model.register_forward_hook(lambda module, args, out: gather(out))
+            self.train_loss, self.full_output = self.loss_fn, (lambda out: out)
+        return self.optimizer
+
+    def backward(self, loss) -> None:
+        """Every backward all-reduces over the dp ranks (a second one before a zero_grad adds to the
+        first: accumulation); tp's own all-reduces run inside it."""
+        if not self.adopts_optimizers(self.cfg):
+            return super().backward(loss)  # raises: the pipeline's schedule owns backward
+        reducer = self.reducers[0]
+        if any(t.grad is None for t in self.params):  # the user's zero_grad() let them go
+            reducer.zero_grad(rebind=True)
+        reducer.prepare(sync=True)
+        loss.backward()
+        self.grad_norm = reducer.finish()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        if not self.adopts_optimizers(self.cfg):
+            return super().clip_grad_norm_(max_norm)  # raises, as backward
+        norm = self._global_grad_norm([self.grad_norm], torch.zeros((), dtype=torch.float64, device=self.rt.device))
+        self._clip(norm, max_norm)
+        return torch.tensor(norm)
 
     @torch.no_grad()
     def eval_step(self, inputs, targets) -> torch.Tensor:
@@ -274,7 +322,7 @@ class ModelParallel(Strategy):
         if self.mesh.dp_rank != 0:
             return {}, {}
         tensors = {f"model.{k}": v for k, v in self._local_state().items()}
-        opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self.param_names)
+        opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self.optimizer_names)
         tensors.update(opt_tensors)
         return tensors, {"optimizer": opt_meta, "shard_dims": self.shard_dims}
 

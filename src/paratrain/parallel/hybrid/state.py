@@ -53,7 +53,7 @@ def load_resharded(mp, reader) -> None:
         for k, t in local.items():
             t.copy_(state[k])
     optim = {}
-    for name in mp.param_names:
+    for name in mp.optimizer_names:
         # A tied parameter's state may be saved under another of its names: the name of the
         # copy a stage held, or the first name when one stage held all its uses.
         for saved in (name, *mp.tie_names.get(name, ())):
@@ -62,7 +62,7 @@ def load_resharded(mp, reader) -> None:
             if found:
                 optim.update(found)
                 break
-    ckpt.optimizer_from_tensors(mp.optimizer, mp.param_names, optim, {"param_groups": groups, "scalars": scalars})
+    ckpt.optimizer_from_tensors(mp.optimizer, mp.optimizer_names, optim, {"param_groups": groups, "scalars": scalars})
 
 
 def model_chunks(mp):

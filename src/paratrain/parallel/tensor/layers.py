@@ -114,7 +114,7 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
     if tp > 1 and not plan:
         raise ConfigError(
             key,
-            f"tp = {tp} needs a plan for this model: a table of module name -> "
+            f"tp = {tp} needs a plan for the model ({type(model).__name__} carries none of its own): a table of module name -> "
             f'colwise | rowwise (e.g. {{ "0" = "colwise", "2" = "rowwise" }})',
         )
     modules = dict(model.named_modules(remove_duplicate=False))

@@ -48,8 +48,6 @@ any world M (zero/reshard.py). Stage 3's units and their gathering: zero/gather.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -58,7 +56,7 @@ from paratrain.comm import collectives
 from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
-from paratrain.optim import build_optimizer
+from paratrain.optim import build_optimizer, rebuild_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
 from paratrain.parallel.codecs.basic import CAST_DTYPES
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
@@ -320,24 +318,15 @@ class Zero(Strategy):
         self._start_gathers()  # waited for by the next forward, module by module
 
     # -- the Python API's own loop ----------------------------------------------------------------
-    adopts_optimizers = True
+    @classmethod
+    def adopts_optimizers(cls, cfg) -> bool:
+        return True
 
     def adopt_optimizer(self, optimizer):
         """The user's optimizer class and hyper-parameters over this rank's pieces, each piece in
         the param group of its parameter (a group may hold no piece on some rank)."""
         piece_of = {u.names[i]: piece for u in self.units for i, *_, piece in u.pieces}
-        groups = []
-        for g in optimizer.param_groups:
-            names = [self.name_of.get(id(p)) for p in g["params"]]
-            if None in names:
-                raise ValueError("pt.setup: the optimizer holds a tensor that is no trainable parameter of the model")
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            groups.append({**hyper, "params": [piece_of[n] for n in names if n in piece_of]})
-        # each group carries every hyper-parameter; the constructor takes the defaults it names
-        # (AdamW's defaults also hold keys its constructor does not take)
-        accepted = inspect.signature(type(optimizer)).parameters
-        defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        self.optimizer = self._with_gathers(type(optimizer)(groups, **defaults))
+        self.optimizer = self._with_gathers(rebuild_optimizer(optimizer, self.name_of, piece_of))
         return self.optimizer
 
     def backward(self, loss) -> None:
