@@ -253,6 +253,7 @@ class Trainer:
     def _train_step(self, lr: float, prof) -> torch.Tensor:
         with prof.phase("data"):
             self.strategy.set_lr(lr)
+            self.strategy.rng_step = self.step
             batch = None
             if self.strategy.reads_data:
                 idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)

@@ -66,6 +66,7 @@ def train(cfg, run_dir, resume: str, train_run) -> int:
     try:
         membership = Membership.start(cfg.train.device, cfg.parallel.timeout_s)
         membership.replicated = cfg.parallel.replicas > 1
+        membership.grad_accum, membership.world = cfg.train.grad_accum, int(os.environ["WORLD_SIZE"])
         return train_run(membership.config(cfg), run_dir, membership.runtime(), resume, membership)
     except CannotContinue as exc:
         say(f"cannot continue: {exc}")
@@ -151,7 +152,14 @@ class Membership:
         return sorted({r // self.replica_size for r in members})
 
     def config(self, cfg):
-        """The run's config for this generation: parallel.replicas (if set) counts the live replicas."""
+        """The run's config for this generation: parallel.replicas (if set) counts the live replicas,
+        and train.grad_accum grows as the ranks shrink, where it divides, so that every micro-batch
+        keeps its size and its place in the global batch: it draws the same dropout masks as in an
+        uninterrupted run (process.SeededMicroBatches), and no survivor needs more memory."""
+        micro_batches = self.grad_accum * self.world
+        if micro_batches % len(self.members) == 0:
+            train = dataclasses.replace(cfg.train, grad_accum=micro_batches // len(self.members))
+            cfg = dataclasses.replace(cfg, train=train)
         if not self.replicated:
             return cfg
         live = len(self.members) // self.replica_size
