@@ -101,6 +101,21 @@ def test_a_lost_replica_under_restart_restarts_every_worker_as_before(tmp_path):
     assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
 
 
+def test_sigterm_to_a_worker_saves_and_stops_the_run_as_under_restart(tmp_path):
+    """Preemption is no lost replica: rank 1 alone gets SIGTERM as step 6 begins; every rank saves
+    step 6, agreed in the all-reduce after each step, and the run exits 143 without a restart."""
+    cfg = write_config(tmp_path / "c.toml", CONTINUE)
+    run = tmp_path / "run"
+    args = ("run", str(cfg), "--nproc", "2", "--max-restarts", "2", "--run-dir", str(run))
+    proc = run_cli(*args, env={"PARATRAIN_FAULTS": "term@rank=1,step=5"})
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert "leaves the run" not in proc.stderr and "restarting" not in proc.stderr, proc.stderr
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-6"]
+    assert "SIGTERM: stopped after step 6" in proc.stdout, proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "stopped by SIGTERM" in last and "step-6" in last and "--resume auto" in last, proc.stderr
+
+
 @pytest.mark.parametrize(
     "sets, nnodes, why",
     [

@@ -205,8 +205,10 @@ class Trainer:
         tally = _Tally(first_step=self.step)
         last, stopped_by, compile_s = {}, 0, 0.0
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
-        agreed = self.strategy.lockstep and not self.membership  # (its group would not outlive a regroup)
-        stops = stop.StopAgreement(rt.world_size, self.step, timeout) if agreed else None
+        if self.membership:  # (a group of the agreement's own would not outlive a regroup)
+            stops = self.membership.stops(self)
+        else:
+            stops = stop.StopAgreement(rt.world_size, self.step, timeout) if self.strategy.lockstep else None
         try:
             while self.step < cfg.train.steps:
                 lr, loss = self._step(prof)
@@ -244,6 +246,7 @@ class Trainer:
         """One optimizer step, through any change of membership: (its learning rate, the local loss)."""
         collectives.LOG.step = self.step
         faults.kill_if("kill", rank=self.rt.rank, step=self.step, attempt=self.rt.restart_count)
+        faults.kill_if("term", signal.SIGTERM, rank=self.rt.rank, step=self.step)
         lr = self.cfg.train.lr * self.lr_at(self.step)
         with prof.step(self.step + 1):
             run = lambda: self._train_step(lr, prof)  # noqa: E731
