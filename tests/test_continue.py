@@ -2,6 +2,7 @@
 on with the whole global batch, the replica rejoins with a live replica's state, and the run ends
 equal to one process; what cannot continue falls back to today's restart."""
 
+import functools
 import json
 
 import pytest
@@ -9,6 +10,8 @@ from helpers import check_ok, final_weights, max_rel_error, run_cli, write_confi
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
+
+reference = functools.cache(digits_mlp_reference)  # (three tests compare with the same run)
 
 CONTINUE = (
     DIGITS_MLP.replace("steps = 20", "steps = 80")
@@ -63,7 +66,7 @@ def test_a_lost_replica_rejoins_and_the_run_equals_one_process(tmp_path, nproc, 
     assert steps == sorted(set(steps)) == list(range(10, 81, 10)), steps  # none twice, none missing
     assert events == [("replica_lost", replica), ("replica_joined", replica)], events
     micro = 24 // (nproc * 2)
-    want = digits_mlp_reference(steps=80, optimizer=optimizer, lr=lr, dropout=0.1, micro=micro)
+    want = reference(steps=80, optimizer=optimizer, lr=lr, dropout=0.1, micro=micro)
     assert max_rel_error(final_weights(tmp_path / "run"), want) <= 1e-4
 
 
@@ -81,7 +84,7 @@ def test_a_replica_lost_again_while_it_rejoins_rejoins_later(tmp_path):
     assert [(e["event"], e["replica"]) for e in lines if "event" in e] == [("replica_lost", 2), ("replica_joined", 2)]
     assert proc.stderr.count("rank 2 killed by SIGKILL") == 2, proc.stderr
     assert [e["step"] for e in lines if "event" not in e] == list(range(10, 81, 10))
-    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
+    assert max_rel_error(final_weights(tmp_path / "run"), reference(steps=80)) <= 1e-4
 
 
 def test_losing_replica_0_falls_back_to_a_restart_saying_why(tmp_path):
@@ -91,14 +94,14 @@ def test_losing_replica_0_falls_back_to_a_restart_saying_why(tmp_path):
     assert "rank 0 killed by SIGKILL, in replica 0" in out and "restarting every worker" in out, out
     assert "resumed from" in out and events == []
     assert steps == list(range(10, 81, 10)), steps
-    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
+    assert max_rel_error(final_weights(tmp_path / "run"), reference(steps=80)) <= 1e-4
 
 
 def test_a_lost_replica_under_restart_restarts_every_worker_as_before(tmp_path):
     out, steps, events = run_killed(tmp_path, 2, 3, "fault.on_failure='restart'")
     assert "resumed from" in out and "at step 30" in out and events == [], out
     assert steps == list(range(10, 81, 10)), steps
-    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
+    assert max_rel_error(final_weights(tmp_path / "run"), reference(steps=80)) <= 1e-4
 
 
 def test_sigterm_to_a_worker_saves_and_stops_the_run_as_under_restart(tmp_path):

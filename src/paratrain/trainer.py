@@ -205,10 +205,9 @@ class Trainer:
         tally = _Tally(first_step=self.step)
         last, stopped_by, compile_s = {}, 0, 0.0
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
-        if self.membership:  # (a group of the agreement's own would not outlive a regroup)
-            stops = self.membership.stops(self)
-        else:
-            stops = stop.StopAgreement(rt.world_size, self.step, timeout) if self.strategy.lockstep else None
+        agreed = self.strategy.lockstep and not self.membership  # (its group would not outlive a regroup)
+        stops = stop.StopAgreement(rt.world_size, self.step, timeout) if agreed else None
+        stops = self.membership.stops(self) if self.membership else stops  # (after the step's all-reduce)
         try:
             while self.step < cfg.train.steps:
                 lr, loss = self._step(prof)
@@ -245,8 +244,7 @@ class Trainer:
     def _step(self, prof) -> tuple[float, torch.Tensor]:
         """One optimizer step, through any change of membership: (its learning rate, the local loss)."""
         collectives.LOG.step = self.step
-        faults.kill_if("kill", rank=self.rt.rank, step=self.step, attempt=self.rt.restart_count)
-        faults.kill_if("term", signal.SIGTERM, rank=self.rt.rank, step=self.step)
+        faults.at_step_start(rank=self.rt.rank, step=self.step, attempt=self.rt.restart_count)
         lr = self.cfg.train.lr * self.lr_at(self.step)
         with prof.step(self.step + 1):
             run = lambda: self._train_step(lr, prof)  # noqa: E731

@@ -69,6 +69,12 @@ def active(name: str, **context) -> bool:
     return False
 
 
+def at_step_start(**context) -> None:
+    """The trainer's faults, as a step begins: `kill` (SIGKILL) and `term` (SIGTERM, 15)."""
+    kill_if("kill", **context)
+    kill_if("term", 15, **context)
+
+
 def kill_if(name: str, signum: int = 9, **context) -> None:
     """Send this process `signum` where fault `name` fires; SIGKILL (9): a node lost, with no word
     to anyone."""

@@ -11,8 +11,9 @@ in every generation and rank 0 is always the original rank 0, which logs.
                      "connection closed by peer"); each leaves its group and waits for the
                      supervisor's next generation (it saw the death as the process's exit)
     a replica joins  its restarted ranks wait in the store until the supervisor publishes a
-                     generation with them; the others see it at the next step boundary (rank 0
-                     reads `latest`, one all-reduce of it agrees)
+                     generation with them; the others see it after their next step (rank 0 reads
+                     `latest`; one all-reduce agrees on it, and on a SIGTERM any member got: the
+                     trainer's stop agreement) and enter it as the step after begins
     either way       every member of the new generation builds the model and strategy again over
                      the new group (the same collectives in the same order on all of them), the
                      survivors confirm they stand at the same step, and replica 0's ranks send
