@@ -2,6 +2,7 @@
 on with the whole global batch, the replica rejoins with a live replica's state, and the run ends
 equal to one process; what cannot continue falls back to today's restart."""
 
+import functools
 import json
 
 import pytest
@@ -9,6 +10,8 @@ from helpers import check_ok, final_weights, max_rel_error, run_cli, write_confi
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
+
+reference = functools.cache(digits_mlp_reference)  # (three tests compare with the same run)
 
 CONTINUE = (
     DIGITS_MLP.replace("steps = 20", "steps = 80")
@@ -36,15 +39,21 @@ def run_killed(tmp_path, rank: int, nproc: int, *sets: str):
     return proc.stdout + proc.stderr, steps, events
 
 
+# Dropout and micro-batches: the survivors take the lost replica's micro-batches as more of their
+# own (train.grad_accum grows), each drawing the masks it draws in an uninterrupted run, and the
+# rejoined rank draws its own again: the run still ends equal to one process.
+DROPOUT = ["model.dropout=0.1", "train.grad_accum=2"]
+
+
 @pytest.mark.parametrize(
     "nproc, rank, replica, sets, optimizer, lr",
     [
-        (3, 2, 2, [], "sgd", 0.1),  # dp: every rank a replica
+        (3, 2, 2, DROPOUT, "sgd", 0.1),  # dp: every rank a replica
         (
             4,
             3,
             1,
-            ["parallel.strategy='zero2'", "parallel.replicas=2", "train.optimizer='adamw'", "train.lr=0.01"],
+            [*DROPOUT, "parallel.strategy='zero2'", "parallel.replicas=2", "train.optimizer='adamw'", "train.lr=0.01"],
             "adamw",
             0.01,
         ),
@@ -56,7 +65,8 @@ def test_a_lost_replica_rejoins_and_the_run_equals_one_process(tmp_path, nproc, 
     assert "resumed from" not in out and "restarting every worker" not in out, out
     assert steps == sorted(set(steps)) == list(range(10, 81, 10)), steps  # none twice, none missing
     assert events == [("replica_lost", replica), ("replica_joined", replica)], events
-    want = digits_mlp_reference(steps=80, optimizer=optimizer, lr=lr)
+    micro = 24 // (nproc * 2)
+    want = reference(steps=80, optimizer=optimizer, lr=lr, dropout=0.1, micro=micro)
     assert max_rel_error(final_weights(tmp_path / "run"), want) <= 1e-4
 
 
@@ -74,7 +84,7 @@ def test_a_replica_lost_again_while_it_rejoins_rejoins_later(tmp_path):
     assert [(e["event"], e["replica"]) for e in lines if "event" in e] == [("replica_lost", 2), ("replica_joined", 2)]
     assert proc.stderr.count("rank 2 killed by SIGKILL") == 2, proc.stderr
     assert [e["step"] for e in lines if "event" not in e] == list(range(10, 81, 10))
-    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
+    assert max_rel_error(final_weights(tmp_path / "run"), reference(steps=80)) <= 1e-4
 
 
 def test_losing_replica_0_falls_back_to_a_restart_saying_why(tmp_path):
@@ -84,14 +94,29 @@ def test_losing_replica_0_falls_back_to_a_restart_saying_why(tmp_path):
     assert "rank 0 killed by SIGKILL, in replica 0" in out and "restarting every worker" in out, out
     assert "resumed from" in out and events == []
     assert steps == list(range(10, 81, 10)), steps
-    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
+    assert max_rel_error(final_weights(tmp_path / "run"), reference(steps=80)) <= 1e-4
 
 
 def test_a_lost_replica_under_restart_restarts_every_worker_as_before(tmp_path):
     out, steps, events = run_killed(tmp_path, 2, 3, "fault.on_failure='restart'")
     assert "resumed from" in out and "at step 30" in out and events == [], out
     assert steps == list(range(10, 81, 10)), steps
-    assert max_rel_error(final_weights(tmp_path / "run"), digits_mlp_reference(steps=80)) <= 1e-4
+    assert max_rel_error(final_weights(tmp_path / "run"), reference(steps=80)) <= 1e-4
+
+
+def test_sigterm_to_a_worker_saves_and_stops_the_run_as_under_restart(tmp_path):
+    """Preemption is no lost replica: rank 1 alone gets SIGTERM as step 6 begins; every rank saves
+    step 6, agreed in the all-reduce after each step, and the run exits 143 without a restart."""
+    cfg = write_config(tmp_path / "c.toml", CONTINUE)
+    run = tmp_path / "run"
+    args = ("run", str(cfg), "--nproc", "2", "--max-restarts", "2", "--run-dir", str(run))
+    proc = run_cli(*args, env={"PARATRAIN_FAULTS": "term@rank=1,step=5"})
+    assert proc.returncode == 143, proc.stdout + proc.stderr
+    assert "leaves the run" not in proc.stderr and "restarting" not in proc.stderr, proc.stderr
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-6"]
+    assert "SIGTERM: stopped after step 6" in proc.stdout, proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "stopped by SIGTERM" in last and "step-6" in last and "--resume auto" in last, proc.stderr
 
 
 @pytest.mark.parametrize(

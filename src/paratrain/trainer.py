@@ -206,6 +206,7 @@ class Trainer:
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
         agreed = self.strategy.lockstep and not self.membership  # (its group would not outlive a regroup)
         stops = stop.StopAgreement(rt.world_size, self.step, timeout) if agreed else None
+        stops = self.membership.stops(self) if self.membership else stops  # (after the step's all-reduce)
         try:
             while self.step < cfg.train.steps:
                 lr, loss = self._step(prof)
@@ -242,7 +243,7 @@ class Trainer:
     def _step(self, prof) -> tuple[float, torch.Tensor]:
         """One optimizer step, through any change of membership: (its learning rate, the local loss)."""
         collectives.LOG.step = self.step
-        faults.kill_if("kill", rank=self.rt.rank, step=self.step, attempt=self.rt.restart_count)
+        faults.at_step_start(rank=self.rt.rank, step=self.step, attempt=self.rt.restart_count)
         lr = self.cfg.train.lr * self.lr_at(self.step)
         with prof.step(self.step + 1):
             run = lambda: self._train_step(lr, prof)  # noqa: E731
@@ -252,6 +253,7 @@ class Trainer:
     def _train_step(self, lr: float, prof) -> torch.Tensor:
         with prof.phase("data"):
             self.strategy.set_lr(lr)
+            self.strategy.rng_step = self.step
             batch = None
             if self.strategy.reads_data:
                 idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)

@@ -221,7 +221,8 @@ def _store():
 
 def explain_failure(exc: BaseException, record: Record | None = None, wait_s: float = 10.0) -> str:
     """One paragraph: what this rank was doing, and which rank is to blame if that can be told."""
-    stop.on_collective_failure()  # the agent may be stopping the group already: do not make it wait
+    if DIAGNOSE:  # (under "continue" it is a lost peer: the survivors go on, and a SIGTERM still saves)
+        stop.on_collective_failure()  # the agent may be stopping the group already: do not make it wait
     if isinstance(exc, CollectiveFailure):
         return str(exc)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -66,7 +66,7 @@ from paratrain.config import Config
 from paratrain.data.batch import feed, num_samples, split_batch
 from paratrain.optim import accuracy_counts, set_lr
 from paratrain.profile import NULL_PROFILER
-from paratrain.runtime.process import Runtime
+from paratrain.runtime.process import Runtime, SeededMicroBatches
 
 
 class Strategy:
@@ -90,6 +90,7 @@ class Strategy:
         self.lockstep = True
         self.checkpoint_ranks = rt.world_size
         self.checkpoint_group = None
+        self.rng_step: int | None = None  # set by the trainer: micro-batches reseed the RNG (micro_batches)
 
     @property
     def evaluates(self) -> bool:
@@ -113,8 +114,12 @@ class Strategy:
         return contextlib.nullcontext()
 
     def micro_batches(self, batch):
-        """The rank's batch for one optimizer step, cut into train.grad_accum equal micro-batches."""
-        return split_batch(batch, self.grad_accum)
+        """The rank's batch for one optimizer step, cut into train.grad_accum equal micro-batches;
+        with rng_step set, each is computed on an RNG seeded from its place in the global batch."""
+        parts = split_batch(batch, self.grad_accum)
+        if self.rng_step is None:
+            return parts
+        return SeededMicroBatches(parts, self.cfg.train.seed, self.rng_step, self.dp_rank * len(parts))
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)

@@ -10,6 +10,7 @@ PARATRAIN_FAULTS holds `;`-separated faults, each `name@key=value,key=value`, e.
     fed_drop@client=4,round=0                            federated client 4 masks its update, then never sends it
     kill@rank=2,step=30,attempt=0                        rank 2 SIGKILLs itself as step 31 begins (first start only)
     kill_joining@rank=2,incarnation=1                    rank 2, started again once (continue), dies rejoining
+    term@rank=1,step=5                                   rank 1 gets SIGTERM as step 6 begins (preempted alone)
 A fault fires when every key it names matches; unset (the normal case) costs one environment lookup.
 `paratrain` checks the value before any worker starts (exit 2 if malformed) and warns whenever it
 is set: a run with faults set fails on purpose.
@@ -34,6 +35,7 @@ KNOWN = (
     "fed_stall",
     "fed_kill",
     "kill",  # any rank, at the start of a step (the trainer)
+    "term",  # the same, SIGTERM
     "kill_joining",  # a rank rejoining under fault.on_failure = "continue", before it takes the state
 )  # federated clients and client ranks
 
@@ -67,9 +69,14 @@ def active(name: str, **context) -> bool:
     return False
 
 
-def kill_if(name: str, **context) -> None:
-    """SIGKILL this process where fault `name` fires: a node lost, with no word to anyone."""
-    if active(name, **context):
-        import signal
+def at_step_start(**context) -> None:
+    """The trainer's faults, as a step begins: `kill` (SIGKILL) and `term` (SIGTERM, 15)."""
+    kill_if("kill", **context)
+    kill_if("term", 15, **context)
 
-        os.kill(os.getpid(), signal.SIGKILL)
+
+def kill_if(name: str, signum: int = 9, **context) -> None:
+    """Send this process `signum` where fault `name` fires; SIGKILL (9): a node lost, with no word
+    to anyone."""
+    if active(name, **context):
+        os.kill(os.getpid(), signum)

@@ -207,6 +207,41 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+class SeededMicroBatches(list):
+    """A step's micro-batches whose iteration seeds torch's RNG before each one from (seed, step,
+    its index in the global batch): dropout draws the same masks for a micro-batch whichever rank
+    computes it, so a rank started again (fault.on_failure = "continue") or a run at another world
+    size with the same micro-batch size draws what an uninterrupted one does."""
+
+    def __init__(self, parts: list, seed: int, step: int, first: int):
+        super().__init__(parts)
+        self.seed, self.step, self.first = seed, step, first
+
+    def __iter__(self):
+        for i, part in enumerate(super().__iter__()):
+            seed = micro_batch_seed(self.seed, self.step, self.first + i)
+            # (not torch.manual_seed: it costs 0.5 ms, a tenth of a small model's step)
+            torch.default_generator.manual_seed(seed)
+            if torch.cuda.is_initialized():
+                torch.cuda.manual_seed(seed)
+            yield part
+
+
+def micro_batch_seed(seed: int, step: int, index: int) -> int:
+    """The RNG seed of micro-batch `index` (counted over the global batch) of step `step`: each
+    value mixed in by splitmix64, so that neighbouring steps and micro-batches get unrelated streams."""
+    x = 0
+    for value in (seed, step, index):
+        x = (x ^ value) + 0x9E3779B97F4A7C15 & _U64
+        x = (x ^ x >> 30) * 0xBF58476D1CE4E5B9 & _U64
+        x = (x ^ x >> 27) * 0x94D049BB133111EB & _U64
+        x ^= x >> 31
+    return x
+
+
+_U64 = 2**64 - 1
+
+
 def rng_state() -> dict:
     """Every RNG of this process: tensors for torch, JSON-able values for Python and NumPy."""
     state = {"tensors": {"rng.torch": torch.get_rng_state()}}

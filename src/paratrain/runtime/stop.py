@@ -58,6 +58,17 @@ def _flag(signum, _frame) -> None:
     _received = _received or signum
 
 
+def catch() -> None:
+    """From now on SIGTERM raises the flag (one raised already stays up)."""
+    signal.signal(signal.SIGTERM, _flag)
+
+
+def release() -> None:
+    """SIGTERM gets its default back: once training is over, what follows (the final export) is
+    short and has no step boundary to stop at."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def on_collective_failure() -> None:
     """Called where a collective failed, before its diagnosis (which waits up to 10 s on the peers):
     SIGTERM is fatal again, and one received already ends the process now."""
@@ -72,7 +83,7 @@ class StopAgreement:
     def __init__(self, world_size: int, step: int, timeout: timedelta):
         global _received
         _received = 0
-        signal.signal(signal.SIGTERM, _flag)
+        catch()
         # host_group is collective: every rank builds the trainer, so every rank gets here. Its
         # timeout outlasts a training collective's and that one's diagnosis (collectives.
         # explain_failure waits up to 10 s for the peers' logs): when a rank hangs in training, its
@@ -101,6 +112,4 @@ class StopAgreement:
         return 0
 
     def close(self) -> None:
-        """Once training is over: SIGTERM gets its default back, since what follows (the final
-        export) is short and has no step boundary to stop at."""
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        release()

@@ -11,6 +11,9 @@ hosts their store in this process, so that the store outlives any worker, and ow
                              ranks are started again (while --max-restarts allows)
     they are all up          and the current generation has formed, the next generation takes
                              their replica back in at a step boundary
+    SIGTERM                  to `paratrain run` (passed on to the workers) or to any worker: the run
+                             stops as under "restart": the members save at a step they agree on
+                             and exit 143; no replica is lost, none started again
     anything else            (replica 0 lost: its ranks hold the log and the state everyone copies;
                              a worker that exits with an error; one that cannot continue) every
                              worker is stopped and started again from the newest checkpoint, as
@@ -57,8 +60,10 @@ class Supervisor:
         self.store = process.store_server(self.listener, timedelta(minutes=5))
         self.context = multiprocessing.get_context("forkserver")
         self.attempt = 0
+        self.signalled = 0  # a stop signal to this process, acted on in attempt_run's loop
 
     def run(self) -> None:
+        signal.signal(signal.SIGTERM, self.on_signal)
         try:
             while (why := self.attempt_run()) is not None:
                 if self.restarts_left <= 0:
@@ -76,11 +81,13 @@ class Supervisor:
         that stopped them all."""
         self.prefix = survive.keys(self.attempt)
         self.procs, self.incarnation, self.waiting = {}, dict.fromkeys(range(self.world), 0), set()
-        self.gen, self.members, self.finishing = -1, list(range(self.world)), False
+        self.gen, self.members, self.finishing, self.stopping = -1, list(range(self.world)), False, 0
         self.publish(self.members)
         for rank in range(self.world):
             self.spawn(rank)
         while self.procs:
+            if self.signalled and not self.stopping:
+                self.stop(self.signalled, forward=True)
             for rank, proc in list(self.procs.items()):
                 if proc.exitcode is None:
                     continue
@@ -88,12 +95,35 @@ class Supervisor:
                 if proc.exitcode == 0:
                     self.finishing = True
                     self.drop_waiting()
+                elif self.stopping or proc.exitcode in (128 + signal.SIGTERM, -signal.SIGTERM):
+                    self.stop(self.stopping or signal.SIGTERM)
+                    if proc.exitcode < 0:  # stopped before it could save: the others cannot meet it
+                        self.stop_all()
                 elif (why := self.lost(rank, proc.exitcode)) is not None:
                     self.stop_all()
                     return why
             self.admit()
             time.sleep(0.02)
+        if self.stopping:
+            code = 128 + self.stopping
+            raise WorkerFailure(0, code, f"stopped by {signal.Signals(self.stopping).name}", {code})
         return None
+
+    def on_signal(self, signum, _frame) -> None:
+        self.signalled = signum
+
+    def stop(self, signum: int, forward: bool = False) -> None:
+        """The run stops as under "restart": each member saves at the step the members agree on
+        (runtime/survive.py: Membership.after_step) and exits 128 + signum; `forward`: the signal
+        came to this process and goes on to the workers. Ranks waiting to rejoin hold nothing to
+        save: they are killed."""
+        self.stopping = signum
+        self.drop_waiting()
+        for proc in self.procs.values() if forward else ():
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:  # (it has just ended: the loop sees it)
+                pass
 
     def spawn(self, rank: int) -> None:
         env = {

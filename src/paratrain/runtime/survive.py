@@ -11,8 +11,9 @@ in every generation and rank 0 is always the original rank 0, which logs.
                      "connection closed by peer"); each leaves its group and waits for the
                      supervisor's next generation (it saw the death as the process's exit)
     a replica joins  its restarted ranks wait in the store until the supervisor publishes a
-                     generation with them; the others see it at the next step boundary (rank 0
-                     reads `latest`, one all-reduce of it agrees)
+                     generation with them; the others see it after their next step (rank 0 reads
+                     `latest`; one all-reduce agrees on it, and on a SIGTERM any member got: the
+                     trainer's stop agreement) and enter it as the step after begins
     either way       every member of the new generation builds the model and strategy again over
                      the new group (the same collectives in the same order on all of them), the
                      survivors confirm they stand at the same step, and replica 0's ranks send
@@ -39,7 +40,7 @@ import torch.distributed as dist
 
 from paratrain.comm import collectives
 from paratrain.errors import ConfigError, say
-from paratrain.runtime import faults, process
+from paratrain.runtime import faults, process, stop
 
 INCARNATION = "PARATRAIN_INCARNATION"  # 0 at a worker's first start, n after its n-th restart
 REPLICA_SIZE = "PARATRAIN_REPLICA_SIZE"  # ranks per replica (supervise.py)
@@ -66,6 +67,7 @@ def train(cfg, run_dir, resume: str, train_run) -> int:
     try:
         membership = Membership.start(cfg.train.device, cfg.parallel.timeout_s)
         membership.replicated = cfg.parallel.replicas > 1
+        membership.grad_accum, membership.world = cfg.train.grad_accum, int(os.environ["WORLD_SIZE"])
         return train_run(membership.config(cfg), run_dir, membership.runtime(), resume, membership)
     except CannotContinue as exc:
         say(f"cannot continue: {exc}")
@@ -83,7 +85,7 @@ class Membership:
         self.prefix = keys(self.attempt)
         self.gen, self.members = -1, []
         self.saved: bytes | None = None  # this rank's state, kept until a regroup has passed it on
-        self.fresh = False  # a generation entered at this step boundary: no check before its step
+        self.newest = -1  # the newest generation the members agreed on after a step
 
     @classmethod
     def start(cls, device_kind: str, timeout_s: float) -> Membership:
@@ -151,7 +153,14 @@ class Membership:
         return sorted({r // self.replica_size for r in members})
 
     def config(self, cfg):
-        """The run's config for this generation: parallel.replicas (if set) counts the live replicas."""
+        """The run's config for this generation: parallel.replicas (if set) counts the live replicas,
+        and train.grad_accum grows as the ranks shrink, where it divides, so that every micro-batch
+        keeps its size and its place in the global batch: it draws the same dropout masks as in an
+        uninterrupted run (process.SeededMicroBatches), and no survivor needs more memory."""
+        micro_batches = self.grad_accum * self.world
+        if micro_batches % len(self.members) == 0:
+            train = dataclasses.replace(cfg.train, grad_accum=micro_batches // len(self.members))
+            cfg = dataclasses.replace(cfg, train=train)
         if not self.replicated:
             return cfg
         live = len(self.members) // self.replica_size
@@ -160,25 +169,48 @@ class Membership:
     # -- the step ---------------------------------------------------------------------------------
     def step(self, trainer, run_step) -> torch.Tensor:
         """`run_step()` (the trainer's step, which counts trainer.step up) through any change of
-        membership. At the step's start every member agrees on the newest generation (rank 0 reads
-        it, an all-reduce tells the others) and enters it; where a peer is lost during the step,
-        the new generation takes the step again from its start."""
+        membership: a newer generation that the last step's agreement found (after_step) is entered
+        first; where a peer is lost during the step, the new generation takes it again from its start."""
         while True:
             try:
-                if not self.fresh:  # (a generation just entered starts its step at once, joiners too)
-                    newest = torch.tensor([self.latest() if self.members.index(self.rank) == 0 else -1])
-                    collectives.all_reduce(newest, "continue-generation", op=dist.ReduceOp.MAX)
-                    if int(newest) > self.gen:
-                        self.regroup(trainer, int(newest))
-                self.fresh = False
+                if self.newest > self.gen:
+                    self.regroup(trainer, self.newest)
                 return run_step()
             except collectives.CollectiveFailure as exc:  # (a local error, a bug or OOM, ends the worker)
-                cause = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+                cause = _first_line(exc)
             # (out of the except block: the exception's frames no longer hold the broken group)
-            if self.rank == 0:
-                print(f"step {trainer.step + 1}: a peer is lost ({cause}); waiting for the supervisor", flush=True)
-            self.release(trainer)
-            self.regroup(trainer, self.wait_for_generation(after=self.gen))
+            self.lost_peer(trainer, cause)
+
+    def lost_peer(self, trainer, cause: str) -> None:
+        if self.rank == 0:
+            print(f"step {trainer.step + 1}: a peer is lost ({cause}); waiting for the supervisor", flush=True)
+        self.release(trainer)
+        self.regroup(trainer, self.wait_for_generation(after=self.gen))
+
+    # -- the trainer's stop agreement (stop.StopAgreement's part, which needs a group of its own) ------
+    def stops(self, trainer) -> Membership:
+        self.trainer = trainer
+        stop.catch()
+        return self
+
+    def after_step(self, step: int) -> int:
+        """After every step, on every member, one all-reduce (MAX) agrees on the newest generation
+        (rank 0 reads it; the next step enters it) and on a stop signal that any member received
+        (SIGTERM: stop.py): returns that signal, or 0. Where a peer is lost in it, the survivors
+        regroup and the signal waits for the next step's agreement."""
+        try:
+            mine = [self.latest() if self.members.index(self.rank) == 0 else -1, stop.received()]
+            shared = torch.tensor(mine)
+            collectives.all_reduce(shared, "continue-agreement", op=dist.ReduceOp.MAX)
+            self.newest = int(shared[0])
+            return int(shared[1])
+        except collectives.CollectiveFailure as exc:
+            cause = _first_line(exc)
+        self.lost_peer(self.trainer, cause)
+        return 0
+
+    def close(self) -> None:
+        stop.release()
 
     def release(self, trainer) -> None:
         """Leave the current groups: replica 0's ranks pack their state first. The groups are
@@ -240,7 +272,6 @@ class Membership:
         collectives.LOG.step = trainer.step
         if done >= 0 and any(int(s) < 0 for s in steps):
             collectives.barrier("profiler start")  # the one a joiner's profiler starts with (profile.py)
-        self.fresh = True
         self.store.set(f"{self.prefix}ack-{self.gen}-{self.rank}", "1")
 
     # -- the state, in memory -----------------------------------------------------------------------
@@ -279,6 +310,11 @@ class Membership:
                         f"training on {len(self.members)} rank(s) of replicas {after}",
                         flush=True,
                     )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:160] if text else type(exc).__name__
 
 
 class MemoryCheckpoint:
