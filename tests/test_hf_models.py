@@ -47,6 +47,25 @@ log_every = 5
 """
 
 
+def job(config: str) -> str:
+    """LLAMA's job with another [model] config (a decoder of another family)."""
+    start = LLAMA.index("config = {")
+    return LLAMA[:start] + config + LLAMA[LLAMA.index("\n", start) :]
+
+
+# no base_model_pp_plan in transformers 5.24: cut by paratrain's table of its parts; wte tied to lm_head
+GPT2 = job(
+    'config = { model_type = "gpt2", vocab_size = 64, n_embd = 32, n_layer = 2, n_head = 4, n_positions = 64, '
+    "resid_pdrop = 0.0, embd_pdrop = 0.0, attn_pdrop = 0.0, bos_token_id = 0, eos_token_id = 0 }"
+)
+# a second family with its own plans; q/k/v with biases, lm_head untied
+QWEN2 = job(
+    'config = { model_type = "qwen2", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
+    "num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64 }"
+)
+PP2 = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'"]
+
+
 def next_token_loss(model, batch):
     ids, targets = batch
     logits = model(ids).logits
@@ -106,6 +125,25 @@ def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, rec
     assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
 
 
+@pytest.mark.parametrize(
+    "name, sets, world",
+    [
+        ("GPT2", PP2, 2),
+        ("GPT2", ["parallel.strategy='zero3'"], 2),
+        ("QWEN2", ["parallel.strategy='tp'", "parallel.tp=2"], 2),  # its own base_model_tp_plan
+        ("QWEN2", PP2, 2),  # its own base_model_pp_plan
+        ("LLAMA", [*PP2[1:], "parallel.strategy='hybrid'"], 4),  # dp 2 x pp 2
+    ],
+)
+def test_decoder_families_equal_single_process(tmp_path, gang, name, sets, world):
+    """Plain factories of unmodified decoders of three families, each strategy equal to one process."""
+    text = globals()[name]
+    reference = train_alone(built(text), "pair", next_token_loss)
+    cfg = write_config(tmp_path / "c.toml", text)
+    gang(world).train(cfg, tmp_path / "run", sets, timeout=300)
+    assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
+
+
 def test_bert_classifier_with_dict_inputs_equals_single_process(tmp_path, gang):
     reference = train_alone(built(BERT), "classify", classify_loss)
     cfg = write_config(tmp_path / "c.toml", BERT)
@@ -153,6 +191,12 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
             "parallel.strategy='tp' --set parallel.tp=2 --set model.config.model_type='phi3' --set model.config.pad_token_id=0",
             "rowwise_split_input",
         ),
+        # the model's own loss would read one rank's slice of lm_head's logits
+        (
+            "parallel.strategy='tp' --set parallel.tp=2 --set model.config.tie_word_embeddings=false "
+            "--set data.layout='labelled' --set train.loss='model' --set parallel.tp_plan={'lm_head'='colwise'}",
+            "parallel.tp_plan",
+        ),
         # no pipeline stage computes the model's own loss
         ("parallel.strategy='pp' --set parallel.pp=2 --set train.loss='model'", "train.loss"),
     ],
@@ -168,9 +212,10 @@ def test_bad_hf_model_exits_2_naming_the_key(tmp_path, capsys, override, key):
 
 
 def test_llama_with_a_wildcard_tp_plan_equals_single_process(tmp_path, gang):
-    reference = train_alone(built(LLAMA), "pair", next_token_loss)
+    """A user plan that leaves lm_head whole: the model's own loss reads whole logits."""
+    reference = train_alone(built(LLAMA), "labelled", own_loss)
     cfg = write_config(tmp_path / "c.toml", LLAMA + TP_MLP_ONLY)
-    gang(2).train(cfg, tmp_path / "run")
+    gang(2).train(cfg, tmp_path / "run", ["data.layout='labelled'", "train.loss='model'"])
     assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
 
 
@@ -188,6 +233,10 @@ tp_plan = { "model.layers.*.mlp.gate_proj" = "colwise", "model.layers.*.mlp.up_p
         ("LLAMA", []),
         ("LLAMA", ["parallel.strategy='zero3'", "data.layout='labelled'", "train.loss='model'"]),
         ("LLAMA", ["train.recompute='full'"]),
+        ("LLAMA", ["parallel.strategy='tp'", "parallel.tp=2"]),
+        ("LLAMA", PP2),
+        ("GPT2", PP2),
+        ("GPT2", ["parallel.strategy='zero3'"]),
         ("BERT", []),
     ],
 )

@@ -1,6 +1,8 @@
 """Models and samples as users bring them: inputs of any structure, outputs with their own loss
 or logits, each strategy equal to single-process PyTorch written here."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,9 +126,11 @@ def test_batchnorm_over_the_global_batch_equals_single_process(tmp_path, gang, b
     assert max_rel_error(weights, bn_reference) <= 1e-4
 
 
-def ddp_bn_job(rt, out: str, steps: int = 12, batch: int = 24) -> None:
-    """torch DDP (broadcast_buffers: rank 0's statistics before every forward) on paratrain dp's
-    data split, run on a gang's process group; rank 0 writes the final weights."""
+def ddp_bn_job(rt, out: str, accum: int, steps: int = 12, batch: int = 24) -> None:
+    """torch DDP (broadcast_buffers: rank 0's statistics before a forward that follows a synced
+    backward) on paratrain dp's data split, accumulating `accum` microbatches as DDP users do (all
+    but the last under no_sync(), so only a step's first forward broadcasts), run on a gang's
+    process group; rank 0 writes the final weights."""
     from safetensors.torch import save_file
     from torch.nn.parallel import DistributedDataParallel
     from user_models import bn_cnn
@@ -141,20 +145,24 @@ def ddp_bn_job(rt, out: str, steps: int = 12, batch: int = 24) -> None:
     for step in range(steps):
         idx = (torch.arange(step * batch, (step + 1) * batch) % len(x))[rt.rank * share : (rt.rank + 1) * share]
         opt.zero_grad()
-        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        for i, micro in enumerate(idx.chunk(accum)):
+            with model.no_sync() if i < accum - 1 else contextlib.nullcontext():
+                (F.cross_entropy(model(x[micro]), y[micro]) / accum).backward()
         opt.step()
     if rt.rank == 0:
         save_file({k: v.contiguous() for k, v in model.module.state_dict().items()}, out)
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero2"])
-def test_batchnorm_per_rank_equals_torch_ddp(tmp_path, gang, strategy):
-    """parallel.sync_batchnorm = false: each rank's own statistics, rank 0's kept, as DDP does."""
+@pytest.mark.parametrize("strategy, accum", [("dp", 1), ("zero2", 2)])
+def test_batchnorm_per_rank_equals_torch_ddp(tmp_path, gang, strategy, accum):
+    """parallel.sync_batchnorm = false: each rank's own statistics, rank 0's kept, as DDP does,
+    with gradient accumulation too (rank 0's buffers before each step's first microbatch)."""
     from safetensors.torch import load_file
 
-    gang(2).run("test_user_models:ddp_bn_job", out=str(tmp_path / "ddp.safetensors"))
+    gang(2).run("test_user_models:ddp_bn_job", out=str(tmp_path / "ddp.safetensors"), accum=accum)
     cfg = write_config(tmp_path / "c.toml", BN_CNN)
-    gang(2).train(cfg, tmp_path / "run", [f"parallel.strategy='{strategy}'", "parallel.sync_batchnorm=false"])
+    sets = [f"parallel.strategy='{strategy}'", "parallel.sync_batchnorm=false", f"train.grad_accum={accum}"]
+    gang(2).train(cfg, tmp_path / "run", sets)
     assert max_rel_error(final_weights(tmp_path / "run"), load_file(str(tmp_path / "ddp.safetensors"))) <= 1e-4
 
 

@@ -259,17 +259,18 @@ class StageMemory:
 
 @contextlib.contextmanager
 def without_peers():
-    """tp's layers all-reduce through paratrain.comm.collectives; one rank played alone in fake tensors
-    has no group to reduce with, and a collective leaves its tensor's shape as it is: each does
-    nothing meanwhile."""
+    """tp's layers all-reduce (and a gathered head all-gathers) through paratrain.comm.collectives;
+    one rank played alone in fake tensors has no group to reduce with, and a collective leaves its
+    tensors' shapes as they are: each does nothing meanwhile."""
     from paratrain.comm import collectives
 
-    all_reduce = collectives.all_reduce
+    all_reduce, all_gather = collectives.all_reduce, collectives.all_gather
     collectives.all_reduce = lambda tensor, what, group=None, async_op=False, op=None: None
+    collectives.all_gather = lambda outputs, tensor, what, group=None: None
     try:
         yield
     finally:
-        collectives.all_reduce = all_reduce
+        collectives.all_reduce, collectives.all_gather = all_reduce, all_gather
 
 
 def step_memory(

@@ -51,7 +51,7 @@ def check_model(cfg: Config, model: nn.Module) -> None:
     p = cfg.parallel
     plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
     if p.tp > 1:
-        check_plan(model, plan, p.tp, user=bool(p.tp_plan))
+        check_plan(model, plan, p.tp, user=bool(p.tp_plan), own_loss=cfg.train.loss == "model")
     if p.pp > 1:
         if pipeline_layers(model) is None:
             raise ConfigError(

@@ -53,9 +53,10 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def all_gather_dim(x: torch.Tensor, dim: int, full: int, group) -> torch.Tensor:
-    """The whole dimension `dim` (`full` long) from every rank's contiguous slice of it."""
-    world = dist.get_world_size(group)
+def all_gather_dim(x: torch.Tensor, dim: int, full: int, group, world: int | None = None) -> torch.Tensor:
+    """The whole dimension `dim` (`full` long) from every rank's contiguous slice of it, over
+    `group` of `world` ranks (by default the group's size)."""
+    world = world or dist.get_world_size(group)
     sizes = shard_sizes(full, world)
     x = x.movedim(dim, -1)
     padded = torch.zeros(*x.shape[:-1], max(sizes), dtype=x.dtype, device=x.device)
@@ -67,14 +68,15 @@ def all_gather_dim(x: torch.Tensor, dim: int, full: int, group) -> torch.Tensor:
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, full: int):
-        ctx.range = shard_range(full, dist.get_world_size(group), dist.get_rank(group))
-        return all_gather_dim(x, -1, full, group)
+    def forward(ctx, x, group, full: int, place: tuple[int, int] | None):
+        rank, world = place or (dist.get_rank(group), dist.get_world_size(group))
+        ctx.range = shard_range(full, world, rank)
+        return all_gather_dim(x, -1, full, group, world)
 
     @staticmethod
     def backward(ctx, grad):
         start, end = ctx.range
-        return grad[..., start:end].contiguous(), None, None
+        return grad[..., start:end].contiguous(), None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
@@ -85,6 +87,7 @@ def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _ReduceFromTP.apply(x, group)
 
 
-def gather_from_tp(x: torch.Tensor, group, full: int) -> torch.Tensor:
-    """The whole last dimension (`full` wide) from every rank's slice of it."""
-    return _GatherFromTP.apply(x, group, full)
+def gather_from_tp(x: torch.Tensor, group, full: int, place: tuple[int, int] | None = None) -> torch.Tensor:
+    """The whole last dimension (`full` wide) from every rank's slice of it; `place` (rank, world)
+    where the group cannot tell (the planner plays one rank without a group)."""
+    return _GatherFromTP.apply(x, group, full, place)

@@ -52,8 +52,12 @@ class GatheredColumnParallelLinear(ColumnParallelLinear):
     """Column-parallel, its output gathered whole on every rank (transformers' colwise_gather_output:
     a head whose logits the model's own loss reads)."""
 
+    def __init__(self, linear: nn.Linear, group, rank: int, world: int):
+        super().__init__(linear, group, rank, world)
+        self.place = (rank, world)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_from_tp(super().forward(x), self.group, self.full_out_features)
+        return gather_from_tp(super().forward(x), self.group, self.full_out_features, self.place)
 
 
 class RowParallelLinear(nn.Module):
@@ -106,8 +110,9 @@ def plan_for(model: nn.Module, user_plan: dict) -> dict[str, str]:
     return dict(own()) if callable(own) else transformers_plan(model)
 
 
-def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
-    """Every planned module exists, is a Linear, and splits evenly (ConfigError otherwise)."""
+def check_plan(model: nn.Module, plan: dict, tp: int, user: bool, own_loss: bool = False) -> None:
+    """Every planned module exists, is a Linear, and splits evenly, and the model's own loss
+    (`own_loss`: train.loss = "model") sees whole logits (ConfigError otherwise)."""
     from paratrain.models.gpt import GPT
 
     key = "parallel.tp_plan"
@@ -153,6 +158,15 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool) -> None:
             raise ConfigError("parallel.tp", f"tp {tp} does not divide {name}.{dim} = {size}")
     if user and isinstance(model, nn.Sequential):
         check_pairs(model, plan)
+    head = last_linear(model)
+    if own_loss and plan.get(head) == "colwise":
+        # the model computes its loss inside its forward, on the logits this rank holds: a slice
+        raise ConfigError(
+            key,
+            f'{head!r} = "colwise" leaves the logits split across the tp ranks, and train.loss = '
+            f'"model" computes the loss inside the model, on one slice of them: split it '
+            f'"colwise_gather_output" (or leave it whole)',
+        )
     if isinstance(model, GPT):
         heads = model.blocks[0].attn.q.out_features // model.blocks[0].attn.head_dim if len(model.blocks) else 0
         if heads % tp:
@@ -222,12 +236,17 @@ def shard_modules(model: nn.Module, plan: dict, group, rank: int, world: int) ->
     return shard_dims
 
 
+def last_linear(model: nn.Module) -> str | None:
+    """The name of the model's last Linear in module order: the one whose output a colwise split
+    leaves split across the tp ranks (output_is_sharded, after the split)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, ColumnParallelLinear, RowParallelLinear))]
+    return names[-1] if names else None
+
+
 def output_is_sharded(model: nn.Module) -> bool:
     """A model whose last Linear is column-parallel returns its last dimension split across ranks."""
-    last = None
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, ColumnParallelLinear, RowParallelLinear)):
-            last = module
+    name = last_linear(model)
+    last = model.get_submodule(name) if name else None
     return isinstance(last, ColumnParallelLinear) and not isinstance(last, GatheredColumnParallelLinear)
 
 
