@@ -34,7 +34,12 @@ import torch
 from paratrain.config import Config
 from paratrain.errors import ConfigError
 
-MAX_FLOPS = 5e9  # above this one microbatch's forward is not run here (a second or so at ~50 GFLOP/s)
+# above this one microbatch's forward is not run here: about half a second at one core's ~40 GFLOP/s
+# (fp32, AVX2), some 20 s for the repeats of every layer. Below it the model's own layers are the
+# stopwatch's, not the FLOP model's (peak from one 512^3 matmul, backward twice the forward): at
+# the 5e9 this was, bench plan's gpt256 fell to the FLOP model in dp, zero3 and tp (6.8 GFLOP a
+# 16-row forward) and was timed only in pp (3.4 GFLOP microbatches), one model, two time models.
+MAX_FLOPS = 2e10
 REPEATS = 9
 
 
