@@ -9,6 +9,7 @@ The trainer never asks which strategy it holds.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -414,7 +415,7 @@ def main(argv=None) -> int:
         cfg = preflight.load(args.config, args.overrides)
         rank = int(os.environ.get("RANK", 0))
         if registry.spec(cfg.parallel.strategy).expendable(cfg, rank) and not guard.is_guarded_child():
-            return guard.run_guarded(sys.argv[1:] if argv is None else argv, f"worker rank {rank}")
+            return guard.run_guarded(functools.partial(run_worker, argv), f"worker rank {rank}")
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
         if survive.continuing():
             return survive.train(cfg, run_dir, args.resume, train)

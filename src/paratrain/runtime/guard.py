@@ -2,7 +2,7 @@
 
 The elastic agent treats any worker that exits non-zero as the failure of the whole group: it
 stops every rank (and restarts them all with --max-restarts). An async parameter-server worker,
-though, is expendable: the servers drop it and the others train on. So such a rank runs the real
+though, is expendable: the servers drop it and the others train on. So such a rank forks the real
 worker as a child process and only watches it:
 
     elastic agent ── guard (this module, no torch.distributed) ── worker (the trainer, same argv/env)
@@ -17,11 +17,11 @@ like a worker that merely died.
 
 from __future__ import annotations
 
-import functools
 import os
 import signal
-import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 
 from paratrain.errors import note, say
 
@@ -48,27 +48,41 @@ def is_guarded_child() -> bool:
     return os.environ.get(GUARDED) == "1"
 
 
-def run_guarded(argv: list[str], what: str) -> int:
-    """Run `python -m paratrain.trainer argv` as a child; a death of it is reported, not propagated."""
+def run_guarded(run_worker: Callable[[], int], what: str) -> int:
+    """Run `run_worker()` (the trainer, which then trains: GUARDED is set) in a child; a death of it
+    is reported, not propagated. The child is forked, not started afresh: this process has torch and
+    the trainer imported and no thread or process group yet, and a fresh interpreter spent about
+    5 s of CPU importing them again, for each expendable rank of each run."""
     from paratrain.runtime.launch import die_with_parent
 
-    child = subprocess.Popen(
-        [sys.executable, "-m", "paratrain.trainer", *argv],
-        env={**os.environ, GUARDED: "1"},
-        preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()),
-    )
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            os.environ[GUARDED] = "1"
+            die_with_parent(signal.SIGTERM, parent)
+            code = run_worker()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException:  # what `python -m paratrain.trainer` would print, then exit 1
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
     def forward(signum, _frame):  # the agent stopping this rank stops the worker first
-        child.send_signal(signum)
-        try:  # not child.wait(): the wait this handler interrupts holds its lock (a deadlock until SIGKILL)
-            os.waitpid(child.pid, 0)
-        except ChildProcessError:  # already reaped
+        try:
+            os.kill(child, signum)
+            os.waitpid(child, 0)
+        except (ProcessLookupError, ChildProcessError):  # gone, or already reaped
             pass
         os._exit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    code = child.wait()
+    code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
     if code in (0, 2):
         return code
     if code == FAILS_RUN_EXIT:
