@@ -71,6 +71,16 @@ def pytest_collection_modifyitems(config, items):
         functions = [item.function, *(getattr(f, "__wrapped__", f) for f in fixtures if f is not None)]
         if any(inspect.isfunction(f) and _launches(f, module, seen) for f in functions):
             item.add_marker(pytest.mark.integration)
+    # The longest modules first: `make test` hands whole modules to its two processes in this
+    # order, and a long module handed out last kept one process busy while the other sat idle
+    # (test_continue alone for the last two minutes). A test that starts commands weighs about ten
+    # in-process ones; one skipped here (no GPU) nothing.
+    weight: dict[str, int] = {}
+    for item in items:
+        skipped = any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+        cost = 0 if skipped else 10 if item.get_closest_marker("integration") else 1
+        weight[item.module.__name__] = weight.get(item.module.__name__, 0) + cost
+    items.sort(key=lambda item: -weight[item.module.__name__])  # stable: a module's own order kept
 
 
 @pytest.fixture(autouse=True)
