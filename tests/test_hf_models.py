@@ -228,23 +228,24 @@ tp_plan = { "model.layers.*.mlp.gate_proj" = "colwise", "model.layers.*.mlp.up_p
 
 
 @pytest.mark.parametrize(
-    "job, sets",
+    "job, sets, world",
     [
-        ("LLAMA", []),
-        ("LLAMA", ["parallel.strategy='zero3'", "data.layout='labelled'", "train.loss='model'"]),
-        ("LLAMA", ["train.recompute='full'"]),
-        ("LLAMA", ["parallel.strategy='tp'", "parallel.tp=2"]),
-        ("LLAMA", PP2),
-        ("GPT2", PP2),
-        ("GPT2", ["parallel.strategy='zero3'"]),
-        ("BERT", []),
+        ("LLAMA", [], 2),
+        ("LLAMA", ["parallel.strategy='zero3'", "data.layout='labelled'", "train.loss='model'"], 2),
+        ("LLAMA", ["train.recompute='full'"], 2),
+        ("LLAMA", ["parallel.strategy='tp'", "parallel.tp=2"], 2),
+        ("LLAMA", PP2, 2),
+        ("LLAMA", [*PP2[1:], "parallel.strategy='hybrid'"], 4),  # dp 2 x pp 2
+        ("GPT2", PP2, 2),
+        ("GPT2", ["parallel.strategy='zero3'"], 2),
+        ("BERT", [], 2),
     ],
 )
-def test_plan_takes_model_outputs_and_dict_batches(tmp_path, capsys, job, sets):
+def test_plan_takes_model_outputs_and_dict_batches(tmp_path, capsys, job, sets, world):
     """`paratrain plan`'s fake-tensor run accepts ModelOutput outputs and dict batches."""
     from paratrain.cli import main
 
     cfg = write_config(tmp_path / "c.toml", globals()[job])
-    code = main(["plan", str(cfg), "--nproc", "2", *[a for s in sets for a in ("--set", s)]])
+    code = main(["plan", str(cfg), "--nproc", str(world), *[a for s in sets for a in ("--set", s)]])
     out = capsys.readouterr()
     assert code == 0 and "predicted" in out.out, out.err
