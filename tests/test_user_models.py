@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import final_weights, max_rel_error, write_config
+from helpers import final_weights, max_rel_error, metrics, write_config
 from user_models import two_halves
 
 from paratrain.cli import main
@@ -156,14 +156,26 @@ def ddp_bn_job(rt, out: str, accum: int, steps: int = 12, batch: int = 24) -> No
 @pytest.mark.parametrize("strategy, accum", [("dp", 1), ("zero2", 2)])
 def test_batchnorm_per_rank_equals_torch_ddp(tmp_path, gang, strategy, accum):
     """parallel.sync_batchnorm = false: each rank's own statistics, rank 0's kept, as DDP does,
-    with gradient accumulation too (rank 0's buffers before each step's first microbatch)."""
+    with gradient accumulation too (rank 0's buffers before each step's first microbatch). The
+    validation after the last step scores rank 0's statistics on every rank (DDP broadcasts them
+    before an eval forward): the model `final/` holds."""
     from safetensors.torch import load_file
+    from user_models import bn_cnn
+
+    from paratrain.data.datasets import digits
 
     gang(2).run("test_user_models:ddp_bn_job", out=str(tmp_path / "ddp.safetensors"), accum=accum)
     cfg = write_config(tmp_path / "c.toml", BN_CNN)
     sets = [f"parallel.strategy='{strategy}'", "parallel.sync_batchnorm=false", f"train.grad_accum={accum}"]
     gang(2).train(cfg, tmp_path / "run", sets)
-    assert max_rel_error(final_weights(tmp_path / "run"), load_file(str(tmp_path / "ddp.safetensors"))) <= 1e-4
+    final = final_weights(tmp_path / "run")
+    assert max_rel_error(final, load_file(str(tmp_path / "ddp.safetensors"))) <= 1e-4
+    model = bn_cnn()
+    model.load_state_dict(final)
+    x, y = digits("val").tensors
+    with torch.no_grad():
+        val_loss = F.cross_entropy(model.eval()(x), y).item()
+    assert metrics(tmp_path / "run")[-1]["val_loss"] == pytest.approx(val_loss, rel=1e-5)
 
 
 @pytest.mark.parametrize(

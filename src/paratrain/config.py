@@ -190,7 +190,8 @@ class ParallelConfig:
     sync_batchnorm: bool = opt(
         True,
         doc="batch-norm layers normalise over the global batch (dp, zero1-3, sync ps, hybrid); "
-        "false: each rank over its own samples, rank 0's statistics broadcast before every step as DDP does",
+        "false: each rank over its own samples, rank 0's statistics broadcast before every step and "
+        "validation as DDP does",
     )
     replicas: int = opt(
         1,

@@ -2,8 +2,7 @@
 
 Entry point of each worker: `forked_worker` for `paratrain run`, or `python -m paratrain.trainer
 CONFIG --run-dir DIR`, which also runs under a plain `torchrun -m paratrain.trainer ...` since it
-only reads the standard environment.
-The trainer never asks which strategy it holds.
+only reads the standard environment. The trainer never asks which strategy it holds.
 """
 
 from __future__ import annotations
@@ -172,6 +171,7 @@ class Trainer:
         n_chunks = -(-most // per_rank)
         chunks = [order[i * per_rank : (i + 1) * per_rank] for i in range(n_chunks)] if self.strategy.evaluates else []
         sums = torch.zeros(4, dtype=torch.float64)  # loss*n, n, correct, counted
+        self.strategy.before_eval()
         for chunk in chunks:
             if len(chunk):
                 x, y = load_batch(self.val_set, chunk)

@@ -1,7 +1,7 @@
 """What every strategy shares: the contract the trainer relies on, and small common pieces.
 
 A strategy owns the (possibly split) model and its optimizer. The trainer only calls:
-    set_lr(lr); train_step((inputs, targets)) -> local mean loss; eval_step(...);
+    set_lr(lr); train_step((inputs, targets)) -> local mean loss; before_eval(); eval_step(...);
     state_dict() -> (tensors, json) for this rank's checkpoint file; load_state_dict(reader);
     model_layout() -> on rank 0, every tensor of the consolidated model: (dtype, shape) by name;
     model_chunks() -> the consolidated model, a piece at a time on rank 0 (a collective: one unit
@@ -91,6 +91,7 @@ class Strategy:
         self.checkpoint_ranks = rt.world_size
         self.checkpoint_group = None
         self.rng_step: int | None = None  # set by the trainer: micro-batches reseed the RNG (micro_batches)
+        self.batchnorm = None  # a data-parallel strategy's BatchNormPolicy (parallel/dp/batchnorm.py)
 
     @property
     def evaluates(self) -> bool:
@@ -132,6 +133,14 @@ class Strategy:
 
     def train_step(self, batch) -> torch.Tensor:
         raise NotImplementedError
+
+    def before_eval(self) -> None:
+        """Once before the validation loop, on every rank that runs it. Under sync_batchnorm = false
+        each rank's running statistics moved with its own samples since the step's broadcast: rank
+        0's go to every rank first, as DDP broadcasts buffers before an eval forward that follows a
+        training step, so every rank scores the model `final/` holds."""
+        if self.batchnorm is not None:
+            self.batchnorm.before_step()
 
     @torch.no_grad()
     def eval_step(self, inputs, targets) -> torch.Tensor:

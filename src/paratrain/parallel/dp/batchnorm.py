@@ -15,7 +15,8 @@ through paratrain's collectives, on gloo as on NCCL:
 The layers keep their class, names and state dict: only their forward is replaced (train mode
 only; eval uses the running statistics, which every rank holds alike). With
 `parallel.sync_batchnorm = false` each rank normalises over its own samples and every step starts
-from rank 0's buffers (DDP's broadcast_buffers), so the ranks agree and `final/` holds rank 0's.
+from rank 0's buffers (DDP's broadcast_buffers), so the ranks agree and `final/` holds rank 0's;
+validation starts from them too (Strategy.before_eval), as DDP's eval forward does.
 Once per step, not per microbatch, as DDP does under gradient accumulation: it broadcasts before a
 forward that follows a synchronised backward, and the microbatches of a step but the last run under
 no_sync() (tests/test_user_models.py compares the two with train.grad_accum = 2). Rank 0's own

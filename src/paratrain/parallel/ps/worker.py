@@ -33,7 +33,6 @@ class WorkerSide:
     """The worker's half of ParameterServer (which mixes it in on ranks ps.servers and up)."""
 
     is_server = False
-    batchnorm = None  # sync mode: the policy for batch-norm layers over the workers (dp/batchnorm.py)
 
     def _init_side(self) -> None:
         # Host buffers go on the wire; on a CPU they are the parameters' and gradients' own storage,
