@@ -90,7 +90,9 @@ class Supervisor:
             if self.signalled and not self.stopping:
                 self.stop(self.signalled, forward=True)
             for rank, proc in list(self.procs.items()):
-                if proc.exitcode is None:
+                # (a replica's rank that `lost` stopped and started again earlier in this loop is a
+                # stale entry here: its end is no loss, and the new process is not to be dropped)
+                if proc.exitcode is None or self.procs.get(rank) is not proc:
                     continue
                 del self.procs[rank]
                 if proc.exitcode == 0:
