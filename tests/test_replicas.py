@@ -70,7 +70,9 @@ def test_plan_shows_hsdp_against_zero3_over_the_world(tmp_path, capsys):
     "override, why",
     [
         ("parallel.replicas=3", "does not divide the world size 4"),
-        ("parallel.strategy='tp'\nparallel.tp=2\nparallel.replicas=2", "must be 1 for strategy 'tp'"),
+        ("parallel.strategy='ps'", "must be 1 for strategy 'ps'"),
+        # tp, pp and hybrid: the replicas are the mesh's dp copies, world / (tp x pp) of them
+        ("parallel.strategy='tp'\nparallel.tp=2\nparallel.replicas=4", "4 ranks make 2 replicas, not 4"),
         ("parallel.replicas=0", "must be > 0"),
     ],
 )

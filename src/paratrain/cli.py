@@ -111,10 +111,12 @@ def train(args) -> int:
 
     def start() -> None:
         if cfg.fault.on_failure == "continue":  # our own supervisor: the agent would restart everyone
+            from paratrain.comm.grid import ReplicaLayout
             from paratrain.runtime.supervise import supervise
 
             size = registry.spec(cfg.parallel.strategy).replica_size(cfg, nproc)
-            supervise(call_preloaded, worker_args, nproc=nproc, replica_size=size, max_restarts=args.max_restarts)
+            layout = ReplicaLayout(nproc, size, stages=cfg.parallel.pp)
+            supervise(call_preloaded, worker_args, layout=layout, max_restarts=args.max_restarts)
         else:
             launch(
                 call_preloaded,

@@ -196,7 +196,8 @@ class ParallelConfig:
     replicas: int = opt(
         1,
         check=_positive,
-        doc="model replicas (dp, zero1-3): each is sharded over world/replicas ranks; zero3 with replicas is HSDP",
+        doc="model replicas: each is sharded (zero1-3; zero3 with replicas is HSDP) or split (tp, pp, hybrid: "
+        "1 or world / (tp x pp)) over world/replicas ranks; what fault.on_failure = continue loses and restarts",
     )
 
 

@@ -2,6 +2,7 @@
 the (pp, dp, tp) mesh of model parallelism, and the few groups other parts need besides.
 
     build_mesh    the (pp, dp, tp) DeviceMesh of tp, pp and hybrid
+    ReplicaLayout   parallel.replicas: which ranks form each replica (the mesh's dp index)
     replica_groups  parallel.replicas: the ranks of one replica, and each shard's ranks across them
     subgroup      some ranks, made by every rank (tied weights across pipeline stages, ps servers)
     host_group    every rank on gloo: host-side agreements (a stop, ps traffic beside NCCL)
@@ -75,12 +76,39 @@ def build_mesh(tp: int, pp: int, device_type: str) -> Mesh:
     return Mesh(mesh, pp, dp, tp, pp_rank, dp_rank, tp_rank)
 
 
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Which global ranks form each replica, where parallel.replicas splits a world of `world` ranks
+    into replicas of `size` ranks, each cut into `stages` pipeline stages (1 but under pp).
+
+    A replica is one dp index of the (pp, dp, tp) mesh above, read with dp = the replica count and
+    tp = size / stages (tp's ranks, or the ranks a zero replica shards over). Without pipeline
+    stages a replica is adjacent ranks, r*size .. r*size+size-1 (so the frequent traffic inside it
+    stays on a node's fast links); with them, each stage's slice of it is. The supervisor of
+    fault.on_failure = "continue" loses and restarts these ranks together (runtime/supervise.py)."""
+
+    world: int
+    size: int
+    stages: int = 1
+
+    @property
+    def count(self) -> int:
+        return self.world // self.size
+
+    def replica_of(self, rank: int) -> int:
+        return rank // (self.size // self.stages) % self.count
+
+    def ranks(self, replica: int) -> list[int]:
+        """The replica's ranks, ascending: stage by stage, as the mesh numbers them."""
+        inner = self.size // self.stages
+        return [(q * self.count + replica) * inner + i for q in range(self.stages) for i in range(inner)]
+
+
 @dataclass
 class Replicas:
-    """parallel.replicas = R over a world of W ranks: replica r is ranks r*S .. r*S+S-1 (S = W/R,
-    adjacent like tp's ranks, so that the frequent traffic inside a replica stays on a node's fast
-    links); a strategy shards over `inner` and averages each shard over `across`, the ranks at the
-    same place in every replica. Both are None when R is 1 (the world is the one replica)."""
+    """parallel.replicas = R over a world of W ranks, in ReplicaLayout's ranks; a strategy shards
+    over `inner` (the S = W/R ranks of its replica) and averages each shard over `across`, the ranks
+    at the same place in every replica. Both are None when R is 1 (the world is the one replica)."""
 
     count: int
     size: int
@@ -92,12 +120,14 @@ class Replicas:
 def replica_groups(replicas: int) -> Replicas:
     """Collective over the world: every rank makes every replica's groups, in the same order."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    size = world // replicas
+    layout = ReplicaLayout(world, world // replicas)
     if replicas == 1:
         return Replicas(1, world, 0)
-    inner = [dist.new_group(list(range(r * size, (r + 1) * size))) for r in range(replicas)]
-    across = [dist.new_group(list(range(i, world, size))) for i in range(size)]
-    return Replicas(replicas, size, rank // size, inner[rank // size], across[rank % size])
+    members = [layout.ranks(r) for r in range(replicas)]
+    inner = [dist.new_group(ranks) for ranks in members]
+    across = [dist.new_group([ranks[i] for ranks in members]) for i in range(layout.size)]
+    mine = layout.replica_of(rank)
+    return Replicas(replicas, layout.size, mine, inner[mine], across[members[mine].index(rank)])
 
 
 def subgroup(ranks: list[int], backend: str | None = None):

@@ -148,11 +148,12 @@ def render(plan: dict) -> str:
             f"mesh: dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} "
             f"(global rank = (pp * {mesh['dp']} + dp) * {mesh['tp']} + tp)"
         )
-        if mesh.get("replicas", 1) > 1:
+        if mesh.get("replicas", 1) > 1:  # (comm/grid.py's ReplicaLayout: a replica is one dp index)
             size = plan["world_size"] // mesh["replicas"]
+            which = f"rank // {size}" if mesh["pp"] == 1 else f"rank // {size // mesh['pp']} % {mesh['replicas']}"
             lines.append(
-                f"replicas {mesh['replicas']} of {size} ranks (replica = rank // {size}): state sharded inside "
-                "a replica, gradient shards averaged across them"
+                f"replicas {mesh['replicas']} of {size} ranks (replica = {which}): state sharded or split "
+                "inside a replica, gradients averaged across them"
             )
     lines.append(
         f"batch: {b['global']} samples per step, {b['per_replica']} per data-parallel replica, "

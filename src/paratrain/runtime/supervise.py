@@ -33,17 +33,18 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from paratrain.comm.grid import ReplicaLayout
 from paratrain.errors import say
 from paratrain.runtime import process, survive
 from paratrain.runtime.launch import Interrupted, WorkerFailure, start_worker_server
 
 
-def supervise(target: Callable, args: list[str], *, nproc: int, replica_size: int, max_restarts: int) -> None:
-    """Run `target(*args)` on nproc workers on this node through losses of replicas; raise
+def supervise(target: Callable, args: list[str], *, layout: ReplicaLayout, max_restarts: int) -> None:
+    """Run `target(*args)` on the layout's workers on this node through losses of replicas; raise
     WorkerFailure if they fail for good, Interrupted on Ctrl-C."""
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // layout.world)))
     start_worker_server()
-    Supervisor(target, args, nproc, replica_size, max_restarts).run()
+    Supervisor(target, args, layout, max_restarts).run()
 
 
 def _worker(env: dict, target: Callable, args: list[str]) -> None:
@@ -52,8 +53,8 @@ def _worker(env: dict, target: Callable, args: list[str]) -> None:
 
 
 class Supervisor:
-    def __init__(self, target: Callable, args: list[str], world: int, replica_size: int, max_restarts: int):
-        self.target, self.args, self.world, self.size = target, args, world, replica_size
+    def __init__(self, target: Callable, args: list[str], layout: ReplicaLayout, max_restarts: int):
+        self.target, self.args, self.layout, self.world = target, args, layout, layout.world
         self.restarts_left = max_restarts
         self.listener = process.listen_on("127.0.0.1")
         self.port = self.listener.getsockname()[1]
@@ -89,7 +90,9 @@ class Supervisor:
             if self.signalled and not self.stopping:
                 self.stop(self.signalled, forward=True)
             for rank, proc in list(self.procs.items()):
-                if proc.exitcode is None:
+                # (a replica's rank that `lost` stopped and started again earlier in this loop is a
+                # stale entry here: its end is no loss, and the new process is not to be dropped)
+                if proc.exitcode is None or self.procs.get(rank) is not proc:
                     continue
                 del self.procs[rank]
                 if proc.exitcode == 0:
@@ -137,7 +140,8 @@ class Supervisor:
             "OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"],
             "TORCHELASTIC_RESTART_COUNT": str(self.attempt),
             survive.INCARNATION: str(self.incarnation[rank]),
-            survive.REPLICA_SIZE: str(self.size),
+            survive.REPLICA_SIZE: str(self.layout.size),
+            survive.REPLICA_STAGES: str(self.layout.stages),
         }
         proc = self.context.Process(target=_worker, args=(env, self.target, self.args), name=f"paratrain-r{rank}")
         proc.start()
@@ -152,7 +156,7 @@ class Supervisor:
     def lost(self, rank: int, code: int) -> tuple[int, int, str, set] | None:
         """A worker that ended with `code` (not 0): its replica out and started again, or the reason
         every worker has to start again."""
-        replica = rank // self.size
+        replica = self.layout.replica_of(rank)
         if code == survive.FALLBACK_EXIT:
             return rank, code, f"rank {rank} cannot continue (its line above says why)", {code}
         if code > 0:
@@ -162,13 +166,13 @@ class Supervisor:
             return rank, code, f"{cause}, in replica 0 (its ranks hold the log and the state the others copy)", set()
         if self.finishing:
             return None
-        ranks = range(replica * self.size, (replica + 1) * self.size)
+        ranks = self.layout.ranks(replica)
         for other in ranks:  # (a rank we stop here is no longer watched: its exit is not a loss)
             if other != rank and other in self.procs:
                 self.procs.pop(other).kill()
         self.waiting -= set(ranks)
-        if any(m // self.size == replica for m in self.members):  # (else it was lost on its way back in)
-            self.publish([m for m in self.members if m // self.size != replica])
+        if any(m in ranks for m in self.members):  # (else it was lost on its way back in)
+            self.publish([m for m in self.members if m not in ranks])
         again = self.restarts_left > 0
         say(
             f"paratrain: {cause}: replica {replica} leaves the run, the other {len(self.members)} rank(s) go on"
@@ -188,7 +192,7 @@ class Supervisor:
             return
         up = [f"{self.prefix}ready-{r}-{self.incarnation[r]}" for r in self.waiting]
         formed = self.gen == 0 or self.store.check([f"{self.prefix}ack-{self.gen}-{r}" for r in self.members])
-        whole = all(r // self.size * self.size + i in self.waiting for r in self.waiting for i in range(self.size))
+        whole = all(set(self.layout.ranks(self.layout.replica_of(r))) <= self.waiting for r in self.waiting)
         if whole and formed and self.store.check(up):
             self.publish(sorted(self.members + sorted(self.waiting)))
             self.waiting = set()

@@ -4,8 +4,10 @@ and a restarted one's way back in, while the others train on (docs/fault-toleran
 The supervisor (runtime/supervise.py) hosts the store and decides who trains: generation g is the
 store's `gen-{g}`, the sorted original ranks of the live replicas, and `latest` is the newest g.
 Each generation gets a process group of its own on that store (its own key prefix), its members
-renumbered in order, so replica 0 (which a run cannot lose: see supervise.py) holds ranks 0..S-1
-in every generation and rank 0 is always the original rank 0, which logs.
+renumbered in order: the ranks of a replica keep their places in comm/grid.py's ReplicaLayout and
+mesh (a replica is one dp index; losing one renumbers the others as the smaller mesh numbers them),
+and rank 0 is always the original rank 0, of replica 0 (which a run cannot lose: see
+supervise.py), which logs.
 
     a peer dies      a collective of the step in flight fails on the survivors (gloo: at once,
                      "connection closed by peer"); each leaves its group and waits for the
@@ -39,11 +41,13 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm import collectives
+from paratrain.comm.grid import ReplicaLayout
 from paratrain.errors import ConfigError, say
 from paratrain.runtime import faults, process, stop
 
 INCARNATION = "PARATRAIN_INCARNATION"  # 0 at a worker's first start, n after its n-th restart
 REPLICA_SIZE = "PARATRAIN_REPLICA_SIZE"  # ranks per replica (supervise.py)
+REPLICA_STAGES = "PARATRAIN_REPLICA_STAGES"  # pipeline stages of a replica (parallel.pp)
 PREFIX = "paratrain/continue/attempt-{attempt}/"  # the store's keys of one start of the whole run
 FALLBACK_EXIT = 75  # a worker's exit code asking its supervisor to restart every worker
 
@@ -67,7 +71,7 @@ def train(cfg, run_dir, resume: str, train_run) -> int:
     try:
         membership = Membership.start(cfg.train.device, cfg.parallel.timeout_s)
         membership.replicated = cfg.parallel.replicas > 1
-        membership.grad_accum, membership.world = cfg.train.grad_accum, int(os.environ["WORLD_SIZE"])
+        membership.grad_accum = cfg.train.grad_accum
         return train_run(membership.config(cfg), run_dir, membership.runtime(), resume, membership)
     except CannotContinue as exc:
         say(f"cannot continue: {exc}")
@@ -77,8 +81,8 @@ def train(cfg, run_dir, resume: str, train_run) -> int:
 class Membership:
     """This worker's place in the generations of one start of the run."""
 
-    def __init__(self, store, rank: int, replica_size: int, device: torch.device, timeout_s: float):
-        self.store, self.rank, self.replica_size = store, rank, replica_size
+    def __init__(self, store, rank: int, layout: ReplicaLayout, device: torch.device, timeout_s: float):
+        self.store, self.rank, self.layout = store, rank, layout
         self.device, self.backend = device, "nccl" if device.type == "cuda" else "gloo"
         self.timeout = timedelta(seconds=timeout_s)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -98,7 +102,8 @@ class Membership:
             is_master=False,
             timeout=timedelta(seconds=timeout_s),
         )
-        m = cls(store, rank, int(os.environ[REPLICA_SIZE]), device, timeout_s)
+        world, size, stages = (int(os.environ[k]) for k in ("WORLD_SIZE", REPLICA_SIZE, REPLICA_STAGES))
+        m = cls(store, rank, ReplicaLayout(world, size, stages), device, timeout_s)
         incarnation = int(os.environ[INCARNATION])
         m.joining = incarnation > 0  # into a run under way: Trainer.resume asks `settle` for the state
         if m.joining:
@@ -150,20 +155,20 @@ class Membership:
         self.gen, self.members = g, members
 
     def replicas(self, members: list[int]) -> list[int]:
-        return sorted({r // self.replica_size for r in members})
+        return sorted({self.layout.replica_of(r) for r in members})
 
     def config(self, cfg):
         """The run's config for this generation: parallel.replicas (if set) counts the live replicas,
         and train.grad_accum grows as the ranks shrink, where it divides, so that every micro-batch
         keeps its size and its place in the global batch: it draws the same dropout masks as in an
         uninterrupted run (process.SeededMicroBatches), and no survivor needs more memory."""
-        micro_batches = self.grad_accum * self.world
+        micro_batches = self.grad_accum * self.layout.world
         if micro_batches % len(self.members) == 0:
             train = dataclasses.replace(cfg.train, grad_accum=micro_batches // len(self.members))
             cfg = dataclasses.replace(cfg, train=train)
         if not self.replicated:
             return cfg
-        live = len(self.members) // self.replica_size
+        live = len(self.members) // self.layout.size
         return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, replicas=live))
 
     # -- the step ---------------------------------------------------------------------------------
@@ -218,7 +223,7 @@ class Membership:
         a peer still blocked in one with us fails only once our connections close (measured: the
         garbage collection that would free them took 0.3-1.5 s)."""
         if trainer.strategy is not None:
-            if self.saved is None and self.rank < self.replica_size:
+            if self.saved is None and self.layout.replica_of(self.rank) == 0:
                 self.saved = self.pack(trainer)
             self.profiler = trainer.strategy.profiler
             trainer.strategy = None
@@ -267,7 +272,9 @@ class Membership:
         survivors = {int(s) for s in steps if int(s) >= 0}
         if len(survivors) != 1:
             raise CannotContinue(f"the surviving ranks stand at different steps ({sorted(survivors)})")
-        trainer.take_state(MemoryCheckpoint([self.broadcast_state(i) for i in range(self.replica_size)]))
+        # replica 0's ranks in order are the ranks of a checkpoint of one replica (a dp of 1)
+        files = [self.broadcast_state(self.members.index(r)) for r in self.layout.ranks(0)]
+        trainer.take_state(MemoryCheckpoint(files, trainer.cfg.to_dict()))
         collectives.LOG = collectives.CollectiveLog()  # a joiner has no history: the fingerprints start again
         collectives.LOG.step = trainer.step
         if done >= 0 and any(int(s) < 0 for s in steps):
@@ -320,8 +327,9 @@ def _first_line(exc: BaseException) -> str:
 class MemoryCheckpoint:
     """The packed states of replica 0's ranks, read like a checkpoint directory (strategy.load_state_dict)."""
 
-    def __init__(self, files: list[bytes]):
+    def __init__(self, files: list[bytes], config: dict):
         self.files, self.world_size = files, len(files)
+        self.manifest = {"config": config}  # the layout it was saved in (ModelParallel reads tp and pp)
         self.path = "the state of a live replica"
 
     def load(self, rank: int) -> tuple[dict, dict]:

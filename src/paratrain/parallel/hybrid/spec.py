@@ -20,6 +20,7 @@ class ModelParallelSpec(Spec):
     replica_footprint = "paratrain.parallel.hybrid.footprint:replica"
     step_time = "paratrain.parallel.hybrid.step_time:model_parallel"
     checkpoint_family = "model_parallel"
+    takes_replicas = True  # the mesh's dp copies, declared: what fault.on_failure = "continue" loses
 
     def __init__(self, name: str, degrees: tuple[str, ...]):
         self.name, self.degrees = name, degrees
@@ -33,6 +34,20 @@ class ModelParallelSpec(Spec):
                 "train.loss",
                 "'model' takes the loss the whole model computes, which no pipeline stage does: "
                 "under pp name one (cross_entropy, mse or module:function)",
+            )
+
+    def check_layout(self, cfg: Config, world_size: int) -> None:
+        """parallel.replicas names the mesh's dp copies: 1 (not declared), or world / (tp x pp). It
+        stands in for no degree: tp and pp say how a replica is split."""
+        super().check_layout(cfg, world_size)
+        p = cfg.parallel
+        split = p.tp * p.pp
+        if p.replicas not in (1, world_size // split):
+            other = f", or tp x pp = {world_size // p.replicas}" if world_size % p.replicas == 0 else ""
+            raise ConfigError(
+                "parallel.replicas",
+                f"each replica is tp {p.tp} x pp {p.pp} = {split} rank(s): {world_size} ranks make "
+                f"{world_size // split} replicas, not {p.replicas} (set 1 or {world_size // split}{other})",
             )
 
     def check_batch(self, cfg: Config, world_size: int) -> None:
