@@ -8,9 +8,9 @@ by themselves.
 Workers of a training run are forked from a worker server (multiprocessing's forkserver) that
 has imported torch and paratrain once, instead of each starting a fresh interpreter that imports
 them again: measured here, `import torch` takes 1.1 s and the torch.compile stack that every
-torch optimizer step imports another 1.0 s, per process. The server starts when the command does,
-so its imports overlap the command's own checks and the rendezvous, and a worker's start then
-costs a fork. A restarted worker group forks from the same server. Benchmark workers, which
+torch optimizer step imports another 1.0 s, per process. The server is itself forked from the
+command once it has imported torch (start_worker_server), so its imports of the rest overlap the
+command's own checks and the rendezvous, and a worker's start then costs a fork. A restarted worker group forks from the same server. Benchmark workers, which
 name a module, start as `python -m module` as before.
 """
 
@@ -75,15 +75,50 @@ def _forkserver_available() -> bool:
 def start_worker_server() -> None:
     """Start the worker server now, in the background, so its imports overlap the caller's work.
 
+    The server is forked from this process once it has imported torch, which the command needs
+    anyway: a fresh interpreter would import torch a second time (about 3 s of CPU here, per
+    command), and the suite starts a few hundred commands. Forked while this process has no thread
+    of its own running yet, before the agent or any compute, as torch's DataLoader forks its
+    workers. The server then imports only what the workers add (the trainer, torch.compile's stack).
+
     Idempotent: one server per process, reused by every later launch (and restart) of it. Call it
     from the main thread: the server and its workers die with the thread that started it."""
     if not _forkserver_available():
         return
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, util
+
+    import torch  # noqa: F401  before the fork: the server inherits it
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the server dies with this process (worker_server.py)
-    forkserver.ensure_running()
+    spawn = util.spawnv_passfds
+    util.spawnv_passfds = _fork_server
+    try:
+        forkserver.ensure_running()
+    finally:
+        util.spawnv_passfds = spawn
+
+
+def _fork_server(path: str, args: list[str], passfds) -> int:
+    """multiprocessing's spawnv_passfds for the server's start alone: fork this process and run the
+    `-c` command an interpreter would have run, with only the descriptors it would have had."""
+    command = args[args.index("-c") + 1]
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered here is printed twice
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        keep = {0, 1, 2, *passfds}
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:  # the listing's own descriptor, closed by now
+                    pass
+        exec(command, {"__name__": "__mp_forkserver__"})
+    finally:
+        os._exit(0)
 
 
 LAUNCHER_PID = "PARATRAIN_LAUNCHER_PID"
