@@ -101,7 +101,12 @@ def start_worker_server() -> None:
 
 def _fork_server(path: str, args: list[str], passfds) -> int:
     """multiprocessing's spawnv_passfds for the server's start alone: fork this process and run the
-    `-c` command an interpreter would have run, with only the descriptors it would have had."""
+    `-c` command an interpreter would have run.
+
+    The child keeps this process's descriptors but one kind: the other end of a pipe it was passed
+    (the "alive" pipe's write end, whose closing by every client is how the server learns to
+    leave). Closing any other would free its number while an object here still holds it, and a
+    later pipe taking the number would receive that object's writes."""
     command = args[args.index("-c") + 1]
     for stream in (sys.stdout, sys.stderr):  # nothing buffered here is printed twice
         stream.flush()
@@ -109,13 +114,13 @@ def _fork_server(path: str, args: list[str], passfds) -> int:
     if pid:
         return pid
     try:
-        keep = {0, 1, 2, *passfds}
+        passed = {os.fstat(fd).st_ino for fd in passfds}
         for fd in map(int, os.listdir("/proc/self/fd")):
-            if fd not in keep:
-                try:
+            try:
+                if fd not in passfds and os.fstat(fd).st_ino in passed:
                     os.close(fd)
-                except OSError:  # the listing's own descriptor, closed by now
-                    pass
+            except OSError:  # the listing's own descriptor, closed by now
+                pass
         exec(command, {"__name__": "__mp_forkserver__"})
     finally:
         os._exit(0)
