@@ -68,10 +68,20 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
     tp_payloads = tp_all_reduces(cfg, rows, cut, tp_plan) if p.tp > 1 else [[] for _ in stage_layers]
     # without pp the engine plays one_f_one_b: each microbatch's forward, then its backward
     schedule, m = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b, microbatch_count(cfg)
+    # A rank's counts depend on its (pp, tp) position alone: its dp replicas hold and send the same
+    # (a Megatron row's 512 ranks are 16 positions; counting each rank took most of its plan).
+    counted: dict[tuple[int, int], RankPlan] = {}
     for r in ranks:
         r.pp, rest = divmod(r.rank, dp * p.tp)
         r.dp, r.tp = divmod(rest, p.tp)
         r.stages = [c * p.pp + r.pp for c in range(v)]
+        twin = counted.setdefault((r.pp, r.tp), r)
+        if twin is not r:
+            for name in ("param_bytes", "grad_bytes", "optimizer_bytes", "codec_bytes", "activation_bytes"):
+                setattr(r, name, getattr(twin, name))
+            r.peak_bytes = twin.peak_bytes
+            r.comm = None if twin.comm is None else {op: dict(entry) for op, entry in twin.comm.items()}
+            continue
         held = {s: stage_params(s, r.tp) for s in r.stages}
         r.param_bytes = r.grad_bytes = sum(nbytes(t) for t in held.values())
         r.optimizer_bytes = slots * r.param_bytes
