@@ -30,9 +30,13 @@ def test_killed_worker_is_restarted_and_resumes_exactly(tmp_path, gang, strategy
     killed = run_and_kill(tmp_path / "killed", steps=30, every=5, pause=0.03, kill_after_step=12, extra_args=choose)
     assert killed["returncode"] == 0, killed["output"]
     assert killed["resumed_from"] is not None and killed["steps_recomputed"] <= 5
-    # ~2 s here. The survivor must not linger when the agent stops it for the restart: it did for
-    # 10 s, diagnosing its failed all-reduce, while it took SIGTERM for a request to save.
-    assert killed["recovery_s"] < 8, f"recovery took {killed['recovery_s']:.1f} s"
+    # The survivor must not linger when the agent stops it for the restart: it did for 10 s,
+    # diagnosing its failed all-reduce, while it took SIGTERM for a request to save. A restart does
+    # what the run's start did but the command's imports, so it takes about as long (~2 s each on a
+    # quiet machine; both stretch alike on a loaded one, where a fixed 8 s bound once failed at 8.6).
+    assert killed["recovery_s"] < killed["start_s"] + 5, (
+        f"recovery {killed['recovery_s']:.1f} s, start {killed['start_s']:.1f} s"
+    )
     # the same run, never interrupted (its checkpoints are where a restart would resume from)
     straight = config_text(30, 5, 0.0)
     cfg = write_config(tmp_path / "killed" / "straight.toml", straight)

@@ -133,6 +133,7 @@ def run_and_kill(
     cfg.write_text(config_text(steps, every, pause))
     run_dir = workdir / "run"
     metrics = run_dir / "metrics.jsonl"
+    started_at = time.time()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -189,6 +190,8 @@ def run_and_kill(
         "output": output,
         "run_dir": run_dir,
         "killed_at": killed_at,
+        # the command's start to its first step: what a restart redoes but the command's own imports
+        "start_s": (entries[0]["wall"] - started_at) if entries else None,
         "last_step_before_kill": before,
         "resumed_from": resumed_from,
         "recovery_s": (first["wall"] - killed_at) if first else None,
