@@ -4,12 +4,16 @@ equal to one process; what cannot continue falls back to today's restart."""
 
 import functools
 import json
+import os
+import subprocess
+import sys
 
 import pytest
-from helpers import check_ok, final_weights, max_rel_error, run_cli, write_config
+from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, outputs_of, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
+from paratrain.runtime.process import free_port
 
 reference = functools.cache(digits_mlp_reference)  # (three tests compare with the same run)
 
@@ -126,18 +130,46 @@ def test_sigterm_to_a_worker_saves_and_stops_the_run_as_under_restart(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "sets, nnodes, why",
+    "sets, why",
     [
-        (["parallel.strategy='ps'"], [], "'continue' takes strategies"),
-        (["parallel.compression='powersgd'"], [], "parallel.compression 'powersgd'"),
-        ([], ["--nnodes", "2", "--rdzv", "127.0.0.1:29999"], "runs on one node"),
+        (["parallel.strategy='ps'"], "'continue' takes strategies"),
+        (["parallel.compression='powersgd'"], "parallel.compression 'powersgd'"),
     ],
 )
-def test_what_continue_cannot_take_exits_2_naming_the_key(tmp_path, capsys, sets, nnodes, why):
+def test_what_continue_cannot_take_exits_2_naming_the_key(tmp_path, capsys, sets, why):
     cfg = write_config(tmp_path / "c.toml", CONTINUE)
-    args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *nnodes]
+    args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r")]
     for s in sets:
         args += ["--set", s]
     code = main(args)
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "fault.on_failure" in err and why in err, err
+
+
+@pytest.mark.integration
+def test_two_nodes_lose_a_rank_of_node_1_and_go_on(tmp_path):
+    """Two `paratrain run`s meeting on loopback, 2 ranks each, dp in 2 replicas (one a node): rank 3
+    (node 1) is killed at step 30; node 0's supervisor takes replica 1 out, node 1's kills rank 2 and
+    starts both again, and they rejoin."""
+    cfg = write_config(tmp_path / "c.toml", CONTINUE)
+    rdzv, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
+    env = {**os.environ, **CPU_ONLY, "PYTHONUNBUFFERED": "1", "PARATRAIN_FAULTS": "kill@rank=3,step=30,attempt=0"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", "2", "--nnodes", "2"]
+            + ["--node-rank", str(node), "--rdzv", rdzv, "--max-restarts", "1", "--run-dir", str(run)]
+            + ["--set", "parallel.replicas=2"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outs = outputs_of(procs, timeout=120)  # both exit 0
+    assert "rank 3 killed by SIGKILL: replica 1 leaves the run" in outs[0], outs
+    assert "resumed from" not in outs[0] and "restarting every worker" not in outs[0], outs
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["replica"]) for e in lines if "event" in e] == [("replica_lost", 1), ("replica_joined", 1)]
+    assert [e["step"] for e in lines if "event" not in e] == list(range(10, 81, 10))  # none twice, none missing
+    assert max_rel_error(final_weights(run), reference(steps=80)) <= 1e-4

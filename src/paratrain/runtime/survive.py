@@ -124,7 +124,10 @@ class Membership:
     # -- generations ------------------------------------------------------------------------------
     def latest(self) -> int:
         key = f"{self.prefix}latest"
-        return int(self.store.get(key)) if self.store.check([key]) else -1
+        try:
+            return int(self.store.get(key)) if self.store.check([key]) else -1
+        except dist.DistError as exc:  # node 0's supervisor, which hosts it, is gone
+            raise CannotContinue(f"the supervisor's store no longer answers ({_first_line(exc)})") from None
 
     def wait_for_generation(self, after: int, with_me: bool = False) -> int:
         """The newest generation past `after` (and, `with_me`, one this rank belongs to)."""
@@ -142,7 +145,8 @@ class Membership:
     def enter(self, g: int) -> None:
         """Leave the current process group (if any) and form generation g's."""
         members = self.members_of(g)
-        if self.rank not in members:
+        if self.rank not in members:  # its replica was taken out: its supervisor is about to stop it
+            time.sleep(self.timeout.total_seconds())
             raise CannotContinue(f"rank {self.rank} is not in generation {g} ({members})")
         dist.init_process_group(
             self.backend,
