@@ -173,3 +173,31 @@ def test_two_nodes_lose_a_rank_of_node_1_and_go_on(tmp_path):
     assert [(e["event"], e["replica"]) for e in lines if "event" in e] == [("replica_lost", 1), ("replica_joined", 1)]
     assert [e["step"] for e in lines if "event" not in e] == list(range(10, 81, 10))  # none twice, none missing
     assert max_rel_error(final_weights(run), reference(steps=80)) <= 1e-4
+
+
+def test_node_0_lost_ends_another_nodes_run_saying_so():
+    """The one loss `continue` does not go on through: node 0's run, with the store. Node 1's
+    supervisor (here without workers yet) stops at its next look at the store, naming it."""
+    import signal
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from paratrain.comm.grid import ReplicaLayout
+    from paratrain.runtime import process
+    from paratrain.runtime.launch import WorkerFailure
+    from paratrain.runtime.supervise import Supervisor
+
+    listener = process.listen_on("127.0.0.1")
+    master = ("127.0.0.1", listener.getsockname()[1])
+    server = process.store_server(listener)
+    client = dist.TCPStore(*master, is_master=False, timeout=timedelta(seconds=5))
+    node = Supervisor(None, [], ReplicaLayout(2, 1, 1), client, master, node=1, nproc=1)
+    assert node.poll() is None  # node 0 has published nothing yet
+    del server  # node 0's run is gone
+    handler = signal.getsignal(signal.SIGTERM)  # (run() takes SIGTERM over, as in `paratrain run`)
+    try:
+        with pytest.raises(WorkerFailure, match=f"node 0 is lost: its store at {master[0]}:{master[1]} no longer"):
+            node.run(leader=None)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
