@@ -225,7 +225,8 @@ class Membership:
         """Leave the current groups: replica 0's ranks pack their state first. The groups are
         aborted, not merely destroyed: a group lives on while a collective in flight holds it, and
         a peer still blocked in one with us fails only once our connections close (measured: the
-        garbage collection that would free them took 0.3-1.5 s)."""
+        garbage collection that would free them took 0.3-1.5 s); and the works of the broken step
+        are let go, which hold the connections open too (collectives.forget_works)."""
         if trainer.strategy is not None:
             if self.saved is None and self.layout.replica_of(self.rank) == 0:
                 self.saved = self.pack(trainer)
@@ -233,6 +234,7 @@ class Membership:
             trainer.strategy = None
         if dist.is_initialized():
             dist.distributed_c10d._abort_process_group()
+            collectives.forget_works()
 
     def regroup(self, trainer, g: int) -> None:
         """A survivor into generation g (with the other survivors and any joiners)."""
