@@ -1,8 +1,9 @@
 """fault.on_failure = "continue", a worker's side: generations of members, a lost replica's way out
 and a restarted one's way back in, while the others train on (docs/fault-tolerance.md).
 
-The supervisor (runtime/supervise.py) hosts the store and decides who trains: generation g is the
-store's `gen-{g}`, the sorted original ranks of the live replicas, and `latest` is the newest g.
+Node 0's supervisor (runtime/supervise.py, leader.py) hosts the store and decides who trains:
+generation g is the store's `gen-{g}`, the sorted original ranks of the live replicas, and
+`latest` is the newest g.
 Each generation gets a process group of its own on that store (its own key prefix), its members
 renumbered in order: the ranks of a replica keep their places in comm/grid.py's ReplicaLayout and
 mesh (a replica is one dp index; losing one renumbers the others as the smaller mesh numbers them),
