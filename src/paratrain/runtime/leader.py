@@ -29,6 +29,7 @@ from paratrain.runtime.launch import WorkerFailure
 
 ROOT = "paratrain/continue/"  # the keys of the whole run; survive.keys(attempt) those of one start
 ATTEMPT, END, SIGNAL = ROOT + "attempt", ROOT + "end", ROOT + "signal"
+LEAVE_TIMEOUT_S = 30
 
 
 def left_key(node: int) -> str:
@@ -137,8 +138,9 @@ class Leader:
             self.finish(WorkerFailure(0, 128 + signum, f"node 0 was stopped by {signal.Signals(signum).name}", set()))
 
     def wait_for_nodes(self) -> None:
-        """Keep the store up until every other node has read the end (or the timeout)."""
-        deadline = time.monotonic() + self.timeout_s
+        """Keep the store up until every other node has read the end (they look every 20 ms; one
+        that has not within LEAVE_TIMEOUT_S is gone, and a Ctrl-C here must not wait for it long)."""
+        deadline = time.monotonic() + LEAVE_TIMEOUT_S
         keys = [left_key(n) for n in range(1, self.nnodes)]
         while keys and not self.store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.02)
