@@ -4,12 +4,16 @@ equal to one process; what cannot continue falls back to today's restart."""
 
 import functools
 import json
+import os
+import subprocess
+import sys
 
 import pytest
-from helpers import check_ok, final_weights, max_rel_error, run_cli, write_config
+from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, outputs_of, run_cli, write_config
 from reference import DIGITS_MLP, digits_mlp_reference
 
 from paratrain.cli import main
+from paratrain.runtime.process import free_port
 
 reference = functools.cache(digits_mlp_reference)  # (three tests compare with the same run)
 
@@ -126,18 +130,74 @@ def test_sigterm_to_a_worker_saves_and_stops_the_run_as_under_restart(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "sets, nnodes, why",
+    "sets, why",
     [
-        (["parallel.strategy='ps'"], [], "'continue' takes strategies"),
-        (["parallel.compression='powersgd'"], [], "parallel.compression 'powersgd'"),
-        ([], ["--nnodes", "2", "--rdzv", "127.0.0.1:29999"], "runs on one node"),
+        (["parallel.strategy='ps'"], "'continue' takes strategies"),
+        (["parallel.compression='powersgd'"], "parallel.compression 'powersgd'"),
     ],
 )
-def test_what_continue_cannot_take_exits_2_naming_the_key(tmp_path, capsys, sets, nnodes, why):
+def test_what_continue_cannot_take_exits_2_naming_the_key(tmp_path, capsys, sets, why):
     cfg = write_config(tmp_path / "c.toml", CONTINUE)
-    args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *nnodes]
+    args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r")]
     for s in sets:
         args += ["--set", s]
     code = main(args)
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "fault.on_failure" in err and why in err, err
+
+
+@pytest.mark.integration
+def test_two_nodes_lose_a_rank_of_node_1_and_go_on(tmp_path):
+    """Two `paratrain run`s meeting on loopback, dp on 2 ranks each: rank 3 (node 1) is killed at
+    step 30; node 0's supervisor takes it out, node 1's starts it again, and it rejoins. (Rank 1,
+    no neighbour of rank 3 in gloo's ring, waited in the broken all-reduce until the timeout while
+    its peers held the works of the broken step: collectives.forget_works.)"""
+    cfg = write_config(tmp_path / "c.toml", CONTINUE)
+    rdzv, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
+    env = {**os.environ, **CPU_ONLY, "PYTHONUNBUFFERED": "1", "PARATRAIN_FAULTS": "kill@rank=3,step=30,attempt=0"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", "2", "--nnodes", "2"]
+            + ["--node-rank", str(node), "--rdzv", rdzv, "--max-restarts", "1", "--run-dir", str(run)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outs = outputs_of(procs, timeout=120)  # both exit 0
+    assert "rank 3 killed by SIGKILL: replica 3 leaves the run" in outs[0], outs
+    assert "resumed from" not in outs[0] and "restarting every worker" not in outs[0], outs
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["replica"]) for e in lines if "event" in e] == [("replica_lost", 3), ("replica_joined", 3)]
+    assert [e["step"] for e in lines if "event" not in e] == list(range(10, 81, 10))  # none twice, none missing
+    assert max_rel_error(final_weights(run), reference(steps=80)) <= 1e-4
+
+
+def test_node_0_lost_ends_another_nodes_run_saying_so():
+    """The one loss `continue` does not go on through: node 0's run, with the store. Node 1's
+    supervisor (here without workers yet) stops at its next look at the store, naming it."""
+    import signal
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from paratrain.comm.grid import ReplicaLayout
+    from paratrain.runtime import process
+    from paratrain.runtime.launch import WorkerFailure
+    from paratrain.runtime.supervise import Supervisor
+
+    listener = process.listen_on("127.0.0.1")
+    master = ("127.0.0.1", listener.getsockname()[1])
+    server = process.store_server(listener)
+    client = dist.TCPStore(*master, is_master=False, timeout=timedelta(seconds=5))
+    node = Supervisor(None, [], ReplicaLayout(2, 1, 1), client, master, node=1, nproc=1)
+    assert node.poll() is None  # node 0 has published nothing yet
+    del server  # node 0's run is gone
+    handler = signal.getsignal(signal.SIGTERM)  # (run() takes SIGTERM over, as in `paratrain run`)
+    try:
+        with pytest.raises(WorkerFailure, match=f"node 0 is lost: its store at {master[0]}:{master[1]} no longer"):
+            node.run(leader=None)
+    finally:
+        signal.signal(signal.SIGTERM, handler)

@@ -81,17 +81,17 @@ def train(args) -> int:
         check_launch(args)
         cfg = load_config(args)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
-        if cfg.fault.on_failure == "continue" and args.nnodes > 1:  # (runtime/supervise.py)
-            raise ConfigError("fault.on_failure", "'continue' runs on one node: its store lives with the launcher")
         if args.node_rank == 0:  # the other nodes of this run share the folder
             lock_run_dir(run_dir)
         start_worker_server()  # its imports overlap the checks below and the rendezvous
         nproc, device_note = place(cfg, args)
         if scheduler is not None:
             note(f"{scheduler.describe(nproc)}")
+        store = None  # under "continue", the nodes' supervisors go on meeting in it (runtime/supervise.py)
         if args.nnodes > 1:  # every node the same software and config, before anyone waits on a collective
             note(f"node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}")
-            check_nodes(args.rdzv, args.nnodes, args.node_rank, node_facts(nproc, config_mod.to_toml(cfg)))
+            facts = node_facts(nproc, config_mod.to_toml(cfg))
+            store = check_nodes(args.rdzv, args.nnodes, args.node_rank, facts, keep=cfg.fault.on_failure == "continue")
         resume_step = check_resume(args.resume, cfg, run_dir)
         prepare_run_dir(
             run_dir, cfg, args.resume, args.node_rank, resume_step if args.resume not in ("none", "auto") else None
@@ -114,9 +114,19 @@ def train(args) -> int:
             from paratrain.comm.grid import ReplicaLayout
             from paratrain.runtime.supervise import supervise
 
-            size = registry.spec(cfg.parallel.strategy).replica_size(cfg, nproc)
-            layout = ReplicaLayout(nproc, size, stages=cfg.parallel.pp)
-            supervise(call_preloaded, worker_args, layout=layout, max_restarts=args.max_restarts)
+            world = nproc * args.nnodes
+            size = registry.spec(cfg.parallel.strategy).replica_size(cfg, world)
+            layout = ReplicaLayout(world, size, stages=cfg.parallel.pp)
+            where = {"node_rank": args.node_rank, "rdzv": args.rdzv, "store": store} if args.nnodes > 1 else {}
+            supervise(
+                call_preloaded,
+                worker_args,
+                layout=layout,
+                nproc=nproc,
+                max_restarts=args.max_restarts,
+                timeout_s=cfg.parallel.timeout_s,
+                **where,
+            )
         else:
             launch(
                 call_preloaded,

@@ -38,9 +38,11 @@ def node_facts(nproc: int, config_toml: str) -> dict:
     }
 
 
-def check_nodes(rdzv: str, nnodes: int, node_rank: int, facts: dict, timeout_s: float = 300) -> None:
+def check_nodes(rdzv: str, nnodes: int, node_rank: int, facts: dict, timeout_s: float = 300, keep: bool = False):
     """Meet the other nodes at `rdzv` (HOST:PORT, hosted by node 0) and compare `facts`. Returns when
-    all agree; ConfigError (exit 2) naming the node and what differs, or the node that never came."""
+    all agree; ConfigError (exit 2) naming the node and what differs, or the node that never came.
+    `keep`: the store stays up and is returned (node 0: the server; the others: a client to it),
+    for fault.on_failure = "continue", whose supervisors meet in it (runtime/supervise.py)."""
     from torch.distributed import TCPStore
 
     from paratrain.runtime.process import listen_on, store_server
@@ -68,9 +70,9 @@ def check_nodes(rdzv: str, nnodes: int, node_rank: int, facts: dict, timeout_s: 
     else:
         verdict = store.get(f"{PREFIX}/verdict").decode()
         store.set(f"{PREFIX}/ack-{node_rank}", "1")
-    del store  # node 0: the port is free again for the rendezvous
     if verdict:
         raise ConfigError("preflight", verdict)
+    return store if keep else None  # dropped, node 0's frees the port for the rendezvous
 
 
 def _judge(store, nnodes: int, own: dict, timeout_s: float) -> str:

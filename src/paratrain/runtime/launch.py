@@ -284,6 +284,16 @@ def _bind_workers_store(handler) -> None:
     handler._create_tcp_store_server = lambda addr, port: store_server(listen_on(addr, port))
 
 
+def route_to(host: str, port: int) -> str:
+    """This node's address on the route to host:port (the rendezvous); gloo and NCCL, which would
+    each pick an interface by themselves, listen on the one that holds it. OSError if no route."""
+    local_addr = _address_towards(host, port)
+    if iface := _interface_of(local_addr):
+        for var in SOCKET_IFNAME_VARS:
+            os.environ.setdefault(var, iface)
+    return local_addr
+
+
 def _address_towards(host: str, port: int) -> str:
     """This node's address on the route to host:port (the rendezvous), by the kernel's routing table.
     A UDP connect sends nothing."""
@@ -340,15 +350,12 @@ def _bind_rendezvous(rdzv: str | None, node_rank: int) -> tuple[str, str]:
         endpoint, (host, port) = rdzv, rdzv.rsplit(":", 1)
         host = host.removeprefix("[").removesuffix("]")  # [IPv6]:PORT
         try:
-            local_addr = _address_towards(host, int(port))
+            local_addr = route_to(host, int(port))
             listener = listen_on(host, int(port)) if node_rank == 0 else None
         except OSError as exc:
             raise ConfigError(
                 "--rdzv", f"cannot {'listen on' if node_rank == 0 else 'reach'} {rdzv}: {exc.strerror or exc}"
             ) from None
-        if iface := _interface_of(local_addr):
-            for var in SOCKET_IFNAME_VARS:
-                os.environ.setdefault(var, iface)
     if listener is not None:
         _RDZV_LISTENERS[endpoint] = listener
     return endpoint, local_addr

@@ -1,8 +1,9 @@
 """fault.on_failure = "continue", a worker's side: generations of members, a lost replica's way out
 and a restarted one's way back in, while the others train on (docs/fault-tolerance.md).
 
-The supervisor (runtime/supervise.py) hosts the store and decides who trains: generation g is the
-store's `gen-{g}`, the sorted original ranks of the live replicas, and `latest` is the newest g.
+Node 0's supervisor (runtime/supervise.py, leader.py) hosts the store and decides who trains:
+generation g is the store's `gen-{g}`, the sorted original ranks of the live replicas, and
+`latest` is the newest g.
 Each generation gets a process group of its own on that store (its own key prefix), its members
 renumbered in order: the ranks of a replica keep their places in comm/grid.py's ReplicaLayout and
 mesh (a replica is one dp index; losing one renumbers the others as the smaller mesh numbers them),
@@ -124,7 +125,10 @@ class Membership:
     # -- generations ------------------------------------------------------------------------------
     def latest(self) -> int:
         key = f"{self.prefix}latest"
-        return int(self.store.get(key)) if self.store.check([key]) else -1
+        try:
+            return int(self.store.get(key)) if self.store.check([key]) else -1
+        except dist.DistError as exc:  # node 0's supervisor, which hosts it, is gone
+            raise CannotContinue(f"the supervisor's store no longer answers ({_first_line(exc)})") from None
 
     def wait_for_generation(self, after: int, with_me: bool = False) -> int:
         """The newest generation past `after` (and, `with_me`, one this rank belongs to)."""
@@ -142,7 +146,8 @@ class Membership:
     def enter(self, g: int) -> None:
         """Leave the current process group (if any) and form generation g's."""
         members = self.members_of(g)
-        if self.rank not in members:
+        if self.rank not in members:  # its replica was taken out: its supervisor is about to stop it
+            time.sleep(self.timeout.total_seconds())
             raise CannotContinue(f"rank {self.rank} is not in generation {g} ({members})")
         dist.init_process_group(
             self.backend,
@@ -221,7 +226,8 @@ class Membership:
         """Leave the current groups: replica 0's ranks pack their state first. The groups are
         aborted, not merely destroyed: a group lives on while a collective in flight holds it, and
         a peer still blocked in one with us fails only once our connections close (measured: the
-        garbage collection that would free them took 0.3-1.5 s)."""
+        garbage collection that would free them took 0.3-1.5 s); and the works of the broken step
+        are let go, which hold the connections open too (collectives.forget_works)."""
         if trainer.strategy is not None:
             if self.saved is None and self.layout.replica_of(self.rank) == 0:
                 self.saved = self.pack(trainer)
@@ -229,6 +235,7 @@ class Membership:
             trainer.strategy = None
         if dist.is_initialized():
             dist.distributed_c10d._abort_process_group()
+            collectives.forget_works()
 
     def regroup(self, trainer, g: int) -> None:
         """A survivor into generation g (with the other survivors and any joiners)."""
