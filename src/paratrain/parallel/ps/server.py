@@ -145,7 +145,11 @@ class ServerSide:
         return torch.zeros(())
 
     def _post(self, w: int) -> None:
-        work = self._p2p(dist.irecv, self.recv_bufs[w], w, PUSH_TAG)
+        try:
+            work = self._p2p(dist.irecv, self.recv_bufs[w], w, PUSH_TAG)
+        except RuntimeError as exc:  # its connection is gone already (a reset): dropped, as in _land
+            self.arrivals.put((w, first_line(exc)))
+            return
         threading.Thread(target=self._land, args=(work, w), daemon=True).start()
 
     def _land(self, work, w: int) -> None:
@@ -229,7 +233,15 @@ class ServerSide:
         buf = self.param_buf.clone()
         buf[:HEADER] = torch.tensor([self.version, float(final), float(refused), 0.0])
         self.stats.bytes += self.shard.nbytes
-        work = self._p2p(dist.isend, buf, w, PULL_TAG)
+        try:
+            work = self._p2p(dist.isend, buf, w, PULL_TAG)
+        except RuntimeError as exc:
+            if final:  # _finish drops it
+                raise
+            # a worker killed between its push and its pull can reset the connection before the
+            # send is even posted (seen under load): dropped like one whose pull fails later
+            self.arrivals.put((w, f"its pull failed: {first_line(exc)}"))
+            return
         if final:  # the run's end: every other worker is done too
             self._wait(work, w)
         else:
