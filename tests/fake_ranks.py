@@ -186,6 +186,9 @@ def held(world: int, rank: int, cfg) -> dict:
 
 
 if __name__ == "__main__":
+    # one thread: the ranks' tensors are small, and a second thread only spins (half the CPU
+    # time measured here, the counts the same) and, on a loaded machine, waits for a core
+    torch.set_num_threads(1)
     results = []
     for world, sets in json.loads(sys.argv[1]):
         cfg = config_mod.load(None, sets)

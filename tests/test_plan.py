@@ -87,6 +87,9 @@ CASES = {
     ),
     "ps": (4, ["parallel.strategy='ps'", "ps.servers=2"]),
 }
+# half the default batch: every case still splits it as before (microbatches, accumulation, replicas)
+# and the oracle's real forward and backward take 20 s of CPU instead of 33
+CASES = {case: (world, ["data.batch_size=16", *sets]) for case, (world, sets) in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +100,7 @@ def held():
         [sys.executable, str(ROOT / "tests" / "fake_ranks.py"), cases],
         capture_output=True,
         text=True,
-        timeout=900,  # a minute on a quiet 2-core machine; several under heavy load
+        timeout=900,  # 20 s on a quiet 2-core machine; several minutes under heavy load
         env={**os.environ, **CPU_ONLY},
     )
     assert proc.returncode == 0, proc.stderr
@@ -215,3 +218,39 @@ def test_zero_stages_plan_the_zero_papers_model_states(tmp_path, strategy):
     (rank,) = plan(tmp_path, 64, [*GPT_7_5B, f"parallel.strategy='{strategy}'"], nnodes=8)["ranks"][:1]
     states = rank["param_bytes"] + rank["grad_bytes"] + rank["optimizer_bytes"]
     assert abs(states / 1e9 / ZERO_PAPER_GB[strategy] - 1) <= 0.10, states / 1e9
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["train.recompute='full'", "train.precision='bf16'", "parallel.tp=2", "parallel.pp=2"],  # Megatron's
+        ["parallel.pp=2"],
+    ],
+    ids=["recompute-bf16-tp2xpp2", "pp2"],
+)
+def test_a_deep_stage_is_extrapolated_exactly(monkeypatch, sets):
+    """A stage of many identical blocks is played with two and three of them and extrapolated
+    (activations.extrapolated): the same bytes as played whole, layer by layer."""
+    import torch
+
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.parallel.pipeline.cut import allowed_cuts, parameter_costs, partition, pipeline_layers
+    from paratrain.parallel.tensor.layers import plan_for
+    from paratrain.plan import activations
+    from paratrain.preflight import load
+
+    small = ["model.n_layer=12", "model.d_model=32", "model.n_head=4", "parallel.strategy='hybrid'"]
+    cfg = load(None, [*small, *sets])
+    with torch.device("meta"):
+        model = build_model(cfg, build_dataset(cfg, "train"))
+    tp_plan = plan_for(model, None) if cfg.parallel.tp > 1 else {}
+    layers = pipeline_layers(model)
+    bounds = partition(parameter_costs(layers), 2, allowed_cuts(model, layers, tp_plan))
+    used = []
+    extrapolated = activations.extrapolated
+    monkeypatch.setattr(activations, "extrapolated", lambda *a: used.append(extrapolated(*a)) or used[-1])
+    fast = activations.step_memory(cfg, 4, bounds, tp_plan, cfg.parallel.tp)
+    assert len(used) == 2 and None not in used  # both stages: 7 and 6 blocks in a row
+    monkeypatch.setattr(activations, "MIN_REPEATS", 10**9)
+    assert activations.step_memory(cfg, 4, bounds, tp_plan, cfg.parallel.tp) == fast

@@ -303,41 +303,99 @@ def step_memory(
             loss_fn = lambda logits, target: _VocabParallelCrossEntropy.apply(  # noqa: E731
                 logits.reshape(-1, logits.shape[-1]), target.reshape(-1), None, 0
             )
-    out: list[StageMemory] = []
     with run.mode:
         for p in run.model.parameters():
             if p.grad is None:  # the strategy's gradients, kept between steps (a shared run may have them)
                 p.grad = torch.zeros_like(p)
     held = [t for p in run.model.parameters() for t in (p, p.grad)] + run.held()
+    out: list[StageMemory] = []
     shape_in = run.x
     for s, layers in enumerate(run.stages):
         if run.recompute and layers == [run.model]:  # recomputed block by block, as the engines run it
             from paratrain.parallel.pipeline.cut import pipeline_layers
 
             layers = pipeline_layers(run.model) or layers
-        with run.mode, run.autocast, without_peers(), LiveBytes(held) as count:
-            start = count.mark()
-            # what the pipeline engine receives (this stage's input, its output's gradient) lies
-            # in its pool of receive buffers, counted apart (pipeline/footprint.receive_buffers)
-            if s > 0:
-                x = count.forget(torch.empty_like(shape_in))
-                x.requires_grad_(x.is_floating_point())
-            else:
-                x = shape_in
-            y = run.run_stage(s, layers, x)
-            last = s == len(run.stages) - 1
-            loss = loss_fn(y, run.y) if last else None
-            forward_peak, kept = count.peak - start, count.live - start
-            count.mark()
-            if last:
-                loss.backward()
-            else:
-                y.backward(count.forget(torch.empty_like(y)))
-                shape_in = y.detach()
-            backward_peak = count.peak - start
-            del x, y, loss
-        out.append(StageMemory(forward_peak, kept, backward_peak))
+        chain = repeated_layers(layers, s == 0)
+        memory = None
+        if chain is not None:  # a deep stage: its identical layers played twice and three times
+            start, n = chain
+            (two, _), (three, three_out) = (
+                _stage_memory(run, s, [*layers[: start + j], *layers[start + n :]], shape_in, loss_fn, held)
+                for j in (2, 3)
+            )
+            memory = extrapolated(two, three, n)
+        if memory is not None:
+            shape_in = three_out  # identical layers keep their input's shape: the stage's output
+        else:
+            memory, shape_in = _stage_memory(run, s, layers, shape_in, loss_fn, held)
+        out.append(memory)
     return out
+
+
+MIN_REPEATS = 5  # identical layers in a row from which a stage is extrapolated, not played whole
+
+
+def repeated_layers(layers: list[nn.Module], first_stage: bool) -> tuple[int, int] | None:
+    """(start, count) of the longest run of identical layers (the same modules, parameters of the
+    same shapes: a transformer's blocks), each with parameters (so each its own recomputed block);
+    None below MIN_REPEATS. The first stage's first layer takes the batch as the model does: not
+    counted in a run."""
+
+    def signature(layer: nn.Module):
+        params = tuple((n, t.shape, t.dtype, t.requires_grad) for n, t in layer.named_parameters())
+        return (repr(layer), params) if params else None
+
+    signatures = [signature(layer) for layer in layers]
+    best, start = None, int(first_stage)
+    while start < len(layers):
+        end = start + 1
+        while end < len(layers) and signatures[end] == signatures[start]:
+            end += 1
+        if signatures[start] is not None and end - start >= MIN_REPEATS and (best is None or end - start > best[1]):
+            best = (start, end - start)
+        start = end
+    return best
+
+
+def extrapolated(two: StageMemory, three: StageMemory, n: int) -> StageMemory | None:
+    """A stage of n identical layers in a row from the same stage with two and with three of them.
+    Each identical layer plays the same allocations on a level raised by what each earlier one keeps
+    (k, the kept bytes' step from two to three); every moment's level is so a + b n with b <= k (what
+    a layer leaves after its backward is no more than what it kept), and a peak is the most of them.
+    Where a peak grows by k from two to three, the moment that sets it is one of slope k, which no
+    other overtakes: the peak at n is its value at three, k (n - 3) higher. Otherwise (a moment of
+    another slope sets it) None: the stage is played whole."""
+    k = three.kept - two.kept
+    peaks = (two.forward_peak, three.forward_peak), (two.backward_peak, three.backward_peak)
+    if k < 0 or any(b - a != k for a, b in peaks):
+        return None
+    return StageMemory(*(x + k * (n - 3) for x in (three.forward_peak, three.kept, three.backward_peak)))
+
+
+def _stage_memory(run: FakeRun, s: int, layers: list[nn.Module], shape_in, loss_fn, held: list):
+    """Stage s's memory over a microbatch through `layers`, and its output (the next stage's input)."""
+    with run.mode, run.autocast, without_peers(), LiveBytes(held) as count:
+        start = count.mark()
+        # what the pipeline engine receives (this stage's input, its output's gradient) lies
+        # in its pool of receive buffers, counted apart (pipeline/footprint.receive_buffers)
+        if s > 0:
+            x = count.forget(torch.empty_like(shape_in))
+            x.requires_grad_(x.is_floating_point())
+        else:
+            x = shape_in
+        y = run.run_stage(s, layers, x)
+        last = s == len(run.stages) - 1
+        loss = loss_fn(y, run.y) if last else None
+        forward_peak, kept = count.peak - start, count.live - start
+        count.mark()
+        if last:
+            loss.backward()
+        else:
+            y.backward(count.forget(torch.empty_like(y)))
+        out = y.detach()
+        backward_peak = count.peak - start
+        del x, y, loss
+    return StageMemory(forward_peak, kept, backward_peak), out
 
 
 def whole_model_activations(cfg: Config, ranks: list[RankPlan], rows: int, working: torch.dtype | None = None) -> int:

@@ -316,7 +316,7 @@ def calibrate(path: str, nproc: int = 2, keep: bool = True) -> Cluster:
         "# a tiny model's steps through the trainer (step overhead). inter_node_Gbps: the cpu preset's, assumed.",
         "[cluster]",
         "# time_layers: plans time the model's layers here; cpu_contention: training steps on every",
-        "# rank at once against rank 0 alone. Each figure the median of 3 launches.",
+        f"# rank at once against rank 0 alone. Each figure the median of {CALIBRATION_ROUNDS} launches.",
     ]
     lines += [f"{k} = {v:.6g}" if isinstance(v, float) else f"{k} = {json.dumps(v)}" for k, v in values.items()]
     text = "\n".join(lines) + "\n"

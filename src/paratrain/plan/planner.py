@@ -72,6 +72,13 @@ def capacity(ranks: list[RankPlan], device: str, cluster=None) -> dict:
 def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: str, cluster=None) -> dict:
     """The layout of a run of `cfg` on nnodes x nproc processes (`model` on the meta device), and
     its predicted step time on `cluster` (None: machines like this one)."""
+    from paratrain.plan.traces import memoised_traces
+
+    with memoised_traces():  # the footprint and the prediction play the same traces
+        return _make_plan(cfg, model, nproc, nnodes, device, cluster)
+
+
+def _make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: str, cluster) -> dict:
     from paratrain.parallel.base import unique_parameters
     from paratrain.parallel.hybrid.parallelize import microbatch_count
 

@@ -1,0 +1,84 @@
+"""Fake-tensor traces played once per distinct shape: within one plan (`make_plan`) or one search
+(`plan --search`) the config's model, data and loss stay the same, so every trace of a microbatch
+(activations.FakeRun and what is played on it) depends only on the few keys below."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+
+@contextlib.contextmanager
+def memoised_traces():
+    """Within one plan the config stays the same, and within one search the candidates' configs
+    differ only in their [parallel] keys and train.recompute, so a fake-tensor model and microbatch (activations.FakeRun) and each trace
+    played on it (activations saved, per-stage op costs, tp payloads, pipeline boundary bytes)
+    depend only on recompute, the rows of a microbatch, the pipeline cut and the dtype of the
+    working parameters (mixed-precision ZeRO's bf16): each distinct one is
+    built or played once, the functions swapped for memoised ones meanwhile. (A plan of a Megatron row played
+    tp's all-reduces and built its fake model twice over without: a fifth of its time.)"""
+    from paratrain.parallel.registry import SPECS
+    from paratrain.parallel.spec import load
+    from paratrain.plan import activations, step_time
+
+    for spec in SPECS.values():  # import every module that calls them before they are swapped
+        load(spec.footprint), load(spec.step_time)
+
+    def cut(bounds):
+        return None if bounds is None else tuple(bounds)
+
+    def fake_run_key(cfg, rows, bounds=None, tp_plan=None, tp=1, working=None):
+        """What a fake-tensor run of a microbatch depends on (FakeRun.build, step_memory)."""
+        plan = tuple(sorted((tp_plan or {}).items())) if tp > 1 else ()
+        return cfg.train.recompute, rows, cut(bounds), plan, tp, working
+
+    # each function and its memo key; every module that calls it by a name of its own gets the memo
+    keys = {
+        (activations, "saved_activation_bytes"): lambda cfg, rows, bounds=None, working=None: (
+            cfg.train.recompute,
+            rows,
+            cut(bounds),
+            working,
+        ),
+        (activations, "tp_all_reduces"): lambda cfg, rows, bounds, tp_plan: (
+            cfg.train.recompute,
+            rows,
+            cut(bounds),
+            tuple(sorted(tp_plan.items())),
+        ),
+        (activations, "boundary_bytes"): lambda cfg, model, bounds, rows: (rows, cut(bounds)),
+        (activations, "step_memory"): fake_run_key,
+        (step_time, "stage_ops"): lambda cfg, rows, bounds: (cfg.train.recompute, rows, cut(bounds)),
+    }
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("paratrain.") and m is not None]
+    callers = {
+        (home, name): [m for m in modules if getattr(m, name, None) is getattr(home, name)] for home, name in keys
+    }
+    # the attributes as stored (FakeRun.build: the classmethod itself), to put back
+    stored = {(owner, name): vars(owner)[name] for (_, name), owners in callers.items() for owner in owners}
+    stored[activations.FakeRun, "build"] = vars(activations.FakeRun)["build"]
+
+    def memoised(original, key):
+        seen = {}
+
+        def call(*args, **kwargs):
+            k = key(*args, **kwargs)
+            if k not in seen:
+                seen[k] = original(*args, **kwargs)
+            return seen[k]
+
+        return call
+
+    try:
+        activations.FakeRun.build = memoised(
+            activations.FakeRun.build,
+            fake_run_key,
+        )
+        for (home, name), key in keys.items():
+            shared = memoised(getattr(home, name), key)
+            for owner in callers[home, name]:
+                setattr(owner, name, shared)
+        yield
+    finally:
+        for (owner, name), original in stored.items():
+            setattr(owner, name, original)
