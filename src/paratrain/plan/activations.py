@@ -373,7 +373,8 @@ def extrapolated(two: StageMemory, three: StageMemory, n: int) -> StageMemory | 
 
 
 def _stage_memory(run: FakeRun, s: int, layers: list[nn.Module], shape_in, loss_fn, held: list):
-    """Stage s's memory over a microbatch through `layers`, and its output (the next stage's input)."""
+    """Stage s's memory over a microbatch through `layers`, and its output (the next stage's input; None
+    after the last)."""
     with run.mode, run.autocast, without_peers(), LiveBytes(held) as count:
         start = count.mark()
         # what the pipeline engine receives (this stage's input, its output's gradient) lies
@@ -388,11 +389,12 @@ def _stage_memory(run: FakeRun, s: int, layers: list[nn.Module], shape_in, loss_
         loss = loss_fn(y, run.y) if last else None
         forward_peak, kept = count.peak - start, count.live - start
         count.mark()
-        if last:
+        if last:  # the model's output, of any structure: no stage takes it
             loss.backward()
+            out = None
         else:
             y.backward(count.forget(torch.empty_like(y)))
-        out = y.detach()
+            out = y.detach()
         backward_peak = count.peak - start
         del x, y, loss
     return StageMemory(forward_peak, kept, backward_peak), out
