@@ -147,18 +147,31 @@ def test_what_continue_cannot_take_exits_2_naming_the_key(tmp_path, capsys, sets
 
 
 @pytest.mark.integration
-def test_two_nodes_lose_a_rank_of_node_1_and_go_on(tmp_path):
-    """Two `paratrain run`s meeting on loopback, dp on 2 ranks each: rank 3 (node 1) is killed at
-    step 30; node 0's supervisor takes it out, node 1's starts it again, and it rejoins. (Rank 1,
-    no neighbour of rank 3 in gloo's ring, waited in the broken all-reduce until the timeout while
-    its peers held the works of the broken step: collectives.forget_works.)"""
+@pytest.mark.parametrize(
+    "nproc, sets, lost, leaves",
+    [
+        (2, [], 3, "replica 3 leaves the run"),
+        # three replicas of two ranks over 2 nodes of 3: replica 1 is rank 2 (node 0) and rank 3
+        # (node 1); rank 3's loss takes it out whole, so node 0's supervisor stops rank 2 and starts
+        # it again alongside node 1's rank 3
+        (3, ["parallel.replicas=3", "parallel.strategy='zero2'"], 1, "replica 1 leaves the run"),
+    ],
+    ids=["dp", "zero2-replica-spanning-nodes"],
+)
+def test_two_nodes_lose_a_rank_of_node_1_and_go_on(tmp_path, nproc, sets, lost, leaves):
+    """Two `paratrain run`s meeting on loopback: rank 3 (node 1) is killed at step 30; node 0's
+    supervisor takes its replica out, the supervisors of the replica's ranks start them again, and
+    it rejoins. (Under dp, rank 1, no neighbour of rank 3 in gloo's ring, waited in the broken
+    all-reduce until the timeout while its peers held the works of the broken step:
+    collectives.forget_works.)"""
     cfg = write_config(tmp_path / "c.toml", CONTINUE)
     rdzv, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
     env = {**os.environ, **CPU_ONLY, "PYTHONUNBUFFERED": "1", "PARATRAIN_FAULTS": "kill@rank=3,step=30,attempt=0"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", "2", "--nnodes", "2"]
-            + ["--node-rank", str(node), "--rdzv", rdzv, "--max-restarts", "1", "--run-dir", str(run)],
+            [sys.executable, "-m", "paratrain.cli", "run", str(cfg), "--nproc", str(nproc), "--nnodes", "2"]
+            + ["--node-rank", str(node), "--rdzv", rdzv, "--max-restarts", "1", "--run-dir", str(run)]
+            + [arg for s in sets for arg in ("--set", s)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -167,10 +180,11 @@ def test_two_nodes_lose_a_rank_of_node_1_and_go_on(tmp_path):
         for node in (0, 1)
     ]
     outs = outputs_of(procs, timeout=120)  # both exit 0
-    assert "rank 3 killed by SIGKILL: replica 3 leaves the run" in outs[0], outs
+    assert f"rank 3 killed by SIGKILL: {leaves}" in outs[0], outs
     assert "resumed from" not in outs[0] and "restarting every worker" not in outs[0], outs
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [(e["event"], e["replica"]) for e in lines if "event" in e] == [("replica_lost", 3), ("replica_joined", 3)]
+    events = [(e["event"], e["replica"]) for e in lines if "event" in e]
+    assert events == [("replica_lost", lost), ("replica_joined", lost)]
     assert [e["step"] for e in lines if "event" not in e] == list(range(10, 81, 10))  # none twice, none missing
     assert max_rel_error(final_weights(run), reference(steps=80)) <= 1e-4
 
