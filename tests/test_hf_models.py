@@ -109,7 +109,7 @@ def built(text: str):
     [
         ("dp", "pair", "cross_entropy", "none"),
         ("zero3", "labelled", "model", "none"),
-        ("dp", "labelled", "model", "full"),  # through the model's gradient_checkpointing_enable()
+        ("dp", "labelled", "model", "full"),  # through the model's activation_checkpointing_enable()
         ("tp", "pair", "cross_entropy", "none"),  # the model's own base_model_tp_plan
         ("tp", "labelled", "model", "none"),  # its loss on logits gathered by colwise_gather_output
         ("pp", "pair", "cross_entropy", "none"),  # cut by its base_model_pp_plan, ties summed

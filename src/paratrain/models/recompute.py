@@ -59,13 +59,16 @@ class RecomputedSequential(nn.Sequential):
 
 def enable_recompute(model: nn.Module, name: str) -> None:
     """Switch a built model to recompute per block: models with a `recompute` attribute (gpt) set
-    it; a model with a switch of its own uses it (transformers' gradient_checkpointing_enable(),
-    timm's set_grad_checkpointing()); an nn.Sequential (mlp, cnn, a user's) runs its children by
+    it; a model with a switch of its own uses it (transformers' activation_checkpointing_enable(),
+    called gradient_checkpointing_enable() before transformers 5.24 and removed under that name in
+    6; timm's set_grad_checkpointing()); an nn.Sequential (mlp, cnn, a user's) runs its children by
     block."""
     if hasattr(model, "recompute"):
         model.recompute = True
-    elif callable(getattr(model, "gradient_checkpointing_enable", None)):
+    elif callable(getattr(model, "activation_checkpointing_enable", None)):
         # non-reentrant, as ours: right for blocks whose input needs no gradient
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif callable(getattr(model, "gradient_checkpointing_enable", None)):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     elif callable(getattr(model, "set_grad_checkpointing", None)):
         model.set_grad_checkpointing(True)
@@ -75,5 +78,5 @@ def enable_recompute(model: nn.Module, name: str) -> None:
         raise ConfigError(
             "train.recompute",
             f"{name} builds a {type(model).__name__}, which neither is an nn.Sequential nor has a "
-            f"`recompute` attribute or gradient_checkpointing_enable() to switch recomputation on",
+            f"`recompute` attribute or activation_checkpointing_enable() to switch recomputation on",
         )
