@@ -61,6 +61,31 @@ def test_the_tracker_follows_autograd_through_backward():
     assert peak == 256 * 1024 + MIB + 2 * MIB + 8, peak - 3.25 * MIB
 
 
+def test_the_tracker_skips_what_a_compiled_run_leaves_behind():
+    """What torch.compile leaves in a process (a later run in it, as in the test gang): a dead
+    weakref.proxy and a fake tensor are no storages to count, and do not stop the count. (The
+    tracker also collects garbage before it starts: measured, a pipeline stage's peak after
+    tests/test_compile.py in the same gang came out 7 % low without it.)"""
+    import weakref
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Node:
+        pass
+
+    gone = Node()
+    left_behind = [weakref.proxy(gone), FakeTensorMode().from_tensor(torch.zeros(4))]
+    del gone
+    tracker = MemoryTracker(torch.device("cpu"))
+    try:
+        tracker.begin_step()
+        kept = torch.empty(MIB, dtype=torch.uint8)
+        assert tracker.end_step() == MIB
+    finally:
+        tracker.close()
+    assert kept.numel() and left_behind
+
+
 def test_tracking_memory_and_torch_profiler_traces_exclude_each_other(tmp_path):
     config = tmp_path / "job.toml"
     config.write_text(MODELS["mlp"][0].format(**MODELS["mlp"][1]))
