@@ -86,8 +86,10 @@ class FakeRun:
         return cls(mode, model, stages, x, y, autocast, cfg.train.recompute == "full")
 
     def held(self) -> list[torch.Tensor]:
-        """The batch's tensors: the data, held anyway."""
-        return tensors_in((self.x, self.y))
+        """The batch's tensors: the data, held anyway; with the tensors they are views of (a
+        token row's inputs and targets are both views of it, which autograd may save)."""
+        batch = tensors_in((self.x, self.y))
+        return batch + [t._base for t in batch if t._base is not None]
 
     def run_stage(self, s: int, layers: list[nn.Module], x):
         """Stage s on its input. A batch that is not one tensor goes to the first layer as the
