@@ -1,6 +1,9 @@
 """Fake-tensor traces played once per distinct shape: within one plan (`make_plan`) or one search
-(`plan --search`) the config's model, data and loss stay the same, so every trace of a microbatch
-(activations.FakeRun and what is played on it) depends only on the few keys below."""
+(`plan --search`, whose candidates differ only in [parallel] keys and train.recompute) the config's
+model, data and loss stay the same, so every trace of a microbatch (activations.FakeRun and what is
+played on it: activations saved, per-stage op costs, tp payloads, pipeline boundary bytes) depends
+only on the keys below: recompute, the rows of a microbatch, the pipeline cut, tp's plan and the
+dtype of the working parameters (mixed-precision ZeRO's bf16)."""
 
 from __future__ import annotations
 
@@ -10,13 +13,10 @@ import sys
 
 @contextlib.contextmanager
 def memoised_traces():
-    """Within one plan the config stays the same, and within one search the candidates' configs
-    differ only in their [parallel] keys and train.recompute, so a fake-tensor model and microbatch (activations.FakeRun) and each trace
-    played on it (activations saved, per-stage op costs, tp payloads, pipeline boundary bytes)
-    depend only on recompute, the rows of a microbatch, the pipeline cut and the dtype of the
-    working parameters (mixed-precision ZeRO's bf16): each distinct one is
-    built or played once, the functions swapped for memoised ones meanwhile. (A plan of a Megatron row played
-    tp's all-reduces and built its fake model twice over without: a fifth of its time.)"""
+    """Meanwhile, each fake-tensor run and trace below is built or played once per distinct key
+    (the functions swapped for memoised ones in every module that calls them by a name of its
+    own). A plan of a Megatron row played tp's all-reduces and built its fake model twice over
+    without: a fifth of its time."""
     from paratrain.parallel.registry import SPECS
     from paratrain.parallel.spec import load
     from paratrain.plan import activations, step_time
@@ -70,10 +70,7 @@ def memoised_traces():
         return call
 
     try:
-        activations.FakeRun.build = memoised(
-            activations.FakeRun.build,
-            fake_run_key,
-        )
+        activations.FakeRun.build = memoised(activations.FakeRun.build, fake_run_key)
         for (home, name), key in keys.items():
             shared = memoised(getattr(home, name), key)
             for owner in callers[home, name]:
