@@ -35,7 +35,7 @@ from paratrain.checkpoint.inspect import inspect
 from paratrain.cli import main
 from paratrain.errors import ConfigError
 from paratrain.metrics import keep_steps_up_to, read_jsonl
-from paratrain.runtime.run_dir import check_resume, prepare_run_dir
+from paratrain.run_dir import check_resume, prepare_run_dir
 
 CONFIG = (
     DIGITS_MLP.replace("steps = 20", "steps = 8").replace("log_every = 10", "log_every = 4")

@@ -77,7 +77,7 @@ def test_the_planner_times_compiled_layers(tmp_path):
     compiles (its own entry in the timings file, apart from eager's)."""
     from torch._dynamo.utils import counters
 
-    from paratrain.plan import layer_times
+    from paratrain.cost import layer_times
     from paratrain.preflight import load
 
     cfg = load(str(write_config(tmp_path / "gpt.toml", GPT)), ["train.compile=true"])

@@ -183,7 +183,7 @@ def test_nodes_sharing_a_run_dir_prepare_it_at_once(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     from paratrain import config as config_mod
-    from paratrain.runtime.run_dir import prepare_run_dir
+    from paratrain.run_dir import prepare_run_dir
 
     cfg = config_mod.load(write_config(tmp_path / "c.toml", ""))
 

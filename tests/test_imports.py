@@ -95,7 +95,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_imports():
     graph = import_graph()
-    assert "paratrain.runtime.process" in graph["paratrain.runtime.stop"]  # at the top
+    assert "paratrain.runtime.process" in graph["paratrain.runtime.fault.stop"]  # at the top
     assert "paratrain.parallel.base" in graph["paratrain.parallel.dp.engine"]
     assert "paratrain.parallel.base" in graph["paratrain.parallel.registry"]  # under TYPE_CHECKING
     assert "paratrain.runtime.launch" in graph["paratrain.trainer"]  # inside a function
@@ -124,12 +124,23 @@ def test_the_layout_is_one_folder_per_strategy_family():
     assert not long, long
 
 
+def test_no_function_is_over_100_lines():
+    """A function that long does several things: each gets a name of its own."""
+    long = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 100:
+                long[f"{path.relative_to(PACKAGE_DIR)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, long
+
+
 def test_training_code_does_not_import_the_test_tools():
-    """Fault points reach the training code through runtime/faults.py; only the test tools
-    themselves and the benchmarks (which stage network namespaces) import testing/."""
+    """Fault points reach the training code through runtime/fault_points.py, the faults themselves
+    being installed by `paratrain run` (testing/faults.py); only the test tools, the benchmarks
+    (which stage network namespaces) and the command import testing/."""
     graph = import_graph()
     users = {m for m, ts in graph.items() if any(t.startswith("paratrain.testing") for t in ts)}
-    assert not {m for m in users if not m.startswith(("paratrain.testing", "paratrain.bench"))}, users
+    assert not {m for m in users if not m.startswith(("paratrain.testing", "paratrain.bench", "paratrain.cli"))}, users
 
 
 def test_find_cycle_finds_a_circle():
@@ -140,6 +151,55 @@ def test_find_cycle_finds_a_circle():
 def test_no_import_circle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# Folders below the top that are layers of their own: the failure paths regroup over the
+# collectives (comm/), which in turn stand on the process basics in runtime/.
+OWN_LAYERS = ("paratrain.runtime.fault",)
+
+
+def folder_of(module: str) -> str:
+    """The top-level folder a module sits in (paratrain.parallel for parallel/dp/engine.py), or
+    one of OWN_LAYERS; a module at the package's top is a node of its own (paratrain.trainer)."""
+    for layer in OWN_LAYERS:
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return ".".join(module.split(".")[:2])
+
+
+def folder_graph() -> dict[str, set[str]]:
+    """folder -> the folders its modules import, by every import form; `paratrain` itself (the
+    package's __init__, which loads the API on demand) is left out, being every folder's parent."""
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        here = folder_of(module)
+        edges = {folder_of(t) for t in targets} - {here, "paratrain"}
+        if here != "paratrain":
+            graph.setdefault(here, set()).update(edges)
+    return graph
+
+
+def test_folders_import_one_way():
+    """Read as folders (every import form folded to the folder it names), the package is layered:
+    no folder reaches back to one that imports it (docs/architecture.md draws the layers)."""
+    graph = folder_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, "folders import each other: " + " -> ".join(cycle)
+    # the layers the map draws, bottom first: nothing lower names anything higher
+    assert not graph["paratrain.runtime"] - {"paratrain.errors", "paratrain.config", "paratrain.resolve"}, graph[
+        "paratrain.runtime"
+    ]
+    for low in ("paratrain.comm", "paratrain.checkpoint", "paratrain.cost", "paratrain.models", "paratrain.data"):
+        assert not {t for t in graph[low] if t.startswith(("paratrain.parallel", "paratrain.plan"))}, (low, graph[low])
+    assert not {t for t in graph["paratrain.parallel"] if t.startswith("paratrain.plan")}, graph["paratrain.parallel"]
+
+
+def test_the_folder_graph_sees_a_circle():
+    """The check above would see a folder that reaches back, by any import form."""
+    graph = folder_graph()
+    assert "paratrain.runtime.fault" in graph["paratrain.trainer"]
+    graph["paratrain.runtime"] = graph["paratrain.runtime"] | {"paratrain.trainer"}
+    assert find_cycle(graph) is not None
 
 
 def test_config_and_registry_import_no_torch():
@@ -160,8 +220,8 @@ def test_a_launcher_imports_no_compiler(tmp_path):
 
     (tmp_path / "c.toml").write_text(DIGITS_MLP)
     code = (
-        "import sys; from paratrain import preflight; import paratrain.runtime.launch, paratrain.runtime.supervise, "
-        f"paratrain.checkpoint, paratrain.runtime.run_dir; preflight.preflight(preflight.load({str(tmp_path / 'c.toml')!r}), 2); "
+        "import sys; from paratrain import preflight; import paratrain.runtime.launch, paratrain.runtime.fault.supervise, "
+        f"paratrain.checkpoint, paratrain.run_dir; preflight.preflight(preflight.load({str(tmp_path / 'c.toml')!r}), 2); "
         "print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'sympy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -235,11 +235,12 @@ def test_a_deep_stage_is_extrapolated_exactly(monkeypatch, sets):
     (activations.extrapolated): the same bytes as played whole, layer by layer."""
     import torch
 
+    from paratrain.cost import activations
     from paratrain.data import build_dataset
     from paratrain.models import build_model
-    from paratrain.parallel.pipeline.cut import allowed_cuts, parameter_costs, partition, pipeline_layers
-    from paratrain.parallel.tensor.layers import plan_for
-    from paratrain.plan import activations
+    from paratrain.models.layers import pipeline_layers
+    from paratrain.parallel.pipeline.cut import allowed_cuts, parameter_costs, partition
+    from paratrain.parallel.tensor.layers import plan_for, planned_sharding
     from paratrain.preflight import load
 
     small = ["model.n_layer=12", "model.d_model=32", "model.n_head=4", "parallel.strategy='hybrid'"]
@@ -252,7 +253,8 @@ def test_a_deep_stage_is_extrapolated_exactly(monkeypatch, sets):
     used = []
     extrapolated = activations.extrapolated
     monkeypatch.setattr(activations, "extrapolated", lambda *a: used.append(extrapolated(*a)) or used[-1])
-    fast = activations.step_memory(cfg, 4, bounds, tp_plan, cfg.parallel.tp)
+    sharding = planned_sharding(tp_plan, cfg.parallel.tp)
+    fast = activations.step_memory(cfg, 4, bounds, tp_plan, cfg.parallel.tp, sharding=sharding)
     assert len(used) == 2 and None not in used  # both stages: 7 and 6 blocks in a row
     monkeypatch.setattr(activations, "MIN_REPEATS", 10**9)
-    assert activations.step_memory(cfg, 4, bounds, tp_plan, cfg.parallel.tp) == fast
+    assert activations.step_memory(cfg, 4, bounds, tp_plan, cfg.parallel.tp, sharding=sharding) == fast

@@ -91,7 +91,7 @@ from paratrain.config import load
 from paratrain.data import build_dataset, load_batch
 from paratrain.models import build_model
 from paratrain.optim import build_loss
-from paratrain.plan.activations import saved_activation_bytes
+from paratrain.cost.activations import saved_activation_bytes
 
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -230,7 +230,7 @@ def test_prediction_counts_recompute_bubble_and_dp_comm(tmp_path):
 def test_a_pipeline_takes_the_slowest_stages_pace_and_one_pass_of_the_others(tmp_path, monkeypatch):
     """1f1b: m microbatches at the slowest stage's pace, plus one microbatch's work on each other
     stage while the pipeline fills and drains (Narayanan et al.'s (pp - 1) microbatches when equal)."""
-    from paratrain.plan import step_time
+    from paratrain.cost import step_time
 
     work_ms = [1.0, 1.0, 1.0, 3.0]  # forward; backward twice it
 
@@ -248,8 +248,8 @@ def test_a_pipeline_takes_the_slowest_stages_pace_and_one_pass_of_the_others(tmp
 def test_flops_are_megatrons_count():
     """The op trace's FLOPs of a gpt's forward + backward equal Megatron-LM's closed form
     72Bslh^2(1 + s/6h + V/12lh) (Narayanan et al., SC21, eq. 3 without recompute), exactly."""
-    from paratrain.plan.cluster import PRESETS, Cluster
-    from paratrain.plan.step_time import stage_costs
+    from paratrain.cost.cluster import PRESETS, Cluster
+    from paratrain.cost.step_time import stage_costs
 
     L, h, heads, s, V, B = 2, 256, 4, 512, 5120, 4
     cfg = load(
@@ -353,8 +353,8 @@ def test_search_on_replica_plans_equals_the_full_plans(tmp_path, monkeypatch):
     with memoised traces give every fitting layout the step the full plan gives it, in the same order."""
     import functools
 
+    from paratrain.cost.cluster import parse_cluster
     from paratrain.data import datasets
-    from paratrain.plan.cluster import parse_cluster
     from paratrain.plan.search import search
 
     # the slow path reads digits.csv.gz for every dataset it builds: once is enough here
@@ -377,7 +377,7 @@ def test_search_of_4096_devices_finishes():
     and timed well inside a minute (the figure on a quiet machine is in docs/planning.md)."""
     import time
 
-    from paratrain.plan.cluster import parse_cluster
+    from paratrain.cost.cluster import parse_cluster
     from paratrain.plan.search import search
 
     cluster = parse_cluster({"nodes": 512, "devices_per_node": 8, "device": "h100-sxm"})
@@ -396,8 +396,8 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, monkeypat
     from dataclasses import asdict
 
     from paratrain.cli import main
+    from paratrain.cost.cluster import calibration_file, load_cluster
     from paratrain.plan import calibrate
-    from paratrain.plan.cluster import calibration_file, load_cluster
 
     # one launch: what is written and read back does not depend on how many medians are taken
     monkeypatch.setattr(calibrate, "CALIBRATION_ROUNDS", 1)
@@ -435,8 +435,8 @@ def test_this_machines_compute_is_its_layers_timed_here(tmp_path, monkeypatch):
     and backward timed on this machine (layer_times: one entry per pipeline layer) at the thread
     count a worker gets, stretched by the measured cpu_contention; a model too large to run here
     is modelled."""
-    from paratrain.plan import layer_times, step_time
-    from paratrain.plan.cluster import parse_cluster
+    from paratrain.cost import layer_times, step_time
+    from paratrain.cost.cluster import parse_cluster
 
     cfg = load(str(write_config(tmp_path / "gpt.toml", GPT)), [])
     measured = layer_times.layer_times(cfg, 4, 1, forward_flops=0)
@@ -502,7 +502,7 @@ def test_layer_times_are_kept_for_later_plans(tmp_path, monkeypatch, capsys):
     (cluster.times.json); a later plan reads it instead of timing again; another machine's file is
     timed afresh; a file that is not one exits 2 naming it."""
     from paratrain.cli import main
-    from paratrain.plan import layer_times
+    from paratrain.cost import layer_times
 
     monkeypatch.setattr(layer_times, "_measured", {})
     body = 'nodes = 1\ndevices_per_node = 2\ndevice = "cpu"\ntime_layers = true\n'

@@ -16,7 +16,7 @@ from paratrain.extras import MissingExtra
 from paratrain.metrics import keep_stdout_when_its_reader_leaves
 from paratrain.parallel import registry
 from paratrain.preflight import load_config, preflight
-from paratrain.runtime.run_dir import check_resume, lock_run_dir, newest_checkpoint_note, prepare_run_dir, release_locks
+from paratrain.run_dir import check_resume, lock_run_dir, newest_checkpoint_note, prepare_run_dir, release_locks
 
 
 def place(cfg: config_mod.Config, args) -> tuple[int, str | None]:
@@ -47,47 +47,49 @@ def check_launch(args) -> None:
         raise ConfigError("--max-restarts", f"must be >= 0, got {args.max_restarts}")
 
 
-def check_faults() -> None:
+def check_faults() -> bool:
     """PARATRAIN_FAULTS, which makes ranks fail on purpose (tests, benchmarks): malformed, it
-    failed at the first collective in every worker; well-formed, it must never pass unnoticed."""
-    from paratrain.runtime import faults
+    failed at the first collective in every worker; well-formed, it must never pass unnoticed.
+    True when it is set: the workers then start with the faults installed (testing/faults.py)."""
+    from paratrain.testing import faults
 
     text = os.environ.get(faults.ENV)
     if not text:
-        return
+        return False
     try:
         unknown = sorted(set(faults.parse(text)) - set(faults.KNOWN))
     except ValueError as exc:
         raise ConfigError(faults.ENV, str(exc)) from None
     never = f"; {', '.join(unknown)} never fire{'s' * (len(unknown) == 1)} (known: {', '.join(faults.KNOWN)})"
     warn(f"{faults.ENV} is set ({text}): these ranks will fail on purpose{never if unknown else ''}")
+    return True
 
 
 def cmd_run(args) -> int:
     try:
-        return train(args)
+        return run_job(args)
     finally:
         release_locks()
 
 
-def train(args) -> int:
+def run_job(args) -> int:
     from paratrain.jobs.preflight import check_nodes, node_facts
     from paratrain.runtime.launch import call_preloaded, launch, start_worker_server
     from paratrain.runtime.schedulers import place_from_environment
 
     try:
-        check_faults()
+        with_faults = check_faults()
         scheduler = place_from_environment(args, os.environ)
         check_launch(args)
         cfg = load_config(args)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
         if args.node_rank == 0:  # the other nodes of this run share the folder
             lock_run_dir(run_dir)
-        start_worker_server()  # its imports overlap the checks below and the rendezvous
+        start_worker_server(preload=("paratrain.trainer",))  # its imports overlap the checks below
         nproc, device_note = place(cfg, args)
         if scheduler is not None:
             note(f"{scheduler.describe(nproc)}")
-        store = None  # under "continue", the nodes' supervisors go on meeting in it (runtime/supervise.py)
+        store = None  # under "continue", the nodes' supervisors go on meeting in it (runtime/fault/supervise.py)
         if args.nnodes > 1:  # every node the same software and config, before anyone waits on a collective
             note(f"node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}")
             facts = node_facts(nproc, config_mod.to_toml(cfg))
@@ -101,7 +103,8 @@ def train(args) -> int:
     if device_note:  # after the checks, so that a bad config still gets its one line
         note(f"{device_note}")
     worker_args = [
-        "paratrain.trainer:forked_worker",  # launch.call_preloaded's target
+        *(["paratrain.testing.faults:injected_worker"] if with_faults else []),  # launch.call_preloaded's target
+        "paratrain.trainer:forked_worker",  # ... or the target of the faults' worker
         str(run_dir / "config.toml"),
         "--run-dir",
         str(run_dir),
@@ -112,7 +115,7 @@ def train(args) -> int:
     def start() -> None:
         if cfg.fault.on_failure == "continue":  # our own supervisor: the agent would restart everyone
             from paratrain.comm.grid import ReplicaLayout
-            from paratrain.runtime.supervise import supervise
+            from paratrain.runtime.fault.supervise import supervise
 
             world = nproc * args.nnodes
             size = registry.spec(cfg.parallel.strategy).replica_size(cfg, world)
@@ -190,9 +193,9 @@ def cmd_launch(args) -> int:
 def cmd_plan(args) -> int:
     import torch
 
+    from paratrain.cost.cluster import load_cluster, this_machines_cluster
     from paratrain.data import build_dataset
     from paratrain.models import build_model
-    from paratrain.plan.cluster import load_cluster, this_machines_cluster
     from paratrain.plan.planner import emit, make_plan
 
     try:
@@ -202,8 +205,9 @@ def cmd_plan(args) -> int:
         cluster = load_cluster(args.cluster) if args.cluster else None
         if args.calibrate:
             from paratrain.plan.calibrate import calibrate
+            from paratrain.trainer import train
 
-            cluster = calibrate(args.calibrate, args.nproc or 2)
+            cluster = calibrate(args.calibrate, args.nproc or 2, train=train)
             note(f"this machine measured into {args.calibrate} (reuse it with --cluster)")
         if cluster is not None:  # the cluster's shape replaces --nproc / --nnodes
             args.nproc, args.nnodes = cluster.devices_per_node, cluster.nodes
@@ -221,7 +225,7 @@ def cmd_plan(args) -> int:
         note(f"{device_note}")
     layouts = []
     if args.search:
-        from paratrain.plan.cluster import this_machine
+        from paratrain.cost.cluster import this_machine
         from paratrain.plan.search import render_search, search
 
         plan["layouts"] = search(args.config, args.overrides, cluster or this_machine(args.nnodes, nproc), args.top)
@@ -343,7 +347,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 
     add_data_parser(sub)
 
-    from paratrain.jobs import add_job_parser
+    from paratrain.jobs.command import add_job_parser
 
     add_job_parser(sub)
     if with_benchmarks:  # the benchmark modules import torch: only when they may be asked for

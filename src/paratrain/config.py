@@ -437,3 +437,13 @@ def to_toml(cfg: Config) -> str:
         lines += ["", f"[{section}]"]
         lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"
+
+
+# -- what the [parallel] keys imply ------------------------------------------------------------
+def virtual_stages(cfg: Config) -> int:
+    p = cfg.parallel
+    return p.virtual_stages if p.schedule == "interleaved" and p.pp > 1 else 1
+
+
+def microbatch_count(cfg: Config) -> int:
+    return cfg.train.grad_accum * (cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1)

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratrain.comm import collectives
+from paratrain.comm import collectives, shm
 from paratrain.metrics import keep_steps_up_to
 
 PHASES = ("data", "forward", "backward", "compress", "comm", "optimizer", "idle")
@@ -352,15 +352,6 @@ def open_proc_io() -> int | None:
         return None
 
 
-_copied_bytes = 0  # payload bytes this process copied into peers' shared-memory rings
-
-
-def count_copied_bytes(n: int) -> None:
-    """A sender that copies into a peer's memory (comm/shm.py), which no write call sees, counts it here."""
-    global _copied_bytes
-    _copied_bytes += n
-
-
 def bytes_sent(fd: int | None) -> float:
     """Bytes this process has sent so far: written to sockets and pipes (gloo's TCP traffic), plus
     the payloads it copied into peers' shared-memory rings (comm/shm.py), which no write call sees.
@@ -369,7 +360,7 @@ def bytes_sent(fd: int | None) -> float:
         return 0.0
     text = os.pread(fd, 512, 0)
     start = text.index(b"wchar:") + 6
-    return float(text[start : text.index(b"\n", start)]) + _copied_bytes
+    return float(text[start : text.index(b"\n", start)]) + shm.copied_bytes()
 
 
 def _start_torch_profiler(out_dir: Path, rank: int):

@@ -26,6 +26,7 @@ from paratrain import config as config_mod
 from paratrain import preflight
 from paratrain.checkpoint.train_state import NonFiniteError, load_train_state, save_train_state
 from paratrain.comm import collectives
+from paratrain.comm.scalars import all_reduce_sum, barrier, broadcast_str, reduce_loss_checking_sequences
 from paratrain.config import Config
 from paratrain.data import build_dataset, build_sampler, load_batch
 from paratrain.data.batch import take, to_device
@@ -37,9 +38,10 @@ from paratrain.models.hf import model_files
 from paratrain.models.materialize import record_on_meta
 from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
-from paratrain.parallel.registry import build_strategy
+from paratrain.parallel.registry import build_for_training
 from paratrain.profile import MemoryTracker, Profiler
-from paratrain.runtime import faults, guard, process, stop, survive
+from paratrain.runtime import fault_points, process
+from paratrain.runtime.fault import guard, stop, survive
 
 
 @dataclass
@@ -72,20 +74,19 @@ class _Tally:
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, rt: process.Runtime, membership=None):
         self.cfg, self.run_dir, self.rt, self.membership = cfg, Path(run_dir), rt, membership  # (survive.py)
-        train = cfg.train
-        process.seed_everything(train.seed)  # identical initial weights on every rank
+        process.seed_everything(cfg.train.seed)  # identical initial weights on every rank
         self.train_set = build_dataset(cfg, "train")
         self.val_set = build_dataset(cfg, "val")
         # made before the model: what exists now (the datasets) is not counted, as on a GPU
-        self.memory = MemoryTracker(rt.device) if train.track_memory else None
-        self.build_strategy()
+        self.memory = MemoryTracker(rt.device) if cfg.train.track_memory else None
+        self.build_model_and_strategy()
         self.sampler = build_sampler(self.train_set, cfg)
-        self.lr_at = lr_factor(train)
+        self.lr_at = lr_factor(cfg.train)
         self.step = 0
 
-    def build_strategy(self) -> None:
+    def build_model_and_strategy(self) -> None:
         """The model and the strategy over the process group (again after a change of membership)."""
-        cfg, rt, train = self.cfg, self.rt, self.cfg.train
+        cfg, rt = self.cfg, self.rt
         # A sharding strategy materialises the model shard by shard from its meta-device build: a
         # built-in's initialisation is replayed, a user factory's construction recorded to be replayed.
         if not registry.spec(cfg.parallel.strategy).materializes_models:
@@ -95,8 +96,8 @@ class Trainer:
                 model = build_model(cfg, self.train_set)
         else:
             model = record_on_meta(lambda: build_model(cfg, self.train_set))
-        process.seed_everything(train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
-        self.strategy = build_strategy(model, build_loss(cfg), cfg, rt)
+        process.seed_everything(cfg.train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
+        self.strategy = build_for_training(model, build_loss(cfg), cfg, rt)
         self.strategy.run_dir = self.run_dir
         self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size
 
@@ -104,7 +105,7 @@ class Trainer:
     def resume(self, how: str) -> None:
         """`how`: none | auto | PATH. An elastic restart goes on from the newest checkpoint in the
         run directory, or from PATH while the run has saved none past it (the launcher moved any
-        other run's later checkpoints aside: cli.prepare_run_dir)."""
+        other run's later checkpoints aside: run_dir.prepare_run_dir)."""
         if self.membership and self.membership.joining:  # the state of a live replica instead
             return self.membership.settle(self, -1)
         restarted = self.rt.restart_count > 0
@@ -124,7 +125,7 @@ class Trainer:
                     print("no checkpoint to resume from: starting fresh", flush=True)
                 return
         reader = ckpt.CheckpointReader(path)
-        resumes = (self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume")
+        resumes = (self.cfg.parallel.strategy, self.cfg.train.optimizer, "resume", registry.checkpoint_family)
         self._continue_at(load_train_state(self.strategy, reader, self.rt, resumes=resumes), path)
         if self.rt.is_main:
             # the steps after the checkpoint are redone: forget what the lost attempt logged of them
@@ -132,7 +133,7 @@ class Trainer:
             print(f"resumed from {path} at step {self.step} (saved by {reader.world_size} ranks)", flush=True)
 
     def take_state(self, reader) -> None:
-        """The strategy's state, step and data position from a live replica's (runtime/survive.py)."""
+        """The strategy's state, step and data position from a live replica's (runtime/fault/survive.py)."""
         self.strategy.load_state_dict(reader)
         _, meta0 = reader.load(rank=0)
         self._continue_at(meta0["trainer"], reader.path)
@@ -244,7 +245,7 @@ class Trainer:
     def _step(self, prof) -> tuple[float, torch.Tensor]:
         """One optimizer step, through any change of membership: (its learning rate, the local loss)."""
         collectives.LOG.step = self.step
-        faults.at_step_start(rank=self.rt.rank, step=self.step, attempt=self.rt.restart_count)
+        fault_points.at_step_start(rank=self.rt.rank, step=self.step, attempt=self.rt.restart_count)
         lr = self.cfg.train.lr * self.lr_at(self.step)
         with prof.step(self.step + 1):
             run = lambda: self._train_step(lr, prof)  # noqa: E731
@@ -338,37 +339,6 @@ class Trainer:
         barrier(self.rt, "export", self.strategy.trainer_group)
 
 
-# -- small collectives on scalars -----------------------------------------------------------------
-def all_reduce_sum(t: torch.Tensor, rt: process.Runtime, what: str, group=None) -> torch.Tensor:
-    if rt.world_size == 1:
-        return t
-    dev = t.to(rt.device)
-    collectives.all_reduce(dev, what, group=group)
-    return dev.cpu()
-
-
-def reduce_loss_checking_sequences(loss_sum: torch.Tensor, rt: process.Runtime) -> tuple[float, float]:
-    """Sum the logged loss over ranks, and in the same message compare every rank's collective
-    fingerprint: ranks whose collectives drifted apart without a hang (same sizes, wrong order)
-    are caught here instead of silently averaging the wrong gradients."""
-    if rt.world_size == 1:
-        return loss_sum[0].item(), loss_sum[1].item()
-    fp = int(collectives.LOG.fingerprint, 16)
-    mine = torch.cat([loss_sum, torch.tensor([fp >> 32, fp & 0xFFFFFFFF], dtype=torch.float64)]).to(rt.device)
-    rows = [torch.empty_like(mine) for _ in range(rt.world_size)]
-    collectives.all_gather(rows, mine, "log-loss")
-    table = torch.stack(rows).cpu()
-    prints = [tuple(r[2:].tolist()) for r in table]
-    if len(set(prints)) > 1:
-        majority = max(set(prints), key=prints.count)
-        odd = [r for r, p in enumerate(prints) if p != majority]
-        raise collectives.CollectiveFailure(
-            f"rank {rt.rank}: collective sequences differ at step {collectives.LOG.step}: rank(s) "
-            f"{', '.join(map(str, odd))} issued different collectives than their peers"
-        )
-    return table[:, 0].sum().item(), table[:, 1].sum().item()
-
-
 def _step_of(path: str) -> int:
     """The step of checkpoint `path`; -1 if it is gone: pruned (checkpoint.keep) because this run
     saved that many newer ones into the same directory."""
@@ -376,24 +346,6 @@ def _step_of(path: str) -> int:
         return ckpt.CheckpointReader(path).step
     except ckpt.CheckpointError:
         return -1
-
-
-def broadcast_str(text: str, rt: process.Runtime) -> str:
-    if rt.world_size == 1:
-        return text
-    raw = text.encode()
-    size = torch.tensor([len(raw)], dtype=torch.long, device=rt.device)
-    collectives.broadcast(size, 0, "resume-path-size")
-    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=rt.device)
-    if rt.is_main:
-        buf.copy_(torch.tensor(list(raw), dtype=torch.uint8))
-    collectives.broadcast(buf, 0, "resume-path")
-    return bytes(buf.cpu().tolist()).decode()
-
-
-def barrier(rt: process.Runtime, what: str, group=None) -> None:
-    if rt.world_size > 1:
-        collectives.barrier(what, group=group)
 
 
 def parse_args(argv=None):
@@ -418,7 +370,7 @@ def main(argv=None) -> int:
             return guard.run_guarded(functools.partial(run_worker, argv), f"worker rank {rank}")
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
         if survive.continuing():
-            return survive.train(cfg, run_dir, args.resume, train)
+            return survive.train_through_failures(cfg, run_dir, args.resume, train, registry.check_world)
         rt = process.init(cfg.train.device, cfg.parallel.timeout_s)
         return train(cfg, run_dir, rt, args.resume)
     except ConfigError as exc:
@@ -437,7 +389,7 @@ def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none",
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-    if not (membership and membership.joining):  # a joiner's peers are mid-run (runtime/survive.py)
+    if not (membership and membership.joining):  # a joiner's peers are mid-run (runtime/fault/survive.py)
         barrier(rt, "start")
     trainer = Trainer(cfg, run_dir, rt, membership)
     trainer.resume(resume)
@@ -469,7 +421,7 @@ def run_worker(argv: list[str] | None = None) -> int:
     """main(), with the exit code an expendable rank's guard expects when the run itself failed."""
     # A worker forked from the worker server inherits the fork server's ignored SIGINT and SIGTERM:
     # without this it trained on after Ctrl-C until the agent's SIGKILL 30 s later. (SIGTERM stops
-    # a worker at once until its training loop begins, then after a checkpoint: paratrain/stop.py.)
+    # a worker at once until its training loop begins, then after a checkpoint: runtime/fault/stop.py.)
     signal.signal(signal.SIGINT, _interrupt_once)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:

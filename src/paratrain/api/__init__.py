@@ -29,6 +29,7 @@ from paratrain import config as config_mod
 from paratrain.api.loader import GlobalBatchLoader, to_device
 from paratrain.checkpoint.train_state import load_train_state, save_train_state
 from paratrain.comm import collectives
+from paratrain.comm.scalars import barrier, broadcast_str
 from paratrain.config import Config
 from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog
@@ -36,7 +37,6 @@ from paratrain.optim import build_loss
 from paratrain.parallel import registry
 from paratrain.parallel.base import broadcast_tensors
 from paratrain.runtime import process, schedulers
-from paratrain.trainer import barrier, broadcast_str
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "name")
 
@@ -100,7 +100,7 @@ class Paratrain:
         if self.world_size > 1:  # every rank starts from rank 0's weights, as one process would
             broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         try:
-            self.strategy = registry.build_strategy(model, loss or build_loss(self.cfg), self.cfg, self.rt)
+            self.strategy = registry.build_for_training(model, loss or build_loss(self.cfg), self.cfg, self.rt)
         except ConfigError as exc:  # what the model cannot take (a tp plan), on every rank alike
             error(f"{exc}")
             raise SystemExit(2) from None
@@ -208,7 +208,7 @@ class Paratrain:
             if not found:
                 return None
             path = Path(found)
-        resumes = (self.cfg.parallel.strategy, self.cfg.train.optimizer, "pt.load")
+        resumes = (self.cfg.parallel.strategy, self.cfg.train.optimizer, "pt.load", registry.checkpoint_family)
         loop = load_train_state(strategy, ckpt.CheckpointReader(path), self.rt, resumes=resumes)
         collectives.LOG.step = int(loop["step"])
         for loader, position in zip(self.loaders, loop.get("loaders", [])):

@@ -35,8 +35,9 @@ def run_script(path: str, *argv: str) -> None:
 
 def launch_script(args) -> None:
     """Start args.nproc x args.nnodes workers of args.script (WorkerFailure, Interrupted as launch)."""
-    from paratrain.runtime.launch import launch
+    from paratrain.runtime.launch import launch, start_worker_server
 
+    start_worker_server(preload=("paratrain",))  # what a script imports: the API, torch and the trainer's stack
     launch(
         run_script,
         [str(Path(args.script).resolve()), *args.script_args],

@@ -4,10 +4,9 @@ the user gave, through the same elastic launch as training."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 from paratrain.errors import error
+from paratrain.runtime.machine import machine
 
 
 def at_least(low, kind=int):
@@ -104,32 +103,6 @@ def relaunch(module: str, args, add_options, nproc: int, run_id: str) -> int:
     return 0
 
 
-def machine() -> dict:
-    """What a figure was measured on, recorded with every bench table (a figure holds for that
-    machine only): the CPU model, torch's CPU capability and whether the CPU multiplies bf16
-    natively (paratrain's PowerSGD picks its arithmetic by it), torch's version, and the GPU if any."""
-    import platform
-
-    import torch
-
-    from paratrain.parallel.codecs.powersgd import cpu_multiplies_bf16_natively
-
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            model = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return {
-        "cpu": model,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_native_bf16": cpu_multiplies_bf16_natively(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-
-
 def machine_line(m: dict) -> str:
     return (
         f"machine: {m['cpu']} ({m['cores']} cores, capability {m['cpu_capability']}, "
@@ -159,15 +132,16 @@ def add_json_option(p) -> None:
     )
 
 
-def emit_json(result, dest: str | None) -> None:
-    """The `--json` output: stdout for "-", else the file `dest`; nothing without the option. The
-    machine goes with the figures: into the result, or into each row of a list of results."""
-    if not dest:
-        return
-    m = machine()
-    result = [{**row, "machine": m} for row in result] if isinstance(result, list) else {**result, "machine": m}
-    if dest == "-":
-        print(json.dumps(result))
-    else:
-        with open(dest, "w") as fh:
-            json.dump(result, fh, indent=1)
+def timed_steps(step_fn, n: int) -> list[float]:
+    """Seconds of each of `n` calls of `step_fn`, every rank starting each together (a barrier)."""
+    import time
+
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step_fn()
+        times.append(time.perf_counter() - t0)
+    return times

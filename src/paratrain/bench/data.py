@@ -23,8 +23,9 @@ import time
 from datetime import date
 from pathlib import Path
 
-from paratrain.bench.common import COUNT, POSITIVE, add_json_option, emit_json
+from paratrain.bench.common import COUNT, POSITIVE, add_json_option
 from paratrain.errors import error
+from paratrain.runtime.machine import emit_json
 
 BUCKET = "paratrain-bench"
 

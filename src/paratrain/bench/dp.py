@@ -8,21 +8,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.bench.common import (
-    COUNT,
-    POSITIVE,
-    add_json_option,
-    add_round_options,
-    emit_json,
-    register,
-    relaunch,
-)
+from paratrain.bench.common import COUNT, POSITIVE, add_json_option, add_round_options, register, relaunch, timed_steps
+from paratrain.runtime.machine import emit_json
 
 
 def add_parser(which) -> None:
@@ -57,16 +49,6 @@ def build(args) -> nn.Module:
     return mlp(in_features=args.in_features, hidden=args.hidden, n_layers=args.layers, out_features=10)
 
 
-def timed_steps(step_fn, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step_fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def setup(argv, add_options, optimizer: str, lr: float):
     """A benchmark worker's start: its options, the runtime, the dp config for this MLP and one
     batch of random data per rank. Returns (args, rt, cfg, (x, y))."""
@@ -94,7 +76,7 @@ def worker(argv=None) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from paratrain.optim import build_optimizer, cross_entropy
-    from paratrain.parallel.registry import build_strategy
+    from paratrain.parallel.registry import build_for_training
     from paratrain.runtime import process
 
     args, rt, cfg, (x, y) = setup(argv, add_options, optimizer="sgd", lr=0.01)
@@ -103,7 +85,7 @@ def worker(argv=None) -> None:
     if args.own_loop:
         ours_step, ours_model = own_loop_contender(args, cfg, x, y)
     else:
-        ours = build_strategy(build(args), cross_entropy, cfg, rt)  # dp, compiled by train.compile
+        ours = build_for_training(build(args), cross_entropy, cfg, rt)  # dp, compiled by train.compile
         ours_step, ours_model = lambda: ours.train_step((x, y)), ours.model
     ddp_model = DDP(build(args), bucket_cap_mb=args.bucket_mb)
     ddp_opt = build_optimizer(ddp_model.parameters(), cfg.train)  # the same optimizer as ours
@@ -169,7 +151,7 @@ def worker(argv=None) -> None:
 
 def precision_line(precision: str) -> str:
     """The precision as this CPU runs it: bf16 without native bf16 (AVX2) is emulated, slower than fp32."""
-    from paratrain.parallel.codecs.powersgd import cpu_multiplies_bf16_natively
+    from paratrain.runtime.machine import cpu_multiplies_bf16_natively
 
     if precision == "fp32":
         return "fp32"

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratrain.bench.common import COUNT, POSITIVE, add_json_option, emit_json, one_or_more_of
+from paratrain.bench.common import COUNT, POSITIVE, add_json_option, one_or_more_of
 from paratrain.errors import error, say
+from paratrain.runtime.machine import emit_json
 
 STRATEGIES = ["dp", "zero1", "zero2", "zero3", "fsdp2"]
 SAMPLE_S = 0.05

@@ -34,11 +34,12 @@ from paratrain.bench.common import (
     COUNT,
     add_json_option,
     add_round_options,
-    emit_json,
     one_or_more_of,
     register,
     relaunch,
+    timed_steps,
 )
+from paratrain.runtime.machine import emit_json
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -125,16 +126,6 @@ class SavedActivations:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
 
-def timed(step_fn, n: int) -> list[float]:
-    times = []
-    for _ in range(n):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step_fn()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def stage_alone_seconds(module: nn.Module, x: torch.Tensor, repeats: int = 15) -> float:
     """Median forward+backward of one stage chunk on one microbatch, no communication."""
     times = []
@@ -208,13 +199,13 @@ def compare_schedule(schedule: str, args, rt, x, y, torch_classes) -> dict | Non
     def alone_step():  # the ideal's unit, taken under the same machine noise as the steps
         alone.append(max(stage_alone_seconds(chunk, x[:rows], repeats=3) for chunk in ours.chunks))
 
-    timed(ours_step, args.warmup)
-    timed(torch_step, args.warmup)
+    timed_steps(ours_step, args.warmup)
+    timed_steps(torch_step, args.warmup)
     t_ours, t_torch, busy_s, wall_s, alone = [], [], [], [], []
     for _ in range(args.rounds):  # rounds alternate the engines so both see the same noise
-        t_ours += timed(ours_recorded, args.steps)
-        t_torch += timed(torch_step, args.steps)
-        timed(alone_step, args.steps)
+        t_ours += timed_steps(ours_recorded, args.steps)
+        t_torch += timed_steps(torch_step, args.steps)
+        timed_steps(alone_step, args.steps)
     memory = SavedActivations(ours.params)
     with memory.hooks():
         ours_step()
@@ -228,33 +219,39 @@ def compare_schedule(schedule: str, args, rt, x, y, torch_classes) -> dict | Non
         [statistics.median(t_ours), statistics.median(t_torch), idle, memory.peak, alone, statistics.median(busy_s)],
         dtype=torch.float64,
     )
+    return _row(schedule, rt, v, m, rows, stats)
+
+
+def _row(schedule: str, rt, v: int, m: int, rows: int, stats: torch.Tensor) -> dict | None:
+    """The schedule's table row from every rank's `stats` (compare_schedule's), on rank 0; None elsewhere."""
+    world = rt.world_size
     gathered = [torch.zeros_like(stats) for _ in range(world)]
     dist.all_gather(gathered, stats)
-    if rank == 0:
-        per_rank = torch.stack(gathered)
-        step_ours, step_torch = per_rank[:, 0].max().item(), per_rank[:, 1].max().item()
-        slowest = per_rank[:, 4].max().item()
-        ideal = (m * v + world - 1) * slowest
-        busy = per_rank[:, 5]
-        span = (m * v + world - 1) / (m * v) * busy.max().item()  # the slowest stage's ideal wall time
-        return {
-            "schedule": schedule,
-            "stages": world,
-            "virtual_stages": v,
-            "microbatches": m,
-            "rows": rows,
-            "paratrain_step_ms": step_ours * 1e3,
-            "torch_step_ms": step_torch * 1e3,
-            "ratio_vs_torch": step_ours / step_torch,
-            "ideal_ms": ideal * 1e3,
-            "ratio_vs_ideal": step_ours / ideal,
-            "torch_ratio_vs_ideal": step_torch / ideal,
-            "bubble_measured": per_rank[:, 2].tolist(),
-            "bubble_theory": (world - 1) / (m * v + world - 1),
-            "bubble_theory_measured_loads": (1 - busy / span).tolist(),
-            "peak_saved_activation_bytes": per_rank[:, 3].tolist(),
-        }
-    return None
+    if rt.rank != 0:
+        return None
+    per_rank = torch.stack(gathered)
+    step_ours, step_torch = per_rank[:, 0].max().item(), per_rank[:, 1].max().item()
+    slowest = per_rank[:, 4].max().item()
+    ideal = (m * v + world - 1) * slowest
+    busy = per_rank[:, 5]
+    span = (m * v + world - 1) / (m * v) * busy.max().item()  # the slowest stage's ideal wall time
+    return {
+        "schedule": schedule,
+        "stages": world,
+        "virtual_stages": v,
+        "microbatches": m,
+        "rows": rows,
+        "paratrain_step_ms": step_ours * 1e3,
+        "torch_step_ms": step_torch * 1e3,
+        "ratio_vs_torch": step_ours / step_torch,
+        "ideal_ms": ideal * 1e3,
+        "ratio_vs_ideal": step_ours / ideal,
+        "torch_ratio_vs_ideal": step_torch / ideal,
+        "bubble_measured": per_rank[:, 2].tolist(),
+        "bubble_theory": (world - 1) / (m * v + world - 1),
+        "bubble_theory_measured_loads": (1 - busy / span).tolist(),
+        "peak_saved_activation_bytes": per_rank[:, 3].tolist(),
+    }
 
 
 def worker(argv=None) -> None:

@@ -25,8 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from paratrain.bench.common import COUNT, add_json_option, emit_json
+from paratrain.bench.common import COUNT, add_json_option
 from paratrain.errors import error
+from paratrain.runtime.machine import emit_json
 
 GPT = """
 [model]
@@ -200,7 +201,7 @@ def shared_by(cluster, nproc: int):
     return dataclasses.replace(cluster, nodes=1, devices_per_node=nproc, device=device)
 
 
-def timed_steps(run_dir: Path) -> list[dict]:
+def steps_after_setup(run_dir: Path) -> list[dict]:
     """A run's profile.jsonl records of the steps after the set-up steps."""
     steps = [json.loads(line) for line in (run_dir / "profile.jsonl").read_text().splitlines()]
     return [s for s in steps if s["step"] > SETUP_STEPS]
@@ -220,7 +221,7 @@ def median_step_s(run_dir: Path) -> float:
     process's burst in."""
     import statistics
 
-    return statistics.median(statistics.mean(r["step_s"] for r in s["ranks"]) for s in timed_steps(run_dir))
+    return statistics.median(statistics.mean(r["step_s"] for r in s["ranks"]) for s in steps_after_setup(run_dir))
 
 
 def measured_phases(run_dir: Path) -> dict[str, float]:
@@ -228,7 +229,7 @@ def measured_phases(run_dir: Path) -> dict[str, float]:
     seconds of each phase over the steps after set-up, beside the predicted breakdown."""
     import statistics
 
-    steps = timed_steps(run_dir)
+    steps = steps_after_setup(run_dir)
     slowest = max(range(steps[0]["world"]), key=lambda r: statistics.median(s["ranks"][r]["step_s"] for s in steps))
     return {
         phase: statistics.median(s["ranks"][slowest]["phases"][phase] for s in steps)
@@ -247,9 +248,10 @@ def kendall_tau(xs: list[float], ys: list[float]) -> float:
 
 
 def run(args) -> int:
+    from paratrain.cost.cluster import load_cluster
     from paratrain.errors import ConfigError
     from paratrain.plan.calibrate import calibrate
-    from paratrain.plan.cluster import load_cluster
+    from paratrain.trainer import train
 
     tmp = Path(tempfile.mkdtemp(prefix="paratrain-bench-plan-"))
     # the machine as each process count uses it (one process: two's, shared out by `shared_by`)
@@ -258,7 +260,7 @@ def run(args) -> int:
         if args.cluster:
             clusters = dict.fromkeys(counts, load_cluster(args.cluster))
         else:
-            clusters = {n: calibrate(str(tmp / f"cluster-{n}.toml"), n, keep=False) for n in counts}
+            clusters = {n: calibrate(str(tmp / f"cluster-{n}.toml"), n, keep=False, train=train) for n in counts}
     except ConfigError as exc:
         error(f"{exc}")
         return 2

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import time
 
-from paratrain.bench.common import add_json_option, emit_json
+from paratrain.bench.common import add_json_option
+from paratrain.runtime.machine import emit_json
 
 # params (B), heads, hidden, layers, t, p, GPUs, batch, published TFLOP/s per GPU
 TABLE_1 = [
@@ -36,9 +37,9 @@ def predict_row(row: tuple) -> dict:
     """One Table 1 row through `paratrain plan --cluster` (in-process)."""
     import torch
 
+    from paratrain.cost.cluster import parse_cluster
     from paratrain.data import build_dataset
     from paratrain.models import build_model
-    from paratrain.plan.cluster import parse_cluster
     from paratrain.plan.planner import make_plan
     from paratrain.preflight import load
 

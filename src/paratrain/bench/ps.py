@@ -21,17 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from paratrain.bench.common import (
-    COUNT,
-    NONNEG,
-    POSITIVE,
-    add_json_option,
-    add_round_options,
-    emit_json,
-    register,
-    relaunch,
-)
+from paratrain.bench.common import COUNT, NONNEG, POSITIVE, add_json_option, add_round_options, register, relaunch
 from paratrain.comm import grid
+from paratrain.runtime.machine import emit_json
 
 CONTENDERS = ["sync", "async", "ssp", "dp"]
 

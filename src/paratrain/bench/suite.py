@@ -31,10 +31,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from paratrain.bench.common import COUNT, POSITIVE, emit_json, fraction, one_or_more_of
+from paratrain.bench.common import COUNT, POSITIVE, fraction, one_or_more_of
 from paratrain.bench.dp import add_options as dp_options
 from paratrain.bench.suite_plot import plot
 from paratrain.errors import error
+from paratrain.runtime.machine import emit_json
 
 SCALING_DEFAULT = "1,2,4"
 CODECS = ["bf16", "fp16", "topk", "powersgd"]

@@ -18,7 +18,8 @@ import statistics
 import tempfile
 import time
 
-from paratrain.bench.common import add_json_option, add_round_options, emit_json, one_or_more_of, relaunch
+from paratrain.bench.common import add_json_option, add_round_options, one_or_more_of, relaunch
+from paratrain.runtime.machine import emit_json
 
 MODELS = ("mlp", "gpt")
 

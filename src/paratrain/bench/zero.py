@@ -12,9 +12,10 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from paratrain.bench.common import emit_json, register, relaunch
+from paratrain.bench.common import register, relaunch
 from paratrain.bench.dp import add_options as dp_options
 from paratrain.bench.dp import build, setup, timed_steps
+from paratrain.runtime.machine import emit_json
 
 
 def add_parser(which) -> None:

@@ -16,7 +16,7 @@ from paratrain.checkpoint.format import FORMAT, UNFINISHED, VERIFIED, fsync_dir,
 from paratrain.checkpoint.reader import is_valid, list_checkpoints
 from paratrain.checkpoint.writer import layout_of, write_safetensors
 from paratrain.comm import collectives
-from paratrain.runtime import faults
+from paratrain.runtime import fault_points
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def save(
     # a tensor at a time: no copy of the shard is made (dp's rank 0 holds the whole model and optimizer)
     pieces = ({k: v} for k, v in tensors.items())
     digest, size = write_safetensors(tmp / rank_file(rank), layout_of(tensors), pieces, {"json": json.dumps(meta)})
-    if faults.active("exit_in_save", rank=rank, step=step):
+    if fault_points.fires("exit_in_save", rank=rank, step=step):
         os._exit(17)  # a crash between the shards and the manifest
     digests = _gather_digests(digest, size, device, world_size, group)
     if rank == 0:

@@ -52,10 +52,10 @@ def save_train_state(
     )
 
 
-def load_train_state(strategy, reader: CheckpointReader, rt: process.Runtime, *, resumes: tuple[str, str, str]) -> dict:
+def load_train_state(strategy, reader: CheckpointReader, rt: process.Runtime, *, resumes: tuple) -> dict:
     """The strategy's state and this rank's RNGs (a rank the saving world did not have keeps its
     own) from `reader`, once check_resumable(reader, *resumes) passes: `resumes` = (strategy name,
-    optimizer, the flag or call a mismatch names). Returns what the loop saved ("trainer"):
+    optimizer, the flag or call a mismatch names, the registry's checkpoint_family). Returns what the loop saved ("trainer"):
     `paratrain run`'s resume and the Python API's pt.load both come through here."""
     check_resumable(reader, *resumes)
     strategy.load_state_dict(reader)

@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from paratrain.runtime import faults, stop
+from paratrain.runtime import fault_points
 
 
 @dataclass
@@ -143,7 +143,7 @@ def forget_works() -> None:
     """Let go of every collective issued (under "continue"), once its group is aborted. A work holds
     its group's connections open: measured with gloo at world 4, a survivor that kept the works of
     a step the lost rank broke held its peer, blocked in that step's all-reduce, until the timeout
-    instead of 0.05 s (runtime/survive.py: Membership.release)."""
+    instead of 0.05 s (runtime/fault/survive.py: Membership.release)."""
     for tracked in list(_UNDER_WAY):
         tracked.work = None
     _UNDER_WAY.clear()
@@ -170,7 +170,7 @@ def _eager_under_compile(fn):
 # is a graph break: its logging, fingerprint and profiling run eagerly, as everywhere else
 @_eager_under_compile
 def _issue(kind: str, fn, tensor: torch.Tensor, what: str, **kwargs):
-    if faults.active("skip_collective", rank=dist.get_rank(), step=LOG.step, what=what):
+    if fault_points.fires("skip_collective", rank=dist.get_rank(), step=LOG.step, what=what):
         return Handle() if kwargs.get("async_op") else None  # as if this rank never issued it
     group = kwargs.get("group")
     record = LOG.add(kind, tensor, what, world=group in (None, dist.group.WORLD))
@@ -229,6 +229,9 @@ class CollectiveFailure(RuntimeError):
 
 
 DIAGNOSE = True  # whether a failed collective waits for its peers' logs to name the culprit
+# Called where a collective failed, before its diagnosis waits on the peers: runtime/fault/stop.py
+# puts making SIGTERM fatal again here (the agent may be stopping the group already).
+BEFORE_DIAGNOSIS: list = []
 
 
 def _store():
@@ -238,11 +241,12 @@ def _store():
 def explain_failure(exc: BaseException, record: Record | None = None, wait_s: float = 10.0) -> str:
     """One paragraph: what this rank was doing, and which rank is to blame if that can be told."""
     if DIAGNOSE:  # (under "continue" it is a lost peer: the survivors go on, and a SIGTERM still saves)
-        stop.on_collective_failure()  # the agent may be stopping the group already: do not make it wait
+        for hook in BEFORE_DIAGNOSIS:
+            hook()
     if isinstance(exc, CollectiveFailure):
         return str(exc)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if not DIAGNOSE:  # fault.on_failure = "continue": the survivors regroup instead (runtime/survive.py)
+    if not DIAGNOSE:  # fault.on_failure = "continue": the survivors regroup instead (runtime/fault/survive.py)
         return f"rank {rank}: {str(exc).strip()[:200]}"
     mine = record or LOG.last
     head = (

@@ -55,15 +55,6 @@ class Mesh:
         """The global rank of pipeline stage `pp_rank` in this rank's (dp, tp) column."""
         return self.global_rank(pp_rank % self.pp, self.dp_rank, self.tp_rank)
 
-    @property
-    def prev_rank(self) -> int:
-        """Global rank of the previous pipeline stage (wraps around: interleaved chunks need it)."""
-        return self.stage_rank(self.pp_rank - 1)
-
-    @property
-    def next_rank(self) -> int:
-        return self.stage_rank(self.pp_rank + 1)
-
 
 def build_mesh(tp: int, pp: int, device_type: str) -> Mesh:
     """Collective: every rank builds the same mesh from parallel.tp, parallel.pp and the world size."""
@@ -85,7 +76,7 @@ class ReplicaLayout:
     tp = size / stages (tp's ranks, or the ranks a zero replica shards over). Without pipeline
     stages a replica is adjacent ranks, r*size .. r*size+size-1 (so the frequent traffic inside it
     stays on a node's fast links); with them, each stage's slice of it is. The supervisor of
-    fault.on_failure = "continue" loses and restarts these ranks together (runtime/supervise.py)."""
+    fault.on_failure = "continue" loses and restarts these ranks together (runtime/fault/supervise.py)."""
 
     world: int
     size: int

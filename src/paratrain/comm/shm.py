@@ -40,7 +40,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratrain.profile import count_copied_bytes
+_copied = 0  # payload bytes this process copied into peers' rings, which no write call sees
+
+
+def _count_copied(n: int) -> None:
+    global _copied
+    _copied += n
+
+
+def copied_bytes() -> int:
+    """Bytes this process has copied into peers' shared-memory rings (profile.bytes_sent adds them to
+    what it wrote to sockets)."""
+    return _copied
+
 
 SHM_DIR = Path("/dev/shm")
 RECORD = struct.Struct("qqq")  # offset, nbytes, tag: 24 bytes, written atomically (< PIPE_BUF)
@@ -127,7 +139,7 @@ class Sender:
         offset = start % self.capacity
         # One memmove, not tensor ops: each op costs tens of microseconds right after heavy compute
         ctypes.memmove(self.ring_ptr + offset, t.data_ptr(), n)
-        count_copied_bytes(n)
+        _count_copied(n)
         self.in_flight.append(start)
         self.pos = start + n
         os.write(self.data_fd, RECORD.pack(offset, n, tag))

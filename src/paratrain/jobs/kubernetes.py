@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import yaml
 
-from paratrain.jobs import Job
+from paratrain.jobs.job import Job
 
 CONFIG_MOUNT = "/etc/paratrain"
 RUNS_MOUNT = "/paratrain-runs"

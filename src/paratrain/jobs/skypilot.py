@@ -5,7 +5,7 @@ SKYPILOT_NODE_IPS (the head first) and SKYPILOT_NODE_RANK for the rendezvous and
 from __future__ import annotations
 
 from paratrain import __version__
-from paratrain.jobs import Job, shell_lines
+from paratrain.jobs.job import Job, shell_lines
 from paratrain.jobs.kubernetes import dump
 
 

@@ -9,7 +9,7 @@ environment. The script is shellcheck-clean.
 from __future__ import annotations
 
 from paratrain import __version__
-from paratrain.jobs import Job, shell_lines
+from paratrain.jobs.job import Job, shell_lines
 
 
 def render(job: Job) -> str:

@@ -46,15 +46,23 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def build_strategy(model, loss_fn, cfg: Config, rt) -> Strategy:
-    strategy = strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+    """The config's strategy over `model` on this process group."""
+    return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+
+
+def build_for_training(model, loss_fn, cfg: Config, rt) -> Strategy:
+    """The strategy as `paratrain run` and the Python API train with it: built, its blocks compiled
+    under train.compile (as the strategy placed, sharded and cut them: models/compiled.py), and a
+    note where train.precision = bf16 runs on a CPU that emulates it."""
+    strategy = build_strategy(model, loss_fn, cfg, rt)
     if cfg.train.precision == "bf16" and rt.device.type == "cpu" and rt.is_main:
-        from paratrain.parallel.codecs.powersgd import cpu_multiplies_bf16_natively
+        from paratrain.runtime.machine import cpu_multiplies_bf16_natively
 
         if not cpu_multiplies_bf16_natively():
             note(
                 "train.precision = bf16 on a CPU without native bf16 (no AMX or AVX512-BF16): its matmuls are emulated, slower than fp32"
             )
-    if cfg.train.compile:  # the blocks as the strategy placed, sharded and cut them (models/compiled.py)
+    if cfg.train.compile:
         from paratrain.models.compiled import compile_blocks
 
         compile_blocks(model)

@@ -6,10 +6,11 @@ latency), each the median of a few launches, written as a [cluster] TOML file th
 from __future__ import annotations
 
 import contextlib
+import functools
 
+from paratrain.cost.cluster import GIB, Cluster, calibration_file, load_cluster, times_file_for
+from paratrain.cost.layer_times import median_seconds
 from paratrain.errors import ConfigError
-from paratrain.plan.cluster import GIB, Cluster, calibration_file, load_cluster, times_file_for
-from paratrain.plan.layer_times import median_seconds
 
 CALIBRATION_SIZES = (2**10, 2**22)  # all-reduce payloads, bytes: the latency's and the bandwidth's
 
@@ -95,11 +96,11 @@ def _work(seconds: float):
     return work
 
 
-def _step_overhead_s(rt, run_dir: str) -> float:
+def _step_overhead_s(rt, run_dir: str, train) -> float:
     """The trainer's own cost of a step besides a model's compute, communication and optimizer
     arithmetic: loading the batch, the profiler's and the strategy's bookkeeping, the optimizer
     phase's checks. A real run of 12 steps of a tiny mlp on synthetic data through the trainer
-    (trainer.train, on this process group), whose compute is next to nothing: on rank 0, the
+    (`train`: trainer.train, on this process group), whose compute is next to nothing: on rank 0, the
     median over the steps after the first 5 of the slowest rank's data, optimizer and other
     phases (profile.jsonl)."""
     import io
@@ -108,7 +109,6 @@ def _step_overhead_s(rt, run_dir: str) -> float:
     from pathlib import Path
 
     from paratrain.config import from_dict
-    from paratrain.trainer import train
 
     raw = {
         "model": {"factory": "mlp", "in_features": 32, "hidden": 8, "n_layers": 1},
@@ -185,7 +185,7 @@ def _p2p_latency_s(rt) -> float:
     return statistics.median(trips[5:]) / 2
 
 
-def calibration_worker(out_path: str) -> None:
+def calibration_worker(out_path: str, train) -> None:
     """One of the ranks: times, together with the others, a 512^3 fp32 matmul, an add over
     16 MiB tensors, and a training step (forward, backward, AdamW) of 8 tiny layers, whose time per
     op is the eager framework's cost of an op (the predictor charges it every op of the forward,
@@ -198,7 +198,7 @@ def calibration_worker(out_path: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from paratrain.plan.op_counts import OpRecorder
+    from paratrain.cost.op_counts import OpRecorder
     from paratrain.runtime import process
 
     rt = process.init("cpu")
@@ -231,7 +231,7 @@ def calibration_worker(out_path: str) -> None:
     rates["p2p_s"] = _p2p_latency_s(rt)
     rates["contention"] = _contention(rt, train_step)
     rates["stream_s"] = _stream_s(train_step)
-    rates["step_overhead_s"] = _step_overhead_s(rt, os.path.join(os.path.dirname(out_path), "tiny-run"))
+    rates["step_overhead_s"] = _step_overhead_s(rt, os.path.join(os.path.dirname(out_path), "tiny-run"), train)
     mine = torch.tensor(list(rates.values()), dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(rt.world_size)]
     dist.all_gather(gathered, mine)
@@ -255,11 +255,12 @@ def calibration_worker(out_path: str) -> None:
 CALIBRATION_ROUNDS = 3
 
 
-def calibrate(path: str, nproc: int = 2, keep: bool = True) -> Cluster:
+def calibrate(path: str, nproc: int = 2, keep: bool = True, *, train) -> Cluster:
     """Measures this machine as `nproc` processes use it (at least two: gloo processes on
     loopback, half a minute) and writes `path`: a [cluster] file of one node of `nproc` cpu
     devices that `--cluster` reads back; `keep`: also this host's calibration for `nproc`, which
-    plans without --cluster take (cluster.calibration_file)."""
+    plans without --cluster take (cluster.calibration_file); `train`: trainer.train, which times the
+    trainer's own cost of a step (the caller passes it: the planner sits below the trainer)."""
     import json
     import os
     import statistics
@@ -275,7 +276,9 @@ def calibrate(path: str, nproc: int = 2, keep: bool = True) -> Cluster:
     with tempfile.TemporaryDirectory() as tmp:
         for n in range(CALIBRATION_ROUNDS):
             out = os.path.join(tmp, f"calibration-{n}.json")
-            launch_measurement(calibration_worker, [out], nproc=ranks, run_id="calibrate")
+            # named as the function: the agent names its workers by the entry point's __name__
+            worker = functools.update_wrapper(functools.partial(calibration_worker, train=train), calibration_worker)
+            launch_measurement(worker, [out], nproc=ranks, run_id="calibrate")
             with open(out) as fh:
                 rounds.append(json.load(fh))
     m = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}

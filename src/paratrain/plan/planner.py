@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from paratrain.config import Config
+from paratrain.cost.ranks import MIB, RankPlan, nbytes, optimizer_slots, peak_bytes
 from paratrain.errors import ConfigError
 from paratrain.parallel import registry
-from paratrain.plan.ranks import MIB, RankPlan, nbytes, optimizer_slots, peak_bytes
 
 
 def capacity(ranks: list[RankPlan], device: str, cluster=None) -> dict:
@@ -79,8 +79,8 @@ def make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: st
 
 
 def _make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: str, cluster) -> dict:
+    from paratrain.config import microbatch_count
     from paratrain.parallel.base import unique_parameters
-    from paratrain.parallel.hybrid.parallelize import microbatch_count
 
     spec = registry.spec(cfg.parallel.strategy)
     if not spec.footprint:
@@ -95,7 +95,7 @@ def _make_plan(cfg: Config, model: nn.Module, nproc: int, nnodes: int, device: s
     stages, notes = spec.plan_ranks(cfg, model, ranks, rows, device)
     if device == "cuda":
         notes.append("activations counted with the CPU's kernels: CUDA's attention kernels may save other tensors")
-    from paratrain.plan.cluster import this_machine
+    from paratrain.cost.cluster import this_machine
     from paratrain.plan.predict import predict
 
     cluster = cluster or this_machine(nnodes, nproc)
@@ -224,7 +224,7 @@ def render_prediction(plan: dict) -> list[str]:
 def emit(plan: dict, json_dest: str | None, more: list[str] = ()) -> None:
     """The table and `more` lines after it, and with `--json` the plan as JSON: alone on stdout for
     "-", else to that file."""
-    from paratrain.bench.common import emit_json
+    from paratrain.runtime.machine import emit_json
 
     if json_dest != "-":
         print("\n".join([render(plan), *more]))

@@ -28,14 +28,14 @@ with the node's other devices, which communicate at the same time.
     slowed by the contention of the half of the ranks that work then on average;
   * the optimizer reads and writes its state, the parameters and the gradients once, memory-bound;
   * what each strategy communicates besides (dp's buckets, ZeRO's gathers, the parameter servers'
-    push and pull) is its own time model: its spec's `time_model`, in parallel/*/step_time.py.
+    push and pull) is its own time model: its spec's `step_time`, in parallel/*/step_time.py.
 """
 
 from __future__ import annotations
 
 from paratrain.config import Config
-from paratrain.plan.cluster import Cluster
-from paratrain.plan.step_time import Step
+from paratrain.cost.cluster import Cluster
+from paratrain.cost.step_time import Step
 
 
 def predict(cfg: Config, model, plan: dict, cluster: Cluster) -> tuple[dict, dict]:

@@ -67,11 +67,11 @@ def replica_plan(cfg: Config, model, cluster) -> dict:
     """What the prediction and the fit need of `make_plan`'s plan, for the ranks of data-parallel
     replica 0 alone (every replica holds and computes the same): model state and activations per
     rank, the pipeline cut, the batch; with "capacity" judged as make_plan judges it."""
+    from paratrain.config import microbatch_count
+    from paratrain.cost.ranks import nbytes, optimizer_slots
     from paratrain.parallel.base import unique_parameters
-    from paratrain.parallel.hybrid.parallelize import microbatch_count
     from paratrain.parallel.registry import spec
     from paratrain.plan.planner import capacity
-    from paratrain.plan.ranks import nbytes, optimizer_slots
 
     p, world, nproc = cfg.parallel, cluster.world, cluster.devices_per_node
     dp = world // (p.tp * p.pp)

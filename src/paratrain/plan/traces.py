@@ -17,9 +17,9 @@ def memoised_traces():
     (the functions swapped for memoised ones in every module that calls them by a name of its
     own). A plan of a Megatron row played tp's all-reduces and built its fake model twice over
     without: a fifth of its time."""
+    from paratrain.cost import activations, step_time
     from paratrain.parallel.registry import SPECS
     from paratrain.parallel.spec import load
-    from paratrain.plan import activations, step_time
 
     for spec in SPECS.values():  # import every module that calls them before they are swapped
         load(spec.footprint), load(spec.step_time)
@@ -27,8 +27,9 @@ def memoised_traces():
     def cut(bounds):
         return None if bounds is None else tuple(bounds)
 
-    def fake_run_key(cfg, rows, bounds=None, tp_plan=None, tp=1, working=None):
-        """What a fake-tensor run of a microbatch depends on (FakeRun.build, step_memory)."""
+    def fake_run_key(cfg, rows, bounds=None, tp_plan=None, tp=1, working=None, sharding=None):
+        """What a fake-tensor run of a microbatch depends on (FakeRun.build, step_memory); the
+        sharding follows from tp_plan and tp."""
         plan = tuple(sorted((tp_plan or {}).items())) if tp > 1 else ()
         return cfg.train.recompute, rows, cut(bounds), plan, tp, working
 

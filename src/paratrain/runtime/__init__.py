@@ -1,5 +1,5 @@
 """The process and its place in a job: joining the process group (process.py), starting workers
-through PyTorch's elastic agent (launch.py), where a cluster scheduler put this node
-(schedulers.py: Slurm, Kubeflow, PyTorchJob, SkyPilot), the run directory (run_dir.py), keeping a
-crashing expendable worker from ending the job (guard.py), stopping at an agreed step on SIGTERM
-(stop.py), and the fault points tests fire on purpose (faults.py)."""
+through PyTorch's elastic agent (launch.py, and the worker server it forks them from:
+worker_server.py), where a cluster scheduler put this node (schedulers.py: Slurm, Kubeflow,
+PyTorchJob, SkyPilot), the machine a figure was measured on (machine.py), and the named points
+where a test makes a rank fail on purpose (fault_points.py). Every failure path is in fault/."""

@@ -57,7 +57,7 @@ def default_nproc(device: str) -> int:
     return 2
 
 
-WORKER_PRELOAD = ("paratrain.runtime.worker_server",)  # what the server imports before it forks anyone
+WORKER_SERVER = "paratrain.runtime.worker_server"  # what the server imports first, before it forks anyone
 
 
 def call_preloaded(target: str, *args: str) -> None:
@@ -72,8 +72,10 @@ def _forkserver_available() -> bool:
     return "forkserver" in multiprocessing.get_all_start_methods()
 
 
-def start_worker_server() -> None:
+def start_worker_server(preload: tuple[str, ...] = ()) -> None:
     """Start the worker server now, in the background, so its imports overlap the caller's work.
+    `preload`: the modules the workers will run (the trainer, say), which the server imports once
+    for all of them; the caller names them, so that this module never imports what it launches.
 
     The server is forked from this process once it has imported torch, which the command needs
     anyway: a fresh interpreter would import torch a second time (about 3 s of CPU here, per
@@ -89,7 +91,7 @@ def start_worker_server() -> None:
 
     import torch  # noqa: F401  before the fork: the server inherits it
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(WORKER_PRELOAD))
+    multiprocessing.get_context("forkserver").set_forkserver_preload([WORKER_SERVER, *preload])
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the server dies with this process (worker_server.py)
     spawn = util.spawnv_passfds
     util.spawnv_passfds = _fork_server

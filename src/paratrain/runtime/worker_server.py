@@ -30,7 +30,8 @@ os.register_at_fork(after_in_child=_die_with_server)
 
 import torch._dynamo  # noqa: E402,F401  imported by torch.optim's step on its first call (~1 s)
 
-import paratrain.trainer  # noqa: E402,F401  torch, the training loop and what it imports
+# What the workers run (the trainer, the Python API) the server imports next, as its launcher named
+# them (launch.start_worker_server's preload).
 
 # The server is done when the command that started it is: skip the interpreter's teardown of
 # torch (about a second), which the caller would otherwise wait for on the server's output pipes.
@@ -39,6 +40,6 @@ atexit.register(os._exit, 0)
 # A SIGTERM sent to the whole process group (a scheduler stopping the job) must not take the server
 # down before the workers it forked: the agent tracks them through the server's pipes, takes a
 # vanished server for dead workers and leaves at once, while the workers are still saving their
-# checkpoint (paratrain/stop.py). The server leaves anyway when the command does (its pipe closes).
+# checkpoint (runtime/fault/stop.py). The server leaves anyway when the command does (its pipe closes).
 # Workers forked from it put the default back first thing (trainer.run_worker).
 signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from paratrain.comm import collectives, shm
 from paratrain.comm.collectives import Handle
 from paratrain.parallel.codecs.base import Codec
+from paratrain.runtime.machine import cpu_multiplies_bf16_natively
 
 
 def power_layout(shapes, rank: int) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
@@ -47,14 +48,6 @@ def power_layout(shapes, rank: int) -> tuple[list[tuple[int, int, int, int]], li
             dense.append((offset, numel))
         offset += numel
     return matrices, dense
-
-
-def cpu_multiplies_bf16_natively() -> bool:
-    """AVX512-BF16 or AMX: the CPU instructions that make a bf16 matrix product faster than fp32.
-    Decided from the CPU's flags (as torch reads them), not measured: a timing taken while other
-    processes load the machine could pick differently on every rank."""
-    flags = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
-    return any(flag is not None and flag() for flag in flags)
 
 
 def arithmetic_dtype(device: torch.device, buffer_dtype: torch.dtype) -> torch.dtype:

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from paratrain.config import Config
+from paratrain.cost.activations import saved_activation_bytes, step_memory, whole_model_activations
+from paratrain.cost.ranks import MIB, RankPlan, nbytes, optimizer_slots
 from paratrain.parallel.base import unique_parameters
 from paratrain.parallel.dp.engine import make_buckets
 from paratrain.parallel.spec import Spec
-from paratrain.plan.activations import saved_activation_bytes, step_memory, whole_model_activations
-from paratrain.plan.ranks import MIB, RankPlan, nbytes, optimizer_slots
 
 
 def wire_bytes(numel: int, dtype_bytes: int, cfg: Config) -> int:

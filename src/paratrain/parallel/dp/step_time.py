@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paratrain.plan.step_time import Step, bucketed_s, buckets, codec_s, finish
+from paratrain.cost.step_time import Step, bucketed_s, buckets, codec_s, finish
 
 
 def all_reduce(step: Step) -> tuple[float, dict, float, int]:

@@ -19,7 +19,7 @@ An update is (n_c / N) delta_c with N the round's sampled samples; masked under 
 aggregation (secagg.py). A worker that does not answer within federated.round_timeout_s of the
 round's start, or whose connection breaks (its process died), is dropped: its clients leave this
 round and every later one, and the round completes with the others. Worker ranks run under a
-guard (paratrain/guard.py), so one dying does not end the job.
+guard (runtime/fault/guard.py), so one dying does not end the job.
 
 The trainer's own collectives (evaluation, export) run on each rank's one-rank group: workers
 never wait on each other, and a dead worker cannot block them. Rank 0 evaluates the global model.
@@ -45,7 +45,7 @@ from paratrain.parallel.federated.client import LocalTrainer, copy_into
 from paratrain.parallel.federated.partition import deal_clients, describe, local_batches, write_report
 from paratrain.parallel.federated.rounds import ServerRound, WorkerRound
 from paratrain.parallel.federated.server import ServerOptimizer, sample_clients
-from paratrain.runtime import faults
+from paratrain.runtime import fault_points
 
 
 def check_model(cfg, model) -> None:
@@ -127,7 +127,7 @@ class Federated(ServerRound, WorkerRound, Strategy):
         return delta.mul_(len(self.parts[client]) / total_samples), loss
 
     def _dropped_by_fault(self, client: int) -> bool:
-        return faults.active("fed_drop", client=client, round=self.round)
+        return fault_points.fires("fed_drop", client=client, round=self.round)
 
     def _serve(self, sampled: list[int]) -> torch.Tensor:
         t0 = time.perf_counter()

@@ -20,8 +20,8 @@ from paratrain.errors import say
 from paratrain.parallel.federated import secagg
 from paratrain.parallel.federated.server import owner_of
 from paratrain.parallel.ps.wire import first_line
-from paratrain.runtime import faults
-from paratrain.runtime.guard import drop_worker
+from paratrain.runtime import fault_points
+from paratrain.runtime.fault.guard import drop_worker
 
 TAG_GLOBAL, TAG_KEYS, TAG_SHARES, TAG_UPDATE, TAG_DROPPED, TAG_REVEAL = range(31, 37)
 HEAD = 2  # per client report: [present, loss] in front of its update
@@ -196,7 +196,7 @@ class WorkerRound:
         if message[0]:
             raise LostServer("the server dropped it: it missed federated.round_timeout_s in an earlier round")
         self.global_flat.copy_(message[1:])
-        if faults.active("fed_stall", rank=self.rt.rank, round=self.round):  # tests: a straggler
+        if fault_points.fires("fed_stall", rank=self.rt.rank, round=self.round):  # tests: a straggler
             time.sleep(1.5 * self.fed.round_timeout_s)
         keys = {}
         if self.fed.secure_aggregation:
@@ -217,7 +217,7 @@ class WorkerRound:
         dtype = torch.int64 if self.fed.secure_aggregation else torch.float32
         reports = torch.zeros(len(mine), HEAD + self.global_flat.numel(), dtype=dtype)
         for row, c in enumerate(mine):
-            if row == 1 and faults.active("fed_kill", rank=self.rt.rank, round=self.round):  # tests: mid-round
+            if row == 1 and fault_points.fires("fed_kill", rank=self.rt.rank, round=self.round):  # tests: mid-round
                 os.kill(os.getpid(), signal.SIGKILL)
             update, loss = self._train_client(c, total)
             present = not self._dropped_by_fault(c)

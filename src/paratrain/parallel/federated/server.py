@@ -56,9 +56,3 @@ class ServerOptimizer:
         if self.m is not None:
             self.m.copy_(tensors["server_opt.m"])
             self.v.copy_(tensors["server_opt.v"])
-
-
-def weighted_mean(deltas: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
-    """sum_i n_i delta_i / sum_i n_i over the rows of `deltas` (one per reporting client)."""
-    weights = samples.to(deltas.dtype) / samples.sum()
-    return weights @ deltas

@@ -19,9 +19,10 @@ from torch import nn
 from paratrain import checkpoint as ckpt
 from paratrain.comm import collectives
 from paratrain.comm.grid import build_mesh
-from paratrain.config import Config
+from paratrain.config import Config, microbatch_count, virtual_stages
 from paratrain.data.batch import num_samples, split_batch
 from paratrain.errors import ConfigError
+from paratrain.models.layers import boundary_shape_fn, meta_copy, pipeline_layers
 from paratrain.optim import build_optimizer, output_logits, rebuild_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, eval_sums, unique_parameters
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
@@ -29,18 +30,15 @@ from paratrain.parallel.hybrid.parallelize import (
     apply_tp,
     cut_pipeline,
     decide_cut,
-    meta_copy,
-    microbatch_count,
     stage_of_keys,
     sync_ties,
     tie_groups,
     tie_names,
-    virtual_stages,
     wrap_dp,
 )
 from paratrain.parallel.hybrid.state import load_resharded, model_chunks
-from paratrain.parallel.pipeline.cut import parameters_outside, pipeline_layers, splittable_layers, tied_spans
-from paratrain.parallel.pipeline.runner import PipelineRunner, boundary_shape_fn
+from paratrain.parallel.pipeline.cut import parameters_outside, splittable_layers, tied_spans
+from paratrain.parallel.pipeline.runner import PipelineRunner
 from paratrain.parallel.pipeline.schedules import SCHEDULES, forward_only, one_f_one_b
 from paratrain.parallel.tensor.comm import gather_from_tp
 from paratrain.parallel.tensor.layers import check_plan, full_width, output_is_sharded, parallel_loss, plan_for

@@ -6,35 +6,27 @@ import torch
 from torch import nn
 
 from paratrain.config import Config
+from paratrain.cost.activations import boundary_bytes, saved_activation_bytes, step_memory, tp_all_reduces
+from paratrain.cost.ranks import RankPlan, nbytes, optimizer_slots
 from paratrain.parallel.base import unique_parameters
 from paratrain.parallel.dp.footprint import Planned, cast_copies, dp_codec, dp_comm
 from paratrain.parallel.pipeline.footprint import peak_in_schedule, pipeline_comm, receive_buffers, step_peak
 from paratrain.parallel.spec import Spec
-from paratrain.plan.activations import boundary_bytes, saved_activation_bytes, step_memory, tp_all_reduces
-from paratrain.plan.ranks import RankPlan, nbytes, optimizer_slots
 
 
 def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPlan], rows: int) -> list[dict]:
     """Tensor and pipeline parallelism: which stages and which tp shard of each parameter every rank
     holds; the stages."""
-    from paratrain.parallel.hybrid.parallelize import sync_ties, virtual_stages
-    from paratrain.parallel.pipeline.cut import allowed_cuts, parameter_costs, partition, pipeline_layers, split_ties
+    from paratrain.config import virtual_stages
     from paratrain.parallel.tensor.comm import shard_range
-    from paratrain.parallel.tensor.layers import STYLES, plan_for
+    from paratrain.parallel.tensor.layers import STYLES, plan_for, planned_sharding
 
     p = cfg.parallel
     dp = world // (p.tp * p.pp)
     v = virtual_stages(cfg)
     n_stages = p.pp * v
     tp_plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
-    if p.pp > 1:
-        layers = pipeline_layers(model)
-        bounds = partition(parameter_costs(layers), n_stages, allowed_cuts(model, layers, tp_plan, sync_ties(cfg)))
-        stage_layers = [layers[bounds[s] : bounds[s + 1]] for s in range(n_stages)]
-        # parameters shared by layers of different stages: each holder sums its copy's gradient
-        ties = [(t, stages) for t, _, stages in split_ties(model, layers, bounds)]
-    else:
-        bounds, stage_layers, ties = [0, 1], [[model]], []
+    bounds, stage_layers, ties = _cut(cfg, model, tp_plan, n_stages)
     # the dimension each planned module's tensors are split along, by parameter name
     shard_dims = {f"{name}.{t}": d for name, style in tp_plan.items() for t, d in STYLES[style].shard_dims.items()}
     name_of = {id(t): n for n, t in model.named_parameters()}
@@ -57,14 +49,14 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
                     out.append(shard_of(t, tp_rank))
         return out
 
-    from paratrain.parallel.hybrid.parallelize import microbatch_count
+    from paratrain.config import microbatch_count
     from paratrain.parallel.pipeline.schedules import SCHEDULES, one_f_one_b
 
     slots = optimizer_slots(cfg)
     cut = bounds if p.pp > 1 else None
     boundary = boundary_bytes(cfg, model, bounds, rows) if p.pp > 1 else []
     activations = saved_activation_bytes(cfg, rows, cut) if p.tp == 1 else None
-    memories = step_memory(cfg, rows, cut, tp_plan, p.tp)
+    memories = step_memory(cfg, rows, cut, tp_plan, p.tp, sharding=planned_sharding(tp_plan, p.tp))
     tp_payloads = tp_all_reduces(cfg, rows, cut, tp_plan) if p.tp > 1 else [[] for _ in stage_layers]
     # without pp the engine plays one_f_one_b: each microbatch's forward, then its backward
     schedule, m = SCHEDULES[p.schedule] if p.pp > 1 else one_f_one_b, microbatch_count(cfg)
@@ -106,16 +98,35 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
                 r.add_comm("all_reduce", nbytes([shard_of(t, r.tp)]), len(holders))
         if world > 1:
             r.add_comm("all_reduce", 8, world)  # the global gradient norm (float64)
-    if p.pp == 1:
-        return []
+    return _stages(cfg, bounds, stage_layers) if p.pp > 1 else []
+
+
+def _cut(cfg: Config, model: nn.Module, tp_plan: dict, n_stages: int):
+    """The pipeline's stage boundaries over the model's layers (balanced by parameters, as the
+    engine's `balance = "params"`), each stage's layers, and the parameters that layers of different
+    stages share with the stages holding them (each holder sums its copy's gradient)."""
+    from paratrain.models.layers import pipeline_layers
+    from paratrain.parallel.hybrid.parallelize import sync_ties
+    from paratrain.parallel.pipeline.cut import allowed_cuts, parameter_costs, partition, split_ties
+
+    if cfg.parallel.pp == 1:
+        return [0, 1], [[model]], []
+    layers = pipeline_layers(model)
+    bounds = partition(parameter_costs(layers), n_stages, allowed_cuts(model, layers, tp_plan, sync_ties(cfg)))
+    stage_layers = [layers[bounds[s] : bounds[s + 1]] for s in range(n_stages)]
+    return bounds, stage_layers, [(t, stages) for t, _, stages in split_ties(model, layers, bounds)]
+
+
+def _stages(cfg: Config, bounds: list[int], stage_layers: list) -> list[dict]:
+    """The plan's rows of the pipeline's stages."""
     return [
         {
             "stage": s,
-            "pp_rank": s % p.pp,
+            "pp_rank": s % cfg.parallel.pp,
             "layers": [bounds[s], bounds[s + 1] - 1],
-            "parameters": sum(t.numel() for layer in stage_layers[s] for _, t in unique_parameters(layer)),
+            "parameters": sum(t.numel() for layer in layers for _, t in unique_parameters(layer)),
         }
-        for s in range(n_stages)
+        for s, layers in enumerate(stage_layers)
     ]
 
 

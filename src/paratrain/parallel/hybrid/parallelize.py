@@ -15,24 +15,17 @@ ModelParallel (hybrid.py) runs them on rank 0's initial weights, broadcast first
 
 from __future__ import annotations
 
-import copy
-
-import torch
 from torch import nn
 
 from paratrain.comm import grid
 from paratrain.comm.grid import Mesh
-from paratrain.config import Config
+from paratrain.config import Config, virtual_stages
+from paratrain.models.layers import pipeline_layers
 from paratrain.parallel.base import unique_parameters
 from paratrain.parallel.dp.engine import GradientReducer
-from paratrain.parallel.pipeline.cut import allowed_cuts, decide_split, pipeline_layers, split_ties
+from paratrain.parallel.pipeline.cut import allowed_cuts, decide_split, split_ties
 from paratrain.parallel.pipeline.runner import StageChunk
 from paratrain.parallel.tensor.layers import apply_tensor_parallel
-
-
-def virtual_stages(cfg: Config) -> int:
-    p = cfg.parallel
-    return p.virtual_stages if p.schedule == "interleaved" and p.pp > 1 else 1
 
 
 def sync_ties(cfg: Config) -> bool:
@@ -40,17 +33,6 @@ def sync_ties(cfg: Config) -> bool:
     (ModelParallel._sum_tied_grads): with one stage per rank each rank holds one copy (with tp, one
     shard of it, the same rows at every holder: tensor_parallel.check_plan)."""
     return virtual_stages(cfg) == 1
-
-
-def microbatch_count(cfg: Config) -> int:
-    return cfg.train.grad_accum * (cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1)
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """The model's structure with every tensor on the meta device (no copy of the weights)."""
-    memo = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad) for t in model.parameters()}
-    memo.update({id(t): torch.empty_like(t, device="meta") for t in model.buffers()})
-    return copy.deepcopy(model, memo)
 
 
 def decide_cut(model: nn.Module, cfg: Config, plan: dict, sample_fn, autocast, device, is_main: bool) -> list[int]:

@@ -19,17 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm import collectives
-from paratrain.models.hf_pipeline import transformers_layers
-
-
-def pipeline_layers(model: nn.Module) -> list[nn.Module] | None:
-    """The model's own pipeline_layers(), an nn.Sequential's children, or a transformers decoder's
-    layers from its base_model_pp_plan (models/hf_pipeline.py); None: the model cannot be cut."""
-    if hasattr(model, "pipeline_layers"):
-        return list(model.pipeline_layers())
-    if isinstance(model, nn.Sequential):
-        return list(model)  # as forward runs them: children() lists a module used twice once
-    return transformers_layers(model)
+from paratrain.models.layers import pipeline_layers
 
 
 def parameters_outside(model: nn.Module, layers: list[nn.Module]) -> list[str]:

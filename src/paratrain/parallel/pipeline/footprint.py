@@ -6,8 +6,8 @@ schedules, the tp plan's shard ranges)."""
 
 from __future__ import annotations
 
-from paratrain.plan.activations import StageMemory
-from paratrain.plan.ranks import RankPlan
+from paratrain.cost.activations import StageMemory
+from paratrain.cost.ranks import RankPlan
 
 
 def peak_in_schedule(actions, stage_of_chunk: list[int], stage_bytes: list[int]) -> int:

@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from paratrain.data.batch import feed, tensors_in, tree_map
+from paratrain.data.batch import feed
 from paratrain.models.recompute import run_layers
 from paratrain.parallel.pipeline.comm import P2P
 from paratrain.parallel.pipeline.schedules import Action
@@ -202,30 +202,3 @@ class _StepRun:
         sends = [] if s == self.first else [(x.grad, r.stage_rank(s - 1), r.p2p.tag(P2P.GRADIENT, s - 1, a.mb))]
         freed = [buf for buf in (received_grad, None if s == self.first else x) if buf is not None]
         return t0, sends, freed
-
-
-def boundary_shape_fn(meta_layers: list[list[nn.Module]]):
-    """Shapes and dtypes of the activation entering each virtual stage, for a microbatch input,
-    found by running the unsplit model on the meta device (no memory, no communication). The
-    first stage's entry is the input's first tensor (a batch may be a dict: data/batch.py); the
-    last stage's layers are not run, their output going nowhere (so without pp nothing runs)."""
-    cache: dict[tuple, list] = {}
-
-    def shapes(x) -> list[tuple[torch.Size, torch.dtype]]:
-        key = tuple((tuple(t.shape), t.dtype) for t in tensors_in(x))
-        if key not in cache:
-            out, act = [], tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), x)
-            with torch.no_grad():
-                for s, layers in enumerate(meta_layers):
-                    lead = tensors_in(act)[0]
-                    out.append((lead.shape, lead.dtype))
-                    if s == len(meta_layers) - 1:
-                        break
-                    for i, layer in enumerate(layers):
-                        # eval: batch norm's momentum=None counts batches with .item(), which a
-                        # meta tensor has not; the shapes are the same
-                        act = feed(layer.eval(), act) if s == 0 and i == 0 else layer.eval()(act)
-            cache[key] = out
-        return cache[key]
-
-    return shapes

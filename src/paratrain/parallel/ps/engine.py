@@ -52,7 +52,8 @@ from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.ps.server import ServerSide
 from paratrain.parallel.ps.wire import FlatShard, assign_shards, first_line
 from paratrain.parallel.ps.worker import WorkerSide
-from paratrain.runtime import faults, guard
+from paratrain.runtime import fault_points
+from paratrain.runtime.fault import guard
 
 
 class ParameterServer(Strategy):
@@ -111,10 +112,10 @@ class ParameterServer(Strategy):
     # -- the step -------------------------------------------------------------------------------
     def train_step(self, batch) -> torch.Tensor:
         self.t0 = self.t0 or time.perf_counter()
-        if faults.active("ps_vanish", rank=self.rt.rank, step=self.step_index):  # tests: leave with exit 0
+        if fault_points.fires("ps_vanish", rank=self.rt.rank, step=self.step_index):  # tests: leave with exit 0
             print(f"ps: {self._role(self.rt.rank)} vanishes at step {self.step_index} (fault injection)", flush=True)
             os._exit(0)
-        if faults.active("ps_kill", rank=self.rt.rank, step=self.step_index):  # tests: a crash
+        if fault_points.fires("ps_kill", rank=self.rt.rank, step=self.step_index):  # tests: a crash
             os.kill(os.getpid(), signal.SIGKILL)
         final = self.step_index == self.total_steps - 1
         loss = self._step(batch, final)

@@ -5,12 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from paratrain.config import Config
+from paratrain.cost.activations import whole_model_activations
+from paratrain.cost.ranks import RankPlan, nbytes, optimizer_slots
 from paratrain.parallel.base import unique_parameters
 from paratrain.parallel.dp.footprint import Planned
 from paratrain.parallel.ps.wire import HEADER, assign_shards
 from paratrain.parallel.spec import Spec
-from paratrain.plan.activations import whole_model_activations
-from paratrain.plan.ranks import RankPlan, nbytes, optimizer_slots
 
 
 def parameter_server(

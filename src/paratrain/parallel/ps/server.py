@@ -24,7 +24,7 @@ from paratrain.errors import say
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import clip_factor, whole_model_chunks
 from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG, first_line
-from paratrain.runtime.guard import drop_worker
+from paratrain.runtime.fault.guard import drop_worker
 
 
 class ServerSide:

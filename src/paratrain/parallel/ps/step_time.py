@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paratrain.plan.step_time import Step
+from paratrain.cost.step_time import Step
 
 
 def parameter_server(step: Step) -> tuple[float, dict, float, int]:
@@ -12,7 +12,7 @@ def parameter_server(step: Step) -> tuple[float, dict, float, int]:
     receive bytes, a latency a message); the step waits for the slowest server, and for a worker's
     own link, which carries every shard both ways. Async and ssp workers run ahead instead of
     waiting: the figure is a sync step's."""
-    from paratrain.plan.step_time import stage_costs
+    from paratrain.cost.step_time import stage_costs
 
     plan, cluster = step.plan, step.cluster
     b = plan["batch"]

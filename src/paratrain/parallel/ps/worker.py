@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from paratrain.data.batch import feed
 from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG
-from paratrain.runtime import faults
+from paratrain.runtime import fault_points
 
 FAULT_STALL_S = 4.0
 
@@ -72,7 +72,7 @@ class WorkerSide:
         for s, buf, dev_buf in zip(self.servers, self.grad_bufs, self.dev_grad_bufs):
             if dev_buf is not buf:
                 buf.copy_(dev_buf)
-            lie = faults.active("ps_bad_header", rank=self.rt.rank, step=self.step_index)
+            lie = fault_points.fires("ps_bad_header", rank=self.rt.rank, step=self.step_index)
             buf[:HEADER] = torch.tensor([float("nan") if lie else self.step_index, self.versions[s], float(loss), 0.0])
             sends.append(self._p2p(dist.isend, buf, s, PUSH_TAG))
         for s, work in zip(self.servers, sends):
@@ -94,11 +94,11 @@ class WorkerSide:
 
     def _between_push_and_pull(self) -> None:
         """Tests: die or stall with the push sent and the pull not yet asked for."""
-        if faults.active("ps_kill_before_pull", rank=self.rt.rank, step=self.step_index):
+        if fault_points.fires("ps_kill_before_pull", rank=self.rt.rank, step=self.step_index):
             os.kill(os.getpid(), signal.SIGKILL)
-        if faults.active("ps_bad_header", rank=self.rt.rank, step=self.step_index):
+        if fault_points.fires("ps_bad_header", rank=self.rt.rank, step=self.step_index):
             os._exit(0)  # no pull will answer a malformed push
-        if faults.active("ps_stall_before_pull", rank=self.rt.rank, step=self.step_index):
+        if fault_points.fires("ps_stall_before_pull", rank=self.rt.rank, step=self.step_index):
             print(
                 f"ps: worker rank {self.rt.rank} stalls for {FAULT_STALL_S:g}s before its pull of step "
                 f"{self.step_index + 1} (fault injection)",

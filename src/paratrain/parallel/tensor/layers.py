@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import collectives
+from paratrain.cost.activations import TensorSharding
 from paratrain.errors import ConfigError
 from paratrain.parallel.tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp, shard_range
 from paratrain.parallel.tensor.model_plans import check_heads, expand, transformers_plan
@@ -297,3 +298,21 @@ def parallel_loss(loss_fn, group, full: int):
     if loss_fn is cross_entropy:
         return lambda out, y: vocab_parallel_cross_entropy(output_logits(out), y, group, full)
     return lambda out, y: loss_fn(gather_from_tp(out, group, full), y)
+
+
+def planned_sharding(plan: dict, tp: int) -> TensorSharding:
+    """How the planner plays tp rank 0 of `plan` (cost/activations.py): its shards, and the loss on
+    a vocabulary-sharded output, the vocabulary-parallel cross-entropy (a user loss there gathers
+    the output first: not modelled, None)."""
+    from paratrain.optim import cross_entropy
+
+    def loss(model: nn.Module, loss_fn):
+        if not output_is_sharded(model):
+            return loss_fn
+        if loss_fn is not cross_entropy:
+            return None
+        return lambda logits, target: _VocabParallelCrossEntropy.apply(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), None, 0
+        )
+
+    return TensorSharding(shard=lambda model: shard_modules(model, plan, None, 0, tp), loss=loss)

@@ -5,13 +5,13 @@ from __future__ import annotations
 from torch import nn
 
 from paratrain.config import Config
+from paratrain.cost.activations import saved_activation_bytes, step_memory, whole_model_activations
+from paratrain.cost.ranks import MIB, RankPlan, optimizer_slots, padded_bytes, padded_numel
 from paratrain.parallel.base import unique_parameters
 from paratrain.parallel.dp.footprint import Planned, wire_bytes
 from paratrain.parallel.spec import Spec
 from paratrain.parallel.zero.comm import bucket_groups, from_primitives, working_dtype
 from paratrain.parallel.zero.gather import module_units
-from paratrain.plan.activations import saved_activation_bytes, step_memory, whole_model_activations
-from paratrain.plan.ranks import MIB, RankPlan, optimizer_slots, padded_bytes, padded_numel
 
 
 def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parameter], world: int):

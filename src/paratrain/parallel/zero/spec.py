@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from paratrain.parallel.spec import Spec
-
-if TYPE_CHECKING:
-    pass
 
 
 class ZeroSpec(Spec):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paratrain.plan.step_time import Step, bucketed_s, buckets, codec_s, collective_s, finish
+from paratrain.cost.step_time import Step, bucketed_s, buckets, codec_s, collective_s, finish
 
 
 def zero(step: Step) -> tuple[float, dict, float, int]:

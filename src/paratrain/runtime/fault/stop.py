@@ -41,7 +41,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from paratrain.comm import grid
+from paratrain.comm import collectives, grid
 from paratrain.runtime import process
 
 CHECK_EVERY_S = 0.5
@@ -59,8 +59,10 @@ def _flag(signum, _frame) -> None:
 
 
 def catch() -> None:
-    """From now on SIGTERM raises the flag (one raised already stays up)."""
+    """From now on SIGTERM raises the flag (one raised already stays up), until a collective fails."""
     signal.signal(signal.SIGTERM, _flag)
+    if on_collective_failure not in collectives.BEFORE_DIAGNOSIS:
+        collectives.BEFORE_DIAGNOSIS.append(on_collective_failure)
 
 
 def release() -> None:

@@ -5,7 +5,7 @@ Each node's `paratrain run` is a supervisor: it starts its own workers (forked f
 server, as launch.py's are; global rank = node x nproc + local rank), watches them, and reports
 each one's end to the store. Node 0's also hosts the store (in this process, so that it outlives
 any worker: on loopback for one node, at --rdzv for several, the store the nodes met in) and owns
-the membership (runtime/leader.py); the workers' side is runtime/survive.py:
+the membership (runtime/fault/leader.py); the workers' side is runtime/fault/survive.py:
 
     a worker is killed       (a signal: the process, node or device is gone) its replica leaves the
                              run: the replica's other ranks are killed too, on whichever node they
@@ -40,9 +40,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from paratrain.comm.grid import ReplicaLayout
-from paratrain.runtime import process, survive
+from paratrain.runtime import process
+from paratrain.runtime.fault import survive
+from paratrain.runtime.fault.leader import ATTEMPT, END, SIGNAL, Leader, event_key, left_key, read
 from paratrain.runtime.launch import SOCKET_IFNAME_VARS, Interrupted, WorkerFailure, route_to, start_worker_server
-from paratrain.runtime.leader import ATTEMPT, END, SIGNAL, Leader, event_key, left_key, read
 
 
 def supervise(

@@ -1,5 +1,8 @@
 """Fault injection for tests and benchmarks: make one rank misbehave at one step, on purpose.
 
+`paratrain run` installs these faults at the training code's fault points (runtime/fault_points.py)
+in each worker when PARATRAIN_FAULTS is set.
+
 PARATRAIN_FAULTS holds `;`-separated faults, each `name@key=value,key=value`, e.g.
     skip_collective@rank=1,step=3,what=grad-bucket-0     rank 1 never issues that all-reduce
     exit_in_save@rank=0,step=8                           rank 0 dies mid-checkpoint
@@ -57,9 +60,10 @@ def parse(text: str) -> dict[str, list[dict[str, str]]]:
     return out
 
 
-def active(name: str, **context) -> bool:
-    # Read at each call, not at import: a worker forked from the worker server imported this
-    # module before its own environment was set.
+def active(name: str, context: dict) -> bool:
+    """Whether fault `name` fires for `context` (runtime/fault_points.py's injector). The variable is
+    read at each call, not at import: a worker forked from the worker server imported this module
+    before its own environment was set."""
     text = os.environ.get(ENV)
     if not text:
         return False
@@ -69,14 +73,11 @@ def active(name: str, **context) -> bool:
     return False
 
 
-def at_step_start(**context) -> None:
-    """The trainer's faults, as a step begins: `kill` (SIGKILL) and `term` (SIGTERM, 15)."""
-    kill_if("kill", **context)
-    kill_if("term", 15, **context)
+def injected_worker(target: str, *args: str) -> None:
+    """A worker of `paratrain run` with PARATRAIN_FAULTS set: the faults installed at the training
+    code's fault points, then the worker itself (`target`, as launch.call_preloaded takes it)."""
+    from paratrain.runtime import fault_points
+    from paratrain.runtime.launch import call_preloaded
 
-
-def kill_if(name: str, signum: int = 9, **context) -> None:
-    """Send this process `signum` where fault `name` fires; SIGKILL (9): a node lost, with no word
-    to anyone."""
-    if active(name, **context):
-        os.kill(os.getpid(), signum)
+    fault_points.install(active)
+    call_preloaded(target, *args)

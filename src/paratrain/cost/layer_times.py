@@ -197,8 +197,8 @@ def _measure(cfg: Config, rows: int) -> list[list[float]]:
     from paratrain.data.batch import feed, tree_map
     from paratrain.models import build_model
     from paratrain.models.compiled import compile_blocks
+    from paratrain.models.layers import pipeline_layers
     from paratrain.optim import build_loss
-    from paratrain.parallel.pipeline.cut import pipeline_layers
 
     torch.manual_seed(cfg.train.seed)
     dataset = build_dataset(cfg, "train")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,9 +15,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from paratrain.config import Config
+from paratrain.cost.ranks import RankPlan
 from paratrain.data.batch import feed, tensors_in, tree_map
 from paratrain.models.recompute import blocks, run_layers
-from paratrain.plan.ranks import RankPlan
+
+
+@dataclass
+class TensorSharding:
+    """How tensor parallelism changes a model the planner plays (the tensor layers give it: this
+    module sits below the strategies and names none)."""
+
+    shard: Callable[[nn.Module], None]  # make the planned modules tp rank 0's shards, in place
+    loss: Callable[[nn.Module, Callable], Callable | None]  # the loss on its output; None: not modelled
 
 
 @dataclass
@@ -37,7 +47,7 @@ class FakeRun:
         """The first layer of each recomputed block of stage s (whose input the block keeps)."""
         layers = self.stages[s]
         if layers == [self.model]:
-            from paratrain.parallel.pipeline.cut import pipeline_layers
+            from paratrain.models.layers import pipeline_layers
 
             layers = pipeline_layers(self.model) or [self.model]
         return [block[0] for block in blocks(layers)]
@@ -51,16 +61,17 @@ class FakeRun:
         tp_plan: dict | None = None,
         tp: int = 1,
         working: torch.dtype | None = None,
+        sharding: TensorSharding | None = None,
     ) -> FakeRun:
         """`bounds` over pipeline_layers; None: the whole model as one stage. With tp > 1 the
-        planned modules are tp rank 0's shards (the largest: shard_sizes). `working`: the dtype of
+        planned modules are tp rank 0's shards (the largest: shard_sizes), as `sharding` makes them. `working`: the dtype of
         the trainable parameters the strategy computes with, where not the model's own (mixed-precision
         ZeRO's bf16 working copies)."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from paratrain.data import build_dataset, load_batch
         from paratrain.models import build_model
-        from paratrain.parallel.pipeline.cut import pipeline_layers
+        from paratrain.models.layers import pipeline_layers
 
         dataset = build_dataset(cfg, "train")
         x, y = load_batch(dataset, torch.arange(rows))
@@ -68,9 +79,7 @@ class FakeRun:
         with mode:
             model = build_model(cfg, dataset)
             if tp > 1:
-                from paratrain.parallel.tensor.layers import shard_modules
-
-                shard_modules(model, tp_plan, None, 0, tp)
+                sharding.shard(model)
             for p in model.parameters() if working is not None else ():
                 if p.requires_grad and p.is_floating_point():
                     p.data = p.data.to(working)
@@ -156,9 +165,7 @@ def boundary_bytes(cfg: Config, model: nn.Module, bounds: list[int], rows: int) 
     """Bytes of one microbatch's activation entering each stage, as the engine sends it (its dtype
     from the same meta-device pass the engine uses)."""
     from paratrain.data import build_dataset, load_batch
-    from paratrain.parallel.hybrid.parallelize import meta_copy
-    from paratrain.parallel.pipeline.cut import pipeline_layers
-    from paratrain.parallel.pipeline.runner import boundary_shape_fn
+    from paratrain.models.layers import boundary_shape_fn, meta_copy, pipeline_layers
 
     meta = pipeline_layers(meta_copy(model))
     x, _ = load_batch(build_dataset(cfg, "train"), torch.arange(rows))
@@ -282,6 +289,7 @@ def step_memory(
     tp_plan: dict | None = None,
     tp: int = 1,
     working: torch.dtype | None = None,
+    sharding: TensorSharding | None = None,
 ) -> list[StageMemory] | None:
     """Each stage's memory over one microbatch's forward and backward, played in fake tensors with
     every storage counted while alive: saved activations, the temporaries of each op, the logits and
@@ -289,22 +297,14 @@ def step_memory(
     added to the one the strategy keeps (present, as after the first step), and a later stage's
     input gradient. Stage by stage, each from a fresh input as the engine receives it; what the
     engine receives is not counted here (it keeps a pool of receive buffers: pipeline/footprint.receive_buffers).
-    Under tp (`tp_plan` over `tp` ranks) tp rank 0's shards, and the vocabulary-parallel
-    cross-entropy on a sharded output; None for a user loss on a sharded output (it gathers the
-    output first: not modelled)."""
-    from paratrain.optim import build_loss, cross_entropy
+    Under tp (`tp_plan` over `tp` ranks) tp rank 0's shards and the loss the engine computes on
+    them, as `sharding` (the tensor layers') makes them; None where that loss is not modelled."""
+    from paratrain.optim import build_loss
 
-    run = FakeRun.build(cfg, rows, bounds, tp_plan, tp, working)
+    run = FakeRun.build(cfg, rows, bounds, tp_plan, tp, working, sharding)
     loss_fn = build_loss(cfg)
-    if tp > 1:
-        from paratrain.parallel.tensor.layers import _VocabParallelCrossEntropy, output_is_sharded
-
-        if output_is_sharded(run.model):
-            if loss_fn is not cross_entropy:
-                return None
-            loss_fn = lambda logits, target: _VocabParallelCrossEntropy.apply(  # noqa: E731
-                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), None, 0
-            )
+    if tp > 1 and (loss_fn := sharding.loss(run.model, loss_fn)) is None:
+        return None
     with run.mode:
         for p in run.model.parameters():
             if p.grad is None:  # the strategy's gradients, kept between steps (a shared run may have them)
@@ -314,7 +314,7 @@ def step_memory(
     shape_in = run.x
     for s, layers in enumerate(run.stages):
         if run.recompute and layers == [run.model]:  # recomputed block by block, as the engines run it
-            from paratrain.parallel.pipeline.cut import pipeline_layers
+            from paratrain.models.layers import pipeline_layers
 
             layers = pipeline_layers(run.model) or layers
         chain = repeated_layers(layers, s == 0)

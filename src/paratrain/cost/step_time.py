@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from paratrain.config import Config
-from paratrain.plan.cluster import Cluster
-from paratrain.plan.op_counts import OpRecorder
+from paratrain.cost.cluster import Cluster
+from paratrain.cost.op_counts import OpRecorder
 from paratrain.profile import min_bytes_sent
 
 
@@ -41,8 +41,8 @@ class StageCost:
 def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[list[tuple[int, int]]], int]:
     """Each stage's ops in one microbatch's forward, as (FLOPs, bytes written) of the whole
     (unsplit) stage, and the tokens in a sample (a sequence model's positions; else 1)."""
+    from paratrain.cost.activations import FakeRun
     from paratrain.optim import build_loss
-    from paratrain.plan.activations import FakeRun
 
     run = FakeRun.build(cfg, rows, bounds)
     recorders: list[OpRecorder] = []
@@ -78,7 +78,7 @@ def stage_costs(
     d = cluster.device
     measured = None
     if d.time_layers:
-        from paratrain.plan.layer_times import layer_times
+        from paratrain.cost.layer_times import layer_times
 
         threads = worker_threads(cluster)
         # a tp shard runs every op of its layer on 1/tp of the arithmetic: timed as the layer on
@@ -124,13 +124,15 @@ def collective_s(op: str, payload: float, n: int, bandwidth: float, latency: flo
 
 @dataclass
 class Step:
-    """What a strategy's time model (its spec's `time_model`) reads: the config, the model on the
-    meta device, the plan of its ranks and the cluster; and the figures every model shares."""
+    """What a strategy's step time (its spec's `step_time`) reads: the config, the model on the
+    meta device, the plan of its ranks and the cluster; and the figures every model shares.
+    `tp_plan`: module name -> style, which the tensor layers resolve (hybrid's step time sets it)."""
 
     cfg: Config
     model: object
     plan: dict
     cluster: Cluster
+    tp_plan: dict = field(default_factory=dict)
 
     @property
     def recompute(self) -> bool:
@@ -157,7 +159,7 @@ class Step:
         rank = rank or self.busiest
         d = self.cluster.device
         if d.time_layers:
-            from paratrain.plan.layer_times import optimizer_step_s
+            from paratrain.cost.layer_times import optimizer_step_s
 
             timed = optimizer_step_s(self.cfg, worker_threads(self.cluster), self.cluster.times_file)
             if timed is not None:
@@ -169,7 +171,7 @@ class Step:
 
     def replica(self) -> Replica:
         """One model replica's microbatches through its tp x pp grid (tp = pp = 1: one device)."""
-        from paratrain.parallel.hybrid.parallelize import virtual_stages
+        from paratrain.config import virtual_stages
 
         cfg, cluster, p = self.cfg, self.cluster, self.cfg.parallel
         tp, pp = p.tp, p.pp
@@ -184,10 +186,9 @@ class Step:
         # tp: all-reduces within each stage, every microbatch; recompute repeats the forward's half
         tp_s = [0.0] * len(stages)
         if tp > 1:
-            from paratrain.parallel.tensor.layers import plan_for
-            from paratrain.plan.activations import tp_all_reduces
+            from paratrain.cost.activations import tp_all_reduces
 
-            payloads = tp_all_reduces(cfg, rows, bounds, plan_for(self.model, p.tp_plan)) or [[] for _ in stages]
+            payloads = tp_all_reduces(cfg, rows, bounds, self.tp_plan) or [[] for _ in stages]
             bw, lat = self.link(tp)
             tp_s = [
                 sum(collective_s("all_reduce", x, tp, bw, lat) for x in stage) * (1.5 if recompute else 1)
@@ -196,7 +197,7 @@ class Step:
         # pp: a microbatch's activation to the next stage, its gradient back
         p2p_s = [0.0] * len(stages)
         if pp > 1:
-            from paratrain.plan.activations import boundary_bytes
+            from paratrain.cost.activations import boundary_bytes
 
             boundary = boundary_bytes(cfg, self.model, bounds, rows)
             neighbours = dp * tp + 1  # a stage's neighbour is dp x tp ranks on

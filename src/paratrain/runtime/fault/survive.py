@@ -1,7 +1,7 @@
 """fault.on_failure = "continue", a worker's side: generations of members, a lost replica's way out
 and a restarted one's way back in, while the others train on (docs/fault-tolerance.md).
 
-Node 0's supervisor (runtime/supervise.py, leader.py) hosts the store and decides who trains:
+Node 0's supervisor (supervise.py, leader.py) hosts the store and decides who trains:
 generation g is the store's `gen-{g}`, the sorted original ranks of the live replicas, and
 `latest` is the newest g.
 Each generation gets a process group of its own on that store (its own key prefix), its members
@@ -45,7 +45,8 @@ import torch.distributed as dist
 from paratrain.comm import collectives
 from paratrain.comm.grid import ReplicaLayout
 from paratrain.errors import ConfigError, say
-from paratrain.runtime import faults, process, stop
+from paratrain.runtime import fault_points, process
+from paratrain.runtime.fault import stop
 
 INCARNATION = "PARATRAIN_INCARNATION"  # 0 at a worker's first start, n after its n-th restart
 REPLICA_SIZE = "PARATRAIN_REPLICA_SIZE"  # ranks per replica (supervise.py)
@@ -66,14 +67,16 @@ def keys(attempt: int) -> str:
     return PREFIX.format(attempt=attempt)
 
 
-def train(cfg, run_dir, resume: str, train_run) -> int:
+def train_through_failures(cfg, run_dir, resume: str, train_run, check_world) -> int:
     """A worker's run under fault.on_failure = "continue": `train_run` (trainer.train) in the
-    newest generation that holds it; FALLBACK_EXIT, saying why, where the run cannot go on."""
+    newest generation that holds it; FALLBACK_EXIT, saying why, where the run cannot go on.
+    `check_world(cfg, world)`: the registry's, whether the strategy fits the ranks left."""
     collectives.DIAGNOSE = False  # a lost peer never answers: regroup at once instead
     try:
         membership = Membership.start(cfg.train.device, cfg.parallel.timeout_s)
         membership.replicated = cfg.parallel.replicas > 1
         membership.grad_accum = cfg.train.grad_accum
+        membership.check_world = check_world
         return train_run(membership.config(cfg), run_dir, membership.runtime(), resume, membership)
     except CannotContinue as exc:
         say(f"cannot continue: {exc}")
@@ -91,6 +94,7 @@ class Membership:
         self.prefix = keys(self.attempt)
         self.gen, self.members = -1, []
         self.saved: bytes | None = None  # this rank's state, kept until a regroup has passed it on
+        self.check_world = lambda cfg, world: None  # the registry's, given by train_through_failures
         self.newest = -1  # the newest generation the members agreed on after a step
 
     @classmethod
@@ -170,8 +174,8 @@ class Membership:
         uninterrupted run (process.SeededMicroBatches), and no survivor needs more memory."""
         micro_batches = self.grad_accum * self.layout.world
         if micro_batches % len(self.members) == 0:
-            train = dataclasses.replace(cfg.train, grad_accum=micro_batches // len(self.members))
-            cfg = dataclasses.replace(cfg, train=train)
+            shared_out = dataclasses.replace(cfg.train, grad_accum=micro_batches // len(self.members))
+            cfg = dataclasses.replace(cfg, train=shared_out)
         if not self.replicated:
             return cfg
         live = len(self.members) // self.layout.size
@@ -252,7 +256,7 @@ class Membership:
             try:
                 self.enter(g)
                 trainer.cfg, trainer.rt = self.config(trainer.cfg), self.runtime()
-                trainer.build_strategy()
+                trainer.build_model_and_strategy()
                 trainer.strategy.profiler = self.profiler
                 self.settle(trainer, done)
             except (RuntimeError, ConfigError) as exc:
@@ -270,12 +274,10 @@ class Membership:
         """Every member of a new generation, its strategy built over the new group: the survivors
         confirm they stand at one step (a joiner, -1, has none), and everyone takes the state of
         replica 0's ranks."""
-        from paratrain.parallel.registry import check_world
-
         if done < 0:  # a joiner lost on its way in
-            faults.kill_if("kill_joining", rank=self.rank, incarnation=os.environ[INCARNATION])
+            fault_points.kill_if("kill_joining", rank=self.rank, incarnation=os.environ[INCARNATION])
         try:
-            check_world(trainer.cfg, len(self.members))
+            self.check_world(trainer.cfg, len(self.members))
         except ConfigError as exc:
             raise CannotContinue(f"{len(self.members)} ranks left: {exc}") from None
         steps = [torch.zeros(1, dtype=torch.long) for _ in self.members]

@@ -122,10 +122,10 @@ def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | No
     from paratrain.checkpoint.resume import check_resumable
     from paratrain.data import build_dataset
     from paratrain.models import build_model
-    from paratrain.parallel.registry import strategy_class
+    from paratrain.parallel.registry import checkpoint_family, strategy_class
 
     def check(reader: CheckpointReader) -> None:
-        check_resumable(reader, cfg.parallel.strategy, cfg.train.optimizer, "--resume")
+        check_resumable(reader, cfg.parallel.strategy, cfg.train.optimizer, "--resume", checkpoint_family)
         with torch.device("meta"):  # names and shapes against the model, built on meta (no memory)
             model = build_model(cfg, build_dataset(cfg, "train"))
         strategy_class(cfg.parallel.strategy).check_checkpoint(reader, model)
