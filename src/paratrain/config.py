@@ -146,7 +146,10 @@ class TrainConfig:
         "ModuleList elements) under every strategy; the first step compiles",
     )
     recompute: str = opt(
-        "none", choices=("none", "full"), doc="full: keep only each block's input and run its forward again in backward"
+        "none",
+        choices=("none", "full", "selective"),
+        doc="full: keep only each block's input and run its forward again in backward; selective: keep "
+        "its input and its products' outputs (matmuls, attention), run only the ops between them again",
     )
     seed: int = opt(0, check=_seed)
     log_every: int = opt(10, check=_positive, doc="steps between metrics lines (and the profiler's gather)")

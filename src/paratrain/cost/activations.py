@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from paratrain.config import Config
 from paratrain.cost.ranks import RankPlan
 from paratrain.data.batch import feed, tensors_in, tree_map
-from paratrain.models.recompute import blocks, run_layers
+from paratrain.models.recompute import blocks, run_layers, saves
 
 
 @dataclass
@@ -41,7 +41,7 @@ class FakeRun:
     x: object  # the batch's inputs and targets, of any structure (data/batch.py)
     y: object
     autocast: object  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
-    recompute: bool  # train.recompute = "full": each block keeps only its input
+    recompute: str  # train.recompute: "full" keeps each block's input, "selective" its products' outputs too
 
     def block_starts(self, s: int) -> list[nn.Module]:
         """The first layer of each recomputed block of stage s (whose input the block keeps)."""
@@ -92,7 +92,7 @@ class FakeRun:
             torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
         )
         x, y = tree_map(mode.from_tensor, (x, y))
-        return cls(mode, model, stages, x, y, autocast, cfg.train.recompute == "full")
+        return cls(mode, model, stages, x, y, autocast, cfg.train.recompute)
 
     def held(self) -> list[torch.Tensor]:
         """The batch's tensors: the data, held anyway; with the tensors they are views of (a
@@ -103,6 +103,8 @@ class FakeRun:
     def run_stage(self, s: int, layers: list[nn.Module], x):
         """Stage s on its input. A batch that is not one tensor goes to the first layer as the
         model takes it (model(**x) for a dict), which recomputes by its own switch if at all."""
+        if layers == [self.model]:  # the whole model, as dp and zero run it: it recomputes by its own switch
+            return feed(self.model, x)
         if s == 0 and not isinstance(x, torch.Tensor):
             x, layers = feed(layers[0], x), layers[1:]
         return run_layers(layers, x, self.recompute)
@@ -119,6 +121,22 @@ class FakeRun:
                     act = self.run_stage(s, layers, act)
                     if loss_fn is not None and s == len(self.stages) - 1:
                         loss_fn(act, self.y)
+
+
+class KeptProducts(TorchDispatchMode):
+    """Hands `keep` the output of every op selective recompute keeps (its products) as they run."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.keep = keep
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if saves(func):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.keep(t)
+        return out
 
 
 def saved_activation_bytes(
@@ -147,10 +165,13 @@ def saved_activation_bytes(
             pack(args[0])
 
         # under recompute autograd's hooks never see a checkpointed block's tensors: the block keeps
-        # its input instead, counted as its first layer receives it
-        handles = [m.register_forward_pre_hook(keep_block_input) for m in run.block_starts(s)] if run.recompute else []
+        # its input instead, counted as its first layer receives it, and under selective recompute
+        # the outputs of its products besides (models/recompute.py)
+        recomputed = run.recompute != "none"
+        handles = [m.register_forward_pre_hook(keep_block_input) for m in run.block_starts(s)] if recomputed else []
+        kept = KeptProducts(pack) if run.recompute == "selective" else contextlib.nullcontext()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kept:
                 yield
         finally:
             for h in handles:
@@ -313,7 +334,7 @@ def step_memory(
     out: list[StageMemory] = []
     shape_in = run.x
     for s, layers in enumerate(run.stages):
-        if run.recompute and layers == [run.model]:  # recomputed block by block, as the engines run it
+        if run.recompute != "none" and layers == [run.model]:  # recomputed block by block, as the engines run it
             from paratrain.models.layers import pipeline_layers
 
             layers = pipeline_layers(run.model) or layers

@@ -32,10 +32,13 @@ class StageCost:
     forward_flops: int  # one microbatch's forward through the stage, the whole (unsplit) stage
     forward_s: float  # the same on one device of the cluster, split over tp
     backward_s: float
+    cheap_s: float  # of forward_s, the ops between the products (what selective recompute runs again)
 
-    def work_s(self, recompute: bool) -> float:
-        """Forward, backward and, under recompute, the forward again."""
-        return self.forward_s * (2 if recompute else 1) + self.backward_s
+    def work_s(self, recompute: str) -> float:
+        """Forward, backward and, under recompute, the forward again: all of it ("full") or the
+        ops between its products ("selective", which keeps the products' outputs)."""
+        again = {"none": 0.0, "full": self.forward_s, "selective": self.cheap_s}[recompute]
+        return self.forward_s + again + self.backward_s
 
 
 def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[list[tuple[int, int]]], int]:
@@ -92,6 +95,8 @@ def stage_costs(
         memory_s = sum(2 * written / (d.hbm_GBps * 1e9) for flops, written in ops if not flops)
         fixed_s = sum(d.product_overhead_us * 1e-6 for flops, _ in ops if flops) + len(ops) * d.op_overhead_us * 1e-6
         split = fixed_s + (flops_s + memory_s) / tp
+        # the ops between the products: memory-bound, and each its launch (what selective recomputes)
+        cheap = sum(1 for flops, _ in ops if not flops) * d.op_overhead_us * 1e-6 + memory_s / tp
         if measured is None:
             forward_s, backward_s = split, 2 * split
         else:
@@ -101,7 +106,7 @@ def stage_costs(
             scale = split / (fixed_s + (flops_s + memory_s) * timed_rows / rows)
             forward_s = scale * sum(t.forward_s for t in layers)
             backward_s = scale * sum(t.backward_s for t in layers)
-        out.append(StageCost(sum(f for f, _ in ops), forward_s, backward_s))
+        out.append(StageCost(sum(f for f, _ in ops), forward_s, backward_s, forward_s * cheap / split))
     return out, tokens
 
 
@@ -135,8 +140,8 @@ class Step:
     tp_plan: dict = field(default_factory=dict)
 
     @property
-    def recompute(self) -> bool:
-        return self.cfg.train.recompute == "full"
+    def recompute(self) -> str:
+        return self.cfg.train.recompute
 
     @property
     def wire(self) -> float:
@@ -191,7 +196,7 @@ class Step:
             payloads = tp_all_reduces(cfg, rows, bounds, self.tp_plan) or [[] for _ in stages]
             bw, lat = self.link(tp)
             tp_s = [
-                sum(collective_s("all_reduce", x, tp, bw, lat) for x in stage) * (1.5 if recompute else 1)
+                sum(collective_s("all_reduce", x, tp, bw, lat) for x in stage) * (1.5 if recompute != "none" else 1)
                 for stage in payloads
             ]
         # pp: a microbatch's activation to the next stage, its gradient back

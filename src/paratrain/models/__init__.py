@@ -61,6 +61,6 @@ def build_model(cfg: Config, dataset) -> nn.Module:
         raise ConfigError("model.factory", f"{name} failed: {exc}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError("model.factory", f"{name} returned {type(model).__name__}, not a torch.nn.Module")
-    if cfg.train.recompute == "full":
-        enable_recompute(model, name)
+    if cfg.train.recompute != "none":
+        enable_recompute(model, name, cfg.train.recompute)
     return model

@@ -116,7 +116,7 @@ class GPT(nn.Module):
         require(d_model % n_head == 0, "n_head", f"d_model {d_model} is not divisible by n_head {n_head}")
         require(attention in ATTENTION, "attention", f"{attention!r} is not one of {', '.join(ATTENTION)}")
         self.block_size = block_size
-        self.recompute = False  # train.recompute = "full": each pipeline layer checkpointed
+        self.recompute = "none"  # train.recompute: "full" or "selective" checkpoints each pipeline layer
         self.embed = Embedding(vocab_size, d_model, block_size)
         self.blocks = nn.ModuleList(Block(d_model, n_head, attention) for _ in range(n_layer))
         self.head = Head(d_model, vocab_size)

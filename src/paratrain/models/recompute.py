@@ -1,4 +1,11 @@
-"""`train.recompute = "full"`: activation recomputation per block (torch.utils.checkpoint).
+"""`train.recompute`: activation recomputation per block (torch.utils.checkpoint).
+
+    none        autograd keeps what each op saves for backward
+    full        a block keeps only its input and runs its whole forward again in backward
+    selective   a block keeps its input and the outputs of its products (matmuls, attention): in
+                backward only the cheap ops between them (norms, activations, adds) run again, as
+                torchtitan's op-level policy does; the products' outputs are most of the memory a
+                block would save for nothing like most of its time
 
 A block is a layer that has parameters together with the parameterless layers after it (gpt: the
 embedding, each transformer block, the head; mlp: Linear + ReLU; cnn: Conv2d + ReLU (+ pool,
@@ -14,10 +21,31 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
 
 from paratrain.errors import ConfigError
+
+MODES = ("none", "full", "selective")
+# What selective recompute keeps: the products, whose FLOPs torch's flop counter knows (matmuls,
+# convolutions, attention), and the CPU's flash attention, which it counts under another name.
+SAVED_OPS = frozenset(flop_registry) | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu}
+
+
+def saves(func) -> bool:
+    """Whether selective recompute keeps this op's output (else it runs again in backward)."""
+    return func._overloadpacket in SAVED_OPS
+
+
+def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if saves(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    """checkpoint's context_fn for selective recompute (transformers' switch takes it too)."""
+    return create_selective_checkpoint_contexts(_policy)
 
 
 def blocks(layers: list[nn.Module]) -> list[list[nn.Module]]:
@@ -38,42 +66,45 @@ def _run(layers: list[nn.Module], x):
     return x
 
 
-def run_layers(layers: list[nn.Module], x, recompute: bool):
-    """The layers one after another; under recompute each block checkpointed."""
-    if not recompute:
+def run_layers(layers: list[nn.Module], x, recompute: str):
+    """The layers one after another; under recompute ("full", "selective") each block checkpointed."""
+    if recompute == "none":
         return _run(layers, x)
+    context = {"context_fn": selective_context} if recompute == "selective" else {}
     for block in blocks(layers):
         # non-reentrant: also right for a block whose input needs no gradient (the token ids)
-        x = checkpoint(partial(_run, block), x, use_reentrant=False)
+        x = checkpoint(partial(_run, block), x, use_reentrant=False, **context)
     return x
 
 
 class RecomputedSequential(nn.Sequential):
     """An nn.Sequential model whose forward recomputes per block (same children, same names)."""
 
-    recompute = True
+    recompute = "full"
 
     def forward(self, x):
-        return run_layers(list(self), x, True)
+        return run_layers(list(self), x, self.recompute)
 
 
-def enable_recompute(model: nn.Module, name: str) -> None:
-    """Switch a built model to recompute per block: models with a `recompute` attribute (gpt) set
-    it; a model with a switch of its own uses it (transformers' activation_checkpointing_enable(),
+def enable_recompute(model: nn.Module, name: str, mode: str = "full") -> None:
+    """Switch a built model to recompute per block, `mode` "full" or "selective": models with a
+    `recompute` attribute (gpt) set it; a model with a switch of its own uses it (transformers' activation_checkpointing_enable(),
     called gradient_checkpointing_enable() before transformers 5.24 and removed under that name in
     6; timm's set_grad_checkpointing()); an nn.Sequential (mlp, cnn, a user's) runs its children by
     block."""
+    # non-reentrant, as ours: right for blocks whose input needs no gradient
+    kwargs = {"use_reentrant": False, **({"context_fn": selective_context} if mode == "selective" else {})}
     if hasattr(model, "recompute"):
-        model.recompute = True
+        model.recompute = mode
     elif callable(getattr(model, "activation_checkpointing_enable", None)):
-        # non-reentrant, as ours: right for blocks whose input needs no gradient
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif callable(getattr(model, "gradient_checkpointing_enable", None)):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif callable(getattr(model, "set_grad_checkpointing", None)):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    elif callable(getattr(model, "set_grad_checkpointing", None)) and mode == "full":
         model.set_grad_checkpointing(True)
     elif type(model) is nn.Sequential:
         model.__class__ = RecomputedSequential
+        model.recompute = mode
     else:
         raise ConfigError(
             "train.recompute",

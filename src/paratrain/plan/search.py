@@ -3,7 +3,7 @@
 Enumerates, for the config's model and global batch on the cluster's devices: dp x tp x pp (tp
 within a node), for pure data parallelism the ZeRO stage (dp, zero1-3), for pipelines the
 microbatch count (pp, 2pp, 4pp, 8pp where the batch allows) and the schedule (1f1b, interleaved
-with 2 virtual stages), and recompute (none, full). Each candidate goes through the same checks as
+with 2 virtual stages), and recompute (none, selective, full). Each candidate goes through the same checks as
 `run` (an invalid one is dropped) and the same plan and prediction as `paratrain plan`; those that
 do not fit the device's memory are dropped, the rest ranked by predicted step time.
 
@@ -40,7 +40,7 @@ def candidates(batch: int, world: int, devices_per_node: int) -> list[list[str]]
             dp = world // (tp * pp)
             if batch % dp:
                 continue
-            for recompute in ("none", "full"):
+            for recompute in ("none", "selective", "full"):
                 base = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"train.recompute='{recompute}'"]
                 if tp == pp == 1:
                     out += [[*base, f"parallel.strategy='{s}'"] for s in replicas]
@@ -140,7 +140,13 @@ def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
     ranked = []
     with memoised_traces():
         models = {}  # the meta model by recompute (the only key here that may change its build), once checked
+        # A layout comes recomputing none, selective, then full (candidates): each keeps less and
+        # runs more than the one before, so the first that fits is the layout's fastest.
+        fitted = set()
         for sets in candidates(batch, cluster.world, cluster.devices_per_node):
+            layout_key = tuple(s for s in sets if not s.startswith("train.recompute="))
+            if layout_key in fitted:
+                continue
             try:
                 cfg = load(config_path, [*overrides, *sets])
                 recompute = cfg.train.recompute
@@ -156,6 +162,7 @@ def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
             plan = replica_plan(cfg, models[recompute], cluster)
             if not plan["capacity"]["fits"]:
                 continue
+            fitted.add(layout_key)
             predicted, breakdown = predict(cfg, models[recompute], plan, cluster)
             if predicted is not None:
                 ranked.append(layout(cfg, predicted, breakdown))
@@ -168,7 +175,8 @@ def _name(layout: dict) -> str:
     name = p["strategy"] if p["tp"] == p["pp"] == 1 else f"tp {p['tp']} x pp {p['pp']}"
     if p["pp"] > 1:
         name += f", {p['microbatches']} mb {p['schedule']}"
-    return name + (", recompute" if layout["train"]["recompute"] == "full" else "")
+    recompute = layout["train"]["recompute"]
+    return name + ("" if recompute == "none" else ", recompute" if recompute == "full" else ", selective recompute")
 
 
 def render_search(layouts: list[dict]) -> list[str]:

@@ -84,7 +84,7 @@ def cut_pipeline(model: nn.Module, mesh: Mesh, cfg: Config, bounds: list[int]) -
         if s not in stage_ids:
             for layer in group:
                 layer.to("meta")
-    return stage_ids, [StageChunk(stage_layers[s], cfg.train.recompute == "full") for s in stage_ids]
+    return stage_ids, [StageChunk(stage_layers[s], cfg.train.recompute) for s in stage_ids]
 
 
 def wrap_dp(

@@ -27,10 +27,10 @@ LOOKAHEAD = 4  # actions whose receives are posted ahead of time
 class StageChunk(nn.Module):
     """Consecutive layers of the model that one rank runs as one virtual stage."""
 
-    def __init__(self, layers: list[nn.Module], recompute: bool = False):
+    def __init__(self, layers: list[nn.Module], recompute: str = "none"):
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.recompute = recompute  # train.recompute = "full": each block of the chunk checkpointed
+        self.recompute = recompute  # train.recompute: "full" or "selective" checkpoints each block
 
     def forward(self, x):
         layers = list(self.layers)
