@@ -261,6 +261,9 @@ def test_paratrain_launch_exit_codes(tmp_path):
     failing.write_text("import paratrain\npt = paratrain.init()\nraise SystemExit(3 if pt.rank == 1 else 0)\n")
     proc = run_cli("launch", "--nproc", "2", str(failing), cwd=tmp_path)
     assert proc.returncode == 1 and "rank 1 failed (exit code 3)" in proc.stderr, proc.stderr
+    done = tmp_path / "done.py"
+    done.write_text("import sys\nimport paratrain\npt = paratrain.init()\nsys.exit()\n")  # success, as under python
+    assert run_cli("launch", "--nproc", "2", str(done), cwd=tmp_path, timeout=60).returncode == 0
 
 
 def test_the_docs_script_runs_as_written_under_paratrain_launch(tmp_path):
@@ -271,3 +274,5 @@ def test_the_docs_script_runs_as_written_under_paratrain_launch(tmp_path):
     proc = check_ok(run_cli("launch", "--nproc", "2", "digits_own_loop.py", cwd=tmp_path))
     assert "done: step 100" in proc.stdout
     assert (tmp_path / "runs" / "digits" / "final" / "model.safetensors").exists()
+    again = check_ok(run_cli("launch", "--nproc", "2", "digits_own_loop.py", cwd=tmp_path))  # as users do
+    assert "already complete: runs/digits is at step 100" in again.stdout, again.stdout

@@ -30,7 +30,13 @@ def run_script(path: str, *argv: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.argv = [path, *argv]
     sys.path.insert(0, str(Path(path).resolve().parent))
-    runpy.run_path(path, run_name="__main__")
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        # sys.exit() is success, as under python; raised on, a code of None left the agent
+        # waiting for a return value that never came (torch's record passes only a 0 as one)
+        if exc.code not in (None, 0):
+            raise
 
 
 def launch_script(args) -> None:
