@@ -266,6 +266,35 @@ def test_paratrain_launch_exit_codes(tmp_path):
     assert run_cli("launch", "--nproc", "2", str(done), cwd=tmp_path, timeout=60).returncode == 0
 
 
+def test_a_failing_script_shows_its_traceback_once_and_the_line_names_file_and_line(tmp_path):
+    """The worker's traceback from the script down, as python shows it, then paratrain's line with
+    the script's FILE:LINE; the elastic agent's own report of it (its every line prefixed
+    `E1127 12:00:00.000 PID .../api.py:836]`, the traceback again) goes to a log the line names."""
+    import re
+
+    script = tmp_path / "fails_at_the_end.py"
+    script.write_text("import paratrain\n\npt = paratrain.init()\nif pt.is_main:\n    print(f'done: {loss}')\n")
+    proc = run_cli("launch", "--nproc", "2", script.name, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and lines[:3] == [
+        "Traceback (most recent call last):",
+        f'  File "{script}", line 5, in <module>',
+        "    print(f'done: {loss}')",
+    ], proc.stderr
+    assert all(set(line) <= set(" ^") for line in lines[3:-2]), proc.stderr  # the carets under `loss`
+    assert lines[-2] == "NameError: name 'loss' is not defined", proc.stderr
+    said = re.fullmatch(
+        r"paratrain: error: training failed: rank 0 failed \(exit code 1\) at fails_at_the_end\.py:5: "
+        r"NameError: name 'loss' is not defined \(the agent's log: (.+)\)",
+        lines[-1],
+    )
+    assert said, proc.stderr
+    agent_log = Path(said.group(1))
+    assert "failed (exitcode: 1)" in agent_log.read_text()
+    agent_log.unlink()
+    assert "Root Cause" not in proc.stderr and not re.search(r"^[EWIF]\d{4} ", proc.stderr, re.M), proc.stderr
+
+
 def test_the_docs_script_runs_as_written_under_paratrain_launch(tmp_path):
     import re
 

@@ -1,6 +1,7 @@
 """Fault tolerance: killed workers, hung collectives, non-finite steps, corrupt and half-written checkpoints."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,9 @@ def test_skipped_collective_is_reported_with_rank_operation_and_step(tmp_path):
     assert "grad-bucket-0" in last and "all_reduce" in last, last
     assert "step 2" in last or "step 3" in last, last
     assert elapsed < 60, f"the hang took {elapsed:.0f}s to be reported"
+    # the elastic agent's own report (E1127 12:00:00.000 PID .../api.py:836] ...) in the run's log alone
+    assert last.endswith(f"(the agent's log: {tmp_path / 'run' / 'agent.log'})"), last
+    assert "Root Cause" not in proc.stderr and not re.search(r"^[EWIF]\d{4} ", proc.stderr, re.M), proc.stderr
 
 
 def nan_factory(tmp_path, bad):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from paratrain import config as config_mod
-from paratrain.errors import ConfigError, note, warn
+from paratrain.errors import ConfigError, note, say, warn
 from paratrain.errors import report as _error
 from paratrain.extras import MissingExtra
 from paratrain.metrics import keep_stdout_when_its_reader_leaves
@@ -137,6 +137,7 @@ def train(args) -> int:
                 rdzv=args.rdzv,
                 max_restarts=args.max_restarts,
                 run_id=cfg.name,
+                agent_log=run_dir / ("agent.log" if args.node_rank == 0 else f"agent-node{args.node_rank}.log"),
             )
 
     return outcome(
@@ -164,7 +165,10 @@ def outcome(start, after_stop, role_of) -> int:
             return _error(
                 f"stopped by {signal.Signals(signum).name} (sent to the workers). {after_stop()}", 128 + signum
             )
-        return _error(f"training failed: {exc}{role_of(exc.rank)}", 1)
+        if exc.traceback:  # the worker's, once (the agent's copy went to its log)
+            say(exc.traceback)
+        log = f" (the agent's log: {exc.agent_log})" if exc.agent_log else ""
+        return _error(f"training failed: {exc}{role_of(exc.rank)}{log}", 1)
     return 0
 
 

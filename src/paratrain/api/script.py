@@ -14,6 +14,7 @@ import os
 import runpy
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -52,4 +53,6 @@ def launch_script(args) -> None:
         rdzv=args.rdzv,
         max_restarts=args.max_restarts,
         run_id=Path(args.script).stem,
+        # the script picks its run directory, which the launcher does not know
+        agent_log=Path(tempfile.gettempdir()) / f"paratrain-launch-{Path(args.script).stem}-{os.getpid()}.log",
     )

@@ -25,9 +25,11 @@ import re
 import signal
 import socket
 import sys
+import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 
 @dataclass
@@ -36,9 +38,13 @@ class WorkerFailure(Exception):
     exitcode: int
     cause: str
     own_exitcodes: set  # of the workers that failed by themselves (not those the agent then stopped)
+    where: str = ""  # FILE:LINE, the innermost frame of the user's code in the worker's traceback
+    traceback: str = ""  # the worker's, from its own code down ("" where it left none)
+    agent_log: str = ""  # where the agent's own report of it went
 
     def __str__(self) -> str:
-        return f"rank {self.rank} failed (exit code {self.exitcode}): {self.cause}"
+        at = f" at {self.where}" if self.where else ""
+        return f"rank {self.rank} failed (exit code {self.exitcode}){at}: {self.cause}"
 
 
 class Interrupted(Exception):
@@ -389,11 +395,13 @@ def launch(
     rdzv: str | None = None,
     max_restarts: int = 0,
     run_id: str = "paratrain",
+    agent_log: Path | None = None,
 ) -> None:
     """Run `target(*args)` on nproc x nnodes workers; raise WorkerFailure if they fail.
 
     target: a module-level function, called in workers forked from the worker server (where the
-    platform has one, else spawned), or a module name, run as `python -u -m target *args`."""
+    platform has one, else spawned), or a module name, run as `python -u -m target *args`.
+    agent_log: where what the agent logs goes instead of stderr (None: stderr)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -419,6 +427,7 @@ def launch(
         start_method="forkserver" if callable(target) and _forkserver_available() else "spawn",
         local_addr=local_addr,
     )
+    restore_logging = _agent_logging_to(agent_log)
     try:
         if callable(target):
             start_worker_server()
@@ -430,10 +439,46 @@ def launch(
     except KeyboardInterrupt:  # before the agent took the signals over (at the rendezvous)
         raise Interrupted(signal.SIGINT) from None
     except ChildFailedError as exc:
-        raise blame(exc.failures) from None
-    finally:  # not taken over where the agent failed before its rendezvous
+        # Raised unnamed: bound to a local of this frame, which its traceback holds, it kept the
+        # agent's objects in a cycle that the command's os._exit comes before any collection of,
+        # and multiprocessing's resource tracker warned of their semaphores as leaked.
+        raise blame(exc.failures, agent_log) from None
+    finally:
+        restore_logging()
+        # not taken over where the agent failed before its rendezvous
         if (unused := _RDZV_LISTENERS.pop(endpoint, None)) is not None:
             unused.close()
+
+
+# The loggers of the agent and of what it runs: its worker processes' start and stop, the rendezvous.
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+def _agent_logging_to(path: Path | None) -> Callable[[], None]:
+    """Send what the agent logs to `path` (made at its first record) instead of stderr, until the
+    function returned is called, which leaves the loggers as they were (for a later launch here).
+
+    When a worker fails, the agent logs the worker's traceback inside one of its own (its wait
+    for the processes), every line prefixed, above paratrain's line, and on a stop, which worker
+    it sent which signal: the command shows the worker's traceback once and names the failure
+    itself (cli.outcome)."""
+    if path is None:
+        return lambda: None
+    handler = logging.FileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"))
+    loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
+    propagating = [logger.propagate for logger in loggers]
+    for logger in loggers:  # torch's own handler, on an ancestor, no longer sees them
+        logger.addHandler(handler)
+        logger.propagate = False
+
+    def restore() -> None:
+        for logger, before in zip(loggers, propagating):
+            logger.removeHandler(handler)
+            logger.propagate = before
+        handler.close()
+
+    return restore
 
 
 # A worker's exit code when it stopped on a signal it was sent (trainer.run_worker), not by failing.
@@ -455,8 +500,9 @@ def _not_a_stop(record: logging.LogRecord) -> bool:
     return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in STOPPED_EXITS | {2})
 
 
-def blame(failures: dict) -> WorkerFailure:
-    """The worker to name for a failed group (rank -> the agent's ProcessFailure).
+def blame(failures: dict, agent_log: Path | None = None) -> WorkerFailure:
+    """The worker to name for a failed group (rank -> the agent's ProcessFailure), and where the
+    agent logged it (`agent_log`, where it wrote one).
 
     The agent stops the other workers once one fails: blame a worker that failed by itself (an
     exit code > 0, with an error report), not one that was stopped (by the agent or a signal
@@ -469,8 +515,15 @@ def blame(failures: dict) -> WorkerFailure:
         if f.exitcode > 0 and f.exitcode not in STOPPED_EXITS
     ]
     rank = min(own)[2] if own else min(failures, key=lambda r: (failures[r].timestamp, r))
+    stack = _callstack(failures[rank])
     return WorkerFailure(
-        rank, failures[rank].exitcode, _cause(failures[rank]), {f.exitcode for f in failures.values() if f.exitcode > 0}
+        rank,
+        failures[rank].exitcode,
+        _cause(failures[rank]),
+        {f.exitcode for f in failures.values() if f.exitcode > 0},
+        where=_users_frame(stack),
+        traceback=_without_startup_frames(stack),
+        agent_log=str(agent_log) if agent_log is not None and agent_log.exists() else "",
     )
 
 
@@ -494,3 +547,64 @@ def _cause(failure) -> str:
     elif not cause or cause.startswith("To enable traceback"):
         cause = f"exited with code {failure.exitcode} (see its output above)"
     return str(cause).strip().splitlines()[-1]
+
+
+def _callstack(failure) -> str:
+    """The traceback a failed worker's error report holds ("" where it wrote none)."""
+    if not isinstance(failure.message, dict):
+        return ""
+    return str(failure.message.get("extraInfo", {}).get("py_callstack", ""))
+
+
+_FRAME = re.compile(r'^  File "(.+)", line (\d+), in ', re.MULTILINE)
+
+# The frames above a worker's own code: torch's process wrappers, runpy (a script's start) and
+# paratrain's entry points (call_preloaded here, run_script in api/script.py).
+_STARTUP_FRAMES = (
+    "/torch/multiprocessing/",
+    "/torch/distributed/elastic/",
+    "<frozen runpy>",
+    "/runpy.py",
+    "/paratrain/runtime/launch.py",
+    "/paratrain/api/script.py",
+)
+
+
+def _without_startup_frames(stack: str) -> str:
+    """The traceback from the worker's own code down, as `python script.py` shows it: the frames of
+    how the worker was started dropped from the top of each traceback in the chain."""
+    kept, skipping = [], False
+    for line in stack.rstrip().splitlines():
+        if line == "Traceback (most recent call last):":
+            skipping = True
+        elif frame := _FRAME.match(line):
+            skipping = skipping and any(part in frame.group(1) for part in _STARTUP_FRAMES)
+        elif not line.startswith("    "):  # a frame's source lines are indented; the exception's are not
+            skipping = False
+        if not skipping or line == "Traceback (most recent call last):":
+            kept.append(line)
+    trimmed = "\n".join(kept)
+    return trimmed if _FRAME.search(trimmed) else stack.rstrip()  # it failed while starting: all of it
+
+
+def _users_frame(stack: str) -> str:
+    """FILE:LINE of the innermost frame of the user's code in the last traceback of `stack` (the
+    exception raised), FILE relative to the working directory where it is under it; "" if none.
+    The user's code is what neither Python, an installed package nor paratrain holds."""
+    last = stack.rpartition("Traceback (most recent call last):")[2]
+    theirs = [(file, line) for file, line in _FRAME.findall(last) if _is_users(file)]
+    if not theirs:
+        return ""
+    file, line = theirs[-1]
+    relative = os.path.relpath(file)
+    return f"{file if relative.startswith('..') else relative}:{line}"
+
+
+def _is_users(file: str) -> bool:
+    if file.startswith("<"):  # <frozen ...>, <string>: no file of theirs
+        return False
+    paths = sysconfig.get_paths()
+    not_theirs = {os.path.realpath(paths[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    not_theirs.add(str(Path(__file__).resolve().parents[1]))  # paratrain's own
+    file = os.path.realpath(file)
+    return not any(os.path.commonpath([file, path]) == path for path in not_theirs)
