@@ -225,6 +225,10 @@ def test_a_dead_worker_restarts_and_the_script_resumes_from_its_last_save(tmp_pa
     # the first attempt logged steps 1-5 (rank 1 died after step 5), the restarted one 4-6
     steps = [m["step"] for m in metrics(tmp_path / "run")]
     assert steps[:5] == [1, 2, 3, 4, 5] and steps[-3:] == [4, 5, 6], steps
+    said = proc.stderr.strip().splitlines()[-1]  # the agent's report of the failure, in a log it names
+    assert said.startswith("paratrain: the elastic agent's log of this run: "), proc.stderr
+    assert "failed (exitcode: 9) local_rank: 1" in Path(said.rpartition(": ")[2]).read_text()
+    Path(said.rpartition(": ")[2]).unlink()  # in /tmp
 
 
 def test_plain_python_under_srun_joins_the_step_and_equals_plain_pytorch(tmp_path):
@@ -261,6 +265,7 @@ def test_paratrain_launch_exit_codes(tmp_path):
     failing.write_text("import paratrain\npt = paratrain.init()\nraise SystemExit(3 if pt.rank == 1 else 0)\n")
     proc = run_cli("launch", "--nproc", "2", str(failing), cwd=tmp_path)
     assert proc.returncode == 1 and "rank 1 failed (exit code 3)" in proc.stderr, proc.stderr
+    Path(proc.stderr.strip().rpartition("(the agent's log: ")[2].removesuffix(")")).unlink()  # in /tmp
     done = tmp_path / "done.py"
     done.write_text("import sys\nimport paratrain\npt = paratrain.init()\nsys.exit()\n")  # success, as under python
     assert run_cli("launch", "--nproc", "2", str(done), cwd=tmp_path, timeout=60).returncode == 0

@@ -42,8 +42,11 @@ def run_script(path: str, *argv: str) -> None:
 
 def launch_script(args) -> None:
     """Start args.nproc x args.nnodes workers of args.script (WorkerFailure, Interrupted as launch)."""
+    from paratrain.errors import note
     from paratrain.runtime.launch import launch
 
+    # the script picks its run directory, which the launcher does not know
+    agent_log = Path(tempfile.gettempdir()) / f"paratrain-launch-{Path(args.script).stem}-{os.getpid()}.log"
     launch(
         run_script,
         [str(Path(args.script).resolve()), *args.script_args],
@@ -53,6 +56,7 @@ def launch_script(args) -> None:
         rdzv=args.rdzv,
         max_restarts=args.max_restarts,
         run_id=Path(args.script).stem,
-        # the script picks its run directory, which the launcher does not know
-        agent_log=Path(tempfile.gettempdir()) / f"paratrain-launch-{Path(args.script).stem}-{os.getpid()}.log",
+        agent_log=agent_log,
     )
+    if agent_log.exists():  # it logged a warning, as for a failed worker it restarted (--max-restarts)
+        note(f"the elastic agent's log of this run: {agent_log}")
