@@ -225,6 +225,10 @@ def test_a_dead_worker_restarts_and_the_script_resumes_from_its_last_save(tmp_pa
     # the first attempt logged steps 1-5 (rank 1 died after step 5), the restarted one 4-6
     steps = [m["step"] for m in metrics(tmp_path / "run")]
     assert steps[:5] == [1, 2, 3, 4, 5] and steps[-3:] == [4, 5, 6], steps
+    said = proc.stderr.strip().splitlines()[-1]  # the agent's report of the failure, in a log it names
+    assert said.startswith("paratrain: the elastic agent's log of this run: "), proc.stderr
+    assert "failed (exitcode: 9) local_rank: 1" in Path(said.rpartition(": ")[2]).read_text()
+    Path(said.rpartition(": ")[2]).unlink()  # in /tmp
 
 
 def test_plain_python_under_srun_joins_the_step_and_equals_plain_pytorch(tmp_path):
@@ -261,6 +265,39 @@ def test_paratrain_launch_exit_codes(tmp_path):
     failing.write_text("import paratrain\npt = paratrain.init()\nraise SystemExit(3 if pt.rank == 1 else 0)\n")
     proc = run_cli("launch", "--nproc", "2", str(failing), cwd=tmp_path)
     assert proc.returncode == 1 and "rank 1 failed (exit code 3)" in proc.stderr, proc.stderr
+    Path(proc.stderr.strip().rpartition("(the agent's log: ")[2].removesuffix(")")).unlink()  # in /tmp
+    done = tmp_path / "done.py"
+    done.write_text("import sys\nimport paratrain\npt = paratrain.init()\nsys.exit()\n")  # success, as under python
+    assert run_cli("launch", "--nproc", "2", str(done), cwd=tmp_path, timeout=60).returncode == 0
+
+
+def test_a_failing_script_shows_its_traceback_once_and_the_line_names_file_and_line(tmp_path):
+    """The worker's traceback from the script down, as python shows it, then paratrain's line with
+    the script's FILE:LINE; the elastic agent's own report of it (its every line prefixed
+    `E1127 12:00:00.000 PID .../api.py:836]`, the traceback again) goes to a log the line names."""
+    import re
+
+    script = tmp_path / "fails_at_the_end.py"
+    script.write_text("import paratrain\n\npt = paratrain.init()\nif pt.is_main:\n    print(f'done: {loss}')\n")
+    proc = run_cli("launch", "--nproc", "2", script.name, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and lines[:3] == [
+        "Traceback (most recent call last):",
+        f'  File "{script}", line 5, in <module>',
+        "    print(f'done: {loss}')",
+    ], proc.stderr
+    assert all(set(line) <= set(" ^") for line in lines[3:-2]), proc.stderr  # the carets under `loss`
+    assert lines[-2] == "NameError: name 'loss' is not defined", proc.stderr
+    said = re.fullmatch(
+        r"paratrain: error: training failed: rank 0 failed \(exit code 1\) at fails_at_the_end\.py:5: "
+        r"NameError: name 'loss' is not defined \(the agent's log: (.+)\)",
+        lines[-1],
+    )
+    assert said, proc.stderr
+    agent_log = Path(said.group(1))
+    assert "failed (exitcode: 1)" in agent_log.read_text()
+    agent_log.unlink()
+    assert "Root Cause" not in proc.stderr and not re.search(r"^[EWIF]\d{4} ", proc.stderr, re.M), proc.stderr
 
 
 def test_the_docs_script_runs_as_written_under_paratrain_launch(tmp_path):
@@ -271,3 +308,5 @@ def test_the_docs_script_runs_as_written_under_paratrain_launch(tmp_path):
     proc = check_ok(run_cli("launch", "--nproc", "2", "digits_own_loop.py", cwd=tmp_path))
     assert "done: step 100" in proc.stdout
     assert (tmp_path / "runs" / "digits" / "final" / "model.safetensors").exists()
+    again = check_ok(run_cli("launch", "--nproc", "2", "digits_own_loop.py", cwd=tmp_path))  # as users do
+    assert "already complete: runs/digits is at step 100" in again.stdout, again.stdout

@@ -200,7 +200,7 @@ def test_node_0_lost_ends_another_nodes_run_saying_so():
     from paratrain.comm.grid import ReplicaLayout
     from paratrain.runtime import process
     from paratrain.runtime.fault.supervise import Supervisor
-    from paratrain.runtime.launch import WorkerFailure
+    from paratrain.runtime.worker_failure import WorkerFailure
 
     listener = process.listen_on("127.0.0.1")
     master = ("127.0.0.1", listener.getsockname()[1])

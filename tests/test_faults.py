@@ -1,6 +1,7 @@
 """Fault tolerance: killed workers, hung collectives, non-finite steps, corrupt and half-written checkpoints."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,6 +88,9 @@ def test_skipped_collective_is_reported_with_rank_operation_and_step(tmp_path):
     assert "grad-bucket-0" in last and "all_reduce" in last, last
     assert "step 2" in last or "step 3" in last, last
     assert elapsed < 60, f"the hang took {elapsed:.0f}s to be reported"
+    # the elastic agent's own report (E1127 12:00:00.000 PID .../api.py:836] ...) in the run's log alone
+    assert last.endswith(f"(the agent's log: {tmp_path / 'run' / 'agent.log'})"), last
+    assert "Root Cause" not in proc.stderr and not re.search(r"^[EWIF]\d{4} ", proc.stderr, re.M), proc.stderr
 
 
 def nan_factory(tmp_path, bad):
@@ -293,7 +297,7 @@ def test_the_worker_blamed_is_the_one_whose_error_is_its_own(tmp_path):
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from paratrain.runtime.launch import blame
+    from paratrain.runtime.worker_failure import blame
 
     def failed(rank, exitcode, message, timestamp=100):
         path = tmp_path / f"error-{rank}.json"
@@ -317,6 +321,41 @@ def test_the_worker_blamed_is_the_one_whose_error_is_its_own(tmp_path):
     assert blame(failures).rank == 3  # a lost connection is a consequence, even when reported first
     del failures[3]
     assert blame(failures).rank == 0  # only consequences: the earliest, then the lowest rank
+
+
+def test_a_failed_workers_traceback_starts_at_its_own_code_and_names_the_users_frame(tmp_path, monkeypatch):
+    """From a worker's error report: its traceback without the frames that started it (torch's
+    process wrappers, paratrain's entry point), each traceback of a chain trimmed; the innermost
+    frame of the user's own code (not Python's, an installed package's or paratrain's)."""
+    from pathlib import Path
+
+    import paratrain
+    from paratrain.runtime.worker_failure import _users_frame, _without_startup_frames
+
+    monkeypatch.chdir(tmp_path)
+    torch_dir, ours = Path(torch.__file__).parent, Path(paratrain.__file__).parent
+
+    def frame(file, line, code):
+        return f'  File "{file}", line {line}, in f\n    {code}\n'
+
+    start = frame(torch_dir / "multiprocessing/spawn.py", 87, "fn(i, *args)") + frame(
+        ours / "runtime/launch.py", 70, "getattr(module, name)(*args)"
+    )
+    user = frame(tmp_path / "model.py", 9, "return self.l(x) + oops") + frame(
+        torch_dir / "nn/functional.py", 1, "raise ValueError('x')"
+    )
+    stack = (
+        f"Traceback (most recent call last):\n{frame(tmp_path / 'model.py', 3, 'int(x)')}ValueError: x\n\n"
+        "During handling of the above exception, another exception occurred:\n\n"
+        f"Traceback (most recent call last):\n{start}{frame(ours / 'trainer.py', 1, 'fit()')}{user}KeyError: 'y'\n"
+    )
+    trimmed = _without_startup_frames(stack)
+    assert "spawn.py" not in trimmed and "launch.py" not in trimmed, trimmed
+    assert trimmed.count("Traceback (most recent call last):") == 2 and "trainer.py" in trimmed, trimmed
+    assert trimmed.endswith("KeyError: 'y'") and "During handling" in trimmed, trimmed
+    assert _users_frame(stack) == "model.py:9"  # the raised exception's, not the first one's line 3
+    assert _users_frame(f"Traceback (most recent call last):\n{start}KeyError: 'y'\n") == ""
+    assert _without_startup_frames(f"Traceback (most recent call last):\n{start}E\n").count("File") == 2  # all kept
 
 
 SIGTERM_STEPS = 100  # the signal comes after step 10: ample time left to stop before the end, under load too

@@ -51,7 +51,8 @@ def test_recompute_gives_the_same_gradients(tmp_path, text):
             torch.testing.assert_close(recomputed[name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_recompute_in_pipeline_stages_trains_equal(tmp_path):
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recompute_in_pipeline_stages_trains_equal(tmp_path, mode):
     """Interleaved pp 2 (four virtual stages, each chunk checkpointed by block) against plain
     single-process training of the same gpt without recompute."""
     from paratrain.data.datasets import corpus
@@ -73,7 +74,7 @@ def test_recompute_in_pipeline_stages_trains_equal(tmp_path):
             "--run-dir",
             str(tmp_path / "run"),
             "--set",
-            "train.recompute='full'",
+            f"train.recompute='{mode}'",
             "--set",
             "parallel.strategy='pp'",
             "--set",

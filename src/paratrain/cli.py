@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from paratrain import config as config_mod
-from paratrain.errors import ConfigError, note, warn
+from paratrain.errors import ConfigError, note, say, warn
 from paratrain.errors import report as _error
 from paratrain.extras import MissingExtra
 from paratrain.metrics import keep_stdout_when_its_reader_leaves
@@ -140,6 +140,7 @@ def run_job(args) -> int:
                 rdzv=args.rdzv,
                 max_restarts=args.max_restarts,
                 run_id=cfg.name,
+                agent_log=run_dir / ("agent.log" if args.node_rank == 0 else f"agent-node{args.node_rank}.log"),
             )
 
     return outcome(
@@ -151,7 +152,8 @@ def outcome(start, after_stop, role_of) -> int:
     """Run `start()` (a launch) and turn how its workers ended into the exit code and its line:
     0; 2 where the workers named bad input; 128 + the signal that stopped them (`after_stop()`
     says where to go on from); 1 for a failure, naming the rank (`role_of(rank)` adds its role)."""
-    from paratrain.runtime.launch import STOPPED_EXITS, Interrupted, WorkerFailure
+    from paratrain.runtime.launch import Interrupted
+    from paratrain.runtime.worker_failure import STOPPED_EXITS, WorkerFailure
 
     try:
         start()
@@ -167,7 +169,10 @@ def outcome(start, after_stop, role_of) -> int:
             return _error(
                 f"stopped by {signal.Signals(signum).name} (sent to the workers). {after_stop()}", 128 + signum
             )
-        return _error(f"training failed: {exc}{role_of(exc.rank)}", 1)
+        if exc.traceback:  # the worker's, once (the agent's copy went to its log)
+            say(exc.traceback)
+        log = f" (the agent's log: {exc.agent_log})" if exc.agent_log else ""
+        return _error(f"training failed: {exc}{role_of(exc.rank)}{log}", 1)
     return 0
 
 

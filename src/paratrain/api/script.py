@@ -14,6 +14,7 @@ import os
 import runpy
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -30,14 +31,23 @@ def run_script(path: str, *argv: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     sys.argv = [path, *argv]
     sys.path.insert(0, str(Path(path).resolve().parent))
-    runpy.run_path(path, run_name="__main__")
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        # sys.exit() is success, as under python; raised on, a code of None left the agent
+        # waiting for a return value that never came (torch's record passes only a 0 as one)
+        if exc.code not in (None, 0):
+            raise
 
 
 def launch_script(args) -> None:
     """Start args.nproc x args.nnodes workers of args.script (WorkerFailure, Interrupted as launch)."""
+    from paratrain.errors import note
     from paratrain.runtime.launch import launch, start_worker_server
 
     start_worker_server(preload=("paratrain",))  # what a script imports: the API, torch and the trainer's stack
+    # the script picks its run directory, which the launcher does not know
+    agent_log = Path(tempfile.gettempdir()) / f"paratrain-launch-{Path(args.script).stem}-{os.getpid()}.log"
     launch(
         run_script,
         [str(Path(args.script).resolve()), *args.script_args],
@@ -47,4 +57,7 @@ def launch_script(args) -> None:
         rdzv=args.rdzv,
         max_restarts=args.max_restarts,
         run_id=Path(args.script).stem,
+        agent_log=agent_log,
     )
+    if agent_log.exists():  # it logged a warning, as for a failed worker it restarted (--max-restarts)
+        note(f"the elastic agent's log of this run: {agent_log}")

@@ -84,7 +84,8 @@ def add_round_options(p, steps: int, rounds: int, warmup: int | None, steps_help
 
 def relaunch(module: str, args, add_options, nproc: int, run_id: str) -> int:
     """`python -m module` on `nproc` workers, passing on every option `add_options` defines."""
-    from paratrain.runtime.launch import WorkerFailure, launch
+    from paratrain.runtime.launch import launch
+    from paratrain.runtime.worker_failure import WorkerFailure
 
     probe = argparse.ArgumentParser(add_help=False)
     add_options(probe)

@@ -223,7 +223,8 @@ def common_fields(strategy: str, world: int, args, parameters: int) -> dict:
 
 def measure_fsdp2(strategy: str, world: int, args, tmp: Path) -> dict | None:
     """FSDP2's steps in workers of its own (no export): each worker's peak RSS at the end."""
-    from paratrain.runtime.launch import WorkerFailure, launch
+    from paratrain.runtime.launch import launch
+    from paratrain.runtime.worker_failure import WorkerFailure
 
     out = tmp / "result.json"
     argv = [f"--out={out}"] + [

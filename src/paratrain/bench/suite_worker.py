@@ -352,7 +352,8 @@ def worker(argv=None) -> None:
 
 def agent(argv) -> int:
     """One node's elastic agent for the bench workers (so the parent can start it inside a namespace)."""
-    from paratrain.runtime.launch import WorkerFailure, launch
+    from paratrain.runtime.launch import launch
+    from paratrain.runtime.worker_failure import WorkerFailure
 
     p = argparse.ArgumentParser()
     p.add_argument("--nproc", type=COUNT, default=1)

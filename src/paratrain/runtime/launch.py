@@ -21,24 +21,14 @@ import importlib
 import logging
 import multiprocessing
 import os
-import re
 import signal
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
-
-@dataclass
-class WorkerFailure(Exception):
-    rank: int
-    exitcode: int
-    cause: str
-    own_exitcodes: set  # of the workers that failed by themselves (not those the agent then stopped)
-
-    def __str__(self) -> str:
-        return f"rank {self.rank} failed (exit code {self.exitcode}): {self.cause}"
+from paratrain.runtime.worker_failure import STOPPED_EXITS, blame
 
 
 class Interrupted(Exception):
@@ -391,11 +381,13 @@ def launch(
     rdzv: str | None = None,
     max_restarts: int = 0,
     run_id: str = "paratrain",
+    agent_log: Path | None = None,
 ) -> None:
     """Run `target(*args)` on nproc x nnodes workers; raise WorkerFailure if they fail.
 
     target: a module-level function, called in workers forked from the worker server (where the
-    platform has one, else spawned), or a module name, run as `python -u -m target *args`."""
+    platform has one, else spawned), or a module name, run as `python -u -m target *args`.
+    agent_log: where what the agent logs goes instead of stderr (None: stderr)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -421,6 +413,7 @@ def launch(
         start_method="forkserver" if callable(target) and _forkserver_available() else "spawn",
         local_addr=local_addr,
     )
+    restore_logging = _agent_logging_to(agent_log)
     try:
         if callable(target):
             start_worker_server()
@@ -432,14 +425,46 @@ def launch(
     except KeyboardInterrupt:  # before the agent took the signals over (at the rendezvous)
         raise Interrupted(signal.SIGINT) from None
     except ChildFailedError as exc:
-        raise blame(exc.failures) from None
-    finally:  # not taken over where the agent failed before its rendezvous
+        # Raised unnamed: bound to a local of this frame, which its traceback holds, it kept the
+        # agent's objects in a cycle that the command's os._exit comes before any collection of,
+        # and multiprocessing's resource tracker warned of their semaphores as leaked.
+        raise blame(exc.failures, agent_log) from None
+    finally:
+        restore_logging()
+        # not taken over where the agent failed before its rendezvous
         if (unused := _RDZV_LISTENERS.pop(endpoint, None)) is not None:
             unused.close()
 
 
-# A worker's exit code when it stopped on a signal it was sent (trainer.run_worker), not by failing.
-STOPPED_EXITS = {128 + signal.SIGINT, 128 + signal.SIGTERM}
+# The loggers of the agent and of what it runs: its worker processes' start and stop, the rendezvous.
+AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+def _agent_logging_to(path: Path | None) -> Callable[[], None]:
+    """Send what the agent logs to `path` (made at its first record) instead of stderr, until the
+    function returned is called, which leaves the loggers as they were (for a later launch here).
+
+    When a worker fails, the agent logs the worker's traceback inside one of its own (its wait
+    for the processes), every line prefixed, above paratrain's line, and on a stop, which worker
+    it sent which signal: the command shows the worker's traceback once and names the failure
+    itself (cli.outcome)."""
+    if path is None:
+        return lambda: None
+    handler = logging.FileHandler(path, delay=True)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"))
+    loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
+    propagating = [logger.propagate for logger in loggers]
+    for logger in loggers:  # torch's own handler, on an ancestor, no longer sees them
+        logger.addHandler(handler)
+        logger.propagate = False
+
+    def restore() -> None:
+        for logger, before in zip(loggers, propagating):
+            logger.removeHandler(handler)
+            logger.propagate = before
+        handler.close()
+
+    return restore
 
 
 # What the agent logs when it stops the workers on a signal, or finds one stopped by a signal
@@ -455,44 +480,3 @@ def _not_a_stop(record: logging.LogRecord) -> bool:
     if msg.startswith(_STOP_CHATTER):
         return False
     return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in STOPPED_EXITS | {2})
-
-
-def blame(failures: dict) -> WorkerFailure:
-    """The worker to name for a failed group (rank -> the agent's ProcessFailure).
-
-    The agent stops the other workers once one fails: blame a worker that failed by itself (an
-    exit code > 0, with an error report), not one that was stopped (by the agent or a signal
-    sent to it); and among those, one whose error is its own rather than a peer's going away
-    (the peers' connections break within the same second, and the timestamps count whole
-    seconds), the earliest."""
-    own = [
-        (_lost_a_peer(_cause(f)), f.timestamp, r)
-        for r, f in failures.items()
-        if f.exitcode > 0 and f.exitcode not in STOPPED_EXITS
-    ]
-    rank = min(own)[2] if own else min(failures, key=lambda r: (failures[r].timestamp, r))
-    return WorkerFailure(
-        rank, failures[rank].exitcode, _cause(failures[rank]), {f.exitcode for f in failures.values() if f.exitcode > 0}
-    )
-
-
-# What a worker's collective or message says when the process at the other end has died.
-_PEER_GONE = re.compile(
-    r"closed by peer|reset by peer|broken pipe|connection refused|peer .*(gone|died|exited)", re.IGNORECASE
-)
-
-
-def _lost_a_peer(cause: str) -> bool:
-    return bool(_PEER_GONE.search(cause))
-
-
-def _cause(failure) -> str:
-    """The last line of a failed worker's error report, or what became of it."""
-    cause = failure.message
-    if isinstance(cause, dict):
-        cause = cause.get("message", "<unknown>")
-    if failure.exitcode < 0:
-        cause = f"killed by signal {failure.signal_name()}"
-    elif not cause or cause.startswith("To enable traceback"):
-        cause = f"exited with code {failure.exitcode} (see its output above)"
-    return str(cause).strip().splitlines()[-1]

@@ -25,7 +25,7 @@ import time
 from paratrain.comm.grid import ReplicaLayout
 from paratrain.errors import say
 from paratrain.runtime.fault import survive
-from paratrain.runtime.launch import WorkerFailure
+from paratrain.runtime.worker_failure import WorkerFailure
 
 ROOT = "paratrain/continue/"  # the keys of the whole run; survive.keys(attempt) those of one start
 ATTEMPT, END, SIGNAL = ROOT + "attempt", ROOT + "end", ROOT + "signal"

@@ -43,7 +43,8 @@ from paratrain.comm.grid import ReplicaLayout
 from paratrain.runtime import process
 from paratrain.runtime.fault import survive
 from paratrain.runtime.fault.leader import ATTEMPT, END, SIGNAL, Leader, event_key, left_key, read
-from paratrain.runtime.launch import SOCKET_IFNAME_VARS, Interrupted, WorkerFailure, route_to, start_worker_server
+from paratrain.runtime.launch import SOCKET_IFNAME_VARS, Interrupted, route_to, start_worker_server
+from paratrain.runtime.worker_failure import WorkerFailure
 
 
 def supervise(
