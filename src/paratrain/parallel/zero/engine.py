@@ -64,7 +64,9 @@ from paratrain.parallel.zero import comm as zero_comm
 from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
 from paratrain.parallel.zero.export import full_precision_layout, unit_chunks
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
+from paratrain.parallel.zero.lockstep import LOAD_STATE_DICT, STATE_DICT, LockstepCheck
 from paratrain.parallel.zero.reshard import check_checkpoint, load_sharded_state, sharded_state
+from paratrain.parallel.zero.user_grads import GradShards
 
 
 def wire_dtype(cfg) -> torch.dtype | None:
@@ -103,6 +105,8 @@ class Zero(Strategy):
         self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
         self._make_pieces()
         self.optimizer = self._with_gathers(build_optimizer(self.pieces, cfg.train))
+        self.user_grads = GradShards(self.name, group)
+        self._hook_state_dicts(model)
 
     # -- layout ---------------------------------------------------------------------------------
     def _make_units(self, model, named) -> list[FlatUnit]:
@@ -330,8 +334,11 @@ class Zero(Strategy):
         return self.optimizer
 
     def backward(self, loss) -> None:
-        """A backward before any zero_grad adds to the gradients (accumulation)."""
+        """A backward before any zero_grad adds to the gradients (accumulation). Afterwards each
+        parameter's .grad is this rank's piece of its gradient, whose norm is global (user_grads.py):
+        torch's own clip_grad_norm_(model.parameters(), c) clips the global norm."""
         fresh = self._grads_let_go()
+        self._take_back_model_grads()
         if fresh:
             self.reducer.zero_grad()
             self._bind_piece_grads()
@@ -340,12 +347,28 @@ class Zero(Strategy):
         self._after_backward(last=True)
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
         self._average_across_replicas([u.shard.grad for u in self.units])
+        self.user_grads.install(self._grad_pieces())
+
+    def _grad_pieces(self):
+        """(parameter, this rank's piece of its gradient: a view of the gradient shard, maybe empty)."""
+        for u in self.units:
+            own = {i: (start, end, at) for i, start, end, at in u.own_pieces()}
+            for i, p in enumerate(u.params):
+                start, end, at = own.get(i, (0, 0, 0))
+                yield p, u.shard.grad[at : at + end - start]
 
     def _grads_let_go(self) -> bool:
-        """Whether the user's zero_grad() set gradients to None (the optimizer's pieces', or the
-        model's, which stage 1 keeps in its buckets)."""
+        """Whether the user's zero_grad() set gradients to None: the optimizer's pieces', or the
+        model's (optimizer or model.zero_grad(); stage 1 keeps them in its buckets)."""
         full = (p for u in self.units for p in u.params)
         return self._pieces_let_go() or any(p.grad is None for p in full)
+
+    def _take_back_model_grads(self) -> None:
+        """Before a backward, the model's .grad (the user's view of the shards) go back to what
+        the backward accumulates into: stage 1's bucket views."""
+        for b in self.reducer.buckets:
+            b.bound = None
+            b.bind_grads()
 
     def _pieces_let_go(self) -> bool:
         """Whether the optimizer's zero_grad() let the pieces' gradients go; under mixed precision,
@@ -380,6 +403,51 @@ class Zero(Strategy):
         with torch.no_grad():
             for u in self.units:
                 u.shard.copy_(u.master)
+
+    # -- the user's model.state_dict() and load_state_dict() -----------------------------------------
+    def _hook_state_dicts(self, model) -> None:
+        """model.state_dict() gives the full tensors and load_state_dict() takes them, as of the
+        plain model, on every rank: hooks on each module holding parameters of a unit (its own, or
+        the unit's whole subtree under stage 3) make them whole before the module's tensors are
+        read or written, and hand them back to the shards after (a unit at a time under stage 3).
+        state_dict(keep_vars=True) gives the parameters themselves, untouched (what paratrain's
+        own export and checkpoints read; under stage 3 they are views of storage freed outside a
+        forward)."""
+        for module in model.modules():
+            direct = [
+                self.slot_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in self.slot_of
+            ]
+            units = list({id(u): u for u, _ in direct}.values())
+            units += [u for u in self.units if u.module is module and u not in units]
+            if not units:
+                continue
+            module.register_state_dict_pre_hook(
+                lambda m, prefix, keep_vars, units=units: self._before_state_dict(m, units, keep_vars)
+            )
+            module.register_state_dict_post_hook(
+                lambda m, state, prefix, meta: self._after_state_dict(m, state, prefix)
+            )
+            module.register_load_state_dict_pre_hook(lambda m, *_, units=units: self._before_load_state_dict(m, units))
+            module.register_load_state_dict_post_hook(
+                lambda m, _, direct=direct: self._after_load_state_dict(m, direct)
+            )
+
+    def _before_state_dict(self, module, units, keep_vars: bool) -> None:
+        """Stages 1 and 2: the parameters' all-gathers after a step may still be in flight."""
+        self._wait_gathers(units)
+
+    def _after_state_dict(self, module, state: dict, prefix: str) -> None:
+        pass
+
+    def _before_load_state_dict(self, module, units) -> None:
+        self._wait_gathers(units)  # or the gathers would overwrite what is loaded
+
+    def _after_load_state_dict(self, module, direct) -> None:
+        """Stages 1 and 2 load into the working parameters, of which the shard is a view; under
+        mixed precision the loaded values go to the full-precision masters as well."""
+        if self.mixed:
+            for u, i in direct:
+                u.copy_own(u.master, i, u.views(u.full)[i].detach().reshape(-1))
 
     # -- the consolidated model -------------------------------------------------------------------
     def model_layout(self):
@@ -422,7 +490,16 @@ class Zero2(Zero):
         self.reducer.finish()
 
     def _grads_let_go(self) -> bool:
-        return self._pieces_let_go()  # the model's are freed as reduced
+        """The model's gradients are freed as reduced: they are None, or the user's view of the
+        shards (None again after the user's model.zero_grad())."""
+        installed = bool(self.user_grads.grads)
+        return self._pieces_let_go() or (installed and any(p.grad is None for u in self.units for p in u.params))
+
+    def _take_back_model_grads(self) -> None:
+        """Backward puts each gradient into .grad for the reducer to take: it must find None there."""
+        for u in self.units:
+            for p in u.params:
+                p.grad = None
 
 
 class Zero3(Zero2):
@@ -464,7 +541,9 @@ class Zero3(Zero2):
         after_backward = lambda u: self.gatherer.after_backward(u)  # noqa: E731 (the gatherer comes next)
         kwargs = dict(on_launch=after_backward, wire_dtype=wire_dtype(self.cfg), in_place=True)
         self.reducer = StreamingShardReducer(self.units, self.group, in_order=False, **kwargs)
-        self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer)
+        self.lockstep = LockstepCheck(self.name, self.cfg.parallel.timeout_s)
+        self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer, self.lockstep)
+        self.state_call, self.gathered_for = None, {}  # the model's state_dict call under way, and its gathers
         for u in self.units:
             u.shard.grad = u.grad_shard
 
@@ -481,6 +560,52 @@ class Zero3(Zero2):
     def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
         self.gatherer.unshard(u)
         return u.full.detach()
+
+    # A state_dict or load_state_dict of the model gathers its units, so every rank must run it:
+    # checked once per call, at the outermost module's hook (lockstep.py), before any gather.
+    def _before_state_dict(self, module, units, keep_vars: bool) -> None:
+        if not keep_vars:
+            self._enter_state_call(module, STATE_DICT)
+            self._gather_for(module, units)
+
+    def _after_state_dict(self, module, state: dict, prefix: str) -> None:
+        """What the module's units gave the state dict becomes copies of its own (their gathered
+        storage is freed next: the tensors the user holds must not point at it)."""
+        for u in self.gathered_for.pop(module, []):
+            storage = u.full.untyped_storage().data_ptr()
+            for k, v in state.items():
+                if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == storage:
+                    state[k] = v.clone()
+            self.gatherer.reshard(u)
+        self._leave_state_call(module)
+
+    def _before_load_state_dict(self, module, units) -> None:
+        self._enter_state_call(module, LOAD_STATE_DICT)
+        self._gather_for(module, units)
+
+    def _after_load_state_dict(self, module, direct) -> None:
+        """The loaded full parameters of the module's units into this rank's shards."""
+        with torch.no_grad():
+            for u in self.gathered_for.pop(module, []):
+                u.shard.copy_(u.full[u.lo : u.hi])
+                self.gatherer.reshard(u)
+        self._leave_state_call(module)
+
+    def _enter_state_call(self, module, kind: int) -> None:
+        if self.state_call is None:
+            self.state_call = module
+            self.lockstep.check(kind)
+
+    def _leave_state_call(self, module) -> None:
+        if self.state_call is module:
+            self.state_call = None
+
+    def _gather_for(self, module, units) -> None:
+        """Gather the module's units not gathered yet (an enclosing module's call may hold them)."""
+        free = [u for u in units if u.state == "free"]
+        for u in free:
+            self.gatherer.unshard(u)
+        self.gathered_for[module] = free
 
     def _release(self, u: FlatUnit) -> None:
         self.gatherer.reshard(u)
