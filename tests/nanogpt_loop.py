@@ -198,7 +198,7 @@ def refused_job(rt, strategy, call):
     """The exit code of a call paratrain refuses (its line: the member's output)."""
     import paratrain
 
-    pt = paratrain.init(strategy=strategy, bucket_mb=0.002)
+    pt = paratrain.init(strategy=strategy, bucket_mb=0.002, timeout_s=2)
     model = GPT()
     model, optimizer = pt.setup(model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95)))
     idx = torch.zeros(2, BLOCK, dtype=torch.long)
@@ -215,6 +215,12 @@ def refused_job(rt, strategy, call):
             if pt.is_main:
                 model.state_dict()
             pt.backward(model(idx, idx)[1])
+        elif call == "optimizer-state-on-main":  # nanoGPT's checkpoint holds it
+            if pt.is_main:
+                optimizer.state_dict()
+        elif call == "forward-on-main-then-done":  # the others wait for no forward: the check times out
+            if pt.is_main:
+                model(idx)
     except SystemExit as exc:
         return exc.code
     return 0

@@ -43,24 +43,40 @@ def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(tmp_path, gang, exp
 
 
 @pytest.mark.parametrize(
-    "strategy, call, says",
+    "strategy, call, codes, says",
     [
-        ("zero2", "grad-arithmetic", "p.grad under zero2 holds this rank's shard of the gradient: torch's abs is not"),
+        (
+            "zero2",
+            "grad-arithmetic",
+            [2, 2],
+            "p.grad under zero2 holds this rank's shard of the gradient: torch's abs is",
+        ),
         (
             "zero3",
             "eval-on-main",
-            "zero3: the ranks ran different model calls: a forward under no_grad (call #1) on rank 0",
+            [2, 2],
+            "zero3: the ranks ran different model calls: a forward under no_grad (call #1) on rank 0; a training "
+            "forward (call #1) on rank 1: ",
         ),
         (
             "zero3",
             "state-dict-on-main",
-            "zero3: the ranks ran different model calls: model.state_dict() (call #1) on rank 0",
+            [2, 2],
+            "zero3: the ranks ran different model calls: model.state_dict() (call #1) on rank 0; a training forward",
+        ),
+        ("zero2", "optimizer-state-on-main", [2, 0], "optimizer.state_dict() / load_state_dict() under zero2: "),
+        (
+            "zero3",
+            "forward-on-main-then-done",
+            [2, 0],
+            "zero3: a training forward of the model (call #1) ran on rank 0, and not every other rank ran it "
+            "within parallel.timeout_s = 2 s",
         ),
     ],
 )
-def test_what_cannot_be_made_right_stops_every_rank_in_one_line(gang, strategy, call, says):
-    """Every rank exits 2 (a usage error); rank 0 says why (every rank saw the same)."""
-    assert gang(2).run("nanogpt_loop:refused_job", strategy=strategy, call=call) == [2, 2]
+def test_what_cannot_be_made_right_stops_in_one_line(gang, strategy, call, codes, says):
+    """Exit 2 (a usage error), one line: where every rank sees the same, rank 0 says it."""
+    assert gang(2).run("nanogpt_loop:refused_job", strategy=strategy, call=call) == codes
     said = gang(2).outputs
     (line,) = said[0].strip().splitlines()
     assert line.startswith(f"paratrain: error: {says}") and not said[1], said

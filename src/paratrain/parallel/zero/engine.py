@@ -57,7 +57,7 @@ from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer, rebuild_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, refuse, unique_parameters
 from paratrain.parallel.codecs.basic import CAST_DTYPES
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.zero import comm as zero_comm
@@ -331,7 +331,16 @@ class Zero(Strategy):
         the param group of its parameter (a group may hold no piece on some rank)."""
         piece_of = {u.names[i]: piece for u in self.units for i, *_, piece in u.pieces}
         self.optimizer = self._with_gathers(rebuild_optimizer(optimizer, self.name_of, piece_of))
+        self.optimizer.state_dict = self.optimizer.load_state_dict = self._refuse_optimizer_state
         return self.optimizer
+
+    def _refuse_optimizer_state(self, *_):
+        """The optimizer holds this rank's pieces only: its state_dict would be a part keyed
+        like no optimizer of the user's model, silently wrong to resume from."""
+        refuse(
+            f"optimizer.state_dict() / load_state_dict() under {self.name}: the optimizer pt.setup returned holds "
+            f"this rank's shard of the state; save and resume it with pt.save / pt.load (at any world size)"
+        )
 
     def backward(self, loss) -> None:
         """A backward before any zero_grad adds to the gradients (accumulation). Afterwards each
