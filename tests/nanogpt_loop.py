@@ -100,9 +100,10 @@ def planned_batches():
         epoch += 1
 
 
-def loop(model, optimizer, get_batch, backward, steps, start=0, on_eval=None, evaluate=True):
+def loop(model, optimizer, get_batch, backward, steps, start=0, on_eval=None, evaluate=True, zero_grad_of=None):
     """nanoGPT's loop: evaluation every EVAL_EVERY steps (then `on_eval(step)`: the checkpoint),
-    ACCUM micro-steps each fetching the next batch before its backward, torch's clip_grad_norm_."""
+    ACCUM micro-steps each fetching the next batch before its backward, torch's clip_grad_norm_,
+    the gradients let go by the optimizer's zero_grad (or `zero_grad_of`'s, e.g. the model's)."""
     x, y = get_batch()
     step = start
     while True:
@@ -123,7 +124,7 @@ def loop(model, optimizer, get_batch, backward, steps, start=0, on_eval=None, ev
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         assert math.isfinite(norm.item()) and norm.item() > CLIP, norm  # clipping is active
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        (zero_grad_of or optimizer).zero_grad(set_to_none=True)
         step += 1
 
 
@@ -143,11 +144,12 @@ def reference(steps: int, save_at: int = -1) -> tuple[dict, dict]:
     return {k: v.clone() for k, v in model.state_dict().items()}, saved
 
 
-def train(strategy, out, steps=6, ckpt=None, save_at=-1, eval_on="all", **keys):
+def train(strategy, out, steps=6, ckpt=None, save_at=-1, eval_on="all", zero_grad_of="optimizer", **keys):
     """The loop under paratrain: resume from `ckpt` where it holds a checkpoint, else start from
     initial_state() loaded after setup into a model built from another seed; at step `save_at`,
     pt.save to `ckpt` and torch.save(model.state_dict()) to OUT/step-K.pt; at the end OUT/final.pt.
-    `eval_on="main"`: nanoGPT's evaluation on rank 0 alone."""
+    `eval_on="main"`: nanoGPT's evaluation on rank 0 alone; `zero_grad_of="model"`: model.zero_grad()
+    lets the gradients go instead of the optimizer's zero_grad()."""
     import paratrain
 
     pt = paratrain.init(strategy=strategy, bucket_mb=0.002, **keys)
@@ -184,7 +186,7 @@ def train(strategy, out, steps=6, ckpt=None, save_at=-1, eval_on="all", **keys):
 
     start = meta["step"] if meta else 0
     evaluate = eval_on == "all" or pt.is_main
-    loop(model, optimizer, get_batch, pt.backward, steps, start, on_eval, evaluate)
+    loop(model, optimizer, get_batch, pt.backward, steps, start, on_eval, evaluate, {"model": model}.get(zero_grad_of))
     save(steps, "final.pt")
     return pt.world_size
 

@@ -29,11 +29,25 @@ def expected():
     return reference(STEPS, save_at=SAVE_AT)
 
 
-@pytest.mark.parametrize("strategy, world", [("dp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("zero3", 3)])
-def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(tmp_path, gang, expected, strategy, world):
+@pytest.mark.parametrize(
+    "strategy, world, eval_on, zero_grad_of",
+    [
+        ("dp", 2, "main", "optimizer"),  # nanoGPT's evaluation on rank 0 alone: no collective in a forward
+        ("zero1", 2, "main", "model"),
+        ("zero2", 2, "main", "optimizer"),
+        ("zero3", 2, "all", "optimizer"),  # a forward gathers from every rank: all evaluate
+        ("zero3", 3, "all", "model"),
+    ],
+)
+def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(
+    tmp_path, gang, expected, strategy, world, eval_on, zero_grad_of
+):
+    """torch's clip_grad_norm_, state_dict() (cloned, torch.saved, read by plain torch),
+    load_state_dict() after setup, and a prefetching loop saved at step 3 and resumed."""
     final, at_save = expected
     ckpt, first, resumed = tmp_path / "ckpt", tmp_path / "first", tmp_path / "resumed"
-    common = dict(strategy=strategy, steps=STEPS, ckpt=str(ckpt), save_at=SAVE_AT)
+    common = dict(strategy=strategy, steps=STEPS, ckpt=str(ckpt), save_at=SAVE_AT, eval_on=eval_on)
+    common.update(zero_grad_of=zero_grad_of)
     gang(world).run("nanogpt_loop:job", out=str(first), **common)
     assert max_rel_error(saved(first / f"step-{SAVE_AT}.pt"), at_save) <= TOL
     assert max_rel_error(saved(first / "final.pt"), final) <= TOL
