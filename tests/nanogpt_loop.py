@@ -156,7 +156,9 @@ def train(strategy, out, steps=6, ckpt=None, save_at=-1, eval_on="all", zero_gra
     torch.manual_seed(1234)  # not the initial weights: load_state_dict after setup must bring them
     model = GPT()
     optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95))
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
     model, optimizer = pt.setup(model, optimizer)
+    assert [(n, p.shape) for n, p in model.named_parameters()] == shapes
     loader = pt.setup_dataloader(DataLoader(data(), batch_size=BATCH, shuffle=True, drop_last=True))
     meta = pt.load(ckpt) if ckpt else None
     if meta is None:
@@ -217,6 +219,8 @@ def refused_job(rt, strategy, call):
             if pt.is_main:
                 model.state_dict()
             pt.backward(model(idx, idx)[1])
+        elif call == "parameter-read":  # its values are sharded: no rank holds them whole
+            print(model.lm_head.weight.sum())
         elif call == "optimizer-state-on-main":  # nanoGPT's checkpoint holds it
             if pt.is_main:
                 optimizer.state_dict()

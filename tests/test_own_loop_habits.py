@@ -81,6 +81,13 @@ def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(
         ("zero2", "optimizer-state-on-main", [2, 0], "optimizer.state_dict() / load_state_dict() under zero2: "),
         (
             "zero3",
+            "parameter-read",
+            [2, 2],
+            "transformer.wte.weight under zero3 holds no values outside a forward (they are sharded across ranks): "
+            "torch's sum",
+        ),
+        (
+            "zero3",
             "forward-on-main-then-done",
             [2, 0],
             "zero3: a training forward of the model (call #1) ran on rank 0, and not every other rank ran it "

@@ -48,6 +48,8 @@ any world M (zero/reshard.py). Stage 3's units and their gathering: zero/gather.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -66,7 +68,7 @@ from paratrain.parallel.zero.export import full_precision_layout, unit_chunks
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
 from paratrain.parallel.zero.lockstep import LOAD_STATE_DICT, STATE_DICT, LockstepCheck
 from paratrain.parallel.zero.reshard import check_checkpoint, load_sharded_state, sharded_state
-from paratrain.parallel.zero.user_grads import GradShards
+from paratrain.parallel.zero.user_grads import GradShards, ShardedParam
 
 
 def wire_dtype(cfg) -> torch.dtype | None:
@@ -359,12 +361,17 @@ class Zero(Strategy):
         self.user_grads.install(self._grad_pieces())
 
     def _grad_pieces(self):
-        """(parameter, this rank's piece of its gradient: a view of the gradient shard, maybe empty)."""
+        """(parameter as the user's model holds it, this rank's piece of its gradient: a view of the
+        gradient shard, maybe empty)."""
         for u in self.units:
             own = {i: (start, end, at) for i, start, end, at in u.own_pieces()}
             for i, p in enumerate(u.params):
                 start, end, at = own.get(i, (0, 0, 0))
-                yield p, u.shard.grad[at : at + end - start]
+                yield self._held(p), u.shard.grad[at : at + end - start]
+
+    def _held(self, p: nn.Parameter) -> torch.Tensor:
+        """What the user's model holds for parameter `p` (stages 1 and 2: `p` itself)."""
+        return p
 
     def _grads_let_go(self) -> bool:
         """Whether the user's zero_grad() set gradients to None: the optimizer's pieces', or the
@@ -502,13 +509,14 @@ class Zero2(Zero):
         """The model's gradients are freed as reduced: they are None, or the user's view of the
         shards (None again after the user's model.zero_grad())."""
         installed = bool(self.user_grads.grads)
-        return self._pieces_let_go() or (installed and any(p.grad is None for u in self.units for p in u.params))
+        held = (self._held(p) for u in self.units for p in u.params)
+        return self._pieces_let_go() or (installed and any(p.grad is None for p in held))
 
     def _take_back_model_grads(self) -> None:
         """Backward puts each gradient into .grad for the reducer to take: it must find None there."""
         for u in self.units:
             for p in u.params:
-                p.grad = None
+                p.grad = self._held(p).grad = None
 
 
 class Zero3(Zero2):
@@ -553,6 +561,7 @@ class Zero3(Zero2):
         self.lockstep = LockstepCheck(self.name, self.cfg.parallel.timeout_s)
         self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer, self.lockstep)
         self.state_call, self.gathered_for = None, {}  # the model's state_dict call under way, and its gathers
+        self.sharded, self.params_pinned = {}, False  # the ShardedParams, once the model is the user's
         for u in self.units:
             u.shard.grad = u.grad_shard
 
@@ -565,6 +574,64 @@ class Zero3(Zero2):
 
     def _overlap_gathers_with_forward(self, model) -> None:
         pass  # the ParameterGatherer's hooks gather on demand
+
+    # -- what the user's model holds: ShardedParams outside a unit's gathers (user_grads.py) ----------
+    def adopt_optimizer(self, optimizer):
+        """Also: the model is the user's from now on, so its modules hold a ShardedParam for each
+        parameter whose unit is not gathered (a read of the parameter itself there would be a
+        SIGSEGV: its storage is freed)."""
+        optimizer = super().adopt_optimizer(optimizer)
+        self.places = {}  # the (module, name) of each parameter, several for a tied one
+        for module in self.model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in self.slot_of:
+                    self.places.setdefault(id(p), []).append((module, name))
+        self.sharded = {id(p): ShardedParam(p, n, self.name) for u in self.units for p, n in zip(u.params, u.names)}
+        self.gatherer.on_gathered, self.gatherer.on_freed = self._put_params, self._put_sharded
+        for u in self.units:
+            if u.state == "free":
+                self._put_sharded(u)
+        return optimizer
+
+    def _held(self, p: nn.Parameter) -> torch.Tensor:
+        return self.sharded.get(id(p), p)
+
+    def _put_params(self, u: FlatUnit) -> None:
+        for p in u.params:
+            for module, name in self.places[id(p)]:
+                module._parameters[name] = p
+
+    def _put_sharded(self, u: FlatUnit) -> None:
+        if not self.params_pinned:
+            for p in u.params:
+                for module, name in self.places[id(p)]:
+                    module._parameters[name] = self.sharded[id(p)]
+
+    @contextlib.contextmanager
+    def _parameters_in_place(self):
+        """paratrain's own reading of the model (the export's names and layout, by identity): the
+        parameters themselves in the modules, whatever is gathered (their values are not read)."""
+        if not self.sharded:
+            yield
+            return
+        self.params_pinned = True
+        try:
+            for u in self.units:
+                self._put_params(u)
+            yield
+        finally:
+            self.params_pinned = False
+            for u in self.units:
+                if u.state == "free":
+                    self._put_sharded(u)
+
+    def model_layout(self):
+        with self._parameters_in_place():
+            return super().model_layout()
+
+    def model_chunks(self):
+        with self._parameters_in_place():
+            yield from super().model_chunks()
 
     def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
         self.gatherer.unshard(u)

@@ -91,6 +91,8 @@ class ParameterGatherer:
     def __init__(self, units: list[FlatUnit], root: nn.Module, group, reducer, lockstep: LockstepCheck):
         self.units, self.root, self.group, self.reducer, self.lockstep = units, root, group, reducer, lockstep
         self.backward_checked = False
+        # told when a unit's parameters become whole and when they are freed (Zero3's ShardedParams)
+        self.on_gathered = self.on_freed = lambda u: None
         self.order: list[FlatUnit] = []
         self.position: dict[int, int] = {}
         self.recording = True
@@ -127,6 +129,7 @@ class ParameterGatherer:
         if u.state == "gathering":
             self._wait(u)
             u.state = "gathered"
+            self.on_gathered(u)
 
     def _transient(self) -> int:
         return self.live_bytes + self.reducer.live_bytes
@@ -143,6 +146,7 @@ class ParameterGatherer:
             u.full.untyped_storage().resize_(0)
             self.live_bytes -= u.full_nbytes()
             u.state = "free"
+            self.on_freed(u)
 
     def reshard_all(self) -> None:
         for u in self.units:

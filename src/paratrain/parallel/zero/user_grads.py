@@ -157,3 +157,37 @@ def _vector_norm(grad: ShardedGrad, ord=2, dim=None, keepdim=False, *, dtype=Non
 def said_by_one() -> bool:
     """Every rank runs the user's same code into the same refusal: rank 0 says it."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class ShardedParam(torch.Tensor):
+    """What a zero3 model's module holds in place of a parameter while its unit is not gathered
+    (outside the module's forward and backward, under the Python API): a tensor of the
+    parameter's name, shape and dtype, which the user's code can list, count, hand to torch's
+    gradient utilities (its .grad is a ShardedGrad) and get from state_dict(keep_vars=True), but
+    whose values are on no rank whole: reading them is refused in one line. The parameter itself
+    (a view of the unit's gathered storage, freed outside its module's calls, where a read would
+    be a SIGSEGV) is put back while the unit is gathered: forward, backward and the state dicts."""
+
+    @staticmethod
+    def __new__(cls, full: torch.nn.Parameter, name: str, strategy: str):
+        param = torch.Tensor._make_wrapper_subclass(
+            cls, full.shape, dtype=full.dtype, device=full.device, requires_grad=full.requires_grad
+        )
+        param.full, param.param_name, param.strategy = full, name, strategy
+        param._is_param = True  # isinstance(param, nn.Parameter), as for FSDP2's DTensor parameters
+        return param
+
+    def __repr__(self) -> str:
+        return f"ShardedParam({self.param_name}, shape={tuple(self.shape)}: its values are sharded across ranks)"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is aten.detach.default:  # state_dict(keep_vars=False), `.data`: the same placeholder
+            (param,) = args
+            return ShardedParam(param.full, param.param_name, param.strategy)
+        param = next(a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, ShardedParam))
+        refuse(
+            f"{param.param_name} under {param.strategy} holds no values outside a forward (they are sharded across "
+            f"ranks): torch's {func.overloadpacket.__name__} cannot read it; read model.state_dict() on every rank",
+            said_by_one(),
+        )
