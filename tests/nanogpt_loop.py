@@ -198,6 +198,19 @@ def job(rt, **kwargs):
     return train(**kwargs)
 
 
+def load_state_job(rt, strategy, out, bf16=False):
+    """model.load_state_dict(initial_state()) right after setup, into a model built from another
+    seed; then pt.export (under bf16 its fp32 masters: what was loaded, not its bf16 rounding)."""
+    import paratrain
+
+    pt = paratrain.init(strategy=strategy, bucket_mb=0.002, train={"precision": "bf16" if bf16 else "fp32"})
+    torch.manual_seed(1234)
+    model = GPT()
+    model, _ = pt.setup(model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95)))
+    model.load_state_dict(initial_state())
+    pt.export(out)
+
+
 def refused_job(rt, strategy, call):
     """The exit code of a call paratrain refuses (its line: the member's output)."""
     import paratrain

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import check_ok, max_rel_error, run_cli, run_torchrun
-from nanogpt_loop import reference
+from nanogpt_loop import initial_state, reference
+from safetensors.torch import load_file
 
 SCRIPT = str(Path(__file__).resolve().parent / "nanogpt_loop.py")
 TOL = 1e-4
@@ -56,6 +57,14 @@ def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(
     assert max_rel_error(saved(resumed / "final.pt"), final) <= TOL
 
 
+@pytest.mark.parametrize("strategy, bf16", [("zero1", True), ("zero2", True), ("zero3", False)])
+def test_load_state_dict_after_setup_reaches_every_shard(tmp_path, gang, strategy, bf16):
+    """Under mixed precision the fp32 masters take the loaded values too (the export writes them)."""
+    gang(2).run("nanogpt_loop:load_state_job", strategy=strategy, out=str(tmp_path), bf16=bf16)
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    assert max_rel_error(exported, initial_state()) == 0
+
+
 @pytest.mark.parametrize(
     "strategy, call, codes, says",
     [
@@ -97,8 +106,9 @@ def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(
 )
 def test_what_cannot_be_made_right_stops_in_one_line(gang, strategy, call, codes, says):
     """Exit 2 (a usage error), one line: where every rank sees the same, rank 0 says it."""
-    assert gang(2).run("nanogpt_loop:refused_job", strategy=strategy, call=call) == codes
-    said = gang(2).outputs
+    members = gang(2)  # the same gang for its outputs (gang(2) starts a fresh one after many jobs)
+    assert members.run("nanogpt_loop:refused_job", strategy=strategy, call=call) == codes
+    said = members.outputs
     (line,) = said[0].strip().splitlines()
     assert line.startswith(f"paratrain: error: {says}") and not said[1], said
 

@@ -68,7 +68,7 @@ from paratrain.parallel.zero.export import full_precision_layout, unit_chunks
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
 from paratrain.parallel.zero.lockstep import LOAD_STATE_DICT, STATE_DICT, LockstepCheck
 from paratrain.parallel.zero.reshard import check_checkpoint, load_sharded_state, sharded_state
-from paratrain.parallel.zero.user_grads import GradShards, ShardedParam
+from paratrain.parallel.zero.user_tensors import GradShards, ShardedParam
 
 
 def wire_dtype(cfg) -> torch.dtype | None:
@@ -346,7 +346,7 @@ class Zero(Strategy):
 
     def backward(self, loss) -> None:
         """A backward before any zero_grad adds to the gradients (accumulation). Afterwards each
-        parameter's .grad is this rank's piece of its gradient, whose norm is global (user_grads.py):
+        parameter's .grad is this rank's piece of its gradient, whose norm is global (user_tensors.py):
         torch's own clip_grad_norm_(model.parameters(), c) clips the global norm."""
         fresh = self._grads_let_go()
         self._take_back_model_grads()
@@ -426,14 +426,13 @@ class Zero(Strategy):
         plain model, on every rank: hooks on each module holding parameters of a unit (its own, or
         the unit's whole subtree under stage 3) make them whole before the module's tensors are
         read or written, and hand them back to the shards after (a unit at a time under stage 3).
-        state_dict(keep_vars=True) gives the parameters themselves, untouched (what paratrain's
-        own export and checkpoints read; under stage 3 they are views of storage freed outside a
-        forward)."""
+        state_dict(keep_vars=True) gives what the modules hold, untouched and not gathered (what
+        paratrain's own export and checkpoints read by identity; under stage 3 a ShardedParam
+        outside a unit's gathers once the model is the user's)."""
         for module in model.modules():
-            direct = [
-                self.slot_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in self.slot_of
-            ]
-            units = list({id(u): u for u, _ in direct}.values())
+            # (name in the module, unit, index in the unit) of its own parameters
+            direct = [(n, *self.slot_of[id(p)]) for n, p in module._parameters.items() if id(p) in self.slot_of]
+            units = list({id(u): u for _, u, _ in direct}.values())
             units += [u for u in self.units if u.module is module and u not in units]
             if not units:
                 continue
@@ -443,10 +442,12 @@ class Zero(Strategy):
             module.register_state_dict_post_hook(
                 lambda m, state, prefix, meta: self._after_state_dict(m, state, prefix)
             )
-            module.register_load_state_dict_pre_hook(lambda m, *_, units=units: self._before_load_state_dict(m, units))
-            module.register_load_state_dict_post_hook(
-                lambda m, _, direct=direct: self._after_load_state_dict(m, direct)
+            module.register_load_state_dict_pre_hook(
+                lambda m, state, prefix, *_, units=units, direct=direct: self._before_load_state_dict(
+                    m, units, state, prefix, direct
+                )
             )
+            module.register_load_state_dict_post_hook(lambda m, _: self._after_load_state_dict(m))
 
     def _before_state_dict(self, module, units, keep_vars: bool) -> None:
         """Stages 1 and 2: the parameters' all-gathers after a step may still be in flight."""
@@ -455,15 +456,20 @@ class Zero(Strategy):
     def _after_state_dict(self, module, state: dict, prefix: str) -> None:
         pass
 
-    def _before_load_state_dict(self, module, units) -> None:
-        self._wait_gathers(units)  # or the gathers would overwrite what is loaded
-
-    def _after_load_state_dict(self, module, direct) -> None:
-        """Stages 1 and 2 load into the working parameters, of which the shard is a view; under
-        mixed precision the loaded values go to the full-precision masters as well."""
+    def _before_load_state_dict(self, module, units, state: dict, prefix: str, direct) -> None:
+        """Stages 1 and 2 load into the working parameters, of which the shard is a view, once the
+        all-gathers after a step are in (or they would overwrite what is loaded); under mixed
+        precision this rank's pieces of the given values go to the full-precision masters too,
+        as given (the working parameters get them rounded)."""
+        self._wait_gathers(units)
         if self.mixed:
-            for u, i in direct:
-                u.copy_own(u.master, i, u.views(u.full)[i].detach().reshape(-1))
+            for name, u, i in direct:
+                value = state.get(prefix + name)
+                if isinstance(value, torch.Tensor) and value.shape == u.shapes[i]:
+                    u.copy_own(u.master, i, value.detach().reshape(-1).to(u.master))
+
+    def _after_load_state_dict(self, module) -> None:
+        pass
 
     # -- the consolidated model -------------------------------------------------------------------
     def model_layout(self):
@@ -575,7 +581,7 @@ class Zero3(Zero2):
     def _overlap_gathers_with_forward(self, model) -> None:
         pass  # the ParameterGatherer's hooks gather on demand
 
-    # -- what the user's model holds: ShardedParams outside a unit's gathers (user_grads.py) ----------
+    # -- what the user's model holds: ShardedParams outside a unit's gathers (user_tensors.py) ----------
     def adopt_optimizer(self, optimizer):
         """Also: the model is the user's from now on, so its modules hold a ShardedParam for each
         parameter whose unit is not gathered (a read of the parameter itself there would be a
@@ -594,6 +600,7 @@ class Zero3(Zero2):
         return optimizer
 
     def _held(self, p: nn.Parameter) -> torch.Tensor:
+        """The ShardedParam standing for `p` in the user's model (`p` before the model is the user's)."""
         return self.sharded.get(id(p), p)
 
     def _put_params(self, u: FlatUnit) -> None:
@@ -655,11 +662,11 @@ class Zero3(Zero2):
             self.gatherer.reshard(u)
         self._leave_state_call(module)
 
-    def _before_load_state_dict(self, module, units) -> None:
+    def _before_load_state_dict(self, module, units, state: dict, prefix: str, direct) -> None:
         self._enter_state_call(module, LOAD_STATE_DICT)
         self._gather_for(module, units)
 
-    def _after_load_state_dict(self, module, direct) -> None:
+    def _after_load_state_dict(self, module) -> None:
         """The loaded full parameters of the module's units into this rank's shards."""
         with torch.no_grad():
             for u in self.gathered_for.pop(module, []):

@@ -1,5 +1,9 @@
-"""What the user's code finds in p.grad under ZeRO after pt.backward: each parameter's gradient as
-this rank holds it, in a tensor of the parameter's shape whose norm is the global one.
+"""What the user's code finds in p.grad under ZeRO after pt.backward (ShardedGrad), and in p itself
+under zero3 outside its module's forward and backward (ShardedParam): tensors of the parameter's
+name, shape and dtype over what this rank holds, which answer torch's own tools rightly or refuse
+in one line.
+
+ShardedGrad: each parameter's gradient as this rank holds it, whose norm is the global one.
 
 The gradients live in each rank's gradient shard (zero/comm.py): a parameter's gradient is cut
 across ranks, and no rank holds it whole. FSDP2 makes them DTensors so that torch's own
