@@ -66,7 +66,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))
-        loss = None if targets is None else F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+        loss = None if targets is None else F.cross_entropy(logits.view(-1, VOCAB), targets.reshape(-1))
         return logits, loss
 
     def configure_optimizers(self, weight_decay, learning_rate, betas):
@@ -209,6 +209,21 @@ def load_state_job(rt, strategy, out, bf16=False):
     model, _ = pt.setup(model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95)))
     model.load_state_dict(initial_state())
     pt.export(out)
+
+
+def norms_job(rt, strategy):
+    """After one backward (every rank on the same batch: the global mean gradient is its own):
+    torch's get_total_norm of p.grad, then pt.clip_grad_norm_'s norm, then torch's again."""
+    import paratrain
+
+    pt = paratrain.init(strategy=strategy, bucket_mb=0.002)
+    model = GPT()
+    model, _ = pt.setup(model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95)))
+    model.load_state_dict(initial_state())
+    x, y = data().tensors
+    pt.backward(model(x[:4], y[:4])[1])
+    norm = lambda: torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()  # noqa: E731
+    return norm(), pt.clip_grad_norm_(CLIP).item(), norm()
 
 
 def refused_job(rt, strategy, call):

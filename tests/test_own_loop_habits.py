@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import check_ok, max_rel_error, run_cli, run_torchrun
-from nanogpt_loop import initial_state, reference
+from nanogpt_loop import CLIP, GPT, data, initial_state, reference
 from safetensors.torch import load_file
 
 SCRIPT = str(Path(__file__).resolve().parent / "nanogpt_loop.py")
@@ -55,6 +55,18 @@ def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(
     # resumed from pt.save's checkpoint: the batch fetched ahead of the save is served again
     gang(world).run("nanogpt_loop:job", out=str(resumed), **common)
     assert max_rel_error(saved(resumed / "final.pt"), final) <= TOL
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3"])
+def test_torchs_gradient_norm_is_the_global_one_and_pt_clip_grad_norm_s(gang, strategy):
+    model = GPT()
+    model.load_state_dict(initial_state())
+    x, y = data().tensors
+    model(x[:4], y[:4])[1].backward()
+    one_process = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    for torch_norm, pt_norm, clipped in gang(2).run("nanogpt_loop:norms_job", strategy=strategy):
+        assert torch_norm == pytest.approx(one_process, rel=1e-5) and pt_norm == pytest.approx(torch_norm, rel=1e-6)
+        assert clipped == pytest.approx(CLIP, rel=1e-5)
 
 
 @pytest.mark.parametrize("strategy, bf16", [("zero1", True), ("zero2", True), ("zero3", False)])

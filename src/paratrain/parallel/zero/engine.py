@@ -397,6 +397,7 @@ class Zero(Strategy):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         norm = self._grad_norm()
         self._scale_grads(clip_factor(norm, max_norm))
+        self.user_grads.changed()  # the norms torch's tools asked of p.grad before are stale
         return norm
 
     # -- state ----------------------------------------------------------------------------------
