@@ -7,7 +7,9 @@ issue next: gloo aborts the process on the mismatched sizes (SIGABRT), or the va
 wrong. So each call first exchanges (sequence number, kind of call) with every rank, on a process
 group of its own that carries nothing else (a call one rank runs alone cannot pair with anything
 but the same check), under parallel.timeout_s; a difference, or a peer that does not come within
-the time, stops every rank that sees it with one line naming the call and the ranks that ran it.
+the time, stops every rank that sees it with one line naming the call and the ranks that ran it
+(exit 2). A peer whose process died breaks the check at once: that is its failure, not a lone
+call, and the transport's error goes on to the launcher, which names the dead rank.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ class LockstepCheck:
         rank = dist.get_rank()
         try:
             dist.all_gather(every, mine, group=self.group)
-        except RuntimeError:  # timed out, or a peer left: it is not running this call
+        except RuntimeError as exc:
+            if "timed out" not in str(exc).lower():  # a peer died: its failure, for the launcher to name
+                raise
             refuse(
                 f"{self.strategy}: {KINDS[kind]} of the model (call #{self.seq}) ran on rank {rank}, and not every "
                 f"other rank ran it within parallel.timeout_s = {self.timeout_s:g} s: {self._advice()}"
