@@ -82,7 +82,9 @@ class Paratrain:
         self.rank, self.world_size, self.device, self.is_main = rt.rank, rt.world_size, rt.device, rt.is_main
         self.strategy = None
         self.loaders: list[GlobalBatchLoader] = []
-        self._weight = 1.0  # this rank's share of the current global batch, times the dp size
+        # this rank's share of a global batch, times the dp size: of the batch last handed out, and
+        # of the one the last training forward ran on (a loop may fetch the next before backward)
+        self._weight = self._forward_weight = 1.0
         self._metrics: MetricsLog | None = None
         self._t0 = time.perf_counter()
 
@@ -108,7 +110,16 @@ class Paratrain:
             optimizer = self.strategy.adopt_optimizer(optimizer)
         optimizer = optimizer or self.strategy.optimizer
         optimizer.register_step_post_hook(self._stepped)
+        self.strategy.model.register_forward_pre_hook(self._forward_started)
         return self.strategy.model, optimizer
+
+    def _forward_started(self, module, args) -> None:
+        """A training forward: the batches handed out so far are those its backward will have
+        trained on, and the last of them is the one whose share weights its loss."""
+        if torch.is_grad_enabled():
+            self._forward_weight = self._weight
+            for loader in self.loaders:
+                loader.forward_ran()
 
     @staticmethod
     def _stepped(*_) -> None:
@@ -156,9 +167,14 @@ class Paratrain:
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss: the mean over this rank's share; afterwards every rank's gradients are the global
-        batch's mean (shares of unequal size weighted by their samples)."""
+        batch's mean (shares of unequal size weighted by their samples). The loaders' saved
+        positions move to what the loss's forward was given: a batch fetched since is served
+        again after a resume (loader.py)."""
         strategy = self._strategy("backward")
-        strategy.backward(loss if self._weight == 1.0 else loss * self._weight)
+        weight = self._forward_weight
+        strategy.backward(loss if weight == 1.0 else loss * weight)
+        for loader in self.loaders:
+            loader.backward_ran()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over every rank's shards) to max_norm; returns the norm."""
@@ -171,7 +187,11 @@ class Paratrain:
         strategy = self._strategy("train_step")
         if self._weight != 1.0:
             raise ValueError("pt.train_step: a global batch not shared equally (set drop_last=True on the loader)")
-        return strategy.train_step(batch)
+        loss = strategy.train_step(batch)
+        for loader in self.loaders:  # trained on what was handed out (its forward may not be the model's)
+            loader.forward_ran()
+            loader.backward_ran()
+        return loss
 
     # -- checkpoints and the model ------------------------------------------------------------------
     def save(self, path, step: int, **extras) -> Path | None:

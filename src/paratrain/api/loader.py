@@ -6,9 +6,12 @@ of batch_size (the last one short unless drop_last). Data-parallel rank r of D t
 contiguous share of each (shares differ by at most one sample where D does not divide it: the
 API's backward weights each rank's loss by its share, so the gradient is still the global mean).
 
-The loader's position (epoch, batch within it) advances as batches are handed out, and goes into
-pt.save's checkpoints: after pt.load, iterating goes on at the exact next batch. Each iter()
-continues from the position: an epoch ends when its last batch has been taken.
+The loader's position (epoch, batch within it) advances as batches are handed out; each iter()
+continues from it: an epoch ends when its last batch has been taken. What pt.save records is the
+position of the batches whose backward ran: the handed-out position as of the model's last training
+forward before the last pt.backward (see Paratrain.backward). A batch fetched ahead (nanoGPT fetches
+the next batch while the forward runs, before the backward and before saving) was not trained on
+yet: after pt.load it is served again, so a resumed run takes the same batches as one that went on.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class GlobalBatchLoader:
         self.n = len(loader.dataset)
         self.sampler = GlobalBatchSampler(self.n, self.batch_size, isinstance(loader.sampler, RandomSampler), seed)
         self.epoch = self.batch = 0  # the position: the next batch handed out
+        self.at_forward = self.trained = (0, 0)  # the position at the last training forward; at its backward
 
     def __len__(self) -> int:
         return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
@@ -64,6 +68,8 @@ class GlobalBatchLoader:
             yield (part.tolist() if reads else None), len(part) * size / len(ids)
 
     def __iter__(self):
+        if self.batch >= len(self):  # resumed where an epoch ended: the next one starts
+            self.epoch, self.batch = self.epoch + 1, 0
         batches = list(self._local_batches())
         # The user's loader does the loading (its workers, collate_fn, pin_memory), on our indices.
         inner = DataLoader(
@@ -80,14 +86,23 @@ class GlobalBatchLoader:
         self.epoch, self.batch = self.epoch + 1, 0
 
     # -- checkpoints (the same position record as `paratrain run`'s sampler) ------------------------
+    def forward_ran(self) -> None:
+        """A training forward of the model: what was handed out so far is what it may train on."""
+        self.at_forward = (self.epoch, self.batch)
+
+    def backward_ran(self) -> None:
+        self.trained = self.at_forward
+
     def position(self) -> dict:
-        return {"epoch": self.epoch, "sample_in_epoch": self.batch * self.batch_size}
+        epoch, batch = self.trained
+        return {"epoch": epoch, "sample_in_epoch": batch * self.batch_size}
 
     def resume_at(self, position: dict) -> None:
         epoch, sample = int(position["epoch"]), int(position["sample_in_epoch"])
         if sample % self.batch_size:
             raise ValueError(f"the checkpoint's data position (sample {sample}) is not at a batch of {self.batch_size}")
         self.epoch, self.batch = epoch, sample // self.batch_size
+        self.at_forward = self.trained = (self.epoch, self.batch)
 
 
 def to_device(batch, device: torch.device):

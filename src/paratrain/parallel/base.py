@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -64,6 +65,7 @@ from paratrain.checkpoint.reader import check_model_shapes
 from paratrain.comm import collectives
 from paratrain.config import Config
 from paratrain.data.batch import feed, num_samples, split_batch
+from paratrain.errors import error
 from paratrain.optim import accuracy_counts, set_lr
 from paratrain.profile import NULL_PROFILER
 from paratrain.runtime.process import Runtime, SeededMicroBatches
@@ -250,3 +252,13 @@ def eval_sums(loss_fn, output, targets, n: int) -> torch.Tensor:
         return torch.zeros(4, dtype=torch.float64)
     correct, counted = accuracy_counts(output, targets) or (0, 0)
     return torch.tensor([float(loss_fn(output, targets)) * n, n, correct, counted], dtype=torch.float64)
+
+
+def refuse(line: str, said_here: bool = True) -> NoReturn:
+    """Stop the user's program at a call paratrain cannot make right: its one line (naming the
+    call to use instead), no traceback, exit 2 as for any usage error (a launch reports it as the
+    worker's own line, without the agent's traceback); never a silently wrong answer. Where every
+    rank refuses the same call, one of them says it (`said_here`): the run's output has one line."""
+    if said_here:
+        error(line)
+    raise SystemExit(2)

@@ -48,6 +48,8 @@ any world M (zero/reshard.py). Stage 3's units and their gathering: zero/gather.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,14 +59,16 @@ from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer, rebuild_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, refuse, unique_parameters
 from paratrain.parallel.codecs.basic import CAST_DTYPES
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.zero import comm as zero_comm
 from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, StreamingShardReducer, all_gather
 from paratrain.parallel.zero.export import full_precision_layout, unit_chunks
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
+from paratrain.parallel.zero.lockstep import LOAD_STATE_DICT, STATE_DICT, LockstepCheck
 from paratrain.parallel.zero.reshard import check_checkpoint, load_sharded_state, sharded_state
+from paratrain.parallel.zero.user_tensors import GradShards, ShardedParam
 
 
 def wire_dtype(cfg) -> torch.dtype | None:
@@ -103,6 +107,8 @@ class Zero(Strategy):
         self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
         self._make_pieces()
         self.optimizer = self._with_gathers(build_optimizer(self.pieces, cfg.train))
+        self.user_grads = GradShards(self.name, group)
+        self._hook_state_dicts(model)
 
     # -- layout ---------------------------------------------------------------------------------
     def _make_units(self, model, named) -> list[FlatUnit]:
@@ -327,11 +333,23 @@ class Zero(Strategy):
         the param group of its parameter (a group may hold no piece on some rank)."""
         piece_of = {u.names[i]: piece for u in self.units for i, *_, piece in u.pieces}
         self.optimizer = self._with_gathers(rebuild_optimizer(optimizer, self.name_of, piece_of))
+        self.optimizer.state_dict = self.optimizer.load_state_dict = self._refuse_optimizer_state
         return self.optimizer
 
+    def _refuse_optimizer_state(self, *_):
+        """The optimizer holds this rank's pieces only: its state_dict would be a part keyed
+        like no optimizer of the user's model, silently wrong to resume from."""
+        refuse(
+            f"optimizer.state_dict() / load_state_dict() under {self.name}: the optimizer pt.setup returned holds "
+            f"this rank's shard of the state; save and resume it with pt.save / pt.load (at any world size)"
+        )
+
     def backward(self, loss) -> None:
-        """A backward before any zero_grad adds to the gradients (accumulation)."""
+        """A backward before any zero_grad adds to the gradients (accumulation). Afterwards each
+        parameter's .grad is this rank's piece of its gradient, whose norm is global (user_tensors.py):
+        torch's own clip_grad_norm_(model.parameters(), c) clips the global norm."""
         fresh = self._grads_let_go()
+        self._take_back_model_grads()
         if fresh:
             self.reducer.zero_grad()
             self._bind_piece_grads()
@@ -340,12 +358,33 @@ class Zero(Strategy):
         self._after_backward(last=True)
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
         self._average_across_replicas([u.shard.grad for u in self.units])
+        self.user_grads.install(self._grad_pieces())
+
+    def _grad_pieces(self):
+        """(parameter as the user's model holds it, this rank's piece of its gradient: a view of the
+        gradient shard, maybe empty)."""
+        for u in self.units:
+            own = {i: (start, end, at) for i, start, end, at in u.own_pieces()}
+            for i, p in enumerate(u.params):
+                start, end, at = own.get(i, (0, 0, 0))
+                yield self._held(p), u.shard.grad[at : at + end - start]
+
+    def _held(self, p: nn.Parameter) -> torch.Tensor:
+        """What the user's model holds for parameter `p` (stages 1 and 2: `p` itself)."""
+        return p
 
     def _grads_let_go(self) -> bool:
-        """Whether the user's zero_grad() set gradients to None (the optimizer's pieces', or the
-        model's, which stage 1 keeps in its buckets)."""
+        """Whether the user's zero_grad() set gradients to None: the optimizer's pieces', or the
+        model's (optimizer or model.zero_grad(); stage 1 keeps them in its buckets)."""
         full = (p for u in self.units for p in u.params)
         return self._pieces_let_go() or any(p.grad is None for p in full)
+
+    def _take_back_model_grads(self) -> None:
+        """Before a backward, the model's .grad (the user's view of the shards) go back to what
+        the backward accumulates into: stage 1's bucket views."""
+        for b in self.reducer.buckets:
+            b.bound = None
+            b.bind_grads()
 
     def _pieces_let_go(self) -> bool:
         """Whether the optimizer's zero_grad() let the pieces' gradients go; under mixed precision,
@@ -358,6 +397,7 @@ class Zero(Strategy):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         norm = self._grad_norm()
         self._scale_grads(clip_factor(norm, max_norm))
+        self.user_grads.changed()  # the norms torch's tools asked of p.grad before are stale
         return norm
 
     # -- state ----------------------------------------------------------------------------------
@@ -380,6 +420,57 @@ class Zero(Strategy):
         with torch.no_grad():
             for u in self.units:
                 u.shard.copy_(u.master)
+
+    # -- the user's model.state_dict() and load_state_dict() -----------------------------------------
+    def _hook_state_dicts(self, model) -> None:
+        """model.state_dict() gives the full tensors and load_state_dict() takes them, as of the
+        plain model, on every rank: hooks on each module holding parameters of a unit (its own, or
+        the unit's whole subtree under stage 3) make them whole before the module's tensors are
+        read or written, and hand them back to the shards after (a unit at a time under stage 3).
+        state_dict(keep_vars=True) gives what the modules hold, untouched and not gathered (what
+        paratrain's own export and checkpoints read by identity; under stage 3 a ShardedParam
+        outside a unit's gathers once the model is the user's)."""
+        for module in model.modules():
+            # (name in the module, unit, index in the unit) of its own parameters
+            direct = [(n, *self.slot_of[id(p)]) for n, p in module._parameters.items() if id(p) in self.slot_of]
+            units = list({id(u): u for _, u, _ in direct}.values())
+            units += [u for u in self.units if u.module is module and u not in units]
+            if not units:
+                continue
+            module.register_state_dict_pre_hook(
+                lambda m, prefix, keep_vars, units=units: self._before_state_dict(m, units, keep_vars)
+            )
+            module.register_state_dict_post_hook(
+                lambda m, state, prefix, meta: self._after_state_dict(m, state, prefix)
+            )
+            module.register_load_state_dict_pre_hook(
+                lambda m, state, prefix, *_, units=units, direct=direct: self._before_load_state_dict(
+                    m, units, state, prefix, direct
+                )
+            )
+            module.register_load_state_dict_post_hook(lambda m, _: self._after_load_state_dict(m))
+
+    def _before_state_dict(self, module, units, keep_vars: bool) -> None:
+        """Stages 1 and 2: the parameters' all-gathers after a step may still be in flight."""
+        self._wait_gathers(units)
+
+    def _after_state_dict(self, module, state: dict, prefix: str) -> None:
+        pass
+
+    def _before_load_state_dict(self, module, units, state: dict, prefix: str, direct) -> None:
+        """Stages 1 and 2 load into the working parameters, of which the shard is a view, once the
+        all-gathers after a step are in (or they would overwrite what is loaded); under mixed
+        precision this rank's pieces of the given values go to the full-precision masters too,
+        as given (the working parameters get them rounded)."""
+        self._wait_gathers(units)
+        if self.mixed:
+            for name, u, i in direct:
+                value = state.get(prefix + name)
+                if isinstance(value, torch.Tensor) and value.shape == u.shapes[i]:
+                    u.copy_own(u.master, i, value.detach().reshape(-1).to(u.master))
+
+    def _after_load_state_dict(self, module) -> None:
+        pass
 
     # -- the consolidated model -------------------------------------------------------------------
     def model_layout(self):
@@ -422,7 +513,17 @@ class Zero2(Zero):
         self.reducer.finish()
 
     def _grads_let_go(self) -> bool:
-        return self._pieces_let_go()  # the model's are freed as reduced
+        """The model's gradients are freed as reduced: they are None, or the user's view of the
+        shards (None again after the user's model.zero_grad())."""
+        installed = bool(self.user_grads.grads)
+        held = (self._held(p) for u in self.units for p in u.params)
+        return self._pieces_let_go() or (installed and any(p.grad is None for p in held))
+
+    def _take_back_model_grads(self) -> None:
+        """Backward puts each gradient into .grad for the reducer to take: it must find None there."""
+        for u in self.units:
+            for p in u.params:
+                p.grad = self._held(p).grad = None
 
 
 class Zero3(Zero2):
@@ -464,7 +565,10 @@ class Zero3(Zero2):
         after_backward = lambda u: self.gatherer.after_backward(u)  # noqa: E731 (the gatherer comes next)
         kwargs = dict(on_launch=after_backward, wire_dtype=wire_dtype(self.cfg), in_place=True)
         self.reducer = StreamingShardReducer(self.units, self.group, in_order=False, **kwargs)
-        self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer)
+        self.lockstep = LockstepCheck(self.name, self.cfg.parallel.timeout_s)
+        self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer, self.lockstep)
+        self.state_call, self.gathered_for = None, {}  # the model's state_dict call under way, and its gathers
+        self.sharded, self.params_pinned = {}, False  # the ShardedParams, once the model is the user's
         for u in self.units:
             u.shard.grad = u.grad_shard
 
@@ -478,9 +582,114 @@ class Zero3(Zero2):
     def _overlap_gathers_with_forward(self, model) -> None:
         pass  # the ParameterGatherer's hooks gather on demand
 
+    # -- what the user's model holds: ShardedParams outside a unit's gathers (user_tensors.py) ----------
+    def adopt_optimizer(self, optimizer):
+        """Also: the model is the user's from now on, so its modules hold a ShardedParam for each
+        parameter whose unit is not gathered (a read of the parameter itself there would be a
+        SIGSEGV: its storage is freed)."""
+        optimizer = super().adopt_optimizer(optimizer)
+        self.places = {}  # the (module, name) of each parameter, several for a tied one
+        for module in self.model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in self.slot_of:
+                    self.places.setdefault(id(p), []).append((module, name))
+        self.sharded = {id(p): ShardedParam(p, n, self.name) for u in self.units for p, n in zip(u.params, u.names)}
+        self.gatherer.on_gathered, self.gatherer.on_freed = self._put_params, self._put_sharded
+        for u in self.units:
+            if u.state == "free":
+                self._put_sharded(u)
+        return optimizer
+
+    def _held(self, p: nn.Parameter) -> torch.Tensor:
+        """The ShardedParam standing for `p` in the user's model (`p` before the model is the user's)."""
+        return self.sharded.get(id(p), p)
+
+    def _put_params(self, u: FlatUnit) -> None:
+        for p in u.params:
+            for module, name in self.places[id(p)]:
+                module._parameters[name] = p
+
+    def _put_sharded(self, u: FlatUnit) -> None:
+        if not self.params_pinned:
+            for p in u.params:
+                for module, name in self.places[id(p)]:
+                    module._parameters[name] = self.sharded[id(p)]
+
+    @contextlib.contextmanager
+    def _parameters_in_place(self):
+        """paratrain's own reading of the model (the export's names and layout, by identity): the
+        parameters themselves in the modules, whatever is gathered (their values are not read)."""
+        if not self.sharded:
+            yield
+            return
+        self.params_pinned = True
+        try:
+            for u in self.units:
+                self._put_params(u)
+            yield
+        finally:
+            self.params_pinned = False
+            for u in self.units:
+                if u.state == "free":
+                    self._put_sharded(u)
+
+    def model_layout(self):
+        with self._parameters_in_place():
+            return super().model_layout()
+
+    def model_chunks(self):
+        with self._parameters_in_place():
+            yield from super().model_chunks()
+
     def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
         self.gatherer.unshard(u)
         return u.full.detach()
+
+    # A state_dict or load_state_dict of the model gathers its units, so every rank must run it:
+    # checked once per call, at the outermost module's hook (lockstep.py), before any gather.
+    def _before_state_dict(self, module, units, keep_vars: bool) -> None:
+        if not keep_vars:
+            self._enter_state_call(module, STATE_DICT)
+            self._gather_for(module, units)
+
+    def _after_state_dict(self, module, state: dict, prefix: str) -> None:
+        """What the module's units gave the state dict becomes copies of its own (their gathered
+        storage is freed next: the tensors the user holds must not point at it)."""
+        for u in self.gathered_for.pop(module, []):
+            storage = u.full.untyped_storage().data_ptr()
+            for k, v in state.items():
+                if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == storage:
+                    state[k] = v.clone()
+            self.gatherer.reshard(u)
+        self._leave_state_call(module)
+
+    def _before_load_state_dict(self, module, units, state: dict, prefix: str, direct) -> None:
+        self._enter_state_call(module, LOAD_STATE_DICT)
+        self._gather_for(module, units)
+
+    def _after_load_state_dict(self, module) -> None:
+        """The loaded full parameters of the module's units into this rank's shards."""
+        with torch.no_grad():
+            for u in self.gathered_for.pop(module, []):
+                u.shard.copy_(u.full[u.lo : u.hi])
+                self.gatherer.reshard(u)
+        self._leave_state_call(module)
+
+    def _enter_state_call(self, module, kind: int) -> None:
+        if self.state_call is None:
+            self.state_call = module
+            self.lockstep.check(kind)
+
+    def _leave_state_call(self, module) -> None:
+        if self.state_call is module:
+            self.state_call = None
+
+    def _gather_for(self, module, units) -> None:
+        """Gather the module's units not gathered yet (an enclosing module's call may hold them)."""
+        free = [u for u in units if u.state == "free"]
+        for u in free:
+            self.gatherer.unshard(u)
+        self.gathered_for[module] = free
 
     def _release(self, u: FlatUnit) -> None:
         self.gatherer.reshard(u)

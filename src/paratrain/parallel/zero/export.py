@@ -38,6 +38,6 @@ def unit_chunks(
         release(u)
         for p in u.params:
             whole.pop(id(p), None)
-    if first:
-        state = model.state_dict()
-        yield {k: state[k] for keys in whole.values() for k in keys}
+    if first:  # keep_vars: the user's state_dict() would gather units, a collective
+        state = model.state_dict(keep_vars=True)
+        yield {k: state[k].detach() for keys in whole.values() for k in keys}

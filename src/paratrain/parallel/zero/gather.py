@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from paratrain.parallel.zero.comm import FlatUnit, all_gather
+from paratrain.parallel.zero.lockstep import BACKWARD, FORWARD, FORWARD_NO_GRAD, LockstepCheck
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their children are
 
@@ -82,16 +83,23 @@ class ParameterGatherer:
     gradients the size of the unit, the gradients in flight are reduced first unless they fit beside
     them. With equal units: forward holds a unit and the next one; backward a unit and its gradients,
     then, its parameters freed, its gradients in flight beside the next unit's gather. Smaller units
-    keep every overlap of gathers and reductions with compute."""
+    keep every overlap of gathers and reductions with compute.
 
-    def __init__(self, units: list[FlatUnit], root: nn.Module, group, reducer):
-        self.units, self.root, self.group, self.reducer = units, root, group, reducer
+    Before the first gather of each forward and of each backward, `lockstep` checks that every rank
+    runs the same call (a rank evaluating alone stops with one line instead of a transport abort)."""
+
+    def __init__(self, units: list[FlatUnit], root: nn.Module, group, reducer, lockstep: LockstepCheck):
+        self.units, self.root, self.group, self.reducer, self.lockstep = units, root, group, reducer, lockstep
+        self.backward_checked = False
+        # told when a unit's parameters become whole and when they are freed (Zero3's ShardedParams)
+        self.on_gathered = self.on_freed = lambda u: None
         self.order: list[FlatUnit] = []
         self.position: dict[int, int] = {}
         self.recording = True
         self.live_bytes = self.peak_bytes = 0  # full parameters gathered at once (for the memory benchmark)
         sizes = [u.full_nbytes() for u in units if u.module is not root]
         self.budget = 2 * max(sizes, default=0) + sum(u.full_nbytes() for u in units if u.module is root)
+        root.register_forward_pre_hook(lambda m, args: self._start_of_forward())
         for u in units:
             u.state, u.gather_work = "free", None
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
@@ -121,6 +129,7 @@ class ParameterGatherer:
         if u.state == "gathering":
             self._wait(u)
             u.state = "gathered"
+            self.on_gathered(u)
 
     def _transient(self) -> int:
         return self.live_bytes + self.reducer.live_bytes
@@ -137,6 +146,7 @@ class ParameterGatherer:
             u.full.untyped_storage().resize_(0)
             self.live_bytes -= u.full_nbytes()
             u.state = "free"
+            self.on_freed(u)
 
     def reshard_all(self) -> None:
         for u in self.units:
@@ -149,6 +159,10 @@ class ParameterGatherer:
         return self.order[i + step]
 
     # -- hooks ----------------------------------------------------------------------------------
+    def _start_of_forward(self) -> None:
+        self.lockstep.check(FORWARD if torch.is_grad_enabled() else FORWARD_NO_GRAD)
+        self.backward_checked = False
+
     def _pre_forward(self, u: FlatUnit) -> None:
         if self.recording and id(u) not in self.position:
             self.position[id(u)] = len(self.order)
@@ -170,6 +184,9 @@ class ParameterGatherer:
         self.recording = False
 
     def _pre_backward(self, u: FlatUnit) -> None:
+        if not self.backward_checked:  # the backward's first gather
+            self.backward_checked = True
+            self.lockstep.check(BACKWARD)
         gradients = u.full_nbytes()  # what u's backward is about to create
         gathering = gradients if u.state == "free" else 0
         if self._transient() + gathering + gradients > self.budget:

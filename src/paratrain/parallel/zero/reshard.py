@@ -35,7 +35,7 @@ def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int,
     tensors.update(shared)
     if rank == 0:
         tensors.update({f"replicated.{k}": v for k, v in replicated_state(model).items()})
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in own_state_dict(optimizer)["param_groups"]]
     meta = {
         "zero": {
             "stage": stage,
@@ -46,6 +46,12 @@ def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int,
         }
     }
     return tensors, meta
+
+
+def own_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state_dict as its class gives it: this rank's pieces (the user's calls to it
+    are refused on the instance, Zero.adopt_optimizer)."""
+    return type(optimizer).state_dict(optimizer)
 
 
 def check_checkpoint(reader, model: nn.Module) -> None:
@@ -101,9 +107,9 @@ def load_sharded_state(reader, units: list[FlatUnit], optimizer, model: nn.Modul
         for index, p in enumerate(params)
         if piece_state[name_of[id(p)]] or shared
     }
-    current = optimizer.state_dict()
+    current = own_state_dict(optimizer)
     groups = [dict(g, params=c["params"]) for g, c in zip(opt["param_groups"], current["param_groups"])]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    type(optimizer).load_state_dict(optimizer, {"state": state, "param_groups": groups})
     replicated = {k[len("replicated.") :]: v for k, v in tensors0.items() if k.startswith("replicated.")}
     with torch.no_grad():
         for k, v in replicated_state(model).items():
