@@ -65,6 +65,11 @@ QWEN2 = job(
     'config = { model_type = "qwen2", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
     "num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64 }"
 )
+# its pp plan names its parts otherwise (embed_in, emb_dropout, layers, final_layer_norm)
+GPT_NEOX = job(
+    'config = { model_type = "gpt_neox", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
+    "num_hidden_layers = 2, num_attention_heads = 4, max_position_embeddings = 64 }"
+)
 PP2 = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'"]
 
 
@@ -140,6 +145,7 @@ def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, rec
         ("GPT2", ["parallel.strategy='zero3'"], 2),
         ("QWEN2", ["parallel.strategy='tp'", "parallel.tp=2"], 2),  # its own base_model_tp_plan
         ("QWEN2", PP2, 2),  # its own base_model_pp_plan
+        ("GPT_NEOX", PP2, 2),  # its own base_model_pp_plan, under other names
         ("LLAMA", [*PP2[1:], "parallel.strategy='hybrid'"], 4),  # dp 2 x pp 2
     ],
 )
