@@ -70,6 +70,13 @@ GPT_NEOX = job(
     'config = { model_type = "gpt_neox", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
     "num_hidden_layers = 2, num_attention_heads = 4, max_position_embeddings = 64 }"
 )
+# its own tp plan gathers the fused qkv_proj and gate_up_proj whole (colwise_gather_output) and
+# splits o_proj and down_proj on their whole inputs (rowwise_split_input)
+PHI3 = job(
+    'config = { model_type = "phi3", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
+    "num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64, "
+    "pad_token_id = 0 }"
+)
 PP2 = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'"]
 
 
@@ -146,6 +153,7 @@ def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, rec
         ("QWEN2", ["parallel.strategy='tp'", "parallel.tp=2"], 2),  # its own base_model_tp_plan
         ("QWEN2", PP2, 2),  # its own base_model_pp_plan
         ("GPT_NEOX", PP2, 2),  # its own base_model_pp_plan, under other names
+        ("PHI3", ["parallel.strategy='tp'", "parallel.tp=2"], 2),  # its own plan's every style
         ("LLAMA", [*PP2[1:], "parallel.strategy='hybrid'"], 4),  # dp 2 x pp 2
     ],
 )
@@ -242,11 +250,6 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
             "parallel.tp_plan",
         ),
         ("parallel.strategy='tp' --set parallel.tp=2 --set model.config.num_key_value_heads=1", "parallel.tp"),
-        # phi3's own plan splits o_proj as rowwise_split_input, a style paratrain does not run
-        (
-            "parallel.strategy='tp' --set parallel.tp=2 --set model.config.model_type='phi3' --set model.config.pad_token_id=0",
-            "rowwise_split_input",
-        ),
         # the model's own loss would read one rank's slice of lm_head's logits
         (
             "parallel.strategy='tp' --set parallel.tp=2 --set model.config.tie_word_embeddings=false "
