@@ -75,7 +75,7 @@ GPT_NEOX = job(
 PHI3 = job(
     'config = { model_type = "phi3", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
     "num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64, "
-    "pad_token_id = 0 }"
+    "pad_token_id = 0, bos_token_id = 0, eos_token_id = 0 }"
 )
 PP2 = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'"]
 
@@ -285,6 +285,18 @@ def test_a_broken_torchvision_is_named_as_the_cause(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "model.factory" in lines[0] and "torchvision::nms" in lines[0] and "matching torchvision" in lines[0]
+
+
+def test_a_fused_projection_split_colwise_exits_2_naming_it(tmp_path):
+    """Phi3's fused gate_up_proj split colwise gives each rank half of the gate rows and half of the
+    up rows, which the model chunks into the wrong gate and up: shapes fit, values do not. The
+    first step checks each kind of block whole (parallel.verify_plan) and exits 2 naming it."""
+    plan = '"model.layers.*.mlp.gate_up_proj" = "colwise", "model.layers.*.mlp.down_proj" = "rowwise"'
+    cfg = write_config(tmp_path / "c.toml", PHI3 + f"[parallel]\nstrategy = 'tp'\ntp = 2\ntp_plan = {{ {plan} }}\n")
+    proc = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"))
+    lines = sorted(set(proc.stderr.strip().splitlines()))  # each rank says the one agreed line
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "'model.layers.0.mlp'" in lines[0] and '"model.layers.0.mlp.gate_up_proj" = "colwise"' in lines[0]
 
 
 def test_llama_with_a_wildcard_tp_plan_equals_single_process(tmp_path, gang):

@@ -103,7 +103,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.end = shard_range(emb.num_embeddings, world, rank)
         self.weight = nn.Parameter(emb.weight.detach()[self.start : self.end].clone())
         # the padding row (no gradient) where this rank holds it: a family with pad_token_id (Phi3)
-        pad = emb.padding_idx
+        pad = self.full_padding_idx = emb.padding_idx
         self.padding_idx = pad - self.start if pad is not None and self.start <= pad < self.end else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -124,7 +124,7 @@ class HiddenParallelEmbedding(nn.Module):
         super().__init__()
         self.group, self.place = group, (rank, world)
         self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
-        self.padding_idx = emb.padding_idx
+        self.padding_idx = self.full_padding_idx = emb.padding_idx
         start, end = shard_range(emb.embedding_dim, world, rank)
         self.weight = nn.Parameter(emb.weight.detach()[:, start:end].clone())
 
