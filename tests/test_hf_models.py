@@ -2,12 +2,14 @@
 a config, or a local save_pretrained directory): each strategy equals single-process PyTorch
 written here, and final/ loads back with from_pretrained."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import final_weights, max_rel_error, write_config
+from helpers import final_weights, max_rel_error, run_cli, write_config
 from torch.utils.data import default_collate
-from user_models import token_blocks
+from user_models import tiny_images, token_blocks
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,6 +65,18 @@ QWEN2 = job(
     'config = { model_type = "qwen2", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
     "num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64 }"
 )
+# its pp plan names its parts otherwise (embed_in, emb_dropout, layers, final_layer_norm)
+GPT_NEOX = job(
+    'config = { model_type = "gpt_neox", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
+    "num_hidden_layers = 2, num_attention_heads = 4, max_position_embeddings = 64 }"
+)
+# its own tp plan gathers the fused qkv_proj and gate_up_proj whole (colwise_gather_output) and
+# splits o_proj and down_proj on their whole inputs (rowwise_split_input)
+PHI3 = job(
+    'config = { model_type = "phi3", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
+    "num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64, "
+    "pad_token_id = 0, bos_token_id = 0, eos_token_id = 0 }"
+)
 PP2 = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'"]
 
 
@@ -81,9 +95,15 @@ def classify_loss(model, batch):
     return F.cross_entropy(model(**inputs).logits, labels)
 
 
-def train_alone(model, layout: str, loss_of, steps: int = 10, batch: int = 8, lr: float = 0.5) -> dict:
-    """Plain single-process training on the contract's unshuffled batches."""
-    data = token_blocks("train", layout)
+def image_loss(model, batch):
+    pixels, labels = batch
+    return F.cross_entropy(model(pixels).logits, labels)
+
+
+def train_alone(model, layout: str, loss_of, steps: int = 10, batch: int = 8, lr: float = 0.5, data=None) -> dict:
+    """Plain single-process training on the contract's unshuffled batches (of token_blocks in
+    `layout`, or of `data`)."""
+    data = token_blocks("train", layout) if data is None else data
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for step in range(steps):
         idx = torch.arange(step * batch, (step + 1) * batch) % len(data)
@@ -132,6 +152,8 @@ def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, rec
         ("GPT2", ["parallel.strategy='zero3'"], 2),
         ("QWEN2", ["parallel.strategy='tp'", "parallel.tp=2"], 2),  # its own base_model_tp_plan
         ("QWEN2", PP2, 2),  # its own base_model_pp_plan
+        ("GPT_NEOX", PP2, 2),  # its own base_model_pp_plan, under other names
+        ("PHI3", ["parallel.strategy='tp'", "parallel.tp=2"], 2),  # its own plan's every style
         ("LLAMA", [*PP2[1:], "parallel.strategy='hybrid'"], 4),  # dp 2 x pp 2
     ],
 )
@@ -142,6 +164,48 @@ def test_decoder_families_equal_single_process(tmp_path, gang, name, sets, world
     cfg = write_config(tmp_path / "c.toml", text)
     gang(world).train(cfg, tmp_path / "run", sets, timeout=300)
     assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
+
+
+# an encoder-decoder: the model shifts its labels into the decoder's input and computes its loss
+T5 = job(
+    'config = { model_type = "t5", vocab_size = 64, d_model = 32, d_kv = 8, d_ff = 64, num_layers = 2, '
+    "num_heads = 4, dropout_rate = 0.0, decoder_start_token_id = 0, pad_token_id = 0 }"
+).replace('task = "causal-lm"', 'task = "seq2seq-lm"')
+# pixel values in, a class of 3 out: (pixels, label) samples, the built-in loss on the output's logits
+VIT = (
+    job(
+        'config = { model_type = "vit", image_size = 8, patch_size = 4, num_channels = 3, hidden_size = 32, '
+        "num_hidden_layers = 2, num_attention_heads = 4, intermediate_size = 64, num_labels = 3, "
+        "hidden_dropout_prob = 0.0, attention_probs_dropout_prob = 0.0 }"
+    )
+    .replace('task = "causal-lm"', 'task = "image-classification"')
+    .replace("token_blocks", "tiny_images")
+)
+
+
+@pytest.mark.parametrize(
+    "name, auto, sets",
+    [
+        ("T5", "AutoModelForSeq2SeqLM", ["data.layout='labelled'", "train.loss='model'"]),
+        ("VIT", "AutoModelForImageClassification", ["parallel.strategy='zero3'"]),
+    ],
+)
+def test_other_heads_equal_single_process_and_load_back(tmp_path, gang, name, auto, sets):
+    """task names the head as transformers' Auto classes do; final/ loads with the matching one."""
+    text = globals()[name]
+    if name == "T5":
+        reference = train_alone(built(text), "labelled", own_loss)
+    else:
+        reference = train_alone(built(text), "", image_loss, data=tiny_images("train"))
+    cfg = write_config(tmp_path / "c.toml", text)
+    gang(2).train(cfg, tmp_path / "run", sets, timeout=300)
+    weights = final_weights(tmp_path / "run")
+    # key biases hold rounding noise alone (as BERT's below): compared absolutely, below 1e-3
+    assert max_rel_error(weights, reference, floor=1e-3) <= 1e-4
+    loaded = getattr(transformers, auto).from_pretrained(tmp_path / "run" / "final")
+    assert type(loaded) is type(built(text))
+    state = loaded.state_dict()
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
 
 
 def test_bert_classifier_with_dict_inputs_equals_single_process(tmp_path, gang):
@@ -186,11 +250,6 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
             "parallel.tp_plan",
         ),
         ("parallel.strategy='tp' --set parallel.tp=2 --set model.config.num_key_value_heads=1", "parallel.tp"),
-        # phi3's own plan splits o_proj as rowwise_split_input, a style paratrain does not run
-        (
-            "parallel.strategy='tp' --set parallel.tp=2 --set model.config.model_type='phi3' --set model.config.pad_token_id=0",
-            "rowwise_split_input",
-        ),
         # the model's own loss would read one rank's slice of lm_head's logits
         (
             "parallel.strategy='tp' --set parallel.tp=2 --set model.config.tie_word_embeddings=false "
@@ -209,6 +268,35 @@ def test_bad_hf_model_exits_2_naming_the_key(tmp_path, capsys, override, key):
     code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *sets])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and key in lines[0], lines
+
+
+def test_a_broken_torchvision_is_named_as_the_cause(tmp_path):
+    """A torchvision that does not match torch breaks every transformers model (transformers
+    imports it for its image utilities): the one line says so, not "Could not import module"."""
+    broken = tmp_path / "site" / "torchvision"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    info = tmp_path / "site" / "torchvision-0.99.0.dist-info"  # installed, for transformers' check
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.99.0\n")
+    cfg = write_config(tmp_path / "c.toml", LLAMA)
+    path = os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])
+    proc = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), env={"PYTHONPATH": path})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "model.factory" in lines[0] and "torchvision::nms" in lines[0] and "matching torchvision" in lines[0]
+
+
+def test_a_fused_projection_split_colwise_exits_2_naming_it(tmp_path):
+    """Phi3's fused gate_up_proj split colwise gives each rank half of the gate rows and half of the
+    up rows, which the model chunks into the wrong gate and up: shapes fit, values do not. The
+    first step checks each kind of block whole (parallel.verify_plan) and exits 2 naming it."""
+    plan = '"model.layers.*.mlp.gate_up_proj" = "colwise", "model.layers.*.mlp.down_proj" = "rowwise"'
+    cfg = write_config(tmp_path / "c.toml", PHI3 + f"[parallel]\nstrategy = 'tp'\ntp = 2\ntp_plan = {{ {plan} }}\n")
+    proc = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"))
+    lines = sorted(set(proc.stderr.strip().splitlines()))  # each rank says the one agreed line
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "'model.layers.0.mlp'" in lines[0] and '"model.layers.0.mlp.gate_up_proj" = "colwise"' in lines[0]
 
 
 def test_llama_with_a_wildcard_tp_plan_equals_single_process(tmp_path, gang):

@@ -128,3 +128,23 @@ class ForgetfulStack(nn.Module):
 
 def forgetful_stack() -> ForgetfulStack:
     return ForgetfulStack()
+
+
+class TinyImages(torch.utils.data.Dataset):
+    """Random 3x8x8 images (a fixed seed per split) and a class of 3: pixel-value samples
+    `(pixel_values, label)` for an image classifier."""
+
+    def __init__(self, split: str, n: int):
+        g = torch.Generator().manual_seed(0 if split == "train" else 1)
+        self.pixels = torch.randn(n, 3, 8, 8, generator=g)
+        self.labels = torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.pixels)
+
+    def __getitem__(self, i):
+        return self.pixels[i], self.labels[i]
+
+
+def tiny_images(split: str = "train", n: int = 96) -> TinyImages:
+    return TinyImages(split, n)

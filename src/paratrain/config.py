@@ -179,7 +179,14 @@ class ParallelConfig:
     schedule: str = opt("1f1b", choices=("gpipe", "1f1b", "interleaved"), doc="pipeline schedule")
     virtual_stages: int = opt(2, check=_positive, doc="model chunks per pipeline rank (interleaved only)")
     balance: str = opt("time", choices=("time", "params"), doc="pipeline cut: measured layer time or parameters")
-    tp_plan: dict = opt({}, doc="module name -> colwise | rowwise (tensor parallelism of user models)")
+    tp_plan: dict = opt(
+        {}, doc="module name -> colwise | rowwise | ... in transformers' style names (tensor parallelism)"
+    )
+    verify_plan: bool = opt(
+        True,
+        doc="tp: the first step runs each distinct sharded block once against the same block whole (its "
+        "weights gathered) on the step's own input; a mismatch exits 2 naming the module and the plan entry",
+    )
     bucket_mb: float = opt(25.0, check=_positive, doc="gradient bucket size (dp, zero1/2 buckets, zero3 units)")
     compression: str = opt(
         "none",

@@ -2,7 +2,7 @@
 
     [model]
     factory = "hf"
-    task = "causal-lm"                 # causal-lm | sequence-classification | masked-lm | base
+    task = "causal-lm"                 # a head as transformers' Auto classes name them (TASKS)
     config = { model_type = "llama", hidden_size = 64, num_hidden_layers = 2, ... }   # random init
     # or: pretrained = "DIR"           # a local directory written by save_pretrained (never a download)
 
@@ -21,22 +21,34 @@ from paratrain.config import ArgumentError, require
 from paratrain.extras import require as require_extra
 from paratrain.resolve import CONFIG_DIR_ENV
 
+# task -> the Auto class that builds it and loads final/ back (`AutoModelFor...from_pretrained`)
 TASKS = {
     "causal-lm": "AutoModelForCausalLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
     "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
     "masked-lm": "AutoModelForMaskedLM",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "image-classification": "AutoModelForImageClassification",
     "base": "AutoModel",
 }
 
 
 def hf(config: dict | None = None, pretrained: str = "", task: str = "causal-lm") -> nn.Module:
     """A transformers model for `task`: from `config` at random init, or loaded from `pretrained`."""
-    require(task in TASKS, "task", f"must be one of {', '.join(TASKS)}, got {task!r}")
+    require(task in TASKS, "task", f"must be one of {' | '.join(TASKS)}, got {task!r}")
     require(bool(config) != bool(pretrained), "config", "give either config = { model_type = ... } or pretrained")
     require_extra("transformers", '[model] factory = "hf"')
     import transformers
 
-    auto = getattr(transformers, TASKS[task])
+    try:
+        return _build(transformers, TASKS[task], config, pretrained)
+    except (ImportError, RuntimeError) as exc:  # transformers imports a model's class when first asked
+        raise ArgumentError("factory", import_failure(exc)) from None
+
+
+def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -> nn.Module:
+    auto = getattr(transformers, auto_name)
     if pretrained:
         path = Path(pretrained)
         if not path.is_absolute() and os.environ.get(CONFIG_DIR_ENV):
@@ -54,6 +66,32 @@ def hf(config: dict | None = None, pretrained: str = "", task: str = "causal-lm"
         return auto.from_config(hf_config)
     except (ValueError, KeyError, TypeError, AssertionError) as exc:  # torch's modules assert their sizes
         raise ArgumentError("config", f"{model_type}: {str(exc).splitlines()[0]}") from None
+
+
+def import_failure(exc: BaseException) -> str:
+    """One line for transformers failing to import a model's class, naming the root cause: the
+    innermost exception of the chain, where transformers' own only says "Could not import module".
+    A torchvision built for another torch (a CUDA wheel beside the CPU torch) breaks every
+    transformers model, since transformers imports it for its image utilities: said so."""
+    import torch
+
+    root = exc
+    while root.__cause__ is not None or root.__context__ is not None:
+        root = root.__cause__ or root.__context__
+    files, tb = [], root.__traceback__
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    first = (str(exc).splitlines() or [type(exc).__name__])[0].split(". ")[0]  # less transformers' advice
+    why = (str(root).splitlines() or [""])[0]
+    line = f"transformers cannot import the model ({first}), because of {type(root).__name__}: {why}"
+    if any(f"{os.sep}torchvision{os.sep}" in f for f in files) or "torchvision" in str(root):
+        line += (
+            f"; it comes from torchvision, which transformers imports for every model: an installed torchvision "
+            f"that does not match torch {torch.__version__} breaks them all (install the matching torchvision, "
+            f"or uninstall it)"
+        )
+    return line
 
 
 def model_files(model: nn.Module) -> dict[str, bytes]:

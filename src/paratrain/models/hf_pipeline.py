@@ -1,12 +1,17 @@
 """Pipeline layers of a decoder-only transformers model, from its own `base_model_pp_plan`, or for a
 family whose classes carry none (GPT-2 in transformers 5.24), from paratrain's table of its parts.
 
-The plan names the base model's parts in order (Llama, Qwen2, Mistral: `embed_tokens`, `layers`,
-`norm`); GPT-2's are `wte` and `wpe` (with `drop`), `h`, `ln_f`. The causal-LM class adds
-`lm_head`. Each layer here wraps the model's own modules (so parameter names and the state dict
-stay the model's) and takes one tensor, as the pipeline sends:
+The plan names the base model's parts in order, whatever each family calls them: the token
+embedding (the part that takes `input_ids`), parameter-free parts after it (a dropout), the
+decoder layers (the one ModuleList), then the final norm (Llama, Qwen2, Mistral, Phi3:
+`embed_tokens`, `layers`, `norm`; GPT-NeoX: `embed_in`, `emb_dropout`, `layers`,
+`final_layer_norm`; Phi: `embed_tokens`, `embed_dropout`, `layers`, `final_layernorm`). GPT-2's are
+`wte` and `wpe` (with `drop`), `h`, `ln_f`. The causal-LM class adds its head (the key of the
+class's own `_pp_plan`, `lm_head`). Each layer here wraps the model's own modules (so parameter
+names and the state dict stay the model's) and takes one tensor, as the pipeline sends:
 
-    embedding     token ids -> hidden states (GPT-2: token plus position embedding, then dropout)
+    embedding     token ids -> hidden states (GPT-2: token plus position embedding), then the
+                  parts after it (dropout)
     decoder layer hidden states -> hidden states; the position ids (0..T-1), the rotary embedding
                   (where the family has one) and the causal mask are rebuilt on each stage from the
                   hidden states' shape, as the base model builds them once for all its layers (no
@@ -22,10 +27,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# base_model_pp_plan's parts, in order: (token embedding, position embedding, dropout), the decoder
-# layers, the final norm; a family without a plan is found by its model_type
-PLANNED = (("embed_tokens", None, None), "layers", "norm")
-UNPLANNED = {"gpt2": (("wte", "wpe", "drop"), "h", "ln_f")}
+# A family's parts, in order: (token embedding, position embedding or None, the parts after them),
+# the decoder layers, the parts after those (the final norm). A family without a pp plan is found
+# by its model_type.
+UNPLANNED = {"gpt2": (("wte", "wpe", ("drop",)), "h", ("ln_f",))}
 
 
 def _positions(hidden: torch.Tensor) -> torch.Tensor:
@@ -33,15 +38,17 @@ def _positions(hidden: torch.Tensor) -> torch.Tensor:
 
 
 class _Embedding(nn.Module):
-    def __init__(self, embed: nn.Module, position: nn.Module | None, dropout: nn.Module | None):
+    def __init__(self, embed: nn.Module, position: nn.Module | None, after: list[nn.Module]):
         super().__init__()
-        self.embed, self.position, self.dropout = embed, position, dropout
+        self.embed, self.position, self.after = embed, position, nn.ModuleList(after)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed(ids)
         if self.position is not None:
             hidden = hidden + self.position(_positions(hidden))
-        return hidden if self.dropout is None else self.dropout(hidden)
+        for part in self.after:
+            hidden = part(hidden)
+        return hidden
 
 
 class _DecoderLayer(nn.Module):
@@ -63,21 +70,35 @@ class _DecoderLayer(nn.Module):
 
 
 class _Head(nn.Module):
-    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+    def __init__(self, before: list[nn.Module], lm_head: nn.Module):
         super().__init__()
-        self.norm, self.lm_head = norm, lm_head
+        self.before, self.lm_head = nn.ModuleList(before), lm_head
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        for part in self.before:
+            hidden = part(hidden)
+        return self.lm_head(hidden)
 
 
 def _parts(config, base: nn.Module):
-    """The base model's part names (PLANNED or UNPLANNED's), or None for a model not cut here."""
+    """The base model's part names as UNPLANNED's, from its pp plan or the table; None for a model
+    not cut here."""
     plan = getattr(config, "base_model_pp_plan", None) or {}
-    if plan:
-        return PLANNED if list(plan) == ["embed_tokens", "layers", "norm"] else None
-    parts = UNPLANNED.get(getattr(config, "model_type", None))
-    return parts if parts and all(hasattr(base, n) for n in (*parts[0], *parts[1:])) else None
+    if not plan:
+        parts = UNPLANNED.get(getattr(config, "model_type", None))
+        names = parts and [n for n in (*parts[0][:2], *parts[0][2], parts[1], *parts[2]) if n]
+        return parts if parts and all(hasattr(base, n) for n in names) else None
+    names = list(plan)
+    if not all(isinstance(getattr(base, n, None), nn.Module) for n in names):
+        return None
+    stacks = [n for n in names if isinstance(getattr(base, n), nn.ModuleList)]
+    inputs = plan[names[0]][0] if isinstance(plan[names[0]], (tuple, list)) else None
+    if len(stacks) != 1 or list(inputs or []) != ["input_ids"]:
+        return None  # not a decoder stack fed by token ids: paratrain asks for pipeline_layers()
+    at = names.index(stacks[0])
+    if at == 0 or any(any(True for _ in getattr(base, n).parameters()) for n in names[1:at]):
+        return None  # between the embedding and the layers only parameter-free parts (dropout)
+    return (names[0], None, tuple(names[1:at])), stacks[0], tuple(names[at + 1 :])
 
 
 def transformers_layers(model: nn.Module) -> list[nn.Module] | None:
@@ -85,16 +106,20 @@ def transformers_layers(model: nn.Module) -> list[nn.Module] | None:
     other model: paratrain then asks for pipeline_layers() or an nn.Sequential)."""
     config = getattr(model, "config", None)
     base = getattr(model, "base_model", None)
-    head = getattr(model, "lm_head", None)
-    if base is None or base is model or head is None:
+    # the head: the class's own _pp_plan names it (the instance's merges the base model's in)
+    head_plan = getattr(type(model), "_pp_plan", None) or {}
+    head = getattr(model, next(iter(head_plan), "lm_head"), None) if len(head_plan) <= 1 else None
+    if base is None or base is model or not isinstance(head, nn.Module):
         return None
     parts = _parts(config, base)
     if parts is None:
         return None
-    (embed, position, dropout), layers, norm = parts
+    (embed, position, after), layers, before_head = parts
     rotary = getattr(base, "rotary_emb", None)
     if rotary is None and position is None:
         return None  # positions from neither a rotary nor a learned embedding: a family not known here
-    embedding = _Embedding(*(getattr(base, n) if n else None for n in (embed, position, dropout)))
+    embedding = _Embedding(
+        getattr(base, embed), getattr(base, position) if position else None, [getattr(base, n) for n in after]
+    )
     decoders = [_DecoderLayer(layer, rotary, config) for layer in getattr(base, layers)[: config.num_hidden_layers]]
-    return [embedding, *decoders, _Head(getattr(base, norm), head)]
+    return [embedding, *decoders, _Head([getattr(base, n) for n in before_head], head)]

@@ -42,6 +42,7 @@ from paratrain.parallel.pipeline.runner import PipelineRunner
 from paratrain.parallel.pipeline.schedules import SCHEDULES, forward_only, one_f_one_b
 from paratrain.parallel.tensor.comm import gather_from_tp
 from paratrain.parallel.tensor.layers import check_plan, full_width, output_is_sharded, parallel_loss, plan_for
+from paratrain.parallel.tensor.verify import PlanVerifier
 
 
 def check_model(cfg: Config, model: nn.Module) -> None:
@@ -104,6 +105,12 @@ class ModelParallel(Strategy):
         self.shard_dims = apply_tp(model, mesh, plan)
         self.stage_ids, self.chunks = cut_pipeline(model, mesh, cfg, self.bounds)
         self.reducers, self.param_names, self.params = wrap_dp(model, self.chunks, mesh, cfg, rt.device)
+        # parallel.verify_plan: the first step's blocks checked against themselves whole (tensor/verify.py)
+        self.verifier = (
+            PlanVerifier(model, plan, mesh.tp_group, cfg.train.precision, rt.device)
+            if p.tp > 1 and p.verify_plan
+            else None
+        )
         self.optimizer_names = self.param_names  # in the optimizer's param_groups order
         # within a pipeline, over each microbatch of the dp ranks' samples (docs/models.md)
         self.batchnorm = BatchNormPolicy(model, p.sync_batchnorm, mesh.dp_group)
@@ -206,6 +213,9 @@ class ModelParallel(Strategy):
             before_backward=before_backward,
         )
         chunk_norms = [r.finish() for r in self.reducers]
+        if self.verifier is not None:  # before the optimizer moves the weights the forward used
+            self.verifier.check(self.autocast)
+            self.verifier = None
         with self.profiler.phase("optimizer"):
             norm = self._global_grad_norm(chunk_norms, self._sum_tied_grads())
             self.skipped_step = not math.isfinite(norm)  # the same norm, so the same decision, on every rank

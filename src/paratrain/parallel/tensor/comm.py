@@ -4,6 +4,8 @@
     reduce_from_tp  forward: all-reduce        backward: identity     (output of a row split)
     gather_from_tp  forward: all-gather (last dim, shards may differ in size by one)
                     backward: keep own slice
+    split_to_tp     forward: keep own slice     backward: all-gather (a whole input a row split
+                                                takes its slice of: transformers' rowwise_split_input)
 
 Each pair is the other's transpose, so a column-parallel layer followed by a row-parallel one
 costs exactly one all-reduce forward and one backward.
@@ -79,6 +81,20 @@ class _GatherFromTP(torch.autograd.Function):
         return grad[..., start:end].contiguous(), None, None, None
 
 
+class _SplitToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, place: tuple[int, int] | None):
+        rank, world = place or (dist.get_rank(group), dist.get_world_size(group))
+        ctx.group, ctx.world, ctx.full = group, world, x.shape[-1]
+        start, end = shard_range(x.shape[-1], world, rank)
+        return x[..., start:end].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the input was whole on every rank, its gradient each rank's slice of it: gathered whole
+        return all_gather_dim(grad.contiguous(), -1, ctx.full, ctx.group, ctx.world), None, None
+
+
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToTP.apply(x, group)
 
@@ -91,3 +107,8 @@ def gather_from_tp(x: torch.Tensor, group, full: int, place: tuple[int, int] | N
     """The whole last dimension (`full` wide) from every rank's slice of it; `place` (rank, world)
     where the group cannot tell (the planner plays one rank without a group)."""
     return _GatherFromTP.apply(x, group, full, place)
+
+
+def split_to_tp(x: torch.Tensor, group, place: tuple[int, int] | None = None) -> torch.Tensor:
+    """This rank's slice of the last dimension of `x`, whole on every rank; its gradient gathered."""
+    return _SplitToTP.apply(x, group, place)

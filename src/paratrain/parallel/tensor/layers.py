@@ -4,8 +4,13 @@
                             output; input through copy_to_tp (its gradient is all-reduced)
     row-parallel Linear     W = [W_0, W_1, ...] by input columns: each rank takes its slice of the
                             input, the partial products are all-reduced; bias added once, after
+    row-parallel on a whole input  each rank takes its slice of the input first (its gradient
+                            gathered back): after a gathered column split (transformers'
+                            colwise_gather_output -> rowwise_split_input, Phi3's attention and MLP)
     vocab-parallel Embedding  each rank holds a contiguous range of the vocabulary; ids outside it
                             give zeros, and one all-reduce assembles the rows
+    hidden-parallel Embedding each rank holds a slice of every row (transformers' embedding_colwise);
+                            the rows are gathered whole
     vocab-parallel cross-entropy  on logits split by vocabulary (a column-parallel head): global max,
                             sum of exponentials and target logit by all-reduces of per-token scalars,
                             so the full logits are never gathered
@@ -27,10 +32,8 @@ from torch import nn
 from paratrain.comm import collectives
 from paratrain.cost.activations import TensorSharding
 from paratrain.errors import ConfigError
-from paratrain.parallel.tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp, shard_range
-from paratrain.parallel.tensor.model_plans import check_heads, expand, transformers_plan
-
-USER_STYLES = ("colwise", "rowwise", "colwise_gather_output")
+from paratrain.parallel.tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp, shard_range, split_to_tp
+from paratrain.parallel.tensor.model_plans import check_heads, expand, in_paratrain_styles, transformers_plan
 
 
 class ColumnParallelLinear(nn.Module):
@@ -78,6 +81,18 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+class SplitInputRowParallelLinear(RowParallelLinear):
+    """Row-parallel on an input that is whole on every rank (transformers' rowwise_split_input and
+    rowwise_rep): each rank multiplies its slice of it."""
+
+    def __init__(self, linear: nn.Linear, group, rank: int, world: int):
+        super().__init__(linear, group, rank, world)
+        self.place = (rank, world)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(split_to_tp(x, self.group, self.place))
+
+
 class VocabParallelEmbedding(nn.Module):
     shard_dims = {"weight": 0}
 
@@ -87,26 +102,53 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings = emb.num_embeddings
         self.start, self.end = shard_range(emb.num_embeddings, world, rank)
         self.weight = nn.Parameter(emb.weight.detach()[self.start : self.end].clone())
+        # the padding row (no gradient) where this rank holds it: a family with pad_token_id (Phi3)
+        pad = self.full_padding_idx = emb.padding_idx
+        self.padding_idx = pad - self.start if pad is not None and self.start <= pad < self.end else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.start) | (idx >= self.end)
-        rows = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
+        local = (idx - self.start).masked_fill(outside, 0)
+        # ids outside the shard read row 0, then masked to zero (so they pass it no gradient)
+        rows = F.embedding(local, self.weight, self.padding_idx)
         return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+
+class HiddenParallelEmbedding(nn.Module):
+    """Each rank holds a slice of every embedding row (transformers' embedding_colwise); the rows
+    are gathered whole."""
+
+    shard_dims = {"weight": 1}
+
+    def __init__(self, emb: nn.Embedding, group, rank: int, world: int):
+        super().__init__()
+        self.group, self.place = group, (rank, world)
+        self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
+        self.padding_idx = self.full_padding_idx = emb.padding_idx
+        start, end = shard_range(emb.embedding_dim, world, rank)
+        self.weight = nn.Parameter(emb.weight.detach()[:, start:end].clone())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(idx, self.weight, self.padding_idx)
+        return gather_from_tp(rows, self.group, self.embedding_dim, self.place)
 
 
 STYLES = {
     "colwise": ColumnParallelLinear,
     "rowwise": RowParallelLinear,
     "colwise_gather_output": GatheredColumnParallelLinear,
+    "rowwise_split_input": SplitInputRowParallelLinear,
     "vocab": VocabParallelEmbedding,
+    "embedding_colwise": HiddenParallelEmbedding,
 }
+EMBEDDINGS = ("vocab", "embedding_colwise")
 
 
 def plan_for(model: nn.Module, user_plan: dict) -> dict[str, str]:
     """parallel.tp_plan (wildcards expanded), else the model's own `paratrain_tp_plan()` (module
     name -> style), else a transformers model's own plan (tensor/model_plans.py), else none."""
     if user_plan:
-        return expand(user_plan, model, strict=True)
+        return in_paratrain_styles(expand(user_plan, model, strict=True), "parallel.tp_plan")
     own = getattr(model, "paratrain_tp_plan", None)
     return dict(own()) if callable(own) else transformers_plan(model)
 
@@ -129,12 +171,12 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool, own_loss: bool
         for t in module.parameters(recurse=False):
             holders.setdefault(id(t), []).append(owner)
     for name, style in plan.items():
-        if style not in (USER_STYLES if user else STYLES):
-            raise ConfigError(key, f"{name!r}: style must be one of {' | '.join(USER_STYLES)}, got {style!r}")
+        if style not in STYLES:  # a plan's own paratrain_tp_plan(); the others are mapped (model_plans.py)
+            raise ConfigError(key, f"{name!r}: style must be one of {' | '.join(STYLES)}, got {style!r}")
         if name not in modules or name == "":
             raise ConfigError(key, f"{name!r} is not a module of the model")
         module = modules[name]
-        want = nn.Embedding if style == "vocab" else nn.Linear
+        want = nn.Embedding if style in EMBEDDINGS else nn.Linear
         if not isinstance(module, want):
             raise ConfigError(key, f"{name!r} is a {type(module).__name__}, not a {want.__name__}")
         if sum(m is module for m in modules.values()) > 1:
@@ -153,9 +195,11 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool, own_loss: bool
                     f"weights or one module used twice), which this plan would split apart",
                 )
         # User plans split evenly; the built-in gpt's vocabulary may split unevenly (by one row).
-        size = module.out_features if style == "colwise" else module.in_features if style == "rowwise" else tp
+        dim = {"colwise": "out_features", "colwise_gather_output": "out_features"}.get(
+            style, "in_features" if style.startswith("rowwise") else "embedding_dim"
+        )
+        size = getattr(module, dim) if style != "vocab" else tp
         if user and size % tp:
-            dim = "out_features" if style == "colwise" else "in_features"
             raise ConfigError("parallel.tp", f"tp {tp} does not divide {name}.{dim} = {size}")
     if user and isinstance(model, nn.Sequential):
         check_pairs(model, plan)

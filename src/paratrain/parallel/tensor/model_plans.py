@@ -4,15 +4,24 @@ plans (`config.base_model_tp_plan` under the base model's prefix, merged with th
 
     "model.layers.*.self_attn.q_proj" = "colwise"      `*` stands for one part of a module name
 
-transformers' styles and what paratrain runs for each:
-    colwise, rowwise                       the same (parallel/tensor/layers.py)
+transformers' styles (as `parallel.tp_plan` may name them too) and what paratrain runs for each:
+    colwise, rowwise                       the same (parallel/tensor/layers.py); local_colwise and
+                                           local_rowwise (older transformers' names) likewise: local
+                                           or DTensor is transformers' own bookkeeping
     colwise_gather_output, colwise_rep     column-parallel, its output gathered whole (a head whose
-                                           logits a model's own loss reads)
+                                           logits a model's own loss reads; Phi3's fused qkv_proj)
+    rowwise_split_input, rowwise_rep       row-parallel on a whole input, each rank taking its slice
     embedding_rowwise                      vocabulary-parallel embedding
-    replicate, replicated_with_grad_allreduce
-                                           nothing to do: every tp rank holds the tensor whole and
-                                           computes its gradient alike
-Any other style exits 2 naming it."""
+    embedding_colwise                      each rank a slice of every row, gathered whole
+    replicate, replicated_with_grad_allreduce, local, local_params, sequence_parallel
+                                           nothing to do: every tp rank holds the tensors whole and
+                                           computes them and their gradients alike (paratrain's
+                                           activations between tp blocks are whole on every rank, so
+                                           a norm that transformers runs on a sequence shard runs
+                                           on the whole sequence here, to the same values)
+Styles of mixture-of-experts layers and of multi-head latent attention (packed_colwise,
+packed_rowwise, moe_tp_experts, grouped_gemm, ep_*, all_reduce, gather, mla_kv_a_proj, ...) split
+tensors that are no Linear or Embedding: they exit 2 naming the style."""
 
 from __future__ import annotations
 
@@ -25,12 +34,20 @@ from paratrain.errors import ConfigError
 KEY = "parallel.tp_plan"
 HF_STYLES = {
     "colwise": "colwise",
+    "local_colwise": "colwise",
     "rowwise": "rowwise",
+    "local_rowwise": "rowwise",
     "colwise_gather_output": "colwise_gather_output",
     "colwise_rep": "colwise_gather_output",
+    "rowwise_split_input": "rowwise_split_input",
+    "rowwise_rep": "rowwise_split_input",
     "embedding_rowwise": "vocab",
+    "embedding_colwise": "embedding_colwise",
     "replicate": None,
     "replicated_with_grad_allreduce": None,
+    "local": None,
+    "local_params": None,
+    "sequence_parallel": None,
 }
 
 
@@ -59,16 +76,23 @@ def transformers_plan(model: nn.Module) -> dict[str, str]:
     own = getattr(model, "_tp_plan", None)
     if not isinstance(own, dict) or not hasattr(getattr(model, "config", None), "base_model_tp_plan"):
         return {}
+    return in_paratrain_styles(expand(own, model, strict=False), f"{type(model).__name__}'s own tensor-parallel plan")
+
+
+def in_paratrain_styles(plan: dict[str, str], whose: str) -> dict[str, str]:
+    """`plan` (module name -> transformers' or paratrain's style) in paratrain's styles, the
+    replicated modules left out; a style paratrain does not run exits 2 naming it."""
     out = {}
-    for name, style in expand(own, model, strict=False).items():
-        if style not in HF_STYLES:
+    for name, style in plan.items():
+        if style not in HF_STYLES and style not in HF_STYLES.values():
+            runs = ", ".join(HF_STYLES)
+            fix = "" if whose == KEY else ": give parallel.tp_plan"
             raise ConfigError(
-                KEY,
-                f"{type(model).__name__}'s own tensor-parallel plan splits {name!r} as {style!r}, which "
-                f"paratrain does not run (it runs {', '.join(HF_STYLES)}): give parallel.tp_plan",
+                KEY, f"{whose} splits {name!r} as {style!r}, which paratrain does not run (it runs {runs}){fix}"
             )
-        if HF_STYLES[style] is not None:
-            out[name] = HF_STYLES[style]
+        mapped = HF_STYLES.get(style, style)
+        if mapped is not None:
+            out[name] = mapped
     return out
 
 

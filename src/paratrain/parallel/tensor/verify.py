@@ -1,0 +1,190 @@
+"""`parallel.verify_plan`: a tensor-parallel plan verified on the first step, not trusted.
+
+A plan can be wrong in ways no check of names and shapes sees: a fused `gate_up_proj` split colwise
+gives each rank half of the gate rows and half of the up rows, which the model then chunks into a
+"gate" and an "up" of the right shapes and the wrong values; training goes on, silently wrong. So
+the first step runs each distinct sharded block once against the same block whole:
+
+    block       a module holding column- and row-split modules as its direct children (an
+                attention, an MLP: the split runs between them), or a planned module that takes and
+                gives whole tensors (a gathered column split, a row split of a whole input, an
+                embedding);
+                one of each kind (its class and its children's plan entries), the first this rank
+                holds (a pipeline stage holds some layers only)
+    sharded     the block's input and output in the step's own forward (a forward hook, first call)
+    whole       the same block with each planned child replaced by the whole module (its shards
+                gathered over the tp group, one block at a time), on the same input, no gradient
+    verdict     relative error of the outputs above the equivalence tolerance: exit 2 naming the
+                block and its plan entries, on every rank (one agreed line)
+
+Its cost: one block's forward per kind, and one all-gather of that block's weights, once."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm import collectives
+from paratrain.data.batch import tensors_in, tree_map
+from paratrain.errors import ConfigError
+from paratrain.parallel.tensor.comm import all_gather_dim
+from paratrain.parallel.tensor.layers import HiddenParallelEmbedding, VocabParallelEmbedding
+
+# relative error of one block's output, sharded against whole: float summation order alone (fp32),
+# or bf16's rounding of the partial sums
+TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
+
+
+# styles whose module takes and gives whole tensors: a block of its own
+WHOLE_IN_AND_OUT = ("colwise_gather_output", "rowwise_split_input", "vocab", "embedding_colwise")
+
+
+def _held(module: nn.Module) -> bool:
+    return not any(t.is_meta for t in module.parameters())
+
+
+def blocks_of(model: nn.Module, plan: dict[str, str]) -> dict[str, list[str]]:
+    """Block name -> its planned children, one block of each kind that this rank holds."""
+    modules = dict(model.named_modules())
+    children: dict[str, list[str]] = {}
+    for name, style in plan.items():
+        parent = name.rpartition(".")[0]
+        if style in WHOLE_IN_AND_OUT:
+            children[name] = [name]
+        elif parent:  # a split output or input: the block is where the pair meets
+            children.setdefault(parent, []).append(name)
+    kinds: dict[tuple, str] = {}
+    for block, planned in children.items():
+        # the layers' o_proj are one kind, the head (of the same class and style) another
+        kind = (
+            type(modules[block]).__name__,
+            block.rpartition(".")[2],
+            tuple((n[len(block) :], plan[n]) for n in planned),
+        )
+        if kind not in kinds and _held(modules[block]):
+            kinds[kind] = block
+    return {block: children[block] for block in kinds.values()}
+
+
+def _clone(obj):
+    return tree_map(lambda t: t.detach().clone(), obj)
+
+
+def _without_caches(kwargs: dict) -> dict:
+    """The block's keyword arguments less a key/value cache (transformers' `past_key_values`), which
+    the first forward appended this step's keys to: the whole block computes them afresh, as the
+    first forward did on its empty cache."""
+    return {k: None if type(v).__name__.endswith("Cache") else v for k, v in kwargs.items()}
+
+
+class PlanVerifier:
+    """Captures each block's first forward, then `check()`s it against the whole block once."""
+
+    def __init__(self, model: nn.Module, plan: dict[str, str], group, precision: str, device: torch.device):
+        self.model, self.plan, self.group, self.precision, self.device = model, plan, group, precision, device
+        self.blocks = blocks_of(model, plan)
+        self.seen: dict[str, tuple] = {}
+        self.handles = {
+            b: model.get_submodule(b).register_forward_hook(functools.partial(self._capture, b), with_kwargs=True)
+            for b in self.blocks
+        }
+
+    def _capture(self, block: str, module, args, kwargs, output) -> None:
+        if block not in self.seen:  # the first microbatch's; recomputation runs the forward again
+            self.seen[block] = (_clone(args), _clone(_without_caches(kwargs)), _clone(output))
+            self.handles.pop(block).remove()
+
+    def _whole(self, name: str) -> nn.Module:
+        """The planned module `name` whole, its shards gathered over the tp group."""
+        part = self.model.get_submodule(name)
+        dims = type(part).shard_dims
+        full = {}
+        for attr, t in part.named_parameters(recurse=False):
+            if attr in dims:
+                size = _full_size(part, dims[attr])
+                full[attr] = all_gather_dim(t.detach().contiguous(), dims[attr], size, self.group)
+            else:
+                full[attr] = t.detach()
+        if isinstance(part, (VocabParallelEmbedding, HiddenParallelEmbedding)):
+            whole = nn.Embedding(*full["weight"].shape, padding_idx=part.full_padding_idx, device="meta")
+        else:
+            out_f, in_f = full["weight"].shape
+            whole = nn.Linear(in_f, out_f, bias="bias" in full and full["bias"] is not None, device="meta")
+        for attr, t in full.items():
+            setattr(whole, attr, nn.Parameter(t, requires_grad=False))
+        return whole
+
+    @torch.no_grad()
+    def _error(self, block: str, autocast) -> float:
+        """Relative error of the block's sharded output against the whole block's."""
+        args, kwargs, sharded = self.seen[block]
+        module = self.model.get_submodule(block)
+        swapped = [(n, self.model.get_submodule(n)) for n in self.blocks[block]]
+        wholes = [self._whole(n) for n, _ in swapped]  # every tp rank gathers, in one order
+        try:
+            for (name, _), whole in zip(swapped, wholes):
+                _replace(self.model, block, name, whole)
+            with autocast():
+                out = module(*args, **kwargs)
+        finally:
+            for name, part in swapped:
+                _replace(self.model, block, name, part)
+        a, b = tensors_in(sharded)[0].float(), tensors_in(out)[0].float()
+        if a.shape != b.shape:
+            return math.inf
+        return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+    def check(self, autocast) -> None:
+        """Collective (every rank, once, after the first step's forward). ConfigError on a mismatch,
+        the same line on every rank."""
+        for handle in self.handles.values():
+            handle.remove()
+        tolerance, worst = TOLERANCE.get(self.precision, TOLERANCE["fp32"]), None
+        for block in self.blocks:
+            if block in self.seen:
+                err = self._error(block, autocast)
+                if not err <= tolerance and worst is None:
+                    worst = (block, err)
+        line = "" if worst is None else self._line(*worst, tolerance)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            line = _first_line(line, self.device)
+        self.seen.clear()
+        if line:
+            raise ConfigError("parallel.tp_plan", line)
+
+    def _line(self, block: str, err: float, tolerance: float) -> str:
+        entries = ", ".join(f'"{n}" = "{self.plan[n]}"' for n in self.blocks[block])
+        how = "a different shape" if math.isinf(err) else f"relative error {err:.3g}"
+        return (
+            f"the plan does not compute {block!r} as the whole model does ({how} on the first step, "
+            f"tolerance {tolerance:g}): check its entries {entries} (a fused projection split colwise "
+            f"then chunked, say); parallel.verify_plan = false skips this check"
+        )
+
+
+LINE_BYTES = 2048  # room for the line (a block's plan entries), cut there at worst
+
+
+def _first_line(line: str, device: torch.device) -> str:
+    """The first rank's non-empty `line`, on every rank (in one all-gather of fixed-size rows)."""
+    raw = line.encode()[:LINE_BYTES]
+    row = torch.zeros(LINE_BYTES, dtype=torch.uint8, device=device)
+    row[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+    collectives.all_gather(rows, row, "verify-plan")
+    found = [bytes(r.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
+    return next((x for x in found if x), "")
+
+
+def _full_size(part: nn.Module, dim: int) -> int:
+    names = {0: ("full_out_features", "num_embeddings"), 1: ("full_in_features", "embedding_dim")}[dim]
+    return next(getattr(part, n) for n in names if hasattr(part, n))
+
+
+def _replace(model: nn.Module, block: str, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, module)
