@@ -410,7 +410,7 @@ def test_zero3_holds_at_most_two_units_gathered_or_reduced_at_once(codec, tolera
 
     from paratrain import config as config_mod
     from paratrain.optim import build_optimizer, cross_entropy
-    from paratrain.parallel.zero.engine import Zero3
+    from paratrain.parallel.zero.stages import Zero3
     from paratrain.runtime.process import Runtime
 
     torch.manual_seed(0)

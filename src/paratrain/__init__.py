@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "init":
-        from paratrain.api import init
+        from paratrain.api.handle import init
 
         return init
     raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

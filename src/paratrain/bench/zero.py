@@ -36,7 +36,7 @@ def worker(argv=None) -> None:
 
     from paratrain.optim import build_optimizer, cross_entropy
     from paratrain.parallel.dp.engine import DataParallel
-    from paratrain.parallel.zero.engine import Zero2, Zero3
+    from paratrain.parallel.zero.stages import Zero2, Zero3
     from paratrain.runtime import process
 
     args, rt, cfg, (x, y) = setup(argv, add_options, optimizer="adamw", lr=1e-4)

@@ -19,7 +19,7 @@ class ZeroSpec(Spec):
     def __init__(self, stage: int):
         self.stage = stage
         self.name = self.checkpoint_family = f"zero{stage}"
-        self.engine_path = f"paratrain.parallel.zero.engine:Zero{stage}"
+        self.engine_path = f"paratrain.parallel.zero.stages:Zero{stage}"
 
     def codec_refusal(self, compression: str) -> str:
         return (

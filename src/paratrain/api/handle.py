@@ -1,0 +1,270 @@
+"""The Python API: your own training loop under paratrain's strategies (docs/own-loop.md).
+
+    pt = paratrain.init(strategy="zero2")          # joins the launcher's process group, or world 1
+    model, optimizer = pt.setup(model, optimizer)  # the strategy around your model and optimizer
+    loader = pt.setup_dataloader(loader)           # batch_size = the GLOBAL batch
+    for x, y in loader:
+        pt.backward(loss_fn(model(x), y))          # gradients end as the global batch's mean
+        optimizer.step(); optimizer.zero_grad()
+    pt.save(path, step=step); pt.load(path); pt.export(path); pt.log(step, loss=...)
+
+The handle never asks which strategy it holds: it calls the strategy's own-loop methods
+(parallel/base.py: adopt_optimizer, backward, clip_grad_norm_), which a strategy whose schedule
+owns forward and backward (pp, hybrid, ps, federated) answers with one error naming train_step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from paratrain import checkpoint as ckpt
+from paratrain import config as config_mod
+from paratrain.api.loader import GlobalBatchLoader, to_device
+from paratrain.checkpoint.train_state import load_train_state, save_train_state
+from paratrain.comm import collectives
+from paratrain.comm.scalars import barrier, broadcast_str
+from paratrain.config import Config
+from paratrain.errors import ConfigError, error, say
+from paratrain.metrics import MetricsLog
+from paratrain.optim import build_loss
+from paratrain.parallel import registry
+from paratrain.parallel.base import broadcast_tensors
+from paratrain.runtime import process, schedulers
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "name")
+
+
+def init(strategy: str | None = None, *, config: str | Path | None = None, run_dir=None, **keys) -> Paratrain:
+    """Join the process group of the launcher's environment (paratrain launch, torchrun, srun's
+    tasks), or run alone at world 1. `keys`: any [parallel] key (bucket_mb=..., tp=...), or a section's table
+    (train={"seed": 1}); `config`: a TOML file they override. `run_dir` (default runs/NAME):
+    where pt.log writes metrics.jsonl. Bad input: one line naming the key, exit 2."""
+    try:
+        cfg = _config(strategy, config, keys)
+        os.environ.update(schedulers.slurm_task(os.environ) or {})
+        rt = process.init(cfg.train.device, cfg.parallel.timeout_s)
+        registry.spec(cfg.parallel.strategy).check_layout(cfg, rt.world_size)
+    except ConfigError as exc:
+        error(f"{exc}")
+        raise SystemExit(2) from None
+    collectives.LOG.step = 0
+    return Paratrain(cfg, rt, Path(run_dir or Path("runs") / cfg.name))
+
+
+def _config(strategy: str | None, path, keys: dict) -> Config:
+    raw = config_mod.read_toml(path) if path is not None else {}
+    for key, value in keys.items():
+        if key in SECTIONS and isinstance(value, dict):
+            raw.setdefault(key, {}).update(value)
+        else:
+            raw.setdefault("parallel", {})[key] = value
+    if strategy is not None:
+        raw.setdefault("parallel", {})["strategy"] = strategy
+    # a pipeline cut by measured layer times would time them on [data]'s dataset: the API has none
+    raw.setdefault("parallel", {}).setdefault("balance", "params")
+    cfg = config_mod.from_dict(raw)
+    registry.check_config(cfg)
+    return cfg
+
+
+class Paratrain:
+    """What init returns: this process's place (rank, world_size, device, is_main) and the calls."""
+
+    def __init__(self, cfg: Config, rt: process.Runtime, run_dir: Path):
+        self.cfg, self.rt, self.run_dir = cfg, rt, run_dir
+        self.rank, self.world_size, self.device, self.is_main = rt.rank, rt.world_size, rt.device, rt.is_main
+        self.strategy = None
+        self.loaders: list[GlobalBatchLoader] = []
+        # this rank's share of a global batch, times the dp size: of the batch last handed out, and
+        # of the one the last training forward ran on (a loop may fetch the next before backward)
+        self._weight = self._forward_weight = 1.0
+        self._metrics: MetricsLog | None = None
+        self._t0 = time.perf_counter()
+
+    # -- setting up -------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, loss=None):
+        """The strategy around `model` and `optimizer` (built over model.parameters()); `loss(output,
+        target)` for train_step (default: the config's train.loss). Returns (model, optimizer):
+        step the returned optimizer (under ZeRO a new one of your class over this rank's shards)."""
+        if self.strategy is not None:
+            raise RuntimeError("pt.setup: called once per pt (one model and its optimizer)")
+        cls = registry.strategy_class(self.cfg.parallel.strategy)
+        if optimizer is not None:
+            self._take_optimizer_keys(optimizer, cls.adopts_optimizers(self.cfg))
+        model.to(self.device)
+        if self.world_size > 1:  # every rank starts from rank 0's weights, as one process would
+            broadcast_tensors(list(model.parameters()) + list(model.buffers()))
+        try:
+            self.strategy = registry.build_for_training(model, loss or build_loss(self.cfg), self.cfg, self.rt)
+        except ConfigError as exc:  # what the model cannot take (a tp plan), on every rank alike
+            error(f"{exc}")
+            raise SystemExit(2) from None
+        if optimizer is not None:
+            optimizer = self.strategy.adopt_optimizer(optimizer)
+        optimizer = optimizer or self.strategy.optimizer
+        optimizer.register_step_post_hook(self._stepped)
+        self.strategy.model.register_forward_pre_hook(self._forward_started)
+        return self.strategy.model, optimizer
+
+    def _forward_started(self, module, args) -> None:
+        """A training forward: the batches handed out so far are those its backward will have
+        trained on, and the last of them is the one whose share weights its loss."""
+        if torch.is_grad_enabled():
+            self._forward_weight = self._weight
+            for loader in self.loaders:
+                loader.forward_ran()
+
+    @staticmethod
+    def _stepped(*_) -> None:
+        """Collectives are logged with the number of optimizer steps taken, as in `paratrain run`: a
+        hang's report names the step (pt.log's and pt.load's step numbers set it too)."""
+        collectives.LOG.step += 1
+
+    def _take_optimizer_keys(self, optimizer: torch.optim.Optimizer, adopted: bool) -> None:
+        """Checkpoints name the optimizer (a resume with another is refused); a strategy that builds
+        its own from [train] takes its hyper-parameters, which must be ones [train] can say."""
+        kind = type(optimizer).__name__.lower()
+        if adopted:
+            self.cfg.train.optimizer = kind
+            return
+        d = optimizer.defaults
+        plain = {"sgd": dict(dampening=0, nesterov=False), "adamw": dict(betas=(0.9, 0.999), eps=1e-8, amsgrad=False)}
+        if kind not in plain or len(optimizer.param_groups) > 1 or any(d.get(k) != v for k, v in plain[kind].items()):
+            raise ValueError(
+                f"pt.setup: strategy {self.cfg.parallel.strategy!r} builds its optimizer from [train]: pass "
+                f"torch.optim.SGD(lr, momentum, weight_decay) or AdamW(lr, weight_decay) with one param group"
+            )
+        options = self.cfg.train
+        options.optimizer, options.lr, options.weight_decay = kind, float(d["lr"]), float(d["weight_decay"])
+        options.momentum = float(d.get("momentum", 0.0))
+
+    def setup_dataloader(self, loader) -> GlobalBatchLoader:
+        """`loader.batch_size` is the global batch: this rank gets its share of each (see loader.py)."""
+        wrapped = GlobalBatchLoader(loader, self.cfg.train.seed, self._place, self._share)
+        self.loaders.append(wrapped)
+        return wrapped
+
+    def _share(self) -> tuple[int, int, bool]:
+        s = self.strategy
+        return (s.dp_rank, s.dp_size, s.reads_data) if s is not None else (self.rank, self.world_size, True)
+
+    def _place(self, batch, weight: float):
+        self._weight = weight
+        return to_device(batch, self.device)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def _strategy(self, call: str):
+        if self.strategy is None:
+            raise RuntimeError(f"pt.{call}: call pt.setup(model, optimizer) first")
+        return self.strategy
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss: the mean over this rank's share; afterwards every rank's gradients are the global
+        batch's mean (shares of unequal size weighted by their samples). The loaders' saved
+        positions move to what the loss's forward was given: a batch fetched since is served
+        again after a resume (loader.py)."""
+        strategy = self._strategy("backward")
+        weight = self._forward_weight
+        strategy.backward(loss if weight == 1.0 else loss * weight)
+        for loader in self.loaders:
+            loader.backward_ran()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm (over every rank's shards) to max_norm; returns the norm."""
+        return self._strategy("clip_grad_norm_").clip_grad_norm_(float(max_norm))
+
+    def train_step(self, batch) -> torch.Tensor:
+        """One optimizer step of the strategy's own schedule (forward, backward, step) on this
+        rank's share; returns the rank's mean loss (zero on a rank that reports none, e.g. an
+        earlier pipeline stage). Needs equal shares: every global batch full, divisible by D."""
+        strategy = self._strategy("train_step")
+        if self._weight != 1.0:
+            raise ValueError("pt.train_step: a global batch not shared equally (set drop_last=True on the loader)")
+        loss = strategy.train_step(batch)
+        for loader in self.loaders:  # trained on what was handed out (its forward may not be the model's)
+            loader.forward_ran()
+            loader.backward_ran()
+        return loss
+
+    # -- checkpoints and the model ------------------------------------------------------------------
+    def save(self, path, step: int, **extras) -> Path | None:
+        """Collective: PATH/checkpoints/step-N in `paratrain run`'s sharded format (the newest
+        checkpoint.keep kept), with the loaders' positions and `extras` (JSON values)."""
+        strategy = self._strategy("save")
+        try:
+            json.dumps(extras)
+        except TypeError as exc:
+            raise TypeError(f"pt.save: extras must be JSON values ({exc})") from None
+        loop = {"step": int(step), "loaders": [loader.position() for loader in self.loaders], "extras": extras}
+        return save_train_state(
+            strategy,
+            self.rt,
+            Path(path),
+            loop,
+            strategy_name=self.cfg.parallel.strategy,
+            config=self.cfg.to_dict(),
+            keep=self.cfg.checkpoint.keep,
+        )
+
+    def load(self, path) -> dict | None:
+        """Collective: resume from checkpoint PATH, or from the newest valid one in PATH (a folder
+        pt.save wrote), at any world size; the loaders go on at their next batch. Returns
+        {"step": N, **extras}, or None where PATH holds no checkpoint yet (a fresh start)."""
+        strategy = self._strategy("load")
+        path = Path(path)
+        if not (path / "manifest.json").exists():
+            found = ""
+            if self.is_main:
+                reader = ckpt.latest_valid(path, log=say) if path.is_dir() else None
+                found = str(reader.path) if reader else ""
+            found = broadcast_str(found, self.rt)
+            if not found:
+                return None
+            path = Path(found)
+        resumes = (self.cfg.parallel.strategy, self.cfg.train.optimizer, "pt.load", registry.checkpoint_family)
+        loop = load_train_state(strategy, ckpt.CheckpointReader(path), self.rt, resumes=resumes)
+        collectives.LOG.step = int(loop["step"])
+        for loader, position in zip(self.loaders, loop.get("loaders", [])):
+            loader.resume_at(position)
+        return {"step": int(loop["step"]), **loop.get("extras", {})}
+
+    def export(self, path, step: int = 0) -> Path | None:
+        """Collective: PATH/model.safetensors (keyed like model.state_dict()) and its manifest."""
+        strategy = self._strategy("export")
+        chunks = strategy.model_chunks()  # every rank takes part in gathering each unit
+        out = None
+        if self.is_main:
+            extra = {"strategy": self.cfg.parallel.strategy, "world_size": self.world_size}
+            layout = strategy.model_layout()
+            out = ckpt.export_model(Path(path), layout, chunks, step=step, config=self.cfg.to_dict(), extra=extra)
+        else:
+            for _ in chunks:
+                pass
+        barrier(self.rt, "export", strategy.trainer_group)
+        return out
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def log(self, step: int, **values) -> None:
+        """One line of RUN_DIR/metrics.jsonl (rank 0's values; tensors taken as numbers), as `paratrain
+        run` writes it, with TensorBoard where log.tensorboard is on."""
+        if self._metrics is None:
+            if self.is_main:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._metrics = MetricsLog(self.run_dir, self.cfg.train.steps, 0, self.is_main, self.cfg.log.tensorboard)
+        collectives.LOG.step = int(step)
+        numbers = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+        now = time.perf_counter()
+        self._metrics.record({"step": int(step), **numbers, "time": now - self._t0, "wall": time.time()})
+
+    def close(self) -> None:
+        """Leave the process group, every rank together (optional: the process's end leaves it too)."""
+        if self._metrics is not None:
+            self._metrics.close()
+        process.shutdown(together=True)

@@ -1,0 +1,219 @@
+"""ZeRO's three stages (engine.py has what they share and the whole story): stage 1 shards the
+optimizer state, stage 2 the gradients besides (reduce-scattered bucket by bucket in backward),
+stage 3 the parameters too (gathered unit by unit around each module's forward and backward)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from paratrain.parallel.zero.comm import FlatUnit, StreamingShardReducer
+from paratrain.parallel.zero.engine import Zero, wire_dtype
+from paratrain.parallel.zero.gather import ParameterGatherer, module_units
+from paratrain.parallel.zero.lockstep import LOAD_STATE_DICT, STATE_DICT, LockstepCheck
+from paratrain.parallel.zero.user_tensors import ShardedParam
+
+
+class Zero1(Zero):
+    name = "zero1"
+    stage = 1
+
+
+class Zero2(Zero):
+    name = "zero2"
+    stage = 2
+
+    def _setup_communication(self, model) -> None:
+        self.reducer = StreamingShardReducer(self.units, self.group, in_order=True, wire_dtype=wire_dtype(self.cfg))
+        for u in self.units:
+            u.shard.grad = u.grad_shard
+
+    def _before_backward(self, micro: int, last: bool) -> None:
+        self.reducer.prepare(accumulate=micro > 0)
+
+    def _after_backward(self, last: bool) -> None:
+        self.reducer.finish()
+
+    def _grads_let_go(self) -> bool:
+        """The model's gradients are freed as reduced: they are None, or the user's view of the
+        shards (None again after the user's model.zero_grad())."""
+        installed = bool(self.user_grads.grads)
+        held = (self._held(p) for u in self.units for p in u.params)
+        return self._pieces_let_go() or (installed and any(p.grad is None for p in held))
+
+    def _take_back_model_grads(self) -> None:
+        """Backward puts each gradient into .grad for the reducer to take: it must find None there."""
+        for u in self.units:
+            for p in u.params:
+                p.grad = self._held(p).grad = None
+
+
+class Zero3(Zero2):
+    name = "zero3"
+    stage = 3
+    collective_forward = True  # each unit's parameters are gathered from every rank
+
+    def _make_units(self, model, named) -> list[FlatUnit]:
+        """One unit per module (see `module_units`), indexed in reverse forward order like buckets."""
+        groups = module_units(model, [p for _, p in named], int(self.cfg.parallel.bucket_mb * 2**20))
+        return [
+            FlatUnit(
+                i, params, [self.name_of[id(p)] for p in params], self.rank, self.world, self.device, module=module
+            )
+            for i, (module, params) in enumerate(reversed(groups))
+        ]
+
+    def _allocate(self, model) -> None:
+        """The full flat parameter of a unit has storage only while gathered; the shard is its own."""
+        for u in self.units:
+            u.full = torch.empty(u.numel, dtype=u.dtype, device=self.device)
+            u.full.untyped_storage().resize_(0)
+            u.shard = u.master = nn.Parameter(torch.zeros(u.shard_numel, dtype=u.dtype, device=self.device))
+
+    def _take_values(self, unit: FlatUnit, i: int, value: torch.Tensor) -> None:
+        unit.copy_own(unit.shard, i, value.detach().reshape(-1))
+
+    def _sync_full_from_shards(self) -> None:
+        pass  # parameters are gathered on demand
+
+    def _param_views(self, u: FlatUnit) -> list[torch.Tensor]:
+        """Views need storage to exist while they are made; it is freed again right after."""
+        u.full.untyped_storage().resize_(u.full_nbytes())
+        views = u.views(u.full)
+        u.full.untyped_storage().resize_(0)
+        return views
+
+    def _setup_communication(self, model) -> None:
+        after_backward = lambda u: self.gatherer.after_backward(u)  # noqa: E731 (the gatherer comes next)
+        kwargs = dict(on_launch=after_backward, wire_dtype=wire_dtype(self.cfg), in_place=True)
+        self.reducer = StreamingShardReducer(self.units, self.group, in_order=False, **kwargs)
+        self.lockstep = LockstepCheck(self.name, self.cfg.parallel.timeout_s)
+        self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer, self.lockstep)
+        self.state_call, self.gathered_for = None, {}  # the model's state_dict call under way, and its gathers
+        self.sharded, self.params_pinned = {}, False  # the ShardedParams, once the model is the user's
+        for u in self.units:
+            u.shard.grad = u.grad_shard
+
+    def _after_backward(self, last: bool) -> None:
+        self.reducer.finish()
+        self.gatherer.reshard_all()
+
+    def _after_step(self) -> None:
+        pass
+
+    def _overlap_gathers_with_forward(self, model) -> None:
+        pass  # the ParameterGatherer's hooks gather on demand
+
+    # -- what the user's model holds: ShardedParams outside a unit's gathers (user_tensors.py) ----------
+    def adopt_optimizer(self, optimizer):
+        """Also: the model is the user's from now on, so its modules hold a ShardedParam for each
+        parameter whose unit is not gathered (a read of the parameter itself there would be a
+        SIGSEGV: its storage is freed)."""
+        optimizer = super().adopt_optimizer(optimizer)
+        self.places = {}  # the (module, name) of each parameter, several for a tied one
+        for module in self.model.modules():
+            for name, p in module._parameters.items():
+                if p is not None and id(p) in self.slot_of:
+                    self.places.setdefault(id(p), []).append((module, name))
+        self.sharded = {id(p): ShardedParam(p, n, self.name) for u in self.units for p, n in zip(u.params, u.names)}
+        self.gatherer.on_gathered, self.gatherer.on_freed = self._put_params, self._put_sharded
+        for u in self.units:
+            if u.state == "free":
+                self._put_sharded(u)
+        return optimizer
+
+    def _held(self, p: nn.Parameter) -> torch.Tensor:
+        """The ShardedParam standing for `p` in the user's model (`p` before the model is the user's)."""
+        return self.sharded.get(id(p), p)
+
+    def _put_params(self, u: FlatUnit) -> None:
+        for p in u.params:
+            for module, name in self.places[id(p)]:
+                module._parameters[name] = p
+
+    def _put_sharded(self, u: FlatUnit) -> None:
+        if not self.params_pinned:
+            for p in u.params:
+                for module, name in self.places[id(p)]:
+                    module._parameters[name] = self.sharded[id(p)]
+
+    @contextlib.contextmanager
+    def _parameters_in_place(self):
+        """paratrain's own reading of the model (the export's names and layout, by identity): the
+        parameters themselves in the modules, whatever is gathered (their values are not read)."""
+        if not self.sharded:
+            yield
+            return
+        self.params_pinned = True
+        try:
+            for u in self.units:
+                self._put_params(u)
+            yield
+        finally:
+            self.params_pinned = False
+            for u in self.units:
+                if u.state == "free":
+                    self._put_sharded(u)
+
+    def model_layout(self):
+        with self._parameters_in_place():
+            return super().model_layout()
+
+    def model_chunks(self):
+        with self._parameters_in_place():
+            yield from super().model_chunks()
+
+    def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
+        self.gatherer.unshard(u)
+        return u.full.detach()
+
+    # A state_dict or load_state_dict of the model gathers its units, so every rank must run it:
+    # checked once per call, at the outermost module's hook (lockstep.py), before any gather.
+    def _before_state_dict(self, module, units, keep_vars: bool) -> None:
+        if not keep_vars:
+            self._enter_state_call(module, STATE_DICT)
+            self._gather_for(module, units)
+
+    def _after_state_dict(self, module, state: dict, prefix: str) -> None:
+        """What the module's units gave the state dict becomes copies of its own (their gathered
+        storage is freed next: the tensors the user holds must not point at it)."""
+        for u in self.gathered_for.pop(module, []):
+            storage = u.full.untyped_storage().data_ptr()
+            for k, v in state.items():
+                if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == storage:
+                    state[k] = v.clone()
+            self.gatherer.reshard(u)
+        self._leave_state_call(module)
+
+    def _before_load_state_dict(self, module, units, state: dict, prefix: str, direct) -> None:
+        self._enter_state_call(module, LOAD_STATE_DICT)
+        self._gather_for(module, units)
+
+    def _after_load_state_dict(self, module) -> None:
+        """The loaded full parameters of the module's units into this rank's shards."""
+        with torch.no_grad():
+            for u in self.gathered_for.pop(module, []):
+                u.shard.copy_(u.full[u.lo : u.hi])
+                self.gatherer.reshard(u)
+        self._leave_state_call(module)
+
+    def _enter_state_call(self, module, kind: int) -> None:
+        if self.state_call is None:
+            self.state_call = module
+            self.lockstep.check(kind)
+
+    def _leave_state_call(self, module) -> None:
+        if self.state_call is module:
+            self.state_call = None
+
+    def _gather_for(self, module, units) -> None:
+        """Gather the module's units not gathered yet (an enclosing module's call may hold them)."""
+        free = [u for u in units if u.state == "free"]
+        for u in free:
+            self.gatherer.unshard(u)
+        self.gathered_for[module] = free
+
+    def _release(self, u: FlatUnit) -> None:
+        self.gatherer.reshard(u)
