@@ -133,6 +133,7 @@ def built(text: str):
         ("tp", "pair", "cross_entropy", "none"),  # the model's own base_model_tp_plan
         ("tp", "labelled", "model", "none"),  # its loss on logits gathered by colwise_gather_output
         ("pp", "pair", "cross_entropy", "none"),  # cut by its base_model_pp_plan, ties summed
+        ("pp", "labelled", "model", "none"),  # its loss_function on the last stage, the labels carried there
     ],
 )
 def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, recompute):
@@ -256,7 +257,7 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
             "--set data.layout='labelled' --set train.loss='model' --set parallel.tp_plan={'lm_head'='colwise'}",
             "parallel.tp_plan",
         ),
-        # no pipeline stage computes the model's own loss
+        # the model's own loss takes dict samples with labels, under pp as under any strategy
         ("parallel.strategy='pp' --set parallel.pp=2 --set train.loss='model'", "train.loss"),
     ],
 )

@@ -17,7 +17,9 @@ names and the state dict stay the model's) and takes one tensor, as the pipeline
                   hidden states' shape, as the base model builds them once for all its layers (no
                   padding mask: a pipeline sends one tensor)
     head          the final norm and lm_head: hidden states -> logits (a tensor, which the built-in
-                  losses take); a head tied to the embedding is summed over its stages as any tie
+                  losses take); a head tied to the embedding is summed over its stages as any tie;
+                  train.loss = "model": the model's own loss_function on them (own_loss), with the
+                  labels a dict sample carries, taken out of it before the first stage
 
 The rotary embedding is shared by every decoder layer and holds no parameters: it is kept out of
 the layers' registered children, so a stage moved off a rank does not take it along."""
@@ -42,8 +44,8 @@ class _Embedding(nn.Module):
         super().__init__()
         self.embed, self.position, self.after = embed, position, nn.ModuleList(after)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(ids)
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # transformers' name: a dict sample's key
+        hidden = self.embed(input_ids)
         if self.position is not None:
             hidden = hidden + self.position(_positions(hidden))
         for part in self.after:
@@ -123,3 +125,15 @@ def transformers_layers(model: nn.Module) -> list[nn.Module] | None:
     )
     decoders = [_DecoderLayer(layer, rotary, config) for layer in getattr(base, layers)[: config.num_hidden_layers]]
     return [embedding, *decoders, _Head([getattr(base, n) for n in before_head], head)]
+
+
+def own_loss(model: nn.Module):
+    """The loss the whole model computes in its forward, on the last stage's logits and the labels
+    carried to it: a transformers model's `loss_function` (its shift of the labels included); None
+    for a model without one."""
+    fn = getattr(model, "loss_function", None)
+    config = getattr(model, "config", None)
+    if fn is None or config is None:
+        return None
+    vocab = config.get_text_config().vocab_size
+    return lambda logits, labels: fn(logits=logits, labels=labels, vocab_size=vocab)

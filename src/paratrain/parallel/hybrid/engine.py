@@ -20,8 +20,9 @@ from paratrain import checkpoint as ckpt
 from paratrain.comm import collectives
 from paratrain.comm.grid import build_mesh
 from paratrain.config import Config, microbatch_count, virtual_stages
-from paratrain.data.batch import num_samples, split_batch
+from paratrain.data.batch import num_samples, split_batch, tensors_in
 from paratrain.errors import ConfigError
+from paratrain.models.hf_pipeline import own_loss
 from paratrain.models.layers import boundary_shape_fn, meta_copy, pipeline_layers
 from paratrain.optim import build_optimizer, output_logits, rebuild_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, eval_sums, unique_parameters
@@ -52,6 +53,13 @@ def check_model(cfg: Config, model: nn.Module) -> None:
     if p.tp > 1:
         check_plan(model, plan, p.tp, user=bool(p.tp_plan), own_loss=cfg.train.loss == "model")
     if p.pp > 1:
+        if cfg.train.loss == "model" and own_loss(model) is None:
+            # the last stage ends at the model's logits: only a loss_function the model names is run there
+            raise ConfigError(
+                "train.loss",
+                f"'model' under pp takes a transformers model's own loss_function, which "
+                f"{type(model).__name__} has not: name a loss (cross_entropy, mse or module:function)",
+            )
         if pipeline_layers(model) is None:
             raise ConfigError(
                 "parallel.pp",
@@ -122,6 +130,11 @@ class ModelParallel(Strategy):
             else []
         )
 
+        # train.loss = "model" under pp: the last stage runs the model's own loss on its logits and
+        # the labels split_labels takes out of each dict sample (models/hf_pipeline.py)
+        self.labels_apart = p.pp > 1 and cfg.train.loss == "model"
+        if self.labels_apart:
+            loss_fn = self.loss_fn = own_loss(model)
         self.sharded_output = p.tp > 1 and output_is_sharded(model)
         if self.sharded_output:
             width = full_width(model)
@@ -166,6 +179,8 @@ class ModelParallel(Strategy):
         dataset = build_dataset(self.cfg, "train")
         rows = max(self.cfg.data.batch_size // self.dp_size // self.m, 1)
         x, _ = load_batch(dataset, torch.arange(min(rows, len(dataset))))
+        if isinstance(x, dict):  # a dict sample: the token ids a transformers model's first layer takes
+            x = x["input_ids"] if "input_ids" in x else tensors_in(x)[0]
         return x.to(self.rt.device)
 
     def _sum_tied_grads(self) -> torch.Tensor:
@@ -198,7 +213,7 @@ class ModelParallel(Strategy):
         for r in self.reducers:
             r.zero_grad()
         self.batchnorm.before_step()
-        micro = split_batch(batch, self.m)
+        micro = self._labels_apart(split_batch(batch, self.m))
 
         def before_backward(a):
             self.reducers[a.chunk].prepare(sync=self.last_backward[a.chunk] == a.mb)
@@ -226,6 +241,13 @@ class ModelParallel(Strategy):
         if self.stage_ids[-1] == self.n_stages - 1:
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         return torch.zeros((), device=self.rt.device)
+
+    def _labels_apart(self, micro: list[tuple]) -> list[tuple]:
+        """Under pp with the model's own loss: each dict microbatch's labels as its target, the rest
+        its input (the first stage takes the ids, the last the labels)."""
+        if not self.labels_apart:
+            return micro
+        return [({k: v for k, v in x.items() if k != "labels"}, x["labels"]) for x, _ in micro]
 
     def _clip(self, norm: float, max_norm: float) -> None:
         factor = clip_factor(torch.tensor(norm, device=self.rt.device), max_norm)
@@ -302,7 +324,7 @@ class ModelParallel(Strategy):
         for chunk in self.chunks:
             chunk.eval()
         try:
-            xs, ys = (list(part) for part in zip(*split_batch((inputs, targets), self.m)))
+            xs, ys = (list(part) for part in zip(*self._labels_apart(split_batch((inputs, targets), self.m))))
             actions = forward_only(self.cfg.parallel.pp, self.mesh.pp_rank, len(xs), self.v)
             sums = self.engine.run(
                 actions,

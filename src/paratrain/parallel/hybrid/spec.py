@@ -26,16 +26,6 @@ class ModelParallelSpec(Spec):
         self.name, self.degrees = name, degrees
         self.searched_as = "mesh" if degrees == ("tp", "pp") else ""  # the one name allowing both
 
-    def check_config(self, cfg: Config) -> None:
-        super().check_config(cfg)
-        if cfg.parallel.pp > 1 and cfg.train.loss == "model":
-            # the last stage ends at the model's logits: the model's own loss is computed by no stage
-            raise ConfigError(
-                "train.loss",
-                "'model' takes the loss the whole model computes, which no pipeline stage does: "
-                "under pp name one (cross_entropy, mse or module:function)",
-            )
-
     def check_layout(self, cfg: Config, world_size: int) -> None:
         """parallel.replicas names the mesh's dp copies: 1 (not declared), or world / (tp x pp). It
         stands in for no degree: tp and pp say how a replica is split."""
