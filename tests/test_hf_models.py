@@ -3,6 +3,7 @@ a config, or a local save_pretrained directory): each strategy equals single-pro
 written here, and final/ loads back with from_pretrained."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 from helpers import final_weights, max_rel_error, run_cli, write_config
 from torch.utils.data import default_collate
 from user_models import tiny_images, token_blocks
+
+TESTS = Path(__file__).parent  # the data factories' module (user_models.py) resolves from here
 
 transformers = pytest.importorskip("transformers")
 
@@ -282,7 +285,9 @@ def test_a_broken_torchvision_is_named_as_the_cause(tmp_path):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.99.0\n")
     cfg = write_config(tmp_path / "c.toml", LLAMA)
     path = os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])
-    proc = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), env={"PYTHONPATH": path})
+    proc = run_cli(
+        "run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), cwd=TESTS, env={"PYTHONPATH": path}
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "model.factory" in lines[0] and "torchvision::nms" in lines[0] and "matching torchvision" in lines[0]
@@ -294,7 +299,7 @@ def test_a_fused_projection_split_colwise_exits_2_naming_it(tmp_path):
     first step checks each kind of block whole (parallel.verify_plan) and exits 2 naming it."""
     plan = '"model.layers.*.mlp.gate_up_proj" = "colwise", "model.layers.*.mlp.down_proj" = "rowwise"'
     cfg = write_config(tmp_path / "c.toml", PHI3 + f"[parallel]\nstrategy = 'tp'\ntp = 2\ntp_plan = {{ {plan} }}\n")
-    proc = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"))
+    proc = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), cwd=TESTS)
     lines = sorted(set(proc.stderr.strip().splitlines()))  # each rank says the one agreed line
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "'model.layers.0.mlp'" in lines[0] and '"model.layers.0.mlp.gate_up_proj" = "colwise"' in lines[0]

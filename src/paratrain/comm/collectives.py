@@ -166,6 +166,18 @@ def _eager_under_compile(fn):
     return call
 
 
+@contextlib.contextmanager
+def unprofiled():
+    """Collectives of a one-time check (parallel.verify_plan) that are not the step's traffic: the
+    profiler does not count them, as the plan does not."""
+    global PROFILER
+    profiler, PROFILER = PROFILER, None
+    try:
+        yield
+    finally:
+        PROFILER = profiler
+
+
 # Inside a block that train.compile compiles (tensor parallelism's paired operators), a collective
 # is a graph break: its logging, fingerprint and profiling run eagerly, as everywhere else
 @_eager_under_compile
