@@ -253,6 +253,21 @@ def test_device_resolution_against_the_gpus_a_node_has(monkeypatch, gpus, device
         assert f"{nproc} processes per node but {gpus} GPU" in note
 
 
+def test_a_worker_under_plain_torchrun_that_falls_back_to_cpu_says_so(monkeypatch, capsys):
+    """Under torchrun each worker resolves 'auto' itself (pick_device): two processes on a
+    one-GPU node train on CPU, and local rank 0 says why in one line (the GPU count made up)."""
+    import torch
+
+    from paratrain.runtime.process import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert pick_device("auto", 0, 2) == torch.device("cpu")
+    err = capsys.readouterr().err
+    assert err.startswith("paratrain: train.device 'auto': 2 processes per node but 1 GPU") and err.count("\n") == 1
+    assert pick_device("auto", 1, 2) == torch.device("cpu") and capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize(
     "args, option",
     [

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, note
 
 
 @dataclass
@@ -65,9 +65,9 @@ def resolve_device(device: str, nproc: int) -> tuple[str, str | None]:
 def pick_device(kind: str, local_rank: int, local_world: int) -> torch.device:
     """This worker's device. `paratrain run` has resolved 'auto' already; under plain torchrun the
     worker resolves it here, from how many processes share this node."""
-    kind, note = resolve_device(kind, local_world)
-    if note and local_rank == 0:
-        note(f"{note}")
+    kind, why = resolve_device(kind, local_world)
+    if why and local_rank == 0:
+        note(why)
     if kind == "cpu":
         return torch.device("cpu")
     torch.cuda.set_device(local_rank)
