@@ -6,7 +6,9 @@ NCCL's backend and `device_id`) went untested until a GPU run found them broken.
     device rule falls back to CPU and gloo and says so once (a `sitecustomize` first on the
     children's PYTHONPATH makes torch report one GPU; nothing CUDA is ever touched);
   * in process, with the count monkeypatched: what a GPU node picks (NCCL, `device_id`, the GPU's
-    rank) where init_process_group would be called.
+    rank) where init_process_group would be called;
+  * the compiled strategies a benchmark holds in one process (several compiled models alive at
+    once, zero3's gathers outside the graphs).
 """
 
 import os
@@ -184,3 +186,76 @@ def test_zero_takes_nccls_own_collectives():
     from paratrain.parallel.zero.comm import from_primitives
 
     assert not from_primitives("nccl") and from_primitives("gloo")
+
+
+# A GPT whose blocks are each a little bigger than a ZeRO-3 unit (parallel.bucket_mb), as GPT-2
+# small's 28 MB blocks are at the default 25 MB: each block is cut into units (its layer norms,
+# attention and feed-forward), whose hooks act inside the block
+TINY = {"vocab_size": 64, "n_layer": 4, "n_head": 2, "d_model": 32, "block_size": 16}
+BLOCK_SPLITTING_MB = 0.04  # a block holds 12.6k fp32 parameters (50 KB)
+
+
+@pytest.fixture
+def world_of_one():
+    from paratrain.runtime.process import Runtime
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield Runtime(0, 1, 0, torch.device("cpu"), "gloo", 0)
+    finally:
+        dist.destroy_process_group()
+
+
+def compiled_strategy(rt, strategy: str):
+    """`strategy` over the tiny GPT, compiled as `paratrain run` compiles it (same seed each time)."""
+    from paratrain import config as config_mod
+    from paratrain.models.gpt import gpt
+    from paratrain.optim import cross_entropy
+    from paratrain.parallel.registry import build_for_training
+
+    cfg = config_mod.from_dict(
+        {
+            "data": {"batch_size": 4},
+            "train": {"optimizer": "adamw", "lr": 1e-2, "compile": True, "device": "cpu"},
+            "parallel": {"strategy": strategy, "bucket_mb": BLOCK_SPLITTING_MB},
+        }
+    )
+    torch.manual_seed(0)
+    return build_for_training(gpt(**TINY), cross_entropy, cfg, rt)
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return tuple(torch.randint(0, TINY["vocab_size"], (4, TINY["block_size"]), generator=g) for _ in range(2))
+
+
+def test_two_compiled_models_live_in_one_process(world_of_one):
+    """dp compiled, then zero3 compiled beside it (as benchmarks/gpu.py holds them): each keeps its
+    compiled code (compiling the second made the first recompile: torch._dynamo.reset()), and both
+    train as one model would (world 1, same seed and batches)."""
+    from torch._dynamo.utils import counters
+
+    dp = compiled_strategy(world_of_one, "dp")
+    first = float(dp.train_step(batch(0)))
+    zero3 = compiled_strategy(world_of_one, "zero3")
+    assert float(zero3.train_step(batch(0))) == pytest.approx(first, rel=1e-5)
+    frames = counters["frames"]["total"]
+    for step in (1, 2):
+        assert float(dp.train_step(batch(step))) == pytest.approx(float(zero3.train_step(batch(step))), rel=1e-4)
+    assert counters["frames"]["total"] == frames, "a compiled model recompiled after another one compiled"
+
+
+def test_zero3_units_inside_blocks_compile_once_per_kind(world_of_one):
+    """ZeRO-3's gathers stay out of the compiled code: no graph break, and the frames dynamo
+    compiles (first compiles and recompiles) are one per kind of layer, not one per unit (they
+    were 45 for these 18 units: the hooks traced, guarded on each unit's name and version)."""
+    from torch._dynamo.utils import counters
+
+    zero3 = compiled_strategy(world_of_one, "zero3")
+    for step in range(3):
+        zero3.train_step(batch(step))
+    units = len(zero3.units)
+    assert units == 2 + 4 * TINY["n_layer"]  # the tied embedding, the position table, 4 per block
+    assert not counters["graph_break"], list(counters["graph_break"])
+    # embedding (2 shapes), layer norm, attention, feed-forward
+    assert counters["frames"]["total"] <= 5 < units, dict(counters["frames"])
