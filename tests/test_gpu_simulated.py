@@ -7,10 +7,11 @@ NCCL's backend and `device_id`) went untested until a GPU run found them broken.
     children's PYTHONPATH makes torch report one GPU; nothing CUDA is ever touched);
   * in process, with the count monkeypatched: what a GPU node picks (NCCL, `device_id`, the GPU's
     rank) where init_process_group would be called;
-  * the compiled strategies a benchmark holds in one process (several compiled models alive at
-    once, zero3's gathers outside the graphs).
+  * benchmarks/gpu.py's whole flow in its CPU smoke mode, and the compiled strategies it holds in
+    one process (several compiled models alive at once, zero3's gathers outside the graphs).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -259,3 +260,38 @@ def test_zero3_units_inside_blocks_compile_once_per_kind(world_of_one):
     assert not counters["graph_break"], list(counters["graph_break"])
     # embedding (2 shapes), layer norm, attention, feed-forward
     assert counters["frames"]["total"] <= 5 < units, dict(counters["frames"])
+
+
+def test_the_gpu_benchmark_runs_its_whole_flow_on_the_cpu(tmp_path):
+    """benchmarks/gpu.py --smoke: every contender (the trainer, dp and zero3 compiled, the plain
+    compiled loop, DDP, FSDP2) built, compiled and timed in one process, as on the GPU, with a tiny
+    GPT; and the results file make gpu-check keeps. Its compiles dominate: about 40 s with
+    inductor's on-disk cache warm, minutes on a cold one."""
+    out, log = tmp_path / "rows.json", tmp_path / "matrix.txt"
+    log.write_text("gpu matrix: all ok\n")
+    smoke = ["--smoke", "--steps", "2", "--rounds", "2", "--warmup", "1", "--json", str(out)]
+    proc = check_ok(
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "gpu.py"),
+                *smoke,
+                "--results",
+                str(tmp_path),
+                "--attach",
+                str(log),
+            ],
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "CUDA_VISIBLE_DEVICES": ""},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    )
+    rows = {r["contender"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["paratrain run", "dp", "zero3", "plain", "ddp", "fsdp2"], proc.stdout
+    assert all(r["step_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["plain"]["vs_plain"] == 1.0
+    (results,) = tmp_path.glob("gpu-*.md")
+    text = results.read_text()
+    assert "| contender | step ms | tokens/s | MFU | tokens/s vs plain |" in text and "| fsdp2 |" in text
+    assert "Commit: " in text and "## matrix.txt" in text and "gpu matrix: all ok" in text
