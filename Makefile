@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test test-fast lint bench bench-federated bench-data-peer docs clean
+.PHONY: setup run test test-fast lint bench bench-federated bench-data-peer gpu-check docs clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,26 @@ lint: setup         ## ruff: lint and format check
 
 bench: setup        ## paratrain dp vs torch DDP, side by side
 	$(VENV)/bin/paratrain bench dp
+
+# On a machine with CUDA GPUs (docs/gpus.md): tests/test_gpu.py, every strategy at world 1 eager and
+# compiled (benchmarks/gpu_matrix.py), then benchmarks/gpu.py, whose results file
+# (benchmarks/results/gpu-DATE.md) keeps the other two's logs. It runs with our venv where there is
+# one, else with the image's python3 and the torch it has (no `make setup`: that pins the CPU build).
+# Without a GPU: one line, exit 0.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+gpu-check:          ## the GPU path: its tests, the strategy matrix, the benchmark (skips without a GPU)
+	@PYTHONPATH=src $(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null; \
+	case $$? in 0) ;; 3) echo "gpu-check: skipped, no CUDA GPU on this machine"; exit 0 ;; \
+	  *) echo "gpu-check: $(GPU_PY) cannot import torch (make setup, or a python3 with torch)"; exit 1 ;; esac; \
+	logs=$$(mktemp -d); failed=0; \
+	PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests $(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py >$$logs/test_gpu.txt 2>&1 || failed=1; \
+	cat $$logs/test_gpu.txt; \
+	PYTHONPATH=$(CURDIR)/src $(GPU_PY) benchmarks/gpu_matrix.py >$$logs/gpu_matrix.txt 2>&1 || failed=1; \
+	cat $$logs/gpu_matrix.txt; \
+	PYTHONPATH=$(CURDIR)/src $(GPU_PY) benchmarks/gpu.py --results benchmarks/results \
+	  --attach $$logs/test_gpu.txt --attach $$logs/gpu_matrix.txt || failed=1; \
+	rm -rf $$logs; exit $$failed
 
 # The site (mkdocs + mkdocs-material) from docs/ and benchmarks/results/; --strict turns every
 # warning (a broken link or anchor, a stale generated page) into a failure.

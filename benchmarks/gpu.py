@@ -1,25 +1,34 @@
 """paratrain's GPU path measured: the built-in GPT at GPT-2-small shape on one GPU, in one call.
 
     PYTHONPATH=src python3 benchmarks/gpu.py [--steps 10 --rounds 3 --batch 16 --json out.json]
+                                             [--results benchmarks/results [--attach LOG]...]
 
 GPT-2 small (12 layers, 12 heads, d_model 768, sequence 1024, vocabulary 50304, tied embeddings:
 124M parameters) in bf16 autocast with torch.compile and fused attention (sdpa: flash attention on
 an H100), AdamW, on random tokens (nothing is downloaded). Contenders, built from the same seed and
-timed in alternating rounds of K steps:
-    paratrain run   the trainer's whole step (trainer.Trainer, dp at world 1, train.compile = true)
-    dp, zero3       the strategies' train_step alone, at world 1, compiled block by block
+timed in alternating rounds of K steps, all at world 1 (a process group of one):
+    paratrain run   the trainer's whole step (trainer.Trainer, dp, train.compile = true)
+    dp, zero3       the strategies' train_step alone, compiled as train.compile compiles them
     plain           a nanoGPT-style loop: torch.compile(model), autocast, fused AdamW
-Each row: median step time, tokens/s and MFU (model FLOPs utilisation: nanoGPT's 6N + 12 L H Q T
-FLOPs per token against the GPU's dense bf16 peak; --peak-tflops for a GPU it does not know). On
-a machine without a GPU it prints one line and exits 0.
+    ddp             the plain loop's compiled model in torch's DistributedDataParallel
+    fsdp2           torch's fully_shard on each block and the model, the same blocks compiled
+Each row: median step time, tokens/s, MFU (model FLOPs utilisation: nanoGPT's 6N + 12 L H Q T
+FLOPs per token against the GPU's dense bf16 peak; --peak-tflops for a GPU it does not know) and
+tokens/s against the plain loop's. --results DIR writes DIR/gpu-DATE.md: the machine, the command,
+the commit, the table, and each --attach file (make gpu-check's test and matrix logs). On a
+machine without a GPU it prints one line and exits 0; --smoke runs the same flow with a tiny GPT
+on the CPU (the script's own check, its figures meaningless).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +36,7 @@ import time
 # dense bf16 tensor-core peaks, TFLOP/s (without sparsity)
 PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
 SHAPE = {"vocab_size": 50304, "n_layer": 12, "n_head": 12, "d_model": 768, "block_size": 1024, "tie_embeddings": True}
+SMOKE_SHAPE = {"vocab_size": 128, "n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 32}
 
 
 def tokens(split: str = "train", n_samples: int = 256, block_size: int = 1024, vocab_size: int = 50304):
@@ -55,100 +65,108 @@ def flops_per_token(model) -> float:
     return 6 * n + 12 * s["n_layer"] * s["n_head"] * (s["d_model"] // s["n_head"]) * s["block_size"]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=16, help="sequences per step")
-    p.add_argument("--steps", type=int, default=10, help="steps per round per contender")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3, help="steps before timing (the compile)")
-    p.add_argument("--peak-tflops", type=float, default=None)
-    p.add_argument("--json", default=None, metavar="PATH")
-    p.add_argument("--smoke", action="store_true", help="a tiny GPT on the CPU: the script's own check, no figures")
-    args = p.parse_args(argv)
+def job(strategy: str, batch: int, total: int, log_every: int, device: str):
+    from paratrain import config as config_mod
 
+    return config_mod.from_dict(
+        {
+            "model": {"factory": "gpt", **SHAPE},
+            "data": {
+                "factory": "gpu:tokens",
+                "batch_size": batch,
+                "n_samples": batch * total,
+                "block_size": SHAPE["block_size"],
+                "vocab_size": SHAPE["vocab_size"],
+            },
+            "train": {
+                "steps": total,
+                "optimizer": "adamw",
+                "lr": 6e-4,
+                "precision": "bf16",
+                "compile": True,
+                "log_every": log_every,
+                "device": device,
+            },
+            "parallel": {"strategy": strategy},
+        }
+    )
+
+
+def torch_contenders(build, cfg, rt, batch) -> dict:
+    """The PyTorch loops: plain, ddp, fsdp2 (`build()`: the GPT from the shared seed, on the CPU;
+    `batch(name)`: that contender's next batch). Each a step function."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from paratrain.models.compiled import compile_blocks
+    from paratrain.optim import build_optimizer, cross_entropy
+
+    dev = rt.device
+
+    def loop(name, model, params):
+        opt = build_optimizer(list(params), cfg.train)
+
+        def step():
+            x, y = batch(name)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss = cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    plain = build().to(dev)
+    ddp = build().to(dev)
+    ddp_model = DistributedDataParallel(torch.compile(ddp), device_ids=[dev.index] if dev.type == "cuda" else None)
+    fsdp = build().to(dev)
+    mesh = init_device_mesh(dev.type, (1,))
+    for block in fsdp.blocks:  # a unit per block, as FSDP2's own recipe for transformers
+        fully_shard(block, mesh=mesh)
+    fully_shard(fsdp, mesh=mesh)
+    compile_blocks(fsdp)  # the blocks train.compile compiles; FSDP2's hooks run around them
+    return {
+        "plain": loop("plain", torch.compile(plain), plain.parameters()),
+        "ddp": loop("ddp", ddp_model, ddp.parameters()),
+        "fsdp2": loop("fsdp2", fsdp, fsdp.parameters()),
+    }
+
+
+def measure(args, rt) -> tuple[dict, object]:
+    """Every contender's step times (seconds), the trainer's rounds setting the pace; and the plain
+    loop's model (for its FLOPs)."""
     import torch
 
-    if args.smoke:
-        SHAPE.update(vocab_size=128, n_layer=2, n_head=2, d_model=32, block_size=32)
-    elif not torch.cuda.is_available():
-        print("gpu benchmark: skipped, no CUDA GPU on this machine")
-        return 0
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-
-    from paratrain import config as config_mod
-    from paratrain.bench.common import machine, machine_line
     from paratrain.bench.tax import paced
     from paratrain.models.gpt import gpt
-    from paratrain.optim import build_optimizer, cross_entropy
-    from paratrain.parallel.registry import build_strategy
-    from paratrain.runtime import process
+    from paratrain.optim import cross_entropy
+    from paratrain.parallel.registry import build_for_training
     from paratrain.trainer import Trainer
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `gpu:tokens`, the trainer's data
-    device = "cpu" if args.smoke else "cuda"
-    rt = process.init(device)
-    dev, b, k = rt.device, args.batch, args.steps
+    b, k, device = args.batch, args.steps, rt.device.type
     total = args.warmup + args.rounds * k
-
-    def job(strategy: str):
-        return config_mod.from_dict(
-            {
-                "model": {"factory": "gpt", **SHAPE},
-                "data": {
-                    "factory": "gpu:tokens",
-                    "batch_size": b,
-                    "n_samples": b * total,
-                    "block_size": SHAPE["block_size"],
-                    "vocab_size": SHAPE["vocab_size"],
-                },
-                "train": {
-                    "steps": total,
-                    "optimizer": "adamw",
-                    "lr": 6e-4,
-                    "precision": "bf16",
-                    "compile": True,
-                    "log_every": k,
-                    "device": device,
-                },
-                "parallel": {"strategy": strategy},
-            }
-        )
-
-    cfg = job("dp")
     data = tokens(n_samples=b * total, block_size=SHAPE["block_size"], vocab_size=SHAPE["vocab_size"])
-    x_all, y_all = (t.to(dev) for t in data.tensors)
+    x_all, y_all = (t.to(rt.device) for t in data.tensors)
+    steps_done: dict[str, int] = {}
 
     def build():
         torch.manual_seed(0)
         return gpt(**SHAPE)
-
-    contenders, steps_done = {}, {}
 
     def batch(name):
         i = steps_done[name] % total
         steps_done[name] += 1
         return x_all[i * b : (i + 1) * b], y_all[i * b : (i + 1) * b]
 
-    for name in ("dp", "zero3"):
-        strategy = build_strategy(build(), cross_entropy, job(name), rt)
+    contenders = {}
+    for name in ("dp", "zero3"):  # built and compiled as the trainer builds them
+        strategy = build_for_training(build(), cross_entropy, job(name, b, total, k, device), rt)
         contenders[name] = lambda n=name, s=strategy: s.train_step(batch(n))
-    plain = build().to(dev)
-    compiled = torch.compile(plain)
-    opt = build_optimizer(list(plain.parameters()), cfg.train)
-
-    def plain_step():
-        x, y = batch("plain")
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = cross_entropy(compiled(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    contenders["plain"] = plain_step
+    contenders.update(torch_contenders(build, job("dp", b, total, k, device), rt, batch))
     steps_done.update({name: 0 for name in contenders})
     times = {name: [] for name in ["paratrain run", *contenders]}
-
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def timed(fn, n: int) -> float:
@@ -170,7 +188,7 @@ def main(argv=None) -> int:
                 times[name].append(timed(fn, k))
 
     with tempfile.TemporaryDirectory() as run_dir:
-        trainer = paced(Trainer)(cfg, run_dir, rt)
+        trainer = paced(Trainer)(job("dp", b, total, k, device), run_dir, rt)
         trainer.pause_every, trainer.pause_from, trainer.pause = k, args.warmup, pause
         with open(os.devnull, "w") as sink:
             stdout, sys.stdout = sys.stdout, sink
@@ -178,14 +196,14 @@ def main(argv=None) -> int:
                 trainer.fit()
             finally:
                 sys.stdout = stdout
+    return times, build()
 
-    m = machine()
-    peak = peak_flops(m["gpu"] or "", args.peak_tflops)
-    per_token = flops_per_token(plain)
+
+def rows_of(times: dict, per_token: float, peak: float | None, batch: int) -> list[dict]:
     rows = []
     for name, t in times.items():
         step_s = statistics.median(t)
-        tok_s = b * SHAPE["block_size"] / step_s
+        tok_s = batch * SHAPE["block_size"] / step_s
         rows.append(
             {
                 "contender": name,
@@ -194,34 +212,100 @@ def main(argv=None) -> int:
                 "mfu": tok_s * per_token / peak if peak else None,
             }
         )
-    print(machine_line(m))
-    peak_text = f"{peak / 1e12:g} TFLOP/s dense bf16" if peak else "unknown (--peak-tflops)"
-    print(f"driver {_driver() if device == 'cuda' else 'none'}, CUDA {torch.version.cuda}, peak {peak_text}")
-    print(
-        f"GPT-2 small ({sum(p.numel() for p in plain.parameters()) / 1e6:.0f}M), seq {SHAPE['block_size']}, "
-        f"batch {b}, bf16 autocast, compiled, sdpa; median of {args.rounds} rounds of {k} steps"
-    )
-    print(f"{'contender':<16}{'step ms':>10}{'tokens/s':>12}{'MFU':>8}")
+    plain = next(r["tokens_per_s"] for r in rows if r["contender"] == "plain")
+    for r in rows:
+        r["vs_plain"] = r["tokens_per_s"] / plain
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| contender | step ms | tokens/s | MFU | tokens/s vs plain |", "|---|---:|---:|---:|---:|"]
     for r in rows:
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] is not None else "n/a"
-        print(f"{r['contender']:<16}{r['step_ms']:>10.1f}{r['tokens_per_s']:>12.0f}{mfu:>8}")
+        lines.append(
+            f"| {r['contender']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {mfu} | {r['vs_plain']:.3f} |"
+        )
+    return lines
+
+
+def write_results(directory: str, header: list[str], rows: list[dict], attach: list[str]) -> str:
+    """DIR/gpu-DATE.md: how it was run, on what, the table, and the attached logs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = _output(["git", "-C", root, "rev-parse", "--short", "HEAD"])
+    dirty = _output(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"])
+    command = " ".join(shlex.quote(a) for a in ["benchmarks/gpu.py", *sys.argv[1:]])
+    today = datetime.date.today().isoformat()
+    lines = [f"# GPU check and benchmark, {today}", "", f"Command: `{command}` (from `make gpu-check`)"]
+    lines += [f"Commit: {commit or 'unknown'}{' (with uncommitted changes)' if dirty else ''}", ""]
+    lines += [*header, "", *table(rows), ""]
+    for path in attach:
+        with open(path) as fh:
+            lines += [f"## {os.path.basename(path)}", "", "```", fh.read().rstrip(), "```", ""]
+    path = os.path.join(directory, f"gpu-{today}.md")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines))
+    return path
+
+
+def _output(command: list[str]) -> str:
+    try:
+        return subprocess.run(command, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--steps", type=int, default=10, help="steps per round per contender")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="steps before timing (the compile)")
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--results", default=None, metavar="DIR", help="write DIR/gpu-DATE.md")
+    p.add_argument("--attach", action="append", default=[], metavar="LOG", help="a log to add to the results file")
+    p.add_argument("--smoke", action="store_true", help="a tiny GPT on the CPU: the script's own check, no figures")
+    args = p.parse_args(argv)
+
+    import torch
+
+    if args.smoke:
+        SHAPE.update(SMOKE_SHAPE)
+    elif not torch.cuda.is_available():
+        print("gpu benchmark: skipped, no CUDA GPU on this machine")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+    from paratrain.bench.common import machine, machine_line
+    from paratrain.runtime import process
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `gpu:tokens`, the trainer's data
+    rt = process.init("cpu" if args.smoke else "cuda")
+    times, model = measure(args, rt)
+    m = machine()
+    peak = peak_flops(m["gpu"] or "", args.peak_tflops)
+    rows = rows_of(times, flops_per_token(model), peak, args.batch)
+    cuda = rt.device.type == "cuda"
+    peak_text = f"{peak / 1e12:g} TFLOP/s dense bf16" if peak else "unknown (--peak-tflops)"
+    header = [
+        machine_line(m),
+        f"driver {_driver() if cuda else 'none'}, CUDA {torch.version.cuda}, peak {peak_text}",
+        f"GPT ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M), seq {SHAPE['block_size']}, batch "
+        f"{args.batch}, bf16 autocast, compiled, sdpa; median of {args.rounds} rounds of {args.steps} steps",
+    ]
+    print("\n".join([*header, *table(rows)]))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": m, "batch": b, "rows": rows}, fh, indent=1)
+            json.dump({"machine": m, "batch": args.batch, "rows": rows}, fh, indent=1)
+    if args.results:
+        print(f"written: {write_results(args.results, header, rows, args.attach)}")
     process.shutdown()
     return 0
 
 
 def _driver() -> str:
-    try:
-        import subprocess
-
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
-        )
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+    return _output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) or "unknown"
 
 
 if __name__ == "__main__":

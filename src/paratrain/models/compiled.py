@@ -8,8 +8,18 @@ while it builds, which compiled code cannot take), so that:
     gradient buckets still start their all-reduce while backward goes on, ZeRO-3 still gathers a
     unit just before its block and frees it after; tensor parallelism's sharded layers are traced
     inside their block; a pipeline stage runs its own blocks, compiled;
+  * where a strategy acts inside a block (forward hooks on modules within it: ZeRO-3's units when
+    a block is bigger than parallel.bucket_mb, ZeRO-1/2's per-module waits for the gathers), the
+    block's children are compiled instead, down to modules with no hook inside: traced, those hooks
+    made a graph break per unit, and guards on each unit's own values (its name, its version
+    counter), so one recompile per unit until torch's recompile_limit;
   * blocks of one kind share one compiled graph (torch's inline_inbuilt_nn_modules): the first step
-    compiles each kind once.
+    compiles each kind once;
+  * each model's compiled code is its own: dynamo keeps it on the compiled frame's code object, and
+    each model's forwards are called through a frame whose code object is the model's own, so
+    several compiled models live in one process (a benchmark's contenders, the test tier's gang)
+    without resetting, recompiling or crowding out each other's (torch's recompile_limit counts
+    per code object), and a model's graphs go when it does.
 The blocks: a model's pipeline_layers() (the built-in gpt: embedding, each transformer block,
 head) or an nn.Sequential's children, those that hold parameters; else the elements of its
 ModuleLists; else the whole model.
@@ -27,7 +37,7 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The modules compile_blocks compiles, each once."""
     if hasattr(model, "pipeline_layers") or isinstance(model, nn.Sequential):  # the layers a pipeline cuts between
         layers = model.pipeline_layers() if hasattr(model, "pipeline_layers") else list(model)
-        layers = [m for m in layers if any(True for _ in m.parameters())]
+        layers = [m for m in layers if has_params(m)]
     else:
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
         inner = {id(m) for lst in lists for m in lst.modules() if m is not lst}
@@ -35,18 +45,47 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return list({id(m): m for m in layers}.values())
 
 
+def has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks)
+
+
+def compiled_regions(block: nn.Module) -> list[nn.Module]:
+    """What of `block` compile_blocks compiles: the block, or where a module inside it carries
+    forward hooks, each child the same way (the block's own code between them runs eagerly)."""
+    containers = (nn.ModuleList, nn.ModuleDict)  # never called: only their elements are
+    if not isinstance(block, containers) and not any(_hooked(m) for m in block.modules() if m is not block):
+        return [block]
+    return [r for child in block.children() if has_params(child) for r in compiled_regions(child)]
+
+
+def _own_frame(forward, codes: dict):
+    """A function that calls `forward`, for torch.compile to compile as its frame (torch would wrap
+    one of its own modules' forward in its `inner`, whose one code object every compiled torch
+    module of the process shares): dynamo keeps compiled code on the frame's code object, so each
+    kind of forward gets a copy of its own in `codes` (one per model; a kind's blocks share it)."""
+
+    def call(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    call.__code__ = codes.setdefault(getattr(forward, "__func__", forward), call.__code__.replace())
+    return call
+
+
 def compile_blocks(model: nn.Module) -> int:
-    """Compile each block's forward in place (lazily: the first call traces it); how many blocks."""
+    """Compile each block's forward in place (lazily: the first call traces it); how many regions."""
     from torch._dynamo.utils import counters
 
-    # A run of its own in a process that ran others (the test tier's gang, a bench): its graphs,
-    # none of an earlier model's, and its own count of graphs and breaks
-    torch._dynamo.reset()
+    # report_graph_breaks counts from here: the graphs and breaks of this model's first step
     counters.clear()
-    found = blocks_of(model)
-    for block in found:
-        block.forward = torch.compile(block.forward)
-    return len(found)
+    regions = [r for block in blocks_of(model) for r in compiled_regions(block)]
+    codes: dict = {}
+    for region in regions:
+        region.forward = torch.compile(_own_frame(region.forward, codes))
+    return len(regions)
 
 
 def report_graph_breaks(is_main: bool, seconds: float) -> None:
