@@ -333,6 +333,9 @@ tp_plan = { "model.layers.*.mlp.gate_proj" = "colwise", "model.layers.*.mlp.up_p
         ("GPT2", PP2, 2),
         ("GPT2", ["parallel.strategy='zero3'"], 2),
         ("BERT", [], 2),
+        ("VIT", [], 2),  # its trunc_normal_ init reads values: built on meta, its tensors made fake
+        ("LLAMA", ["parallel.strategy='tp'", "parallel.tp=2", "data.layout='labelled'", "train.loss='model'"], 2),
+        ("LLAMA", [*PP2, "data.layout='labelled'", "train.loss='model'"], 2),  # labels to the last stage
     ],
 )
 def test_plan_takes_model_outputs_and_dict_batches(tmp_path, capsys, job, sets, world):

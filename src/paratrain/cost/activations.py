@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 from paratrain.config import Config
 from paratrain.cost.ranks import RankPlan
 from paratrain.data.batch import feed, tensors_in, tree_map
+from paratrain.errors import ConfigError
 from paratrain.models.recompute import blocks, run_layers, saves
 
 
@@ -27,6 +28,52 @@ class TensorSharding:
 
     shard: Callable[[nn.Module], None]  # make the planned modules tp rank 0's shards, in place
     loss: Callable[[nn.Module, Callable], Callable | None]  # the loss on its output; None: not modelled
+
+
+def cut_batch(cfg: Config, model: nn.Module, x, y, cut: bool):
+    """(x, y, loss) as the pipeline engine runs a model cut into layers (`cut`): under train.loss =
+    "model" a dict sample's labels become the target, and the loss the model's own loss_function on
+    the last layer's logits (models/hf_pipeline.own_loss); else the batch and train.loss as given."""
+    from paratrain.models.hf_pipeline import own_loss
+    from paratrain.optim import build_loss
+
+    own = own_loss(model) if cut and cfg.train.loss == "model" else None
+    if own is not None and isinstance(x, dict) and "labels" in x:
+        return {k: v for k, v in x.items() if k != "labels"}, x["labels"], own
+    return x, y, build_loss(cfg)
+
+
+def _fake_model(cfg: Config, dataset, mode) -> nn.Module:
+    """The model in fake tensors: built under `mode`, or, where its construction reads values (an
+    initialisation that samples until a value fits: torch 2.13's trunc_normal_, ViT's), built on
+    the meta device and its tensors replaced by fake CPU tensors of the same shapes and dtypes (the
+    planner never reads their values; ties kept). A model that neither builds exits 2 in one line."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    from paratrain.models import build_model
+
+    try:
+        with mode:
+            return build_model(cfg, dataset)
+    except (DataDependentOutputException, DynamicOutputShapeException):
+        pass
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg, dataset)
+    except RuntimeError as exc:
+        raise ConfigError("model.factory", f"plan cannot build the model in fake tensors: {exc}") from None
+    fakes: dict[int, torch.Tensor] = {}
+    with mode:
+        for module in model.modules():
+            for kind in ("_parameters", "_buffers"):
+                tensors = getattr(module, kind)
+                for name, t in tensors.items():
+                    if t is not None and id(t) not in fakes:
+                        fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                        fakes[id(t)] = nn.Parameter(fake, t.requires_grad) if kind == "_parameters" else fake
+                    if t is not None:
+                        tensors[name] = fakes[id(t)]
+    return model
 
 
 @dataclass
@@ -42,6 +89,7 @@ class FakeRun:
     y: object
     autocast: object  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
     recompute: str  # train.recompute: "full" keeps each block's input, "selective" its products' outputs too
+    loss_fn: object  # train.loss as the engine computes it on the last stage (cut_batch)
 
     def block_starts(self, s: int) -> list[nn.Module]:
         """The first layer of each recomputed block of stage s (whose input the block keeps)."""
@@ -70,14 +118,14 @@ class FakeRun:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from paratrain.data import build_dataset, load_batch
-        from paratrain.models import build_model
         from paratrain.models.layers import pipeline_layers
 
         dataset = build_dataset(cfg, "train")
         x, y = load_batch(dataset, torch.arange(rows))
         mode = FakeTensorMode()
+        model = _fake_model(cfg, dataset, mode)
+        x, y, loss_fn = cut_batch(cfg, model, x, y, cut=bounds is not None)
         with mode:
-            model = build_model(cfg, dataset)
             if tp > 1:
                 sharding.shard(model)
             for p in model.parameters() if working is not None else ():
@@ -92,7 +140,7 @@ class FakeRun:
             torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
         )
         x, y = tree_map(mode.from_tensor, (x, y))
-        return cls(mode, model, stages, x, y, autocast, cfg.train.recompute)
+        return cls(mode, model, stages, x, y, autocast, cfg.train.recompute, loss_fn)
 
     def held(self) -> list[torch.Tensor]:
         """The batch's tensors: the data, held anyway; with the tensors they are views of (a
@@ -145,7 +193,6 @@ def saved_activation_bytes(
     """Bytes autograd saves for backward in the forward of one microbatch of `rows` samples through
     each pipeline stage, the loss in the last stage's; each tensor once (views count as their
     base), parameters and the batch never (the batch is the data, held anyway)."""
-    from paratrain.optim import build_loss
 
     run = FakeRun.build(cfg, rows, bounds, working=working)
     params = {id(t) for t in [*run.model.parameters(), *run.held()]}
@@ -178,7 +225,7 @@ def saved_activation_bytes(
                 h.remove()
         out.append(sum(t.numel() * t.element_size() for t in seen.values()))
 
-    run.forward(build_loss(cfg), counting)
+    run.forward(run.loss_fn, counting)
     return out
 
 
@@ -190,6 +237,7 @@ def boundary_bytes(cfg: Config, model: nn.Module, bounds: list[int], rows: int) 
 
     meta = pipeline_layers(meta_copy(model))
     x, _ = load_batch(build_dataset(cfg, "train"), torch.arange(rows))
+    x, _, _ = cut_batch(cfg, model, x, None, cut=True)
     shapes = boundary_shape_fn([meta[a:b] for a, b in zip(bounds, bounds[1:])])(x)
     return [shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]
 
@@ -320,10 +368,9 @@ def step_memory(
     engine receives is not counted here (it keeps a pool of receive buffers: pipeline/footprint.receive_buffers).
     Under tp (`tp_plan` over `tp` ranks) tp rank 0's shards and the loss the engine computes on
     them, as `sharding` (the tensor layers') makes them; None where that loss is not modelled."""
-    from paratrain.optim import build_loss
 
     run = FakeRun.build(cfg, rows, bounds, tp_plan, tp, working, sharding)
-    loss_fn = build_loss(cfg)
+    loss_fn = run.loss_fn
     if tp > 1 and (loss_fn := sharding.loss(run.model, loss_fn)) is None:
         return None
     with run.mode:

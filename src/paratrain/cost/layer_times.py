@@ -193,21 +193,22 @@ def _cold_median_s(fn) -> float:
 
 def _measure(cfg: Config, rows: int) -> list[list[float]]:
     """[forward_s, backward_s] of each pipeline layer."""
+    from paratrain.cost.activations import cut_batch
     from paratrain.data import build_dataset, load_batch
     from paratrain.data.batch import feed, tree_map
     from paratrain.models import build_model
     from paratrain.models.compiled import compile_blocks
     from paratrain.models.layers import pipeline_layers
-    from paratrain.optim import build_loss
 
     torch.manual_seed(cfg.train.seed)
     dataset = build_dataset(cfg, "train")
     model = build_model(cfg, dataset)
     if cfg.train.compile:  # the layers as the run will run them; each timing's untimed first calls compile
         compile_blocks(model)
-    layers = pipeline_layers(model) or [model]
-    loss_fn = build_loss(cfg)
+    cut = pipeline_layers(model)
+    layers = cut or [model]
     x, y = load_batch(dataset, torch.arange(rows))
+    x, y, loss_fn = cut_batch(cfg, model, x, y, cut=cut is not None)
     autocast = (
         torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
     )

@@ -45,7 +45,6 @@ def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[li
     """Each stage's ops in one microbatch's forward, as (FLOPs, bytes written) of the whole
     (unsplit) stage, and the tokens in a sample (a sequence model's positions; else 1)."""
     from paratrain.cost.activations import FakeRun
-    from paratrain.optim import build_loss
 
     run = FakeRun.build(cfg, rows, bounds)
     recorders: list[OpRecorder] = []
@@ -57,7 +56,7 @@ def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[li
         with recorder:
             yield
 
-    run.forward(build_loss(cfg), recording)
+    run.forward(run.loss_fn, recording)
     first = run.held()[0]  # token ids come first (a dict batch's input_ids)
     tokens = first[0].numel() if not first.is_floating_point() else 1
     return [recorder.ops for recorder in recorders], tokens

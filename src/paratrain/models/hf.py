@@ -44,6 +44,8 @@ def hf(config: dict | None = None, pretrained: str = "", task: str = "causal-lm"
     try:
         return _build(transformers, TASKS[task], config, pretrained)
     except (ImportError, RuntimeError) as exc:  # transformers imports a model's class when first asked
+        if not _failed_import(exc):
+            raise  # the model's own construction (fake tensors under `plan`, say): the caller's to handle
         raise ArgumentError("factory", import_failure(exc)) from None
 
 
@@ -66,6 +68,15 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
         return auto.from_config(hf_config)
     except (ValueError, KeyError, TypeError, AssertionError) as exc:  # torch's modules assert their sizes
         raise ArgumentError("config", f"{model_type}: {str(exc).splitlines()[0]}") from None
+
+
+def _failed_import(exc: BaseException) -> bool:
+    """Whether `exc` says an import failed (transformers wraps one in RuntimeError)."""
+    while exc is not None:
+        if isinstance(exc, ImportError) or str(exc).startswith("Failed to import"):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def import_failure(exc: BaseException) -> str:
