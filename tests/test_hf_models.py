@@ -209,6 +209,15 @@ def test_other_heads_equal_single_process_and_load_back(tmp_path, gang, name, au
     assert all(torch.equal(state[k], weights[k]) for k in weights)
 
 
+def test_llama_hybrid_with_its_own_loss_equals_single_process(tmp_path, gang):
+    """dp 2 x pp 2: each replica's last stage runs the model's loss_function on its labels."""
+    reference = train_alone(built(LLAMA), "labelled", own_loss)
+    cfg = write_config(tmp_path / "c.toml", LLAMA)
+    sets = [*PP2[1:], "parallel.strategy='hybrid'", "data.layout='labelled'", "train.loss='model'"]
+    gang(4).train(cfg, tmp_path / "run", sets, timeout=300)
+    assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
+
+
 def test_bert_classifier_with_dict_inputs_equals_single_process(tmp_path, gang):
     reference = train_alone(built(BERT), "classify", classify_loss)
     cfg = write_config(tmp_path / "c.toml", BERT)
