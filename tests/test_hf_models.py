@@ -268,6 +268,11 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
         ),
         # the model's own loss takes dict samples with labels, under pp as under any strategy
         ("parallel.strategy='pp' --set parallel.pp=2 --set train.loss='model'", "train.loss"),
+        # ... whose labels the last stage takes: a dict sample without them exits 2 up front
+        (
+            "parallel.strategy='pp' --set parallel.pp=2 --set train.loss='model' --set data.layout='ids'",
+            "data.factory",
+        ),
     ],
 )
 def test_bad_hf_model_exits_2_naming_the_key(tmp_path, capsys, override, key):
