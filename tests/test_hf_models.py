@@ -212,6 +212,15 @@ def test_other_heads_equal_single_process_and_load_back(tmp_path, gang, name, au
     assert all(torch.equal(state[k], weights[k]) for k in weights)
 
 
+def test_llama_hybrid_with_its_own_loss_equals_single_process(tmp_path, gang):
+    """dp 2 x pp 2: each replica's last stage runs the model's loss_function on its labels."""
+    reference = train_alone(built(LLAMA), "labelled", own_loss)
+    cfg = write_config(tmp_path / "c.toml", LLAMA)
+    sets = [*PP2[1:], "parallel.strategy='hybrid'", "data.layout='labelled'", "train.loss='model'"]
+    gang(4).train(cfg, tmp_path / "run", sets, timeout=300)
+    assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
+
+
 def test_bert_classifier_with_dict_inputs_equals_single_process(tmp_path, gang):
     reference = train_alone(built(BERT), "classify", classify_loss)
     cfg = write_config(tmp_path / "c.toml", BERT)
@@ -262,6 +271,11 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
         ),
         # the model's own loss takes dict samples with labels, under pp as under any strategy
         ("parallel.strategy='pp' --set parallel.pp=2 --set train.loss='model'", "train.loss"),
+        # ... whose labels the last stage takes: a dict sample without them exits 2 up front
+        (
+            "parallel.strategy='pp' --set parallel.pp=2 --set train.loss='model' --set data.layout='ids'",
+            "data.factory",
+        ),
     ],
 )
 def test_bad_hf_model_exits_2_naming_the_key(tmp_path, capsys, override, key):

@@ -85,7 +85,7 @@ def bn_cnn(channels: int = 4) -> nn.Sequential:
 class TokenBlocks(torch.utils.data.Dataset):
     """Random token blocks (a fixed seed per split) as a language model's or classifier's samples
     (`layout`): `pair` (ids, next ids); `labelled` {"input_ids", "labels"} (the model shifts and
-    computes its own loss); `classify` ({"input_ids", "attention_mask"}, a class of 3)."""
+    computes its own loss); `ids` {"input_ids"} alone; `classify` ({"input_ids", "attention_mask"}, a class of 3)."""
 
     def __init__(self, split: str, layout: str, vocab: int, block: int, n: int):
         g = torch.Generator().manual_seed(0 if split == "train" else 1)
@@ -102,6 +102,8 @@ class TokenBlocks(torch.utils.data.Dataset):
             return ids, self.tokens[i, 1:]
         if self.layout == "labelled":
             return {"input_ids": ids, "labels": ids}
+        if self.layout == "ids":
+            return {"input_ids": ids}
         mask = (torch.arange(len(ids)) < self.lengths[i]).long()
         return {"input_ids": ids, "attention_mask": mask}, self.tokens[i, -1] % 3
 

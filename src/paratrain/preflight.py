@@ -72,6 +72,13 @@ def check_samples(cfg: config_mod.Config, train_set, model=None) -> None:
                 f"{cfg.data.factory}'s samples are dicts with no separate target (keys {sorted(sample)}): "
                 f'{cfg.train.loss} needs one; train.loss = "model" takes the loss the model computes',
             )
+        if cfg.parallel.pp > 1 and cfg.train.loss == "model" and "labels" not in sample:
+            # the last stage computes the model's own loss from the labels carried to it
+            raise ConfigError(
+                "data.factory",
+                f'{cfg.data.factory}\'s dict samples carry no "labels" (keys {sorted(sample)}), which '
+                f'train.loss = "model" under pp carries to the last stage',
+            )
         inputs, target = sample, None
     elif isinstance(sample, (tuple, list)) and len(sample) == 2 and _all_tensors(sample[0]):
         inputs, target = sample

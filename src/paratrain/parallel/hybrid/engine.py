@@ -228,9 +228,7 @@ class ModelParallel(Strategy):
             before_backward=before_backward,
         )
         chunk_norms = [r.finish() for r in self.reducers]
-        if self.verifier is not None:  # before the optimizer moves the weights the forward used
-            self.verifier.check(self.autocast)
-            self.verifier = None
+        self._verify_once()
         with self.profiler.phase("optimizer"):
             norm = self._global_grad_norm(chunk_norms, self._sum_tied_grads())
             self.skipped_step = not math.isfinite(norm)  # the same norm, so the same decision, on every rank
@@ -241,6 +239,13 @@ class ModelParallel(Strategy):
         if self.stage_ids[-1] == self.n_stages - 1:
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         return torch.zeros((), device=self.rt.device)
+
+    def _verify_once(self) -> None:
+        """parallel.verify_plan on the first step, after its forward and before the optimizer moves
+        the weights that forward used (train_step, and the Python API's first backward)."""
+        if self.verifier is not None:
+            self.verifier.check(self.autocast)
+            self.verifier = None
 
     def _labels_apart(self, micro: list[tuple]) -> list[tuple]:
         """Under pp with the model's own loss: each dict microbatch's labels as its target, the rest
@@ -311,6 +316,7 @@ class ModelParallel(Strategy):
         reducer.prepare(sync=True)
         loss.backward()
         self.grad_norm = reducer.finish()
+        self._verify_once()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if not self.adopts_optimizers(self.cfg):
