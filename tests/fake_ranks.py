@@ -191,6 +191,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     results = []
     for world, sets in json.loads(sys.argv[1]):
-        cfg = config_mod.load(None, sets)
+        # the fake collectives gather nothing, so a plan's first-step check would compare zeros
+        cfg = config_mod.load(None, [*sets, "parallel.verify_plan=false"])
         results.append([held(world, r, cfg) for r in range(world)])
     print(json.dumps(results))
