@@ -23,6 +23,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 VOCAB, BLOCK, EMBD, HEADS, LAYERS = 17, 8, 16, 2, 2
+# under tp: each block's MLP split (its attention splits q, k, v by hand, as nanoGPT's does)
+TP_PLAN = {"transformer.h.*.mlp.0": "colwise", "transformer.h.*.mlp.2": "rowwise"}
 BATCH, ACCUM, SAMPLES = 8, 2, 48  # a global batch of 8 per micro-step, 2 micro-steps per step
 CLIP = 0.1  # small enough to clip every step: the clipped norm must be the global one
 EVAL_EVERY = 3
@@ -158,7 +160,8 @@ def train(strategy, out, steps=6, ckpt=None, save_at=-1, eval_on="all", zero_gra
     optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95))
     shapes = [(n, p.shape) for n, p in model.named_parameters()]
     model, optimizer = pt.setup(model, optimizer)
-    assert [(n, p.shape) for n, p in model.named_parameters()] == shapes
+    named = [(n, p.shape) for n, p in model.named_parameters()]  # under tp a split one has its slice's shape
+    assert named == shapes if strategy != "tp" else [n for n, _ in named] == [n for n, _ in shapes]
     loader = pt.setup_dataloader(DataLoader(data(), batch_size=BATCH, shuffle=True, drop_last=True))
     meta = pt.load(ckpt) if ckpt else None
     if meta is None:
@@ -211,12 +214,17 @@ def load_state_job(rt, strategy, out, bf16=False):
     pt.export(out)
 
 
+def split_keys(strategy: str) -> dict:
+    """The [parallel] keys that split the GPT under `strategy` (none for the data-parallel ones)."""
+    return {"tp": 2, "tp_plan": TP_PLAN} if strategy == "tp" else {}
+
+
 def norms_job(rt, strategy):
     """After one backward (every rank on the same batch: the global mean gradient is its own):
     torch's get_total_norm of p.grad, then pt.clip_grad_norm_'s norm, then torch's again."""
     import paratrain
 
-    pt = paratrain.init(strategy=strategy, bucket_mb=0.002)
+    pt = paratrain.init(strategy=strategy, bucket_mb=0.002, **split_keys(strategy))
     model = GPT()
     model, _ = pt.setup(model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95)))
     model.load_state_dict(initial_state())
@@ -230,7 +238,7 @@ def refused_job(rt, strategy, call):
     """The exit code of a call paratrain refuses (its line: the member's output)."""
     import paratrain
 
-    pt = paratrain.init(strategy=strategy, bucket_mb=0.002, timeout_s=2)
+    pt = paratrain.init(strategy=strategy, bucket_mb=0.002, timeout_s=2, **split_keys(strategy))
     model = GPT()
     model, optimizer = pt.setup(model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95)))
     idx = torch.zeros(2, BLOCK, dtype=torch.long)
@@ -258,6 +266,39 @@ def refused_job(rt, strategy, call):
     except SystemExit as exc:
         return exc.code
     return 0
+
+
+def pipeline_job(rt, call, out=None):
+    """Under pp = 2 (a Sequential: each rank holds one stage's layers), after two pt.train_steps:
+    "state-dict": every rank's model.state_dict() (then pt.export to OUT, for the test to compare);
+    "load": model.load_state_dict(initial) after setup, then pt.export to OUT;
+    "forward": model(x) on every rank, refused (the exit code)."""
+    import paratrain
+
+    pt = paratrain.init(strategy="pp", pp=2, microbatches=2, timeout_s=5)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    model, optimizer = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loss=F.mse_loss)
+    if call == "load":
+        with torch.no_grad():
+            for p in model.parameters():
+                if not p.is_meta:
+                    p.zero_()
+        model.load_state_dict(initial)
+        pt.export(out)
+        return None
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        pt.train_step((torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)))
+    try:
+        if call == "forward":
+            model(torch.randn(4, 8))
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    except SystemExit as exc:
+        return exc.code
+    pt.export(out)
+    return state
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import check_ok, max_rel_error, run_cli, run_torchrun
-from nanogpt_loop import CLIP, GPT, data, initial_state, reference
+from nanogpt_loop import CLIP, GPT, TP_PLAN, data, initial_state, reference
 from safetensors.torch import load_file
 
 SCRIPT = str(Path(__file__).resolve().parent / "nanogpt_loop.py")
@@ -38,6 +38,7 @@ def expected():
         ("zero2", 2, "main", "optimizer"),
         ("zero3", 2, "all", "optimizer"),  # a forward gathers from every rank: all evaluate
         ("zero3", 3, "all", "model"),
+        ("tp", 2, "all", "optimizer"),  # a split layer's forward meets the other tp rank: all evaluate
     ],
 )
 def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(
@@ -49,6 +50,8 @@ def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(
     ckpt, first, resumed = tmp_path / "ckpt", tmp_path / "first", tmp_path / "resumed"
     common = dict(strategy=strategy, steps=STEPS, ckpt=str(ckpt), save_at=SAVE_AT, eval_on=eval_on)
     common.update(zero_grad_of=zero_grad_of)
+    if strategy == "tp":
+        common.update(tp=2, tp_plan=TP_PLAN)
     gang(world).run("nanogpt_loop:job", out=str(first), **common)
     assert max_rel_error(saved(first / f"step-{SAVE_AT}.pt"), at_save) <= TOL
     assert max_rel_error(saved(first / "final.pt"), final) <= TOL
@@ -57,7 +60,7 @@ def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(
     assert max_rel_error(saved(resumed / "final.pt"), final) <= TOL
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3", "tp"])
 def test_torchs_gradient_norm_is_the_global_one_and_pt_clip_grad_norm_s(gang, strategy):
     model = GPT()
     model.load_state_dict(initial_state())
@@ -100,12 +103,27 @@ def test_load_state_dict_after_setup_reaches_every_shard(tmp_path, gang, strateg
             "zero3: the ranks ran different model calls: model.state_dict() (call #1) on rank 0; a training forward",
         ),
         ("zero2", "optimizer-state-on-main", [2, 0], "optimizer.state_dict() / load_state_dict() under zero2: "),
+        ("tp", "optimizer-state-on-main", [2, 0], "optimizer.state_dict() / load_state_dict() under tp: "),
         (
             "zero3",
             "parameter-read",
             [2, 2],
             "transformer.wte.weight under zero3 holds no values outside a forward (they are sharded across ranks): "
             "torch's sum",
+        ),
+        (
+            "tp",
+            "eval-on-main",
+            [2, 2],
+            "tp: the ranks ran different model calls: a forward under no_grad (call #1) on rank 0; a training "
+            "forward (call #1) on rank 1: under tp every rank must run each forward, backward and state_dict of "
+            "the model (a split layer all-reduces with the other tp ranks)",
+        ),
+        (
+            "tp",
+            "state-dict-on-main",
+            [2, 2],
+            "tp: the ranks ran different model calls: model.state_dict() (call #1) on rank 0; a training forward",
         ),
         (
             "zero3",
@@ -123,6 +141,31 @@ def test_what_cannot_be_made_right_stops_in_one_line(gang, strategy, call, codes
     said = members.outputs
     (line,) = said[0].strip().splitlines()
     assert line.startswith(f"paratrain: error: {says}") and not said[1], said
+
+
+def test_a_pipelines_state_dict_is_the_whole_model_on_every_rank(tmp_path, gang):
+    """Under pp a rank holds one stage's layers (the others' on the meta device): state_dict()
+    joins the stages on every rank, current after training, as the export has them."""
+    states = gang(2).run("nanogpt_loop:pipeline_job", call="state-dict", out=str(tmp_path))
+    exported = load_file(str(tmp_path / "model.safetensors"))
+    for state in states:
+        assert sorted(state) == sorted(exported) and max_rel_error(state, exported) == 0
+
+
+def test_load_state_dict_after_setup_reaches_every_pipeline_stage(tmp_path, gang):
+    gang(2).run("nanogpt_loop:pipeline_job", call="load", out=str(tmp_path))
+    torch.manual_seed(0)  # the job's model: its initial weights
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16)))
+    model.extend([torch.nn.Tanh(), torch.nn.Linear(16, 4)])
+    assert max_rel_error(load_file(str(tmp_path / "model.safetensors")), model.state_dict()) == 0
+
+
+def test_a_pipelined_model_called_whole_stops_in_one_line(gang):
+    members = gang(2)
+    assert members.run("nanogpt_loop:pipeline_job", call="forward") == [2, 2]
+    (line,) = members.outputs[0].strip().splitlines()[-1:]
+    assert line.startswith("paratrain: error: model(...) under pp with pp = 2: each rank holds one pipeline"), line
+    assert "error" not in members.outputs[1], members.outputs[1]
 
 
 # -- the integration tier: the loop as a script, through `paratrain launch` and torchrun -------------

@@ -20,8 +20,10 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def optimizer_to_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> tuple[dict, dict]:
-    """`names` follows the optimizer's parameters in param_groups order."""
-    sd = optimizer.state_dict()
+    """`names` follows the optimizer's parameters in param_groups order. The class's state_dict and
+    load_state_dict, not the instance's: a strategy refuses those to the user's code (their state
+    is this rank's part) while its own checkpoints read and write them."""
+    sd = type(optimizer).state_dict(optimizer)
     tensors, scalars = {}, {}
     for index, state in sd["state"].items():
         name = names[index]
@@ -39,7 +41,7 @@ _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: list[str], tensors: dict, meta: dict) -> None:
-    current = optimizer.state_dict()
+    current = type(optimizer).state_dict(optimizer)
     state: dict[int, dict] = {}
     for index, name in enumerate(names):
         prefix = f"optim.{name}."
@@ -53,4 +55,4 @@ def optimizer_from_tensors(optimizer: torch.optim.Optimizer, names: list[str], t
         dict(saved, params=cur["params"], **{k: cur[k] for k in _IMPLEMENTATION_KEYS if k in cur})
         for saved, cur in zip(meta["param_groups"], current["param_groups"])
     ]
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    type(optimizer).load_state_dict(optimizer, {"state": state, "param_groups": groups})

@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.checkpoint.reader import check_model_shapes
@@ -262,3 +263,8 @@ def refuse(line: str, said_here: bool = True) -> NoReturn:
     if said_here:
         error(line)
     raise SystemExit(2)
+
+
+def said_by_one() -> bool:
+    """Every rank runs the user's same code into the same refusal: rank 0 says it."""
+    return not dist.is_initialized() or dist.get_rank() == 0

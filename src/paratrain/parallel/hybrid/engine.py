@@ -10,6 +10,7 @@ each chunk's reducer communicates during that chunk's last backward, overlapped 
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -19,13 +20,21 @@ from torch import nn
 from paratrain import checkpoint as ckpt
 from paratrain.comm import collectives
 from paratrain.comm.grid import build_mesh
+from paratrain.comm.lockstep import BACKWARD
 from paratrain.config import Config, microbatch_count, virtual_stages
 from paratrain.data.batch import num_samples, split_batch, tensors_in
 from paratrain.errors import ConfigError
 from paratrain.models.hf_pipeline import own_loss
 from paratrain.models.layers import boundary_shape_fn, meta_copy, pipeline_layers
 from paratrain.optim import build_optimizer, output_logits, rebuild_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, eval_sums, unique_parameters
+from paratrain.parallel.base import (
+    Strategy,
+    broadcast_tensors,
+    clip_factor,
+    eval_sums,
+    refuse,
+    unique_parameters,
+)
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.hybrid.parallelize import (
     apply_tp,
@@ -38,6 +47,7 @@ from paratrain.parallel.hybrid.parallelize import (
     wrap_dp,
 )
 from paratrain.parallel.hybrid.state import load_resharded, model_chunks
+from paratrain.parallel.hybrid.user_model import SplitGrads, UserModel
 from paratrain.parallel.pipeline.cut import parameters_outside, splittable_layers, tied_spans
 from paratrain.parallel.pipeline.runner import PipelineRunner
 from paratrain.parallel.pipeline.schedules import SCHEDULES, forward_only, one_f_one_b
@@ -98,6 +108,8 @@ class ModelParallel(Strategy):
         self.reports_loss = mesh.pp_rank == mesh.pp - 1 and mesh.tp_rank == 0
         broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=0)
         self.full_meta = meta_copy(model)  # the unsplit model's keys, shapes and dtypes
+        self.user_model: UserModel | None = None  # the Python API's view of the model (user_model.py)
+        self.split_grads: SplitGrads | None = None  # and of its gradients under tp
         self.m = microbatch_count(cfg)
         self.v = virtual_stages(cfg)
         self.n_stages = p.pp * self.v
@@ -294,22 +306,42 @@ class ModelParallel(Strategy):
         trains (a tp shard in place of each split parameter); the model returns its whole output
         from now on (gathered where the last layer is column-parallel), which the user's loss reads
         as the unsplit model's, and so do train_step's and evaluation's."""
+        if self.rt.world_size > 1:
+            self.user_model = UserModel(self)
+        if self.adopts_optimizers(self.cfg):
+            self.optimizer = rebuild_optimizer(optimizer, self.name_of, dict(zip(self.param_names, self.params)))
+        if self.rt.world_size > 1:  # its state is this rank's slices, this stage's parameters
+            self.optimizer.state_dict = self.optimizer.load_state_dict = self._refuse_optimizer_state
         if not self.adopts_optimizers(self.cfg):
             return self.optimizer
-        self.optimizer = rebuild_optimizer(optimizer, self.name_of, dict(zip(self.param_names, self.params)))
         name_of = {id(t): n for n, t in zip(self.param_names, self.params)}
         self.optimizer_names = [name_of[id(t)] for g in self.optimizer.param_groups for t in g["params"]]
+        if self.mesh.tp > 1:
+            split = [t for n, t in zip(self.param_names, self.params) if n in self.shard_dims]
+            self.split_grads = SplitGrads(self.cfg.parallel.strategy, split, self.mesh.tp_group)
+            self.optimizer.register_step_pre_hook(lambda *_: self.split_grads.restore())
         if self.sharded_output:
             gather = self.full_output
             self.model.register_forward_hook(lambda module, args, out: gather(out))
             self.train_loss, self.full_output = self.loss_fn, (lambda out: out)
         return self.optimizer
 
+    def _refuse_optimizer_state(self, *_):
+        refuse(
+            f"optimizer.state_dict() / load_state_dict() under {self.cfg.parallel.strategy}: the optimizer holds this "
+            f"rank's part of the state (its tp slices, its pipeline stage's parameters); save and resume it with "
+            f"pt.save / pt.load (at any layout)"
+        )
+
     def backward(self, loss) -> None:
         """Every backward all-reduces over the dp ranks (a second one before a zero_grad adds to the
         first: accumulation); tp's own all-reduces run inside it."""
         if not self.adopts_optimizers(self.cfg):
             return super().backward(loss)  # raises: the pipeline's schedule owns backward
+        if self.user_model is not None:
+            self.user_model.lockstep.check(BACKWARD)
+        if self.split_grads is not None:
+            self.split_grads.restore()
         reducer = self.reducers[0]
         if any(t.grad is None for t in self.params):  # the user's zero_grad() let them go
             reducer.zero_grad(rebind=True)
@@ -317,12 +349,18 @@ class ModelParallel(Strategy):
         loss.backward()
         self.grad_norm = reducer.finish()
         self._verify_once()
+        if self.split_grads is not None:
+            self.split_grads.show()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if not self.adopts_optimizers(self.cfg):
             return super().clip_grad_norm_(max_norm)  # raises, as backward
+        if self.split_grads is not None:
+            self.split_grads.restore()
         norm = self._global_grad_norm([self.grad_norm], torch.zeros((), dtype=torch.float64, device=self.rt.device))
         self._clip(norm, max_norm)
+        if self.split_grads is not None:
+            self.split_grads.show()
         return torch.tensor(norm)
 
     @torch.no_grad()
@@ -349,7 +387,8 @@ class ModelParallel(Strategy):
 
     # -- state ----------------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:
-        own = self.model.state_dict()
+        with self.user_model.shards() if self.user_model is not None else contextlib.nullcontext():
+            own = self.model.state_dict()
         return {k: own[k] for k in self.owned_keys}
 
     def state_dict(self):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paratrain.comm.lockstep import BACKWARD, FORWARD, FORWARD_NO_GRAD, LockstepCheck
 from paratrain.parallel.zero.comm import FlatUnit, all_gather
-from paratrain.parallel.zero.lockstep import BACKWARD, FORWARD, FORWARD_NO_GRAD, LockstepCheck
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their children are
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm import collectives
-from paratrain.parallel.base import refuse
+from paratrain.parallel.base import refuse, said_by_one
 
 aten = torch.ops.aten
 
@@ -156,11 +156,6 @@ def _vector_norm(grad: ShardedGrad, ord=2, dim=None, keepdim=False, *, dtype=Non
         )
     norm = grad.shards.norm(grad.index, ord).to(dtype or grad.dtype)
     return norm.reshape([1] * grad.dim()) if keepdim else norm
-
-
-def said_by_one() -> bool:
-    """Every rank runs the user's same code into the same refusal: rank 0 says it."""
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 class ShardedParam(torch.Tensor):

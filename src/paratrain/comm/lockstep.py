@@ -1,7 +1,7 @@
-"""Stage 3's check that every rank runs the same model call (a forward, a backward, a state_dict or
-load_state_dict of the model) before that call's collectives.
-
-Each of these calls gathers parameters from every rank. Were one rank to run a call alone (the
+"""The check that every rank runs the same model call (a forward, a backward, a state_dict or
+load_state_dict of the model) before that call's collectives, for strategies whose model calls meet
+the other ranks: zero3 (each call gathers parameters from every rank), tp (a split layer all-reduces
+its output) and pp (the state dict joins the stages). Were one rank to run a call alone (the
 habit of evaluating on rank 0 only), its gathers would pair with whatever collective the others
 issue next: gloo aborts the process on the mismatched sizes (SIGABRT), or the values come out
 wrong. So each call first exchanges (sequence number, kind of call) with every rank, on a process
@@ -19,16 +19,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from paratrain.parallel.base import refuse
+from paratrain.errors import error
 
 KINDS = ("a training forward", "a forward under no_grad", "a backward", "model.state_dict()", "model.load_state_dict()")
 FORWARD, FORWARD_NO_GRAD, BACKWARD, STATE_DICT, LOAD_STATE_DICT = range(len(KINDS))
 
 
 class LockstepCheck:
-    def __init__(self, strategy: str, timeout_s: float):
-        """Collective (every rank of the world, in the same order: it makes a process group)."""
-        self.strategy, self.timeout_s = strategy, timeout_s
+    def __init__(self, strategy: str, timeout_s: float, why: str = "its parameters are gathered from all of them"):
+        """Collective (every rank of the world, in the same order: it makes a process group). `why`:
+        what makes a model call meet the other ranks, for the refusal's advice."""
+        self.strategy, self.timeout_s, self.why = strategy, timeout_s, why
         self.world = dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.world > 1 else None
         self.seq = 0
@@ -46,7 +47,7 @@ class LockstepCheck:
         except RuntimeError as exc:
             if "timed out" not in str(exc).lower():  # a peer died: its failure, for the launcher to name
                 raise
-            refuse(
+            self._stop(
                 f"{self.strategy}: {KINDS[kind]} of the model (call #{self.seq}) ran on rank {rank}, and not every "
                 f"other rank ran it within parallel.timeout_s = {self.timeout_s:g} s: {self._advice()}"
             )
@@ -57,10 +58,17 @@ class LockstepCheck:
                 ran.setdefault((seq, k), []).append(str(r))
             said = "; ".join(f"{KINDS[k]} (call #{seq}) on rank {', '.join(rs)}" for (seq, k), rs in ran.items())
             # every rank saw the same calls: rank 0 says so
-            refuse(f"{self.strategy}: the ranks ran different model calls: {said}: {self._advice()}", rank == 0)
+            self._stop(f"{self.strategy}: the ranks ran different model calls: {said}: {self._advice()}", rank == 0)
+
+    @staticmethod
+    def _stop(line: str, said_here: bool = True):
+        """As a strategy's refusal (parallel/base.py: refuse): one line, exit 2, no traceback."""
+        if said_here:
+            error(line)
+        raise SystemExit(2)
 
     def _advice(self) -> str:
         return (
             f"under {self.strategy} every rank must run each forward, backward and state_dict of the model "
-            f"(its parameters are gathered from all of them): evaluate on every rank, save from rank 0"
+            f"({self.why}): evaluate on every rank, save from rank 0"
         )
