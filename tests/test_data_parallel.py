@@ -31,7 +31,7 @@ def test_dp_equals_single_process(tmp_path, gang, reference_weights, world):
 
 def test_dp_equals_torch_ddp(tmp_path, gang):
     out = tmp_path / "ddp.safetensors"
-    check_ok(run_torchrun(2, "tests/ddp_oracle.py", "--out", str(out)))
+    gang(2).run("ddp_oracle:train", out=str(out))  # torch's DDP in the gang's live processes
     cfg = write_config(tmp_path / "c.toml", EQUIV)
     gang(2).train(cfg, tmp_path / "run")
     from safetensors.torch import load_file
