@@ -39,6 +39,7 @@ def expected():
         ("zero3", 2, "all", "optimizer"),  # a forward gathers from every rank: all evaluate
         ("zero3", 3, "all", "model"),
         ("tp", 2, "all", "optimizer"),  # a split layer's forward meets the other tp rank: all evaluate
+        ("tp", 2, "all", "model"),  # model.zero_grad() lets the split parameters' gradients go too
     ],
 )
 def test_a_nanogpt_loop_saved_and_resumed_equals_one_process(
@@ -110,6 +111,13 @@ def test_load_state_dict_after_setup_reaches_every_shard(tmp_path, gang, strateg
             [2, 2],
             "transformer.wte.weight under zero3 holds no values outside a forward (they are sharded across ranks): "
             "torch's sum",
+        ),
+        (
+            "tp",
+            "parameter-read",
+            [2, 2],
+            "transformer.h.0.mlp.0.weight under tp holds this rank's slice: torch's sum cannot read the whole "
+            "(64, 16) parameter outside a forward; read model.state_dict() on every rank",
         ),
         (
             "tp",

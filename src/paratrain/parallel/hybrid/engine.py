@@ -46,8 +46,9 @@ from paratrain.parallel.hybrid.parallelize import (
     tie_names,
     wrap_dp,
 )
+from paratrain.parallel.hybrid.split_params import SplitParams
 from paratrain.parallel.hybrid.state import load_resharded, model_chunks
-from paratrain.parallel.hybrid.user_model import SplitGrads, UserModel
+from paratrain.parallel.hybrid.user_model import UserModel
 from paratrain.parallel.pipeline.cut import parameters_outside, splittable_layers, tied_spans
 from paratrain.parallel.pipeline.runner import PipelineRunner
 from paratrain.parallel.pipeline.schedules import SCHEDULES, forward_only, one_f_one_b
@@ -109,7 +110,7 @@ class ModelParallel(Strategy):
         broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=0)
         self.full_meta = meta_copy(model)  # the unsplit model's keys, shapes and dtypes
         self.user_model: UserModel | None = None  # the Python API's view of the model (user_model.py)
-        self.split_grads: SplitGrads | None = None  # and of its gradients under tp
+        self.split_params: SplitParams | None = None  # and of its split parameters under tp (pp = 1)
         self.m = microbatch_count(cfg)
         self.v = virtual_stages(cfg)
         self.n_stages = p.pp * self.v
@@ -256,7 +257,9 @@ class ModelParallel(Strategy):
         """parallel.verify_plan on the first step, after its forward and before the optimizer moves
         the weights that forward used (train_step, and the Python API's first backward)."""
         if self.verifier is not None:
-            self.verifier.check(self.autocast)
+            # it reads and swaps the planned modules' real slices
+            with self.split_params.real() if self.split_params is not None else contextlib.nullcontext():
+                self.verifier.check(self.autocast)
             self.verifier = None
 
     def _labels_apart(self, micro: list[tuple]) -> list[tuple]:
@@ -316,10 +319,11 @@ class ModelParallel(Strategy):
             return self.optimizer
         name_of = {id(t): n for n, t in zip(self.param_names, self.params)}
         self.optimizer_names = [name_of[id(t)] for g in self.optimizer.param_groups for t in g["params"]]
-        if self.mesh.tp > 1:
-            split = [t for n, t in zip(self.param_names, self.params) if n in self.shard_dims]
-            self.split_grads = SplitGrads(self.cfg.parallel.strategy, split, self.mesh.tp_group)
-            self.optimizer.register_step_pre_hook(lambda *_: self.split_grads.restore())
+        if self.mesh.tp > 1:  # the model shows each split parameter unsplit (split_params.py)
+            shapes = self.full_meta.state_dict()
+            split = {n: (t, shapes[n].shape) for n, t in zip(self.param_names, self.params) if n in self.shard_dims}
+            self.split_params = SplitParams(self.model, split, self.cfg.parallel.strategy, self.mesh.tp_group)
+            self.user_model.split = self.split_params
         if self.sharded_output:
             gather = self.full_output
             self.model.register_forward_hook(lambda module, args, out: gather(out))
@@ -340,27 +344,25 @@ class ModelParallel(Strategy):
             return super().backward(loss)  # raises: the pipeline's schedule owns backward
         if self.user_model is not None:
             self.user_model.lockstep.check(BACKWARD)
-        if self.split_grads is not None:
-            self.split_grads.restore()
+        split = self.split_params
         reducer = self.reducers[0]
-        if any(t.grad is None for t in self.params):  # the user's zero_grad() let them go
+        # the user's optimizer.zero_grad() let them go, or model.zero_grad() those of the SplitParams
+        if any(t.grad is None for t in self.params) or (split is not None and split.grads_let_go()):
             reducer.zero_grad(rebind=True)
         reducer.prepare(sync=True)
         loss.backward()
         self.grad_norm = reducer.finish()
         self._verify_once()
-        if self.split_grads is not None:
-            self.split_grads.show()
+        if split is not None:
+            split.show_grads()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if not self.adopts_optimizers(self.cfg):
             return super().clip_grad_norm_(max_norm)  # raises, as backward
-        if self.split_grads is not None:
-            self.split_grads.restore()
         norm = self._global_grad_norm([self.grad_norm], torch.zeros((), dtype=torch.float64, device=self.rt.device))
         self._clip(norm, max_norm)
-        if self.split_grads is not None:
-            self.split_grads.show()
+        if self.split_params is not None:
+            self.split_params.grads_changed()
         return torch.tensor(norm)
 
     @torch.no_grad()

@@ -12,8 +12,10 @@ user's (adopt_optimizer):
                                 time (a collective: every rank calls it; checked first, lockstep.py)
     model.load_state_dict(full) each rank takes its slice of the whole tensors it is given (the
                                 other stages' entries are let go): no collective
-    p.grad after pt.backward     under tp, a split parameter's gradient answers norms for the whole
-                                parameter (SplitGrads): torch's clip_grad_norm_ clips the global norm
+    model.parameters()          under tp (pp = 1), a split parameter is a SplitParam of the unsplit
+                                name, shape and dtype outside a forward, and its .grad after
+                                pt.backward answers norms for the whole parameter (split_params.py):
+                                torch's clip_grad_norm_ clips the global norm
     model(x)                    under tp, checked like the state dict (a split layer all-reduces
                                 with the other tp ranks); under pp refused in one line: a rank holds
                                 one stage, and pt.train_step runs the schedule across them
@@ -31,8 +33,8 @@ from paratrain.comm import collectives
 from paratrain.comm.lockstep import FORWARD, FORWARD_NO_GRAD, STATE_DICT, LockstepCheck
 from paratrain.parallel.base import refuse, said_by_one
 from paratrain.parallel.hybrid.parallelize import stage_of_keys
+from paratrain.parallel.hybrid.split_params import SplitParams
 from paratrain.parallel.tensor.comm import all_gather_dim, shard_range
-from paratrain.parallel.zero.user_tensors import GradShards, ShardedGrad
 
 
 class UserModel:
@@ -40,6 +42,8 @@ class UserModel:
 
     def __init__(self, mp):
         self.mp, self.reading_shards = mp, False
+        self.split: SplitParams | None = None  # under tp with pp = 1, once the optimizer is adopted
+        self.keep_vars = False  # of the model.state_dict() call under way
         self.name, mesh = mp.cfg.parallel.strategy, mp.mesh
         why = "a split layer all-reduces with the other tp ranks" if mesh.pp == 1 else "its stages are on other ranks"
         self.lockstep = LockstepCheck(self.name, mp.cfg.parallel.timeout_s, why)
@@ -51,15 +55,25 @@ class UserModel:
         model.register_state_dict_pre_hook(lambda *args: self._before_state_dict(*args))
         model.register_state_dict_post_hook(lambda *args: self._whole_tensors(*args))
         model.register_load_state_dict_pre_hook(lambda *args: self._this_ranks_slices(*args))
+        model.register_load_state_dict_post_hook(lambda *_: self._leave_split())
 
     @contextlib.contextmanager
     def shards(self):
         """The strategy's own reads (checkpoints, the export): the tensors as this rank holds them."""
         self.reading_shards = True
-        try:
-            yield
-        finally:
-            self.reading_shards = False
+        with self._real_slices():
+            try:
+                yield
+            finally:
+                self.reading_shards = False
+
+    def _real_slices(self):
+        """The real slices in the model's modules in place of the SplitParams (split_params.py)."""
+        return self.split.real() if self.split is not None else contextlib.nullcontext()
+
+    def _leave_split(self) -> None:
+        if self.split is not None:
+            self.split.leave()
 
     # -- model(x) ---------------------------------------------------------------------------------
     def _before_forward(self, module, args) -> None:
@@ -77,12 +91,24 @@ class UserModel:
 
     # -- model.state_dict() -----------------------------------------------------------------------
     def _before_state_dict(self, module, prefix, keep_vars) -> None:
-        if not self.reading_shards:
-            self.lockstep.check(STATE_DICT)
+        """Under tp with pp = 1, state_dict(keep_vars=True) gives the parameters as the model holds
+        them (each split one's SplitParam): no collective."""
+        self.keep_vars = keep_vars and self.split is not None
+        if self.reading_shards or self.keep_vars:
+            return
+        self.lockstep.check(STATE_DICT)
+        if self.split is not None:
+            self.split.enter()
 
     def _whole_tensors(self, module, state_dict, prefix, local_metadata) -> None:
-        if self.reading_shards:
+        if self.reading_shards or self.keep_vars:
             return
+        try:
+            self._gather_whole(state_dict, prefix)
+        finally:
+            self._leave_split()
+
+    def _gather_whole(self, state_dict, prefix) -> None:
         for key in list(state_dict):
             name = key[len(prefix) :]
             if name in self.whole:
@@ -107,6 +133,10 @@ class UserModel:
 
     # -- model.load_state_dict(full) --------------------------------------------------------------
     def _this_ranks_slices(self, module, state_dict, prefix, *_) -> None:
+        """torch loads the slices into the real Parameters (the SplitParams are back after its
+        post-hook, _leave_split)."""
+        if self.split is not None:
+            self.split.enter()
         if self.reading_shards:
             return
         mp, mesh = self.mp, self.mp.mesh
@@ -123,27 +153,3 @@ class UserModel:
                 dim = mp.shard_dims[name]
                 start, end = shard_range(meta.shape[dim], mesh.tp, mesh.tp_rank)
                 state_dict[key] = given.narrow(dim, start, end - start)
-
-
-class SplitGrads:
-    """Under tp, each split parameter's .grad from pt.backward to the optimizer's step: a
-    ShardedGrad (zero/user_tensors.py) over this rank's slice, whose norm is the whole gradient's
-    across the tp group. So torch's own clip_grad_norm_(model.parameters(), c) clips the global norm
-    (the replicated parameters' gradients are whole on every rank already), as pt.clip_grad_norm_
-    does; the real gradients are back for the optimizer's step and the next backward."""
-
-    def __init__(self, strategy: str, split_params: list[torch.Tensor], tp_group):
-        self.split = split_params
-        self.views = GradShards(strategy, tp_group)
-        self.real: dict[int, torch.Tensor] = {}
-
-    def show(self) -> None:
-        held = [t for t in self.split if t.grad is not None]
-        self.real = {id(t): t.grad for t in held}
-        self.views.install((t, t.grad.view(-1)) for t in held)
-
-    def restore(self) -> None:
-        for t in self.split:
-            if isinstance(t.grad, ShardedGrad):
-                t.grad = self.real[id(t)]
-        self.real = {}
