@@ -301,6 +301,34 @@ def pipeline_job(rt, call, out=None):
     return state
 
 
+HYBRID_PLAN = {"0": "colwise", "2": "rowwise", "4": "colwise", "6": "rowwise"}
+
+
+def hybrid_model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)]
+    return nn.Sequential(*layers)
+
+
+def hybrid_batches():
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=gen), torch.randn(8, 4, generator=gen)) for _ in range(2)]
+
+
+def hybrid_job(rt):
+    """tp 2 x pp 2: two pt.train_steps; whether named_parameters() kept the unsplit shapes, and the
+    state dict (every rank's)."""
+    import paratrain
+
+    pt = paratrain.init(strategy="hybrid", tp=2, pp=2, microbatches=2, tp_plan=HYBRID_PLAN)
+    model = hybrid_model()
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
+    model, _ = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loss=F.mse_loss)
+    for batch in hybrid_batches():
+        pt.train_step(batch)
+    return [(n, p.shape) for n, p in model.named_parameters()] == shapes, model.state_dict()
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("strategy")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import check_ok, max_rel_error, run_cli, run_torchrun
-from nanogpt_loop import CLIP, GPT, TP_PLAN, data, initial_state, reference
+from nanogpt_loop import CLIP, GPT, TP_PLAN, data, hybrid_batches, hybrid_model, initial_state, reference
 from safetensors.torch import load_file
 
 SCRIPT = str(Path(__file__).resolve().parent / "nanogpt_loop.py")
@@ -174,6 +174,19 @@ def test_a_pipelined_model_called_whole_stops_in_one_line(gang):
     (line,) = members.outputs[0].strip().splitlines()[-1:]
     assert line.startswith("paratrain: error: model(...) under pp with pp = 2: each rank holds one pipeline"), line
     assert "error" not in members.outputs[1], members.outputs[1]
+
+
+def test_a_hybrid_model_shows_the_unsplit_model_and_trains_as_one_process(gang):
+    """tp 2 x pp 2: a rank holds a slice of its stage's layers; named_parameters() and state_dict()
+    show the unsplit model on every rank, trained as one process trains it."""
+    model = hybrid_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in hybrid_batches():
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    for shapes_kept, state in gang(4).run("nanogpt_loop:hybrid_job"):
+        assert shapes_kept and max_rel_error(state, model.state_dict()) <= TOL
 
 
 # -- the integration tier: the loop as a script, through `paratrain launch` and torchrun -------------

@@ -41,7 +41,7 @@ class RankPlan:
 
         if self.comm is None:
             self.comm = {}
-        entry = self.comm.setdefault(op, {"payload": 0, "min_sent": 0.0})
+        entry: dict[str, float] = self.comm.setdefault(op, {"payload": 0, "min_sent": 0.0})
         entry["payload"] += payload * times
         entry["min_sent"] += min_bytes_sent(op, payload, group_size) * times
 

@@ -315,15 +315,16 @@ class ModelParallel(Strategy):
             self.optimizer = rebuild_optimizer(optimizer, self.name_of, dict(zip(self.param_names, self.params)))
         if self.rt.world_size > 1:  # its state is this rank's slices, this stage's parameters
             self.optimizer.state_dict = self.optimizer.load_state_dict = self._refuse_optimizer_state
+        if self.mesh.tp > 1 and self.user_model is not None:  # each split parameter shown unsplit (split_params.py)
+            shapes = self.full_meta.state_dict()
+            held = dict(self.model.named_parameters())  # under pp, the other stages' on the meta device too
+            split = {n: (t, shapes[n].shape) for n, t in held.items() if n in self.shard_dims}
+            self.split_params = SplitParams(self.model, split, self.cfg.parallel.strategy, self.mesh.tp_group)
+            self.user_model.split = self.split_params
         if not self.adopts_optimizers(self.cfg):
             return self.optimizer
         name_of = {id(t): n for n, t in zip(self.param_names, self.params)}
         self.optimizer_names = [name_of[id(t)] for g in self.optimizer.param_groups for t in g["params"]]
-        if self.mesh.tp > 1:  # the model shows each split parameter unsplit (split_params.py)
-            shapes = self.full_meta.state_dict()
-            split = {n: (t, shapes[n].shape) for n, t in zip(self.param_names, self.params) if n in self.shard_dims}
-            self.split_params = SplitParams(self.model, split, self.cfg.parallel.strategy, self.mesh.tp_group)
-            self.user_model.split = self.split_params
         if self.sharded_output:
             gather = self.full_output
             self.model.register_forward_hook(lambda module, args, out: gather(out))
