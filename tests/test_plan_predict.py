@@ -217,7 +217,9 @@ def test_prediction_counts_recompute_bubble_and_dp_comm(tmp_path):
     base = predicted(tmp_path, A100_NODES, GPT2)
     recompute = predicted(tmp_path, A100_NODES, [*GPT2, "train.recompute='full'"])
     ratio = recompute["step_breakdown"]["compute_s"] / base["step_breakdown"]["compute_s"]
-    assert ratio == pytest.approx(4 / 3, rel=1e-6)
+    # a third more where the backward is twice the forward; fused attention's backward takes more
+    # (2.5 times its forward's FLOPs: cost/kernels.py), so a little less than a third
+    assert 4 / 3 - 0.03 < ratio <= 4 / 3 + 1e-9
     assert recompute["predicted"]["peak_memory_gib"] < base["predicted"]["peak_memory_gib"]
     pp = predicted(
         tmp_path,

@@ -208,7 +208,12 @@ def cmd_plan(args) -> int:
         if args.calibrate and args.cluster:
             raise ConfigError("--calibrate", "writes the cluster file it plans for: drop --cluster")
         cluster = load_cluster(args.cluster) if args.cluster else None
-        if args.calibrate:
+        if args.calibrate and torch.cuda.is_available():  # the GPU's kernels (plan/calibrate_gpu.py)
+            from paratrain.plan.calibrate_gpu import calibrate_gpu
+
+            cluster = calibrate_gpu(args.calibrate, args.nproc)
+            note(f"this machine's {cluster.device_name} GPU measured into {args.calibrate} (reuse it with --cluster)")
+        elif args.calibrate:
             from paratrain.plan.calibrate import calibrate
             from paratrain.trainer import train
 
@@ -322,7 +327,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="measure this machine (matmul, memory, gloo all-reduce; seconds) into a cluster file "
-        "(default cluster.toml) and plan with it",
+        "(default cluster.toml) and plan with it; on a CUDA GPU its kernels (GEMMs, attention, copy, launch)",
     )
     pl.add_argument(
         "--search",

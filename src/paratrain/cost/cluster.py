@@ -67,16 +67,48 @@ class Device:
     # last of them to arrive (on a shared machine one in a few is late: descheduled, or an idle
     # core waking); --calibrate measures it; 0 on GPUs, taken to run undisturbed
     sync_skew: float = 0.0
-    # a large GEMM's share of peak_tflops (a data sheet's peak: NVIDIA's GEMM performance guide has
-    # 80-90 %); 1 where the peak is itself a measured matmul rate (the cpu preset)
+    # a large GEMM's share of peak_tflops; 1 where the peak is itself a measured matmul rate (the
+    # cpu preset). The GPU kernel model's figures (cost/kernels.py; the presets say where each
+    # comes from; `plan --calibrate` on a GPU measures them):
     gemm_efficiency: float = 0.85
+    sm_count: float = 132  # streaming multiprocessors: a GEMM's last wave of tiles (wave quantization)
+    hbm_efficiency: float = 0.9  # a memory-bound kernel's share of hbm_GBps (a device copy's)
+    # fused attention's share of peak_tflops (FlashAttention's count: a causal kernel does half
+    # the scores) at long sequences, forward and backward, and the sequence length at which it
+    # runs at half that
+    attention_fwd_efficiency: float = 0.354
+    attention_bwd_efficiency: float = 0.334
+    attention_half_seq: float = 430.0
+    # the host's cost of one kernel in eager PyTorch (dispatch and the CUDA launch): a pass takes
+    # at least its kernels' launches (a compiled model launches fewer: its fused chains)
+    launch_us: float = 8.0
 
+
+# The GPU presets' kernel figures:
+#  * gemm_efficiency: the Maximum Achievable Matmul FLOPS table of Stas Bekman's Machine Learning
+#    Engineering book (github.com/stas00/ml-engineering, compute/accelerator: bf16 mamf-finder over
+#    shapes): A100 SXM 271 of 312 TFLOP/s (87 %), H100 SXM 794 of 989 (80 %), GH200 829 of 989
+#    (84 %); measured here on one H200 (torch 2.11): an 8192^3 bf16 matmul at 769-798 TFLOP/s
+#    (78-81 %): 0.80 for H100 and H200;
+#  * sm_count: NVIDIA's data sheets (A100 108 SMs; H100 SXM and H200 132);
+#  * hbm_efficiency: measured here on one H200, a device copy at about 4.3 of the data sheet's
+#    4.8 TB/s counting bytes read and written (0.9), the same share taken for the others;
+#  * attention: the FlashAttention-3 paper (Shah et al. 2024, arXiv 2407.08608), Fig. 5-6, its
+#    FlashAttention-2 runs on an H100 SXM5 at head dim 128 (the kernel torch's sdpa runs): causal
+#    forward 191 TFLOP/s at 512 tokens to 333 at 8k, backward 214 to 318: the curve
+#    p * s / (s + s_half) through them, p 350 forward / 330 backward (0.354 and 0.334 of the 989
+#    peak), s_half 430 (H200: the same SMs and clocks); A100: the FlashAttention-2 paper (Dao 2023,
+#    arXiv 2307.08691) reaches 50-73 % of peak, taken as 70 % forward, 60 % backward;
+#  * launch_us: an assumption (eager dispatch plus a CUDA launch, some 5-10 us an op on a server
+#    CPU); `plan --calibrate` on a GPU measures an empty kernel's launch and eager dispatch.
+_A100 = dict(gemm_efficiency=0.87, sm_count=108, attention_fwd_efficiency=0.70, attention_bwd_efficiency=0.60)
+_HOPPER = dict(gemm_efficiency=0.80, sm_count=132)
 
 PRESETS = {
-    "a100-40gb": Device(312, 40, 1555, 300, 1600, 5, 2),
-    "a100-80gb": Device(312, 80, 2039, 300, 1600, 5, 2),
-    "h100-sxm": Device(989, 80, 3350, 450, 3200, 5, 2),
-    "h200": Device(989, 141, 4800, 450, 3200, 5, 2),
+    "a100-40gb": Device(312, 40, 1555, 300, 1600, 5, 2, **_A100),
+    "a100-80gb": Device(312, 80, 2039, 300, 1600, 5, 2, **_A100),
+    "h100-sxm": Device(989, 80, 3350, 450, 3200, 5, 2, **_HOPPER),
+    "h200": Device(989, 141, 4800, 450, 3200, 5, 2, **_HOPPER),
     # peak and memory: this machine's, filled in by for_cpu
     "cpu": Device(0.0, 0.0, 20, 10, 10, 30, 5, product_overhead_us=0.0, op_overhead_us=5.0, gemm_efficiency=1.0),
 }
@@ -123,6 +155,15 @@ _KEYS = {
     "time_layers": bool,
     "cpu_contention": float,
     "sync_skew": float,
+    # the GPU kernel model's (cost/kernels.py), which --calibrate measures on a GPU
+    "gemm_efficiency": float,
+    "sm_count": float,
+    "hbm_efficiency": float,
+    "attention_fwd_efficiency": float,
+    "attention_bwd_efficiency": float,
+    "attention_half_seq": float,
+    "launch_us": float,
+    "product_overhead_us": float,
 }
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from paratrain.config import Config
 from paratrain.cost.cluster import Cluster
-from paratrain.cost.op_counts import OpRecorder
+from paratrain.cost.op_counts import Op, OpRecorder
 from paratrain.profile import min_bytes_sent
 
 
@@ -41,9 +41,9 @@ class StageCost:
         return self.forward_s + again + self.backward_s
 
 
-def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[list[tuple[int, int]]], int]:
-    """Each stage's ops in one microbatch's forward, as (FLOPs, bytes written) of the whole
-    (unsplit) stage, and the tokens in a sample (a sequence model's positions; else 1)."""
+def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[list[Op]], int]:
+    """Each stage's ops in one microbatch's forward (op_counts.Op: FLOPs, bytes, shapes) of the
+    whole (unsplit) stage, and the tokens in a sample (a sequence model's positions; else 1)."""
     from paratrain.cost.activations import FakeRun
 
     run = FakeRun.build(cfg, rows, bounds)
@@ -86,16 +86,24 @@ def stage_costs(
         # a tp shard runs every op of its layer on 1/tp of the arithmetic: timed as the layer on
         # 1/tp of the rows (the same ops, the same share of the work)
         timed_rows = max(1, rows // tp)
-        forward_flops = sum(f for ops in stages for f, _ in ops) // tp
+        forward_flops = sum(op.flops for ops in stages for op in ops) // tp
         measured = layer_times(cfg, timed_rows, threads, forward_flops, cluster.times_file)
     out = []
     for s, ops in enumerate(stages):
-        flops_s = sum(flops / (d.peak_tflops * 1e12 * d.gemm_efficiency) for flops, _ in ops)
-        memory_s = sum(2 * written / (d.hbm_GBps * 1e9) for flops, written in ops if not flops)
-        fixed_s = sum(d.product_overhead_us * 1e-6 for flops, _ in ops if flops) + len(ops) * d.op_overhead_us * 1e-6
+        if cluster.is_gpu:  # the kernel model: GEMMs by shape, attention, memory traffic, launches
+            from paratrain.cost.kernels import stage_kernel_times
+
+            decoder = cfg.model.factory == "hf" and cfg.model.kwargs.get("task", "causal-lm") == "causal-lm"
+            times = stage_kernel_times(ops, d, cfg.train.compile, masks_are_causal=decoder)
+            forward_s, backward_s, cheap_s = times.passes(d, tp)
+            out.append(StageCost(sum(op.flops for op in ops), forward_s, backward_s, cheap_s))
+            continue
+        flops_s = sum(op.flops / (d.peak_tflops * 1e12 * d.gemm_efficiency) for op in ops)
+        memory_s = sum(2 * op.written / (d.hbm_GBps * 1e9) for op in ops if not op.flops)
+        fixed_s = sum(d.product_overhead_us * 1e-6 for op in ops if op.flops) + len(ops) * d.op_overhead_us * 1e-6
         split = fixed_s + (flops_s + memory_s) / tp
         # the ops between the products: memory-bound, and each its launch (what selective recomputes)
-        cheap = sum(1 for flops, _ in ops if not flops) * d.op_overhead_us * 1e-6 + memory_s / tp
+        cheap = sum(1 for op in ops if not op.flops) * d.op_overhead_us * 1e-6 + memory_s / tp
         if measured is None:
             forward_s, backward_s = split, 2 * split
         else:
@@ -105,7 +113,7 @@ def stage_costs(
             scale = split / (fixed_s + (flops_s + memory_s) * timed_rows / rows)
             forward_s = scale * sum(t.forward_s for t in layers)
             backward_s = scale * sum(t.backward_s for t in layers)
-        out.append(StageCost(sum(f for f, _ in ops), forward_s, backward_s, forward_s * cheap / split))
+        out.append(StageCost(sum(op.flops for op in ops), forward_s, backward_s, forward_s * cheap / split))
     return out, tokens
 
 
@@ -278,7 +286,9 @@ def optimizer_time(plan: dict, busiest: dict, cluster: Cluster) -> float:
     """The optimizer reads and writes its state, the parameters and the gradients once."""
     slots = plan["optimizer"]["state_tensors_per_parameter"]
     shard = busiest["optimizer_bytes"] / slots if slots else busiest["param_bytes"]
-    return (2 * busiest["optimizer_bytes"] + 3 * shard) / (cluster.device.hbm_GBps * 1e9)
+    d = cluster.device
+    rate = d.hbm_GBps * 1e9 * (d.hbm_efficiency if cluster.is_gpu else 1.0)
+    return (2 * busiest["optimizer_bytes"] + 3 * shard) / rate
 
 
 def codec_s(step: Step, grad_bytes: float) -> float:
