@@ -45,6 +45,10 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
     with torch.device("meta"):  # shapes only: no memory, no time
         model = build_model(cfg, train_set)
     strategy_class(cfg.parallel.strategy).check_model(cfg, model)
+    if cfg.parallel.cp > 1 and len(train_set):
+        from paratrain.parallel.context.attention import check_context
+
+        check_context(cfg, model, train_set[0])
     build_loss(cfg)
     check_samples(cfg, train_set, model)
 

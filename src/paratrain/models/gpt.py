@@ -19,13 +19,19 @@ from paratrain.models.recompute import run_layers
 
 
 class Embedding(nn.Module):
+    # parallel.cp: the global positions of this rank's tokens (its chunks of the sequence), set by
+    # parallel/context; None: the tokens are the whole sequence, positions 0..T-1
+    paratrain_positions: torch.Tensor | None = None
+
     def __init__(self, vocab_size: int, d_model: int, block_size: int):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(block_size, d_model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = self.paratrain_positions
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
         return self.tok(idx) + self.pos(positions)
 
 
@@ -41,6 +47,10 @@ def materialized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 
 class Attention(nn.Module):
+    # parallel.cp: causal attention of this rank's chunks against the whole sequence, (q, k, v) ->
+    # y, set by parallel/context (ring attention); None: attention over the local tokens alone
+    paratrain_attention = None
+
     def __init__(self, d_model: int, n_head: int, attention: str = "sdpa"):
         super().__init__()
         self.head_dim = d_model // n_head
@@ -58,11 +68,12 @@ class Attention(nn.Module):
             return t.view(B, T, heads, self.head_dim).transpose(1, 2)
 
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        y = (
-            materialized_attention(q, k, v)
-            if self.materialized
-            else F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        )
+        if self.paratrain_attention is not None:
+            y = self.paratrain_attention(q, k, v)
+        elif self.materialized:
+            y = materialized_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_dim))
 
 

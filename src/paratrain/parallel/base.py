@@ -94,10 +94,25 @@ class Strategy:
         self.checkpoint_group = None
         self.rng_step: int | None = None  # set by the trainer: micro-batches reseed the RNG (micro_batches)
         self.batchnorm = None  # a data-parallel strategy's BatchNormPolicy (parallel/dp/batchnorm.py)
+        self.context = None  # parallel.cp: cuts each batch to this rank's chunks (parallel/context/)
 
     @property
     def evaluates(self) -> bool:
         return self.reads_data
+
+    def split_sequences(self, model: nn.Module) -> None:
+        """parallel.cp (dp, zero1-3): the world as a (dp, cp) grid; each cp group reads one dp
+        share of the batch, and the model's attention becomes a ring over it (parallel/context/).
+        Gradients still average over every rank: each holds every parameter."""
+        cp = self.cfg.parallel.cp
+        if cp == 1:
+            return
+        from paratrain.comm.grid import build_data_mesh
+        from paratrain.parallel.context.attention import ContextParallel
+
+        mesh = build_data_mesh(cp)
+        self.context = ContextParallel(model, mesh)
+        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
 
     # -- before any worker starts (the CLI's preflight; `model` on the meta device) -------------------
     @staticmethod
@@ -119,6 +134,8 @@ class Strategy:
     def micro_batches(self, batch):
         """The rank's batch for one optimizer step, cut into train.grad_accum equal micro-batches;
         with rng_step set, each is computed on an RNG seeded from its place in the global batch."""
+        if self.context is not None:
+            batch = self.context.local_batch(batch)
         parts = split_batch(batch, self.grad_accum)
         if self.rng_step is None:
             return parts
@@ -147,6 +164,8 @@ class Strategy:
     @torch.no_grad()
     def eval_step(self, inputs, targets) -> torch.Tensor:
         """[loss * n, n, correct, counted] for this rank's share of a validation batch."""
+        if self.context is not None:
+            inputs, targets = self.context.local_batch((inputs, targets))
         self.model.eval()
         try:
             with self.autocast():

@@ -1,0 +1,100 @@
+"""Long sequences and mixture-of-experts: parallel.cp (ring attention) and parallel.ep (experts
+split over ranks) against single-process training of the same gpt on the same data.
+
+World-4 runs are slow on 2 cores, so each composes what it can (cp with dp and zero at once)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import final_weights, metrics, rel_error, write_config
+from reference import train_reference
+
+from paratrain.cli import main
+from paratrain.data import load_batch
+from paratrain.data.datasets import corpus
+from paratrain.models.gpt import gpt
+
+STEPS, BATCH, BLOCK = 12, 8, 16
+GPT = f"""
+name = "long"
+[model]
+factory = "gpt"
+n_layer = 2
+n_head = 2
+d_model = 16
+block_size = {BLOCK}
+[data]
+factory = "corpus"
+block_size = {BLOCK}
+max_chars = 20000
+batch_size = {BATCH}
+shuffle = false
+[train]
+steps = {STEPS}
+optimizer = "sgd"
+lr = 0.1
+log_every = {STEPS}
+"""
+
+
+@pytest.fixture(scope="module")
+def dense_reference():
+    train = corpus("train", block_size=BLOCK, max_chars=20000)
+    x, y = load_batch(train, torch.arange(STEPS * BATCH) % len(train))
+    torch.manual_seed(0)
+    model = gpt(train.vocab_size, n_layer=2, n_head=2, d_model=16, block_size=BLOCK)
+    weights = train_reference(model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1)
+    val = corpus("val", block_size=BLOCK, max_chars=20000)
+    vx, vy = load_batch(val, torch.arange(len(val)))
+    with torch.no_grad():
+        logits = model(vx)
+        val_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), vy.reshape(-1)).item()
+    return weights, val_loss
+
+
+def train(gang, tmp_path, name, world, *sets) -> None:
+    cfg = write_config(tmp_path / "gpt.toml", GPT)
+    gang(world).train(cfg, tmp_path / name, sets)
+
+
+def check_equal(tmp_path, name, reference) -> None:
+    weights, val_loss = reference
+    assert rel_error(final_weights(tmp_path / name), weights) <= 1e-4, name
+    assert abs(metrics(tmp_path / name)[-1]["val_loss"] - val_loss) <= 1e-4 * val_loss, name
+
+
+def test_context_parallel_ring_of_two_equals_one_process(tmp_path, gang, dense_reference):
+    """cp 2 at world 2: one sequence over both ranks (4 chunks, rank 0 holding the first and the
+    last), the ring's keys and values exchanged forward and back; weights and validation loss
+    equal one process's."""
+    train(gang, tmp_path, "cp2", 2, "parallel.cp=2")
+    check_equal(tmp_path, "cp2", dense_reference)
+
+
+def test_context_parallel_with_data_parallel_and_zero(tmp_path, gang, dense_reference):
+    """World 4: cp 2 x dp 2 under zero2 (gradients reduce-scattered over dp x cp), and cp 4 (a ring
+    of four, 8 chunks of 2 tokens) under dp."""
+    train(gang, tmp_path, "zero2-cp2", 4, "parallel.strategy='zero2'", "parallel.cp=2")
+    check_equal(tmp_path, "zero2-cp2", dense_reference)
+    train(gang, tmp_path, "cp4", 4, "parallel.cp=4")
+    check_equal(tmp_path, "cp4", dense_reference)
+
+
+@pytest.mark.parametrize(
+    "sets, nproc, key",
+    [
+        (["parallel.cp=3"], 3, "parallel.cp"),  # 6 chunks do not divide 16 tokens
+        (["parallel.cp=2"], 3, "parallel.cp"),  # 2 does not divide the world of 3
+        (["parallel.strategy='pp'", "parallel.pp=2", "parallel.cp=2"], 4, "parallel.cp"),
+        (["parallel.strategy='ps'", "parallel.cp=2"], 2, "parallel.cp"),
+        (["parallel.cp=0"], 2, "parallel.cp"),
+    ],
+)
+def test_bad_context_layouts_exit_2(tmp_path, capsys, sets, nproc, key):
+    cfg = write_config(tmp_path / "c.toml", GPT)
+    args = ["run", str(cfg), "--nproc", str(nproc), "--run-dir", str(tmp_path / "r")]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], lines
