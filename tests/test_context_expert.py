@@ -13,6 +13,7 @@ from paratrain.cli import main
 from paratrain.data import load_batch
 from paratrain.data.datasets import corpus
 from paratrain.models.gpt import gpt
+from paratrain.models.moe import with_auxiliary_losses
 
 STEPS, BATCH, BLOCK = 12, 8, 16
 GPT = f"""
@@ -80,6 +81,43 @@ def test_context_parallel_with_data_parallel_and_zero(tmp_path, gang, dense_refe
     check_equal(tmp_path, "cp4", dense_reference)
 
 
+MOE = ["model.n_experts=4", "model.top_k=2", "model.moe_aux_loss=0.05"]
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    """The gpt with 4 experts a layer, top 2 per token, its load-balancing loss in the loss."""
+    train = corpus("train", block_size=BLOCK, max_chars=20000)
+    x, y = load_batch(train, torch.arange(STEPS * BATCH) % len(train))
+    torch.manual_seed(0)
+    model = gpt(
+        train.vocab_size, n_layer=2, n_head=2, d_model=16, block_size=BLOCK, n_experts=4, top_k=2, moe_aux_loss=0.05
+    )
+
+    def cross_entropy(out, y):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    weights = train_reference(
+        model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1, loss_fn=with_auxiliary_losses(cross_entropy, model)
+    )
+    val = corpus("val", block_size=BLOCK, max_chars=20000)
+    vx, vy = load_batch(val, torch.arange(len(val)))
+    model.eval()
+    with torch.no_grad():
+        val_loss = cross_entropy(model(vx), vy).item()
+    return weights, val_loss
+
+
+def test_expert_parallel_under_dp_and_zero2(tmp_path, gang, moe_reference):
+    """ep 2 at world 2: each rank computes 2 of each layer's 4 experts, tokens sent to them and
+    back by all-to-all; under dp and under zero2, equal to one process (router, experts and the
+    load-balancing loss's gradient included)."""
+    train(gang, tmp_path, "dp-ep2", 2, "parallel.ep=2", *MOE)
+    check_equal(tmp_path, "dp-ep2", moe_reference)
+    train(gang, tmp_path, "zero2-ep2", 2, "parallel.strategy='zero2'", "parallel.ep=2", *MOE)
+    check_equal(tmp_path, "zero2-ep2", moe_reference)
+
+
 @pytest.mark.parametrize(
     "sets, nproc, key",
     [
@@ -88,9 +126,14 @@ def test_context_parallel_with_data_parallel_and_zero(tmp_path, gang, dense_refe
         (["parallel.strategy='pp'", "parallel.pp=2", "parallel.cp=2"], 4, "parallel.cp"),
         (["parallel.strategy='ps'", "parallel.cp=2"], 2, "parallel.cp"),
         (["parallel.cp=0"], 2, "parallel.cp"),
+        (["parallel.ep=2", "model.n_experts=3"], 2, "parallel.ep"),  # 3 experts over 2 ranks
+        (["parallel.ep=4", "model.n_experts=4"], 2, "parallel.ep"),  # 4 does not divide dp x cp = 2
+        (["parallel.ep=2"], 2, "parallel.ep"),  # a dense model: no experts to split
+        (["parallel.strategy='tp'", "parallel.tp=2", "model.n_experts=2"], 2, "model.n_experts"),
+        (["model.n_experts=2", "model.top_k=3"], 2, "model.top_k"),
     ],
 )
-def test_bad_context_layouts_exit_2(tmp_path, capsys, sets, nproc, key):
+def test_bad_context_and_expert_layouts_exit_2(tmp_path, capsys, sets, nproc, key):
     cfg = write_config(tmp_path / "c.toml", GPT)
     args = ["run", str(cfg), "--nproc", str(nproc), "--run-dir", str(tmp_path / "r")]
     for s in sets:
