@@ -84,14 +84,14 @@ def test_context_parallel_with_data_parallel_and_zero(tmp_path, gang, dense_refe
 MOE = ["model.n_experts=4", "model.top_k=2", "model.moe_aux_loss=0.05"]
 
 
-@pytest.fixture(scope="module")
-def moe_reference():
-    """The gpt with 4 experts a layer, top 2 per token, its load-balancing loss in the loss."""
+def train_moe_reference(aux: float):
+    """The gpt with 4 experts a layer, top 2 per token, its load-balancing loss (weight `aux`) in
+    the loss: final weights and validation loss."""
     train = corpus("train", block_size=BLOCK, max_chars=20000)
     x, y = load_batch(train, torch.arange(STEPS * BATCH) % len(train))
     torch.manual_seed(0)
     model = gpt(
-        train.vocab_size, n_layer=2, n_head=2, d_model=16, block_size=BLOCK, n_experts=4, top_k=2, moe_aux_loss=0.05
+        train.vocab_size, n_layer=2, n_head=2, d_model=16, block_size=BLOCK, n_experts=4, top_k=2, moe_aux_loss=aux
     )
 
     def cross_entropy(out, y):
@@ -106,6 +106,11 @@ def moe_reference():
     with torch.no_grad():
         val_loss = cross_entropy(model(vx), vy).item()
     return weights, val_loss
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return train_moe_reference(0.05)
 
 
 def test_expert_parallel_under_dp_and_zero2(tmp_path, gang, moe_reference):
@@ -141,3 +146,10 @@ def test_bad_context_and_expert_layouts_exit_2(tmp_path, capsys, sets, nproc, ke
     assert main(args) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and key in lines[0], lines
+
+
+def test_context_and_expert_parallel_together(tmp_path, gang):
+    """World 4: cp 2 x dp 2 with ep 2 (each ep group a ring's two ranks, holding 2 experts each):
+    the ring's chunks routed to their experts and back, equal to one process."""
+    train(gang, tmp_path, "cp2-ep2", 4, "parallel.cp=2", "parallel.ep=2", *MOE[:2], "model.moe_aux_loss=0.0")
+    check_equal(tmp_path, "cp2-ep2", train_moe_reference(0.0))
