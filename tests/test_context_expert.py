@@ -3,6 +3,8 @@ split over ranks) against single-process training of the same gpt on the same da
 
 World-4 runs are slow on 2 cores, so each composes what it can (cp with dp and zero at once)."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -153,3 +155,19 @@ def test_context_and_expert_parallel_together(tmp_path, gang):
     the ring's chunks routed to their experts and back, equal to one process."""
     train(gang, tmp_path, "cp2-ep2", 4, "parallel.cp=2", "parallel.ep=2", *MOE[:2], "model.moe_aux_loss=0.0")
     check_equal(tmp_path, "cp2-ep2", train_moe_reference(0.0))
+
+
+def test_plan_divides_activations_by_cp_and_plans_experts(tmp_path):
+    """`paratrain plan`: at the same dp degree, cp 2 holds half of each sequence, so half the
+    activations of cp 1; a model with experts is planned (its routing assumed in balance)."""
+    cfg = write_config(tmp_path / "gpt.toml", GPT)
+    activations = {}
+    for cp in (1, 2):
+        out = tmp_path / f"plan-{cp}.json"
+        assert main(["plan", str(cfg), "--nproc", str(2 * cp), "--set", f"parallel.cp={cp}", "--json", str(out)]) == 0
+        plan = json.loads(out.read_text())
+        assert plan["mesh"]["dp"] == 2
+        activations[cp] = plan["ranks"][0]["activation_bytes"]
+    assert 0.4 < activations[2] / activations[1] < 0.6, activations
+    moe = ["--set", "model.n_experts=4", "--set", "parallel.ep=2"]
+    assert main(["plan", str(cfg), "--nproc", "2", *moe, "--json", str(tmp_path / "moe.json")]) == 0

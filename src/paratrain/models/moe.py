@@ -17,8 +17,8 @@ forward's weighted value; models/__init__'s loss wrapper adds it to the loss."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 
 class MixtureOfExperts(nn.Module):
@@ -40,7 +40,7 @@ class MixtureOfExperts(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         slots = chosen.reshape(-1)  # token i's k choices at rows i*k .. i*k+k-1
         order = slots.argsort(stable=True)  # routing slots grouped by expert
-        counts = torch.bincount(slots, minlength=self.n_experts)
+        counts = self._counts(slots)
         grouped = tokens[order // self.top_k]
         if self.paratrain_experts is None:
             out = self.run_experts(grouped, counts, self.experts)
@@ -51,16 +51,24 @@ class MixtureOfExperts(nn.Module):
         self.paratrain_aux_loss = self._balance_loss(probs, slots, B) if self.training and self.aux_weight else None
         return combined.view(B, T, D)
 
+    def _counts(self, slots: torch.Tensor) -> torch.Tensor | list[int]:
+        """How many routing slots chose each expert. In `paratrain plan`'s fake tensors there are no
+        values to count: the plan assumes routing in balance, as a list (no tensor to read)."""
+        if is_fake(slots) or slots.device.type == "meta":
+            base, extra = divmod(slots.numel(), self.n_experts)
+            return [base + (e < extra) for e in range(self.n_experts)]
+        return torch.bincount(slots, minlength=self.n_experts)
+
     @staticmethod
-    def run_experts(grouped: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
+    def run_experts(grouped: torch.Tensor, counts, experts) -> torch.Tensor:
         """`grouped` rows cut by `counts` (one count per expert of `experts`), each part through its
         expert; the outputs in the same row order."""
-        parts = grouped.split(counts.tolist())
+        parts = grouped.split(counts if isinstance(counts, list) else counts.tolist())
         return torch.cat([expert(part) for expert, part in zip(experts, parts)])
 
     def _balance_loss(self, probs: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tensor:
         E = self.n_experts
-        chosen = F.one_hot(slots, E).view(batch, -1, E).float()  # (B, T*k, E)
+        chosen = probs.new_zeros(len(slots), E).scatter_(1, slots.unsqueeze(1), 1.0).view(batch, -1, E)  # (B, T*k, E)
         share = chosen.mean(1)  # f_se: no gradient (a count)
         mean_prob = probs.view(batch, -1, E).mean(1)  # P_se
         return self.aux_weight * E * (share * mean_prob).sum(-1).mean()
