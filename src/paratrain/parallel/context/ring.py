@@ -40,8 +40,8 @@ class Ring:
         """Start sending `tensor` (contiguous, left unchanged until the wait) to the next rank and
         receiving the previous rank's into a new tensor of the same shape."""
         received = torch.empty_like(tensor)
-        works = [
-            dist.irecv(received, self.prev, group=self.group),
-            dist.isend(tensor, self.next, group=self.group),
+        ops = [
+            dist.P2POp(dist.isend, tensor, self.next, self.group),
+            dist.P2POp(dist.irecv, received, self.prev, self.group),
         ]
-        return Arriving(works, received, tensor)
+        return Arriving(dist.batch_isend_irecv(ops), received, tensor)
