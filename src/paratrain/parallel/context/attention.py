@@ -23,7 +23,8 @@ step computes follows from the chunk layout (r's chunks: r < 2C-1-r; src's: src 
 Backward walks the ring again: (k, v) travel as in forward, each with the gradient accumulators
 of the rank that owns them (dk, dv), which after C steps are back home, complete. A block's
 probabilities are recomputed from the saved log-sum-exp (no C x C blocks kept): memory for
-attention is the local chunks' own.
+attention is the local chunks' own. On the CPU each block is torch's fused flash kernel (no score
+matrix, even transiently); elsewhere the same block in plain tensor ops.
 """
 
 from __future__ import annotations
@@ -63,6 +64,36 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return scores
 
 
+def _fused(q: torch.Tensor) -> bool:
+    """Whether torch's fused CPU attention kernel takes the block: it returns the log-sum-exp the
+    ring merges by and never makes the block's score matrix (the math below does, transiently)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and its rows' log-sum-exp."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
+        )
+    scores = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ v, lse
+
+
+def _block_backward(dout, q, k, v, out, lse, delta, causal: bool, scale: float):
+    """One block's (dq, dk, dv), its probabilities recomputed from the rows' final log-sum-exp
+    (`out`, `lse` and `delta` = rowsum(dout * out) are the whole ring's, not the block's)."""
+    if _fused(q):
+        parts = (dout, q, k, v, out, lse)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *(t.contiguous() for t in parts), 0.0, causal, scale=scale
+        )
+    probs = (_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()
+    dscores = probs * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return dscores @ k * scale, dscores.transpose(-2, -1) @ q * scale, probs.transpose(-2, -1) @ dout
+
+
 def _merge(out, lse, rows: slice, block_out, block_lse) -> None:
     """Fold a block's (output, log-sum-exp) into the running ones of its query rows."""
     old = lse[..., rows]
@@ -85,10 +116,10 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             arriving = ring.shift(kv) if step < ring.size - 1 else None  # overlaps the block below
             rows, keys, causal = _block(step, (ring.rank - step) % ring.size, ring.rank, half)
-            scores = _scores(q[..., rows, :], kv[0][..., keys, :], causal, scale)
-            block_lse = torch.logsumexp(scores, dim=-1)
-            block_out = (scores - block_lse.unsqueeze(-1)).exp() @ kv[1][..., keys, :]
-            _merge(out, lse, rows, block_out, block_lse)
+            block_out, block_lse = _block_forward(
+                q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], causal, scale
+            )
+            _merge(out, lse, rows, block_out, block_lse.to(lse.dtype))
             if arriving is not None:
                 kv = arriving.wait()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -108,12 +139,20 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             arriving = ring.shift(kv) if step < ring.size - 1 else None
             rows, keys, causal = _block(step, (ring.rank - step) % ring.size, ring.rank, half)
-            qb, kb, vb, db = q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], dout[..., rows, :]
-            probs = (_scores(qb, kb, causal, scale) - lse[..., rows].unsqueeze(-1)).exp()
-            dscores = probs * (db @ vb.transpose(-2, -1) - delta[..., rows].unsqueeze(-1))
-            dq[..., rows, :] += dscores @ kb * scale
-            dkv[0][..., keys, :] += dscores.transpose(-2, -1) @ qb * scale
-            dkv[1][..., keys, :] += probs.transpose(-2, -1) @ db
+            dqb, dkb, dvb = _block_backward(
+                dout[..., rows, :],
+                q[..., rows, :],
+                kv[0][..., keys, :],
+                kv[1][..., keys, :],
+                out[..., rows, :],
+                lse[..., rows],
+                delta[..., rows],
+                causal,
+                scale,
+            )
+            dq[..., rows, :] += dqb
+            dkv[0][..., keys, :] += dkb
+            dkv[1][..., keys, :] += dvb
             dkv = ring.shift(dkv).wait()  # with its (k, v): after C shifts, home
             if arriving is not None:
                 kv = arriving.wait()
