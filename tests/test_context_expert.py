@@ -150,11 +150,12 @@ def test_bad_context_and_expert_layouts_exit_2(tmp_path, capsys, sets, nproc, ke
     assert len(lines) == 1 and key in lines[0], lines
 
 
-def test_context_and_expert_parallel_together(tmp_path, gang):
+def test_context_and_expert_parallel_together(tmp_path, gang, moe_reference):
     """World 4: cp 2 x dp 2 with ep 2 (each ep group a ring's two ranks, holding 2 experts each):
-    the ring's chunks routed to their experts and back, equal to one process."""
-    train(gang, tmp_path, "cp2-ep2", 4, "parallel.cp=2", "parallel.ep=2", *MOE[:2], "model.moe_aux_loss=0.0")
-    check_equal(tmp_path, "cp2-ep2", train_moe_reference(0.0))
+    the ring's chunks routed to their experts and back, each sequence's load-balancing loss summed
+    over its ring; equal to one process."""
+    train(gang, tmp_path, "cp2-ep2", 4, "parallel.cp=2", "parallel.ep=2", *MOE)
+    check_equal(tmp_path, "cp2-ep2", moe_reference)
 
 
 def test_plan_divides_activations_by_cp_and_plans_experts(tmp_path):

@@ -69,10 +69,6 @@ def check_sequence_and_experts(cfg: config_mod.Config, model, train_set) -> None
         raise ConfigError(
             "model.n_experts", "mixture-of-experts layers take dp and zero1-3 (with cp, ep), not tp or pp yet"
         )
-    if moe and p.cp > 1 and any(m.aux_weight for m in moe):
-        raise ConfigError(
-            "model.moe_aux_loss", "the per-sequence load-balancing loss is not split by cp yet: set 0 under parallel.cp"
-        )
 
 
 def check_samples(cfg: config_mod.Config, train_set, model=None) -> None:

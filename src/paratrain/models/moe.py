@@ -11,7 +11,8 @@ The load-balancing loss is taken per sequence (DeepSeek-V3's sequence-wise form)
 the batch: with f_se the share of sequence s's routing slots that chose expert e and P_se its mean
 router probability, aux = n_experts * mean_s sum_e f_se * P_se, times `moe_aux_loss`. Per sequence,
 it is a mean over samples, as the task loss is: any split of the batch over data-parallel ranks or
-micro-batches averages back to one process's value. `paratrain_aux_loss` holds the last training
+micro-batches averages back to one process's value (under parallel.cp, whose ranks each hold part
+of a sequence, the shares are summed over the ring: `_balance_loss`). `paratrain_aux_loss` holds the last training
 forward's weighted value; models/__init__'s loss wrapper adds it to the loss."""
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 class MixtureOfExperts(nn.Module):
     paratrain_experts = None  # parallel.ep: (layer, tokens grouped by expert, counts) -> their outputs
+    # parallel.cp: (C, sum over the ring) where this rank holds 1/C of each sequence (parallel/context)
+    paratrain_sequence_split = None
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, aux_weight: float, expert):
         super().__init__()
@@ -67,11 +70,18 @@ class MixtureOfExperts(nn.Module):
         return torch.cat([expert(part) for expert, part in zip(experts, parts)])
 
     def _balance_loss(self, probs: torch.Tensor, slots: torch.Tensor, batch: int) -> torch.Tensor:
+        """Under parallel.cp a rank holds 1/C of each sequence: the shares f_se are summed over the
+        ring (counts: no gradient), P_se is this rank's part of the sum, and the loss is taken C
+        times, so that the mean over the ring (the gradient's and the logged loss's) is the whole
+        sequence's."""
         E = self.n_experts
         chosen = probs.new_zeros(len(slots), E).scatter_(1, slots.unsqueeze(1), 1.0).view(batch, -1, E)  # (B, T*k, E)
-        share = chosen.mean(1)  # f_se: no gradient (a count)
-        mean_prob = probs.view(batch, -1, E).mean(1)  # P_se
-        return self.aux_weight * E * (share * mean_prob).sum(-1).mean()
+        split, ring_sum = self.paratrain_sequence_split or (1, None)
+        share = chosen.sum(1) / (chosen.shape[1] * split)  # f_se over the whole sequence
+        if ring_sum is not None:
+            share = ring_sum(share)
+        part_prob = probs.view(batch, -1, E).sum(1) / (probs.shape[0] // batch * split)  # this rank's part of P_se
+        return self.aux_weight * E * split * (share * part_prob).sum(-1).mean()
 
 
 def auxiliary_losses(model: nn.Module) -> list[nn.Module]:

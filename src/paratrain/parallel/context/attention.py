@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.grid import DataMesh
@@ -174,7 +175,15 @@ class ContextParallel:
         for module in self.attentions:
             module.paratrain_attention = self.attention
         self.embeddings = hooked(model, "paratrain_positions")
+        for module in hooked(model, "paratrain_sequence_split"):  # per-sequence sums (an MoE's balance)
+            module.paratrain_sequence_split = (mesh.cp, self.ring_sum)
         self.positions: dict[tuple[int, torch.device], torch.Tensor] = {}  # by sequence length
+
+    def ring_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over the cp group of a tensor that needs no gradient."""
+        t = t.detach().clone()
+        dist.all_reduce(t, group=self.mesh.cp_group)
+        return t
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring)
