@@ -175,6 +175,17 @@ class ParallelConfig:
     strategy: str = opt("dp", doc="how the work is split over the processes")
     tp: int = opt(1, check=_positive, doc="tensor-parallel degree (tp, hybrid)")
     pp: int = opt(1, check=_positive, doc="pipeline stages (pp, hybrid)")
+    cp: int = opt(
+        1,
+        check=_positive,
+        doc="context-parallel degree (dp, zero1-3): each sequence split over cp ranks, attention as a ring",
+    )
+    ep: int = opt(
+        1,
+        check=_positive,
+        doc="expert-parallel degree (dp, zero1-3): each mixture-of-experts layer's experts split over ep "
+        "of the data-parallel x cp ranks, tokens sent to them by all-to-all",
+    )
     microbatches: int = opt(4, check=_positive, doc="pipeline microbatches per replica batch")
     schedule: str = opt("1f1b", choices=("gpipe", "1f1b", "interleaved"), doc="pipeline schedule")
     virtual_stages: int = opt(2, check=_positive, doc="model chunks per pipeline rank (interleaved only)")

@@ -44,9 +44,31 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
     build_dataset(cfg, "val")
     with torch.device("meta"):  # shapes only: no memory, no time
         model = build_model(cfg, train_set)
+    check_sequence_and_experts(cfg, model, train_set)
     strategy_class(cfg.parallel.strategy).check_model(cfg, model)
     build_loss(cfg)
     check_samples(cfg, train_set, model)
+
+
+def check_sequence_and_experts(cfg: config_mod.Config, model, train_set) -> None:
+    """parallel.cp and ep against the model (on meta) and the data; MoE layers where their experts
+    and auxiliary losses are not yet split (tp, pp)."""
+    from paratrain.models.moe import auxiliary_losses
+
+    p = cfg.parallel
+    if p.cp > 1 and len(train_set):
+        from paratrain.parallel.context.attention import check_context
+
+        check_context(cfg, model, train_set[0])
+    if p.ep > 1:
+        from paratrain.parallel.expert.experts import check_experts
+
+        check_experts(cfg, model)
+    moe = auxiliary_losses(model)
+    if moe and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(
+            "model.n_experts", "mixture-of-experts layers take dp and zero1-3 (with cp, ep), not tp or pp yet"
+        )
 
 
 def check_samples(cfg: config_mod.Config, train_set, model=None) -> None:

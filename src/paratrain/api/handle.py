@@ -51,6 +51,8 @@ def init(strategy: str | None = None, *, config: str | Path | None = None, run_d
         os.environ.update(schedulers.slurm_task(os.environ) or {})
         rt = process.init(cfg.train.device, cfg.parallel.timeout_s)
         registry.spec(cfg.parallel.strategy).check_layout(cfg, rt.world_size)
+        if cfg.parallel.cp > 1:  # the user's loss would meet whole targets with a chunk's output
+            raise ConfigError("parallel.cp", "runs under `paratrain run` only, not in your own loop (yet)")
     except ConfigError as exc:
         error(f"{exc}")
         raise SystemExit(2) from None

@@ -2,6 +2,7 @@
 the (pp, dp, tp) mesh of model parallelism, and the few groups other parts need besides.
 
     build_mesh    the (pp, dp, tp) DeviceMesh of tp, pp and hybrid
+    build_data_mesh  the (dp, cp) grid of dp and zero1-3, with the ep groups that borrow its ranks
     ReplicaLayout   parallel.replicas: which ranks form each replica (the mesh's dp index)
     replica_groups  parallel.replicas: the ranks of one replica, and each shard's ranks across them
     subgroup      some ranks, made by every rank (tied weights across pipeline stages, ps servers)
@@ -65,6 +66,59 @@ def build_mesh(tp: int, pp: int, device_type: str) -> Mesh:
     mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
     return Mesh(mesh, pp, dp, tp, pp_rank, dp_rank, tp_rank)
+
+
+@dataclass
+class DataMesh:
+    """parallel.cp and parallel.ep under dp and zero1-3 (tp = pp = 1): the world as a (dp, cp) grid,
+
+        global rank = dp_rank * cp + cp_rank
+
+    the cp dimension innermost, as tp's is in the (pp, dp, tp) mesh (the full order is
+    (pp, dp, cp, tp), torchtitan's): the ranks of one ring are adjacent, on one node's fast links.
+    Every rank of a cp group reads the same samples (its dp_rank's share), each a slice of the
+    sequence; every parameter is replicated over all dp x cp ranks, so gradients average over the
+    world. The ep groups borrow those ranks: the world cut into runs of `ep` adjacent ranks; rank
+    w holds expert slice w % ep, and `expert_replicas` are the ranks holding the same slice."""
+
+    dp: int
+    cp: int
+    ep: int
+    dp_rank: int
+    cp_rank: int
+    cp_ranks: list[int]  # this rank's ring, in ring order
+    cp_group: object = None
+    ep_rank: int = 0
+    ep_group: object = None
+    expert_replicas: object = None  # None where ep = world: each expert slice lives on one rank
+
+    @property
+    def ring_next(self) -> int:
+        return self.cp_ranks[(self.cp_rank + 1) % self.cp]
+
+    @property
+    def ring_prev(self) -> int:
+        return self.cp_ranks[(self.cp_rank - 1) % self.cp]
+
+
+def build_data_mesh(cp: int, ep: int = 1) -> DataMesh:
+    """Collective over the world: every rank makes every ring's and every expert group's group, in
+    the same order (a group of one rank is not made)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % cp or world % ep:
+        raise ValueError(f"cp {cp} and ep {ep} must divide the world size {world}")
+    rings = [list(range(d * cp, d * cp + cp)) for d in range(world // cp)]
+    mesh = DataMesh(world // cp, cp, ep, rank // cp, rank % cp, rings[rank // cp], ep_rank=rank % ep)
+    if cp > 1:
+        groups = [dist.new_group(ranks) for ranks in rings]
+        mesh.cp_group = groups[mesh.dp_rank]
+    if ep > 1:
+        slices = [dist.new_group(list(range(g * ep, g * ep + ep))) for g in range(world // ep)]
+        mesh.ep_group = slices[rank // ep]
+        if world > ep:
+            across = [dist.new_group(list(range(e, world, ep))) for e in range(ep)]
+            mesh.expert_replicas = across[mesh.ep_rank]
+    return mesh
 
 
 @dataclass(frozen=True)

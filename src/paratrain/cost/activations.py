@@ -43,6 +43,20 @@ def cut_batch(cfg: Config, model: nn.Module, x, y, cut: bool):
     return x, y, build_loss(cfg)
 
 
+def context_chunks(cfg: Config, x, y):
+    """parallel.cp = C: a rank holds 1/C of each sequence (2 chunks of T/2C) and its ring attention
+    keeps only its own chunks' keys, values and outputs for backward: one microbatch's activations
+    are those of sequences C times shorter, which a batch cut to its first T/C tokens gives."""
+    from paratrain.data.batch import tree_map
+
+    cp = cfg.parallel.cp
+    first = x if isinstance(x, torch.Tensor) else None
+    if cp == 1 or first is None or first.dim() < 2:
+        return x, y
+    length = first.shape[1]
+    return tree_map(lambda t: t[:, : length // cp] if t.dim() >= 2 and t.shape[1] == length else t, (x, y))
+
+
 def _fake_model(cfg: Config, dataset, mode) -> nn.Module:
     """The model in fake tensors: built under `mode`, or, where its construction reads values (an
     initialisation that samples until a value fits: torch 2.13's trunc_normal_, ViT's), built on
@@ -121,7 +135,7 @@ class FakeRun:
         from paratrain.models.layers import pipeline_layers
 
         dataset = build_dataset(cfg, "train")
-        x, y = load_batch(dataset, torch.arange(rows))
+        x, y = context_chunks(cfg, *load_batch(dataset, torch.arange(rows)))
         mode = FakeTensorMode()
         model = _fake_model(cfg, dataset, mode)
         x, y, loss_fn = cut_batch(cfg, model, x, y, cut=bounds is not None)

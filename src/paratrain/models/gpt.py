@@ -15,17 +15,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.config import require, require_at_least
+from paratrain.models.moe import MixtureOfExperts
 from paratrain.models.recompute import run_layers
 
 
 class Embedding(nn.Module):
+    # parallel.cp: the global positions of this rank's tokens (its chunks of the sequence), set by
+    # parallel/context; None: the tokens are the whole sequence, positions 0..T-1
+    paratrain_positions: torch.Tensor | None = None
+
     def __init__(self, vocab_size: int, d_model: int, block_size: int):
         super().__init__()
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(block_size, d_model)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        positions = self.paratrain_positions
+        if positions is None:
+            positions = torch.arange(idx.shape[1], device=idx.device)
         return self.tok(idx) + self.pos(positions)
 
 
@@ -41,6 +48,10 @@ def materialized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 
 class Attention(nn.Module):
+    # parallel.cp: causal attention of this rank's chunks against the whole sequence, (q, k, v) ->
+    # y, set by parallel/context (ring attention); None: attention over the local tokens alone
+    paratrain_attention = None
+
     def __init__(self, d_model: int, n_head: int, attention: str = "sdpa"):
         super().__init__()
         self.head_dim = d_model // n_head
@@ -58,11 +69,12 @@ class Attention(nn.Module):
             return t.view(B, T, heads, self.head_dim).transpose(1, 2)
 
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        y = (
-            materialized_attention(q, k, v)
-            if self.materialized
-            else F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        )
+        if self.paratrain_attention is not None:
+            y = self.paratrain_attention(q, k, v)
+        elif self.materialized:
+            y = materialized_attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, heads * self.head_dim))
 
 
@@ -77,12 +89,15 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d_model: int, n_head: int, attention: str = "sdpa"):
+    def __init__(self, d_model: int, n_head: int, attention: str = "sdpa", moe: dict | None = None):
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = Attention(d_model, n_head, attention)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = FeedForward(d_model)
+        # n_experts > 0: the feed-forward is a mixture of experts, each one FeedForward
+        self.mlp = (
+            MixtureOfExperts(d_model, **moe, expert=lambda: FeedForward(d_model)) if moe else FeedForward(d_model)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -109,16 +124,25 @@ class GPT(nn.Module):
         block_size: int = 64,
         tie_embeddings: bool = False,
         attention: str = "sdpa",
+        n_experts: int = 0,
+        top_k: int = 2,
+        moe_aux_loss: float = 0.01,
     ):
         super().__init__()
         require_at_least(1, vocab_size=vocab_size, n_head=n_head, d_model=d_model, block_size=block_size)
         require_at_least(0, n_layer=n_layer)
         require(d_model % n_head == 0, "n_head", f"d_model {d_model} is not divisible by n_head {n_head}")
         require(attention in ATTENTION, "attention", f"{attention!r} is not one of {', '.join(ATTENTION)}")
+        require_at_least(0, n_experts=n_experts)
+        require(
+            not n_experts or 1 <= top_k <= n_experts, "top_k", f"{top_k} is not between 1 and n_experts {n_experts}"
+        )
+        require(moe_aux_loss >= 0, "moe_aux_loss", f"{moe_aux_loss} is negative")
+        moe = dict(n_experts=n_experts, top_k=top_k, aux_weight=moe_aux_loss) if n_experts else None
         self.block_size = block_size
         self.recompute = "none"  # train.recompute: "full" or "selective" checkpoints each pipeline layer
         self.embed = Embedding(vocab_size, d_model, block_size)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, attention) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, attention, moe) for _ in range(n_layer))
         self.head = Head(d_model, vocab_size)
         if tie_embeddings:  # GPT-2's weight tying: the output projection is the token embedding
             # Tied before the init pass, which then writes it twice (the head last), as a sharded
@@ -166,8 +190,13 @@ def gpt(
     block_size: int = 64,
     tie_embeddings: bool = False,
     attention: str = "sdpa",
+    n_experts: int = 0,
+    top_k: int = 2,
+    moe_aux_loss: float = 0.01,
 ) -> GPT:
-    """attention: "sdpa" (torch's fused kernel) or "materialized" (scores as tensors)."""
+    """attention: "sdpa" (torch's fused kernel) or "materialized" (scores as tensors); n_experts > 0:
+    each block's feed-forward a mixture of that many experts, top_k per token (models/moe.py), with
+    the load-balancing loss weighted by moe_aux_loss."""
     return GPT(
         vocab_size,
         n_layer=n_layer,
@@ -176,4 +205,7 @@ def gpt(
         block_size=block_size,
         tie_embeddings=tie_embeddings,
         attention=attention,
+        n_experts=n_experts,
+        top_k=top_k,
+        moe_aux_loss=moe_aux_loss,
     )

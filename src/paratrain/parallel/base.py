@@ -67,6 +67,7 @@ from paratrain.comm import collectives
 from paratrain.config import Config
 from paratrain.data.batch import feed, num_samples, split_batch
 from paratrain.errors import error
+from paratrain.models.moe import with_auxiliary_losses
 from paratrain.optim import accuracy_counts, set_lr
 from paratrain.profile import NULL_PROFILER
 from paratrain.runtime.process import Runtime, SeededMicroBatches
@@ -80,7 +81,7 @@ class Strategy:
 
     def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):
         self.model = model
-        self.loss_fn = loss_fn
+        self.loss_fn = with_auxiliary_losses(loss_fn, model)  # an MoE layer's load balancing
         self.cfg = cfg
         self.rt = rt
         self.grad_accum = cfg.train.grad_accum
@@ -95,10 +96,30 @@ class Strategy:
         self.checkpoint_group = None
         self.rng_step: int | None = None  # set by the trainer: micro-batches reseed the RNG (micro_batches)
         self.batchnorm = None  # a data-parallel strategy's BatchNormPolicy (parallel/dp/batchnorm.py)
+        self.context = None  # parallel.cp: cuts each batch to this rank's chunks (parallel/context/)
+        self.experts = None  # parallel.ep: sends MoE layers' tokens to their experts (parallel/expert/)
 
     @property
     def evaluates(self) -> bool:
         return self.reads_data
+
+    def split_sequences_and_experts(self, model: nn.Module) -> None:
+        """parallel.cp and parallel.ep (dp, zero1-3) on the world as a (dp, cp) grid
+        (comm/grid.py): each cp group reads one dp share of the batch, the model's attention a ring
+        over it (parallel/context/); each MoE layer's experts computed on the ranks of an ep group,
+        tokens sent there by all-to-all (parallel/expert/). Gradients still average over every
+        rank: each holds every parameter."""
+        cp, ep = self.cfg.parallel.cp, self.cfg.parallel.ep
+        if cp == 1 and ep == 1:
+            return
+        from paratrain.comm.grid import build_data_mesh
+        from paratrain.parallel.context.attention import context_parallel
+        from paratrain.parallel.expert.experts import expert_parallel
+
+        mesh = build_data_mesh(cp, ep)
+        self.context = context_parallel(model, mesh)
+        self.experts = expert_parallel(model, mesh)
+        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
 
     # -- before any worker starts (the CLI's preflight; `model` on the meta device) -------------------
     @staticmethod
@@ -120,6 +141,8 @@ class Strategy:
     def micro_batches(self, batch):
         """The rank's batch for one optimizer step, cut into train.grad_accum equal micro-batches;
         with rng_step set, each is computed on an RNG seeded from its place in the global batch."""
+        if self.context is not None:
+            batch = self.context.local_batch(batch)
         parts = split_batch(batch, self.grad_accum)
         if self.rng_step is None:
             return parts
@@ -148,6 +171,8 @@ class Strategy:
     @torch.no_grad()
     def eval_step(self, inputs, targets) -> torch.Tensor:
         """[loss * n, n, correct, counted] for this rank's share of a validation batch."""
+        if self.context is not None:
+            inputs, targets = self.context.local_batch((inputs, targets))
         self.model.eval()
         try:
             with self.autocast():

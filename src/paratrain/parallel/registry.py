@@ -90,7 +90,21 @@ def check_config(cfg: Config) -> None:
             raise ConfigError(
                 "fault.on_failure", f"'continue' takes no parallel.compression {cfg.parallel.compression!r}"
             )
+    check_sequence_and_experts(cfg)
     SPECS[name].check_config(cfg)
+
+
+def check_sequence_and_experts(cfg: Config) -> None:
+    """parallel.cp and parallel.ep: only strategies that declare them, without replica groups."""
+    p, spec_ = cfg.parallel, SPECS[cfg.parallel.strategy]
+    for degree in ("cp", "ep"):
+        if getattr(p, degree) == 1:
+            continue
+        if degree not in spec_.degrees:
+            takers = " | ".join(n for n, s in SPECS.items() if degree in s.degrees)
+            raise ConfigError(f"parallel.{degree}", f"must be 1 for strategy {spec_.name!r} ({degree} takes {takers})")
+        if p.replicas > 1 or cfg.fault.on_failure == "continue":
+            raise ConfigError(f"parallel.{degree}", "takes no replica groups (parallel.replicas, fault.on_failure)")
 
 
 def data_parallel_degree(cfg: Config, world_size: int) -> int:

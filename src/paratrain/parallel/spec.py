@@ -34,7 +34,7 @@ class Spec:
     replica_footprint: str = ""
     checkpoint_family: str = ""  # a checkpoint resumes under any strategy of the family that wrote it
     codecs: tuple[str, ...] = ("none",)  # the parallel.compression values it accepts
-    degrees: tuple[str, ...] = ()  # which of parallel.tp and parallel.pp it may set above 1
+    degrees: tuple[str, ...] = ()  # which of parallel.tp, pp, cp and ep it may set above 1
     materializes_models = False  # builds the model on meta and materialises it shard by shard
     takes_replicas = False  # whether parallel.replicas may split the world into replica groups
     # where `plan --search` tries it: "replica" (every device holds the whole model: tp = pp = 1),
@@ -65,6 +65,16 @@ class Spec:
                 "parallel.pp" if p.tp == 1 else "parallel.tp",
                 f"tp {p.tp} x pp {p.pp} does not divide the world size {world_size}",
             )
+        if world_size % (p.tp * p.pp * p.cp):
+            raise ConfigError(
+                "parallel.cp", f"cp {p.cp} x tp {p.tp} x pp {p.pp} does not divide the world size {world_size}"
+            )
+        data_ranks = world_size // (p.tp * p.pp)  # dp x cp: the ranks experts borrow
+        if data_ranks % p.ep:
+            raise ConfigError(
+                "parallel.ep",
+                f"{p.ep} does not divide dp x cp = {data_ranks} (experts borrow the data and context ranks)",
+            )
 
     def check_batch(self, cfg: Config, world_size: int) -> None:
         """Its cut of each replica's batch, once the batch divides among the replicas."""
@@ -72,7 +82,7 @@ class Spec:
     # -- the ranks ----------------------------------------------------------------------------------
     def data_parallel_degree(self, cfg: Config, world_size: int) -> int:
         """How many model replicas read different data: the divisor of the global batch."""
-        return world_size // (cfg.parallel.tp * cfg.parallel.pp)
+        return world_size // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
 
     def replica_size(self, cfg: Config, world_size: int) -> int:
         """The ranks of one replica: what fault.on_failure = "continue" loses and restarts together."""
@@ -89,7 +99,9 @@ class Spec:
     def mesh(self, cfg: Config, world_size: int) -> dict[str, int]:
         """The rank grid the plan shows."""
         p = cfg.parallel
-        return {"dp": self.data_parallel_degree(cfg, world_size), "tp": p.tp, "pp": p.pp, "replicas": p.replicas}
+        mesh = {"dp": self.data_parallel_degree(cfg, world_size), "tp": p.tp, "pp": p.pp, "replicas": p.replicas}
+        mesh.update({k: getattr(p, k) for k in ("cp", "ep") if getattr(p, k) > 1})
+        return mesh
 
     def plan_ranks(self, cfg: Config, model, ranks: list, rows: int, device: str) -> tuple[list[dict], list[str]]:
         """Fill in each rank's plan (`ranks`: plan.RankPlan, `model` on meta, `rows` per microbatch);

@@ -150,6 +150,11 @@ def render(plan: dict) -> str:
     mesh = plan["mesh"]
     if "servers" in mesh:
         lines.append(f"ranks: {mesh['servers']} parameter server(s), {mesh['workers']} worker(s)")
+    elif mesh.get("cp", 1) > 1 or mesh.get("ep", 1) > 1:  # dp and zero: comm/grid.py's DataMesh
+        experts = f", ep groups of {mesh['ep']} adjacent ranks" if mesh.get("ep", 1) > 1 else ""
+        lines.append(
+            f"mesh: dp {mesh['dp']} x cp {mesh.get('cp', 1)} (global rank = dp * {mesh.get('cp', 1)} + cp){experts}"
+        )
     else:
         lines.append(
             f"mesh: dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} "

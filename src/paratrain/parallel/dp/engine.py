@@ -226,6 +226,7 @@ class DataParallel(Strategy):
         src = 0 if group is None else dist.get_global_rank(group, 0)  # the group's first rank
         broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=src, group=group)
         self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
+        self.split_sequences_and_experts(model)
         named = unique_parameters(model)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]

@@ -20,6 +20,7 @@ class DataParallelSpec(Spec):
     codecs = ("none", "bf16", "fp16", "topk", "powersgd")
     searched_as = "replica"
     takes_replicas = True
+    degrees = ("cp", "ep")
 
     def replica_size(self, cfg: Config, world_size: int) -> int:
         """Every rank holds the whole model: each is a replica unless parallel.replicas groups them."""

@@ -101,6 +101,7 @@ class Zero(Strategy):
         self._setup_communication(model)
         self._overlap_gathers_with_forward(model)
         self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
+        self.split_sequences_and_experts(model)
         self._make_pieces()
         self.optimizer = self._with_gathers(build_optimizer(self.pieces, cfg.train))
         self.user_grads = GradShards(self.name, group)

@@ -15,6 +15,7 @@ class ZeroSpec(Spec):
     materializes_models = True
     searched_as = "replica"
     takes_replicas = True
+    degrees = ("cp", "ep")
 
     def __init__(self, stage: int):
         self.stage = stage

@@ -1,0 +1,243 @@
+"""Context parallelism: the sequence split over the C ranks of a cp group, attention as a ring.
+
+The chunks. Causal attention makes a token's work grow with its position, so C contiguous slices
+would leave the last rank with most of it. The sequence is cut into 2C chunks and rank r holds
+chunks r and 2C-1-r (one early, one late): every rank does the same work.
+
+    C = 2, T tokens:   | chunk 0 | chunk 1 | chunk 2 | chunk 3 |
+                         rank 0    rank 1    rank 1    rank 0
+
+Every other layer (embeddings with the chunks' own global positions, layer norms, MLPs, the head,
+the loss against the targets cut the same way) is per token and runs on the local chunks alone.
+
+The ring. Attention needs every earlier token's keys and values. Each rank's (k, v) travel around
+the ring: at step s rank r holds those of rank src = r - s (mod C), computes its queries against
+them while the next step's arrive, and merges the block's result into its running output by
+log-sum-exp (the rows' softmax denominators), as flash attention merges key blocks. Which block a
+step computes follows from the chunk layout (r's chunks: r < 2C-1-r; src's: src < 2C-1-src):
+
+    s = 0     (own k, v)  all local queries, causal over the local 2 chunks
+    src < r              all local queries against src's first chunk only, no mask
+    src > r              r's second chunk against both of src's chunks, no mask
+
+Backward walks the ring again: (k, v) travel as in forward, each with the gradient accumulators
+of the rank that owns them (dk, dv), which after C steps are back home, complete. A block's
+probabilities are recomputed from the saved log-sum-exp (no C x C blocks kept): memory for
+attention is the local chunks' own. On the CPU each block is torch's fused flash kernel (no score
+matrix, even transiently); elsewhere the same block in plain tensor ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm.grid import DataMesh
+from paratrain.data.batch import tree_map
+from paratrain.errors import ConfigError
+from paratrain.parallel.context.ring import Ring
+
+
+def chunk_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """The global positions of rank `cp_rank`'s tokens: chunk r then chunk 2C-1-r."""
+    c = seq_len // (2 * cp)
+    first, second = cp_rank * c, (2 * cp - 1 - cp_rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+def _block(step: int, src: int, rank: int, half: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) of the block at ring step `step` (the layout above)."""
+    if step == 0:
+        return slice(None), slice(None), True
+    if src < rank:
+        return slice(None), slice(0, half), False
+    return slice(half, None), slice(None), False
+
+
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    scores = q @ k.transpose(-2, -1) * scale
+    if causal:
+        above = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(above, float("-inf"))
+    return scores
+
+
+def _fused(q: torch.Tensor) -> bool:
+    """Whether torch's fused CPU attention kernel takes the block: it returns the log-sum-exp the
+    ring merges by and never makes the block's score matrix (the math below does, transiently)."""
+    return q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _block_forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and its rows' log-sum-exp."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
+        )
+    scores = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return (scores - lse.unsqueeze(-1)).exp() @ v, lse
+
+
+def _block_backward(dout, q, k, v, out, lse, delta, causal: bool, scale: float):
+    """One block's (dq, dk, dv), its probabilities recomputed from the rows' final log-sum-exp
+    (`out`, `lse` and `delta` = rowsum(dout * out) are the whole ring's, not the block's)."""
+    if _fused(q):
+        parts = (dout, q, k, v, out, lse)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *(t.contiguous() for t in parts), 0.0, causal, scale=scale
+        )
+    probs = (_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()
+    dscores = probs * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
+    return dscores @ k * scale, dscores.transpose(-2, -1) @ q * scale, probs.transpose(-2, -1) @ dout
+
+
+def _merge(out, lse, rows: slice, block_out, block_lse) -> None:
+    """Fold a block's (output, log-sum-exp) into the running ones of its query rows."""
+    old = lse[..., rows]
+    new = torch.logaddexp(old, block_lse)
+    out[..., rows, :] = out[..., rows, :] * (old - new).exp().unsqueeze(-1) + block_out * (
+        block_lse - new
+    ).exp().unsqueeze(-1)
+    lse[..., rows] = new
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of the local chunks' queries against every rank's keys and values."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring):
+        scale, half = 1.0 / math.sqrt(q.shape[-1]), q.shape[-2] // 2
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(ring.size):
+            arriving = ring.shift(kv) if step < ring.size - 1 else None  # overlaps the block below
+            rows, keys, causal = _block(step, (ring.rank - step) % ring.size, ring.rank, half)
+            block_out, block_lse = _block_forward(
+                q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], causal, scale
+            )
+            _merge(out, lse, rows, block_out, block_lse.to(lse.dtype))
+            if arriving is not None:
+                kv = arriving.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        scale, half = 1.0 / math.sqrt(q.shape[-1]), q.shape[-2] // 2
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1)  # each row's sum of dP * P: the softmax's backward
+        dq = torch.zeros_like(q)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros_like(kv)  # the gradient of the (k, v) this rank holds at this step
+        for step in range(ring.size):
+            arriving = ring.shift(kv) if step < ring.size - 1 else None
+            rows, keys, causal = _block(step, (ring.rank - step) % ring.size, ring.rank, half)
+            dqb, dkb, dvb = _block_backward(
+                dout[..., rows, :],
+                q[..., rows, :],
+                kv[0][..., keys, :],
+                kv[1][..., keys, :],
+                out[..., rows, :],
+                lse[..., rows],
+                delta[..., rows],
+                causal,
+                scale,
+            )
+            dq[..., rows, :] += dqb
+            dkv[0][..., keys, :] += dkb
+            dkv[1][..., keys, :] += dvb
+            dkv = ring.shift(dkv).wait()  # with its (k, v): after C shifts, home
+            if arriving is not None:
+                kv = arriving.wait()
+        return dq, dkv[0], dkv[1], None
+
+
+class ContextParallel:
+    """A model's attention and positions under parallel.cp, and each batch cut to this rank's
+    chunks. The model opts in through two hooks (models/gpt.py has them): modules with a
+    `paratrain_attention` attribute take (q, k, v) -> y, modules with `paratrain_positions` the
+    global positions of the local tokens."""
+
+    def __init__(self, model: nn.Module, mesh: DataMesh):
+        self.mesh = mesh
+        self.ring = Ring(mesh)
+        self.attentions = hooked(model, "paratrain_attention")
+        if not self.attentions:
+            raise ConfigError("parallel.cp", f"{type(model).__name__} has no attention paratrain can split by sequence")
+        for module in self.attentions:
+            module.paratrain_attention = self.attention
+        self.embeddings = hooked(model, "paratrain_positions")
+        for module in hooked(model, "paratrain_sequence_split"):  # per-sequence sums (an MoE's balance)
+            module.paratrain_sequence_split = (mesh.cp, self.ring_sum)
+        self.positions: dict[tuple[int, torch.device], torch.Tensor] = {}  # by sequence length
+
+    def ring_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum over the cp group of a tensor that needs no gradient."""
+        t = t.detach().clone()
+        dist.all_reduce(t, group=self.mesh.cp_group)
+        return t
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring)
+
+    def local_batch(self, batch):
+        """(inputs, targets) with every tensor whose dimension 1 is the inputs' sequence cut to this
+        rank's chunks (inputs and targets alike, so the loss pairs each local token with its own
+        target); the embeddings told the chunks' global positions."""
+        first = next(iter(_tensors(batch[0])), None)
+        if first is None or first.dim() < 2:
+            return batch
+        seq_len, device = first.shape[1], first.device
+        key = (seq_len, device)
+        if key not in self.positions:
+            self.positions[key] = chunk_positions(seq_len, self.mesh.cp, self.mesh.cp_rank).to(device)
+        positions = self.positions[key]
+        for module in self.embeddings:
+            module.paratrain_positions = positions
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(1, positions) if t.dim() >= 2 and t.shape[1] == seq_len else t
+
+        return tree_map(cut, batch)
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map(found.append, obj)
+    return found
+
+
+def hooked(model: nn.Module, hook: str) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(type(m), hook)]
+
+
+def check_context(cfg, model: nn.Module, sample) -> None:
+    """Before any worker starts (`model` on meta, `sample` the first training item): the model has
+    attention paratrain can split, and 2 x cp divides its sequences (ConfigError naming parallel.cp)."""
+    cp = cfg.parallel.cp
+    if not hooked(model, "paratrain_attention"):
+        raise ConfigError(
+            "parallel.cp", f"{type(model).__name__} has no attention paratrain can split by sequence (gpt has)"
+        )
+    inputs = sample[0] if isinstance(sample, (tuple, list)) else sample
+    first = next(iter(_tensors(inputs)), None)
+    if first is None or first.dim() < 1:
+        raise ConfigError("parallel.cp", f"{cfg.data.factory}'s samples have no sequence to split")
+    if first.shape[0] % (2 * cp):
+        raise ConfigError(
+            "parallel.cp",
+            f"2 x cp = {2 * cp} chunks do not divide the sequence of {first.shape[0]} tokens (data.block_size)",
+        )
+
+
+def context_parallel(model: nn.Module, mesh: DataMesh) -> ContextParallel | None:
+    """The model's attention made a ring over the mesh's cp group (None when cp is 1)."""
+    return ContextParallel(model, mesh) if mesh.cp > 1 else None

@@ -1,0 +1,174 @@
+"""Long sequences and mixture-of-experts: parallel.cp (ring attention) and parallel.ep (experts
+split over ranks) against single-process training of the same gpt on the same data.
+
+World-4 runs are slow on 2 cores, so each composes what it can (cp with dp and zero at once)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import final_weights, metrics, rel_error, write_config
+from reference import train_reference
+
+from paratrain.cli import main
+from paratrain.data import load_batch
+from paratrain.data.datasets import corpus
+from paratrain.models.gpt import gpt
+from paratrain.models.moe import with_auxiliary_losses
+
+STEPS, BATCH, BLOCK = 12, 8, 16
+GPT = f"""
+name = "long"
+[model]
+factory = "gpt"
+n_layer = 2
+n_head = 2
+d_model = 16
+block_size = {BLOCK}
+[data]
+factory = "corpus"
+block_size = {BLOCK}
+max_chars = 20000
+batch_size = {BATCH}
+shuffle = false
+[train]
+steps = {STEPS}
+optimizer = "sgd"
+lr = 0.1
+log_every = {STEPS}
+"""
+
+
+@pytest.fixture(scope="module")
+def dense_reference():
+    train = corpus("train", block_size=BLOCK, max_chars=20000)
+    x, y = load_batch(train, torch.arange(STEPS * BATCH) % len(train))
+    torch.manual_seed(0)
+    model = gpt(train.vocab_size, n_layer=2, n_head=2, d_model=16, block_size=BLOCK)
+    weights = train_reference(model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1)
+    val = corpus("val", block_size=BLOCK, max_chars=20000)
+    vx, vy = load_batch(val, torch.arange(len(val)))
+    with torch.no_grad():
+        logits = model(vx)
+        val_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), vy.reshape(-1)).item()
+    return weights, val_loss
+
+
+def train(gang, tmp_path, name, world, *sets) -> None:
+    cfg = write_config(tmp_path / "gpt.toml", GPT)
+    gang(world).train(cfg, tmp_path / name, sets)
+
+
+def check_equal(tmp_path, name, reference) -> None:
+    weights, val_loss = reference
+    assert rel_error(final_weights(tmp_path / name), weights) <= 1e-4, name
+    assert abs(metrics(tmp_path / name)[-1]["val_loss"] - val_loss) <= 1e-4 * val_loss, name
+
+
+def test_context_parallel_ring_of_two_equals_one_process(tmp_path, gang, dense_reference):
+    """cp 2 at world 2: one sequence over both ranks (4 chunks, rank 0 holding the first and the
+    last), the ring's keys and values exchanged forward and back; weights and validation loss
+    equal one process's."""
+    train(gang, tmp_path, "cp2", 2, "parallel.cp=2")
+    check_equal(tmp_path, "cp2", dense_reference)
+
+
+def test_context_parallel_with_data_parallel_and_zero(tmp_path, gang, dense_reference):
+    """World 4: cp 2 x dp 2 under zero2 (gradients reduce-scattered over dp x cp), and cp 4 (a ring
+    of four, 8 chunks of 2 tokens) under dp."""
+    train(gang, tmp_path, "zero2-cp2", 4, "parallel.strategy='zero2'", "parallel.cp=2")
+    check_equal(tmp_path, "zero2-cp2", dense_reference)
+    train(gang, tmp_path, "cp4", 4, "parallel.cp=4")
+    check_equal(tmp_path, "cp4", dense_reference)
+
+
+MOE = ["model.n_experts=4", "model.top_k=2", "model.moe_aux_loss=0.05"]
+
+
+def train_moe_reference(aux: float):
+    """The gpt with 4 experts a layer, top 2 per token, its load-balancing loss (weight `aux`) in
+    the loss: final weights and validation loss."""
+    train = corpus("train", block_size=BLOCK, max_chars=20000)
+    x, y = load_batch(train, torch.arange(STEPS * BATCH) % len(train))
+    torch.manual_seed(0)
+    model = gpt(
+        train.vocab_size, n_layer=2, n_head=2, d_model=16, block_size=BLOCK, n_experts=4, top_k=2, moe_aux_loss=aux
+    )
+
+    def cross_entropy(out, y):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    weights = train_reference(
+        model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1, loss_fn=with_auxiliary_losses(cross_entropy, model)
+    )
+    val = corpus("val", block_size=BLOCK, max_chars=20000)
+    vx, vy = load_batch(val, torch.arange(len(val)))
+    model.eval()
+    with torch.no_grad():
+        val_loss = cross_entropy(model(vx), vy).item()
+    return weights, val_loss
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return train_moe_reference(0.05)
+
+
+def test_expert_parallel_under_dp_and_zero2(tmp_path, gang, moe_reference):
+    """ep 2 at world 2: each rank computes 2 of each layer's 4 experts, tokens sent to them and
+    back by all-to-all; under dp and under zero2, equal to one process (router, experts and the
+    load-balancing loss's gradient included)."""
+    train(gang, tmp_path, "dp-ep2", 2, "parallel.ep=2", *MOE)
+    check_equal(tmp_path, "dp-ep2", moe_reference)
+    train(gang, tmp_path, "zero2-ep2", 2, "parallel.strategy='zero2'", "parallel.ep=2", *MOE)
+    check_equal(tmp_path, "zero2-ep2", moe_reference)
+
+
+@pytest.mark.parametrize(
+    "sets, nproc, key",
+    [
+        (["parallel.cp=3"], 3, "parallel.cp"),  # 6 chunks do not divide 16 tokens
+        (["parallel.cp=2"], 3, "parallel.cp"),  # 2 does not divide the world of 3
+        (["parallel.strategy='pp'", "parallel.pp=2", "parallel.cp=2"], 4, "parallel.cp"),
+        (["parallel.strategy='ps'", "parallel.cp=2"], 2, "parallel.cp"),
+        (["parallel.cp=0"], 2, "parallel.cp"),
+        (["parallel.ep=2", "model.n_experts=3"], 2, "parallel.ep"),  # 3 experts over 2 ranks
+        (["parallel.ep=4", "model.n_experts=4"], 2, "parallel.ep"),  # 4 does not divide dp x cp = 2
+        (["parallel.ep=2"], 2, "parallel.ep"),  # a dense model: no experts to split
+        (["parallel.strategy='tp'", "parallel.tp=2", "model.n_experts=2"], 2, "model.n_experts"),
+        (["model.n_experts=2", "model.top_k=3"], 2, "model.top_k"),
+    ],
+)
+def test_bad_context_and_expert_layouts_exit_2(tmp_path, capsys, sets, nproc, key):
+    cfg = write_config(tmp_path / "c.toml", GPT)
+    args = ["run", str(cfg), "--nproc", str(nproc), "--run-dir", str(tmp_path / "r")]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], lines
+
+
+def test_context_and_expert_parallel_together(tmp_path, gang, moe_reference):
+    """World 4: cp 2 x dp 2 with ep 2 (each ep group a ring's two ranks, holding 2 experts each):
+    the ring's chunks routed to their experts and back, each sequence's load-balancing loss summed
+    over its ring; equal to one process."""
+    train(gang, tmp_path, "cp2-ep2", 4, "parallel.cp=2", "parallel.ep=2", *MOE)
+    check_equal(tmp_path, "cp2-ep2", moe_reference)
+
+
+def test_plan_divides_activations_by_cp_and_plans_experts(tmp_path):
+    """`paratrain plan`: at the same dp degree, cp 2 holds half of each sequence, so half the
+    activations of cp 1; a model with experts is planned (its routing assumed in balance)."""
+    cfg = write_config(tmp_path / "gpt.toml", GPT)
+    activations = {}
+    for cp in (1, 2):
+        out = tmp_path / f"plan-{cp}.json"
+        assert main(["plan", str(cfg), "--nproc", str(2 * cp), "--set", f"parallel.cp={cp}", "--json", str(out)]) == 0
+        plan = json.loads(out.read_text())
+        assert plan["mesh"]["dp"] == 2
+        activations[cp] = plan["ranks"][0]["activation_bytes"]
+    assert 0.4 < activations[2] / activations[1] < 0.6, activations
+    moe = ["--set", "model.n_experts=4", "--set", "parallel.ep=2"]
+    assert main(["plan", str(cfg), "--nproc", "2", *moe, "--json", str(tmp_path / "moe.json")]) == 0
