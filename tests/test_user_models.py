@@ -92,6 +92,8 @@ lr = 0.1
 log_every = 6
 """
 
+CLIPPED = BN_CNN.replace("user_models:bn_cnn", "user_models:clipped_mlp")
+
 
 @pytest.fixture(scope="module")
 def bn_reference():
@@ -180,13 +182,35 @@ def test_batchnorm_per_rank_equals_torch_ddp(tmp_path, gang, strategy, accum):
 
 @pytest.mark.parametrize(
     "job, sets",
-    [(BN_CNN, ["parallel.strategy='zero2'"]), (HALVES, ["data.layout='labelled'", "train.loss='model'"])],
+    [
+        (BN_CNN, ["parallel.strategy='zero2'"]),
+        (HALVES, ["data.layout='labelled'", "train.loss='model'"]),
+        # its forward reads values (.item(), numpy): measured on a real microbatch, said in a note
+        (CLIPPED, []),
+        (CLIPPED, ["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={first='colwise',second='rowwise'}"]),
+    ],
 )
 def test_plan_takes_these_jobs(tmp_path, capsys, job, sets):
     cfg = write_config(tmp_path / "c.toml", job)
     code = main(["plan", str(cfg), "--nproc", "2", *[a for s in sets for a in ("--set", s)]])
     out = capsys.readouterr()
     assert code == 0 and "predicted" in out.out, out.err
+    if job is CLIPPED:
+        assert "measured on a real microbatch" in out.err, out.err
+
+
+def test_plan_on_a_forward_nothing_can_play_exits_2_in_one_line(tmp_path, capsys, monkeypatch):
+    """Where neither fake tensors nor a real batch run the model's forward, one line, no traceback."""
+    import user_models
+
+    def broken(self, x):
+        raise TypeError("this forward takes no tensors")
+
+    monkeypatch.setattr(user_models.ClippedMLP, "forward", broken)
+    code = main(["plan", str(write_config(tmp_path / "c.toml", CLIPPED)), "--nproc", "2"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "model.factory" in lines[-1] and "TypeError" in lines[-1], lines
+    assert not any("Traceback" in line for line in lines), lines
 
 
 def test_pipeline_that_would_train_no_copy_of_a_parameter_exits_2(tmp_path, capsys):

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from paratrain.config import Config
 from paratrain.cost.ranks import RankPlan
 from paratrain.data.batch import feed, tensors_in, tree_map
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, note
 from paratrain.models.recompute import blocks, run_layers, saves
 
 
@@ -76,6 +76,40 @@ def _fake_model(cfg: Config, dataset, mode) -> nn.Module:
     return model
 
 
+class RealTensors(contextlib.nullcontext):
+    """FakeTensorMode's place where the model's forward cannot run in fake tensors: real tensors
+    as they are."""
+
+    @staticmethod
+    def from_tensor(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+# a config's verdict (the first fake run's), by id: the config kept with it, so no id is reused
+_VERDICTS: dict[int, tuple[Config, bool]] = {}
+
+
+def plays_in_fake_tensors(cfg: Config, run: FakeRun) -> bool:
+    """Whether the model's forward runs in fake tensors, tried once per config on `run` (a forward
+    that reads values, `.item()` or numpy, cannot: the planner then measures on a real batch and
+    says so)."""
+    if id(cfg) not in _VERDICTS:
+        try:
+            with without_peers(), torch.no_grad():
+                run.forward()
+            fits = True
+        except Exception as exc:  # noqa: BLE001 -- whatever the model's own code raises on fake tensors
+            fits = False
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
+            rows = len(tensors_in(run.x)[0])
+            note(
+                f"plan: the model's forward cannot run in fake tensors ({why}); its memory and ops are "
+                f"measured on a real microbatch of {rows} samples on this CPU instead"
+            )
+        _VERDICTS[id(cfg)] = (cfg, fits)
+    return _VERDICTS[id(cfg)][1]
+
+
 @dataclass
 class FakeRun:
     """The model and one microbatch in fake tensors (torch's FakeTensorMode: shapes, dtypes and the
@@ -115,15 +149,25 @@ class FakeRun:
         planned modules are tp rank 0's shards (the largest: shard_sizes), as `sharding` makes them. `working`: the dtype of
         the trainable parameters the strategy computes with, where not the model's own (mixed-precision
         ZeRO's bf16 working copies)."""
+        played = cls.assemble(cfg, rows, bounds, tp, working, sharding, real=False)
+        if plays_in_fake_tensors(cfg, played):
+            return played
+        return cls.assemble(cfg, rows, bounds, tp, working, sharding, real=True)
+
+    @classmethod
+    def assemble(cls, cfg, rows, bounds, tp, working, sharding, real: bool) -> FakeRun:
+        """build's run in fake tensors, or (`real`) in real ones on the CPU: a model whose forward
+        reads its tensors' values (`.item()` for control flow, numpy) measured on a real batch."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from paratrain.data import build_dataset, load_batch
+        from paratrain.models import build_model
         from paratrain.models.layers import pipeline_layers
 
         dataset = build_dataset(cfg, "train")
         x, y = load_batch(dataset, torch.arange(rows))
-        mode = FakeTensorMode()
-        model = _fake_model(cfg, dataset, mode)
+        mode = RealTensors() if real else FakeTensorMode()
+        model = build_model(cfg, dataset) if real else _fake_model(cfg, dataset, mode)
         x, y, loss_fn = cut_batch(cfg, model, x, y, cut=bounds is not None)
         with mode:
             if tp > 1:
