@@ -80,6 +80,24 @@ PHI3 = job(
     "num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64, "
     "pad_token_id = 0, bos_token_id = 0, eos_token_id = 0 }"
 )
+# multi-head latent attention and mixture of experts, with its own plan: mla_kv_a_proj, experts'
+# stacks split packed_colwise (a fused gate and up) and rowwise, moe_tp_experts, shared experts
+DEEPSEEK_V2 = job(
+    'config = { model_type = "deepseek_v2", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
+    "moe_intermediate_size = 16, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 4, "
+    "n_shared_experts = 1, n_routed_experts = 4, num_experts_per_tok = 2, first_k_dense_replace = 1, "
+    "kv_lora_rank = 16, q_lora_rank = 16, qk_rope_head_dim = 8, v_head_dim = 8, qk_nope_head_dim = 8, "
+    "n_group = 1, topk_group = 1, max_position_embeddings = 64 }"
+)
+# transposed experts: gate_up_proj split packed_rowwise, down_proj colwise, under moe_tp_experts
+LLAMA4 = job(
+    'config = { model_type = "llama4_text", vocab_size = 64, hidden_size = 32, intermediate_size = 32, '
+    "intermediate_size_mlp = 64, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, "
+    "head_dim = 8, num_local_experts = 4, num_experts_per_tok = 1, max_position_embeddings = 64, "
+    "interleave_moe_layer_step = 1, attention_chunk_size = 64 }"
+)
+TP2 = ["parallel.strategy='tp'", "parallel.tp=2"]
+PACKED_MLP = "'model.layers.*.mlp.gate_up_proj'='packed_colwise', 'model.layers.*.mlp.down_proj'='rowwise'"
 PP2 = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'"]
 
 
@@ -158,6 +176,10 @@ def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, rec
         ("QWEN2", PP2, 2),  # its own base_model_pp_plan
         ("GPT_NEOX", PP2, 2),  # its own base_model_pp_plan, under other names
         ("PHI3", ["parallel.strategy='tp'", "parallel.tp=2"], 2),  # its own plan's every style
+        ("DEEPSEEK_V2", TP2, 2),  # mla_kv_a_proj, packed_colwise and rowwise experts, moe_tp_experts
+        ("LLAMA4", TP2, 2),  # packed_rowwise and colwise experts
+        # the fused gate_up_proj Linear split as gate and up each: the fix for the plan caught below
+        ("PHI3", [*TP2, f"parallel.tp_plan={{{PACKED_MLP}}}"], 2),
         ("LLAMA", [*PP2[1:], "parallel.strategy='hybrid'"], 4),  # dp 2 x pp 2
     ],
 )
@@ -262,6 +284,11 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
             "parallel.strategy='tp' --set parallel.tp=2 --set parallel.tp_plan={'model.*.mlp.up_proj'='packed_colwise'}",
             "parallel.tp_plan",
         ),
+        # expert parallelism's style: parallel.ep's, named
+        (
+            "parallel.strategy='tp' --set parallel.tp=2 --set parallel.tp_plan={'model.layers.*.mlp.up_proj'='grouped_gemm'}",
+            "parallel.tp_plan",
+        ),
         ("parallel.strategy='tp' --set parallel.tp=2 --set model.config.num_key_value_heads=1", "parallel.tp"),
         # the model's own loss would read one rank's slice of lm_head's logits
         (
@@ -348,6 +375,7 @@ tp_plan = { "model.layers.*.mlp.gate_proj" = "colwise", "model.layers.*.mlp.up_p
         ("GPT2", ["parallel.strategy='zero3'"], 2),
         ("BERT", [], 2),
         ("VIT", [], 2),  # its trunc_normal_ init reads values: built on meta, its tensors made fake
+        ("DEEPSEEK_V2", TP2, 2),  # experts' stacks planned as tensors, communication around modules
         ("LLAMA", ["parallel.strategy='tp'", "parallel.tp=2", "data.layout='labelled'", "train.loss='model'"], 2),
         ("LLAMA", [*PP2, "data.layout='labelled'", "train.loss='model'"], 2),  # labels to the last stage
     ],

@@ -15,9 +15,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from paratrain.config import Config
+from paratrain.cost.played import RealTensors, plays_in_fake_tensors, without_peers
 from paratrain.cost.ranks import RankPlan
 from paratrain.data.batch import feed, tensors_in, tree_map
-from paratrain.errors import ConfigError, note
+from paratrain.errors import ConfigError
 from paratrain.models.recompute import blocks, run_layers, saves
 
 
@@ -74,40 +75,6 @@ def _fake_model(cfg: Config, dataset, mode) -> nn.Module:
                     if t is not None:
                         tensors[name] = fakes[id(t)]
     return model
-
-
-class RealTensors(contextlib.nullcontext):
-    """FakeTensorMode's place where the model's forward cannot run in fake tensors: real tensors
-    as they are."""
-
-    @staticmethod
-    def from_tensor(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-
-# a config's verdict (the first fake run's), by id: the config kept with it, so no id is reused
-_VERDICTS: dict[int, tuple[Config, bool]] = {}
-
-
-def plays_in_fake_tensors(cfg: Config, run: FakeRun) -> bool:
-    """Whether the model's forward runs in fake tensors, tried once per config on `run` (a forward
-    that reads values, `.item()` or numpy, cannot: the planner then measures on a real batch and
-    says so)."""
-    if id(cfg) not in _VERDICTS:
-        try:
-            with without_peers(), torch.no_grad():
-                run.forward()
-            fits = True
-        except Exception as exc:  # noqa: BLE001 -- whatever the model's own code raises on fake tensors
-            fits = False
-            why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:160]
-            rows = len(tensors_in(run.x)[0])
-            note(
-                f"plan: the model's forward cannot run in fake tensors ({why}); its memory and ops are "
-                f"measured on a real microbatch of {rows} samples on this CPU instead"
-            )
-        _VERDICTS[id(cfg)] = (cfg, fits)
-    return _VERDICTS[id(cfg)][1]
 
 
 @dataclass
@@ -306,14 +273,20 @@ def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: di
 
     def record(style: str):
         def hook(module, args, out):
-            if style in ("rowwise", "vocab"):
+            if style in ("rowwise", "vocab", "moe_tp_experts", "all_reduce"):
                 payloads[stage_of[id(module)]].append(out.numel() * out.element_size())
             elif args[0].requires_grad:
                 payloads[stage_of[id(module)]].append(args[0].numel() * args[0].element_size())
 
         return hook
 
-    handles = [modules[name].register_forward_hook(record(style)) for name, style in tp_plan.items()]
+    # a planned parameter (an experts' stack) communicates through its module's entry
+    planned = [
+        (n, style)
+        for n, style in tp_plan.items()
+        if n in modules and style not in ("mla_kv_a_proj", "moe_identity_expert")
+    ]
+    handles = [modules[name].register_forward_hook(record(style)) for name, style in planned]
     try:
         run.forward()
     finally:
@@ -377,22 +350,6 @@ class StageMemory:
     forward_peak: int  # the most alive at once during its forward (and loss)
     kept: int  # what its forward leaves alive until its backward: saved activations, its input and output
     backward_peak: int  # the most alive at once during its backward, its kept bytes included
-
-
-@contextlib.contextmanager
-def without_peers():
-    """tp's layers all-reduce (and a gathered head all-gathers) through paratrain.comm.collectives;
-    one rank played alone in fake tensors has no group to reduce with, and a collective leaves its
-    tensors' shapes as they are: each does nothing meanwhile."""
-    from paratrain.comm import collectives
-
-    all_reduce, all_gather = collectives.all_reduce, collectives.all_gather
-    collectives.all_reduce = lambda tensor, what, group=None, async_op=False, op=None: None
-    collectives.all_gather = lambda outputs, tensor, what, group=None: None
-    try:
-        yield
-    finally:
-        collectives.all_reduce, collectives.all_gather = all_reduce, all_gather
 
 
 def step_memory(
