@@ -2,11 +2,12 @@
 or logits, each strategy equal to single-process PyTorch written here."""
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import final_weights, max_rel_error, metrics, write_config
+from helpers import final_weights, max_rel_error, metrics, run_cli, write_config
 from user_models import two_halves
 
 from paratrain.cli import main
@@ -219,3 +220,15 @@ def test_pipeline_that_would_train_no_copy_of_a_parameter_exits_2(tmp_path, caps
     code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *sets])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "parallel.pp" in lines[0] and "scale" in lines[0], lines
+
+
+def test_a_pipeline_cut_that_drops_what_the_forward_does_exits_2_naming_it(tmp_path):
+    """The model's forward runs a tanh between the layers its pipeline_layers() lists: cut there,
+    the stages would train without it, silently. parallel.verify_plan checks each cut against the
+    model's own forward before training and exits 2 naming the cut."""
+    cfg = write_config(tmp_path / "c.toml", BN_CNN.replace("user_models:bn_cnn", "user_models:skipping_stack"))
+    sets = ["--set", "parallel.strategy='pp'", "--set", "parallel.pp=2", "--set", "parallel.balance='params'"]
+    proc = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *sets, cwd=Path(__file__).parent)
+    lines = sorted(set(proc.stderr.strip().splitlines()))  # each rank says the one line
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "parallel.pp" in lines[0] and "'second'" in lines[0], lines

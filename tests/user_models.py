@@ -172,3 +172,22 @@ class ClippedMLP(nn.Module):
 
 def clipped_mlp() -> ClippedMLP:
     return ClippedMLP()
+
+
+class SkippingStack(nn.Module):
+    """Two Linear layers with a tanh between them in its forward, which its pipeline_layers() does
+    not carry: a pipeline cut between them would drop it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(64, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+    def pipeline_layers(self):
+        return [self.first, self.second]
+
+
+def skipping_stack() -> SkippingStack:
+    return SkippingStack()
