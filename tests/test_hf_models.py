@@ -96,7 +96,30 @@ LLAMA4 = job(
     "head_dim = 8, num_local_experts = 4, num_experts_per_tok = 1, max_position_embeddings = 64, "
     "interleave_moe_layer_step = 1, attention_chunk_size = 64 }"
 )
+# experts' and shared experts' stacks split as tensors, the shared experts' partial sums all_reduce'd.
+# Its own plan (transformers 5.24) splits the experts' fused gate_up_proj "colwise", which
+# parallel.verify_plan catches (each rank would get gate rows only or up rows only): a user plan
+# splits it packed_colwise instead, the rest as its own plan does
+INKLING = job(
+    'config = { model_type = "inkling_text", vocab_size = 64, hidden_size = 32, num_hidden_layers = 2, '
+    "num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, swa_num_attention_heads = 4, "
+    "swa_num_key_value_heads = 2, swa_head_dim = 8, sliding_window_size = 8, max_position_embeddings = 64, "
+    "intermediate_size = 64, moe_intermediate_size = 16, n_routed_experts = 4, num_experts_per_tok = 2, "
+    "n_shared_experts = 1, d_rel = 4, rel_extent = 16 }"
+)
 TP2 = ["parallel.strategy='tp'", "parallel.tp=2"]
+INKLING_PLAN = ", ".join(
+    f"'model.layers.*.mlp.{name}'='{style}'"
+    for name, style in [
+        ("experts.gate_up_proj", "packed_colwise"),
+        ("experts.down_proj", "rowwise"),
+        ("experts", "moe_tp_experts"),
+        ("shared_experts.gate_proj", "colwise"),
+        ("shared_experts.up_proj", "colwise"),
+        ("shared_experts.down_proj", "rowwise"),
+        ("shared_experts", "all_reduce"),
+    ]
+)
 PACKED_MLP = "'model.layers.*.mlp.gate_up_proj'='packed_colwise', 'model.layers.*.mlp.down_proj'='rowwise'"
 PP2 = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'"]
 
@@ -178,6 +201,7 @@ def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, rec
         ("PHI3", ["parallel.strategy='tp'", "parallel.tp=2"], 2),  # its own plan's every style
         ("DEEPSEEK_V2", TP2, 2),  # mla_kv_a_proj, packed_colwise and rowwise experts, moe_tp_experts
         ("LLAMA4", TP2, 2),  # packed_rowwise and colwise experts
+        ("INKLING", [*TP2, f"parallel.tp_plan={{{INKLING_PLAN}}}"], 2),  # all_reduce around the shared experts
         # the fused gate_up_proj Linear split as gate and up each: the fix for the plan caught below
         ("PHI3", [*TP2, f"parallel.tp_plan={{{PACKED_MLP}}}"], 2),
         ("LLAMA", [*PP2[1:], "parallel.strategy='hybrid'"], 4),  # dp 2 x pp 2
