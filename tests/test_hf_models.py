@@ -107,6 +107,13 @@ INKLING = job(
     "intermediate_size = 64, moe_intermediate_size = 16, n_routed_experts = 4, num_experts_per_tok = 2, "
     "n_shared_experts = 1, d_rel = 4, rel_extent = 16 }"
 )
+# zero experts: moe_identity_expert divides their input by tp, which moe_tp_experts sums back
+LONGCAT = job(
+    'config = { model_type = "longcat_flash", vocab_size = 64, hidden_size = 32, num_layers = 1, head_dim = 8, '
+    "num_attention_heads = 4, kv_lora_rank = 16, q_lora_rank = 16, qk_rope_head_dim = 8, qk_nope_head_dim = 8, "
+    "v_head_dim = 8, ffn_hidden_size = 64, expert_ffn_hidden_size = 16, n_routed_experts = 4, "
+    "zero_expert_num = 2, moe_topk = 2, max_position_embeddings = 64 }"
+)
 TP2 = ["parallel.strategy='tp'", "parallel.tp=2"]
 INKLING_PLAN = ", ".join(
     f"'model.layers.*.mlp.{name}'='{style}'"
@@ -202,6 +209,7 @@ def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, rec
         ("DEEPSEEK_V2", TP2, 2),  # mla_kv_a_proj, packed_colwise and rowwise experts, moe_tp_experts
         ("LLAMA4", TP2, 2),  # packed_rowwise and colwise experts
         ("INKLING", [*TP2, f"parallel.tp_plan={{{INKLING_PLAN}}}"], 2),  # all_reduce around the shared experts
+        ("LONGCAT", TP2, 2),  # moe_identity_expert
         # the fused gate_up_proj Linear split as gate and up each: the fix for the plan caught below
         ("PHI3", [*TP2, f"parallel.tp_plan={{{PACKED_MLP}}}"], 2),
         ("LLAMA", [*PP2[1:], "parallel.strategy='hybrid'"], 4),  # dp 2 x pp 2
