@@ -114,6 +114,12 @@ LONGCAT = job(
     "v_head_dim = 8, ffn_hidden_size = 64, expert_ffn_hidden_size = 16, n_routed_experts = 4, "
     "zero_expert_num = 2, moe_topk = 2, max_position_embeddings = 64 }"
 )
+# attention sinks, a bare parameter per head, split colwise with the heads (local_params on its owner)
+GRANITE_SWA = job(
+    'config = { model_type = "granite_swa", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
+    "num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64, "
+    "bos_token_id = 0, eos_token_id = 0, pad_token_id = 0 }"
+)
 TP2 = ["parallel.strategy='tp'", "parallel.tp=2"]
 INKLING_PLAN = ", ".join(
     f"'model.layers.*.mlp.{name}'='{style}'"
@@ -210,6 +216,7 @@ def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, rec
         ("LLAMA4", TP2, 2),  # packed_rowwise and colwise experts
         ("INKLING", [*TP2, f"parallel.tp_plan={{{INKLING_PLAN}}}"], 2),  # all_reduce around the shared experts
         ("LONGCAT", TP2, 2),  # moe_identity_expert
+        ("GRANITE_SWA", TP2, 2),  # a parameter split with its heads
         # the fused gate_up_proj Linear split as gate and up each: the fix for the plan caught below
         ("PHI3", [*TP2, f"parallel.tp_plan={{{PACKED_MLP}}}"], 2),
         ("LLAMA", [*PP2[1:], "parallel.strategy='hybrid'"], 4),  # dp 2 x pp 2
