@@ -191,7 +191,10 @@ def test_batchnorm_per_rank_equals_torch_ddp(tmp_path, gang, strategy, accum):
         (CLIPPED, ["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={first='colwise',second='rowwise'}"]),
     ],
 )
-def test_plan_takes_these_jobs(tmp_path, capsys, job, sets):
+def test_plan_takes_these_jobs(tmp_path, capsys, monkeypatch, job, sets):
+    from paratrain.cost import played
+
+    monkeypatch.setattr(played, "_VERDICTS", {})  # each plan tries fake tensors afresh (one per process)
     cfg = write_config(tmp_path / "c.toml", job)
     code = main(["plan", str(cfg), "--nproc", "2", *[a for s in sets for a in ("--set", s)]])
     out = capsys.readouterr()

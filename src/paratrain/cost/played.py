@@ -37,15 +37,17 @@ class RealTensors(contextlib.nullcontext):
         return t
 
 
-# a config's verdict (the first fake run's), by id: the config kept with it, so no id is reused
-_VERDICTS: dict[int, tuple[Config, bool]] = {}
+# the verdict (the first fake run's) by the model and data sections: a search's candidates, which
+# differ in [parallel] and train.recompute alone, share it
+_VERDICTS: dict[str, bool] = {}
 
 
 def plays_in_fake_tensors(cfg: Config, run) -> bool:
-    """Whether the model's forward runs in fake tensors, tried once per config on `run` (a forward
+    """Whether the model's forward runs in fake tensors, tried once per model and data on `run` (a forward
     that reads values, `.item()` or numpy, cannot: the planner then measures on a real batch and
     says so)."""
-    if id(cfg) not in _VERDICTS:
+    key = repr((cfg.model, cfg.data))
+    if key not in _VERDICTS:
         try:
             with without_peers(), torch.no_grad():
                 run.forward()
@@ -58,5 +60,5 @@ def plays_in_fake_tensors(cfg: Config, run) -> bool:
                 f"plan: the model's forward cannot run in fake tensors ({why}); its memory and ops are "
                 f"measured on a real microbatch of {rows} samples on this CPU instead"
             )
-        _VERDICTS[id(cfg)] = (cfg, fits)
-    return _VERDICTS[id(cfg)][1]
+        _VERDICTS[key] = fits
+    return _VERDICTS[key]
