@@ -427,3 +427,16 @@ def test_plan_takes_model_outputs_and_dict_batches(tmp_path, capsys, job, sets, 
     code = main(["plan", str(cfg), "--nproc", str(world), *[a for s in sets for a in ("--set", s)]])
     out = capsys.readouterr()
     assert code == 0 and "predicted" in out.out, out.err
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_packed_shards_join_back_in_their_own_layout(world):
+    """A fused [gate; up] split as gate and up each (packed_*): the shards a checkpoint saves join
+    back to the whole tensor at any other tp (hybrid/state.py's resharding), and cut again alike."""
+    from paratrain.parallel.tensor.experts import join_shards, shard_slice
+
+    whole = torch.arange(4 * 12 * 5, dtype=torch.float32).reshape(4, 12, 5)  # an experts' (E, 2I, H)
+    parts = [shard_slice(whole, 1, world, r, 2) for r in range(world)]
+    gate, up = whole.chunk(2, 1)
+    assert torch.equal(parts[0], torch.cat([gate[:, : 6 // world], up[:, : 6 // world]], 1))
+    assert torch.equal(join_shards(parts, 1, 2), whole)
