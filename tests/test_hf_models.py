@@ -80,6 +80,60 @@ PHI3 = job(
     "num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64, "
     "pad_token_id = 0, bos_token_id = 0, eos_token_id = 0 }"
 )
+# multi-head latent attention and mixture of experts, with its own plan: mla_kv_a_proj, experts'
+# stacks split packed_colwise (a fused gate and up) and rowwise, moe_tp_experts, shared experts
+DEEPSEEK_V2 = job(
+    'config = { model_type = "deepseek_v2", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
+    "moe_intermediate_size = 16, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 4, "
+    "n_shared_experts = 1, n_routed_experts = 4, num_experts_per_tok = 2, first_k_dense_replace = 1, "
+    "kv_lora_rank = 16, q_lora_rank = 16, qk_rope_head_dim = 8, v_head_dim = 8, qk_nope_head_dim = 8, "
+    "n_group = 1, topk_group = 1, max_position_embeddings = 64 }"
+)
+# transposed experts: gate_up_proj split packed_rowwise, down_proj colwise, under moe_tp_experts
+LLAMA4 = job(
+    'config = { model_type = "llama4_text", vocab_size = 64, hidden_size = 32, intermediate_size = 32, '
+    "intermediate_size_mlp = 64, num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, "
+    "head_dim = 8, num_local_experts = 4, num_experts_per_tok = 1, max_position_embeddings = 64, "
+    "interleave_moe_layer_step = 1, attention_chunk_size = 64 }"
+)
+# experts' and shared experts' stacks split as tensors, the shared experts' partial sums all_reduce'd.
+# Its own plan (transformers 5.24) splits the experts' fused gate_up_proj "colwise", which
+# parallel.verify_plan catches (each rank would get gate rows only or up rows only): a user plan
+# splits it packed_colwise instead, the rest as its own plan does
+INKLING = job(
+    'config = { model_type = "inkling_text", vocab_size = 64, hidden_size = 32, num_hidden_layers = 2, '
+    "num_attention_heads = 4, num_key_value_heads = 2, head_dim = 8, swa_num_attention_heads = 4, "
+    "swa_num_key_value_heads = 2, swa_head_dim = 8, sliding_window_size = 8, max_position_embeddings = 64, "
+    "intermediate_size = 64, moe_intermediate_size = 16, n_routed_experts = 4, num_experts_per_tok = 2, "
+    "n_shared_experts = 1, d_rel = 4, rel_extent = 16 }"
+)
+# zero experts: moe_identity_expert divides their input by tp, which moe_tp_experts sums back
+LONGCAT = job(
+    'config = { model_type = "longcat_flash", vocab_size = 64, hidden_size = 32, num_layers = 1, head_dim = 8, '
+    "num_attention_heads = 4, kv_lora_rank = 16, q_lora_rank = 16, qk_rope_head_dim = 8, qk_nope_head_dim = 8, "
+    "v_head_dim = 8, ffn_hidden_size = 64, expert_ffn_hidden_size = 16, n_routed_experts = 4, "
+    "zero_expert_num = 2, moe_topk = 2, max_position_embeddings = 64 }"
+)
+# attention sinks, a bare parameter per head, split colwise with the heads (local_params on its owner)
+GRANITE_SWA = job(
+    'config = { model_type = "granite_swa", vocab_size = 64, hidden_size = 32, intermediate_size = 64, '
+    "num_hidden_layers = 2, num_attention_heads = 4, num_key_value_heads = 2, max_position_embeddings = 64, "
+    "bos_token_id = 0, eos_token_id = 0, pad_token_id = 0 }"
+)
+TP2 = ["parallel.strategy='tp'", "parallel.tp=2"]
+INKLING_PLAN = ", ".join(
+    f"'model.layers.*.mlp.{name}'='{style}'"
+    for name, style in [
+        ("experts.gate_up_proj", "packed_colwise"),
+        ("experts.down_proj", "rowwise"),
+        ("experts", "moe_tp_experts"),
+        ("shared_experts.gate_proj", "colwise"),
+        ("shared_experts.up_proj", "colwise"),
+        ("shared_experts.down_proj", "rowwise"),
+        ("shared_experts", "all_reduce"),
+    ]
+)
+PACKED_MLP = "'model.layers.*.mlp.gate_up_proj'='packed_colwise', 'model.layers.*.mlp.down_proj'='rowwise'"
 PP2 = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'"]
 
 
@@ -158,6 +212,13 @@ def test_llama_equals_single_process(tmp_path, gang, strategy, layout, loss, rec
         ("QWEN2", PP2, 2),  # its own base_model_pp_plan
         ("GPT_NEOX", PP2, 2),  # its own base_model_pp_plan, under other names
         ("PHI3", ["parallel.strategy='tp'", "parallel.tp=2"], 2),  # its own plan's every style
+        ("DEEPSEEK_V2", TP2, 2),  # mla_kv_a_proj, packed_colwise and rowwise experts, moe_tp_experts
+        ("LLAMA4", TP2, 2),  # packed_rowwise and colwise experts
+        ("INKLING", [*TP2, f"parallel.tp_plan={{{INKLING_PLAN}}}"], 2),  # all_reduce around the shared experts
+        ("LONGCAT", TP2, 2),  # moe_identity_expert
+        ("GRANITE_SWA", TP2, 2),  # a parameter split with its heads
+        # the fused gate_up_proj Linear split as gate and up each: the fix for the plan caught below
+        ("PHI3", [*TP2, f"parallel.tp_plan={{{PACKED_MLP}}}"], 2),
         ("LLAMA", [*PP2[1:], "parallel.strategy='hybrid'"], 4),  # dp 2 x pp 2
     ],
 )
@@ -262,6 +323,11 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
             "parallel.strategy='tp' --set parallel.tp=2 --set parallel.tp_plan={'model.*.mlp.up_proj'='packed_colwise'}",
             "parallel.tp_plan",
         ),
+        # expert parallelism's style: parallel.ep's, named
+        (
+            "parallel.strategy='tp' --set parallel.tp=2 --set parallel.tp_plan={'model.layers.*.mlp.up_proj'='grouped_gemm'}",
+            "parallel.tp_plan",
+        ),
         ("parallel.strategy='tp' --set parallel.tp=2 --set model.config.num_key_value_heads=1", "parallel.tp"),
         # the model's own loss would read one rank's slice of lm_head's logits
         (
@@ -348,6 +414,7 @@ tp_plan = { "model.layers.*.mlp.gate_proj" = "colwise", "model.layers.*.mlp.up_p
         ("GPT2", ["parallel.strategy='zero3'"], 2),
         ("BERT", [], 2),
         ("VIT", [], 2),  # its trunc_normal_ init reads values: built on meta, its tensors made fake
+        ("DEEPSEEK_V2", TP2, 2),  # experts' stacks planned as tensors, communication around modules
         ("LLAMA", ["parallel.strategy='tp'", "parallel.tp=2", "data.layout='labelled'", "train.loss='model'"], 2),
         ("LLAMA", [*PP2, "data.layout='labelled'", "train.loss='model'"], 2),  # labels to the last stage
     ],
@@ -360,3 +427,16 @@ def test_plan_takes_model_outputs_and_dict_batches(tmp_path, capsys, job, sets, 
     code = main(["plan", str(cfg), "--nproc", str(world), *[a for s in sets for a in ("--set", s)]])
     out = capsys.readouterr()
     assert code == 0 and "predicted" in out.out, out.err
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_packed_shards_join_back_in_their_own_layout(world):
+    """A fused [gate; up] split as gate and up each (packed_*): the shards a checkpoint saves join
+    back to the whole tensor at any other tp (hybrid/state.py's resharding), and cut again alike."""
+    from paratrain.parallel.tensor.experts import join_shards, shard_slice
+
+    whole = torch.arange(4 * 12 * 5, dtype=torch.float32).reshape(4, 12, 5)  # an experts' (E, 2I, H)
+    parts = [shard_slice(whole, 1, world, r, 2) for r in range(world)]
+    gate, up = whole.chunk(2, 1)
+    assert torch.equal(parts[0], torch.cat([gate[:, : 6 // world], up[:, : 6 // world]], 1))
+    assert torch.equal(join_shards(parts, 1, 2), whole)

@@ -2,11 +2,12 @@
 or logits, each strategy equal to single-process PyTorch written here."""
 
 import contextlib
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import final_weights, max_rel_error, metrics, write_config
+from helpers import final_weights, max_rel_error, metrics, run_cli, write_config
 from user_models import two_halves
 
 from paratrain.cli import main
@@ -91,6 +92,8 @@ optimizer = "sgd"
 lr = 0.1
 log_every = 6
 """
+
+CLIPPED = BN_CNN.replace("user_models:bn_cnn", "user_models:clipped_mlp")
 
 
 @pytest.fixture(scope="module")
@@ -180,13 +183,38 @@ def test_batchnorm_per_rank_equals_torch_ddp(tmp_path, gang, strategy, accum):
 
 @pytest.mark.parametrize(
     "job, sets",
-    [(BN_CNN, ["parallel.strategy='zero2'"]), (HALVES, ["data.layout='labelled'", "train.loss='model'"])],
+    [
+        (BN_CNN, ["parallel.strategy='zero2'"]),
+        (HALVES, ["data.layout='labelled'", "train.loss='model'"]),
+        # its forward reads values (.item(), numpy): measured on a real microbatch, said in a note
+        (CLIPPED, []),
+        (CLIPPED, ["parallel.strategy='tp'", "parallel.tp=2", "parallel.tp_plan={first='colwise',second='rowwise'}"]),
+    ],
 )
-def test_plan_takes_these_jobs(tmp_path, capsys, job, sets):
+def test_plan_takes_these_jobs(tmp_path, capsys, monkeypatch, job, sets):
+    from paratrain.cost import played
+
+    monkeypatch.setattr(played, "_VERDICTS", {})  # each plan tries fake tensors afresh (one per process)
     cfg = write_config(tmp_path / "c.toml", job)
     code = main(["plan", str(cfg), "--nproc", "2", *[a for s in sets for a in ("--set", s)]])
     out = capsys.readouterr()
     assert code == 0 and "predicted" in out.out, out.err
+    if job is CLIPPED:
+        assert "measured on a real microbatch" in out.err, out.err
+
+
+def test_plan_on_a_forward_nothing_can_play_exits_2_in_one_line(tmp_path, capsys, monkeypatch):
+    """Where neither fake tensors nor a real batch run the model's forward, one line, no traceback."""
+    import user_models
+
+    def broken(self, x):
+        raise TypeError("this forward takes no tensors")
+
+    monkeypatch.setattr(user_models.ClippedMLP, "forward", broken)
+    code = main(["plan", str(write_config(tmp_path / "c.toml", CLIPPED)), "--nproc", "2"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "model.factory" in lines[-1] and "TypeError" in lines[-1], lines
+    assert not any("Traceback" in line for line in lines), lines
 
 
 def test_pipeline_that_would_train_no_copy_of_a_parameter_exits_2(tmp_path, capsys):
@@ -195,3 +223,15 @@ def test_pipeline_that_would_train_no_copy_of_a_parameter_exits_2(tmp_path, caps
     code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *sets])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "parallel.pp" in lines[0] and "scale" in lines[0], lines
+
+
+def test_a_pipeline_cut_that_drops_what_the_forward_does_exits_2_naming_it(tmp_path):
+    """The model's forward runs a tanh between the layers its pipeline_layers() lists: cut there,
+    the stages would train without it, silently. parallel.verify_plan checks each cut against the
+    model's own forward before training and exits 2 naming the cut."""
+    cfg = write_config(tmp_path / "c.toml", BN_CNN.replace("user_models:bn_cnn", "user_models:skipping_stack"))
+    sets = ["--set", "parallel.strategy='pp'", "--set", "parallel.pp=2", "--set", "parallel.balance='params'"]
+    proc = run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *sets, cwd=Path(__file__).parent)
+    lines = sorted(set(proc.stderr.strip().splitlines()))  # each rank says the one line
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "parallel.pp" in lines[0] and "'second'" in lines[0], lines

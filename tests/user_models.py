@@ -1,6 +1,7 @@
 """User model factories (`module:function`), as a user's own code would define them: built by their
 own construction code, not by paratrain's built-ins."""
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -150,3 +151,43 @@ class TinyImages(torch.utils.data.Dataset):
 
 def tiny_images(split: str = "train", n: int = 96) -> TinyImages:
     return TinyImages(split, n)
+
+
+class ClippedMLP(nn.Module):
+    """An MLP whose forward reads values for its control flow (`.item()`) and through numpy, as
+    custom code does: no fake tensor can run it, a real batch can."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(64, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.first(x))
+        if h.abs().max().item() > 1e3:  # a guard against blow-ups, read as a Python float
+            h = h / 1e3
+        if np.isnan(h.detach().numpy()).any():  # a check through numpy
+            raise FloatingPointError("nan in the hidden layer")
+        return self.second(h)
+
+
+def clipped_mlp() -> ClippedMLP:
+    return ClippedMLP()
+
+
+class SkippingStack(nn.Module):
+    """Two Linear layers with a tanh between them in its forward, which its pipeline_layers() does
+    not carry: a pipeline cut between them would drop it."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(64, 32), nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+    def pipeline_layers(self):
+        return [self.first, self.second]
+
+
+def skipping_stack() -> SkippingStack:
+    return SkippingStack()

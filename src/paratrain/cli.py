@@ -195,6 +195,26 @@ def cmd_launch(args) -> int:
     return outcome(lambda: launch_script(args), lambda: "", lambda r: "")
 
 
+def played(make):
+    """make() (the plan), where playing the model may fail in the model's own code (a custom
+    module that fake tensors, the meta device or a real batch cannot run): one line naming the
+    error and where it arose, exit 2, never a traceback (`paratrain run` need not play it so)."""
+    import traceback
+
+    try:
+        return make()
+    except (ConfigError, MissingExtra):
+        raise
+    except Exception as exc:  # noqa: BLE001 -- the model's own code may raise anything
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(
+            "model.factory",
+            f"plan cannot play the model's forward ({type(exc).__name__}: {first[:200]} at "
+            f"{where.filename}:{where.lineno}); the plan needs one, in fake tensors or on a real batch",
+        ) from None
+
+
 def cmd_plan(args) -> int:
     import torch
 
@@ -228,7 +248,7 @@ def cmd_plan(args) -> int:
         if cluster is None and device == "cpu":  # this host's calibration where one was kept
             cluster, figures = this_machines_cluster(args.nnodes, nproc)
             note(figures)
-        plan = make_plan(cfg, model, nproc, args.nnodes, device, cluster)
+        plan = played(lambda: make_plan(cfg, model, nproc, args.nnodes, device, cluster))
     except ConfigError as exc:
         return _error(str(exc), 2)
     if device_note and cluster is None:

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from paratrain.config import Config
+from paratrain.cost.played import RealTensors, plays_in_fake_tensors, without_peers
 from paratrain.cost.ranks import RankPlan
 from paratrain.data.batch import feed, tensors_in, tree_map
 from paratrain.errors import ConfigError
@@ -129,15 +130,25 @@ class FakeRun:
         planned modules are tp rank 0's shards (the largest: shard_sizes), as `sharding` makes them. `working`: the dtype of
         the trainable parameters the strategy computes with, where not the model's own (mixed-precision
         ZeRO's bf16 working copies)."""
+        played = cls.assemble(cfg, rows, bounds, tp, working, sharding, real=False)
+        if plays_in_fake_tensors(cfg, played):
+            return played
+        return cls.assemble(cfg, rows, bounds, tp, working, sharding, real=True)
+
+    @classmethod
+    def assemble(cls, cfg, rows, bounds, tp, working, sharding, real: bool) -> FakeRun:
+        """build's run in fake tensors, or (`real`) in real ones on the CPU: a model whose forward
+        reads its tensors' values (`.item()` for control flow, numpy) measured on a real batch."""
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         from paratrain.data import build_dataset, load_batch
+        from paratrain.models import build_model
         from paratrain.models.layers import pipeline_layers
 
         dataset = build_dataset(cfg, "train")
         x, y = context_chunks(cfg, *load_batch(dataset, torch.arange(rows)))
-        mode = FakeTensorMode()
-        model = _fake_model(cfg, dataset, mode)
+        mode = RealTensors() if real else FakeTensorMode()
+        model = build_model(cfg, dataset) if real else _fake_model(cfg, dataset, mode)
         x, y, loss_fn = cut_batch(cfg, model, x, y, cut=bounds is not None)
         with mode:
             if tp > 1:
@@ -276,14 +287,20 @@ def tp_all_reduces(cfg: Config, rows: int, bounds: list[int] | None, tp_plan: di
 
     def record(style: str):
         def hook(module, args, out):
-            if style in ("rowwise", "vocab"):
+            if style in ("rowwise", "vocab", "moe_tp_experts", "all_reduce"):
                 payloads[stage_of[id(module)]].append(out.numel() * out.element_size())
             elif args[0].requires_grad:
                 payloads[stage_of[id(module)]].append(args[0].numel() * args[0].element_size())
 
         return hook
 
-    handles = [modules[name].register_forward_hook(record(style)) for name, style in tp_plan.items()]
+    # a planned parameter (an experts' stack) communicates through its module's entry
+    planned = [
+        (n, style)
+        for n, style in tp_plan.items()
+        if n in modules and style not in ("mla_kv_a_proj", "moe_identity_expert")
+    ]
+    handles = [modules[name].register_forward_hook(record(style)) for name, style in planned]
     try:
         run.forward()
     finally:
@@ -347,22 +364,6 @@ class StageMemory:
     forward_peak: int  # the most alive at once during its forward (and loss)
     kept: int  # what its forward leaves alive until its backward: saved activations, its input and output
     backward_peak: int  # the most alive at once during its backward, its kept bytes included
-
-
-@contextlib.contextmanager
-def without_peers():
-    """tp's layers all-reduce (and a gathered head all-gathers) through paratrain.comm.collectives;
-    one rank played alone in fake tensors has no group to reduce with, and a collective leaves its
-    tensors' shapes as they are: each does nothing meanwhile."""
-    from paratrain.comm import collectives
-
-    all_reduce, all_gather = collectives.all_reduce, collectives.all_gather
-    collectives.all_reduce = lambda tensor, what, group=None, async_op=False, op=None: None
-    collectives.all_gather = lambda outputs, tensor, what, group=None: None
-    try:
-        yield
-    finally:
-        collectives.all_reduce, collectives.all_gather = all_reduce, all_gather
 
 
 def step_memory(

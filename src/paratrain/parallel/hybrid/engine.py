@@ -52,7 +52,9 @@ from paratrain.parallel.hybrid.user_model import UserModel
 from paratrain.parallel.pipeline.cut import parameters_outside, splittable_layers, tied_spans
 from paratrain.parallel.pipeline.runner import PipelineRunner
 from paratrain.parallel.pipeline.schedules import SCHEDULES, forward_only, one_f_one_b
+from paratrain.parallel.pipeline.verify import check_cuts
 from paratrain.parallel.tensor.comm import gather_from_tp
+from paratrain.parallel.tensor.experts import packed_shards
 from paratrain.parallel.tensor.layers import check_plan, full_width, output_is_sharded, parallel_loss, plan_for
 from paratrain.parallel.tensor.verify import PlanVerifier
 
@@ -122,8 +124,11 @@ class ModelParallel(Strategy):
         self.name_of = {id(t): n for n, t in unique_parameters(model)}
         # hybrid/parallelize.py's steps, in its order
         self.bounds = decide_cut(model, cfg, plan, self._sample_input, self.autocast, rt.device, rt.is_main)
+        if p.pp > 1 and p.verify_plan:  # the cuts against the model's own forward, while it is whole
+            check_cuts(model, pipeline_layers(model), self.bounds, self._sample_input())
         stage_of_key = stage_of_keys(model, cfg, self.bounds)
         self.shard_dims = apply_tp(model, mesh, plan)
+        self.shard_packs = packed_shards(model)  # tensors split as a fused gate and up (tensor/experts.py)
         self.stage_ids, self.chunks = cut_pipeline(model, mesh, cfg, self.bounds)
         self.reducers, self.param_names, self.params = wrap_dp(model, self.chunks, mesh, cfg, rt.device)
         # parallel.verify_plan: the first step's blocks checked against themselves whole (tensor/verify.py)

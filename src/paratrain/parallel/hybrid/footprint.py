@@ -19,7 +19,7 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
     holds; the stages."""
     from paratrain.config import virtual_stages
     from paratrain.parallel.tensor.comm import shard_range
-    from paratrain.parallel.tensor.layers import STYLES, plan_for, planned_sharding
+    from paratrain.parallel.tensor.layers import plan_for, planned_shard_dims, planned_sharding
 
     p = cfg.parallel
     dp = world // (p.tp * p.pp)
@@ -28,7 +28,7 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
     tp_plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
     bounds, stage_layers, ties = _cut(cfg, model, tp_plan, n_stages)
     # the dimension each planned module's tensors are split along, by parameter name
-    shard_dims = {f"{name}.{t}": d for name, style in tp_plan.items() for t, d in STYLES[style].shard_dims.items()}
+    shard_dims = planned_shard_dims(model, tp_plan)
     name_of = {id(t): n for n, t in model.named_parameters()}
 
     def shard_of(t: torch.Tensor, tp_rank: int) -> torch.Tensor:

@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from paratrain import checkpoint as ckpt
 from paratrain.parallel.hybrid.parallelize import stage_of_keys
-from paratrain.parallel.tensor.comm import all_gather_dim, shard_range
+from paratrain.parallel.tensor.comm import gather_shards
+from paratrain.parallel.tensor.experts import join_shards, shard_slice
 
 
 def load_resharded(mp, reader) -> None:
@@ -34,12 +35,11 @@ def load_resharded(mp, reader) -> None:
         parts = pieces.get(key)
         if parts is None or same_tp or parts[0].dim() == 0:
             return parts[0] if parts else None
-        whole = torch.cat(parts, dim=old_dims[name]) if name in old_dims else parts[0]
+        packs = mp.shard_packs.get(name, 1)  # a fused gate and up: split as each (tensor/experts.py)
+        whole = join_shards(parts, old_dims[name], packs) if name in old_dims else parts[0]
         if name not in mp.shard_dims:
             return whole
-        dim = mp.shard_dims[name]
-        start, end = shard_range(whole.shape[dim], mp.mesh.tp, mp.mesh.tp_rank)
-        return whole.narrow(dim, start, end - start)
+        return shard_slice(whole, mp.shard_dims[name], mp.mesh.tp, mp.mesh.tp_rank, packs)
 
     local = mp._local_state()
     state = {k: mine(f"model.{k}", k) for k in local}
@@ -80,7 +80,7 @@ def model_chunks(mp):
             t = local[k].detach()
             if k in mp.shard_dims:
                 dim = mp.shard_dims[k]
-                t = all_gather_dim(t, dim, meta.shape[dim], mesh.tp_group)
+                t = gather_shards(t, dim, meta.shape[dim], mesh.tp_group, mp.shard_packs.get(k, 1))
             if mp.rt.rank == 0:
                 yield {k: t}
             elif mesh.tp_rank == 0:

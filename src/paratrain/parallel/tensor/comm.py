@@ -68,6 +68,15 @@ def all_gather_dim(x: torch.Tensor, dim: int, full: int, group, world: int | Non
     return torch.cat([p[..., :s] for p, s in zip(parts, sizes)], dim=-1).movedim(-1, dim)
 
 
+def gather_shards(x: torch.Tensor, dim: int, full: int, group, packs: int = 1) -> torch.Tensor:
+    """all_gather_dim for a tensor split in `packs` pieces each (a fused gate and up split as gate
+    and up: tensor/experts.shard_slice), whole in its own layout."""
+    if packs == 1:
+        return all_gather_dim(x, dim, full, group)
+    piece = full // packs
+    return torch.cat([all_gather_dim(c.contiguous(), dim, piece, group) for c in x.chunk(packs, dim)], dim)
+
+
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, full: int, place: tuple[int, int] | None):

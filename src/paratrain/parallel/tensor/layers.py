@@ -33,6 +33,15 @@ from paratrain.comm import collectives
 from paratrain.cost.activations import TensorSharding
 from paratrain.errors import ConfigError
 from paratrain.parallel.tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp, shard_range, split_to_tp
+from paratrain.parallel.tensor.experts import (
+    HOOK_STYLES,
+    PACKS,
+    PARAM_STYLES,
+    install_hooks,
+    param_split,
+    shard_parameter,
+    shard_slice,
+)
 from paratrain.parallel.tensor.model_plans import check_heads, expand, in_paratrain_styles, transformers_plan
 
 
@@ -50,6 +59,25 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class PackedColumnParallelLinear(ColumnParallelLinear):
+    """Column-parallel over a fused output [gate; up] (transformers' packed_colwise): each rank holds
+    its slice of the gate rows and of the up rows, so the model's own chunk into gate and up pairs
+    them right."""
+
+    packed_attrs = ("weight", "bias")
+
+    def __init__(self, linear: nn.Linear, group, rank: int, world: int):
+        nn.Module.__init__(self)
+        self.group = group
+        self.in_features, self.full_out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(shard_slice(linear.weight.detach(), 0, world, rank, PACKS).clone())
+        bias = linear.bias
+        self.bias = (
+            nn.Parameter(shard_slice(bias.detach(), 0, world, rank, PACKS).clone()) if bias is not None else None
+        )
+        self.out_features = self.weight.shape[0]
 
 
 class GatheredColumnParallelLinear(ColumnParallelLinear):
@@ -138,6 +166,7 @@ STYLES = {
     "rowwise": RowParallelLinear,
     "colwise_gather_output": GatheredColumnParallelLinear,
     "rowwise_split_input": SplitInputRowParallelLinear,
+    "packed_colwise": PackedColumnParallelLinear,
     "vocab": VocabParallelEmbedding,
     "embedding_colwise": HiddenParallelEmbedding,
 }
@@ -170,7 +199,11 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool, own_loss: bool
     for owner, module in modules.items():
         for t in module.parameters(recurse=False):
             holders.setdefault(id(t), []).append(owner)
+    params = dict(model.named_parameters(remove_duplicate=False))
     for name, style in plan.items():
+        if name not in modules and name in params or style in HOOK_STYLES:
+            check_other_entry(model, name, style, params.get(name), tp, user)
+            continue
         if style not in STYLES:  # a plan's own paratrain_tp_plan(); the others are mapped (model_plans.py)
             raise ConfigError(key, f"{name!r}: style must be one of {' | '.join(STYLES)}, got {style!r}")
         if name not in modules or name == "":
@@ -195,12 +228,15 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool, own_loss: bool
                     f"weights or one module used twice), which this plan would split apart",
                 )
         # User plans split evenly; the built-in gpt's vocabulary may split unevenly (by one row).
-        dim = {"colwise": "out_features", "colwise_gather_output": "out_features"}.get(
-            style, "in_features" if style.startswith("rowwise") else "embedding_dim"
-        )
+        dim = {
+            "colwise": "out_features",
+            "colwise_gather_output": "out_features",
+            "packed_colwise": "out_features",
+        }.get(style, "in_features" if style.startswith("rowwise") else "embedding_dim")
         size = getattr(module, dim) if style != "vocab" else tp
-        if user and size % tp:
-            raise ConfigError("parallel.tp", f"tp {tp} does not divide {name}.{dim} = {size}")
+        parts = tp * (PACKS if style == "packed_colwise" else 1)  # a fused gate and up: each split alike
+        if (user or parts > tp) and size % parts:
+            raise ConfigError("parallel.tp", f"{parts} does not divide {name}.{dim} = {size} ({style}, tp {tp})")
     if user and isinstance(model, nn.Sequential):
         check_pairs(model, plan)
     head = last_linear(model)
@@ -218,6 +254,33 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool, own_loss: bool
             raise ConfigError("parallel.tp", f"tp {tp} does not divide the gpt's {heads} attention heads")
     elif plan:
         check_heads(model, tp)
+
+
+def check_other_entry(model: nn.Module, name: str, style: str, param, tp: int, user: bool) -> None:
+    """A plan entry on a parameter (an experts' stack, tensor/experts.py) or a style that adds
+    communication around a module's own forward: it exists, and splits evenly."""
+    key = "parallel.tp_plan"
+    if param is not None:
+        if style not in PARAM_STYLES:
+            raise ConfigError(
+                key, f"{name!r} is a parameter: its style must be one of {' | '.join(PARAM_STYLES)}, got {style!r}"
+            )
+        dim, packs = param_split(style, param.dim())
+        if dim is not None and (user or packs > 1) and param.shape[dim] % (tp * packs):
+            raise ConfigError(
+                "parallel.tp",
+                f"{tp * packs} does not divide {name}'s dimension {dim} = {param.shape[dim]} ({style}, tp {tp})",
+            )
+        return
+    module = dict(model.named_modules()).get(name)
+    if module is None or name == "":
+        raise ConfigError(key, f"{name!r} is not a module of the model")
+    if style == "mla_kv_a_proj" and not (isinstance(module, nn.Linear) and _rope_dim(model)):
+        raise ConfigError(key, f'{name!r} = "mla_kv_a_proj" needs a Linear and the model\'s config.qk_rope_head_dim')
+
+
+def _rope_dim(model: nn.Module) -> int | None:
+    return getattr(getattr(model, "config", None), "qk_rope_head_dim", None)
 
 
 def check_pairs(model: nn.Sequential, plan: dict) -> None:
@@ -262,11 +325,18 @@ def shard_modules(model: nn.Module, plan: dict, group, rank: int, world: int) ->
     modules = dict(model.named_modules())
     tied: dict[int, list[tuple[str, str]]] = {}  # parameter -> the planned (module, attribute) holding it
     for name in plan:
-        for attr, t in modules[name].named_parameters(recurse=False):
+        for attr, t in modules[name].named_parameters(recurse=False) if name in modules else ():
             tied.setdefault(id(t), []).append((name, attr))
     shard_dims = {}
     for name, style in plan.items():
         parent_name, _, attr = name.rpartition(".")
+        if name not in modules:  # a parameter: sliced in place, its module's forward unchanged
+            split = shard_parameter(modules[parent_name], attr, style, rank, world)
+            shard_dims.update({name: split[0]} if split else {})
+            continue
+        if style in HOOK_STYLES:  # the module's own forward, communication around it
+            install_hooks(modules[name], style, group, (rank, world), _rope_dim(model))
+            continue
         parallel = STYLES[style](modules[name], group, rank, world)
         setattr(modules[parent_name], attr, parallel)
         prefix = f"{name}." if name else ""
@@ -342,6 +412,19 @@ def parallel_loss(loss_fn, group, full: int):
     if loss_fn is cross_entropy:
         return lambda out, y: vocab_parallel_cross_entropy(output_logits(out), y, group, full)
     return lambda out, y: loss_fn(gather_from_tp(out, group, full), y)
+
+
+def planned_shard_dims(model: nn.Module, plan: dict) -> dict[str, int]:
+    """Parameter name -> the dimension `plan` splits it along (the planner's count of shards)."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name, style in plan.items():
+        if name in params:
+            dim, _ = param_split(style, params[name].dim())
+            out.update({name: dim} if dim is not None else {})
+        elif style in STYLES:
+            out.update({f"{name}.{t}": d for t, d in STYLES[style].shard_dims.items()})
+    return out
 
 
 def planned_sharding(plan: dict, tp: int) -> TensorSharding:

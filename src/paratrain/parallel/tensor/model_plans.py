@@ -19,9 +19,13 @@ transformers' styles (as `parallel.tp_plan` may name them too) and what paratrai
                                            activations between tp blocks are whole on every rank, so
                                            a norm that transformers runs on a sequence shard runs
                                            on the whole sequence here, to the same values)
-Styles of mixture-of-experts layers and of multi-head latent attention (packed_colwise,
-packed_rowwise, moe_tp_experts, grouped_gemm, ep_*, all_reduce, gather, mla_kv_a_proj, ...) split
-tensors that are no Linear or Embedding: they exit 2 naming the style."""
+    packed_colwise, packed_rowwise          a fused [gate; up] split as gate and up each (on a Linear
+                                           or an experts' parameter); colwise and rowwise on a
+                                           parameter split its output or input dimension
+    moe_tp_experts, all_reduce (gather),   communication around a module's own forward
+    moe_identity_expert, mla_kv_a_proj     (parallel/tensor/experts.py)
+Expert parallelism's styles (grouped_gemm, ep_*) spread the experts over ranks: parallel.ep's, they
+exit 2 naming it."""
 
 from __future__ import annotations
 
@@ -48,14 +52,23 @@ HF_STYLES = {
     "local": None,
     "local_params": None,
     "sequence_parallel": None,
+    "packed_colwise": "packed_colwise",
+    "packed_rowwise": "packed_rowwise",
+    "moe_tp_experts": "moe_tp_experts",
+    "all_reduce": "all_reduce",
+    "gather": "all_reduce",  # older transformers' GatherParallel: the module's outputs summed
+    "moe_identity_expert": "moe_identity_expert",
+    "mla_kv_a_proj": "mla_kv_a_proj",
 }
+EP_STYLES = ("grouped_gemm", "ep_dispatch_experts", "ep_router", "ep_experts")
 
 
 def expand(plan: dict, model: nn.Module, strict: bool) -> dict[str, str]:
     """`plan` with each wildcard name replaced by the module names it matches, in the model's
     order. `strict` (the user's plan): a name that matches no module exits 2; a model's own plan
     may name modules that this configuration lacks."""
-    names = [n for n, _ in model.named_modules() if n]
+    # modules, and parameters (an experts' stacked weights are planned as tensors)
+    names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
     out: dict[str, str] = {}
     for pattern, style in plan.items():
         if "*" not in pattern:
@@ -84,6 +97,12 @@ def in_paratrain_styles(plan: dict[str, str], whose: str) -> dict[str, str]:
     replicated modules left out; a style paratrain does not run exits 2 naming it."""
     out = {}
     for name, style in plan.items():
+        if style in EP_STYLES:
+            raise ConfigError(
+                KEY,
+                f"{whose} splits {name!r} as {style!r}, expert parallelism (the experts spread over "
+                f"ranks), which is parallel.ep's: tensor parallelism splits each expert (moe_tp_experts)",
+            )
         if style not in HF_STYLES and style not in HF_STYLES.values():
             runs = ", ".join(HF_STYLES)
             fix = "" if whose == KEY else ": give parallel.tp_plan"

@@ -31,7 +31,8 @@ from torch import nn
 from paratrain.comm import collectives
 from paratrain.data.batch import tensors_in, tree_map
 from paratrain.errors import ConfigError
-from paratrain.parallel.tensor.comm import all_gather_dim, shard_range
+from paratrain.parallel.tensor.comm import gather_shards, shard_range
+from paratrain.parallel.tensor.experts import PACKS
 from paratrain.parallel.tensor.layers import HiddenParallelEmbedding, VocabParallelEmbedding
 
 # relative error of one block's output, sharded against whole: float summation order alone (fp32),
@@ -39,8 +40,16 @@ from paratrain.parallel.tensor.layers import HiddenParallelEmbedding, VocabParal
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 
 
-# styles whose module takes and gives whole tensors: a block of its own
-WHOLE_IN_AND_OUT = ("colwise_gather_output", "rowwise_split_input", "vocab", "embedding_colwise")
+# styles whose module takes and gives whole tensors: a block of its own (an experts module's with
+# the parameters planned under it)
+WHOLE_IN_AND_OUT = (
+    "colwise_gather_output",
+    "rowwise_split_input",
+    "vocab",
+    "embedding_colwise",
+    "moe_tp_experts",
+    "all_reduce",
+)
 
 
 def _held(module: nn.Module) -> bool:
@@ -54,7 +63,7 @@ def blocks_of(model: nn.Module, plan: dict[str, str]) -> dict[str, list[str]]:
     for name, style in plan.items():
         parent = name.rpartition(".")[0]
         if style in WHOLE_IN_AND_OUT:
-            children[name] = [name]
+            children.setdefault(name, []).append(name)
         elif parent:  # a split output or input: the block is where the pair meets
             children.setdefault(parent, []).append(name)
     kinds: dict[tuple, str] = {}
@@ -105,8 +114,8 @@ class PlanVerifier:
         full = {}
         for attr, t in part.named_parameters(recurse=False):
             if attr in dims:
-                size = _full_size(part, dims[attr])
-                full[attr] = all_gather_dim(t.detach().contiguous(), dims[attr], size, self.group)
+                size, packs = _full_size(part, dims[attr]), PACKS if attr in getattr(part, "packed_attrs", ()) else 1
+                full[attr] = gather_shards(t.detach().contiguous(), dims[attr], size, self.group, packs)
             else:
                 full[attr] = t.detach()
         if isinstance(part, (VocabParallelEmbedding, HiddenParallelEmbedding)):
@@ -118,20 +127,37 @@ class PlanVerifier:
             setattr(whole, attr, nn.Parameter(t, requires_grad=False))
         return whole
 
+    def _whole_parameter(self, name: str) -> nn.Parameter:
+        """The planned parameter `name` whole (tensor/experts.shard_parameter's slices gathered)."""
+        owner_name, _, attr = name.rpartition(".")
+        owner = self.model.get_submodule(owner_name)
+        dim, size, packs = owner.tp_param_shards[attr]
+        full = gather_shards(getattr(owner, attr).detach().contiguous(), dim, size, self.group, packs)
+        return nn.Parameter(full, requires_grad=False)
+
     @torch.no_grad()
     def _error(self, block: str, autocast) -> float:
         """Relative error of the block's sharded output against the whole block's."""
         args, kwargs, sharded = self.seen[block]
-        module = self.model.get_submodule(block)
-        swapped = [(n, self.model.get_submodule(n)) for n in self.blocks[block]]
+        module, modules = self.model.get_submodule(block), dict(self.model.named_modules())
+        planned = self.blocks[block]
+        hooked = [modules[n] for n in planned if hasattr(modules.get(n), "tp_style")]  # tensor/experts.py
+        params = [n for n in planned if n not in modules]  # an experts' stacks: sliced in place
+        swapped = [(n, modules[n]) for n in planned if n in modules and modules[n] not in hooked]
         wholes = [self._whole(n) for n, _ in swapped]  # every tp rank gathers, in one order
+        sliced = [(n, self.model.get_parameter(n)) for n in params]
+        full = [self._whole_parameter(n) for n in params]
         try:
-            for (name, _), whole in zip(swapped, wholes):
+            for (name, _), whole in [*zip(swapped, wholes), *zip(sliced, full)]:
                 _replace(self.model, block, name, whole)
+            for m in hooked:
+                m.tp_hooks_off = True
             with autocast():
                 out = module(*args, **kwargs)
         finally:
-            for name, part in swapped:
+            for m in hooked:
+                m.tp_hooks_off = False
+            for name, part in [*swapped, *sliced]:
                 _replace(self.model, block, name, part)
         a, b = tensors_in(sharded)[0].float(), tensors_in(out)[0].float()
         if a.shape[:-1] == b.shape[:-1] and a.shape[-1] < b.shape[-1]:
