@@ -53,7 +53,10 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
         f"at most twice the largest unit ({biggest / MIB:.3g} MiB) at once; the step's peak counts the root "
         "unit and the running one",
     }[stage]
-    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, (backward, after)
+    # stages 2 and 3 let the gradient shards go from the step's start until backward reduces into
+    # them again (zero/comm.py: StreamingShardReducer.zero_grad): not there where backward starts
+    released = grad_bytes if stage >= 2 else 0
+    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, (backward - released, after)
 
 
 def mixed_working_dtype(cfg: Config, params: list[nn.Parameter], stage: int):
