@@ -34,6 +34,34 @@ def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: TrainConfi
     return kind(params, **kwargs)
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` can skip a step on a flag that stays on the device: torch's fused SGD,
+    Adam and AdamW take one (`found_inf`, as GradScaler hands them), so the decision to skip a
+    non-finite step needs no host sync in the step."""
+    return type(optimizer) in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW) and all(
+        g.get("fused") and not g.get("dampening") for g in optimizer.param_groups
+    )
+
+
+def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
+    """optimizer.step(), a no-op on the device where `nonfinite` (a float32 scalar) is 1: the
+    parameters and the state (AdamW's step count too) are left as they were (skips_on_device).
+    SGD's momentum buffers start at zero here: torch's fused SGD makes a missing one with
+    empty_like and fills it only in a step that is not skipped, while from zero the first step
+    computes what it does without one (buf = 0 * momentum + g = g, dampening 0)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        for group in optimizer.param_groups:
+            if group["momentum"]:
+                for p in group["params"]:
+                    if p.grad is not None and optimizer.state[p].get("momentum_buffer") is None:
+                        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    optimizer.found_inf = nonfinite  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
+
+
 def rebuild_optimizer(
     optimizer: torch.optim.Optimizer, name_of: dict[int, str], new: dict[str, torch.Tensor]
 ) -> torch.optim.Optimizer:

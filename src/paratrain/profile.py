@@ -93,7 +93,7 @@ class _Phase:
 
     def __exit__(self, *exc):
         prof = self.prof
-        if prof._sync is not None:
+        if prof._sync is not None and prof._draining:
             prof._sync()
         end = time.perf_counter()
         prof._stack.pop()
@@ -145,6 +145,7 @@ class Profiler:
         self._min = [0.0] * _O
         self._tracing = False
         self._in_step = False
+        self._draining = True
         self._io = open_proc_io() if device.type == "cpu" else None
         self._torch_prof = None
         self._memory = memory
@@ -187,8 +188,13 @@ class Profiler:
 
     # -- what the trainer calls -------------------------------------------------------------------
     @contextlib.contextmanager
-    def step(self, step: int):
-        """One training step; `step` is its number as metrics.jsonl counts it (1 = the first)."""
+    def step(self, step: int, drain: bool = True):
+        """One training step; `step` is its number as metrics.jsonl counts it (1 = the first).
+        On a GPU, `drain` waits for the device at the end of each phase and of the step, so that
+        their times are the device's: the trainer drains only at a logged step (no host sync in the
+        steps between, whose times are then the host's, the device's wait falling on the logged
+        step; the steps' sum is the same)."""
+        self._draining = drain
         self._step = step
         self._tracing = step - self._first_step <= TRACE_STEPS
         self._phase_s = [0.0] * _P
@@ -203,7 +209,7 @@ class Profiler:
             yield self
         finally:
             self._in_step = False
-        if self._sync is not None:
+        if self._sync is not None and drain:
             self._sync()
         end = time.perf_counter()
         sent = bytes_sent(self._io) - io_before if self._io is not None else -1.0

@@ -55,6 +55,8 @@ class _Tally:
     bad_in_a_row: int = 0
     skipped: int = 0
     losses: list = field(default_factory=list)  # reported steps' losses, summed when logged: no copy per step
+    # steps whose skip decision stayed on the device: (step, lr, flag, loss), counted when logged
+    unsettled: list = field(default_factory=list)
     compile_s: float = 0.0  # train.compile: the first step's time, which compiled, out of samples/s
 
     def restart(self) -> None:
@@ -207,7 +209,7 @@ class Trainer:
         last, stopped_by, compile_s = {}, 0, 0.0
         timeout = timedelta(seconds=cfg.parallel.timeout_s)
         agreed = self.strategy.lockstep and not self.membership  # (its group would not outlive a regroup)
-        stops = stop.StopAgreement(rt.world_size, self.step, timeout) if agreed else None
+        stops = stop.StopAgreement(rt.world_size, self.step, timeout, cfg.train.log_every) if agreed else None
         stops = self.membership.stops(self) if self.membership else stops  # (after the step's all-reduce)
         try:
             while self.step < cfg.train.steps:
@@ -222,6 +224,7 @@ class Trainer:
                 if done or stopped_by or evaluate or self.step % cfg.train.log_every == 0:
                     last = self._log(lr, tally, log, prof, evaluate, final=bool(done or stopped_by))
                 if stopped_by or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                    self._settle(tally, log)  # (too many non-finite steps end the run before it saves)
                     self.save_checkpoint()
                 if stopped_by:  # without the final export: the run is not over
                     break
@@ -247,10 +250,19 @@ class Trainer:
         collectives.LOG.step = self.step
         fault_points.at_step_start(rank=self.rt.rank, step=self.step, attempt=self.rt.restart_count)
         lr = self.cfg.train.lr * self.lr_at(self.step)
-        with prof.step(self.step + 1):
+        with prof.step(self.step + 1, drain=self._logs(self.step + 1)):
             run = lambda: self._train_step(lr, prof)  # noqa: E731
             loss = self.membership.step(self, run) if self.membership else run()
         return lr, loss
+
+    def _logs(self, step: int) -> bool:
+        """Whether step `step` is logged (or may be: a stop agreed after it is logged too)."""
+        train = self.cfg.train
+        return (
+            step >= train.steps
+            or step % train.log_every == 0
+            or bool(train.eval_every and step % train.eval_every == 0)
+        )
 
     def _train_step(self, lr: float, prof) -> torch.Tensor:
         with prof.phase("data"):
@@ -266,31 +278,50 @@ class Trainer:
 
     def _account(self, loss: torch.Tensor, lr: float, tally: _Tally, log: MetricsLog) -> None:
         """Count the step: its loss towards the next logged mean, or a skipped update (a non-finite
-        loss or gradient, agreed by every rank), too many of which in a row end the run."""
+        loss or gradient, agreed by every rank), too many of which in a row end the run. Where
+        the strategy decided on the device (its skipped_step a tensor), the step is counted at the
+        next logged step or checkpoint (_settle), with one copy to the host for all the steps since."""
         tally.steps_since += 1
+        skipped = self.strategy.skipped_step
+        if isinstance(skipped, torch.Tensor):
+            tally.unsettled.append((self.step, lr, skipped, loss.detach()))
+        else:
+            self._settle(tally, log)
+            self._count(self.step, lr, bool(skipped), loss, tally, log)
+        log.advance()
+
+    def _settle(self, tally: _Tally, log: MetricsLog) -> None:
+        """Count the steps whose skip decision stayed on the device, in order, as at their step."""
+        if not tally.unsettled:
+            return
+        unsettled, tally.unsettled = tally.unsettled, []
+        flags = torch.stack([flag for _, _, flag, _ in unsettled]).tolist()
+        for (step, lr, _, loss), skipped in zip(unsettled, flags):
+            self._count(step, lr, bool(skipped), loss, tally, log)
+
+    def _count(self, step: int, lr: float, skipped: bool, loss: torch.Tensor, tally: _Tally, log: MetricsLog) -> None:
         limit = self.cfg.train.max_bad_steps
-        if self.strategy.skipped_step:
+        if skipped:
             tally.bad_in_a_row += 1
             tally.skipped += 1
             log.print(
-                f"step {self.step}: non-finite loss or gradient, update skipped "
-                f"({tally.bad_in_a_row} in a row, at most {limit})"
+                f"step {step}: non-finite loss or gradient, update skipped ({tally.bad_in_a_row} in a row, at most {limit})"
             )
             if tally.bad_in_a_row > limit:
                 raise NonFiniteError(
                     f"{tally.bad_in_a_row} steps in a row had a non-finite loss or gradient "
                     f"(train.max_bad_steps = {limit}); last at step "
-                    f"{self.step}, lr {lr:.3e}: lower train.lr or clip gradients"
+                    f"{step}, lr {lr:.3e}: lower train.lr or clip gradients"
                 )
         else:
             tally.bad_in_a_row = 0
             if self.strategy.reports_loss:
                 tally.losses.append(loss.detach())
-        log.advance()
 
     def _log(self, lr: float, tally: _Tally, log: MetricsLog, prof, evaluate: bool, final: bool) -> dict:
         """The logged step's metrics.jsonl entry (the loss averaged over the steps since the last
         one and over the ranks that report it), written; the tally starts again."""
+        self._settle(tally, log)
         losses = torch.stack(tally.losses).double().cpu() if tally.losses else torch.zeros(0, dtype=torch.float64)
         loss_sum = torch.tensor([losses.sum().item(), len(losses)], dtype=torch.float64)
         reduced = self.strategy.reduce_loss(loss_sum)

@@ -14,6 +14,7 @@ call, and the transport's error goes on to the launcher, which names the dead ra
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import torch
@@ -33,6 +34,17 @@ class LockstepCheck:
         self.world = dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.world > 1 else None
         self.seq = 0
+
+    @contextlib.contextmanager
+    def trusted(self):
+        """Calls of paratrain's own training step, which every rank runs by construction: not
+        checked, so that a step makes no collective (nor host sync) beyond its gathers and
+        reductions. The user's own calls (pt.setup's model in the user's loop) are all checked."""
+        group, self.group = self.group, None
+        try:
+            yield
+        finally:
+            self.group = group
 
     def check(self, kind: int) -> None:
         """Before a call of `kind`: every rank is at the same call, or this rank stops (exit 1)."""

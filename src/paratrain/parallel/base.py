@@ -13,7 +13,9 @@ and reads three attributes:
     reports_loss      whether this rank's train_step loss and eval_step sums count: exactly one rank
                       per replica reports (e.g. the last pipeline stage), the others return zeros;
     skipped_step      set by train_step when a loss or gradient was not finite and the optimizer
-                      step was skipped; every rank must agree on it.
+                      step was skipped; every rank must agree on it. A bool, or a device tensor
+                      (1.0: skipped) where the decision stayed on the device (step_if_finite): the
+                      trainer reads those at its next logged step, so a step needs no host sync.
 Hooks with defaults that fit strategies whose ranks run in lockstep (override where they do not):
     reads_data        False on a rank that takes no batches (e.g. a parameter server): the trainer
                       passes train_step None and skips its evaluation shard;
@@ -68,7 +70,7 @@ from paratrain.config import Config
 from paratrain.data.batch import feed, num_samples, split_batch
 from paratrain.errors import error
 from paratrain.models.moe import with_auxiliary_losses
-from paratrain.optim import accuracy_counts, set_lr
+from paratrain.optim import accuracy_counts, set_lr, skips_on_device, step_unless
 from paratrain.profile import NULL_PROFILER
 from paratrain.runtime.process import Runtime, SeededMicroBatches
 
@@ -147,6 +149,31 @@ class Strategy:
         if self.rng_step is None:
             return parts
         return SeededMicroBatches(parts, self.cfg.train.seed, self.rng_step, self.dp_rank * len(parts))
+
+    def step_if_finite(
+        self, norm: torch.Tensor, scale_grads: Callable, discard: Callable | None = None
+    ) -> bool | torch.Tensor:
+        """The optimizer step of a train_step (after clipping to train.clip_grad_norm), skipped
+        where the global gradient `norm` (the same on every rank) is not finite; the value for
+        `skipped_step`. An optimizer that skips on the device (optim.skips_on_device) decides
+        there: no host sync, the flag tensor returned. Otherwise the host reads the norm now, and a
+        skipped step calls `discard` (gradients a strategy keeps beyond the step, e.g. a codec's
+        error feedback, which a device-side skip cannot drop: such strategies pass it)."""
+        clip = self.cfg.train.clip_grad_norm
+        if discard is None and skips_on_device(self.optimizer):
+            nonfinite = torch.isfinite(norm).logical_not().to(torch.float32)
+            if clip > 0:  # a non-finite norm makes the factor 0 or NaN: the step is skipped anyway
+                scale_grads(clip_factor(norm, clip))
+            step_unless(self.optimizer, nonfinite)
+            return nonfinite
+        if not bool(torch.isfinite(norm)):
+            if discard is not None:
+                discard()
+            return True
+        if clip > 0:
+            scale_grads(clip_factor(norm, clip))
+        self.optimizer.step()
+        return False
 
     def set_lr(self, lr: float) -> None:
         set_lr(self.optimizer, lr)

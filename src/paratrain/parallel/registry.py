@@ -54,6 +54,11 @@ def build_for_training(model, loss_fn, cfg: Config, rt) -> Strategy:
     """The strategy as `paratrain run` and the Python API train with it: built, its blocks compiled
     under train.compile (as the strategy placed, sharded and cut them: models/compiled.py), and a
     note where train.precision = bf16 runs on a CPU that emulates it."""
+    if rt.device.type == "cpu":  # (a process that runs one job after another takes each one's policy)
+        from paratrain.runtime import process
+
+        policy = process.give_freed_memory_back if spec(cfg.parallel.strategy).gives_freed_memory_back else None
+        (policy or process.keep_freed_memory)()
     strategy = build_strategy(model, loss_fn, cfg, rt)
     if cfg.train.precision == "bf16" and rt.device.type == "cpu" and rt.is_main:
         from paratrain.runtime.machine import cpu_multiplies_bf16_natively

@@ -27,6 +27,7 @@ from paratrain import checkpoint as ckpt
 from paratrain.data.batch import feed
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, unique_parameters, whole_model_chunks
+from paratrain.parallel.codecs.base import Codec
 from paratrain.parallel.codecs.basic import Uncompressed, build_codec
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.profile import NULL_PROFILER
@@ -264,13 +265,12 @@ class DataParallel(Strategy):
         # finish(): waits count as "comm" and codec arithmetic as "compress" (inside the codec)
         norm = self.reducer.finish()
         with prof.phase("optimizer"):
-            self.skipped_step = not bool(torch.isfinite(norm))
-            if self.skipped_step:
-                self.reducer.discard()
-                return mean
-            if self.cfg.train.clip_grad_norm > 0:
-                self.reducer.scale_(clip_factor(norm, self.cfg.train.clip_grad_norm))
-            self.optimizer.step()
+            # a codec that remembers gradients (error feedback) must forget a skipped step's: the
+            # host decides; without one the next step's zero_grad drops them, and the device decides
+            remembers = type(self.reducer.codec).discard is not Codec.discard
+            self.skipped_step = self.step_if_finite(
+                norm, self.reducer.scale_, self.reducer.discard if remembers else None
+            )
         return mean
 
     # -- the Python API's own loop ----------------------------------------------------------------

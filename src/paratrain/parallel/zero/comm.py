@@ -224,8 +224,23 @@ class StreamingShardReducer:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def zero_grad(self) -> None:
+        """The gradient shards go until backward makes them again (_hold_shard, as each unit's
+        reduction completes): from a step to the next backward, the units the forward gathers do
+        not sit beside them (under zero3, the model's gradient shards at once: its peak in the
+        forward, and in the backward all but the shards still to come). Their views (the
+        optimizer's pieces' gradients, a user's ShardedGrads) stay bound, as a unit's full
+        parameters' do to its freed storage."""
         for u in self.units:
-            u.grad_shard.zero_()
+            u.grad_shard.untyped_storage().resize_(0)
+            u.grad_held = False
+
+    @staticmethod
+    def _hold_shard(unit: FlatUnit) -> None:
+        """The unit's gradient shard, zeros, before a backward's first reduction into it."""
+        if not getattr(unit, "grad_held", True):
+            unit.grad_shard.untyped_storage().resize_(unit.grad_shard.numel() * unit.grad_shard.element_size())
+            unit.grad_shard.zero_()
+            unit.grad_held = True
 
     def prepare(self, accumulate: bool) -> None:
         """Before each backward: `accumulate` adds to the grad shards instead of overwriting them."""
@@ -305,6 +320,7 @@ class StreamingShardReducer:
 
     def _complete(self, unit: FlatUnit) -> None:
         unit.work.wait()
+        self._hold_shard(unit)
         if self.in_place:
             self._take_own_pieces(unit)
             self._count(-sum(g.nbytes for g in unit.grads if g is not None))

@@ -277,12 +277,10 @@ class Zero(Strategy):
         grads = [u.shard.grad for u in self.units]
         self._average_across_replicas(grads)
         with prof.phase("optimizer"):
-            norm = self._grad_norm()
-            self.skipped_step = not bool(torch.isfinite(norm))  # the same on every rank: the norm is global
-            if not self.skipped_step:
-                if self.cfg.train.clip_grad_norm > 0:
-                    self._scale_grads(clip_factor(norm, self.cfg.train.clip_grad_norm))
-                self.optimizer.step()  # then _after_step (a hook of the optimizer's)
+            norm = self._grad_norm()  # global: the same decision on every rank
+            # then _after_step (a hook of the optimizer's), skipped or not: it gathers the
+            # parameters, unchanged after a skipped step
+            self.skipped_step = self.step_if_finite(norm, self._scale_grads)
         return total / len(micro)
 
     def _grad_norm(self) -> torch.Tensor:
@@ -349,10 +347,11 @@ class Zero(Strategy):
         self._take_back_model_grads()
         if fresh:
             self.reducer.zero_grad()
-            self._bind_piece_grads()
         self._before_backward(0 if fresh else 1, last=True)
         loss.backward()
         self._after_backward(last=True)
+        if fresh:  # (stages 2 and 3 let the gradient shards go until backward made them again)
+            self._bind_piece_grads()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
         self._average_across_replicas([u.shard.grad for u in self.units])
         self.user_grads.install(self._grad_pieces())

@@ -22,7 +22,8 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
     StreamingShardReducer holds while it reduces them; stage 3, the root unit, gathered through
     forward and backward, and the unit whose forward or backward runs (the ParameterGatherer allows
     twice the largest unit besides the root for a prefetch and the gradients in flight, but a step
-    peaks where backward starts: the most activations, no gradient in flight yet). After it, the
+    peaks where backward starts: the most activations, no gradient in flight yet; under stages 2 and
+    3 no gradient shard either: they are made as backward reduces into them). After it, the
     gradient norm squares each unit's gradient shard into a temporary (zero/comm.py: sharded_grad_norm).
 
     Mixed precision (stages 1 and 2 under bf16, zero/engine.py): working parameters and gradients in
@@ -53,7 +54,10 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
         f"at most twice the largest unit ({biggest / MIB:.3g} MiB) at once; the step's peak counts the root "
         "unit and the running one",
     }[stage]
-    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, (backward, after)
+    # stages 2 and 3 let the gradient shards go from the step's start until backward reduces into
+    # them again (zero/comm.py: StreamingShardReducer.zero_grad): not there where backward starts
+    released = grad_bytes if stage >= 2 else 0
+    return param_bytes, grad_bytes, shard * optimizer_slots(cfg), transient, (backward - released, after)
 
 
 def mixed_working_dtype(cfg: Config, params: list[nn.Parameter], stage: int):

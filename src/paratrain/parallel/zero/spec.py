@@ -21,6 +21,8 @@ class ZeroSpec(Spec):
         self.stage = stage
         self.name = self.checkpoint_family = f"zero{stage}"
         self.engine_path = f"paratrain.parallel.zero.stages:Zero{stage}"
+        # zero3 frees and makes its units' full tensors every step: kept freed memory only adds to its peak
+        self.gives_freed_memory_back = stage == 3
 
     def codec_refusal(self, compression: str) -> str:
         return (

@@ -100,6 +100,10 @@ class Zero3(Zero2):
         self.reducer.finish()
         self.gatherer.reshard_all()
 
+    def train_step(self, batch) -> torch.Tensor:
+        with self.lockstep.trusted():
+            return super().train_step(batch)
+
     def _after_step(self) -> None:
         pass
 

@@ -20,7 +20,12 @@ the next check, about CHECK_EVERY_S apart:
                                ^ any rank flagged: all save here and stop
 
 So a run stops within about CHECK_EVERY_S of the signal (or at the end of the step in progress,
-where a step takes longer), well inside a scheduler's grace period.
+where a step takes longer), well inside a scheduler's grace period. Where logged steps
+(train.log_every) come at most LOGGED_WITHIN_S apart, a check waits for the first logged step
+past that time instead: a logged step syncs the host anyway (it reads the loss), and the steps
+between then make no collective a plain loop does not (on a GPU the host runs ahead of the device
+there). Only where logged steps are further apart do checks fall between them, and after the
+first step, whose time is not yet known.
 
 Once a collective has failed, no step can be agreed on any more (a peer is dead or stuck), and
 the agent stopping the group to restart it must not wait on this rank: from then on SIGTERM ends
@@ -45,6 +50,7 @@ from paratrain.comm import collectives, grid
 from paratrain.runtime import process
 
 CHECK_EVERY_S = 0.5
+LOGGED_WITHIN_S = 5.0  # a check waits this long at most for a logged step to land on
 _received = 0  # the stop signal this process got (0: none)
 
 
@@ -82,7 +88,7 @@ def on_collective_failure() -> None:
 class StopAgreement:
     """The ranks' stop flags, compared at agreed steps (see the module docstring)."""
 
-    def __init__(self, world_size: int, step: int, timeout: timedelta):
+    def __init__(self, world_size: int, step: int, timeout: timedelta, log_every: int = 1):
         global _received
         _received = 0
         catch()
@@ -93,7 +99,7 @@ class StopAgreement:
         # which names the rank and operation, not this agreement's bare timeout.
         wait = timeout * 2 + timedelta(seconds=15) if world_size > 1 else timeout
         self.group = grid.host_group(wait) if world_size > 1 else None
-        self.next_check, self.every = step + 1, 1
+        self.next_check, self.last_check, self.log_every = step + 1, step, log_every
         self.since = time.perf_counter()
 
     def after_step(self, step: int) -> int:
@@ -109,8 +115,11 @@ class StopAgreement:
         signum, elapsed = int(shared[0].item()), shared[1].item()
         if signum:
             return signum
-        self.every = min(max(round(CHECK_EVERY_S * self.every / max(elapsed, 1e-6)), 1), 10_000)
-        self.next_check, self.since = step + self.every, now
+        per_s = (step - self.last_check) / max(elapsed, 1e-6)  # steps a second, the slowest rank's
+        every = min(max(round(CHECK_EVERY_S * per_s), 1), 10_000)
+        logged = -(-(step + every) // self.log_every) * self.log_every  # the first logged step past it
+        self.next_check = logged if logged - step <= max(LOGGED_WITHIN_S * per_s, every) else step + every
+        self.last_check, self.since = step, now
         return 0
 
     def close(self) -> None:
