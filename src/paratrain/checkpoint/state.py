@@ -22,7 +22,8 @@ def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 def optimizer_to_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> tuple[dict, dict]:
     """`names` follows the optimizer's parameters in param_groups order."""
     sd = optimizer.state_dict()
-    tensors, scalars = {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict] = {}
     for index, state in sd["state"].items():
         name = names[index]
         for key, value in state.items():

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING
+from collections.abc import Sized
+from typing import TYPE_CHECKING, cast
 
 from paratrain.config import ArgumentError, Config
 from paratrain.errors import ConfigError
@@ -58,7 +59,7 @@ def build_sampler(dataset: Dataset, cfg: Config):
     from paratrain.data.sampler import GlobalBatchSampler
 
     own = getattr(dataset, "global_batch_sampler", None)
-    make = own if callable(own) else functools.partial(GlobalBatchSampler, len(dataset))
+    make = own if callable(own) else functools.partial(GlobalBatchSampler, len(cast(Sized, dataset)))
     return make(cfg.data.batch_size, cfg.data.shuffle, cfg.train.seed)
 
 
