@@ -74,7 +74,7 @@ class CollectiveLog:
 LOG = CollectiveLog()
 # The process's step profiler (paratrain/profile.py sets it while one is open): every collective's
 # payload is counted here and time blocked on one is its "comm" phase, whichever strategy issued it
-PROFILER = None
+PROFILER: Any = None  # a profile.Profiler while one runs (profile.py imports this module, not back)
 
 # op name in the profile, and the payload as the byte accounting defines it (for the gathers: the
 # whole gathered buffer), from (kind, tensor, world)

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -67,13 +67,13 @@ from paratrain.config import Config
 from paratrain.data.batch import feed, num_samples, split_batch
 from paratrain.errors import error
 from paratrain.optim import accuracy_counts, set_lr
-from paratrain.profile import NULL_PROFILER
+from paratrain.profile import NULL_PROFILER, NullProfiler, Profiler
 from paratrain.runtime.process import Runtime, SeededMicroBatches
 
 
 class Strategy:
     name = "base"
-    profiler = NULL_PROFILER
+    profiler: NullProfiler | Profiler = NULL_PROFILER
     collective_forward = False
     run_dir = None
 
@@ -93,7 +93,7 @@ class Strategy:
         self.checkpoint_ranks = rt.world_size
         self.checkpoint_group = None
         self.rng_step: int | None = None  # set by the trainer: micro-batches reseed the RNG (micro_batches)
-        self.batchnorm = None  # a data-parallel strategy's BatchNormPolicy (parallel/dp/batchnorm.py)
+        self.batchnorm: Any = None  # a data-parallel strategy's BatchNormPolicy (parallel/dp/batchnorm.py)
 
     @property
     def evaluates(self) -> bool:

@@ -15,6 +15,9 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,9 +29,37 @@ from paratrain.parallel.base import clip_factor, whole_model_chunks
 from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG, first_line
 from paratrain.runtime.fault.guard import drop_worker
 
+if TYPE_CHECKING:
+    from paratrain.config import PSConfig
+    from paratrain.parallel.base import Strategy as _Base
+    from paratrain.parallel.ps.wire import FlatShard
+else:
+    _Base = object  # at run time a plain mixin
 
-class ServerSide:
+
+class ServerSide(_Base):
     """The server's half of ParameterServer (which mixes it in on ranks below ps.servers)."""
+
+    # Set up by ParameterServer (ps/engine.py), which mixes this class in: declared for the type
+    # checker, which sees this class as a Strategy (annotations only, nothing at run time).
+    ps: PSConfig
+    mode: str
+    servers: list[int]
+    workers: list[int]
+    names: list[str]
+    own_names: list[str]
+    shard_index: list[list[int]]
+    shards: list[FlatShard]
+    step_index: int
+    total_steps: int
+    timeout: timedelta
+    _p2p: Callable[..., Any]
+    _wait: Callable[[Any, int], None]
+    _set_live: Callable[[list[int]], None]
+    _first_live_worker: Callable[[], int]
+    server_group: Any
+    loss_sums: torch.Tensor
+    t0: float | None
 
     is_server = True
 
