@@ -22,11 +22,10 @@ def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: TrainConfi
     parameters, an SGD-with-momentum step takes 9.3 ms against 4.9 fused, an AdamW step 37.7 ms
     against 5.8. The update is the same formula (equal up to rounding), and so is the state."""
     param_list: list[Any] = list(params)
-    kwargs: dict[str, Any]
     kind, kwargs = (
-        (torch.optim.SGD, dict(lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
+        (torch.optim.SGD, dict[str, Any](lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay))
         if cfg.optimizer == "sgd"
-        else (torch.optim.AdamW, dict(lr=cfg.lr, weight_decay=cfg.weight_decay))
+        else (torch.optim.AdamW, dict[str, Any](lr=cfg.lr, weight_decay=cfg.weight_decay))
     )
     if _fusable(param_list):
         try:

@@ -51,7 +51,7 @@ COMM_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_a
 TRACE_STEPS = 1000  # trace.json covers this many steps; profile.jsonl covers every step
 
 
-def min_bytes_sent(op: str, nbytes: int, n: int) -> float:
+def min_bytes_sent(op: str, nbytes: float, n: int) -> float:
     """The fewest bytes one of n ranks must send for `op` on an nbytes buffer (bandwidth-optimal ring)."""
     if n <= 1 or op == "recv":
         return 0.0

@@ -61,7 +61,7 @@ def layer_times(
     `store`: the JSON file of timings kept (read first, added to)."""
     if forward_flops > MAX_FLOPS:
         return None
-    key = ("layers", repr(cfg.model), repr(cfg.data), cfg.train.precision, rows, threads)
+    key: tuple = ("layers", repr(cfg.model), repr(cfg.data), cfg.train.precision, rows, threads)
     if cfg.train.compile:  # a compiled layer is another stopwatch reading (the key keeps eager's as it was)
         key += ("compiled",)
     what = f"{cfg.model.factory} layers, {rows} rows, {threads} threads"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sized
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Literal, cast, overload
 
 from paratrain.config import ArgumentError, Config
 from paratrain.errors import ConfigError
@@ -29,6 +29,10 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+@overload
+def build_dataset(cfg: Config, split: Literal["train"] = "train") -> Dataset: ...
+@overload
+def build_dataset(cfg: Config, split: str) -> Dataset | None: ...
 def build_dataset(cfg: Config, split: str = "train") -> Dataset | None:
     """The dataset of `split`; None for a user factory that takes no `split` when asked for "val"."""
     from paratrain.data.datasets import BUILTIN

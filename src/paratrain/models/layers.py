@@ -23,6 +23,13 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module] | None:
     return transformers_layers(model)
 
 
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    """pipeline_layers(model) of a model already known to be cut (parallel.pp > 1 was checked)."""
+    layers = pipeline_layers(model)
+    assert layers is not None, f"{type(model).__name__} cannot be cut into layers"
+    return layers
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """The model's structure with every tensor on the meta device (no copy of the weights)."""
     memo: dict[int, torch.Tensor] = {

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -75,7 +76,7 @@ class Strategy:
     name = "base"
     profiler: NullProfiler | Profiler = NULL_PROFILER
     collective_forward = False
-    run_dir = None
+    run_dir: Path | None = None
 
     def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):
         self.model = model
@@ -125,6 +126,7 @@ class Strategy:
         return SeededMicroBatches(parts, self.cfg.train.seed, self.rng_step, self.dp_rank * len(parts))
 
     def set_lr(self, lr: float) -> None:
+        assert self.optimizer is not None  # a strategy that has none overrides this
         set_lr(self.optimizer, lr)
 
     def reduce_loss(self, sums: torch.Tensor) -> torch.Tensor | None:
@@ -167,6 +169,7 @@ class Strategy:
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Train with the user's optimizer (its class, hyper-parameters and param groups, built
         over the model's parameters as the user passed it); returns the one to step."""
+        assert self.optimizer is not None  # built from [train] by the engine
         return self.optimizer
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -280,14 +280,14 @@ class WorkerRound(_Base):
     def _from_server(self, buf: torch.Tensor, tag: int, wait_s: float) -> None:
         try:
             with self.profiler.phase("comm"):
-                dist.irecv(buf, 0, tag=tag).wait(timedelta(seconds=wait_s))
+                cast(dist.Work, dist.irecv(buf, 0, tag=tag)).wait(timedelta(seconds=wait_s))  # None only off the group
         except RuntimeError as exc:
             raise LostServer(f"no word from the server (rank 0) in round {self.round + 1}: {first_line(exc)}") from None
 
     def _to_server(self, buf: torch.Tensor, tag: int) -> None:
         try:
             with self.profiler.phase("comm"):
-                dist.isend(buf, 0, tag=tag).wait(timedelta(seconds=self.fed.round_timeout_s))
+                cast(dist.Work, dist.isend(buf, 0, tag=tag)).wait(timedelta(seconds=self.fed.round_timeout_s))
         except RuntimeError as exc:
             raise LostServer(
                 f"the server (rank 0) took no message in round {self.round + 1}: {first_line(exc)}"

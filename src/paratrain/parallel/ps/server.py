@@ -179,6 +179,7 @@ class ServerSide(_Base):
         try:
             work = self._p2p(dist.irecv, self.recv_bufs[w], w, PUSH_TAG)
         except RuntimeError as exc:  # its connection is gone already (a reset): dropped, as in _land
+            assert self.arrivals is not None  # async: made by _serve_async
             self.arrivals.put((w, first_line(exc)))
             return
         threading.Thread(target=self._land, args=(work, w), daemon=True).start()
@@ -186,8 +187,10 @@ class ServerSide(_Base):
     def _land(self, work, w: int) -> None:
         try:
             work.wait()
+            assert self.arrivals is not None  # async: made by _serve_async
             self.arrivals.put((w, None))
         except RuntimeError as exc:
+            assert self.arrivals is not None  # async: made by _serve_async
             self.arrivals.put((w, first_line(exc)))
 
     def _drop_silent(self) -> None:
@@ -215,7 +218,7 @@ class ServerSide(_Base):
         step, used = buf[0].item(), buf[1].item()
         if step != self.clock[w]:
             return f"step {step:g}, expected {self.clock[w]}"
-        if not (used.is_integer() and 0 <= used <= self.version):
+        if not (float(used).is_integer() and 0 <= used <= self.version):
             return f"version {used:g}, this server is at {self.version}"
         return ""
 
@@ -271,6 +274,7 @@ class ServerSide(_Base):
                 raise
             # a worker killed between its push and its pull can reset the connection before the
             # send is even posted (seen under load): dropped like one whose pull fails later
+            assert self.arrivals is not None  # async: made by _serve_async
             self.arrivals.put((w, f"its pull failed: {first_line(exc)}"))
             return
         if final:  # the run's end: every other worker is done too
@@ -282,6 +286,7 @@ class ServerSide(_Base):
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
+            assert self.arrivals is not None  # async: made by _serve_async
             self.arrivals.put((w, f"its pull failed: {first_line(exc)}"))
 
     def _finish(self) -> None:
@@ -307,6 +312,7 @@ class ServerSide(_Base):
     def step_metrics(self) -> dict:
         """Rank 0 logs: staleness of the gradients it applied since the last log, and per server
         pushes/s and bytes moved since the start (gathered over the servers)."""
+        assert self.t0 is not None  # set by the first step
         elapsed = time.perf_counter() - self.t0
         mine = torch.tensor([self.stats.pushes, self.stats.bytes, elapsed], dtype=torch.float64)
         every = [mine]
