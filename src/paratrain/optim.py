@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ def build_optimizer(params: Iterable[nn.Parameter] | list[dict], cfg: TrainConfi
 
 
 def rebuild_optimizer(
-    optimizer: torch.optim.Optimizer, name_of: dict[int, str], new: dict[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer, name_of: dict[int, str], new: Mapping[str, torch.Tensor]
 ) -> torch.optim.Optimizer:
     """The user's optimizer class and hyper-parameters over the tensors a strategy trains in place
     of the model's parameters (`new`: by the name of the parameter each stands for; `name_of`: the
@@ -49,7 +49,7 @@ def rebuild_optimizer(
         if None in names:
             raise ValueError("pt.setup: the optimizer holds a tensor that is no trainable parameter of the model")
         hyper = {k: v for k, v in g.items() if k != "params"}
-        groups.append({**hyper, "params": [new[n] for n in names if n in new]})
+        groups.append({**hyper, "params": [new[n] for n in names if n is not None and n in new]})
     # each group carries every hyper-parameter; the constructor takes the defaults it names
     # (AdamW's defaults also hold keys its constructor does not take)
     accepted = inspect.signature(type(optimizer)).parameters

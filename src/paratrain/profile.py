@@ -426,7 +426,8 @@ class MemoryTracker:
         self._on = False
         events = [e for thread in _disable_profiler_legacy() for e in thread if e.kind() == "memory_alloc"]
         peak = self.live
-        for e in sorted(events, key=lambda e: e.start_us()):  # type: ignore[attr-defined]  # torch's stub lacks it; each thread's in order; threads merged by time
+        # each thread's in order; threads merged by time (torch's stub of the event lacks start_us)
+        for e in sorted(events, key=lambda e: e.start_us()):  # type: ignore[attr-defined]
             self.live += e.cpu_memory_usage()
             peak = max(peak, self.live)
         return peak

@@ -106,8 +106,8 @@ class Replicas:
     count: int
     size: int
     replica: int  # this rank's replica
-    inner: object = None
-    across: object = None
+    inner: dist.ProcessGroup | None = None
+    across: dist.ProcessGroup | None = None
 
 
 def replica_groups(replicas: int) -> Replicas:

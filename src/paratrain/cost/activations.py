@@ -89,9 +89,8 @@ class FakeRun:
     stages: list[list[nn.Module]]
     x: Any  # the batch's inputs and targets, of any structure (data/batch.py)
     y: Any
-    autocast: (
-        contextlib.AbstractContextManager
-    )  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
+    # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
+    autocast: contextlib.AbstractContextManager
     recompute: str  # train.recompute: "full" keeps each block's input, "selective" its products' outputs too
     loss_fn: Callable  # train.loss as the engine computes it on the last stage (cut_batch)
 

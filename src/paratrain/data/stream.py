@@ -63,9 +63,8 @@ class ShardDataset(Dataset):
         for s in np.unique(shard_of).tolist():
             mask = shard_of == s
             block = self._shard(s)
-            rows[mask] = block[
-                (sample_ids[mask] - self.shard_starts[s]) % len(block)
-            ]  # a stand-in may hold more or fewer
+            at = sample_ids[mask] - self.shard_starts[s]
+            rows[mask] = block[at % len(block)]  # a stand-in may hold more or fewer
         tokens = torch.from_numpy(rows)
         # Two tensors of their own, as the character corpus gives: views of one buffer would keep
         # it whole for as long as either lives (the planner counts the inputs and targets apart)

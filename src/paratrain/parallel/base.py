@@ -92,7 +92,7 @@ class Strategy:
         self.trainer_group = None
         self.lockstep = True
         self.checkpoint_ranks = rt.world_size
-        self.checkpoint_group = None
+        self.checkpoint_group: torch.distributed.ProcessGroup | None = None
         self.rng_step: int | None = None  # set by the trainer: micro-batches reseed the RNG (micro_batches)
         self.batchnorm: Any = None  # a data-parallel strategy's BatchNormPolicy (parallel/dp/batchnorm.py)
 

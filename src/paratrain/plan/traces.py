@@ -74,7 +74,8 @@ def memoised_traces():
         return call
 
     try:
-        activations.FakeRun.build = memoised(activations.FakeRun.build, fake_run_key)  # type: ignore[method-assign]  # put back below
+        # a method replaced for the search's length (put back below)
+        activations.FakeRun.build = memoised(activations.FakeRun.build, fake_run_key)  # type: ignore[method-assign]
         for (home, name), key in keys.items():
             shared = memoised(getattr(home, name), key)
             for owner in callers[home, name]:

@@ -86,7 +86,8 @@ def start_worker_server(preload: tuple[str, ...] = ()) -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload([WORKER_SERVER, *preload])
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the server dies with this process (worker_server.py)
     spawn = util.spawnv_passfds
-    util.spawnv_passfds = _fork_server  # type: ignore[assignment]  # typeshed's path is bytes; ours passes it on as given
+    # typeshed types the path as bytes; _fork_server passes it on as given
+    util.spawnv_passfds = _fork_server  # type: ignore[assignment]
     try:
         forkserver.ensure_running()
     finally:
