@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup run test test-fast lint bench bench-federated bench-data-peer gpu-check docs clean
+.PHONY: setup run test test-fast lint typecheck bench bench-federated bench-data-peer gpu-check docs clean
 
 setup: $(VENV)/.installed
 
@@ -32,6 +32,11 @@ test-fast: setup    ## the fast tier only
 lint: setup         ## ruff: lint and format check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# mypy's settings are in pyproject.toml ([tool.mypy]): src/ only, bodies of unannotated functions
+# checked too; third-party packages without type information are listed there one by one.
+typecheck: setup    ## mypy over src/ (static types: a shadowed name called, a None used, a wrong argument)
+	$(VENV)/bin/mypy
 
 bench: setup        ## paratrain dp vs torch DDP, side by side
 	$(VENV)/bin/paratrain bench dp

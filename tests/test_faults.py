@@ -452,3 +452,20 @@ def test_resume_auto_with_nothing_to_resume_starts_a_fresh_log(tmp_path, gang):
     out = gang(2).train(cfg, tmp_path / "run", sets, resume="auto")
     assert "no checkpoint to resume from: starting fresh" in out
     assert [m["step"] for m in metrics(tmp_path / "run")] == [4, 8]
+
+
+def test_stop_filter_keeps_a_record_whose_arguments_are_a_mapping():
+    """The launcher's log filter reads a "failed (exitcode: ...)" record's first argument; a record
+    logged with a mapping (logging keeps a lone dict as record.args itself) has no args[0], and the
+    filter used to raise KeyError inside the logging call (found by mypy: `make typecheck`)."""
+    import logging
+
+    from paratrain.runtime.launch import _not_a_stop
+
+    by_name = logging.LogRecord(
+        "agent", logging.ERROR, __file__, 1, "failed (exitcode: %(code)s)", ({"code": 2},), None
+    )
+    assert isinstance(by_name.args, dict)
+    assert _not_a_stop(by_name)
+    by_position = logging.LogRecord("agent", logging.ERROR, __file__, 1, "failed (exitcode: %s)", (2,), None)
+    assert not _not_a_stop(by_position)  # a worker that named bad input: the agent's traceback is dropped

@@ -418,7 +418,7 @@ def remove_multiprocessing_tempdir() -> None:
     server's socket lives): its exit handler, which would, does not run past os._exit."""
     import multiprocessing
 
-    tempdir = multiprocessing.current_process()._config.get("tempdir")
+    tempdir = getattr(multiprocessing.current_process(), "_config", {}).get("tempdir")  # private: not in typeshed
     if tempdir:
         shutil.rmtree(tempdir, ignore_errors=True)
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import tomllib
 
@@ -326,7 +327,8 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 
 
 def _check_value(key: str, f: dataclasses.Field, value: Any) -> Any:
-    want = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict}[f.type]
+    type_name = cast(str, f.type)  # a name, not a type: this module has future annotations
+    want = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict}[type_name]
     ok = isinstance(value, want) and not (want is not bool and isinstance(value, bool))
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
@@ -428,7 +430,7 @@ def read_toml(path: str | Path) -> dict:
         raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
 
 
-def load(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def load(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     raw = read_toml(path if path is not None else default_config_path())
     return from_dict(apply_overrides(raw, list(overrides)))
 

@@ -95,6 +95,7 @@ class MetricsLog:
     def record(self, entry: dict) -> None:
         if not self.enabled:
             return
+        assert self.file is not None  # open while enabled
         self.file.write(json.dumps(entry) + "\n")
         self.file.flush()
         if self.tensorboard is not None:

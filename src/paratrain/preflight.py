@@ -4,7 +4,9 @@ factories, sizes and combinations, on a model built on the meta device. ConfigEr
 from __future__ import annotations
 
 import os
+from collections.abc import Sized
 from pathlib import Path
+from typing import cast
 
 from paratrain import config as config_mod
 from paratrain.errors import ConfigError
@@ -35,7 +37,7 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
     from paratrain.parallel.registry import strategy_class
 
     registry.check_world(cfg, world)
-    train_set = build_dataset(cfg, "train")
+    train_set = cast(Sized, build_dataset(cfg, "train"))  # "train" is always built: never None
     if len(train_set) < cfg.data.batch_size:
         raise ConfigError(
             "data.batch_size",

@@ -275,9 +275,9 @@ class Profiler:
             return [rows]
         size = dist.get_world_size(group)
         count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=self.device)
-        counts = [torch.zeros_like(count) for _ in range(size)]
-        collectives.all_gather(counts, count, "profile record counts", group=group)
-        counts = [int(c.item()) for c in counts]
+        count_tensors = [torch.zeros_like(count) for _ in range(size)]
+        collectives.all_gather(count_tensors, count, "profile record counts", group=group)
+        counts = [int(c.item()) for c in count_tensors]
         width = rows.shape[1]
         padded = torch.zeros(max(counts), width, dtype=torch.float64, device=self.device)
         padded[: rows.shape[0]] = rows.to(self.device)
@@ -432,7 +432,8 @@ class MemoryTracker:
         self._on = False
         events = [e for thread in _disable_profiler_legacy() for e in thread if e.kind() == "memory_alloc"]
         peak = self.live
-        for e in sorted(events, key=lambda e: e.start_us()):  # each thread's in order; threads merged by time
+        # each thread's in order; threads merged by time (torch's stub of the event lacks start_us)
+        for e in sorted(events, key=lambda e: e.start_us()):  # type: ignore[attr-defined]
             self.live += e.cpu_memory_usage()
             peak = max(peak, self.live)
         return peak

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from paratrain.errors import ConfigError
 
@@ -17,7 +19,7 @@ def _search_path() -> None:
             sys.path.insert(0, entry)
 
 
-def resolve_callable(name: str, key: str):
+def resolve_callable(name: str, key: str) -> Callable[..., Any]:
     if ":" not in name:
         raise ConfigError(key, f"{name!r} is neither a built-in nor of the form module:function")
     module_name, _, attr = name.partition(":")
@@ -26,7 +28,7 @@ def resolve_callable(name: str, key: str):
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import failure is the user's config pointing at bad code
         raise ConfigError(key, f"cannot import module {module_name!r}: {exc}") from None
-    fn = module
+    fn: Any = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)
         if fn is None:

@@ -103,6 +103,7 @@ def new_aside_dir(run_dir: Path, what: str = "checkpoints") -> Path:
         aside = run_dir / (f"{what}.prev-{stamp}" + (f"-{n}" if n > 1 else ""))
         if not aside.exists():
             return aside
+    raise AssertionError("unreachable: itertools.count never ends")
 
 
 def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | None:

@@ -14,9 +14,11 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -166,11 +168,11 @@ class Trainer:
         if not self.val_set:  # none, or empty
             return {}
         per_rank = max(4 * self.cfg.data.batch_size // self.dp_size, 1)  # no activations kept: bigger batches
-        order = torch.arange(self.dp_rank, len(self.val_set), self.dp_size)
+        order = torch.arange(self.dp_rank, len(cast(Sized, self.val_set)), self.dp_size)
         # Every dp rank goes through the same number of chunks (the first rank's): where a forward
         # is a collective (zero3 gathers each unit from every rank) a rank with one chunk fewer
         # would leave the others waiting; it runs an empty one. Elsewhere empty chunks are skipped.
-        most = -(-len(self.val_set) // self.dp_size)  # dp rank 0's share, the largest
+        most = -(-len(cast(Sized, self.val_set)) // self.dp_size)  # dp rank 0's share, the largest
         n_chunks = -(-most // per_rank)
         chunks = [order[i * per_rank : (i + 1) * per_rank] for i in range(n_chunks)] if self.strategy.evaluates else []
         sums = torch.zeros(4, dtype=torch.float64)  # loss*n, n, correct, counted
@@ -220,7 +222,7 @@ class Trainer:
                 done = self.step == cfg.train.steps
                 # preempted: log, save, leave (the last step finishes the run as usual instead)
                 stopped_by = stops.after_step(self.step) if stops and not done else 0
-                evaluate = done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0)
+                evaluate = bool(done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0))
                 if done or stopped_by or evaluate or self.step % cfg.train.log_every == 0:
                     last = self._log(lr, tally, log, prof, evaluate, final=bool(done or stopped_by))
                 if stopped_by or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
@@ -456,7 +458,7 @@ def run_worker(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt_once)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        return main(argv)
+        return main(argv)  # type: ignore[return-value]  # torch types @record's result Optional; it re-raises instead
     except KeyboardInterrupt:  # Ctrl-C (or the agent passing it on): `paratrain run` says what happened
         return 128 + signal.SIGINT
     except guard.FailsRun:  # an expendable rank whose failure must fail the run: tell its guard

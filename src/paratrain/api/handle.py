@@ -35,7 +35,7 @@ from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog
 from paratrain.optim import build_loss
 from paratrain.parallel import registry
-from paratrain.parallel.base import broadcast_tensors
+from paratrain.parallel.base import Strategy, broadcast_tensors
 from paratrain.runtime import process, schedulers
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "name")
@@ -82,7 +82,7 @@ class Paratrain:
     def __init__(self, cfg: Config, rt: process.Runtime, run_dir: Path):
         self.cfg, self.rt, self.run_dir = cfg, rt, run_dir
         self.rank, self.world_size, self.device, self.is_main = rt.rank, rt.world_size, rt.device, rt.is_main
-        self.strategy = None
+        self.strategy: Strategy | None = None
         self.loaders: list[GlobalBatchLoader] = []
         # this rank's share of a global batch, times the dp size: of the batch last handed out, and
         # of the one the last training forward ran on (a loop may fetch the next before backward)
@@ -111,6 +111,7 @@ class Paratrain:
         if optimizer is not None:
             optimizer = self.strategy.adopt_optimizer(optimizer)
         optimizer = optimizer or self.strategy.optimizer
+        assert optimizer is not None  # the strategy built one from [train]
         optimizer.register_step_post_hook(self._stepped)
         self.strategy.model.register_forward_pre_hook(self._forward_started)
         return self.strategy.model, optimizer
@@ -137,7 +138,10 @@ class Paratrain:
             self.cfg.train.optimizer = kind
             return
         d = optimizer.defaults
-        plain = {"sgd": dict(dampening=0, nesterov=False), "adamw": dict(betas=(0.9, 0.999), eps=1e-8, amsgrad=False)}
+        plain: dict[str, dict[str, object]] = {
+            "sgd": dict(dampening=0, nesterov=False),
+            "adamw": dict(betas=(0.9, 0.999), eps=1e-8, amsgrad=False),
+        }
         if kind not in plain or len(optimizer.param_groups) > 1 or any(d.get(k) != v for k, v in plain[kind].items()):
             raise ValueError(
                 f"pt.setup: strategy {self.cfg.parallel.strategy!r} builds its optimizer from [train]: pass "

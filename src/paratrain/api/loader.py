@@ -16,6 +16,9 @@ yet: after pt.load it is served again, so a resumed run takes the same batches a
 
 from __future__ import annotations
 
+from collections.abc import Sized
+from typing import cast
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
@@ -42,7 +45,7 @@ class GlobalBatchLoader:
             )
         self.loader, self.place, self.share = loader, place, share
         self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
-        self.n = len(loader.dataset)
+        self.n = len(cast(Sized, loader.dataset))  # a map-style dataset: checked above
         self.sampler = GlobalBatchSampler(self.n, self.batch_size, isinstance(loader.sampler, RandomSampler), seed)
         self.epoch = self.batch = 0  # the position: the next batch handed out
         self.at_forward = self.trained = (0, 0)  # the position at the last training forward; at its backward

@@ -42,7 +42,7 @@ def run(args) -> int:
     return relaunch("paratrain.bench.dp", args, add_options, nproc=args.nproc, run_id="bench-dp")
 
 
-def build(args) -> nn.Module:
+def build(args) -> nn.Sequential:
     from paratrain.models.mlp import mlp
 
     torch.manual_seed(0)

@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from paratrain.bench.common import COUNT, POSITIVE
 from paratrain.errors import note
@@ -147,6 +148,7 @@ def run_ours(args, tmp: Path, secure: bool) -> dict:
 def write_task(args, path: Path) -> None:
     """Our digits split, partition and initial weights, for Flower (an .npz of plain arrays)."""
     import numpy as np
+    from torch.utils.data import TensorDataset
 
     from paratrain import preflight
     from paratrain.data import build_dataset
@@ -158,10 +160,11 @@ def write_task(args, path: Path) -> None:
     write_config(args, cfg_path, False)
     cfg = preflight.load(cfg_path)
     train, val = build_dataset(cfg, "train"), build_dataset(cfg, "val")
+    assert isinstance(train, TensorDataset) and isinstance(val, TensorDataset)  # digits: both in memory
     parts, _ = deal_clients(cfg, train)
     process.seed_everything(cfg.train.seed)  # the trainer's initial weights
     params = [p.detach().numpy() for p in build_model(cfg, train).parameters()]
-    arrays = {
+    arrays: dict[str, Any] = {
         "x_train": train.tensors[0].numpy(),
         "y_train": train.tensors[1].numpy(),
         "x_val": val.tensors[0].numpy(),
@@ -222,8 +225,8 @@ def table(results: dict[str, dict], target: float) -> str:
         to_target = r["elapsed"][reach - 1] if reach else None
         traffic = f"{r['bytes_per_round'] / 1e6:.2f} MB" if "bytes_per_round" in r else "-"
         ours = base and name != "flower"
-        mean_ratio = f" ({statistics.mean(round_seconds(base)) / mean:.1f}x)" if ours else ""
-        median_ratio = f" ({statistics.median(round_seconds(base)) / median:.1f}x)" if ours else ""
+        mean_ratio = f" ({statistics.mean(round_seconds(base)) / mean:.1f}x)" if base and ours else ""
+        median_ratio = f" ({statistics.median(round_seconds(base)) / median:.1f}x)" if base and ours else ""
         rows.append(
             f"| {name} | {mean:.3f}{mean_ratio} | {median:.3f}{median_ratio} | {reach or '-'} | "
             f"{f'{to_target:.1f} s' if to_target else '-'} | {r['accuracy'][-1]:.3f} | {max(r['accuracy']):.3f} | "
@@ -237,8 +240,8 @@ def table(results: dict[str, dict], target: float) -> str:
 
 
 def run(args) -> int:
-    with tempfile.TemporaryDirectory(prefix="bench-federated-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="bench-federated-") as tmp_name:
+        tmp = Path(tmp_name)
         results = {}
         flower = run_flower(args, tmp)
         if flower:

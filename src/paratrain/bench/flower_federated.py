@@ -49,7 +49,11 @@ def main(task_path, rounds, per_round, local_steps, batch, lr, out_path) -> None
         def fit(self, parameters, config):
             set_weights(self.model, parameters)
             opt = torch.optim.SGD(self.model.parameters(), lr=lr)
-            loader = torch.utils.data.DataLoader(self.idx, batch_size=batch, shuffle=True)
+            loader: torch.utils.data.DataLoader = torch.utils.data.DataLoader(
+                self.idx,  # type: ignore[arg-type]  # a tensor is a map-style dataset; torch's stub wants Dataset
+                batch_size=batch,
+                shuffle=True,
+            )
             steps = 0
             while steps < local_steps:  # local_steps batches, epochs over the client's data as needed
                 for idx in loader:

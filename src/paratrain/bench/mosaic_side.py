@@ -26,12 +26,12 @@ def stub_torchvision() -> None:
 
     tv = types.ModuleType("torchvision")
     datasets = types.ModuleType("torchvision.datasets")
-    datasets.VisionDataset = datasets.CIFAR10 = VisionDataset
+    vars(datasets).update(VisionDataset=VisionDataset, CIFAR10=VisionDataset)
     transforms = types.ModuleType("torchvision.transforms")
     functional = types.ModuleType("torchvision.transforms.functional")
-    functional.to_tensor = lambda x: x
-    transforms.functional = functional
-    tv.datasets, tv.transforms = datasets, transforms
+    vars(functional).update(to_tensor=lambda x: x)
+    vars(transforms).update(functional=functional)
+    vars(tv).update(datasets=datasets, transforms=transforms)
     for module in (tv, datasets, transforms, functional):  # find_spec() asks for a spec
         module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
         sys.modules[module.__name__] = module
@@ -59,7 +59,7 @@ def main() -> None:
             return row[:-1], row[1:]
 
     ds = Tokens(remote=remote, local=cache, shuffle=True, shuffle_seed=0, batch_size=int(batch))
-    loader = DataLoader(ds, batch_size=int(batch), num_workers=int(workers), drop_last=True)
+    loader: DataLoader = DataLoader(ds, batch_size=int(batch), num_workers=int(workers), drop_last=True)
     seconds = []
     for _ in range(2):
         t0 = time.perf_counter()

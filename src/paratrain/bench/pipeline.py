@@ -201,7 +201,7 @@ def compare_schedule(schedule: str, args, rt, x, y, torch_classes) -> dict | Non
 
     timed_steps(ours_step, args.warmup)
     timed_steps(torch_step, args.warmup)
-    t_ours, t_torch, busy_s, wall_s, alone = [], [], [], [], []
+    t_ours, t_torch, busy_s, wall_s, alone = list[float](), list[float](), list[float](), list[float](), list[float]()
     for _ in range(args.rounds):  # rounds alternate the engines so both see the same noise
         t_ours += timed_steps(ours_recorded, args.steps)
         t_torch += timed_steps(torch_step, args.steps)
@@ -209,14 +209,14 @@ def compare_schedule(schedule: str, args, rt, x, y, torch_classes) -> dict | Non
     memory = SavedActivations(ours.params)
     with memory.hooks():
         ours_step()
-    alone = statistics.median(alone)
+    alone_s = statistics.median(alone)
 
     # the schedule's wall time of each recorded step is the slowest rank's
     walls = torch.tensor(wall_s, dtype=torch.float64)
     dist.all_reduce(walls, op=dist.ReduceOp.MAX)
     idle = statistics.median((1 - torch.tensor(busy_s, dtype=torch.float64) / walls).tolist())
     stats = torch.tensor(
-        [statistics.median(t_ours), statistics.median(t_torch), idle, memory.peak, alone, statistics.median(busy_s)],
+        [statistics.median(t_ours), statistics.median(t_torch), idle, memory.peak, alone_s, statistics.median(busy_s)],
         dtype=torch.float64,
     )
     return _row(schedule, rt, v, m, rows, stats)

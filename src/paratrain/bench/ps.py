@@ -73,6 +73,7 @@ def one_run(
     from paratrain.data import GlobalBatchSampler, load_batch
     from paratrain.models.mlp import mlp
     from paratrain.optim import cross_entropy
+    from paratrain.parallel.base import Strategy
     from paratrain.parallel.dp.engine import DataParallel
     from paratrain.parallel.ps.engine import ParameterServer
     from paratrain.parallel.ps.worker import straggle
@@ -96,6 +97,7 @@ def one_run(
     )
     torch.manual_seed(0)
     model = mlp(64, hidden=args.hidden, n_layers=2, out_features=10)
+    strategy: Strategy | None
     if contender == "dp":
         strategy = DataParallel(model, cross_entropy, cfg, rt, group=worker_group) if rt.rank > 0 else None
         dp_rank, dp_size = rt.rank - 1, workers
@@ -110,6 +112,7 @@ def one_run(
         batch = None
         if rt.rank > 0:
             batch = load_batch(data, sampler.rank_indices(step, dp_rank, dp_size))
+        assert strategy is not None  # no steps without one (range above)
         strategy.train_step(batch)
         if contender == "dp" and rt.rank == slow_rank:
             # ps workers stretch their measured compute inside train_step; dp's step also holds the

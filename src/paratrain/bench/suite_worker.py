@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -198,7 +199,7 @@ def profiler_overhead(args, rt, ours, data) -> dict:
 
 def _summary(contenders: dict, world: int, batch: int) -> dict:
     """Per contender: median over steps of the slowest rank's step time, mean bytes, final loss."""
-    out = {}
+    out: dict[str, Any] = {}
     for name, e in contenders.items():
         if isinstance(e, str):
             out[name] = {"error": e}
@@ -247,7 +248,7 @@ def equal_loss(
     target = dp_curve[-1] * (1 + EQUAL_LOSS_TOLERANCE)
     dp_steps = next(i + window for i, loss in enumerate(dp_curve) if loss <= target)
     dp_ms = summary["paratrain dp"]["step_ms"]
-    out = {
+    out: dict[str, Any] = {
         "window": window,
         "dp_loss": dp_curve[-1],
         "tolerance": EQUAL_LOSS_TOLERANCE,
@@ -286,7 +287,7 @@ def worker(argv=None) -> None:
     r = args.powersgd_rank
     if args.mode == "scaling":
         dp, dp_step = _ours(args, rt, "none")
-        contenders = {
+        contenders: dict[str, Contender | str] = {  # a str: why that contender cannot run here
             "paratrain dp": Contender(dp_step),
             f"paratrain powersgd r{r}": Contender(_ours(args, rt, "powersgd")[1]),
             "torch DDP": Contender(_ddp(args, None)),
@@ -300,7 +301,7 @@ def worker(argv=None) -> None:
             "compute only": Contender(_compute_only(args)),
         }
         pct = f"{args.topk_ratio:.0%}" if args.topk_ratio >= 0.01 else f"{args.topk_ratio:g}"
-        pairs = [("paratrain dp", "torch DDP")]
+        pairs: list[tuple[str, str | None]] = [("paratrain dp", "torch DDP")]
         for codec, hook, label in (
             ("bf16", "bf16", "DDP bf16_compress_hook"),
             ("fp16", "fp16", "DDP fp16_compress_hook"),
@@ -313,7 +314,7 @@ def worker(argv=None) -> None:
                 codec, f"paratrain {codec}"
             )
             contenders[name] = Contender(_ours(args, rt, codec)[1])
-            if hook:
+            if hook and label:  # (set together)
                 try:
                     contenders[label] = Contender(_ddp(args, hook))
                 except (RuntimeError, TypeError) as exc:  # e.g. torch's bf16 hook refuses gloo/CPU

@@ -85,7 +85,7 @@ def measure(model: str, args, rt) -> dict:
     k, total = args.steps, args.warmup + args.rounds * args.steps
     cfg = config_mod.from_dict(job(model, k, args.compile))
     cfg.train.steps, cfg.train.device = total, "cpu"
-    times = {"paratrain": [], "plain": []}
+    times: dict[str, list[float]] = {"paratrain": [], "plain": []}
 
     process.seed_everything(cfg.train.seed)  # the trainer's initial weights
     with tempfile.TemporaryDirectory() as run_dir:
@@ -144,7 +144,7 @@ def paced(trainer_cls):
     """The trainer, which after every `pause_every`-th step from `pause_from` on calls
     pause(step, seconds since the last pause ended) and leaves its time out of its own."""
 
-    class Paced(trainer_cls):
+    class Paced(trainer_cls):  # type: ignore[misc, valid-type]  # mypy takes no base class given at run time
         def _account(self, *args) -> None:
             super()._account(*args)
             if self.step >= self.pause_from and (self.step - self.pause_from) % self.pause_every == 0:

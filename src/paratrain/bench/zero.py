@@ -7,7 +7,9 @@ median step times and the ratios zero2/dp, zero3/dp and zero3/FSDP2 (lower is be
 
 from __future__ import annotations
 
+import functools
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,11 +60,13 @@ def worker(argv=None) -> None:
         fsdp_opt.step()
         fsdp_opt.zero_grad()
 
-    steps = {name: (lambda e=e: e.train_step((x, y))) for name, e in contenders.items()}
+    steps: dict[str, Callable[[], object]] = {
+        name: functools.partial(e.train_step, (x, y)) for name, e in contenders.items()
+    }
     steps["fsdp2"] = fsdp_step
     for fn in steps.values():
         timed_steps(fn, args.warmup)
-    times = {name: [] for name in steps}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds):
         for name, fn in steps.items():
             times[name] += timed_steps(fn, args.steps)
@@ -80,7 +84,9 @@ def worker(argv=None) -> None:
             return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
 
         med = {n: statistics.median(row) for n, row in zip(names, table.tolist())}
-        params = sum(v.numel() for v in states["dp"].values())
+        dp_state = states["dp"]
+        assert dp_state is not None  # rank 0 holds the whole model
+        params = sum(v.numel() for v in dp_state.values())
         result = {
             "benchmark": "zero",
             "world_size": world,

@@ -24,7 +24,8 @@ def optimizer_to_tensors(optimizer: torch.optim.Optimizer, names: list[str]) -> 
     load_state_dict, not the instance's: a strategy refuses those to the user's code (their state
     is this rank's part) while its own checkpoints read and write them."""
     sd = type(optimizer).state_dict(optimizer)
-    tensors, scalars = {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict] = {}
     for index, state in sd["state"].items():
         name = names[index]
         for key, value in state.items():

@@ -14,7 +14,7 @@ import ctypes
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ import torch
 from paratrain.checkpoint.format import sha256_file
 
 # a tensor's place in the file: its dtype and shape
-Layout = dict[str, tuple[torch.dtype, Sequence[int]]]
+Layout = Mapping[str, tuple[torch.dtype, Sequence[int]]]
 
 DTYPE_NAMES = {
     torch.bool: "BOOL",

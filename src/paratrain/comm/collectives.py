@@ -20,6 +20,7 @@ import weakref
 from collections import deque
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,7 @@ class CollectiveLog:
 LOG = CollectiveLog()
 # The process's step profiler (paratrain/profile.py sets it while one is open): every collective's
 # payload is counted here and time blocked on one is its "comm" phase, whichever strategy issued it
-PROFILER = None
+PROFILER: Any = None  # a profile.Profiler while one runs (profile.py imports this module, not back)
 
 # op name in the profile, and the payload as the byte accounting defines it (for the gathers: the
 # whole gathered buffer), from (kind, tensor, world)
@@ -269,7 +270,7 @@ def explain_failure(exc: BaseException, record: Record | None = None, wait_s: fl
         store = _store()
         key = f"paratrain/collectives/{rank}"
         store.set(key, json.dumps({"seq": LOG.seq, "records": [asdict(r) for r in LOG.records]}))
-        logs = {rank: LOG}
+        logs: dict[int, Any] = {rank: LOG}  # own log; each peer's as JSON, or None if it never answered
         deadline = time.monotonic() + wait_s
         for peer in range(world):
             if peer == rank:
@@ -305,8 +306,8 @@ def _compare(rank: int, logs: dict) -> str:
                 f"collective than its peers"
             )
     if len(set(counts.values())) > 1:
-        behind = min(counts, key=counts.get)
-        ahead = max(counts, key=counts.get)
+        behind = min(counts, key=counts.__getitem__)
+        ahead = max(counts, key=counts.__getitem__)
         last = seqs[behind].get(counts[behind] - 1)
         return (
             f"rank {behind} stopped after {counts[behind]} collectives"

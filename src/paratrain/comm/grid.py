@@ -64,7 +64,9 @@ def build_mesh(tp: int, pp: int, device_type: str) -> Mesh:
         raise ValueError(f"tp {tp} x pp {pp} does not divide the world size {world}")
     dp = world // (tp * pp)
     mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None  # None only for a rank outside the mesh, and the mesh spans the world
+    pp_rank, dp_rank, tp_rank = coordinate
     return Mesh(mesh, pp, dp, tp, pp_rank, dp_rank, tp_rank)
 
 
@@ -158,8 +160,8 @@ class Replicas:
     count: int
     size: int
     replica: int  # this rank's replica
-    inner: object = None
-    across: object = None
+    inner: dist.ProcessGroup | None = None
+    across: dist.ProcessGroup | None = None
 
 
 def replica_groups(replicas: int) -> Replicas:

@@ -65,7 +65,7 @@ class LockstepCheck:
             )
         calls = [tuple(t.tolist()) for t in every]
         if len(set(calls)) > 1:
-            ran = {}
+            ran: dict[tuple, list[str]] = {}
             for r, (seq, k) in enumerate(calls):
                 ran.setdefault((seq, k), []).append(str(r))
             said = "; ".join(f"{KINDS[k]} (call #{seq}) on rank {', '.join(rs)}" for (seq, k), rs in ran.items())

@@ -36,6 +36,7 @@ import struct
 import tempfile
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -238,7 +239,7 @@ def connect(
         own_dir = Path(tempfile.mkdtemp(prefix="paratrain-", dir=SHM_DIR))
     except OSError:  # no /dev/shm here: the facts below say so
         own_dir = None
-    facts = [None] * len(members)
+    facts: list[Any] = [None] * len(members)
     dist.all_gather_object(facts, (me, _host_id(), own_dir is not None, str(own_dir)), group=group)
     by_rank = {r: (host, ok) for r, host, ok, _ in facts}
     dirs = {r: Path(d) for r, _, _, d in facts}
@@ -249,6 +250,7 @@ def connect(
     receivers: dict[int, Receiver] = {}
     try:
         for p in peers:  # this rank makes what it receives through
+            assert own_dir is not None  # no peers without one (ok above)
             ring, data, ack = _paths(own_dir, p, me)
             os.mkfifo(data, 0o600)
             os.mkfifo(ack, 0o600)

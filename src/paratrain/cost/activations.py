@@ -5,9 +5,11 @@ backward, the bytes a pipeline stage sends on, the payloads of tensor parallelis
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -27,7 +29,7 @@ class TensorSharding:
     """How tensor parallelism changes a model the planner plays (the tensor layers give it: this
     module sits below the strategies and names none)."""
 
-    shard: Callable[[nn.Module], None]  # make the planned modules tp rank 0's shards, in place
+    shard: Callable[[nn.Module], object]  # make the planned modules tp rank 0's shards, in place
     loss: Callable[[nn.Module, Callable], Callable | None]  # the loss on its output; None: not modelled
 
 
@@ -97,14 +99,15 @@ class FakeRun:
     CPU's own choice of kernels, no memory and no arithmetic; the meta device would run attention by
     its math path, which saves other tensors than the CPU's flash attention), cut into stages."""
 
-    mode: object
+    mode: contextlib.AbstractContextManager
     model: nn.Module
     stages: list[list[nn.Module]]
-    x: object  # the batch's inputs and targets, of any structure (data/batch.py)
-    y: object
-    autocast: object  # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
+    x: Any  # the batch's inputs and targets, of any structure (data/batch.py)
+    y: Any
+    # the strategies' own autocast for train.precision = "bf16" (on the CPU, like the tensors)
+    autocast: contextlib.AbstractContextManager
     recompute: str  # train.recompute: "full" keeps each block's input, "selective" its products' outputs too
-    loss_fn: object  # train.loss as the engine computes it on the last stage (cut_batch)
+    loss_fn: Callable  # train.loss as the engine computes it on the last stage (cut_batch)
 
     def block_starts(self, s: int) -> list[nn.Module]:
         """The first layer of each recomputed block of stage s (whose input the block keeps)."""
@@ -143,7 +146,7 @@ class FakeRun:
 
         from paratrain.data import build_dataset, load_batch
         from paratrain.models import build_model
-        from paratrain.models.layers import pipeline_layers
+        from paratrain.models.layers import layers_of
 
         dataset = build_dataset(cfg, "train")
         x, y = context_chunks(cfg, *load_batch(dataset, torch.arange(rows)))
@@ -152,6 +155,7 @@ class FakeRun:
         x, y, loss_fn = cut_batch(cfg, model, x, y, cut=bounds is not None)
         with mode:
             if tp > 1:
+                assert sharding is not None  # given with tp > 1
                 sharding.shard(model)
             for p in model.parameters() if working is not None else ():
                 if p.requires_grad and p.is_floating_point():
@@ -159,7 +163,7 @@ class FakeRun:
         if bounds is None:
             stages = [[model]]
         else:
-            layers = pipeline_layers(model)
+            layers = layers_of(model)
             stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
         autocast = (
             torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
@@ -258,9 +262,9 @@ def boundary_bytes(cfg: Config, model: nn.Module, bounds: list[int], rows: int) 
     """Bytes of one microbatch's activation entering each stage, as the engine sends it (its dtype
     from the same meta-device pass the engine uses)."""
     from paratrain.data import build_dataset, load_batch
-    from paratrain.models.layers import boundary_shape_fn, meta_copy, pipeline_layers
+    from paratrain.models.layers import boundary_shape_fn, layers_of, meta_copy
 
-    meta = pipeline_layers(meta_copy(model))
+    meta = layers_of(meta_copy(model))
     x, _ = load_batch(build_dataset(cfg, "train"), torch.arange(rows))
     x, _, _ = cut_batch(cfg, model, x, None, cut=True)
     shapes = boundary_shape_fn([meta[a:b] for a, b in zip(bounds, bounds[1:])])(x)
@@ -320,7 +324,7 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, made_before=()):
         super().__init__()
         self.live = self.peak = 0
-        self._refs: dict[int, weakref.ref] = {}
+        self._refs: dict[int, weakref.ref | None] = {}  # None: seen, no longer tracked
         self._before = [t.untyped_storage() for t in made_before]  # views of them are not new memory
         for storage in self._before:
             self._refs[id(storage)] = None
@@ -338,7 +342,7 @@ class LiveBytes(TorchDispatchMode):
             self.live -= t.untyped_storage().nbytes()
         return t
 
-    def _gone(self, key: int, size: int) -> None:
+    def _gone(self, key: int, size: int, _ref: object = None) -> None:  # _ref: weakref's callback argument
         self._refs.pop(key, None)
         self.live -= size
 
@@ -350,7 +354,7 @@ class LiveBytes(TorchDispatchMode):
                 key = id(storage)
                 if key not in self._refs:
                     size = storage.nbytes()
-                    self._refs[key] = weakref.ref(storage, lambda _, key=key, size=size: self._gone(key, size))
+                    self._refs[key] = weakref.ref(storage, functools.partial(self._gone, key, size))
                     self.live += size
                     self.peak = max(self.peak, self.live)
         return out
@@ -386,8 +390,11 @@ def step_memory(
 
     run = FakeRun.build(cfg, rows, bounds, tp_plan, tp, working, sharding)
     loss_fn = run.loss_fn
-    if tp > 1 and (loss_fn := sharding.loss(run.model, loss_fn)) is None:
-        return None
+    if tp > 1:
+        sharded_loss = cast(TensorSharding, sharding).loss(run.model, loss_fn)  # given with tp > 1
+        if sharded_loss is None:
+            return None
+        loss_fn = sharded_loss
     with run.mode:
         for p in run.model.parameters():
             if p.grad is None:  # the strategy's gradients, kept between steps (a shared run may have them)
@@ -475,6 +482,7 @@ def _stage_memory(run: FakeRun, s: int, layers: list[nn.Module], shape_in, loss_
         forward_peak, kept = count.peak - start, count.live - start
         count.mark()
         if last:  # the model's output, of any structure: no stage takes it
+            assert loss is not None
             loss.backward()
             out = None
         else:
@@ -491,5 +499,7 @@ def whole_model_activations(cfg: Config, ranks: list[RankPlan], rows: int, worki
     activations = saved_activation_bytes(cfg, rows, working=working)[0]
     for r in ranks:
         r.activation_bytes = activations
-    (m,) = step_memory(cfg, rows, working=working)
+    memory = step_memory(cfg, rows, working=working)
+    assert memory is not None  # None only under tp
+    (m,) = memory
     return max(m.forward_peak, m.backward_peak)

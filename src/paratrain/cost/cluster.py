@@ -194,7 +194,7 @@ def for_cpu(device: Device) -> Device:
     )
 
 
-def parse_cluster(raw: dict, where: str = "cluster") -> Cluster:
+def parse_cluster(raw: object, where: str = "cluster") -> Cluster:
     """A [cluster] table (already parsed TOML) -> Cluster; ConfigError naming the key otherwise."""
     if not isinstance(raw, dict):
         raise ConfigError(where, "a [cluster] table is required")

@@ -34,7 +34,7 @@ class RankPlan:
     # per step, by collective: {"payload": bytes handed to it, "min_sent": bytes this rank must send},
     # as the profiler accounts them (ps: a sync step; async and ssp move as much per worker step);
     # None: not estimated (tp with a user loss on its sharded output)
-    comm: dict[str, dict[str, int]] | None = None
+    comm: dict[str, dict[str, float]] | None = None
 
     def add_comm(self, op: str, payload: int, group_size: int, times: int = 1) -> None:
         from paratrain.profile import min_bytes_sent

@@ -20,11 +20,15 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from paratrain.config import Config
 from paratrain.cost.cluster import Cluster
 from paratrain.cost.op_counts import Op, OpRecorder
 from paratrain.profile import min_bytes_sent
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass
@@ -141,7 +145,7 @@ class Step:
     `tp_plan`: module name -> style, which the tensor layers resolve (hybrid's step time sets it)."""
 
     cfg: Config
-    model: object
+    model: nn.Module
     plan: dict
     cluster: Cluster
     tp_plan: dict = field(default_factory=dict)
@@ -211,6 +215,7 @@ class Step:
         if pp > 1:
             from paratrain.cost.activations import boundary_bytes
 
+            assert bounds is not None  # set with pp > 1
             boundary = boundary_bytes(cfg, self.model, bounds, rows)
             neighbours = dp * tp + 1  # a stage's neighbour is dp x tp ranks on
             bw, lat = self.link(neighbours)
@@ -240,9 +245,9 @@ class Step:
         per_rank = []  # one microbatch's work on each pp rank: (total, backward only, compute only)
         for r in range(pp):
             held = [c * pp + r for c in range(v)]
-            compute = sum(stages[s].work_s(recompute) for s in held)
+            compute_s = sum(stages[s].work_s(recompute) for s in held)
             backward = sum(stages[s].work_s(recompute) - stages[s].forward_s for s in held)
-            per_rank.append((compute + sum(tp_s[s] + p2p_s[s] for s in held), backward, compute))
+            per_rank.append((compute_s + sum(tp_s[s] + p2p_s[s] for s in held), backward, compute_s))
         slowest, backward, _ = max(per_rank)
         # the warm-up and cool-down: each microbatch passes every other rank once before the
         # slowest rank's steady pace sets in ((pp - 1) / v of a microbatch's work when balanced)

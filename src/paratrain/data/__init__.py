@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING
+from collections.abc import Sized
+from typing import TYPE_CHECKING, Literal, cast, overload
 
 from paratrain.config import ArgumentError, Config
 from paratrain.errors import ConfigError
@@ -28,6 +29,10 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+@overload
+def build_dataset(cfg: Config, split: Literal["train"] = "train") -> Dataset: ...
+@overload
+def build_dataset(cfg: Config, split: str) -> Dataset | None: ...
 def build_dataset(cfg: Config, split: str = "train") -> Dataset | None:
     """The dataset of `split`; None for a user factory that takes no `split` when asked for "val"."""
     from paratrain.data.datasets import BUILTIN
@@ -58,7 +63,7 @@ def build_sampler(dataset: Dataset, cfg: Config):
     from paratrain.data.sampler import GlobalBatchSampler
 
     own = getattr(dataset, "global_batch_sampler", None)
-    make = own if callable(own) else functools.partial(GlobalBatchSampler, len(dataset))
+    make = own if callable(own) else functools.partial(GlobalBatchSampler, len(cast(Sized, dataset)))
     return make(cfg.data.batch_size, cfg.data.shuffle, cfg.train.seed)
 
 

@@ -7,6 +7,7 @@ moves, cuts and deals a dict of token ids and masks exactly as it does a single 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -48,7 +49,7 @@ def split(obj, n: int) -> list:
     size = num_samples(obj)
     step = -(-size // n) if size else 1
     starts = range(0, max(size, 1), step)
-    return [tree_map(lambda t, s=s: t[s : s + step], obj) for s in starts]
+    return [tree_map(operator.itemgetter(slice(s, s + step)), obj) for s in starts]
 
 
 def take(obj, count: int):

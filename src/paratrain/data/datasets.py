@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -190,4 +191,9 @@ def _encoded(path: str | None, max_chars: int) -> tuple[tuple[str, ...], torch.T
     return tuple(chr(c) for c in alphabet), torch.from_numpy(tokens.astype(np.int64))
 
 
-BUILTIN = {"digits": digits, "corpus": corpus, "synthetic": synthetic, "shards": shards}
+BUILTIN: dict[str, Callable[..., Dataset]] = {
+    "digits": digits,
+    "corpus": corpus,
+    "synthetic": synthetic,
+    "shards": shards,
+}

@@ -24,7 +24,7 @@ class GlobalBatchSampler:
         self.shuffle = shuffle
         self.seed = seed
         self._origin = (0, 0)  # (step, stream position): where step 0, or the resumed step, starts
-        self._epoch, self._perm = -1, None
+        self._epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
     def _generator(self, epoch: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)

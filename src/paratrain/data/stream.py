@@ -57,13 +57,14 @@ class ShardDataset(Dataset):
 
     def load_batch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # NumPy throughout: a batch is a few small gathers, where torch's per-op dispatch costs more.
-        ids = ids.numpy()
-        shard_of = np.searchsorted(self.shard_starts, ids, side="right") - 1
-        rows = np.empty((len(ids), self.block_size + 1), dtype=np.int64)
+        sample_ids = ids.numpy()
+        shard_of = np.searchsorted(self.shard_starts, sample_ids, side="right") - 1
+        rows = np.empty((len(sample_ids), self.block_size + 1), dtype=np.int64)
         for s in np.unique(shard_of).tolist():
             mask = shard_of == s
             block = self._shard(s)
-            rows[mask] = block[(ids[mask] - self.shard_starts[s]) % len(block)]  # a stand-in may hold more or fewer
+            at = sample_ids[mask] - self.shard_starts[s]
+            rows[mask] = block[at % len(block)]  # a stand-in may hold more or fewer
         tokens = torch.from_numpy(rows)
         # Two tensors of their own, as the character corpus gives: views of one buffer would keep
         # it whole for as long as either lives (the planner counts the inputs and targets apart)
@@ -240,6 +241,7 @@ def shards(
     require_at_least(1, shuffle_window=shuffle_window)
     require(isinstance(storage_options or {}, dict), "storage_options", "must be a table of fsspec options")
     require(isinstance(skip_corrupt, bool), "skip_corrupt", f"must be true or false, got {skip_corrupt!r}")
+    assert path is not None  # required, checked above
     try:
         index = read_index(path, storage_options)
         cache = ShardCache(index, cache_dir, int(cache_limit_gb * 2**30), storage_options)

@@ -56,7 +56,12 @@ def _command(job: Job) -> list[str]:
 
 def trainjob(job: Job) -> dict:
     volumes, mounts = _volumes(job)
-    trainer = {"image": job.image, "command": _command(job), "numNodes": job.nodes, "numProcPerNode": job.nproc}
+    trainer: dict[str, object] = {
+        "image": job.image,
+        "command": _command(job),
+        "numNodes": job.nodes,
+        "numProcPerNode": job.nproc,
+    }
     if _resources(job):
         trainer["resourcesPerNode"] = _resources(job)
     # The torch-distributed runtime's pods are the replicated job `node`, container `node`: the volumes
@@ -80,7 +85,7 @@ def trainjob(job: Job) -> dict:
 
 def pytorchjob(job: Job) -> dict:
     volumes, mounts = _volumes(job)
-    container = {
+    container: dict[str, object] = {
         "name": "pytorch",
         "image": job.image,
         "command": _command(job),

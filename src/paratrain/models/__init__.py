@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+from collections.abc import Callable
 
 from torch import nn
 
@@ -16,7 +17,7 @@ from paratrain.models.mlp import mlp
 from paratrain.models.recompute import enable_recompute
 from paratrain.resolve import check_kwargs, resolve_callable
 
-BUILTIN = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
+BUILTIN: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
 # hf is named like a built-in, but its construction is transformers' own: a sharding strategy
 # records and replays it as it does a user's factory (models/materialize.py), so it is not in BUILTIN.
 FACTORIES = {**BUILTIN, "hf": hf}

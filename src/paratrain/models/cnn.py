@@ -9,7 +9,7 @@ def cnn(in_features: int = 64, channels: int = 32, hidden: int = 128, out_featur
     require_at_least(1, channels=channels, hidden=hidden, out_features=out_features)
     side = int(round(max(in_features, 0) ** 0.5))
     require(
-        side * side == in_features and side and side % 2 == 0,
+        side * side == in_features and side > 0 and side % 2 == 0,
         "in_features",
         f"cnn expects square images of even side, got {in_features} features",
     )

@@ -27,6 +27,8 @@ ModuleLists; else the whole model.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 
@@ -36,7 +38,11 @@ from paratrain.errors import note
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The modules compile_blocks compiles, each once."""
     if hasattr(model, "pipeline_layers") or isinstance(model, nn.Sequential):  # the layers a pipeline cuts between
-        layers = model.pipeline_layers() if hasattr(model, "pipeline_layers") else list(model)
+        layers = (
+            cast(Any, model).pipeline_layers()
+            if hasattr(model, "pipeline_layers")
+            else list(cast(nn.Sequential, model))
+        )
         layers = [m for m in layers if has_params(m)]
     else:
         lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]

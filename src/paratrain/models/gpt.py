@@ -154,8 +154,8 @@ class GPT(nn.Module):
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+            if (bias := getattr(module, "bias", None)) is not None:
+                nn.init.zeros_(bias)
 
     def pipeline_layers(self) -> list[nn.Module]:
         """The modules that run one after another; a pipeline cuts between them."""

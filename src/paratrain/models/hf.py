@@ -60,6 +60,7 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
             return auto.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ArgumentError("pretrained", f"{path}: {str(exc).splitlines()[0]}") from None
+    assert config is not None  # hf() requires config without pretrained
     settings = dict(config)
     model_type = settings.pop("model_type", None)
     require(isinstance(model_type, str), "config", "needs model_type (e.g. model_type = 'llama')")
@@ -70,7 +71,7 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
         raise ArgumentError("config", f"{model_type}: {str(exc).splitlines()[0]}") from None
 
 
-def _failed_import(exc: BaseException) -> bool:
+def _failed_import(exc: BaseException | None) -> bool:
     """Whether `exc` says an import failed (transformers wraps one in RuntimeError)."""
     while exc is not None:
         if isinstance(exc, ImportError) or str(exc).startswith("Failed to import"):
@@ -87,8 +88,8 @@ def import_failure(exc: BaseException) -> str:
     import torch
 
     root = exc
-    while root.__cause__ is not None or root.__context__ is not None:
-        root = root.__cause__ or root.__context__
+    while (parent := root.__cause__ or root.__context__) is not None:
+        root = parent
     files, tb = [], root.__traceback__
     while tb is not None:
         files.append(tb.tb_frame.f_code.co_filename)
@@ -111,6 +112,7 @@ def model_files(model: nn.Module) -> dict[str, bytes]:
     config = getattr(model, "config", None)
     if not (hasattr(model, "save_pretrained") and hasattr(config, "to_json_string")):
         return {}
+    assert config is not None  # it has to_json_string
     files = {"config.json": config.to_json_string().encode()}
     generation = getattr(model, "generation_config", None)
     if generation is not None and hasattr(generation, "to_json_string"):

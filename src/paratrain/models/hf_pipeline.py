@@ -54,6 +54,8 @@ class _Embedding(nn.Module):
 
 
 class _DecoderLayer(nn.Module):
+    rotary: nn.Module | None  # in __dict__, not registered: declared for the type checker
+
     def __init__(self, layer: nn.Module, rotary: nn.Module | None, config):
         super().__init__()
         self.layer = layer
@@ -87,8 +89,8 @@ def _parts(config, base: nn.Module):
     not cut here."""
     plan = getattr(config, "base_model_pp_plan", None) or {}
     if not plan:
-        parts = UNPLANNED.get(getattr(config, "model_type", None))
-        names = parts and [n for n in (*parts[0][:2], *parts[0][2], parts[1], *parts[2]) if n]
+        parts = UNPLANNED.get(getattr(config, "model_type", ""))
+        names = [n for n in (*parts[0][:2], *parts[0][2], parts[1], *parts[2]) if n] if parts else []
         return parts if parts and all(hasattr(base, n) for n in names) else None
     names = list(plan)
     if not all(isinstance(getattr(base, n, None), nn.Module) for n in names):
@@ -116,6 +118,7 @@ def transformers_layers(model: nn.Module) -> list[nn.Module] | None:
     parts = _parts(config, base)
     if parts is None:
         return None
+    assert config is not None  # parts come from it
     (embed, position, after), layers, before_head = parts
     rotary = getattr(base, "rotary_emb", None)
     if rotary is None and position is None:

@@ -4,6 +4,7 @@ block and the planner plays stage by stage, and the model's structure on the met
 from __future__ import annotations
 
 import copy
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -16,15 +17,24 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module] | None:
     """The model's own pipeline_layers(), an nn.Sequential's children, or a transformers decoder's
     layers from its base_model_pp_plan (models/hf_pipeline.py); None: the model cannot be cut."""
     if hasattr(model, "pipeline_layers"):
-        return list(model.pipeline_layers())
+        return list(cast(Any, model).pipeline_layers())  # its own method: torch's stub says Tensor | Module
     if isinstance(model, nn.Sequential):
         return list(model)  # as forward runs them: children() lists a module used twice once
     return transformers_layers(model)
 
 
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    """pipeline_layers(model) of a model already known to be cut (parallel.pp > 1 was checked)."""
+    layers = pipeline_layers(model)
+    assert layers is not None, f"{type(model).__name__} cannot be cut into layers"
+    return layers
+
+
 def meta_copy(model: nn.Module) -> nn.Module:
     """The model's structure with every tensor on the meta device (no copy of the weights)."""
-    memo = {id(t): nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad) for t in model.parameters()}
+    memo: dict[int, torch.Tensor] = {
+        id(t): nn.Parameter(torch.empty_like(t, device="meta"), t.requires_grad) for t in model.parameters()
+    }
     memo.update({id(t): torch.empty_like(t, device="meta") for t in model.buffers()})
     return copy.deepcopy(model, memo)
 

@@ -27,6 +27,7 @@ not have) is abandoned for a normal build from the same state, whose values are 
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 import weakref
@@ -166,7 +167,7 @@ class _Recording:
                         self.unnumbered.append(t)
                     else:
                         self.held.setdefault(number, []).append(t)
-        self.numbers = None  # the replay numbers afresh
+        del self.numbers  # the replay numbers afresh
         return model
 
     def replay(self, meta_model: nn.Module, keep: Keep, device: torch.device) -> None:
@@ -246,5 +247,5 @@ def materialize(model: nn.Module, seed: int, keep: Keep, device: torch.device | 
             for module in order:
                 if any(_direct_tensors(module).values()):
                     _with_real_tensors(
-                        module, float("nan"), device, lambda m=module: post_init(m), keep, only_changed=True
+                        module, float("nan"), device, functools.partial(post_init, module), keep, only_changed=True
                     )

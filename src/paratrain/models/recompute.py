@@ -20,6 +20,7 @@ and every strategy's sharding are unchanged.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,7 +71,7 @@ def run_layers(layers: list[nn.Module], x, recompute: str):
     """The layers one after another; under recompute ("full", "selective") each block checkpointed."""
     if recompute == "none":
         return _run(layers, x)
-    context = {"context_fn": selective_context} if recompute == "selective" else {}
+    context: dict[str, Any] = {"context_fn": selective_context} if recompute == "selective" else {}
     for block in blocks(layers):
         # non-reentrant: also right for a block whose input needs no gradient (the token ids)
         x = checkpoint(partial(_run, block), x, use_reentrant=False, **context)
@@ -94,17 +95,18 @@ def enable_recompute(model: nn.Module, name: str, mode: str = "full") -> None:
     block."""
     # non-reentrant, as ours: right for blocks whose input needs no gradient
     kwargs = {"use_reentrant": False, **({"context_fn": selective_context} if mode == "selective" else {})}
+    own: Any = model  # its own attributes: torch's stub types them all Tensor | Module
     if hasattr(model, "recompute"):
-        model.recompute = mode
+        own.recompute = mode
     elif callable(getattr(model, "activation_checkpointing_enable", None)):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        own.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif callable(getattr(model, "gradient_checkpointing_enable", None)):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        own.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     elif callable(getattr(model, "set_grad_checkpointing", None)) and mode == "full":
-        model.set_grad_checkpointing(True)
+        own.set_grad_checkpointing(True)
     elif type(model) is nn.Sequential:
         model.__class__ = RecomputedSequential
-        model.recompute = mode
+        own.recompute = mode
     else:
         raise ConfigError(
             "train.recompute",

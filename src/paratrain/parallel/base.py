@@ -58,7 +58,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -77,9 +78,9 @@ from paratrain.runtime.process import Runtime, SeededMicroBatches
 
 class Strategy:
     name = "base"
-    profiler = NULL_PROFILER
+    profiler: NullProfiler | Profiler = NULL_PROFILER
     collective_forward = False
-    run_dir = None
+    run_dir: Path | None = None
 
     def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):
         self.model = model
@@ -95,11 +96,11 @@ class Strategy:
         self.trainer_group = None
         self.lockstep = True
         self.checkpoint_ranks = rt.world_size
-        self.checkpoint_group = None
+        self.checkpoint_group: torch.distributed.ProcessGroup | None = None
         self.rng_step: int | None = None  # set by the trainer: micro-batches reseed the RNG (micro_batches)
-        self.batchnorm = None  # a data-parallel strategy's BatchNormPolicy (parallel/dp/batchnorm.py)
-        self.context = None  # parallel.cp: cuts each batch to this rank's chunks (parallel/context/)
-        self.experts = None  # parallel.ep: sends MoE layers' tokens to their experts (parallel/expert/)
+        self.batchnorm: Any = None  # a data-parallel strategy's BatchNormPolicy (parallel/dp/batchnorm.py)
+        self.context: Any = None  # parallel.cp: cuts each batch to this rank's chunks (parallel/context/)
+        self.experts: Any = None  # parallel.ep: sends MoE layers' tokens to their experts (parallel/expert/)
 
     @property
     def evaluates(self) -> bool:
@@ -176,6 +177,7 @@ class Strategy:
         return False
 
     def set_lr(self, lr: float) -> None:
+        assert self.optimizer is not None  # a strategy that has none overrides this
         set_lr(self.optimizer, lr)
 
     def reduce_loss(self, sums: torch.Tensor) -> torch.Tensor | None:
@@ -220,6 +222,7 @@ class Strategy:
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Train with the user's optimizer (its class, hyper-parameters and param groups, built
         over the model's parameters as the user passed it); returns the one to step."""
+        assert self.optimizer is not None  # built from [train] by the engine
         return self.optimizer
 
     def backward(self, loss: torch.Tensor) -> None:

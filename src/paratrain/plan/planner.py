@@ -25,6 +25,7 @@ tests/test_profile.py holds the bytes to real runs' profile.jsonl.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import torch
@@ -56,7 +57,7 @@ def capacity(ranks: list[RankPlan], device: str, cluster=None) -> dict:
         per_node: dict[int, int] = {}
         for r in ranks:
             per_node[r.node] = per_node.get(r.node, 0) + need(r)
-        node = max(per_node, key=per_node.get)
+        node = max(per_node, key=per_node.__getitem__)
         have, where, needed = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"node {node}", per_node[node]
         kind = "host memory"
     return {
@@ -226,7 +227,7 @@ def render_prediction(plan: dict) -> list[str]:
     ]
 
 
-def emit(plan: dict, json_dest: str | None, more: list[str] = ()) -> None:
+def emit(plan: dict, json_dest: str | None, more: Sequence[str] = ()) -> None:
     """The table and `more` lines after it, and with `--json` the plan as JSON: alone on stdout for
     "-", else to that file."""
     from paratrain.runtime.machine import emit_json

@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 from itertools import product
+from typing import TYPE_CHECKING
 
 from paratrain.config import Config
 from paratrain.errors import ConfigError
 from paratrain.plan.traces import memoised_traces
 from paratrain.preflight import load
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def _divisors(n: int) -> list[int]:
@@ -139,7 +143,9 @@ def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
     batch = load(config_path, overrides).data.batch_size
     ranked = []
     with memoised_traces():
-        models = {}  # the meta model by recompute (the only key here that may change its build), once checked
+        models: dict[
+            str, nn.Module
+        ] = {}  # the meta model by recompute (the only key here that may change its build), once checked
         # A layout comes recomputing none, selective, then full (candidates): each keeps less and
         # runs more than the one before, so the first that fits is the layout's fastest.
         fitted = set()

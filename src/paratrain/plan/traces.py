@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -56,7 +57,9 @@ def memoised_traces():
         (home, name): [m for m in modules if getattr(m, name, None) is getattr(home, name)] for home, name in keys
     }
     # the attributes as stored (FakeRun.build: the classmethod itself), to put back
-    stored = {(owner, name): vars(owner)[name] for (_, name), owners in callers.items() for owner in owners}
+    stored: dict[tuple[Any, str], Any] = {
+        (owner, name): vars(owner)[name] for (_, name), owners in callers.items() for owner in owners
+    }
     stored[activations.FakeRun, "build"] = vars(activations.FakeRun)["build"]
 
     def memoised(original, key):
@@ -71,7 +74,8 @@ def memoised_traces():
         return call
 
     try:
-        activations.FakeRun.build = memoised(activations.FakeRun.build, fake_run_key)
+        # a method replaced for the search's length (put back below)
+        activations.FakeRun.build = memoised(activations.FakeRun.build, fake_run_key)  # type: ignore[method-assign]
         for (home, name), key in keys.items():
             shared = memoised(getattr(home, name), key)
             for owner in callers[home, name]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import io
 import logging
 import multiprocessing
 import os
@@ -27,6 +28,7 @@ import sys
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import cast
 
 from paratrain.runtime.worker_failure import STOPPED_EXITS, blame
 
@@ -84,7 +86,8 @@ def start_worker_server(preload: tuple[str, ...] = ()) -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload([WORKER_SERVER, *preload])
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the server dies with this process (worker_server.py)
     spawn = util.spawnv_passfds
-    util.spawnv_passfds = _fork_server
+    # typeshed types the path as bytes; _fork_server passes it on as given
+    util.spawnv_passfds = _fork_server  # type: ignore[assignment]
     try:
         forkserver.ensure_running()
     finally:
@@ -149,7 +152,7 @@ def prepare_forked_worker(name: str) -> None:
         torch.set_num_threads(int(threads))
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.reconfigure(line_buffering=True)
+            cast(io.TextIOWrapper, stream).reconfigure(line_buffering=True)  # else AttributeError, below
         except (AttributeError, ValueError):
             pass
     try:
@@ -213,6 +216,7 @@ def _register_rendezvous() -> None:
             self.rounds += 1
             if self.inner.use_agent_store:  # else rank 0's worker will host the store: nothing to write to yet
                 where = info.bootstrap_store_info
+                assert where is not None  # the agent's store: set whenever use_agent_store is
                 store = TCPStore(
                     where.master_addr,
                     where.master_port,
@@ -259,7 +263,7 @@ def _register_rendezvous() -> None:
         if listener is None:  # another node hosts the rendezvous: this one connects to it
             inner = rendezvous_handler_registry.create_handler(c10d)
         else:  # torch's c10d backend would make this store itself, listening on every interface
-            store = store_server(listener, timedelta(seconds=c10d.get_as_int("read_timeout", 60)))
+            store = store_server(listener, timedelta(seconds=cast(int, c10d.get_as_int("read_timeout", 60))))
             inner = create_handler(store, C10dRendezvousBackend(store, params.run_id), c10d)
         _bind_workers_store(inner)
         return RoundPublishing(inner)
@@ -479,4 +483,9 @@ def _not_a_stop(record: logging.LogRecord) -> bool:
     msg = str(record.msg)
     if msg.startswith(_STOP_CHATTER):
         return False
-    return not (msg.startswith("failed (exitcode: ") and record.args and record.args[0] in STOPPED_EXITS | {2})
+    return not (
+        msg.startswith("failed (exitcode: ")
+        and isinstance(record.args, tuple)
+        and record.args
+        and record.args[0] in STOPPED_EXITS | {2}
+    )

@@ -11,6 +11,7 @@ import random
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import cast
 
 import numpy as np
 import torch
@@ -259,11 +260,11 @@ _U64 = 2**64 - 1
 
 def rng_state() -> dict:
     """Every RNG of this process: tensors for torch, JSON-able values for Python and NumPy."""
-    state = {"tensors": {"rng.torch": torch.get_rng_state()}}
+    state: dict[str, dict] = {"tensors": {"rng.torch": torch.get_rng_state()}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["tensors"]["rng.cuda"] = torch.cuda.get_rng_state()
     version, internal, gauss = random.getstate()
-    np_state = np.random.get_state()
+    np_state = cast(tuple, np.random.get_state())  # numpy's stub: dict | tuple; the global MT19937's is a tuple
     state["json"] = {
         "python": [version, list(internal), gauss],
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],

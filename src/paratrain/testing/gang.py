@@ -28,7 +28,8 @@ import resource
 import sys
 import time
 import traceback
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from typing import cast
 
 PRELOAD = ["paratrain.runtime.worker_server"]  # as a launch's worker server: torch and the trainer, once
 
@@ -125,9 +126,9 @@ class Gang:
                         replies[rank] = self._receive(conn)
                         pending.pop(rank)
                 break
-            for conn in wait(list(pending.values()), timeout=left):
-                rank = self.conns.index(conn)
-                replies[rank] = self._receive(conn)
+            for ready in wait(list(pending.values()), timeout=left):
+                rank = self.conns.index(cast(Connection, ready))  # wait() returns what it was given
+                replies[rank] = self._receive(ready)
                 pending.pop(rank)
         self.outputs = [replies.get(rank, ("", "", ""))[2] for rank in range(self.world)]
         if pending or any(status != "ok" for status, _, _ in replies.values()):

@@ -98,6 +98,7 @@ class TwoHosts:
         return self
 
     def _write_hosts_files(self) -> None:
+        assert self.aliases is not None  # called only with aliases
         for host, ns in enumerate(self.names):
             lines = ["127.0.0.1 localhost", f"{self.addrs[host]} {socket.gethostname()}"]
             lines += [f"{addr} {' '.join(names)}" for addr, names in zip(self.addrs, self.aliases) if names]

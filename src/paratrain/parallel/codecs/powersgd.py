@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,7 @@ class _PowerBucket:
 
     def __init__(self, flat: torch.Tensor, shapes, rank: int, seed: int, dtype: torch.dtype):
         self.matrices, self.dense = power_layout(shapes, rank)
-        kw = dict(dtype=flat.dtype, device=flat.device)
+        kw: dict[str, Any] = dict(dtype=flat.dtype, device=flat.device)
         self.flat = flat
         self.out = torch.zeros_like(flat)
         # `dtype` (arithmetic_dtype) narrower than the gradient: the products read a copy of each
@@ -236,7 +237,7 @@ class PowerSGD(Codec):
             ):
                 st.q_flat.copy_(q)
                 for M, e in zip(views, errors):
-                    M.copy_(e)
+                    M.copy_(cast(torch.Tensor, e))  # not None: checked above
         return st
 
     def start(self, key, flat: torch.Tensor, shapes, group, profiler, world: int) -> Handle:

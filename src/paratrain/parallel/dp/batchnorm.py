@@ -26,6 +26,7 @@ buffers never change by a broadcast, so neither do the weights nor what `final/`
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,13 +101,12 @@ def _global_forward(self, x):
     return _GlobalBatchNorm.apply(x, self.weight, self.bias, self, self.dp_group)
 
 
-def synchronise_batchnorm(layers: list[nn.Module], group=None) -> None:
+def synchronise_batchnorm(layers: Sequence[nn.Module], group=None) -> None:
     """Each of these batch-norm layers normalises over `group`'s samples together."""
     for layer in layers:
-        layer._local_forward = layer.forward
+        layer._local_forward = layer.forward  # type: ignore[assignment]  # torch's stub: attributes are Tensor | Module
         layer.dp_group = group
         layer.forward = types.MethodType(_global_forward, layer)
-    return layers
 
 
 class BatchNormPolicy:

@@ -19,6 +19,8 @@ optimizer (the finite check, clipping and the step).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -40,7 +42,7 @@ class Bucket:
     the buffer itself is allocated by `allocate()` (dp keeps it for good, ZeRO stage 2 only briefly).
     """
 
-    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device, pad_to: int = 1):
+    def __init__(self, index: int, params: list[torch.Tensor], device: torch.device, pad_to: int = 1):
         self.index = index
         self.params = params
         self.shapes = [p.shape for p in params]
@@ -60,6 +62,7 @@ class Bucket:
     def bind_grads(self, flat: torch.Tensor | None = None) -> None:
         """Point every parameter's .grad at its slice of `flat` (default: the bucket's buffer)."""
         flat = self.buffer if flat is None else flat
+        assert flat is not None  # allocated before any gradient
         if flat is self.bound:
             return
         offset = 0
@@ -69,9 +72,11 @@ class Bucket:
         self.bound = flat
 
 
-def make_buckets(params: list[nn.Parameter], bucket_bytes: int, device: torch.device, pad_to: int = 1) -> list[Bucket]:
+def make_buckets(
+    params: Sequence[torch.Tensor], bucket_bytes: int, device: torch.device, pad_to: int = 1
+) -> list[Bucket]:
     """Reverse registration order, cut when a bucket passes `bucket_bytes` or the dtype changes."""
-    groups: list[list[nn.Parameter]] = [[]]
+    groups: list[list[torch.Tensor]] = [[]]
     size = 0
     for p in reversed(params):
         current = groups[-1]
@@ -115,6 +120,7 @@ class GradientReducer:
         """`rebind`: point .grad at the buckets again even where it already was (the user's
         optimizer.zero_grad() set it to None)."""
         for b in self.buckets:
+            assert b.buffer is not None  # dp allocates every bucket's buffer for good
             self.codec.reset(b.index, b.buffer, b.shapes)
             if rebind:
                 b.bound = None
@@ -147,6 +153,7 @@ class GradientReducer:
 
     def _communicate(self, b: Bucket):
         """Start the averaging of one bucket (through the compression codec); returns its work."""
+        assert b.buffer is not None
         return self.codec.launch(b.index, b.buffer, b.shapes, self.group, self.profiler)
 
     def finish(self) -> torch.Tensor:
@@ -163,6 +170,7 @@ class GradientReducer:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
+            assert b.buffer is not None
             b.bind_grads(self.codec.result(b.index, b.buffer))  # the optimizer reads the average
             norm = self.codec.result_norm(b.index)
             norms.append(torch.linalg.vector_norm(b.bound) if norm is None else norm)
@@ -174,11 +182,13 @@ class GradientReducer:
     def discard(self) -> None:
         """After a skipped step: forget this step's gradients and the codec's memory of them."""
         for b in self.buckets:
+            assert b.buffer is not None
             b.buffer.zero_()
             self.codec.discard(b.index)
 
     def scale_(self, factor: torch.Tensor) -> None:
         for b in self.buckets:
+            assert b.bound is not None  # bound to the parameters' .grad
             b.bound.mul_(factor)
 
 
@@ -237,7 +247,7 @@ class DataParallel(Strategy):
             if dist.get_world_size(group) > 1
             else LoneReducer(self.params, rt.device, codec)
         )
-        self.optimizer = build_optimizer(self.params, cfg.train)
+        self.optimizer: torch.optim.Optimizer = build_optimizer(self.params, cfg.train)
 
     @property
     def profiler(self):

@@ -7,6 +7,7 @@ counts its gradient averaging with them too."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ def wire_bytes(numel: int, dtype_bytes: int, cfg: Config) -> int:
     return numel * (2 if cfg.parallel.compression in ("bf16", "fp16") else dtype_bytes)
 
 
-def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: int) -> None:
+def dp_comm(r: RankPlan, cfg: Config, params: Sequence[torch.Tensor], group_size: int) -> None:
     """dp's gradient buckets, each averaged once a step (the last microbatch's backward) as the
     codec does it: one all-reduce (bf16/fp16: of 16-bit numbers); top-k: all-gathers of each rank's
     k values and k int32 indices; PowerSGD: all-reduces of P with the uncompressed tensors, then Q."""
@@ -49,7 +50,7 @@ def dp_comm(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: in
             r.add_comm("all_reduce", wire_bytes(b.numel, size, cfg), group_size)
 
 
-def dp_codec(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: int) -> None:
+def dp_codec(r: RankPlan, cfg: Config, params: Sequence[torch.Tensor], group_size: int) -> None:
     """What a top-k or PowerSGD codec keeps between steps for dp's gradient buckets."""
     from paratrain.parallel.codecs.basic import kept_bytes
 
@@ -62,7 +63,7 @@ def dp_codec(r: RankPlan, cfg: Config, params: list[nn.Parameter], group_size: i
     )
 
 
-def cast_copies(cfg: Config, params: list[nn.Parameter], group_size: int) -> int:
+def cast_copies(cfg: Config, params: Sequence[torch.Tensor], group_size: int) -> int:
     """bf16 / fp16 on the wire: the 16-bit copy of each dp bucket, made as the bucket is launched and
     copied back once the backward is over (compression.Cast), so all of them at once after it."""
 
@@ -92,7 +93,9 @@ def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cl
     params = [t for _, t in unique_parameters(model)]
     total = nbytes(params)
     one = RankPlan(0, 0, 0, "worker", activation_bytes=saved_activation_bytes(cfg, rows)[0])
-    (step,) = step_memory(cfg, rows)
+    memory = step_memory(cfg, rows)
+    assert memory is not None  # None only under tp
+    (step,) = memory
     one.param_bytes, one.grad_bytes, one.optimizer_bytes = total, total, optimizer_slots(cfg) * total
     one.peak_bytes = one.model_state_bytes + max(step.forward_peak, step.backward_peak, cast_copies(cfg, params, world))
     return [one], []

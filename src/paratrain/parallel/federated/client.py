@@ -11,7 +11,8 @@ each gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -48,7 +49,7 @@ class LocalTrainer:
             with profiler.phase("backward"):
                 loss.backward()
             if anchors is not None:
-                grads = [p.grad for p in self.params]
+                grads = [cast(torch.Tensor, p.grad) for p in self.params]  # set by the backward above
                 torch._foreach_add_(
                     grads, torch._foreach_sub([p.detach() for p in self.params], anchors), alpha=self.mu
                 )
@@ -61,7 +62,7 @@ class LocalTrainer:
 
 
 @torch.no_grad()
-def copy_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+def copy_into(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Copy a flat vector into the parameters (torch's vector_to_parameters would make them views
     of it, and training would then write into the global weights)."""
     offset = 0

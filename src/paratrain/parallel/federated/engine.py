@@ -123,6 +123,7 @@ class Federated(ServerRound, WorkerRound, Strategy):
 
     def _train_client(self, client: int, total_samples: int) -> tuple[torch.Tensor, float]:
         """A client's weighted update (n_c / N) delta_c and its mean local loss."""
+        assert self.local is not None  # a rank that simulates clients
         delta, loss = self.local.train(self.global_flat, self.train_set, self._batches(client), self.profiler)
         return delta.mul_(len(self.parts[client]) / total_samples), loss
 
@@ -148,6 +149,7 @@ class Federated(ServerRound, WorkerRound, Strategy):
             self.skipped_step = True
         else:
             weight = sum(len(self.parts[c]) for c in present) / total
+            assert self.server_opt is not None  # rank 0, the server
             self.server_opt.step(self.global_flat, update.float() / weight)
         copy_into(self.params, self.global_flat.to(self.rt.device))  # the model rank 0 evaluates
         if losses:
@@ -187,6 +189,7 @@ class Federated(ServerRound, WorkerRound, Strategy):
 
     def state_dict(self):
         tensors = {f"model.{k}": v for k, v in self._named_global().items()}
+        assert self.server_opt is not None  # checkpoint_ranks = 1: the server saves
         tensors.update(self.server_opt.state())
         return tensors, {"federated": {"round": self.round, "algorithm": self.fed.algorithm}}
 

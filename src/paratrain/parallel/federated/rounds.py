@@ -11,7 +11,9 @@ import signal
 import struct
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,12 @@ from paratrain.runtime.fault.guard import drop_worker
 TAG_GLOBAL, TAG_KEYS, TAG_SHARES, TAG_UPDATE, TAG_DROPPED, TAG_REVEAL = range(31, 37)
 HEAD = 2  # per client report: [present, loss] in front of its update
 
+if TYPE_CHECKING:
+    from paratrain.config import FederatedConfig
+    from paratrain.parallel.base import Strategy as _Base
+else:
+    _Base = object  # at run time a plain mixin
+
 
 def _loss_bits(loss: float) -> int:
     return struct.unpack("<q", struct.pack("<d", loss))[0]
@@ -39,8 +47,22 @@ class LostServer(RuntimeError):
     """A worker's message to or from the server failed or timed out."""
 
 
-class ServerRound:
+class ServerRound(_Base):
     """Rank 0's side of a round with worker ranks."""
+
+    # Set up by Federated (federated/engine.py), which mixes this class in: declared for the type
+    # checker, which sees this class as a Strategy (annotations only, nothing at run time).
+    fed: FederatedConfig
+    workers: list[int]
+    live: set[int]
+    dismissed: set[int]
+    global_flat: torch.Tensor
+    stats: dict
+    round: int
+    parts: list
+    cut_off: bool
+    _train_client: Callable[[int, int], tuple[torch.Tensor, float]]
+    _dropped_by_fault: Callable[[int], bool]
 
     def _round_over_workers(self, sampled, total):
         fed, n = self.fed, len(sampled)
@@ -170,8 +192,22 @@ class ServerRound:
         )
 
 
-class WorkerRound:
+class WorkerRound(_Base):
     """A worker rank's side of a round: it simulates the round's clients it holds."""
+
+    # Set up by Federated (federated/engine.py), which mixes this class in: declared for the type
+    # checker, which sees this class as a Strategy (annotations only, nothing at run time).
+    fed: FederatedConfig
+    workers: list[int]
+    live: set[int]
+    dismissed: set[int]
+    global_flat: torch.Tensor
+    stats: dict
+    round: int
+    parts: list
+    cut_off: bool
+    _train_client: Callable[[int, int], tuple[torch.Tensor, float]]
+    _dropped_by_fault: Callable[[int], bool]
 
     def _work(self, sampled: list[int]) -> torch.Tensor:
         """Serve this worker's clients of the round. A worker that loses the server (which drops
@@ -244,14 +280,14 @@ class WorkerRound:
     def _from_server(self, buf: torch.Tensor, tag: int, wait_s: float) -> None:
         try:
             with self.profiler.phase("comm"):
-                dist.irecv(buf, 0, tag=tag).wait(timedelta(seconds=wait_s))
+                cast(dist.Work, dist.irecv(buf, 0, tag=tag)).wait(timedelta(seconds=wait_s))  # None only off the group
         except RuntimeError as exc:
             raise LostServer(f"no word from the server (rank 0) in round {self.round + 1}: {first_line(exc)}") from None
 
     def _to_server(self, buf: torch.Tensor, tag: int) -> None:
         try:
             with self.profiler.phase("comm"):
-                dist.isend(buf, 0, tag=tag).wait(timedelta(seconds=self.fed.round_timeout_s))
+                cast(dist.Work, dist.isend(buf, 0, tag=tag)).wait(timedelta(seconds=self.fed.round_timeout_s))
         except RuntimeError as exc:
             raise LostServer(
                 f"the server (rank 0) took no message in round {self.round + 1}: {first_line(exc)}"

@@ -141,7 +141,9 @@ def unmask(
 
 
 def run_in_process(
-    inputs: dict[int, torch.Tensor], drop_after_masking: set[int] = frozenset(), server_view: list | None = None
+    inputs: dict[int, torch.Tensor],
+    drop_after_masking: set[int] | frozenset[int] = frozenset(),
+    server_view: list | None = None,
 ) -> tuple[torch.Tensor | None, list[int]]:
     """One round among clients in this process (world 1, and tests): `inputs` maps a client's
     position to its quantised update. Returns (sum of the survivors' q, survivors); every message

@@ -44,15 +44,16 @@ class ServerOptimizer:
         if self.algorithm != "fedadam":
             weights.add_(mean_delta, alpha=self.server_lr)
             return
+        assert self.m is not None and self.v is not None  # fedadam's moments
         b1, b2 = FEDADAM_BETAS
         self.m.mul_(b1).add_(mean_delta, alpha=1 - b1)
         self.v.mul_(b2).addcmul_(mean_delta, mean_delta, value=1 - b2)
         weights.addcdiv_(self.m, self.v.sqrt().add_(FEDADAM_TAU), value=self.server_lr)
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {} if self.m is None else {"server_opt.m": self.m, "server_opt.v": self.v}
+        return {} if self.m is None or self.v is None else {"server_opt.m": self.m, "server_opt.v": self.v}
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        if self.m is not None:
+        if self.m is not None and self.v is not None:
             self.m.copy_(tensors["server_opt.m"])
             self.v.copy_(tensors["server_opt.v"])

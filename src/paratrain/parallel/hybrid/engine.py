@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sized
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from paratrain.config import Config, microbatch_count, virtual_stages
 from paratrain.data.batch import num_samples, split_batch, tensors_in
 from paratrain.errors import ConfigError
 from paratrain.models.hf_pipeline import own_loss
-from paratrain.models.layers import boundary_shape_fn, meta_copy, pipeline_layers
+from paratrain.models.layers import boundary_shape_fn, layers_of, meta_copy, pipeline_layers
 from paratrain.optim import build_optimizer, output_logits, rebuild_optimizer
 from paratrain.parallel.base import (
     Strategy,
@@ -79,7 +81,7 @@ def check_model(cfg: Config, model: nn.Module) -> None:
                 f"pp = {p.pp} needs a model that can be cut into layers: an "
                 f"nn.Sequential or a module with pipeline_layers()",
             )
-        outside = parameters_outside(model, pipeline_layers(model))
+        outside = parameters_outside(model, layers_of(model))
         if outside:
             raise ConfigError(
                 "parallel.pp",
@@ -90,7 +92,7 @@ def check_model(cfg: Config, model: nn.Module) -> None:
         if stages > layers:
             tied = "".join(
                 f"; layers {a}-{b} share {name} (tied weights) and stay in one stage"
-                for a, b, name in tied_spans(model, pipeline_layers(model), sync_ties(cfg))
+                for a, b, name in tied_spans(model, layers_of(model), sync_ties(cfg))
             )
             raise ConfigError(
                 "parallel.pp",
@@ -141,7 +143,7 @@ class ModelParallel(Strategy):
         # within a pipeline, over each microbatch of the dp ranks' samples (docs/models.md)
         self.batchnorm = BatchNormPolicy(model, p.sync_batchnorm, mesh.dp_group)
         self.owned_keys = [k for k, s in stage_of_key.items() if s in self.stage_ids]
-        self.optimizer = build_optimizer(self.params, cfg.train)
+        self.optimizer: torch.optim.Optimizer = build_optimizer(self.params, cfg.train)
         self.tied = (
             tie_groups(model, self.full_meta, mesh, self.bounds, rt.rank, rt.is_main)
             if p.pp > 1 and sync_ties(cfg)
@@ -166,7 +168,7 @@ class ModelParallel(Strategy):
     def _build_engine(self) -> None:
         """The engine that runs this rank's chunks, and its part of the schedule."""
         p, mesh, rt = self.cfg.parallel, self.mesh, self.rt
-        meta_layers = pipeline_layers(self.full_meta) if p.pp > 1 else [self.full_meta]
+        meta_layers = layers_of(self.full_meta) if p.pp > 1 else [self.full_meta]
         shapes = boundary_shape_fn([meta_layers[self.bounds[s] : self.bounds[s + 1]] for s in range(self.n_stages)])
         self.engine = PipelineRunner(
             self.chunks,
@@ -196,7 +198,7 @@ class ModelParallel(Strategy):
 
         dataset = build_dataset(self.cfg, "train")
         rows = max(self.cfg.data.batch_size // self.dp_size // self.m, 1)
-        x, _ = load_batch(dataset, torch.arange(min(rows, len(dataset))))
+        x, _ = load_batch(dataset, torch.arange(min(rows, len(cast(Sized, dataset)))))
         if isinstance(x, dict):  # a dict sample: the token ids a transformers model's first layer takes
             x = x["input_ids"] if "input_ids" in x else tensors_in(x)[0]
         return x.to(self.rt.device)

@@ -105,13 +105,13 @@ def _cut(cfg: Config, model: nn.Module, tp_plan: dict, n_stages: int):
     """The pipeline's stage boundaries over the model's layers (balanced by parameters, as the
     engine's `balance = "params"`), each stage's layers, and the parameters that layers of different
     stages share with the stages holding them (each holder sums its copy's gradient)."""
-    from paratrain.models.layers import pipeline_layers
+    from paratrain.models.layers import layers_of
     from paratrain.parallel.hybrid.parallelize import sync_ties
     from paratrain.parallel.pipeline.cut import allowed_cuts, parameter_costs, partition, split_ties
 
     if cfg.parallel.pp == 1:
         return [0, 1], [[model]], []
-    layers = pipeline_layers(model)
+    layers = layers_of(model)
     bounds = partition(parameter_costs(layers), n_stages, allowed_cuts(model, layers, tp_plan, sync_ties(cfg)))
     stage_layers = [layers[bounds[s] : bounds[s + 1]] for s in range(n_stages)]
     return bounds, stage_layers, [(t, stages) for t, _, stages in split_ties(model, layers, bounds)]

@@ -20,7 +20,7 @@ from torch import nn
 from paratrain.comm import grid
 from paratrain.comm.grid import Mesh
 from paratrain.config import Config, virtual_stages
-from paratrain.models.layers import pipeline_layers
+from paratrain.models.layers import layers_of
 from paratrain.parallel.base import unique_parameters
 from paratrain.parallel.dp.engine import GradientReducer
 from paratrain.parallel.pipeline.cut import allowed_cuts, decide_split, split_ties
@@ -40,7 +40,7 @@ def decide_cut(model: nn.Module, cfg: Config, plan: dict, sample_fn, autocast, d
     p = cfg.parallel
     if p.pp == 1:
         return [0, 1]
-    layers, n_stages = pipeline_layers(model), p.pp * virtual_stages(cfg)
+    layers, n_stages = layers_of(model), p.pp * virtual_stages(cfg)
     allowed = allowed_cuts(model, layers, plan, sync_ties(cfg))
     bounds, costs = decide_split(layers, n_stages, allowed, p.balance, sample_fn, autocast, device)
     if is_main:
@@ -57,7 +57,7 @@ def stage_of_keys(model: nn.Module, cfg: Config, bounds: list[int]) -> dict[str,
     """State-dict key -> the virtual stage holding it (keys outside every layer: stage 0)."""
     if cfg.parallel.pp == 1:
         return {k: 0 for k in model.state_dict()}
-    layers = pipeline_layers(model)
+    layers = layers_of(model)
     stage_of_module: dict[int, int] = {}  # by identity: a layer may wrap the model's modules (hf_pipeline)
     for s in range(len(bounds) - 1):
         for layer in layers[bounds[s] : bounds[s + 1]]:
@@ -78,7 +78,7 @@ def cut_pipeline(model: nn.Module, mesh: Mesh, cfg: Config, bounds: list[int]) -
     stage_ids = [c * p.pp + mesh.pp_rank for c in range(virtual_stages(cfg))]
     if p.pp == 1:
         return stage_ids, [model]
-    layers = pipeline_layers(model)
+    layers = layers_of(model)
     stage_layers = [layers[bounds[s] : bounds[s + 1]] for s in range(len(bounds) - 1)]
     for s, group in enumerate(stage_layers):
         if s not in stage_ids:
@@ -111,12 +111,12 @@ def tie_groups(model: nn.Module, full_meta: nn.Module, mesh: Mesh, bounds: list[
     names: dict[int, list[str]] = {}
     for n, t in full_meta.named_parameters(remove_duplicate=False):
         names.setdefault(id(t), []).append(n)
-    layers = pipeline_layers(full_meta)
+    layers = layers_of(full_meta)
     for param, name, holders in split_ties(full_meta, layers, bounds):  # stage = pp rank here
         mine_copy = next((t for t in map(model.get_parameter, names[id(param)]) if not t.is_meta), None)
         for d in range(mesh.dp):
-            for t in range(mesh.tp):
-                ranks = [mesh.global_rank(q, d, t) for q in holders]
+            for tp_rank in range(mesh.tp):
+                ranks = [mesh.global_rank(q, d, tp_rank) for q in holders]
                 group = grid.subgroup(ranks)
                 if rank in ranks:
                     mine.append((mine_copy, group, rank == ranks[0]))

@@ -21,6 +21,7 @@ PARATRAIN_P2P_SHM=0 sends everything through torch.distributed.
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -63,7 +64,8 @@ class P2P:
                 channel.send(t, tag)  # in the ring when this returns: nothing to wait for later
             else:
                 t = t.detach()  # the engine hands over outputs still attached to autograd
-                self.pending_sends.append((dist.isend(t, peer, group=self.group, tag=tag), t))
+                work = cast(dist.Work, dist.isend(t, peer, group=self.group, tag=tag))  # None only off the group
+                self.pending_sends.append((work, t))
         works = []
         for t, peer, tag in recvs:
             if (channel := self._shm(self.shm_receivers, t, peer)) is not None:

@@ -161,11 +161,11 @@ def decide_split(
     if balance == "params":
         costs = parameter_costs(layers)
     else:
-        costs = torch.zeros(len(layers), dtype=torch.float64)
+        measured = torch.zeros(len(layers), dtype=torch.float64)
         if dist.get_rank() == 0:
-            costs = torch.tensor(measured_costs(layers, sample_fn(), autocast), dtype=torch.float64)
+            measured = torch.tensor(measured_costs(layers, sample_fn(), autocast), dtype=torch.float64)
         if dist.get_world_size() > 1:
-            costs = costs.to(device)
-            collectives.broadcast(costs, 0, "pipeline-layer-costs")
-        costs = costs.cpu().tolist()
+            measured = measured.to(device)
+            collectives.broadcast(measured, 0, "pipeline-layer-costs")
+        costs = measured.cpu().tolist()
     return partition(costs, n_stages, allowed), costs

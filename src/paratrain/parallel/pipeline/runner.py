@@ -11,6 +11,7 @@ its output received from the next stage.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -123,7 +124,7 @@ class _StepRun:
         self.loss_fn, self.autocast, self.train, self.before_backward = loss_fn, autocast, train, before_backward
         self.shapes = [runner.boundary_shapes(x) for x in inputs]
         self.first, self.last = 0, runner.n_stages - 1
-        self.recv_work: dict[Action, tuple[torch.Tensor, object]] = {}
+        self.recv_work: dict[Action, tuple[torch.Tensor, Any]] = {}  # (buffer, its pending receive)
         self.saved: dict[tuple[int, int], tuple] = {}
         self.results: list = [None] * len(inputs)
         self.posted = 0
@@ -177,6 +178,7 @@ class _StepRun:
         if s == self.last:
             self.results[a.mb] = value
             if self.train:
+                assert value is not None  # the last stage computed the loss
                 self.saved[(a.chunk, a.mb)] = (x, value / len(self.inputs))
             return t0, [], []
         if self.train:

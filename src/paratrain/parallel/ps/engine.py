@@ -39,7 +39,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,6 +60,12 @@ from paratrain.runtime.fault import guard
 
 class ParameterServer(Strategy):
     name = "ps"
+    # each side's own (ps/server.py, ps/worker.py), mixed in by _ServerRank and _WorkerRank below
+    is_server: bool
+    own_names: list[str]
+    _init_side: Callable[[], None]
+    _step: Callable[[Any, bool], torch.Tensor]
+    _resume: Callable[[list[dict], dict], None]
 
     def __new__(cls, model, loss_fn, cfg, rt):
         """A rank is a server or a worker for the whole run: the class of its side is picked here."""
@@ -102,7 +110,7 @@ class ParameterServer(Strategy):
                 self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
         self.step_index = 0  # the trainer step the next train_step is for
         self.total_steps = cfg.train.steps
-        self.t0 = None  # first step: pushes/s count from there
+        self.t0: float | None = None  # first step: pushes/s count from there
         self._init_side()
 
     def set_lr(self, lr: float) -> None:

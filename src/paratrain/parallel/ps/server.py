@@ -15,6 +15,9 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,9 +29,37 @@ from paratrain.parallel.base import clip_factor, whole_model_chunks
 from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG, first_line
 from paratrain.runtime.fault.guard import drop_worker
 
+if TYPE_CHECKING:
+    from paratrain.config import PSConfig
+    from paratrain.parallel.base import Strategy as _Base
+    from paratrain.parallel.ps.wire import FlatShard
+else:
+    _Base = object  # at run time a plain mixin
 
-class ServerSide:
+
+class ServerSide(_Base):
     """The server's half of ParameterServer (which mixes it in on ranks below ps.servers)."""
+
+    # Set up by ParameterServer (ps/engine.py), which mixes this class in: declared for the type
+    # checker, which sees this class as a Strategy (annotations only, nothing at run time).
+    ps: PSConfig
+    mode: str
+    servers: list[int]
+    workers: list[int]
+    names: list[str]
+    own_names: list[str]
+    shard_index: list[list[int]]
+    shards: list[FlatShard]
+    step_index: int
+    total_steps: int
+    timeout: timedelta
+    _p2p: Callable[..., Any]
+    _wait: Callable[[Any, int], None]
+    _set_live: Callable[[list[int]], None]
+    _first_live_worker: Callable[[], int]
+    server_group: Any
+    loss_sums: torch.Tensor
+    t0: float | None
 
     is_server = True
 
@@ -148,6 +179,7 @@ class ServerSide:
         try:
             work = self._p2p(dist.irecv, self.recv_bufs[w], w, PUSH_TAG)
         except RuntimeError as exc:  # its connection is gone already (a reset): dropped, as in _land
+            assert self.arrivals is not None  # async: made by _serve_async
             self.arrivals.put((w, first_line(exc)))
             return
         threading.Thread(target=self._land, args=(work, w), daemon=True).start()
@@ -155,8 +187,10 @@ class ServerSide:
     def _land(self, work, w: int) -> None:
         try:
             work.wait()
+            assert self.arrivals is not None  # async: made by _serve_async
             self.arrivals.put((w, None))
         except RuntimeError as exc:
+            assert self.arrivals is not None  # async: made by _serve_async
             self.arrivals.put((w, first_line(exc)))
 
     def _drop_silent(self) -> None:
@@ -184,7 +218,7 @@ class ServerSide:
         step, used = buf[0].item(), buf[1].item()
         if step != self.clock[w]:
             return f"step {step:g}, expected {self.clock[w]}"
-        if not (used.is_integer() and 0 <= used <= self.version):
+        if not (float(used).is_integer() and 0 <= used <= self.version):
             return f"version {used:g}, this server is at {self.version}"
         return ""
 
@@ -240,6 +274,7 @@ class ServerSide:
                 raise
             # a worker killed between its push and its pull can reset the connection before the
             # send is even posted (seen under load): dropped like one whose pull fails later
+            assert self.arrivals is not None  # async: made by _serve_async
             self.arrivals.put((w, f"its pull failed: {first_line(exc)}"))
             return
         if final:  # the run's end: every other worker is done too
@@ -251,6 +286,7 @@ class ServerSide:
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
+            assert self.arrivals is not None  # async: made by _serve_async
             self.arrivals.put((w, f"its pull failed: {first_line(exc)}"))
 
     def _finish(self) -> None:
@@ -276,6 +312,7 @@ class ServerSide:
     def step_metrics(self) -> dict:
         """Rank 0 logs: staleness of the gradients it applied since the last log, and per server
         pushes/s and bytes moved since the start (gathered over the servers)."""
+        assert self.t0 is not None  # set by the first step
         elapsed = time.perf_counter() - self.t0
         mine = torch.tensor([self.stats.pushes, self.stats.bytes, elapsed], dtype=torch.float64)
         every = [mine]

@@ -23,7 +23,7 @@ PUSH_TAG, PULL_TAG, EXPORT_TAG = 11, 12, 13
 
 def assign_shards(sizes: list[int], servers: int) -> list[list[int]]:
     """Parameter indices per server: largest first, each to the server with the fewest bytes so far."""
-    load, shards = [0] * servers, [[] for _ in range(servers)]
+    load, shards = [0] * servers, [list[int]() for _ in range(servers)]
     for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         s = min(range(servers), key=lambda s: load[s])
         shards[s].append(i)

@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +25,13 @@ from paratrain.runtime import fault_points
 
 FAULT_STALL_S = 4.0
 
+if TYPE_CHECKING:
+    from paratrain.config import PSConfig
+    from paratrain.parallel.base import Strategy as _Base
+    from paratrain.parallel.ps.wire import FlatShard
+else:
+    _Base = object  # at run time a plain mixin
+
 
 def straggle(compute_s: float, factor: float) -> None:
     """Make a step take `factor` times its compute time (experiments: one slow worker)."""
@@ -29,8 +39,26 @@ def straggle(compute_s: float, factor: float) -> None:
         time.sleep((factor - 1) * compute_s)
 
 
-class WorkerSide:
+class WorkerSide(_Base):
     """The worker's half of ParameterServer (which mixes it in on ranks ps.servers and up)."""
+
+    # Set up by ParameterServer (ps/engine.py), which mixes this class in: declared for the type
+    # checker, which sees this class as a Strategy (annotations only, nothing at run time).
+    ps: PSConfig
+    mode: str
+    servers: list[int]
+    workers: list[int]
+    names: list[str]
+    own_names: list[str]
+    shard_index: list[list[int]]
+    shards: list[FlatShard]
+    step_index: int
+    total_steps: int
+    timeout: timedelta
+    _p2p: Callable[..., Any]
+    _wait: Callable[[Any, int], None]
+    _set_live: Callable[[list[int]], None]
+    _first_live_worker: Callable[[], int]
 
     is_server = False
 

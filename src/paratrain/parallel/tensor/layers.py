@@ -24,6 +24,8 @@ process would.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -161,7 +163,7 @@ class HiddenParallelEmbedding(nn.Module):
         return gather_from_tp(rows, self.group, self.embedding_dim, self.place)
 
 
-STYLES = {
+STYLES: dict[str, Any] = {  # style -> its module class (each with its shard_dims)
     "colwise": ColumnParallelLinear,
     "rowwise": RowParallelLinear,
     "colwise_gather_output": GatheredColumnParallelLinear,
@@ -249,7 +251,8 @@ def check_plan(model: nn.Module, plan: dict, tp: int, user: bool, own_loss: bool
             f'"colwise_gather_output" (or leave it whole)',
         )
     if isinstance(model, GPT):
-        heads = model.blocks[0].attn.q.out_features // model.blocks[0].attn.head_dim if len(model.blocks) else 0
+        blocks: Any = model.blocks  # torch's stub types a ModuleList's items as Module
+        heads = blocks[0].attn.q.out_features // blocks[0].attn.head_dim if len(blocks) else 0
         if heads % tp:
             raise ConfigError("parallel.tp", f"tp {tp} does not divide the gpt's {heads} attention heads")
     elif plan:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -110,8 +111,8 @@ class PlanVerifier:
     def _whole(self, name: str) -> nn.Module:
         """The planned module `name` whole, its shards gathered over the tp group."""
         part = self.model.get_submodule(name)
-        dims = type(part).shard_dims
-        full = {}
+        dims = cast(Any, type(part)).shard_dims  # a tensor layer's (tensor/layers.py STYLES)
+        full: dict[str, torch.Tensor] = {}
         for attr, t in part.named_parameters(recurse=False):
             if attr in dims:
                 size, packs = _full_size(part, dims[attr]), PACKS if attr in getattr(part, "packed_attrs", ()) else 1
@@ -119,12 +120,13 @@ class PlanVerifier:
             else:
                 full[attr] = t.detach()
         if isinstance(part, (VocabParallelEmbedding, HiddenParallelEmbedding)):
-            whole = nn.Embedding(*full["weight"].shape, padding_idx=part.full_padding_idx, device="meta")
+            rows, dim = full["weight"].shape
+            whole: nn.Module = nn.Embedding(rows, dim, padding_idx=part.full_padding_idx, device="meta")
         else:
             out_f, in_f = full["weight"].shape
             whole = nn.Linear(in_f, out_f, bias="bias" in full and full["bias"] is not None, device="meta")
-        for attr, t in full.items():
-            setattr(whole, attr, nn.Parameter(t, requires_grad=False))
+        for attr, gathered in full.items():
+            setattr(whole, attr, nn.Parameter(gathered, requires_grad=False))
         return whole
 
     def _whole_parameter(self, name: str) -> nn.Parameter:

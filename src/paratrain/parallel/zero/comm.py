@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -100,11 +101,20 @@ def bucket_groups(params: list[nn.Parameter], cfg, world: int) -> list[list[nn.P
         return []
     scale = params[0].element_size() / working_dtype(cfg, params[0].dtype, 1).itemsize
     bucket_bytes = int(cfg.parallel.bucket_mb * 2**20 * scale)
-    return [b.params for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
+    # the parameters given, grouped (dp's buckets hold any tensors: the type checker is told so)
+    return [cast(list[nn.Parameter], b.params) for b in make_buckets(params, bucket_bytes, torch.device("meta"), world)]
 
 
 class FlatUnit:
     """Parameters gathered and sharded together (see the module docstring for the layout)."""
+
+    # set by the stage that uses them: zero3's gatherer (gather.py), the engine's parameter sync,
+    # stage 2's reducer (below)
+    state: str  # "free", "gathering" or "gathered"
+    gather_work: Handle | None
+    version: int  # of the gathered storage, kept across its frees
+    sync_work: Handle
+    grad_shard: torch.Tensor
 
     def __init__(
         self,
@@ -125,17 +135,18 @@ class FlatUnit:
         self.numel = -(-used // world) * world
         self.shard_numel = self.numel // world
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        self.full: torch.Tensor | None = None  # the whole flat parameter (views: the module's params)
-        self.shard: nn.Parameter | None = None  # this rank's slice of the working parameters
+        # set by the engine's allocation, before any other use:
+        self.full: torch.Tensor  # the whole flat parameter (views: the module's params)
+        self.shard: nn.Parameter  # this rank's slice of the working parameters
         # what the optimizer steps: the shard itself, or its full-precision master copy (mixed precision)
-        self.master: torch.Tensor | None = None
+        self.master: torch.Tensor
         # what the optimizer updates: (param index, start, end, at as in own_pieces, the piece of
         # the master as a parameter of its own), so an optimizer's param groups can follow the model's
         self.pieces: list[tuple[int, int, int, int, nn.Parameter]] = []
         self.grad_full: torch.Tensor | None = None  # the whole flat gradient, while it is being reduced
         self.grads: list[torch.Tensor | None] = [None] * len(params)  # or each gradient, reduced in place
         self.pending = len(params)
-        self.work = None
+        self.work: Handle | None = None
 
     def own_pieces(self):
         """(param index, start, end within the flattened parameter, start within the shard) of what this rank owns."""
@@ -171,9 +182,11 @@ class ShardReducer(GradientReducer):
 
     def own_slice(self, b: Bucket) -> torch.Tensor:
         size = b.numel // self.world
+        assert b.buffer is not None  # allocated for this backward
         return b.buffer[self.rank * size : (self.rank + 1) * size]
 
     def _communicate(self, b: Bucket):
+        assert b.buffer is not None  # allocated for this backward
         b.buffer.div_(self.world)
         return reduce_scatter(self.own_slice(b), b.buffer, f"zero-grad-bucket-{b.index}", self.group, self.wire_dtype)
 
@@ -254,11 +267,13 @@ class StreamingShardReducer:
         if self.in_place:
             if unit.pending == len(unit.params):  # the unit's first gradient: hand the previous ones over
                 self.drain()
+            assert p.grad is not None  # its gradient is ready
             unit.grads[i] = p.grad
             self._count(p.grad.nbytes)
         else:
             if unit.grad_full is None:
                 self._allocate(unit)
+            assert unit.grad_full is not None and p.grad is not None
             unit.grad_full[unit.offsets[i] : unit.offsets[i] + unit.numels[i]].copy_(p.grad.reshape(-1))
         p.grad = None
         unit.pending -= 1
@@ -282,6 +297,7 @@ class StreamingShardReducer:
         else:
             if unit.grad_full is None:  # no gradient reached this unit in this backward (same on all ranks)
                 self._allocate(unit)
+            assert unit.grad_full is not None
             unit.grad_full.div_(self.world)
             own = unit.grad_full[unit.lo : unit.hi]
             unit.work = reduce_scatter(
@@ -319,6 +335,7 @@ class StreamingShardReducer:
         self._count(unit.full_nbytes())
 
     def _complete(self, unit: FlatUnit) -> None:
+        assert unit.work is not None  # launched
         unit.work.wait()
         self._hold_shard(unit)
         if self.in_place:
@@ -326,6 +343,7 @@ class StreamingShardReducer:
             self._count(-sum(g.nbytes for g in unit.grads if g is not None))
             unit.grads = [None] * len(unit.params)
         else:
+            assert unit.grad_full is not None
             own = unit.grad_full[unit.lo : unit.hi]
             if self.accumulate:
                 unit.grad_shard.add_(own)

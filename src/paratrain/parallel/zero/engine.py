@@ -77,8 +77,15 @@ def on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters())
 
 
+def shard_grad(u: FlatUnit) -> torch.Tensor:
+    """The unit's gradient shard: bound by the reducer before any backward ends."""
+    assert u.shard.grad is not None
+    return u.shard.grad
+
+
 class Zero(Strategy):
     stage = 0
+    reducer: ShardReducer | zero_comm.StreamingShardReducer  # stage 1's; stages 2 and 3 stream (stages.py)
     # The trainer builds models on the meta device for us (ZeroSpec.materializes_models; see models/materialize.py).
 
     def __init__(self, model: nn.Module, loss_fn, cfg, rt):
@@ -223,7 +230,7 @@ class Zero(Strategy):
         optimizer (SGD, Adam, AdamW, ...) computes the same numbers on them as on the whole
         parameters, and each piece can go into the param group of the parameter it belongs to (the
         Python API keeps the user's groups)."""
-        self.pieces = []
+        self.pieces: list[nn.Parameter] = []
         for u in self.units:
             u.pieces = [
                 (i, start, end, at, nn.Parameter(u.master.detach()[at : at + end - start]))
@@ -238,7 +245,7 @@ class Zero(Strategy):
         if self.mixed and not up:
             return
         for u in self.units:
-            grad = u.shard.grad.to(u.master.dtype)
+            grad = shard_grad(u).to(u.master.dtype)
             for _, start, end, at, piece in u.pieces:
                 piece.grad = grad[at : at + end - start]
 
@@ -255,7 +262,7 @@ class Zero(Strategy):
                 self.zero_grad_called = True
                 zero_grad(set_to_none)
 
-            optimizer.zero_grad = noted_zero_grad
+            optimizer.zero_grad = noted_zero_grad  # type: ignore[method-assign]  # noted, then torch's own
         return optimizer
 
     # -- the step -------------------------------------------------------------------------------
@@ -274,7 +281,7 @@ class Zero(Strategy):
             self._after_backward(last=i == len(micro) - 1)
             total += loss.detach()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
-        grads = [u.shard.grad for u in self.units]
+        grads = [shard_grad(u) for u in self.units]
         self._average_across_replicas(grads)
         with prof.phase("optimizer"):
             norm = self._grad_norm()  # global: the same decision on every rank
@@ -284,11 +291,11 @@ class Zero(Strategy):
         return total / len(micro)
 
     def _grad_norm(self) -> torch.Tensor:
-        return zero_comm.sharded_grad_norm([u.shard.grad for u in self.units], self.group)
+        return zero_comm.sharded_grad_norm([shard_grad(u) for u in self.units], self.group)
 
     def _scale_grads(self, factor: torch.Tensor) -> None:
         for u in self.units:
-            u.shard.grad.mul_(factor.to(u.shard.grad.dtype))
+            shard_grad(u).mul_(factor.to(shard_grad(u).dtype))
 
     def _average_across_replicas(self, grads: list[torch.Tensor]) -> None:
         """Each gradient shard, the mean of its replica's slices of the batch, becomes the mean of
@@ -305,6 +312,7 @@ class Zero(Strategy):
             work.wait()
 
     def _before_backward(self, micro: int, last: bool) -> None:
+        assert isinstance(self.reducer, ShardReducer)  # stage 1's
         self.reducer.prepare(sync=last)  # stage 1 communicates once per step, like dp
 
     def _after_backward(self, last: bool) -> None:
@@ -328,7 +336,8 @@ class Zero(Strategy):
         the param group of its parameter (a group may hold no piece on some rank)."""
         piece_of = {u.names[i]: piece for u in self.units for i, *_, piece in u.pieces}
         self.optimizer = self._with_gathers(rebuild_optimizer(optimizer, self.name_of, piece_of))
-        self.optimizer.state_dict = self.optimizer.load_state_dict = self._refuse_optimizer_state
+        # the methods replaced by a refusal (see there)
+        self.optimizer.state_dict = self.optimizer.load_state_dict = self._refuse_optimizer_state  # type: ignore[method-assign]
         return self.optimizer
 
     def _refuse_optimizer_state(self, *_):
@@ -353,7 +362,7 @@ class Zero(Strategy):
         if fresh:  # (stages 2 and 3 let the gradient shards go until backward made them again)
             self._bind_piece_grads()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
-        self._average_across_replicas([u.shard.grad for u in self.units])
+        self._average_across_replicas([shard_grad(u) for u in self.units])
         self.user_grads.install(self._grad_pieces())
 
     def _grad_pieces(self):
@@ -363,7 +372,7 @@ class Zero(Strategy):
             own = {i: (start, end, at) for i, start, end, at in u.own_pieces()}
             for i, p in enumerate(u.params):
                 start, end, at = own.get(i, (0, 0, 0))
-                yield self._held(p), u.shard.grad[at : at + end - start]
+                yield self._held(p), shard_grad(u)[at : at + end - start]
 
     def _held(self, p: nn.Parameter) -> torch.Tensor:
         """What the user's model holds for parameter `p` (stages 1 and 2: `p` itself)."""
@@ -378,6 +387,7 @@ class Zero(Strategy):
     def _take_back_model_grads(self) -> None:
         """Before a backward, the model's .grad (the user's view of the shards) go back to what
         the backward accumulates into: stage 1's bucket views."""
+        assert isinstance(self.reducer, ShardReducer)
         for b in self.reducer.buckets:
             b.bound = None
             b.bind_grads()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from torch import nn
 
 from paratrain.config import Config
@@ -9,9 +11,15 @@ from paratrain.cost.activations import saved_activation_bytes, step_memory, whol
 from paratrain.cost.ranks import MIB, RankPlan, optimizer_slots, padded_bytes, padded_numel
 from paratrain.parallel.base import unique_parameters
 from paratrain.parallel.dp.footprint import Planned, wire_bytes
-from paratrain.parallel.spec import Spec
 from paratrain.parallel.zero.comm import bucket_groups, from_primitives, working_dtype
 from paratrain.parallel.zero.gather import module_units
+
+
+class StagedSpec(Protocol):
+    """zero/spec.py's ZeroSpec, as these functions read it (not imported: it names this module)."""
+
+    name: str
+    stage: int
 
 
 def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parameter], world: int):
@@ -74,7 +82,7 @@ def zero_peak(step: int, on_top: tuple[int, int]) -> int:
     return max(step + during_backward, after)
 
 
-def zero(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
+def zero(spec: StagedSpec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
     params = [t for _, t in unique_parameters(model)]
     world = len(ranks) // cfg.parallel.replicas  # the ranks of one replica, which shard the state
     step = whole_model_activations(cfg, ranks, rows, mixed_working_dtype(cfg, params, spec.stage))
@@ -127,12 +135,16 @@ def zero_messages(
         r.add_comm("all_reduce", 4, world)
 
 
-def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cluster) -> tuple[list[RankPlan], list]:
+def replica(
+    spec: StagedSpec, cfg: Config, model: nn.Module, world: int, rows: int, cluster
+) -> tuple[list[RankPlan], list]:
     """Replica 0 for `plan --search`: rank 0's shard of the state (every rank holds the same)."""
     params = [t for _, t in unique_parameters(model)]
     working = mixed_working_dtype(cfg, params, spec.stage)
     one = RankPlan(0, 0, 0, "worker", activation_bytes=saved_activation_bytes(cfg, rows, working=working)[0])
-    (step,) = step_memory(cfg, rows, working=working)
+    memory = step_memory(cfg, rows, working=working)
+    assert memory is not None  # None only under tp
+    (step,) = memory
     shards = world // cfg.parallel.replicas
     one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = zero_state(cfg, spec.stage, model, params, shards)
     one.peak_bytes = one.model_state_bytes + zero_peak(max(step.forward_peak, step.backward_peak), on_top)

@@ -102,6 +102,7 @@ class ParameterGatherer:
         root.register_forward_pre_hook(lambda m, args: self._start_of_forward())
         for u in units:
             u.state, u.gather_work = "free", None
+            assert u.module is not None  # zero3's units are modules
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
         root.register_forward_hook(lambda m, args, out: self._end_of_forward())
@@ -116,6 +117,7 @@ class ParameterGatherer:
         u.state = "gathering"
 
     def _wait(self, u: FlatUnit) -> None:
+        assert u.gather_work is not None  # gathering
         u.gather_work.wait()
         u.gather_work = None
         # Autograd saved these very tensors in forward; refilling them with the same values is not a

@@ -5,6 +5,7 @@ stage 3 the parameters too (gathered unit by unit around each module's forward a
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ class Zero2(Zero):
             u.shard.grad = u.grad_shard
 
     def _before_backward(self, micro: int, last: bool) -> None:
+        assert isinstance(self.reducer, StreamingShardReducer)
         self.reducer.prepare(accumulate=micro > 0)
 
     def _after_backward(self, last: bool) -> None:
@@ -53,6 +55,7 @@ class Zero2(Zero):
 class Zero3(Zero2):
     name = "zero3"
     stage = 3
+    gatherer: ParameterGatherer  # made by _setup_communication
     collective_forward = True  # each unit's parameters are gathered from every rank
 
     def _make_units(self, model, named) -> list[FlatUnit]:
@@ -87,12 +90,14 @@ class Zero3(Zero2):
 
     def _setup_communication(self, model) -> None:
         after_backward = lambda u: self.gatherer.after_backward(u)  # noqa: E731 (the gatherer comes next)
-        kwargs = dict(on_launch=after_backward, wire_dtype=wire_dtype(self.cfg), in_place=True)
+        kwargs: dict[str, Any] = dict(on_launch=after_backward, wire_dtype=wire_dtype(self.cfg), in_place=True)
         self.reducer = StreamingShardReducer(self.units, self.group, in_order=False, **kwargs)
-        self.lockstep = LockstepCheck(self.name, self.cfg.parallel.timeout_s)
-        self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer, self.lockstep)
-        self.state_call, self.gathered_for = None, {}  # the model's state_dict call under way, and its gathers
-        self.sharded, self.params_pinned = {}, False  # the ShardedParams, once the model is the user's
+        # not self.lockstep: Strategy's (whether every rank steps together), which this shadowed
+        self.lockstep_check = LockstepCheck(self.name, self.cfg.parallel.timeout_s)
+        self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer, self.lockstep_check)
+        # the model's state_dict call under way, and its gathers; the ShardedParams, once the model is the user's
+        self.state_call, self.gathered_for = None, dict[nn.Module, list[FlatUnit]]()
+        self.sharded, self.params_pinned = dict[int, ShardedParam](), False
         for u in self.units:
             u.shard.grad = u.grad_shard
 
@@ -116,7 +121,8 @@ class Zero3(Zero2):
         parameter whose unit is not gathered (a read of the parameter itself there would be a
         SIGSEGV: its storage is freed)."""
         optimizer = super().adopt_optimizer(optimizer)
-        self.places = {}  # the (module, name) of each parameter, several for a tied one
+        # the (module, name) of each parameter, several for a tied one
+        self.places: dict[int, list[tuple[nn.Module, str]]] = {}
         for module in self.model.modules():
             for name, p in module._parameters.items():
                 if p is not None and id(p) in self.slot_of:
@@ -141,7 +147,8 @@ class Zero3(Zero2):
         if not self.params_pinned:
             for p in u.params:
                 for module, name in self.places[id(p)]:
-                    module._parameters[name] = self.sharded[id(p)]
+                    # torch's stub wants a Parameter there: a ShardedParam passes for one (_is_param)
+                    module._parameters[name] = self.sharded[id(p)]  # type: ignore[assignment]
 
     @contextlib.contextmanager
     def _parameters_in_place(self):
@@ -206,7 +213,7 @@ class Zero3(Zero2):
     def _enter_state_call(self, module, kind: int) -> None:
         if self.state_call is None:
             self.state_call = module
-            self.lockstep.check(kind)
+            self.lockstep_check.check(kind)
 
     def _leave_state_call(self, module) -> None:
         if self.state_call is module:

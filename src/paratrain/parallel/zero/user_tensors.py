@@ -107,17 +107,21 @@ class GradShards:
 class ShardedGrad(torch.Tensor):
     """A parameter's gradient of which this rank holds `piece` (see the module docstring)."""
 
+    piece: torch.Tensor
+    index: int  # type: ignore[assignment]  # the parameter's number, over Tensor.index (a method)
+    shards: GradShards
+
     @staticmethod
     def __new__(cls, shape, piece: torch.Tensor, index: int, shards: GradShards):
         grad = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=piece.dtype, device=piece.device)
         grad.piece, grad.index, grad.shards = piece, index, shards
         return grad
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # torch's stub: a keyword of its own
         return f"ShardedGrad(shape={tuple(self.shape)}, this rank's piece of {self.piece.numel()} values)"
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    @classmethod  # torch's stub types Tensor's as its C stand-in, of another signature
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         if func is aten.linalg_vector_norm.default:
             return _vector_norm(*args, **kwargs)
@@ -167,6 +171,10 @@ class ShardedParam(torch.Tensor):
     (a view of the unit's gathered storage, freed outside its module's calls, where a read would
     be a SIGSEGV) is put back while the unit is gathered: forward, backward and the state dicts."""
 
+    full: torch.nn.Parameter
+    param_name: str
+    strategy: str
+
     @staticmethod
     def __new__(cls, full: torch.nn.Parameter, name: str, strategy: str):
         param = torch.Tensor._make_wrapper_subclass(
@@ -176,11 +184,11 @@ class ShardedParam(torch.Tensor):
         param._is_param = True  # isinstance(param, nn.Parameter), as for FSDP2's DTensor parameters
         return param
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # torch's stub: a keyword of its own
         return f"ShardedParam({self.param_name}, shape={tuple(self.shape)}: its values are sharded across ranks)"
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    @classmethod  # torch's stub types Tensor's as its C stand-in, of another signature
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         if func is aten.detach.default:  # state_dict(keep_vars=False), `.data`: the same placeholder
             (param,) = args
             return ShardedParam(param.full, param.param_name, param.strategy)

@@ -54,13 +54,13 @@ class Leader:
 
     def start_attempt(self, attempt: int) -> None:
         self.attempt, self.prefix = attempt, survive.keys(attempt)
-        self.incarnation, self.running, self.waiting = [0] * self.world, set(range(self.world)), set()
-        self.gen, self.members, self.finishing, self.stopping = -1, [], False, 0
+        self.incarnation, self.running, self.waiting = [0] * self.world, set(range(self.world)), set[int]()
+        self.gen, self.members, self.finishing, self.stopping = -1, list[int](), False, 0
         self.over: tuple | None = None  # why every worker stops (WorkerFailure's fields)
         self.over_since = 0.0  # when every node was told to stop its workers
         self.seen = [0] * self.nnodes  # each node's events read so far
         self.publish(list(range(self.world)))
-        self.published_plan = None
+        self.published_plan: str | None = None
         self.publish_plan()
         self.store.set(ATTEMPT, str(attempt))
 

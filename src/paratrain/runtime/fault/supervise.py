@@ -36,6 +36,7 @@ import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import cast
 
 import torch.distributed as dist
 
@@ -91,7 +92,7 @@ class Supervisor:
         self.node, self.nproc, self.ranks = node, nproc, range(node * nproc, (node + 1) * nproc)
         self.context = multiprocessing.get_context("forkserver")
         self.attempt, self.prefix = -1, ""
-        self.procs: dict[int, tuple[int, multiprocessing.Process]] = {}  # rank -> (incarnation, process)
+        self.procs: dict[int, tuple[int, multiprocessing.process.BaseProcess]] = {}  # rank -> (incarnation, process)
         self.signalled, self.signal_sent = 0, False  # a stop signal to this process, passed to node 0
 
     def run(self, leader: Leader | None) -> None:
@@ -138,7 +139,7 @@ class Supervisor:
         if attempt is not None and int(attempt) != self.attempt:  # every worker starts again
             self.kill(list(self.procs))
             self.attempt, self.prefix = int(attempt), survive.keys(int(attempt))
-            self.started, self.reported, self.quiet = {}, 0, False
+            self.started, self.reported, self.quiet = dict[int, int](), 0, False
         if (plan := read(self.store, f"{self.prefix}plan") if self.attempt >= 0 else None) is not None:
             self.follow(json.loads(plan))
         self.report_exits()
@@ -174,7 +175,7 @@ class Supervisor:
         for rank in ranks:
             if rank in self.procs:
                 try:
-                    os.kill(self.procs[rank][1].pid, signum)
+                    os.kill(cast(int, self.procs[rank][1].pid), signum)  # started, so it has a pid
                 except ProcessLookupError:  # (it has just ended: the next poll reports it)
                     pass
 

@@ -86,13 +86,17 @@ def train_through_failures(cfg, run_dir, resume: str, train_run, check_world) ->
 class Membership:
     """This worker's place in the generations of one start of the run."""
 
+    replicated: bool  # parallel.replicas > 1; set by train_through_failures, as grad_accum is
+    grad_accum: int
+    joining: bool  # set by start: this incarnation joins a run under way
+
     def __init__(self, store, rank: int, layout: ReplicaLayout, device: torch.device, timeout_s: float):
         self.store, self.rank, self.layout = store, rank, layout
         self.device, self.backend = device, "nccl" if device.type == "cuda" else "gloo"
         self.timeout = timedelta(seconds=timeout_s)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self.prefix = keys(self.attempt)
-        self.gen, self.members = -1, []
+        self.gen, self.members = -1, list[int]()
         self.saved: bytes | None = None  # this rank's state, kept until a regroup has passed it on
         self.check_world = lambda cfg, world: None  # the registry's, given by train_through_failures
         self.newest = -1  # the newest generation the members agreed on after a step
@@ -306,6 +310,7 @@ class Membership:
     def broadcast_state(self, source: int) -> bytes:
         """Rank `source`'s packed state (replica 0's rank `source`), on every member."""
         mine = self.saved if self.members.index(self.rank) == source else b""
+        assert mine is not None  # the source kept its state before the regroup
         size = torch.tensor([len(mine)], dtype=torch.long)
         collectives.broadcast(size, source, f"continue-state-{source}-size")
         buf = (
