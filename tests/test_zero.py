@@ -461,8 +461,8 @@ def test_zero3_keeps_the_strategys_lockstep_flag():
     import torch.distributed as dist
 
     from paratrain import config as config_mod
+    from paratrain.comm.lockstep import LockstepCheck
     from paratrain.optim import cross_entropy
-    from paratrain.parallel.zero.lockstep import LockstepCheck
     from paratrain.parallel.zero.stages import Zero3
     from paratrain.runtime.process import Runtime
 

@@ -89,9 +89,9 @@ class DataMesh:
     dp_rank: int
     cp_rank: int
     cp_ranks: list[int]  # this rank's ring, in ring order
-    cp_group: object = None
+    cp_group: dist.ProcessGroup | None = None
     ep_rank: int = 0
-    ep_group: object = None
+    ep_group: dist.ProcessGroup | None = None
     expert_replicas: object = None  # None where ep = world: each expert slice lives on one rank
 
     @property

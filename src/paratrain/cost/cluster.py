@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import tomllib
 
@@ -101,8 +102,10 @@ class Device:
 #    arXiv 2307.08691) reaches 50-73 % of peak, taken as 70 % forward, 60 % backward;
 #  * launch_us: an assumption (eager dispatch plus a CUDA launch, some 5-10 us an op on a server
 #    CPU); `plan --calibrate` on a GPU measures an empty kernel's launch and eager dispatch.
-_A100 = dict(gemm_efficiency=0.87, sm_count=108, attention_fwd_efficiency=0.70, attention_bwd_efficiency=0.60)
-_HOPPER = dict(gemm_efficiency=0.80, sm_count=132)
+_A100: dict[str, Any] = dict(
+    gemm_efficiency=0.87, sm_count=108, attention_fwd_efficiency=0.70, attention_bwd_efficiency=0.60
+)
+_HOPPER: dict[str, Any] = dict(gemm_efficiency=0.80, sm_count=132)
 
 PRESETS = {
     "a100-40gb": Device(312, 40, 1555, 300, 1600, 5, 2, **_A100),

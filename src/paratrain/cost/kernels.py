@@ -100,11 +100,12 @@ def fused_chains(ops: list[Op]) -> list[tuple[int, int]]:
     ops between products: a run reads the tensors it did not make and writes those it made that a
     later op reads (or its last op's outputs); what it makes and uses itself stays in registers."""
     last_read: dict[int, int] = {}
-    for i, op in enumerate(ops):
-        for t, _ in op.inputs:
+    for i, read in enumerate(ops):
+        for t, _ in read.inputs:
             last_read[t] = i
     chains, run = [], []
-    for i, op in enumerate([*ops, None]):
+    ends: list[Op | None] = [*ops, None]  # None: the end, which closes the last run
+    for i, op in enumerate(ends):
         if op is not None and op.kind == "none":  # no kernel: the chain goes on past it
             continue
         if op is not None and op.kind == "memory":

@@ -100,7 +100,7 @@ def with_auxiliary_losses(loss_fn, model: nn.Module):
         for layer in layers:
             if layer.paratrain_aux_loss is not None:
                 total = total + layer.paratrain_aux_loss.to(total.dtype)
-                layer.paratrain_aux_loss = None  # once: the next forward leaves its own
+                layer.paratrain_aux_loss = None  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module; once: the next forward leaves its own
         return total
 
     return loss

@@ -72,7 +72,7 @@ from paratrain.data.batch import feed, num_samples, split_batch
 from paratrain.errors import error
 from paratrain.models.moe import with_auxiliary_losses
 from paratrain.optim import accuracy_counts, set_lr, skips_on_device, step_unless
-from paratrain.profile import NULL_PROFILER
+from paratrain.profile import NULL_PROFILER, NullProfiler, Profiler
 from paratrain.runtime.process import Runtime, SeededMicroBatches
 
 
@@ -91,7 +91,9 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.dp_rank, self.dp_size = rt.rank, rt.world_size
         self.reports_loss = True
-        self.skipped_step = False  # set by train_step; the same on every rank (an agreed decision)
+        # set by train_step; the same on every rank (an agreed decision): a bool, or a device flag
+        # (1.0: skipped) where the optimizer skipped on the device (step_if_finite)
+        self.skipped_step: bool | torch.Tensor = False
         self.reads_data = True
         self.trainer_group = None
         self.lockstep = True
@@ -161,6 +163,7 @@ class Strategy:
         skipped step calls `discard` (gradients a strategy keeps beyond the step, e.g. a codec's
         error feedback, which a device-side skip cannot drop: such strategies pass it)."""
         clip = self.cfg.train.clip_grad_norm
+        assert self.optimizer is not None  # a strategy that steps one has built it
         if discard is None and skips_on_device(self.optimizer):
             nonfinite = torch.isfinite(norm).logical_not().to(torch.float32)
             if clip > 0:  # a non-finite norm makes the factor 0 or NaN: the step is skipped anyway

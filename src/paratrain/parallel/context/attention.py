@@ -173,10 +173,10 @@ class ContextParallel:
         if not self.attentions:
             raise ConfigError("parallel.cp", f"{type(model).__name__} has no attention paratrain can split by sequence")
         for module in self.attentions:
-            module.paratrain_attention = self.attention
+            module.paratrain_attention = self.attention  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
         self.embeddings = hooked(model, "paratrain_positions")
         for module in hooked(model, "paratrain_sequence_split"):  # per-sequence sums (an MoE's balance)
-            module.paratrain_sequence_split = (mesh.cp, self.ring_sum)
+            module.paratrain_sequence_split = (mesh.cp, self.ring_sum)  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
         self.positions: dict[tuple[int, torch.device], torch.Tensor] = {}  # by sequence length
 
     def ring_sum(self, t: torch.Tensor) -> torch.Tensor:

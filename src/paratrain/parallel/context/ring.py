@@ -20,7 +20,7 @@ class Arriving:
 
     def __init__(self, works, received: torch.Tensor, sent: torch.Tensor):
         self.works, self.received = works, received
-        self.sent = sent  # kept alive (and unchanged) until the send is done
+        self.sent: torch.Tensor | None = sent  # kept alive (and unchanged) until the send is done
 
     def wait(self) -> torch.Tensor:
         for work in self.works:

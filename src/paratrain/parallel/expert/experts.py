@@ -32,7 +32,7 @@ class ExpertParallel:
         if not self.layers:
             raise ConfigError("parallel.ep", f"{type(model).__name__} has no mixture-of-experts layers to split")
         for layer in self.layers:
-            layer.paratrain_experts = self.dispatch
+            layer.paratrain_experts = self.dispatch  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
 
     def dispatch(self, layer, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`grouped`: this rank's routed rows, expert by expert (`counts` each); returns their outputs

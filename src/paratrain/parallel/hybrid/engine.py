@@ -127,7 +127,7 @@ class ModelParallel(Strategy):
         # hybrid/parallelize.py's steps, in its order
         self.bounds = decide_cut(model, cfg, plan, self._sample_input, self.autocast, rt.device, rt.is_main)
         if p.pp > 1 and p.verify_plan:  # the cuts against the model's own forward, while it is whole
-            check_cuts(model, pipeline_layers(model), self.bounds, self._sample_input())
+            check_cuts(model, layers_of(model), self.bounds, self._sample_input())
         stage_of_key = stage_of_keys(model, cfg, self.bounds)
         self.shard_dims = apply_tp(model, mesh, plan)
         self.shard_packs = packed_shards(model)  # tensors split as a fused gate and up (tensor/experts.py)
@@ -321,7 +321,7 @@ class ModelParallel(Strategy):
         if self.adopts_optimizers(self.cfg):
             self.optimizer = rebuild_optimizer(optimizer, self.name_of, dict(zip(self.param_names, self.params)))
         if self.rt.world_size > 1:  # its state is this rank's slices, this stage's parameters
-            self.optimizer.state_dict = self.optimizer.load_state_dict = self._refuse_optimizer_state
+            self.optimizer.state_dict = self.optimizer.load_state_dict = self._refuse_optimizer_state  # type: ignore[method-assign]
         if self.mesh.tp > 1 and self.user_model is not None:  # each split parameter shown unsplit (split_params.py)
             shapes = self.full_meta.state_dict()
             held = dict(self.model.named_parameters())  # under pp, the other stages' on the meta device too

@@ -41,6 +41,10 @@ class SplitParam(torch.Tensor):
     """Stands for the unsplit parameter `name` (shape `shape`) whose slice `real` this rank holds
     (as `.local`: a tensor's `.real` is its real part)."""
 
+    local: nn.Parameter
+    param_name: str
+    strategy: str
+
     @staticmethod
     def __new__(cls, real: nn.Parameter, name: str, shape: torch.Size, strategy: str):
         param = torch.Tensor._make_wrapper_subclass(
@@ -50,14 +54,14 @@ class SplitParam(torch.Tensor):
         param._is_param = True  # isinstance(param, nn.Parameter), as for zero3's ShardedParam
         return param
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # torch's stub: a keyword of its own
         return (
             f"SplitParam({self.param_name}, shape={tuple(self.shape)}: this rank holds the slice "
             f"{tuple(self.local.shape)})"
         )
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         if func is aten.detach.default:  # `.data`, state_dict's detach: the same placeholder
             (param,) = args
             return SplitParam(param.local, param.param_name, param.shape, param.strategy)
@@ -93,7 +97,8 @@ class SplitParams:
     def _put(self, real: bool) -> None:
         for p in self.reals:
             for module, attr in self.places[id(p)]:
-                module._parameters[attr] = p if real else self.placeholder[id(p)]
+                # (a SplitParam is an nn.Parameter by _is_param, not by its class: torch's type)
+                module._parameters[attr] = p if real else self.placeholder[id(p)]  # type: ignore[assignment]
 
     def enter(self) -> None:
         if self.depth == 0:
@@ -126,7 +131,7 @@ class SplitParams:
         for p in self.reals:
             if p.grad is None:
                 self.placeholder[id(p)].grad = None
-        self.grads.install((self.placeholder[id(p)], p.grad.view(-1)) for p in held)
+        self.grads.install((self.placeholder[id(p)], p.grad.view(-1)) for p in held if p.grad is not None)
 
     def grads_changed(self) -> None:
         """The slices' gradients were scaled (pt.clip_grad_norm_): the norms asked before are stale."""

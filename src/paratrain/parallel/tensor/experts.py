@@ -78,7 +78,7 @@ def shard_parameter(owner: nn.Module, attr: str, style: str, rank: int, world: i
 def install_hooks(module: nn.Module, style: str, group, place: tuple[int, int], rope_dim: int | None) -> None:
     """The communication `style` adds around the module's own forward (module docstring); off
     while `module.tp_hooks_off` (the plan check runs the module whole)."""
-    module.tp_style, module.tp_hooks_off = style, False
+    module.tp_style, module.tp_hooks_off = style, False  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
     if style == "moe_identity_expert":
         module.register_forward_pre_hook(lambda m, args: None if m.tp_hooks_off else (args[0] / place[1], *args[1:]))
         return

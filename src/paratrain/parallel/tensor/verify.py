@@ -133,7 +133,8 @@ class PlanVerifier:
         """The planned parameter `name` whole (tensor/experts.shard_parameter's slices gathered)."""
         owner_name, _, attr = name.rpartition(".")
         owner = self.model.get_submodule(owner_name)
-        dim, size, packs = owner.tp_param_shards[attr]
+        shards = cast(dict, owner.tp_param_shards)  # set by tensor/experts.py (torch types it a tensor)
+        dim, size, packs = shards[attr]
         full = gather_shards(getattr(owner, attr).detach().contiguous(), dim, size, self.group, packs)
         return nn.Parameter(full, requires_grad=False)
 
@@ -150,8 +151,10 @@ class PlanVerifier:
         sliced = [(n, self.model.get_parameter(n)) for n in params]
         full = [self._whole_parameter(n) for n in params]
         try:
-            for (name, _), whole in [*zip(swapped, wholes), *zip(sliced, full)]:
+            for (name, _), whole in zip(swapped, wholes):
                 _replace(self.model, block, name, whole)
+            for (name, _), whole_param in zip(sliced, full):
+                _replace(self.model, block, name, whole_param)
             for m in hooked:
                 m.tp_hooks_off = True
             with autocast():
@@ -219,6 +222,6 @@ def _full_size(part: nn.Module, dim: int) -> int:
     return next(getattr(part, n) for n in names if hasattr(part, n))
 
 
-def _replace(model: nn.Module, block: str, name: str, module: nn.Module) -> None:
+def _replace(model: nn.Module, block: str, name: str, module: nn.Module | nn.Parameter) -> None:
     parent, _, attr = name.rpartition(".")
     setattr(model.get_submodule(parent), attr, module)

@@ -143,6 +143,7 @@ class FlatUnit:
         # what the optimizer updates: (param index, start, end, at as in own_pieces, the piece of
         # the master as a parameter of its own), so an optimizer's param groups can follow the model's
         self.pieces: list[tuple[int, int, int, int, nn.Parameter]] = []
+        self.grad_held = True  # whether the gradient shard has storage (a reducer lets it go between steps)
         self.grad_full: torch.Tensor | None = None  # the whole flat gradient, while it is being reduced
         self.grads: list[torch.Tensor | None] = [None] * len(params)  # or each gradient, reduced in place
         self.pending = len(params)
@@ -250,7 +251,7 @@ class StreamingShardReducer:
     @staticmethod
     def _hold_shard(unit: FlatUnit) -> None:
         """The unit's gradient shard, zeros, before a backward's first reduction into it."""
-        if not getattr(unit, "grad_held", True):
+        if not unit.grad_held:
             unit.grad_shard.untyped_storage().resize_(unit.grad_shard.numel() * unit.grad_shard.element_size())
             unit.grad_shard.zero_()
             unit.grad_held = True

@@ -106,7 +106,7 @@ class Zero3(Zero2):
         self.gatherer.reshard_all()
 
     def train_step(self, batch) -> torch.Tensor:
-        with self.lockstep.trusted():
+        with self.lockstep_check.trusted():
             return super().train_step(batch)
 
     def _after_step(self) -> None:
