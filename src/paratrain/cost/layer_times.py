@@ -193,7 +193,7 @@ def _cold_median_s(fn) -> float:
 
 def _measure(cfg: Config, rows: int) -> list[list[float]]:
     """[forward_s, backward_s] of each pipeline layer."""
-    from paratrain.cost.activations import cut_batch
+    from paratrain.cost.planned_batch import cut_batch
     from paratrain.data import build_dataset, load_batch
     from paratrain.data.batch import feed, tree_map
     from paratrain.models import build_model

@@ -47,11 +47,11 @@ class LostServer(RuntimeError):
     """A worker's message to or from the server failed or timed out."""
 
 
-class ServerRound(_Base):
-    """Rank 0's side of a round with worker ranks."""
+class RoundState(_Base):
+    """What Federated (federated/engine.py) sets up for the two halves of a round it mixes in:
+    declared for the type checker, which sees them as a Strategy (annotations only, nothing at run
+    time)."""
 
-    # Set up by Federated (federated/engine.py), which mixes this class in: declared for the type
-    # checker, which sees this class as a Strategy (annotations only, nothing at run time).
     fed: FederatedConfig
     workers: list[int]
     live: set[int]
@@ -63,6 +63,10 @@ class ServerRound(_Base):
     cut_off: bool
     _train_client: Callable[[int, int], tuple[torch.Tensor, float]]
     _dropped_by_fault: Callable[[int], bool]
+
+
+class ServerRound(RoundState):
+    """Rank 0's side of a round with worker ranks."""
 
     def _round_over_workers(self, sampled, total):
         fed, n = self.fed, len(sampled)
@@ -192,22 +196,8 @@ class ServerRound(_Base):
         )
 
 
-class WorkerRound(_Base):
+class WorkerRound(RoundState):
     """A worker rank's side of a round: it simulates the round's clients it holds."""
-
-    # Set up by Federated (federated/engine.py), which mixes this class in: declared for the type
-    # checker, which sees this class as a Strategy (annotations only, nothing at run time).
-    fed: FederatedConfig
-    workers: list[int]
-    live: set[int]
-    dismissed: set[int]
-    global_flat: torch.Tensor
-    stats: dict
-    round: int
-    parts: list
-    cut_off: bool
-    _train_client: Callable[[int, int], tuple[torch.Tensor, float]]
-    _dropped_by_fault: Callable[[int], bool]
 
     def _work(self, sampled: list[int]) -> torch.Tensor:
         """Serve this worker's clients of the round. A worker that loses the server (which drops

@@ -15,9 +15,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,37 +24,14 @@ from paratrain import checkpoint as ckpt
 from paratrain.errors import say
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import clip_factor, whole_model_chunks
-from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG, first_line
+from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG, EngineState, first_line
 from paratrain.runtime.fault.guard import drop_worker
 
-if TYPE_CHECKING:
-    from paratrain.config import PSConfig
-    from paratrain.parallel.base import Strategy as _Base
-    from paratrain.parallel.ps.wire import FlatShard
-else:
-    _Base = object  # at run time a plain mixin
 
-
-class ServerSide(_Base):
+class ServerSide(EngineState):
     """The server's half of ParameterServer (which mixes it in on ranks below ps.servers)."""
 
-    # Set up by ParameterServer (ps/engine.py), which mixes this class in: declared for the type
-    # checker, which sees this class as a Strategy (annotations only, nothing at run time).
-    ps: PSConfig
-    mode: str
-    servers: list[int]
-    workers: list[int]
-    names: list[str]
-    own_names: list[str]
-    shard_index: list[list[int]]
-    shards: list[FlatShard]
-    step_index: int
-    total_steps: int
-    timeout: timedelta
-    _p2p: Callable[..., Any]
-    _wait: Callable[[Any, int], None]
-    _set_live: Callable[[list[int]], None]
-    _first_live_worker: Callable[[], int]
+    # (the rest of what ParameterServer sets up: wire.EngineState)
     server_group: Any
     loss_sums: torch.Tensor
     t0: float | None

@@ -10,9 +10,18 @@ push or a pull is one point-to-point message per server (gloo, `isend`/`irecv`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from paratrain.config import PSConfig
+    from paratrain.parallel.base import Strategy as _Base
+else:
+    _Base = object  # at run time a plain mixin
 
 HEADER = 4  # float32 slots in front of every message (small integers are exact in float32)
 PUSH_TAG, PULL_TAG, EXPORT_TAG = 11, 12, 13
@@ -68,3 +77,25 @@ def first_line(exc: Exception) -> str:
         return type(exc).__name__
     text = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0])
     return text.split(". ")[0]
+
+
+class EngineState(_Base):
+    """What ParameterServer (ps/engine.py) sets up for the halves it mixes in (server.py,
+    worker.py): declared for the type checker, which sees them as a Strategy (annotations only,
+    nothing at run time)."""
+
+    ps: PSConfig
+    mode: str
+    servers: list[int]
+    workers: list[int]
+    names: list[str]
+    own_names: list[str]
+    shard_index: list[list[int]]
+    shards: list[FlatShard]
+    step_index: int
+    total_steps: int
+    timeout: timedelta
+    _p2p: Callable[..., Any]
+    _wait: Callable[[Any, int], None]
+    _set_live: Callable[[list[int]], None]
+    _first_live_worker: Callable[[], int]

@@ -12,25 +12,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from paratrain.data.batch import feed
-from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG
+from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG, EngineState
 from paratrain.runtime import fault_points
 
 FAULT_STALL_S = 4.0
-
-if TYPE_CHECKING:
-    from paratrain.config import PSConfig
-    from paratrain.parallel.base import Strategy as _Base
-    from paratrain.parallel.ps.wire import FlatShard
-else:
-    _Base = object  # at run time a plain mixin
 
 
 def straggle(compute_s: float, factor: float) -> None:
@@ -39,26 +29,10 @@ def straggle(compute_s: float, factor: float) -> None:
         time.sleep((factor - 1) * compute_s)
 
 
-class WorkerSide(_Base):
+class WorkerSide(EngineState):
     """The worker's half of ParameterServer (which mixes it in on ranks ps.servers and up)."""
 
-    # Set up by ParameterServer (ps/engine.py), which mixes this class in: declared for the type
-    # checker, which sees this class as a Strategy (annotations only, nothing at run time).
-    ps: PSConfig
-    mode: str
-    servers: list[int]
-    workers: list[int]
-    names: list[str]
-    own_names: list[str]
-    shard_index: list[list[int]]
-    shards: list[FlatShard]
-    step_index: int
-    total_steps: int
-    timeout: timedelta
-    _p2p: Callable[..., Any]
-    _wait: Callable[[Any, int], None]
-    _set_live: Callable[[list[int]], None]
-    _first_live_worker: Callable[[], int]
+    # (the rest of what ParameterServer sets up: wire.EngineState)
 
     is_server = False
 
