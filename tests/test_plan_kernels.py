@@ -59,8 +59,8 @@ def test_compiled_chains_write_only_what_leaves_them():
         (torch.nn.functional.gelu(x) * 2 + x) @ w
     memory = [op for op in recorder.ops if op.kind == "memory"]
     assert len(memory) == 3 and sum(op.kind == "gemm" for op in recorder.ops) == 1
-    ((read, written),) = kernels.fused_chains(recorder.ops)
-    assert (read, written) == (256 * 256 * 4, 256 * 256 * 4)
+    ((read, written, again),) = kernels.fused_chains(recorder.ops)
+    assert (read, written, again) == (256 * 256 * 4, 256 * 256 * 4, False)
     eager = kernels.stage_kernel_times(recorder.ops, H100, compiled=False)
     fused = kernels.stage_kernel_times(recorder.ops, H100, compiled=True)
     assert fused.memory_s < eager.memory_s / 2 and fused.kernels == 2 and eager.kernels == 4

@@ -80,21 +80,33 @@ def predicted(tmp_path_factory):
         return {(gpus, compiled): plan_row(where, gpus, compiled) for gpus, compiled, *_ in TORCHTITAN_8B}
 
 
-COMPILED_GAP = pytest.mark.xfail(
+@pytest.mark.parametrize("gpus, compiled, published, memory_gib", TORCHTITAN_8B)
+def test_torchtitan_llama3_8b_tokens_per_second(predicted, gpus, compiled, published, memory_gib):
+    """Under torchtitan's op policy (models/recompute.py: every other matmul runs again): eager,
+    6,126 tokens/s per GPU predicted on 8 GPUs against 5,762 (+6.3 %), 6,152 on 128 against 5,605
+    (+9.8 %); compiled, 7,390 against 6,667 (+10.8 %), 7,427 against 6,514 (+14.0 %)."""
+    plan = predicted[gpus, compiled]
+    per_gpu = plan["predicted"]["tokens_per_s"] / gpus
+    assert abs(per_gpu / published - 1) <= 0.15, (per_gpu, published, plan["step_breakdown"])
+
+
+# What paratrain's zero3 holds that torchtitan's FSDP2 does not: under bf16 its working parameters
+# stay float32 under autocast (units gathered in float32, the residual stream between blocks in
+# float32) where torchtitan gathers bf16 parameters; and what torch.compile's partitioner and fused
+# loss save is not modelled (the compiled rows' 77 and 62 GiB).
+MEMORY_GAP = pytest.mark.xfail(
     strict=True,
-    reason="compiled rows predicted 17-21 % fast: the fused chains' model or what torchtitan's compiled "
-    "FSDP run pays besides (its op policy recomputes every second matmul) is missing",
+    reason="paratrain's zero3 keeps float32 working parameters under bf16 (FSDP2 gathers bf16); compile's memory not modelled",
 )
 
 
 @pytest.mark.parametrize(
     "gpus, compiled, published, memory_gib",
-    [pytest.param(*row, marks=COMPILED_GAP) if row[1] else row for row in TORCHTITAN_8B],
+    [row if row[:2] == (8, False) else pytest.param(*row, marks=MEMORY_GAP) for row in TORCHTITAN_8B],
 )
-def test_torchtitan_llama3_8b_tokens_per_second(predicted, gpus, compiled, published, memory_gib):
-    """Eager: 6,380 tokens/s per GPU predicted on 8 GPUs against 5,762 (+10.7 %), 6,407 on 128
-    against 5,605 (+14.3 %); compiled (xfail): 7,831 against 6,667 (+17.5 %), 7,873 against 6,514
-    (+20.9 %)."""
-    plan = predicted[gpus, compiled]
-    per_gpu = plan["predicted"]["tokens_per_s"] / gpus
-    assert abs(per_gpu / published - 1) <= 0.15, (per_gpu, published, plan["step_breakdown"])
+def test_torchtitan_llama3_8b_memory(predicted, gpus, compiled, published, memory_gib):
+    """Peak memory per GPU (torchtitan's tables give its allocator's reserved peak): 90.1 GiB
+    predicted on 8 GPUs eager against 82.4 (+9.3 %); 79.6 on 128 against 67.0 (+18.8 %, xfail);
+    the compiled rows the same against 77.0 and 62.0 (xfail)."""
+    peak = predicted[gpus, compiled]["predicted"]["peak_memory_gib"]
+    assert abs(peak / memory_gib - 1) <= 0.15, (peak, memory_gib)

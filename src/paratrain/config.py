@@ -149,8 +149,9 @@ class TrainConfig:
     recompute: str = opt(
         "none",
         choices=("none", "full", "selective"),
-        doc="full: keep only each block's input and run its forward again in backward; selective: keep "
-        "its input and its products' outputs (matmuls, attention), run only the ops between them again",
+        doc="full: keep only each block's input and run its forward again in backward; selective: "
+        "torchtitan's op policy: keep its input, its attention's output and every other matrix product's, "
+        "run the rest again (the ops between the products and the other half of the matmuls)",
     )
     seed: int = opt(0, check=_seed)
     log_every: int = opt(10, check=_positive, doc="steps between metrics lines (and the profiler's gather)")

@@ -22,7 +22,7 @@ from paratrain.cost.played import RealTensors, plays_in_fake_tensors, without_pe
 from paratrain.cost.ranks import RankPlan
 from paratrain.data.batch import feed, tensors_in, tree_map
 from paratrain.errors import ConfigError
-from paratrain.models.recompute import blocks, run_layers, saves
+from paratrain.models.recompute import blocks, run_layers, watch_decisions
 
 
 @dataclass
@@ -174,22 +174,6 @@ class FakeRun:
                         loss_fn(act, self.y)
 
 
-class KeptProducts(TorchDispatchMode):
-    """Hands `keep` the output of every op selective recompute keeps (its products) as they run."""
-
-    def __init__(self, keep):
-        super().__init__()
-        self.keep = keep
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if saves(func):
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self.keep(t)
-        return out
-
-
 def saved_activation_bytes(
     cfg: Config, rows: int, bounds: list[int] | None = None, working: torch.dtype | None = None
 ) -> list[int]:
@@ -216,10 +200,16 @@ def saved_activation_bytes(
 
         # under recompute autograd's hooks never see a checkpointed block's tensors: the block keeps
         # its input instead, counted as its first layer receives it, and under selective recompute
-        # the outputs of its products besides (models/recompute.py)
+        # the outputs its policy keeps besides (models/recompute.py)
         recomputed = run.recompute != "none"
         handles = [m.register_forward_pre_hook(keep_block_input) for m in run.block_starts(s)] if recomputed else []
-        kept = KeptProducts(pack) if run.recompute == "selective" else contextlib.nullcontext()
+
+        def keep_product(func, keep: bool, output) -> None:
+            for t in tree_leaves(output) if keep else ():
+                if isinstance(t, torch.Tensor):
+                    pack(t)
+
+        kept = watch_decisions(keep_product) if run.recompute == "selective" else contextlib.nullcontext()
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kept:
                 yield

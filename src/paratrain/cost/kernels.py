@@ -42,8 +42,9 @@ class PassTimes:
     fixed_s: float  # per-kernel costs that do not shrink with tp (overheads)
     forward_s: float  # the forward's variable work (GEMMs, attention, memory traffic)
     backward_s: float
-    memory_s: float  # of forward_s, the memory-bound ops' (what selective recompute runs again)
-    memory_kernels: int  # the kernels of those ops (fused ones count once)
+    memory_s: float  # of forward_s, the memory-bound ops'
+    again_s: float  # of forward_s, what selective recompute runs again (op_counts.Op.again)
+    again_kernels: int  # the kernels of those ops (fused ones count once)
     kernels: int  # every kernel of the forward
 
     def passes(self, device, tp: int) -> tuple[float, float, float]:
@@ -52,8 +53,8 @@ class PassTimes:
         launch = device.launch_us * 1e-6
         forward = max(self.fixed_s + self.forward_s / tp, self.kernels * launch)
         backward = max(2 * self.fixed_s + self.backward_s / tp, 2 * self.kernels * launch)
-        cheap = max(self.memory_s / tp, self.memory_kernels * launch)
-        return forward, backward, cheap
+        again = max(self.again_s / tp, self.again_kernels * launch)
+        return forward, backward, again
 
 
 def gemm_s(op: Op, device) -> float:
@@ -95,10 +96,11 @@ def hbm_rate(device) -> float:
     return device.hbm_GBps * 1e9 * device.hbm_efficiency
 
 
-def fused_chains(ops: list[Op]) -> list[tuple[int, int]]:
+def fused_chains(ops: list[Op]) -> list[tuple[int, int, bool]]:
     """The bytes (read, written) of each fused kernel a compiler makes of the runs of memory-bound
     ops between products: a run reads the tensors it did not make and writes those it made that a
-    later op reads (or its last op's outputs); what it makes and uses itself stays in registers."""
+    later op reads (or its last op's outputs); what it makes and uses itself stays in registers.
+    Third: whether selective recompute runs the chain again (its ops run again)."""
     last_read: dict[int, int] = {}
     for i, read in enumerate(ops):
         for t, _ in read.inputs:
@@ -116,7 +118,7 @@ def fused_chains(ops: list[Op]) -> list[tuple[int, int]]:
     return chains
 
 
-def _chain_bytes(run: list[tuple[int, Op]], last_read: dict[int, int]) -> tuple[int, int]:
+def _chain_bytes(run: list[tuple[int, Op]], last_read: dict[int, int]) -> tuple[int, int, bool]:
     made: set[int] = set()
     outside: dict[int, int] = {}
     for _, op in run:
@@ -124,22 +126,22 @@ def _chain_bytes(run: list[tuple[int, Op]], last_read: dict[int, int]) -> tuple[
         made.update(t for t, _ in op.outputs)
     end = run[-1][0]
     leaving = {t: size for i, op in run for t, size in op.outputs if i == end or last_read.get(t, -1) > end}
-    return sum(outside.values()), sum(leaving.values())
+    return sum(outside.values()), sum(leaving.values()), any(op.again for _, op in run)
 
 
 def stage_kernel_times(ops: list[Op], device, compiled: bool, masks_are_causal: bool = False) -> PassTimes:
     """One microbatch's forward and backward through a stage of `ops` (unsplit) on the device;
     `masks_are_causal`: as attention_s's."""
-    fixed = forward = backward = memory = 0.0
-    kernels = memory_kernels = 0
+    fixed = forward = backward = again = 0.0
+    kernels = again_kernels = 0
     rate = hbm_rate(device)
     for op in ops:
         if op.kind == "gemm":
             seconds = gemm_s(op, device)
             forward, backward = forward + seconds, backward + 2 * seconds
         elif op.kind == "attention":
-            f, b = attention_s(op, device, masks_are_causal)
-            forward, backward = forward + f, backward + b
+            seconds, b = attention_s(op, device, masks_are_causal)
+            forward, backward = forward + seconds, backward + b
         elif op.kind == "product":  # convolutions and the like: the large GEMM's rate
             seconds = op.flops / (device.peak_tflops * 1e12 * device.gemm_efficiency)
             forward, backward = forward + seconds, backward + 2 * seconds
@@ -147,13 +149,15 @@ def stage_kernel_times(ops: list[Op], device, compiled: bool, masks_are_causal: 
             continue
         fixed += device.product_overhead_us * 1e-6
         kernels += 1
+        if op.again:
+            again, again_kernels = again + seconds + device.product_overhead_us * 1e-6, again_kernels + 1
+    # memory-bound kernels: (bytes moved, runs again); under compile one per fused chain
     if compiled:
-        chains = fused_chains(ops)
-        memory = sum(r + w for r, w in chains) / rate
-        memory_kernels = len(chains)
+        moved = [(r + w, chain_again) for r, w, chain_again in fused_chains(ops)]
     else:
-        moved = [op.read + op.written for op in ops if op.kind == "memory"]
-        memory = sum(moved) / rate
-        memory_kernels = len(moved)
-    kernels += memory_kernels
-    return PassTimes(fixed, forward + memory, backward + 2 * memory, memory, memory_kernels, kernels)
+        moved = [(op.read + op.written, op.again) for op in ops if op.kind == "memory"]
+    memory = sum(size for size, _ in moved) / rate
+    again += sum(size for size, runs in moved if runs) / rate
+    again_kernels += sum(1 for _, runs in moved if runs)
+    kernels += len(moved)
+    return PassTimes(fixed, forward + memory, backward + 2 * memory, memory, again, again_kernels, kernels)

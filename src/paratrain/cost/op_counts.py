@@ -58,6 +58,7 @@ class Op(NamedTuple):
     inputs: tuple = ()  # (serial number, bytes) of each tensor read (a view: its base's number)
     outputs: tuple = ()  # of each tensor written
     name: str = ""  # the aten op's
+    again: bool = False  # selective recompute runs it again in backward (models/recompute.py)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -103,6 +104,11 @@ class OpRecorder(TorchDispatchMode):
         self.ops: list[Op] = []
         self._serials = WeakIdKeyDictionary()  # by identity: a tensor's == compares elements
         self._next = 0
+
+    def recomputed(self, func, keep: bool, output) -> None:
+        """models/recompute.py's watcher: the op just recorded runs again in backward unless kept."""
+        if not keep and self.ops and self.ops[-1].name == str(func._overloadpacket):
+            self.ops[-1] = self.ops[-1]._replace(again=True)
 
     def _serial(self, t: torch.Tensor) -> int:
         number = self._serials.get(t)

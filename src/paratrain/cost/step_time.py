@@ -36,12 +36,12 @@ class StageCost:
     forward_flops: int  # one microbatch's forward through the stage, the whole (unsplit) stage
     forward_s: float  # the same on one device of the cluster, split over tp
     backward_s: float
-    cheap_s: float  # of forward_s, the ops between the products (what selective recompute runs again)
+    again_s: float  # of forward_s, what selective recompute runs again (op_counts.Op.again)
 
     def work_s(self, recompute: str) -> float:
         """Forward, backward and, under recompute, the forward again: all of it ("full") or the
-        ops between its products ("selective", which keeps the products' outputs)."""
-        again = {"none": 0.0, "full": self.forward_s, "selective": self.cheap_s}[recompute]
+        ops its policy does not keep ("selective": models/recompute.py)."""
+        again = {"none": 0.0, "full": self.forward_s, "selective": self.again_s}[recompute]
         return self.forward_s + again + self.backward_s
 
 
@@ -49,6 +49,7 @@ def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[li
     """Each stage's ops in one microbatch's forward (op_counts.Op: FLOPs, bytes, shapes) of the
     whole (unsplit) stage, and the tokens in a sample (a sequence model's positions; else 1)."""
     from paratrain.cost.activations import FakeRun
+    from paratrain.models.recompute import watch_decisions
 
     run = FakeRun.build(cfg, rows, bounds)
     recorders: list[OpRecorder] = []
@@ -57,7 +58,9 @@ def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[li
     def recording(s: int):
         recorder = OpRecorder()
         recorders.append(recorder)
-        with recorder:
+        # selective recompute's policy marks the ops it runs again (Op.again) as it decides
+        decided = watch_decisions(recorder.recomputed) if run.recompute == "selective" else contextlib.nullcontext()
+        with recorder, decided:
             yield
 
     run.forward(run.loss_fn, recording)
@@ -99,15 +102,21 @@ def stage_costs(
 
             decoder = cfg.model.factory == "hf" and cfg.model.kwargs.get("task", "causal-lm") == "causal-lm"
             times = stage_kernel_times(ops, d, cfg.train.compile, masks_are_causal=decoder)
-            forward_s, backward_s, cheap_s = times.passes(d, tp)
-            out.append(StageCost(sum(op.flops for op in ops), forward_s, backward_s, cheap_s))
+            forward_s, backward_s, again_s = times.passes(d, tp)
+            out.append(StageCost(sum(op.flops for op in ops), forward_s, backward_s, again_s))
             continue
         flops_s = sum(op.flops / (d.peak_tflops * 1e12 * d.gemm_efficiency) for op in ops)
         memory_s = sum(2 * op.written / (d.hbm_GBps * 1e9) for op in ops if not op.flops)
         fixed_s = sum(d.product_overhead_us * 1e-6 for op in ops if op.flops) + len(ops) * d.op_overhead_us * 1e-6
         split = fixed_s + (flops_s + memory_s) / tp
-        # the ops between the products: memory-bound, and each its launch (what selective recomputes)
-        cheap = sum(1 for op in ops if not op.flops) * d.op_overhead_us * 1e-6 + memory_s / tp
+        # what selective recompute runs again (Op.again): its products and the memory-bound ops,
+        # each its launch
+        again_ops = [op for op in ops if op.again]
+        again = (
+            sum(d.op_overhead_us * 1e-6 + (d.product_overhead_us * 1e-6 if op.flops else 0.0) for op in again_ops)
+            + sum(op.flops / (d.peak_tflops * 1e12 * d.gemm_efficiency) for op in again_ops) / tp
+            + sum(2 * op.written / (d.hbm_GBps * 1e9) for op in again_ops if not op.flops) / tp
+        )
         if measured is None:
             forward_s, backward_s = split, 2 * split
         else:
@@ -117,7 +126,7 @@ def stage_costs(
             scale = split / (fixed_s + (flops_s + memory_s) * timed_rows / rows)
             forward_s = scale * sum(t.forward_s for t in layers)
             backward_s = scale * sum(t.backward_s for t in layers)
-        out.append(StageCost(sum(op.flops for op in ops), forward_s, backward_s, forward_s * cheap / split))
+        out.append(StageCost(sum(op.flops for op in ops), forward_s, backward_s, forward_s * again / split))
     return out, tokens
 
 

@@ -2,10 +2,12 @@
 
     none        autograd keeps what each op saves for backward
     full        a block keeps only its input and runs its whole forward again in backward
-    selective   a block keeps its input and the outputs of its products (matmuls, attention): in
-                backward only the cheap ops between them (norms, activations, adds) run again, as
-                torchtitan's op-level policy does; the products' outputs are most of the memory a
-                block would save for nothing like most of its time
+    selective   torchtitan's op-level policy: a block keeps its input, its attention's output and
+                every other matrix product's (the 1st, 3rd, ... mm/addmm in the order its forward
+                runs them; other products, convolutions and bmm, all kept): in backward the cheap
+                ops between them (norms, activations, adds) and the other half of the matrix
+                products run again. A Llama layer keeps q, v, gate and down and recomputes k, o
+                and up: about a third of its forward's matmul FLOPs for half their outputs' memory
 
 A block is a layer that has parameters together with the parameterless layers after it (gpt: the
 embedding, each transformer block, the head; mlp: Linear + ReLU; cnn: Conv2d + ReLU (+ pool,
@@ -19,6 +21,8 @@ and every strategy's sharding are unchanged.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -30,23 +34,52 @@ from torch.utils.flop_counter import flop_registry
 from paratrain.errors import ConfigError
 
 MODES = ("none", "full", "selective")
-# What selective recompute keeps: the products, whose FLOPs torch's flop counter knows (matmuls,
+# The products selective recompute keeps, whose FLOPs torch's flop counter knows (matmuls,
 # convolutions, attention), and the CPU's flash attention, which it counts under another name.
 SAVED_OPS = frozenset(flop_registry) | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu}
+# ... of which a block keeps every other one, counted in the order its forward runs them
+ALTERNATED = frozenset({torch.ops.aten.mm, torch.ops.aten.addmm})
+
+# who is told each decision the policy makes (watch_decisions)
+_watchers: list[Callable[[Any, bool, Any], None]] = []
 
 
-def saves(func) -> bool:
-    """Whether selective recompute keeps this op's output (else it runs again in backward)."""
-    return func._overloadpacket in SAVED_OPS
+class SelectivePolicy:
+    """One checkpointed block's decisions, op by op as its forward runs them (torch replays the
+    decisions when backward recomputes the block)."""
 
+    def __init__(self):
+        self.products = 0
 
-def _policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if saves(func) else CheckpointPolicy.PREFER_RECOMPUTE
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        packet = func._overloadpacket
+        if packet in ALTERNATED:
+            self.products += 1
+            keep = self.products % 2 == 1
+        else:
+            keep = packet in SAVED_OPS
+        for watcher in _watchers:
+            watcher(func, keep, ctx.op_output)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_context():
-    """checkpoint's context_fn for selective recompute (transformers' switch takes it too)."""
-    return create_selective_checkpoint_contexts(_policy)
+    """checkpoint's context_fn for selective recompute (transformers' switch takes it too): a
+    policy of its own for each block it checkpoints."""
+    return create_selective_checkpoint_contexts(SelectivePolicy())
+
+
+@contextlib.contextmanager
+def watch_decisions(watcher: Callable[[Any, bool, Any], None]) -> Iterator[None]:
+    """The plan's fake runs: watcher(func, kept, output) for each op a checkpointed block runs
+    under selective recompute, right after the op ran (a dispatch mode entered outside the block
+    has handled it by then); kept False: it runs again in backward. An op no checkpointed block
+    runs is never reported: nothing recomputes it."""
+    _watchers.append(watcher)
+    try:
+        yield
+    finally:
+        _watchers.remove(watcher)
 
 
 def blocks(layers: list[nn.Module]) -> list[list[nn.Module]]:

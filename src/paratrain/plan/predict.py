@@ -11,8 +11,8 @@ takes twice the forward (two products per forward product). On a calibrated cpu 
 (layer_times: on a CPU eager dispatch, not arithmetic, sets a small model's pace), at the thread
 count a worker gets, and stretched by the measured cpu_contention as much as the ranks are busy
 together and, where ranks synchronize, by the measured sync_skew (Step.replica).
-`train.recompute = "full"` adds one forward, "selective" the forward's ops between its products
-(each op's launch and its memory-bound time). Under tp, each device does 1/tp of a stage's arithmetic (the few replicated ops, layer
+`train.recompute = "full"` adds one forward, "selective" the ops its policy runs again (every other
+matrix product and the ops between the products: each op's launch and its time). Under tp, each device does 1/tp of a stage's arithmetic (the few replicated ops, layer
 norms and residual adds, are counted split too) and all of its ops' dispatch (timed layers: the
 layer on 1/tp of the rows, the same ops on the same share of the work).
 
