@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from paratrain.config import Config
 from paratrain.cost.cluster import Cluster
+from paratrain.cost.context_expert import all_to_all_s, ring_attention_ops, ring_bytes, ring_s
 from paratrain.cost.op_counts import Op, OpRecorder
 from paratrain.profile import min_bytes_sent
 
@@ -37,6 +38,8 @@ class StageCost:
     forward_s: float  # the same on one device of the cluster, split over tp
     backward_s: float
     again_s: float  # of forward_s, what selective recompute runs again (op_counts.Op.again)
+    ring_bytes: int = 0  # parallel.cp: the keys and values a pass around the ring carries (context_expert.py)
+    attentions: int = 0  # the stage's fused attentions
 
     def work_s(self, recompute: str) -> float:
         """Forward, backward and, under recompute, the forward again: all of it ("full") or the
@@ -47,7 +50,9 @@ class StageCost:
 
 def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[list[Op]], int]:
     """Each stage's ops in one microbatch's forward (op_counts.Op: FLOPs, bytes, shapes) of the
-    whole (unsplit) stage, and the tokens in a sample (a sequence model's positions; else 1)."""
+    whole (unsplit) stage, and the tokens in a sample (a sequence model's positions; else 1).
+    Under parallel.cp the forward runs this rank's share of each sequence, its attentions as the
+    ring runs them (context_expert.py); the tokens are still the whole sample's."""
     from paratrain.cost.activations import FakeRun
     from paratrain.models.recompute import watch_decisions
 
@@ -65,8 +70,8 @@ def stage_ops(cfg: Config, rows: int, bounds: list[int] | None) -> tuple[list[li
 
     run.forward(run.loss_fn, recording)
     first = run.held()[0]  # token ids come first (a dict batch's input_ids)
-    tokens = first[0].numel() if not first.is_floating_point() else 1
-    return [recorder.ops for recorder in recorders], tokens
+    tokens = first[0].numel() * cfg.parallel.cp if not first.is_floating_point() else 1
+    return [ring_attention_ops(recorder.ops, cfg.parallel.cp) for recorder in recorders], tokens
 
 
 def worker_threads(cluster: Cluster) -> int:
@@ -103,7 +108,7 @@ def stage_costs(
             decoder = cfg.model.factory == "hf" and cfg.model.kwargs.get("task", "causal-lm") == "causal-lm"
             times = stage_kernel_times(ops, d, cfg.train.compile, masks_are_causal=decoder)
             forward_s, backward_s, again_s = times.passes(d, tp)
-            out.append(StageCost(sum(op.flops for op in ops), forward_s, backward_s, again_s))
+            out.append(StageCost(sum(op.flops for op in ops), forward_s, backward_s, again_s, *ring_bytes(ops)))
             continue
         flops_s = sum(op.flops / (d.peak_tflops * 1e12 * d.gemm_efficiency) for op in ops)
         memory_s = sum(2 * op.written / (d.hbm_GBps * 1e9) for op in ops if not op.flops)
@@ -126,7 +131,8 @@ def stage_costs(
             scale = split / (fixed_s + (flops_s + memory_s) * timed_rows / rows)
             forward_s = scale * sum(t.forward_s for t in layers)
             backward_s = scale * sum(t.backward_s for t in layers)
-        out.append(StageCost(sum(op.flops for op in ops), forward_s, backward_s, forward_s * again / split))
+        again_s = forward_s * again / split
+        out.append(StageCost(sum(op.flops for op in ops), forward_s, backward_s, again_s, *ring_bytes(ops)))
     return out, tokens
 
 
@@ -235,6 +241,12 @@ class Step:
                 back = boundary[s] if s > 0 else 0
                 p2p_s[s] = sum(x / bw + lat for x in (out, back) if x)
 
+        # cp: the ring's keys and values, every microbatch; ep: the tokens to their experts and back
+        ring = [ring_s(self, stage.ring_bytes, stage.attentions) for stage in stages]
+        element = next(self.model.parameters()).element_size()
+        routed = all_to_all_s(self, rows * tokens_per_sample // p.cp, element)  # this rank's tokens
+        spread = [ring[s] + routed / len(stages) for s in range(len(stages))]
+
         # processes computing at once slow each other (cpu_contention, measured with all of them
         # busy), as much as they are busy together: a pipeline's light stages leave their share
         # of the cores to the heavy ones; ranks that meet at collectives (dp's, tp's) wait besides
@@ -256,7 +268,7 @@ class Step:
             held = [c * pp + r for c in range(v)]
             compute_s = sum(stages[s].work_s(recompute) for s in held)
             backward = sum(stages[s].work_s(recompute) - stages[s].forward_s for s in held)
-            per_rank.append((compute_s + sum(tp_s[s] + p2p_s[s] for s in held), backward, compute_s))
+            per_rank.append((compute_s + sum(tp_s[s] + p2p_s[s] + spread[s] for s in held), backward, compute_s))
         slowest, backward, _ = max(per_rank)
         # the warm-up and cool-down: each microbatch passes every other rank once before the
         # slowest rank's steady pace sets in ((pp - 1) / v of a microbatch's work when balanced)
@@ -270,7 +282,11 @@ class Step:
             "tp_comm_s": m * max(tp_s),
             "p2p_s": m * max(p2p_s),
         }
-        forward_flops = sum(s.forward_flops for s in stages) * m * dp
+        if cfg.parallel.cp > 1:
+            parts["cp_comm_s"] = m * max(ring)
+        if cfg.parallel.ep > 1:
+            parts["ep_comm_s"] = m * routed
+        forward_flops = sum(s.forward_flops for s in stages) * m * dp * p.cp  # a cp rank: its share of each sequence
         forward_s = m * max(sum(stages[c * pp + r].forward_s for c in range(v)) for r in range(pp))
         return Replica(m * slowest + bubble_s, m, backward, hiding, forward_s, parts, forward_flops, tokens_per_sample)
 

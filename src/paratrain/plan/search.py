@@ -1,7 +1,9 @@
 """`paratrain plan --cluster FILE --search [--top K]`: the fastest layouts that fit.
 
 Enumerates, for the config's model and global batch on the cluster's devices: dp x tp x pp (tp
-within a node), for pure data parallelism the ZeRO stage (dp, zero1-3), for pipelines the
+within a node), for pure data parallelism the ZeRO stage (dp, zero1-3) with context parallelism
+(cp 2, 4, 8 ... within a node, for a model whose attention paratrain splits) and expert
+parallelism (ep 2, 4, 8 ... dividing its experts, for a model with MoE layers), for pipelines the
 microbatch count (pp, 2pp, 4pp, 8pp where the batch allows) and the schedule (1f1b, interleaved
 with 2 virtual stages), and recompute (none, selective, full). Each candidate goes through the same checks as
 `run` (an invalid one is dropped) and the same plan and prediction as `paratrain plan`; those that
@@ -32,22 +34,49 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(batch: int, world: int, devices_per_node: int) -> list[list[str]]:
-    """--set overrides of every layout to try (before the config's own checks)."""
+def _powers_of_two(limit: int, divides: int) -> list[int]:
+    """2, 4, 8 ... up to `limit`, each dividing `divides`."""
+    return [d for d in (2**i for i in range(1, limit.bit_length())) if d <= limit and divides % d == 0]
+
+
+def splits(model: nn.Module, world: int, devices_per_node: int) -> tuple[list[int], list[int]]:
+    """(cp degrees, ep degrees) beyond 1 worth trying for the model: cp where paratrain splits its
+    attention by sequence (a ring within a node), ep where it has MoE layers (dividing the fewest
+    experts of a layer)."""
+    from paratrain.parallel.context.attention import hooked
+    from paratrain.parallel.expert.experts import expert_layers
+
+    cps = _powers_of_two(devices_per_node, world) if hooked(model, "paratrain_attention") else []
+    experts = [int(getattr(layer, "n_experts", 0)) for layer in expert_layers(model)]
+    eps = _powers_of_two(min(experts), min(experts)) if experts and min(experts) > 1 else []
+    return cps, [e for e in eps if world % e == 0]
+
+
+def candidates(
+    batch: int, world: int, devices_per_node: int, split: tuple[list[int], list[int]] = ([], [])
+) -> list[list[str]]:
+    """--set overrides of every layout to try (before the config's own checks). `split`: the cp
+    and ep degrees beyond 1 to try with data parallelism and ZeRO (`splits`)."""
     from paratrain.parallel.registry import SPECS
 
     replicas = [s.name for s in SPECS.values() if s.searched_as == "replica"]
     (mesh,) = [s.name for s in SPECS.values() if s.searched_as == "mesh"]
+    cps, eps = split
     out = []
     for tp in [d for d in _divisors(world) if d <= devices_per_node]:
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            if batch % dp:
-                continue
             for recompute in ("none", "selective", "full"):
                 base = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"train.recompute='{recompute}'"]
                 if tp == pp == 1:
-                    out += [[*base, f"parallel.strategy='{s}'"] for s in replicas]
+                    # cp ranks read the same samples: the batch divides over world / cp; ep divides
+                    # dp x cp, the whole world here (DESIGN: experts borrow those ranks)
+                    for cp, ep in product([1, *cps], [1, *eps]):
+                        if batch % (world // cp) == 0:
+                            extra = [f"parallel.cp={cp}", f"parallel.ep={ep}"] if (cp, ep) != (1, 1) else []
+                            out += [[*base, f"parallel.strategy='{s}'", *extra] for s in replicas]
+                    continue
+                if batch % dp:
                     continue
                 if pp == 1:
                     out.append([*base, f"parallel.strategy='{mesh}'"])
@@ -78,7 +107,7 @@ def replica_plan(cfg: Config, model, cluster) -> dict:
     from paratrain.plan.planner import capacity
 
     p, world, nproc = cfg.parallel, cluster.world, cluster.devices_per_node
-    dp = world // (p.tp * p.pp)
+    dp = spec(p.strategy).data_parallel_degree(cfg, world)  # cp ranks read the same samples
     per_replica, micro = cfg.data.batch_size // dp, microbatch_count(cfg)
     rows = per_replica // micro
     params = [t for _, t in unique_parameters(model)]
@@ -89,13 +118,13 @@ def replica_plan(cfg: Config, model, cluster) -> dict:
     else:  # the busiest node's ranks together: every rank, each as its replica-0 twin
         twin = {(r.pp, r.tp): r for r in replica}
         ranks = [
-            replace(twin[(r // (dp * p.tp), r % p.tp)], rank=r, node=r // nproc, local_rank=r % nproc)
+            replace(twin[(r // (world // p.pp), r % p.tp)], rank=r, node=r // nproc, local_rank=r % nproc)
             for r in range(world)
         ]
     return {
         "capacity": capacity(ranks, "cuda" if cluster.is_gpu else "cpu", cluster),
         "world_size": world,
-        "mesh": {"dp": dp, "tp": p.tp, "pp": p.pp},
+        "mesh": spec(p.strategy).mesh(cfg, world),
         "batch": {
             "global": cfg.data.batch_size,
             "per_replica": per_replica,
@@ -117,6 +146,8 @@ def layout(cfg: Config, predicted: dict, breakdown: dict) -> dict:
             "strategy": p.strategy,
             "tp": p.tp,
             "pp": p.pp,
+            "cp": p.cp,
+            "ep": p.ep,
             "microbatches": p.microbatches,
             "schedule": p.schedule,
             "virtual_stages": p.virtual_stages,
@@ -140,7 +171,10 @@ def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
     from paratrain.plan.predict import predict
     from paratrain.preflight import preflight
 
-    batch = load(config_path, overrides).data.batch_size
+    base = load(config_path, overrides)
+    batch = base.data.batch_size
+    with torch.device("meta"):
+        split = splits(build_model(base, build_dataset(base, "train")), cluster.world, cluster.devices_per_node)
     ranked = []
     with memoised_traces():
         models: dict[
@@ -149,7 +183,7 @@ def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
         # A layout comes recomputing none, selective, then full (candidates): each keeps less and
         # runs more than the one before, so the first that fits is the layout's fastest.
         fitted = set()
-        for sets in candidates(batch, cluster.world, cluster.devices_per_node):
+        for sets in candidates(batch, cluster.world, cluster.devices_per_node, split):
             layout_key = tuple(s for s in sets if not s.startswith("train.recompute="))
             if layout_key in fitted:
                 continue
@@ -181,6 +215,7 @@ def _name(layout: dict) -> str:
     name = p["strategy"] if p["tp"] == p["pp"] == 1 else f"tp {p['tp']} x pp {p['pp']}"
     if p["pp"] > 1:
         name += f", {p['microbatches']} mb {p['schedule']}"
+    name += "".join(f", {k} {p[k]}" for k in ("cp", "ep") if p.get(k, 1) > 1)
     recompute = layout["train"]["recompute"]
     return name + ("" if recompute == "none" else ", recompute" if recompute == "full" else ", selective recompute")
 
@@ -194,17 +229,17 @@ def render_search(layouts: list[dict]) -> list[str]:
     ]
     for x in layouts:
         b = x["step_breakdown"]
-        comm = b["tp_comm_s"] + b["p2p_s"] + b["exposed_dp_comm_s"]
+        comm = sum(b.get(k, 0.0) for k in ("tp_comm_s", "p2p_s", "cp_comm_s", "ep_comm_s", "exposed_dp_comm_s"))
         lines.append(
             f"{_name(x):<44}{x['predicted']['step_s']:>9.4g}{x['predicted']['mfu']:>7.1%}"
             f"{b['bubble_s']:>10.3g}{comm:>16.3g}{b['memory_headroom_gib']:>14.3g}"
         )
     if len(layouts) > 1:
         win, second = layouts[0]["step_breakdown"], layouts[1]["step_breakdown"]
-        parts = [k for k in win if k.endswith("_s")]
-        gap = max(parts, key=lambda k: second[k] - win[k])
+        parts = sorted({k for k in [*win, *second] if k.endswith("_s")})
+        gap = max(parts, key=lambda k: second.get(k, 0.0) - win.get(k, 0.0))
         lines.append(
             f"why: {_name(layouts[0])} beats {_name(layouts[1])} most on "
-            f"{gap[:-2].replace('_', ' ')} ({win[gap]:.3g} s against {second[gap]:.3g} s)"
+            f"{gap[:-2].replace('_', ' ')} ({win.get(gap, 0.0):.3g} s against {second.get(gap, 0.0):.3g} s)"
         )
     return lines

@@ -1,0 +1,58 @@
+"""`paratrain plan` for context and expert parallelism (cost/context_expert.py): the ring's and the
+all-to-alls' time in the step, tokens counted whole under cp, and `--search` proposing cp and ep."""
+
+import pytest
+from test_context_expert import GPT
+
+from paratrain.cost.cluster import parse_cluster
+from paratrain.plan.search import search
+
+H100S = {"nodes": 1, "devices_per_node": 4, "device": "h100-sxm"}
+LONG = 512  # tokens in a sequence
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan-cp-ep") / "gpt.toml"
+    path.write_text(GPT.replace("block_size = 16", f"block_size = {LONG}"))
+    return path
+
+
+def plan_of(config, world: int, *sets: str) -> dict:
+    import torch
+
+    from paratrain.config import load
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.plan.planner import make_plan
+
+    cfg = load(str(config), ["model.d_model=64", *sets])
+    with torch.device("meta"):
+        model = build_model(cfg, build_dataset(cfg, "train"))
+    return make_plan(cfg, model, world, 1, "cuda", parse_cluster({**H100S, "devices_per_node": world}))
+
+
+def test_plan_times_the_ring_and_the_all_to_all(config):
+    """cp 2: the ring's exchanges are in the step, and a sample counts all its tokens though a rank
+    runs half of them; ep 2: the tokens' all-to-alls are; neither without its degree."""
+    dense = plan_of(config, 2, "data.batch_size=2")
+    ring = plan_of(config, 4, "data.batch_size=2", "parallel.cp=2")
+    assert "cp_comm_s" not in dense["step_breakdown"] and ring["step_breakdown"]["cp_comm_s"] > 0
+    for plan in (dense, ring):
+        predicted = plan["predicted"]
+        assert predicted["tokens_per_s"] == pytest.approx(predicted["samples_per_s"] * LONG)
+    moe = ["data.batch_size=2", "model.n_experts=4"]
+    local, split = plan_of(config, 2, *moe), plan_of(config, 2, *moe, "parallel.ep=2")
+    assert "ep_comm_s" not in local["step_breakdown"] and split["step_breakdown"]["ep_comm_s"] > 0
+    assert split["predicted"]["step_s"] > local["predicted"]["step_s"]
+
+
+def test_search_proposes_context_and_expert_parallelism(config):
+    """One long sequence on 4 devices: data parallelism cannot split the batch and 2 heads do not
+    split over tp 4, so every layout that fits is cp 4; with experts the search tries ep too."""
+    cluster = parse_cluster(H100S)
+    layouts = search(str(config), ["data.batch_size=1", "model.d_model=64", "model.n_layer=4"], cluster, 50)
+    assert layouts and all(x["parallel"]["cp"] == 4 for x in layouts), [x["parallel"] for x in layouts]
+    moe = ["data.batch_size=4", "model.d_model=64", "model.n_experts=4"]
+    tried = {(x["parallel"]["cp"], x["parallel"]["ep"]) for x in search(str(config), moe, cluster, 200)}
+    assert {(1, 1), (1, 2), (1, 4), (2, 2), (4, 4)} <= tried, tried
