@@ -23,13 +23,14 @@ def val_loss(model, layout: str, loss_of) -> float:
 
 
 @pytest.mark.parametrize(
-    "layout, loss",
+    "layout, loss, recompute",
     [
-        ("pair", "cross_entropy"),  # (ids, next ids): the targets cut with the ids
-        ("labelled", "model"),  # {"input_ids", "labels"}: the model shifts its labels and counts them
+        ("pair", "cross_entropy", "none"),  # (ids, next ids): the targets cut with the ids
+        ("labelled", "model", "none"),  # {"input_ids", "labels"}: the model shifts its labels and counts them
+        ("labelled", "model", "full"),  # its layers rerun in backward: the ring's forward again
     ],
 )
-def test_llama_context_parallel_equals_single_process(tmp_path, gang, layout, loss):
+def test_llama_context_parallel_equals_single_process(tmp_path, gang, layout, loss, recompute):
     """cp 2 at world 2: 16 tokens in 4 chunks of 4, rank 0 holding the first and the last; grouped-
     query attention (4 query heads, 2 key/value heads), rotary positions, the model's own loss:
     final weights and validation loss equal one process's."""
@@ -37,7 +38,7 @@ def test_llama_context_parallel_equals_single_process(tmp_path, gang, layout, lo
     model = built(LLAMA)
     reference = train_alone(model, layout, loss_of)
     cfg = write_config(tmp_path / "c.toml", LLAMA)
-    sets = ["parallel.cp=2", f"data.layout='{layout}'", f"train.loss='{loss}'"]
+    sets = ["parallel.cp=2", f"data.layout='{layout}'", f"train.loss='{loss}'", f"train.recompute='{recompute}'"]
     gang(2).train(cfg, tmp_path / "run", sets)
     assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
     expected = val_loss(model, layout, loss_of)
