@@ -146,9 +146,9 @@ class Strategy:
     def micro_batches(self, batch):
         """The rank's batch for one optimizer step, cut into train.grad_accum equal micro-batches;
         with rng_step set, each is computed on an RNG seeded from its place in the global batch."""
-        if self.context is not None:
-            batch = self.context.local_batch(batch)
         parts = split_batch(batch, self.grad_accum)
+        if self.context is not None:  # each micro-batch's own: a loss may count its tokens (context/hf.py)
+            parts = [self.context.local_batch(part) for part in parts]
         if self.rng_step is None:
             return parts
         return SeededMicroBatches(parts, self.cfg.train.seed, self.rng_step, self.dp_rank * len(parts))

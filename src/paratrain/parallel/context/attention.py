@@ -38,6 +38,7 @@ from torch import nn
 from paratrain.comm.grid import DataMesh
 from paratrain.data.batch import tree_map
 from paratrain.errors import ConfigError
+from paratrain.parallel.context import hf
 from paratrain.parallel.context.ring import Ring
 
 
@@ -109,8 +110,8 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of the local chunks' queries against every rank's keys and values."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
-        scale, half = 1.0 / math.sqrt(q.shape[-1]), q.shape[-2] // 2
+    def forward(ctx, q, k, v, ring: Ring, scale: float):
+        half = q.shape[-2] // 2
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.stack([k, v])
@@ -124,14 +125,13 @@ class RingAttention(torch.autograd.Function):
             if arriving is not None:
                 kv = arriving.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = ring
+        ctx.ring, ctx.scale = ring, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
-        scale, half = 1.0 / math.sqrt(q.shape[-1]), q.shape[-2] // 2
+        ring, scale, half = ctx.ring, ctx.scale, q.shape[-2] // 2
         dout = dout.contiguous()
         delta = (dout * out).sum(-1)  # each row's sum of dP * P: the softmax's backward
         dq = torch.zeros_like(q)
@@ -157,21 +157,26 @@ class RingAttention(torch.autograd.Function):
             dkv = ring.shift(dkv).wait()  # with its (k, v): after C shifts, home
             if arriving is not None:
                 kv = arriving.wait()
-        return dq, dkv[0], dkv[1], None
+        return dq, dkv[0], dkv[1], None, None
 
 
 class ContextParallel:
     """A model's attention and positions under parallel.cp, and each batch cut to this rank's
     chunks. The model opts in through two hooks (models/gpt.py has them): modules with a
     `paratrain_attention` attribute take (q, k, v) -> y, modules with `paratrain_positions` the
-    global positions of the local tokens."""
+    global positions of the local tokens. A Hugging Face decoder is hooked from outside (hf.py)."""
 
     def __init__(self, model: nn.Module, mesh: DataMesh):
         self.mesh = mesh
         self.ring = Ring(mesh)
+        self.local_positions = torch.arange(0)  # the current batch's, set by local_batch
         self.attentions = hooked(model, "paratrain_attention")
+        self.hf = not self.attentions and hf.is_hf(model)
         if not self.attentions:
-            raise ConfigError("parallel.cp", f"{type(model).__name__} has no attention paratrain can split by sequence")
+            why = hf.refusal(model) if self.hf else f"{type(model).__name__} has no attention to split"
+            if why:
+                raise ConfigError("parallel.cp", f"{why}: paratrain cannot split its sequences")
+            hf.install(model, self)
         for module in self.attentions:
             module.paratrain_attention = self.attention  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
         self.embeddings = hooked(model, "paratrain_positions")
@@ -185,8 +190,10 @@ class ContextParallel:
         dist.all_reduce(t, group=self.mesh.cp_group)
         return t
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring)
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """Causal attention over the ring; `scale` multiplies the scores (1/sqrt(head dim) if None)."""
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, scale)
 
     def local_batch(self, batch):
         """(inputs, targets) with every tensor whose dimension 1 is the inputs' sequence cut to this
@@ -199,9 +206,11 @@ class ContextParallel:
         key = (seq_len, device)
         if key not in self.positions:
             self.positions[key] = chunk_positions(seq_len, self.mesh.cp, self.mesh.cp_rank).to(device)
-        positions = self.positions[key]
+        positions = self.local_positions = self.positions[key]
         for module in self.embeddings:
             module.paratrain_positions = positions
+        if self.hf:  # its loss shifts labels: shifted over the whole sequence first (hf.py)
+            batch = (hf.shift_labels(batch[0], seq_len, self.mesh.cp), batch[1])
 
         def cut(t: torch.Tensor) -> torch.Tensor:
             return t.index_select(1, positions) if t.dim() >= 2 and t.shape[1] == seq_len else t
@@ -223,9 +232,13 @@ def check_context(cfg, model: nn.Module, sample) -> None:
     """Before any worker starts (`model` on meta, `sample` the first training item): the model has
     attention paratrain can split, and 2 x cp divides its sequences (ConfigError naming parallel.cp)."""
     cp = cfg.parallel.cp
-    if not hooked(model, "paratrain_attention"):
+    if hf.is_hf(model) and (why := hf.refusal(model)):
+        raise ConfigError("parallel.cp", f"{why}: paratrain cannot split its sequences")
+    if not hooked(model, "paratrain_attention") and not hf.is_hf(model):
         raise ConfigError(
-            "parallel.cp", f"{type(model).__name__} has no attention paratrain can split by sequence (gpt has)"
+            "parallel.cp",
+            f"{type(model).__name__} has no attention paratrain can split by sequence (gpt and "
+            "Hugging Face decoders have)",
         )
     inputs = sample[0] if isinstance(sample, (tuple, list)) else sample
     first = next(iter(_tensors(inputs)), None)
