@@ -16,12 +16,13 @@ MIXTRAL = job(
     "num_experts_per_tok = 2, max_position_embeddings = 64 }"
 )
 # another family of the same experts interface: a shared expert beside the routed ones, top-k
-# weights not renormalized (norm_topk_prob's default)
+# weights not renormalized (norm_topk_prob's default); its experts run by transformers' eager
+# loop (Mixtral's by the default, grouped_mm)
 QWEN2_MOE = job(
     'config = { model_type = "qwen2_moe", vocab_size = 64, hidden_size = 16, intermediate_size = 32, '
     "moe_intermediate_size = 16, shared_expert_intermediate_size = 16, num_hidden_layers = 2, "
     "num_attention_heads = 4, num_key_value_heads = 2, num_experts = 4, num_experts_per_tok = 2, "
-    "max_position_embeddings = 64 }"
+    "max_position_embeddings = 64, experts_implementation = 'eager' }"
 )
 EP2 = ["parallel.ep=2"]
 
