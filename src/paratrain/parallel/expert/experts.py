@@ -1,5 +1,6 @@
-"""Expert parallelism: an MoE layer's n experts split over the E ranks of an ep group (comm/grid.py:
-runs of E adjacent data ranks), rank e computing experts e*n/E .. (e+1)*n/E - 1.
+"""Expert parallelism: an MoE layer's n experts (the built-in gpt's, or a Hugging Face model's:
+hf_experts.py) split over the E ranks of an ep group (comm/grid.py: runs of E adjacent data
+ranks), rank e computing experts e*n/E .. (e+1)*n/E - 1.
 
 One layer's forward on rank e:
 
@@ -15,30 +16,47 @@ world's mean of those sums is one process's gradient."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from paratrain.comm.grid import DataMesh
 from paratrain.errors import ConfigError
 from paratrain.parallel.expert.all_to_all import all_to_all, exchange_counts
+from paratrain.parallel.expert.hf_experts import hf_experts, route_over_ranks
 
 
 class ExpertParallel:
-    """The dispatcher every MoE layer of a model calls (its `paratrain_experts` hook)."""
+    """The dispatcher of a model's MoE layers: the built-in gpt's (their `paratrain_experts` hook)
+    and transformers' experts modules (hf_experts.py, their forward)."""
 
     def __init__(self, model: nn.Module, mesh: DataMesh):
         self.mesh = mesh
         self.layers = expert_layers(model)
-        if not self.layers:
-            raise ConfigError("parallel.ep", f"{type(model).__name__} has no mixture-of-experts layers to split")
+        self.hf_experts = hf_experts(model)
+        if not self.layers and not self.hf_experts:
+            raise ConfigError("parallel.ep", no_experts(model))
         for layer in self.layers:
             layer.paratrain_experts = self.dispatch  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
+        for module in self.hf_experts:
+            route_over_ranks(module, self.exchange)
 
     def dispatch(self, layer, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """`grouped`: this rank's routed rows, expert by expert (`counts` each); returns their outputs
-        in the same order, computed on the ranks that hold the experts."""
+        """The gpt's hook: `grouped`, this rank's routed rows expert by expert (`counts` each), through
+        the layer's experts on the ranks that hold them."""
+
+        def run(rows, local_counts, first: int):
+            return layer.run_experts(rows, local_counts, layer.experts[first : first + len(local_counts)])
+
+        return self.exchange(grouped, counts, run)
+
+    def exchange(self, grouped: torch.Tensor, counts: torch.Tensor, run: Callable) -> torch.Tensor:
+        """`grouped`: this rank's routed rows, expert by expert (`counts` each, one per expert of the
+        layer); returns their outputs in the same order, computed on the ranks that hold the experts
+        by `run(rows, counts, first)`: rows grouped by this rank's experts first, first+1, ..."""
         ep, rank, group = self.mesh.ep, self.mesh.ep_rank, self.mesh.ep_group
-        local = layer.n_experts // ep
+        local = len(counts) // ep
         arriving = exchange_counts(counts, group).view(ep, local)  # [source rank, my expert]
         send = counts.view(ep, local).sum(1).tolist()
         receive = arriving.sum(1).tolist()
@@ -46,7 +64,11 @@ class ExpertParallel:
         # regroup expert by expert (stable: each expert's rows in source-rank order)
         expert_of_row = torch.arange(local, device=rows.device).repeat(ep).repeat_interleave(arriving.reshape(-1))
         order = expert_of_row.argsort(stable=True)
-        out = layer.run_experts(rows[order], arriving.sum(0), layer.experts[rank * local : (rank + 1) * local])
+        out = run(rows[order], arriving.sum(0), rank * local)
+        if rows.requires_grad and not out.requires_grad:
+            # no row arrived and the experts left their empty output unconnected: the backward's
+            # exchange must still run on this rank, as on every rank of the group
+            out = out + rows.sum() * 0
         back = torch.empty_like(order)
         back[order] = torch.arange(len(order), device=order.device)
         return all_to_all(out[back], receive, send, group)
@@ -56,18 +78,22 @@ def expert_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(type(m), "paratrain_experts")]
 
 
+def no_experts(model: nn.Module) -> str:
+    return (
+        f"{type(model).__name__} has no mixture-of-experts layers to split (gpt: model.n_experts; Hugging Face: "
+        "experts modules called with top_k_index and top_k_weights, as Mixtral's and Qwen2-MoE's)"
+    )
+
+
 def check_experts(cfg, model: nn.Module) -> None:
     """Before any worker starts (`model` on meta): every MoE layer's experts divide by ep."""
-    layers = expert_layers(model)
-    if not layers:
-        raise ConfigError(
-            "parallel.ep", f"{type(model).__name__} has no mixture-of-experts layers to split (gpt: model.n_experts)"
-        )
-    for layer in layers:
-        if layer.n_experts % cfg.parallel.ep:
-            raise ConfigError(
-                "parallel.ep", f"{cfg.parallel.ep} does not divide the {layer.n_experts} experts (model.n_experts)"
-            )
+    counts = [(layer.n_experts, "model.n_experts") for layer in expert_layers(model)]
+    counts += [(m.num_experts, f"{type(m).__name__}'s") for m in hf_experts(model)]
+    if not counts:
+        raise ConfigError("parallel.ep", no_experts(model))
+    for n, whose in counts:
+        if n % cfg.parallel.ep:
+            raise ConfigError("parallel.ep", f"{cfg.parallel.ep} does not divide the {n} experts ({whose})")
 
 
 def expert_parallel(model: nn.Module, mesh: DataMesh) -> ExpertParallel | None:
