@@ -89,9 +89,9 @@ def all_gather(flat: torch.Tensor, shard: torch.Tensor, what: str, group) -> Han
 
 
 def working_dtype(cfg, dtype: torch.dtype, stage: int) -> torch.dtype:
-    """The dtype of a unit's working parameters and gradients: bf16 under mixed precision (stages 1
-    and 2, train.precision = "bf16"), else the model's own."""
-    return torch.bfloat16 if cfg.train.precision == "bf16" and stage < 3 and dtype.is_floating_point else dtype
+    """The dtype of a unit's working parameters and gradients: bf16 under mixed precision
+    (train.precision = "bf16", every stage), else the model's own."""
+    return torch.bfloat16 if cfg.train.precision == "bf16" and dtype.is_floating_point else dtype
 
 
 def bucket_groups(params: list[nn.Parameter], cfg, world: int) -> list[list[nn.Parameter]]:

@@ -33,12 +33,13 @@ replicas (one all-reduce of the shard over R ranks), so every replica steps on t
 mean gradient. Stage 3 with replicas is HSDP: gathers and reduce-scatters stay inside a replica
 (a node), only 1/S of the gradients cross between replicas. Replica 0 writes the checkpoints.
 
-Mixed precision (train.precision = "bf16", stages 1 and 2), as DeepSpeed's and Megatron's distributed
-optimizer: bf16 working parameters (`unit.full`) and gradients on every rank, the fp32 master copy only
-in each rank's shard (`unit.master`; the optimizer's pieces are views of it), which steps with the
-gradient shard cast up for the step only, then is rounded into the bf16 shard that is all-gathered.
-Per parameter: 2 + 2 bytes on every rank and 12 / N for the master and AdamW's moments (stage 2:
-2 + (2 + 12) / N), where fp32 autocast keeps 4 + 4 + 8 / N. Stage 3 keeps fp32 shards (16 / N either way).
+Mixed precision (train.precision = "bf16", every stage), as DeepSpeed's and Megatron's distributed
+optimizer and FSDP2 with a bf16 param_dtype: bf16 working parameters (`unit.full`) and gradients, the
+fp32 master copy only in each rank's shard (`unit.master`; the optimizer's pieces are views of it),
+which steps with the gradient shard cast up for the step only, then is rounded into the bf16 shard
+that is all-gathered. Per parameter: 2 + 2 bytes on every rank and 12 / N for the master and AdamW's
+moments (stage 2: 2 + (2 + 12) / N; stage 3: (2 + 2 + 12) / N, its gathers and reduce-scatters
+moving bf16, half of what fp32 parameters would), where fp32 autocast keeps 4 + 4 + 8 / N.
 
 Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
 Checkpoints: every rank writes the pieces of parameters and optimizer state it owns, keyed by
@@ -96,7 +97,7 @@ class Zero(Strategy):
         # every replica holds the same shards: replica 0 (ranks 0..world-1) saves them
         self.checkpoint_ranks, self.checkpoint_group = self.world, group
         self.device = rt.device
-        self.mixed = cfg.train.precision == "bf16" and self.stage < 3
+        self.mixed = cfg.train.precision == "bf16"
         self.zero_grad_called = True  # mixed precision: the pieces' gradients exist only in the step
         named = unique_parameters(model)
         self.name_of = {id(p): n for n, p in named}
@@ -469,6 +470,11 @@ class Zero(Strategy):
         precision this rank's pieces of the given values go to the full-precision masters too,
         as given (the working parameters get them rounded)."""
         self._wait_gathers(units)
+        self._load_masters(state, prefix, direct)
+
+    def _load_masters(self, state: dict, prefix: str, direct) -> None:
+        """Under mixed precision, this rank's pieces of the module's own parameters as given into
+        the full-precision masters (`direct`: (name, unit, index) of each)."""
         if self.mixed:
             for name, u, i in direct:
                 value = state.get(prefix + name)

@@ -34,9 +34,9 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
     3 no gradient shard either: they are made as backward reduces into them). After it, the
     gradient norm squares each unit's gradient shard into a temporary (zero/comm.py: sharded_grad_norm).
 
-    Mixed precision (stages 1 and 2 under bf16, zero/engine.py): working parameters and gradients in
-    bf16, and the parameters' full-precision master copy in the rank's shard (counted with its
-    parameters); the norm casts a gradient shard up before squaring it, and the step holds the
+    Mixed precision (every stage under bf16, zero/engine.py): working parameters and gradients in
+    bf16 (stage 3: its units gathered in bf16), and the parameters' full-precision master copy in
+    the rank's shard (counted with its parameters); the norm casts a gradient shard up before squaring it, and the step holds the
     rank's whole gradient shard cast up to full precision."""
     bucket_bytes = int(cfg.parallel.bucket_mb * MIB)
     units = module_units(model, params, bucket_bytes) if stage == 3 else []
@@ -47,12 +47,13 @@ def zero_state(cfg: Config, stage: int, model: nn.Module, params: list[nn.Parame
     biggest = max(padded_bytes([g], world)[0] for g in groups)
     root = sum(padded_bytes([g], world)[0] for module, g in units if module is model)
     largest = max((padded_bytes([g], world)[0] for module, g in units if module is not model), default=0)
-    backward = {1: 0, 2: int(biggest * work), 3: largest + root}[stage]
+    backward = {1: 0, 2: int(biggest * work), 3: int((largest + root) * work)}[stage]
     # the norm's temporary (under mixed precision a gradient shard cast up too), or the step's
     # gradient shard in full precision (mixed precision)
     norm = max(padded_bytes([g], world)[1] for g in groups) * (2 if mixed else 1)
     after = max(norm, shard if mixed else 0)
-    param_bytes = int(whole * work) + (shard if mixed else 0) if stage < 3 else shard
+    # the working parameters (stage 3: its shard) and, under mixed precision, the shard's master
+    param_bytes = int((whole if stage < 3 else shard) * work) + (shard if mixed else 0)
     grad_bytes = int((whole if stage == 1 else shard) * work)
     transient = {
         1: "",

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from paratrain.comm.lockstep import LOAD_STATE_DICT, STATE_DICT, LockstepCheck
+from paratrain.parallel.zero import comm as zero_comm
 from paratrain.parallel.zero.comm import FlatUnit, StreamingShardReducer
 from paratrain.parallel.zero.engine import Zero, wire_dtype
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
@@ -61,22 +62,31 @@ class Zero3(Zero2):
     def _make_units(self, model, named) -> list[FlatUnit]:
         """One unit per module (see `module_units`), indexed in reverse forward order like buckets."""
         groups = module_units(model, [p for _, p in named], int(self.cfg.parallel.bucket_mb * 2**20))
-        return [
+        units = [
             FlatUnit(
                 i, params, [self.name_of[id(p)] for p in params], self.rank, self.world, self.device, module=module
             )
             for i, (module, params) in enumerate(reversed(groups))
         ]
+        for u in units:
+            u.dtype = zero_comm.working_dtype(self.cfg, u.dtype, self.stage)
+        return units
 
     def _allocate(self, model) -> None:
-        """The full flat parameter of a unit has storage only while gathered; the shard is its own."""
+        """The full flat parameter of a unit has storage only while gathered; the shard is its own,
+        and so is its full-precision master under mixed precision (else the shard itself)."""
         for u in self.units:
             u.full = torch.empty(u.numel, dtype=u.dtype, device=self.device)
             u.full.untyped_storage().resize_(0)
-            u.shard = u.master = nn.Parameter(torch.zeros(u.shard_numel, dtype=u.dtype, device=self.device))
+            u.shard = nn.Parameter(torch.zeros(u.shard_numel, dtype=u.dtype, device=self.device))
+            full_precision = u.params[0].dtype
+            u.master = torch.zeros(u.shard_numel, dtype=full_precision, device=self.device) if self.mixed else u.shard
 
     def _take_values(self, unit: FlatUnit, i: int, value: torch.Tensor) -> None:
-        unit.copy_own(unit.shard, i, value.detach().reshape(-1))
+        flat = value.detach().reshape(-1)
+        unit.copy_own(unit.shard, i, flat)
+        if unit.master is not unit.shard:
+            unit.copy_own(unit.master, i, flat)
 
     def _sync_full_from_shards(self) -> None:
         pass  # parameters are gathered on demand
@@ -110,7 +120,12 @@ class Zero3(Zero2):
             return super().train_step(batch)
 
     def _after_step(self) -> None:
-        pass
+        """Nothing to gather (the next forward gathers); under mixed precision the stepped masters
+        rounded into the working shards, their gradients let go."""
+        if self.mixed:
+            for piece in self.pieces:
+                piece.grad = None
+            self._round_masters()
 
     def _overlap_gathers_with_forward(self, model) -> None:
         pass  # the ParameterGatherer's hooks gather on demand
@@ -177,6 +192,8 @@ class Zero3(Zero2):
             yield from super().model_chunks()
 
     def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
+        if u.master is not u.shard:  # mixed precision: the masters, not the bf16 working copy
+            return super()._gather_full_precision(u)
         self.gatherer.unshard(u)
         return u.full.detach()
 
@@ -189,18 +206,28 @@ class Zero3(Zero2):
 
     def _after_state_dict(self, module, state: dict, prefix: str) -> None:
         """What the module's units gave the state dict becomes copies of its own (their gathered
-        storage is freed next: the tensors the user holds must not point at it)."""
+        storage is freed next: the tensors the user holds must not point at it); under mixed
+        precision copies of the full-precision masters, gathered, as FSDP2's state_dict gives its
+        float32 parameters, not the bf16 working copy."""
         for u in self.gathered_for.pop(module, []):
             storage = u.full.untyped_storage().data_ptr()
+            masters = super()._gather_full_precision(u) if u.master is not u.shard else None
             for k, v in state.items():
                 if k.startswith(prefix) and isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() == storage:
-                    state[k] = v.clone()
+                    if masters is None:
+                        state[k] = v.clone()
+                    else:  # the same elements of the masters' flat parameter
+                        at = (v.data_ptr() - u.full.data_ptr()) // v.element_size()
+                        state[k] = masters[at : at + v.numel()].view(v.shape).clone()
             self.gatherer.reshard(u)
         self._leave_state_call(module)
 
     def _before_load_state_dict(self, module, units, state: dict, prefix: str, direct) -> None:
+        """Gathered, to be loaded into; under mixed precision this rank's pieces of the given
+        values go to the masters as given (the shards get them rounded, _after_load_state_dict)."""
         self._enter_state_call(module, LOAD_STATE_DICT)
         self._gather_for(module, units)
+        self._load_masters(state, prefix, direct)
 
     def _after_load_state_dict(self, module) -> None:
         """The loaded full parameters of the module's units into this rank's shards."""
