@@ -414,7 +414,11 @@ def test_zero3_holds_at_most_two_units_gathered_or_reduced_at_once(codec, tolera
     )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        zero = Zero3(model, cross_entropy, cfg, Runtime(0, 1, 0, torch.device("cpu"), "gloo", 0))
+
+        class Gathering(Zero3):  # world 1 without the shard as the full parameter: the gathers' path
+            shard_is_full_alone = False
+
+        zero = Gathering(model, cross_entropy, cfg, Runtime(0, 1, 0, torch.device("cpu"), "gloo", 0))
         held = []
 
         def sample(*_):
@@ -457,7 +461,11 @@ def test_zero3_keeps_the_strategys_lockstep_flag():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-        zero = Zero3(model, cross_entropy, cfg, Runtime(0, 1, 0, torch.device("cpu"), "gloo", 0))
+
+        class Gathering(Zero3):  # world 1 without the shard as the full parameter: the gathers' path
+            shard_is_full_alone = False
+
+        zero = Gathering(model, cross_entropy, cfg, Runtime(0, 1, 0, torch.device("cpu"), "gloo", 0))
         assert zero.lockstep is True and isinstance(zero.lockstep_check, LockstepCheck)
     finally:
         dist.destroy_process_group()
@@ -492,3 +500,48 @@ def test_zero3_under_bf16_keeps_float32_masters_the_user_reads_and_loads(gang, t
     assert all(torch.equal(loaded_1[k], given[k]) for k in given)
     assert all(torch.equal(stepped[k], stepped_1[k]) for k in stepped)
     assert any(not torch.equal(stepped[k], given[k]) for k in given)  # the step moved them
+
+
+def world_one_zero3_job(rt, precision):
+    """zero3 alone (world 1): three SGD steps of a small MLP in the user's own loop; whether every
+    parameter lives in its unit's shard, the parameter gathers issued, and the state dict."""
+    import paratrain
+    from paratrain.comm.collectives import LOG
+
+    pt = paratrain.init(strategy="zero3", train={"precision": precision}, bucket_mb=0.001)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model, optimizer = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), loss=torch.nn.functional.mse_loss)
+    gen = torch.Generator().manual_seed(1)
+    before = LOG.seq
+    for _ in range(3):
+        pt.train_step((torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)))
+    gathers = [r.what for r in LOG.records if r.seq >= before and "params" in r.what]
+    units = pt.strategy.units
+    in_shards = all(
+        u.full.untyped_storage().data_ptr() == u.shard.untyped_storage().data_ptr()
+        and all(p.untyped_storage().data_ptr() == u.shard.untyped_storage().data_ptr() for p in u.params)
+        for u in units
+    )
+    return in_shards, gathers, len(units), model.state_dict()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zero3_alone_gathers_nothing_and_trains_as_plain_pytorch(gang, precision):
+    """At world 1 a unit's full parameter is its shard: the model's parameters live in the shards,
+    no gather is issued in three steps (several units), and the model trains as plain PyTorch's
+    (fp32: exactly; bf16: within bf16's rounding, the state dict the float32 masters)."""
+    ((in_shards, gathers, units, state),) = gang(1).run("test_zero:world_one_zero3_job", precision=precision)
+    assert in_shards and gathers == [] and units > 1, (in_shards, gathers, units)
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(plain(x), y).backward()
+        optimizer.step()
+    assert all(v.dtype == torch.float32 for v in state.values())
+    tolerance = 0 if precision == "fp32" else 2e-2
+    assert max_rel_error(state, plain.state_dict()) <= tolerance

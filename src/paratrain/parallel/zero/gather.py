@@ -86,9 +86,14 @@ class ParameterGatherer:
     keep every overlap of gathers and reductions with compute.
 
     Before the first gather of each forward and of each backward, `lockstep` checks that every rank
-    runs the same call (a rank evaluating alone stops with one line instead of a transport abort)."""
+    runs the same call (a rank evaluating alone stops with one line instead of a transport abort).
 
-    def __init__(self, units: list[FlatUnit], root: nn.Module, group, reducer, lockstep: LockstepCheck):
+    `always_gathered` (world 1: each unit's full parameter is its shard): gathered from the start and
+    never freed, nothing copied or allocated (the user's model holds its parameters for good)."""
+
+    def __init__(
+        self, units: list[FlatUnit], root: nn.Module, group, reducer, lockstep: LockstepCheck, always_gathered: bool
+    ):
         self.units, self.root, self.group, self.reducer, self.lockstep = units, root, group, reducer, lockstep
         self.backward_checked = False
         # told when a unit's parameters become whole and when they are freed (Zero3's ShardedParams)
@@ -99,9 +104,10 @@ class ParameterGatherer:
         self.live_bytes = self.peak_bytes = 0  # full parameters gathered at once (for the memory benchmark)
         sizes = [u.full_nbytes() for u in units if u.module is not root]
         self.budget = 2 * max(sizes, default=0) + sum(u.full_nbytes() for u in units if u.module is root)
+        self.always_gathered = always_gathered
         root.register_forward_pre_hook(lambda m, args: self._start_of_forward())
         for u in units:
-            u.state, u.gather_work = "free", None
+            u.state, u.gather_work = "gathered" if self.always_gathered else "free", None
             assert u.module is not None  # zero3's units are modules
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
@@ -142,6 +148,8 @@ class ParameterGatherer:
             self._start(u)
 
     def reshard(self, u: FlatUnit) -> None:
+        if self.always_gathered:
+            return
         if u.state == "gathering":
             self._wait(u)
         if u.state != "free":

@@ -58,6 +58,9 @@ class Zero3(Zero2):
     stage = 3
     gatherer: ParameterGatherer  # made by _setup_communication
     collective_forward = True  # each unit's parameters are gathered from every rank
+    # At world 1 the full parameter is the shard itself (_allocate). A subclass may say False to run
+    # the gathers' path alone in one process (the gatherer's memory budget is tested so).
+    shard_is_full_alone = True
 
     def _make_units(self, model, named) -> list[FlatUnit]:
         """One unit per module (see `module_units`), indexed in reverse forward order like buckets."""
@@ -74,13 +77,21 @@ class Zero3(Zero2):
 
     def _allocate(self, model) -> None:
         """The full flat parameter of a unit has storage only while gathered; the shard is its own,
-        and so is its full-precision master under mixed precision (else the shard itself)."""
+        and so is its full-precision master under mixed precision (else the shard itself). At world
+        1 the shard is the whole parameter: the full one is the shard itself, gathered for good (no
+        copy, no allocation)."""
         for u in self.units:
-            u.full = torch.empty(u.numel, dtype=u.dtype, device=self.device)
-            u.full.untyped_storage().resize_(0)
             u.shard = nn.Parameter(torch.zeros(u.shard_numel, dtype=u.dtype, device=self.device))
+            if self._alone():
+                u.full = u.shard.detach()
+            else:
+                u.full = torch.empty(u.numel, dtype=u.dtype, device=self.device)
+                u.full.untyped_storage().resize_(0)
             full_precision = u.params[0].dtype
             u.master = torch.zeros(u.shard_numel, dtype=full_precision, device=self.device) if self.mixed else u.shard
+
+    def _alone(self) -> bool:
+        return self.world == 1 and self.shard_is_full_alone
 
     def _take_values(self, unit: FlatUnit, i: int, value: torch.Tensor) -> None:
         flat = value.detach().reshape(-1)
@@ -93,6 +104,8 @@ class Zero3(Zero2):
 
     def _param_views(self, u: FlatUnit) -> list[torch.Tensor]:
         """Views need storage to exist while they are made; it is freed again right after."""
+        if self._alone():  # the shard's own storage
+            return u.views(u.full)
         u.full.untyped_storage().resize_(u.full_nbytes())
         views = u.views(u.full)
         u.full.untyped_storage().resize_(0)
@@ -104,7 +117,9 @@ class Zero3(Zero2):
         self.reducer = StreamingShardReducer(self.units, self.group, in_order=False, **kwargs)
         # not self.lockstep: Strategy's (whether every rank steps together), which this shadowed
         self.lockstep_check = LockstepCheck(self.name, self.cfg.parallel.timeout_s)
-        self.gatherer = ParameterGatherer(self.units, model, self.group, self.reducer, self.lockstep_check)
+        self.gatherer = ParameterGatherer(
+            self.units, model, self.group, self.reducer, self.lockstep_check, always_gathered=self._alone()
+        )
         # the model's state_dict call under way, and its gathers; the ShardedParams, once the model is the user's
         self.state_call, self.gathered_for = None, dict[nn.Module, list[FlatUnit]]()
         self.sharded, self.params_pinned = dict[int, ShardedParam](), False
@@ -248,7 +263,7 @@ class Zero3(Zero2):
 
     def _gather_for(self, module, units) -> None:
         """Gather the module's units not gathered yet (an enclosing module's call may hold them)."""
-        free = [u for u in units if u.state == "free"]
+        free = [u for u in units if u.state == "free" or self.gatherer.always_gathered]
         for u in free:
             self.gatherer.unshard(u)
         self.gathered_for[module] = free
