@@ -24,24 +24,8 @@ def test_bench_cp_prints_its_table_at_world_2(tmp_path):
 
 def test_bench_ep_prints_its_table_at_world_2(tmp_path):
     out = tmp_path / "ep.json"
-    proc = check_ok(
-        run_cli(
-            "bench",
-            "ep",
-            "--nproc",
-            "2",
-            "--seq",
-            "16",
-            "--batch",
-            "2",
-            "--experts",
-            "4",
-            *TINY,
-            "--json",
-            str(out),
-            timeout=120,
-        )
-    )
+    ep = ["--seq", "16", "--batch", "2", "--experts", "4", *TINY, "--json", str(out)]
+    proc = check_ok(run_cli("bench", "ep", "--nproc", "2", *ep, timeout=120))
     for contender in ("paratrain dp, ep 2", "plain all-to-all MoE, ep 2", "paratrain dp, ep 1 (replicated)"):
         assert contender in proc.stdout
     result = json.loads(out.read_text())
