@@ -4,7 +4,10 @@ agree on their first losses, and cp's activation memory per rank falls with the 
 
 import json
 
+import pytest
 from helpers import check_ok, run_cli
+
+from paratrain.cli import main
 
 TINY = ["--d-model", "16", "--layers", "1", "--heads", "2", "--steps", "1", "--rounds", "2", "--warmup", "2"]
 
@@ -31,3 +34,18 @@ def test_bench_ep_prints_its_table_at_world_2(tmp_path):
     result = json.loads(out.read_text())
     assert result["max_loss_diff"] <= 1e-4, result["first_losses"]
     assert result["ep_step_ms"] > 0 and result["plain_step_ms"] > 0 and result["dense_step_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["cp", "--nproc", "3"], "--seq"),  # 6 chunks do not divide 1024 tokens
+        (["cp", "--heads", "3"], "--heads"),
+        (["ep", "--nproc", "3"], "--experts"),  # 3 ranks do not divide 8 experts
+        (["ep", "--top-k", "9"], "--top-k"),
+    ],
+)
+def test_a_layout_the_bench_cannot_split_exits_2_naming_the_option(capsys, args, option):
+    """Checked before any worker starts (a worker would fail with a traceback)."""
+    assert main(["bench", *args]) == 2
+    assert f"paratrain: error: {option}:" in capsys.readouterr().err
