@@ -20,6 +20,8 @@ BENCHMARKS = [
     "plan_megatron",
     "plan",
     "tax",
+    "context",
+    "experts",
 ]
 
 
