@@ -1,6 +1,7 @@
 """`paratrain bench cp` and `paratrain bench ep` at world 2 on a tiny gpt: each runs its contenders
 in interleaved rounds, prints its table and exits 0; the contenders that compute the same thing
-agree on their first losses, and cp's activation memory per rank falls with the ring's size."""
+agree on their first losses, cp's activation memory per rank falls with the ring's size, and the
+ring and an all-to-all over heads compute the same attention."""
 
 import json
 
@@ -23,6 +24,10 @@ def test_bench_cp_prints_its_table_at_world_2(tmp_path):
     assert result["max_loss_diff_vs_one_process"] <= 1e-4, result["first_losses"]
     memory = result["activation_bytes_per_rank"]
     assert memory["2"] < memory["1"], memory
+    # the ring against an all-to-all over heads, one attention alone: the same function, both timed
+    heads = result["attention_ring_vs_all_to_all_over_heads"]
+    assert heads["max_difference"] <= 1e-5 and heads["ring_ms"] > 0 and heads["all_to_all_ms"] > 0, heads
+    assert "is faster here" in proc.stdout
 
 
 def test_bench_ep_prints_its_table_at_world_2(tmp_path):

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from paratrain.bench.common import COUNT, add_json_option, add_round_options, register, relaunch, timed_steps
+from paratrain.bench.context_heads import compare
+from paratrain.bench.context_heads import report as heads_report
 from paratrain.errors import error
 from paratrain.runtime.machine import emit_json
 
@@ -162,9 +164,12 @@ def worker(argv=None) -> None:
     table = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(table, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     memory = activation_memory(args, rt, contenders, ring_batch)
+    # the ring against an all-to-all over heads, one attention layer alone (context_heads.py)
+    shape = (args.batch, args.heads, args.seq, args.d_model // args.heads)
+    heads = compare(*shape, args.steps, args.rounds) if args.heads % world == 0 else None
     if rt.is_main:
         med = {n: statistics.median(row) for n, row in zip(names, table.tolist())}
-        report(args, world, med, len(times["cp"]), first, reference, memory, peer_error)
+        report(args, world, med, len(times["cp"]), first, reference, memory, peer_error, heads)
     process.shutdown(together=True)
 
 
@@ -180,7 +185,7 @@ def activation_memory(args, rt, contenders, batch) -> dict[int, int]:
     return found
 
 
-def report(args, world, med, timed, first, reference, memory, peer_error) -> None:
+def report(args, world, med, timed, first, reference, memory, peer_error, heads) -> None:
     tokens = args.batch * args.seq
     rate = {"cp": tokens / med["cp"], "no_cp": world * tokens / med["no_cp"]}
     drift = max(abs(a - b) for a, b in zip(first["cp"], reference))
@@ -202,6 +207,7 @@ def report(args, world, med, timed, first, reference, memory, peer_error) -> Non
         "first_losses": {**first, "one_process": reference},
         "max_loss_diff_vs_one_process": drift,
         "activation_bytes_per_rank": {str(c): b for c, b in memory.items()},
+        "attention_ring_vs_all_to_all_over_heads": heads,
     }
     print(
         f"cp benchmark: gpt {args.layers} layers, d_model {args.d_model}, {args.heads} heads, "
@@ -227,6 +233,8 @@ def report(args, world, med, timed, first, reference, memory, peer_error) -> Non
     print(f"{'cp':>4}{'MiB':>10}{'vs cp 1':>10}")
     for cp, size in memory.items():
         print(f"{cp:>4}{size / 2**20:>10.2f}{size / memory[1]:>10.3f}")
+    if heads is not None:
+        print("\n".join(heads_report(heads, args.batch, args.heads, args.seq, args.d_model // args.heads, world)))
     emit_json(result, args.json)
 
 

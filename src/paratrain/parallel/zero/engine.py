@@ -12,9 +12,8 @@ One optimizer step, per stage (N ranks; "full" = every rank holds all of it):
   stage 2   params full | grads 1/N + in flight | backward: each bucket's gradients are copied into a
             short-lived flat buffer, reduce-scattered as soon as the bucket is complete (overlapped
             with the backward of the next bucket, at most one full bucket alive) and added into the
-            rank's gradient shard -> step -> all-gather params
-            (stages 1 and 2: the all-gathers start after the step and are waited for module by module
-            in the next forward, so they overlap it)
+            rank's gradient shard -> step -> all-gather params (stages 1 and 2: started after the
+            step, waited for module by module in the next forward, which they overlap)
   stage 3   params 1/N + gathered units | grads 1/N + in flight | one unit per module:
 
      forward:   pre-hook(m_i): gather m_i (wait for its prefetch), start gathering m_i+1 | run m_i |
@@ -342,8 +341,7 @@ class Zero(Strategy):
         return self.optimizer
 
     def _refuse_optimizer_state(self, *_):
-        """The optimizer holds this rank's pieces only: its state_dict would be a part keyed
-        like no optimizer of the user's model, silently wrong to resume from."""
+        """This rank's pieces only: keyed like no optimizer of the user's model, wrong to resume."""
         refuse(
             f"optimizer.state_dict() / load_state_dict() under {self.name}: the optimizer pt.setup returned holds "
             f"this rank's shard of the state; save and resume it with pt.save / pt.load (at any world size)"
@@ -466,15 +464,13 @@ class Zero(Strategy):
 
     def _before_load_state_dict(self, module, units, state: dict, prefix: str, direct) -> None:
         """Stages 1 and 2 load into the working parameters, of which the shard is a view, once the
-        all-gathers after a step are in (or they would overwrite what is loaded); under mixed
-        precision this rank's pieces of the given values go to the full-precision masters too,
-        as given (the working parameters get them rounded)."""
+        all-gathers after a step are in (or they would overwrite what is loaded)."""
         self._wait_gathers(units)
         self._load_masters(state, prefix, direct)
 
     def _load_masters(self, state: dict, prefix: str, direct) -> None:
-        """Under mixed precision, this rank's pieces of the module's own parameters as given into
-        the full-precision masters (`direct`: (name, unit, index) of each)."""
+        """Mixed precision: this rank's pieces of the module's own parameters (`direct`: (name,
+        unit, index) of each) into the masters as given (the working ones get them rounded)."""
         if self.mixed:
             for name, u, i in direct:
                 value = state.get(prefix + name)
