@@ -11,7 +11,8 @@ timed in alternating rounds of K steps, all at world 1 (a process group of one):
     dp, zero3       the strategies' train_step alone, compiled as train.compile compiles them
     plain           a nanoGPT-style loop: torch.compile(model), autocast, fused AdamW
     ddp             the plain loop's compiled model in torch's DistributedDataParallel
-    fsdp2           torch's fully_shard on each block and the model, the same blocks compiled
+    fsdp2           torch's fully_shard on each block and the model (bf16 param_dtype and reduce_dtype,
+                    as zero3's mixed precision), the same blocks compiled
 Each row: median step time, tokens/s, MFU (model FLOPs utilisation: nanoGPT's 6N + 12 L H Q T
 FLOPs per token against the GPU's dense bf16 peak; --peak-tflops for a GPU it does not know) and
 tokens/s against the plain loop's. --results DIR writes DIR/gpu-DATE.md: the machine, the command,
@@ -97,7 +98,7 @@ def torch_contenders(build, cfg, rt, batch) -> dict:
     `batch(name)`: that contender's next batch). Each a step function."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     from paratrain.models.compiled import compile_blocks
@@ -123,9 +124,12 @@ def torch_contenders(build, cfg, rt, batch) -> dict:
     ddp_model = DistributedDataParallel(torch.compile(ddp), device_ids=[dev.index] if dev.type == "cuda" else None)
     fsdp = build().to(dev)
     mesh = init_device_mesh(dev.type, (1,))
+    # bf16 parameters gathered and bf16 gradients reduced, float32 sharded parameters stepped: what
+    # paratrain's zero3 does under train.precision = "bf16" (zero/engine.py)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     for block in fsdp.blocks:  # a unit per block, as FSDP2's own recipe for transformers
-        fully_shard(block, mesh=mesh)
-    fully_shard(fsdp, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=bf16)
+    fully_shard(fsdp, mesh=mesh, mp_policy=bf16)
     compile_blocks(fsdp)  # the blocks train.compile compiles; FSDP2's hooks run around them
     return {
         "plain": loop("plain", torch.compile(plain), plain.parameters()),
