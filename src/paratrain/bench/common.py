@@ -146,3 +146,29 @@ def timed_steps(step_fn, n: int) -> list[float]:
         step_fn()
         times.append(time.perf_counter() - t0)
     return times
+
+
+# -- the long-sequence and MoE benchmarks' gpt (bench cp, bench ep) ------------------------------------
+GPT_VOCAB = 96  # the corpus's characters: the size of the built-in gpt's usual vocabulary
+
+
+def bench_gpt(args, **extra):
+    """The built-in gpt of `args` (--layers, --heads, --d-model, --seq) from the shared seed."""
+    import torch
+
+    from paratrain.models.gpt import gpt
+
+    torch.manual_seed(0)
+    return gpt(GPT_VOCAB, n_layer=args.layers, n_head=args.heads, d_model=args.d_model, block_size=args.seq, **extra)
+
+
+def gpt_dp_engine(model, rt, batch_size: int, lr: float, parallel: dict):
+    """paratrain dp over the world on `model` (SGD at `lr`), with the [parallel] keys given."""
+    from paratrain import config as config_mod
+    from paratrain.optim import cross_entropy
+    from paratrain.parallel.dp.engine import DataParallel
+
+    cfg = config_mod.from_dict(
+        {"data": {"batch_size": batch_size}, "train": {"optimizer": "sgd", "lr": lr}, "parallel": parallel}
+    )
+    return DataParallel(model, cross_entropy, cfg, rt)

@@ -17,13 +17,23 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from paratrain.bench.common import COUNT, add_json_option, add_round_options, register, relaunch, timed_steps
+from paratrain.bench.common import (
+    COUNT,
+    GPT_VOCAB,
+    add_json_option,
+    add_round_options,
+    bench_gpt,
+    gpt_dp_engine,
+    register,
+    relaunch,
+    timed_steps,
+)
 from paratrain.bench.context_heads import compare
 from paratrain.bench.context_heads import report as heads_report
 from paratrain.errors import error
 from paratrain.runtime.machine import emit_json
 
-VOCAB = 96  # the corpus's characters: the size of the built-in gpt's usual vocabulary
+VOCAB = GPT_VOCAB
 
 
 def add_parser(which) -> None:
@@ -57,26 +67,12 @@ def run(args) -> int:
 
 
 def build(args):
-    from paratrain.models.gpt import gpt
-
-    torch.manual_seed(0)
-    return gpt(VOCAB, n_layer=args.layers, n_head=args.heads, d_model=args.d_model, block_size=args.seq)
+    return bench_gpt(args)
 
 
 def engine(args, rt, cp: int):
     """paratrain dp over the world with sequences split over rings of `cp` ranks."""
-    from paratrain import config as config_mod
-    from paratrain.optim import cross_entropy
-    from paratrain.parallel.dp.engine import DataParallel
-
-    cfg = config_mod.from_dict(
-        {
-            "data": {"batch_size": args.batch * rt.world_size // cp},
-            "train": {"optimizer": "sgd", "lr": 0.1},
-            "parallel": {"cp": cp},
-        }
-    )
-    return DataParallel(build(args), cross_entropy, cfg, rt)
+    return gpt_dp_engine(build(args), rt, args.batch * rt.world_size // cp, 0.1, {"cp": cp})
 
 
 def sequences(args, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

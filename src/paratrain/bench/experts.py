@@ -19,14 +19,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.bench.common import COUNT, add_json_option, add_round_options, register, relaunch, timed_steps
+from paratrain.bench.common import (
+    COUNT,
+    GPT_VOCAB,
+    add_json_option,
+    add_round_options,
+    bench_gpt,
+    gpt_dp_engine,
+    register,
+    relaunch,
+    timed_steps,
+)
 from paratrain.errors import error
 from paratrain.runtime.machine import emit_json
 
 if TYPE_CHECKING:
     from paratrain.models.moe import MixtureOfExperts
 
-VOCAB = 96  # the corpus's characters: the size of the built-in gpt's usual vocabulary
+VOCAB = GPT_VOCAB
 LR = 0.1
 
 
@@ -60,36 +70,13 @@ def run(args) -> int:
 
 
 def build(args):
-    from paratrain.models.gpt import gpt
-
-    torch.manual_seed(0)
     # no load-balancing loss: the plain MoE below has none, and the contenders must compute the same
-    return gpt(
-        VOCAB,
-        n_layer=args.layers,
-        n_head=args.heads,
-        d_model=args.d_model,
-        block_size=args.seq,
-        n_experts=args.experts,
-        top_k=args.top_k,
-        moe_aux_loss=0.0,
-    )
+    return bench_gpt(args, n_experts=args.experts, top_k=args.top_k, moe_aux_loss=0.0)
 
 
 def engine(args, rt, ep: int):
     """paratrain dp over the world, each MoE layer's experts split over groups of `ep` ranks."""
-    from paratrain import config as config_mod
-    from paratrain.optim import cross_entropy
-    from paratrain.parallel.dp.engine import DataParallel
-
-    cfg = config_mod.from_dict(
-        {
-            "data": {"batch_size": args.batch * rt.world_size},
-            "train": {"optimizer": "sgd", "lr": LR},
-            "parallel": {"ep": ep},
-        }
-    )
-    return DataParallel(build(args), cross_entropy, cfg, rt)
+    return gpt_dp_engine(build(args), rt, args.batch * rt.world_size, LR, {"ep": ep})
 
 
 class Exchange(torch.autograd.Function):
