@@ -84,3 +84,12 @@ def test_the_planner_times_compiled_layers(tmp_path):
     measured = layer_times.layer_times(cfg, 2, 1, forward_flops=0)
     assert len(measured) == 4 and all(t.forward_s > 0 and t.backward_s > 0 for t in measured)  # embed, 2 blocks, head
     assert counters["stats"]["unique_graphs"] > 0
+
+
+def test_dp_alone_compiles_the_whole_model_and_equals_eager(tmp_path, gang, gpt_reference):  # noqa: F811
+    """At world 1 dp runs nothing between blocks (no gradient bucket to start): the whole model is
+    one compiled region, its forward one graph call a step, trained equal to eager."""
+    cfg = write_config(tmp_path / "gpt.toml", GPT)
+    out = gang(1).train(cfg, tmp_path / "dp", ["train.compile=true"], timeout=600)
+    check_equal(tmp_path, "dp", gpt_reference)
+    assert int(out.split("torch.compile: ")[1].split()[0]) == 1, out  # one graph: the whole model

@@ -22,7 +22,8 @@ while it builds, which compiled code cannot take), so that:
     per code object), and a model's graphs go when it does.
 The blocks: a model's pipeline_layers() (the built-in gpt: embedding, each transformer block,
 head) or an nn.Sequential's children, those that hold parameters; else the elements of its
-ModuleLists; else the whole model.
+ModuleLists; else the whole model. Where the strategy runs nothing between blocks (dp at world 1:
+no gradient bucket to start), the whole model is one region, one graph.
 """
 
 from __future__ import annotations
@@ -81,13 +82,20 @@ def _own_frame(forward, codes: dict):
     return call
 
 
-def compile_blocks(model: nn.Module) -> int:
-    """Compile each block's forward in place (lazily: the first call traces it); how many regions."""
+def compile_blocks(model: nn.Module, whole: bool = False) -> int:
+    """Compile each block's forward in place (lazily: the first call traces it); how many regions.
+    `whole` (a strategy with nothing to run between blocks: dp alone): the whole model as one
+    region instead, where no module inside it carries forward hooks: one graph call and one set
+    of guards a step instead of one per block (on a GPU, host time: issue 43 measured about 7 ms a
+    step of GPT-2 small by blocks)."""
     from torch._dynamo.utils import counters
 
     # report_graph_breaks counts from here: the graphs and breaks of this model's first step
     counters.clear()
-    regions = [r for block in blocks_of(model) for r in compiled_regions(block)]
+    if whole and not any(_hooked(m) for m in model.modules() if m is not model):
+        regions = [model]
+    else:
+        regions = [r for block in blocks_of(model) for r in compiled_regions(block)]
     codes: dict = {}
     for region in regions:
         region.forward = torch.compile(_own_frame(region.forward, codes))

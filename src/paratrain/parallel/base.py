@@ -28,6 +28,9 @@ Hooks with defaults that fit strategies whose ranks run in lockstep (override wh
                       whose ranks do not run in lockstep returns the total on rank 0 itself;
     step_metrics()    extra entries for metrics.jsonl, called on every rank at each logged step
                       (rank 0's dict is logged; default: none);
+    compiles_whole    False (default): train.compile compiles the model block by block, the
+                      strategy's hooks between blocks; True where nothing runs between them (dp
+                      alone): the whole model as one graph (models/compiled.py);
     collective_forward
                       False (default); True where a forward meets the other dp ranks (zero3 gathers
                       parameters): then every dp rank evaluates the same number of chunks, some empty;
@@ -80,6 +83,7 @@ class Strategy:
     name = "base"
     profiler: NullProfiler | Profiler = NULL_PROFILER
     collective_forward = False
+    compiles_whole = False
     run_dir: Path | None = None
 
     def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):

@@ -70,7 +70,7 @@ def build_for_training(model, loss_fn, cfg: Config, rt) -> Strategy:
     if cfg.train.compile:
         from paratrain.models.compiled import compile_blocks
 
-        compile_blocks(model)
+        compile_blocks(model, whole=strategy.compiles_whole)
     return strategy
 
 

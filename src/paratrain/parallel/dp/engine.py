@@ -242,11 +242,14 @@ class DataParallel(Strategy):
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
         codec = build_codec(cfg.parallel, seed=cfg.train.seed)
+        alone = dist.get_world_size(group) == 1
         self.reducer = (
-            GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group, codec)
-            if dist.get_world_size(group) > 1
-            else LoneReducer(self.params, rt.device, codec)
+            LoneReducer(self.params, rt.device, codec)
+            if alone
+            else GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group, codec)
         )
+        # alone, no gradient hook waits for its bucket: backward may be one compiled graph
+        self.compiles_whole = alone
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.params, cfg.train)
 
     @property
