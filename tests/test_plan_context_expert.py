@@ -56,3 +56,21 @@ def test_search_proposes_context_and_expert_parallelism(config):
     moe = ["data.batch_size=4", "model.d_model=64", "model.n_experts=4"]
     tried = {(x["parallel"]["cp"], x["parallel"]["ep"]) for x in search(str(config), moe, cluster, 200)}
     assert {(1, 1), (1, 2), (1, 4), (2, 2), (4, 4)} <= tried, tried
+
+
+def test_plan_divides_expert_weights_by_ep(config):
+    """dp with ep 2 keeps half the experts on each rank: its parameter, gradient and (adamw)
+    optimizer bytes lose half the experts' bytes; the experts average over no rank at world 2."""
+    import torch
+
+    from paratrain.models.gpt import gpt
+
+    moe = ["data.batch_size=2", "model.n_experts=4", "train.optimizer='adamw'"]
+    whole, split = plan_of(config, 2, *moe)["ranks"][0], plan_of(config, 2, *moe, "parallel.ep=2")["ranks"][0]
+    with torch.device("meta"):
+        model = gpt(96, n_layer=2, n_head=2, d_model=64, block_size=LONG, n_experts=4)
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    assert whole["param_bytes"] - split["param_bytes"] == experts // 2
+    assert whole["grad_bytes"] - split["grad_bytes"] == experts // 2
+    assert whole["optimizer_bytes"] - split["optimizer_bytes"] == experts  # two moments
+    assert whole["comm"]["all_reduce"]["payload"] - split["comm"]["all_reduce"]["payload"] == experts

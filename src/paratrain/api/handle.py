@@ -104,7 +104,9 @@ class Paratrain:
         if self.world_size > 1:  # every rank starts from rank 0's weights, as one process would
             broadcast_tensors(list(model.parameters()) + list(model.buffers()))
         try:
-            self.strategy = registry.build_for_training(model, loss or build_loss(self.cfg), self.cfg, self.rt)
+            self.strategy = registry.build_for_training(
+                model, loss or build_loss(self.cfg), self.cfg, self.rt, own_loop=True
+            )
         except ConfigError as exc:  # what the model cannot take (a tp plan), on every rank alike
             error(f"{exc}")
             raise SystemExit(2) from None

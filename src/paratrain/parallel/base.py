@@ -85,6 +85,7 @@ class Strategy:
     collective_forward = False
     compiles_whole = False
     run_dir: Path | None = None
+    splits_expert_weights = False  # parallel.ep keeps each expert on its ranks alone (dp: own_loop=)
 
     def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):
         self.model = model

@@ -45,12 +45,16 @@ def strategy_class(name: str) -> type[Strategy]:
     return spec(name).engine()
 
 
-def build_strategy(model, loss_fn, cfg: Config, rt) -> Strategy:
-    """The config's strategy over `model` on this process group."""
-    return strategy_class(cfg.parallel.strategy)(model, loss_fn, cfg, rt)
+def build_strategy(model, loss_fn, cfg: Config, rt, own_loop: bool = False) -> Strategy:
+    """The config's strategy over `model` on this process group (`own_loop`: for the Python API's,
+    where the user's model and optimizer keep every parameter: dp keeps every expert on every rank)."""
+    cls = strategy_class(cfg.parallel.strategy)
+    if own_loop and cls.splits_expert_weights:
+        return cls(model, loss_fn, cfg, rt, own_loop=True)  # type: ignore[call-arg]  # dp's engine takes it
+    return cls(model, loss_fn, cfg, rt)
 
 
-def build_for_training(model, loss_fn, cfg: Config, rt) -> Strategy:
+def build_for_training(model, loss_fn, cfg: Config, rt, own_loop: bool = False) -> Strategy:
     """The strategy as `paratrain run` and the Python API train with it: built, its blocks compiled
     under train.compile (as the strategy placed, sharded and cut them: models/compiled.py), and a
     note where train.precision = bf16 runs on a CPU that emulates it."""
@@ -59,7 +63,7 @@ def build_for_training(model, loss_fn, cfg: Config, rt) -> Strategy:
 
         policy = process.give_freed_memory_back if spec(cfg.parallel.strategy).gives_freed_memory_back else None
         (policy or process.keep_freed_memory)()
-    strategy = build_strategy(model, loss_fn, cfg, rt)
+    strategy = build_strategy(model, loss_fn, cfg, rt, own_loop)
     if cfg.train.precision == "bf16" and rt.device.type == "cpu" and rt.is_main:
         from paratrain.runtime.machine import cpu_multiplies_bf16_natively
 

@@ -32,6 +32,7 @@ from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, un
 from paratrain.parallel.codecs.base import Codec
 from paratrain.parallel.codecs.basic import Uncompressed, build_codec
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
+from paratrain.parallel.expert.weights import keep_local_experts
 from paratrain.profile import NULL_PROFILER
 
 
@@ -230,27 +231,47 @@ class LoneReducer:
 
 class DataParallel(Strategy):
     name = "dp"
+    splits_expert_weights = True
 
-    def __init__(self, model, loss_fn, cfg, rt, group=None):
+    def __init__(self, model, loss_fn, cfg, rt, group=None, own_loop: bool = False):
+        """`own_loop`: the Python API's, whose user holds the model and an optimizer over all of its
+        parameters: every rank keeps every expert there."""
         super().__init__(model.to(rt.device), loss_fn, cfg, rt)
         self.group = group
         src = 0 if group is None else dist.get_global_rank(group, 0)  # the group's first rank
         broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=src, group=group)
         self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
         self.split_sequences_and_experts(model)
+        codec = build_codec(cfg.parallel, seed=cfg.train.seed)
+        self.local_experts = None  # parallel.ep: the experts' weights this rank keeps (expert/weights.py)
+        if self.experts is not None and group is None and not own_loop and type(codec) is Uncompressed:
+            self.local_experts = keep_local_experts(model, self.experts.mesh)
         named = unique_parameters(model)
         self.param_names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        codec = build_codec(cfg.parallel, seed=cfg.train.seed)
-        alone = dist.get_world_size(group) == 1
-        self.reducer = (
-            LoneReducer(self.params, rt.device, codec)
-            if alone
-            else GradientReducer(self.params, cfg.parallel.bucket_mb, rt.device, group, codec)
-        )
+        self.reducer = self._reducer(named, codec)
         # alone, no gradient hook waits for its bucket: backward may be one compiled graph
-        self.compiles_whole = alone
+        self.compiles_whole = dist.get_world_size(group) == 1
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.params, cfg.train)
+
+    def _reducer(self, named: list[tuple[str, nn.Parameter]], codec):
+        cfg, device = self.cfg, self.rt.device
+        if self.local_experts is not None:
+            from paratrain.parallel.dp.experts import SplitExpertsReducer
+
+            mesh, kept = self.experts.mesh, self.local_experts.kept
+            dense = GradientReducer([p for n, p in named if n not in kept], cfg.parallel.bucket_mb, device, None, codec)
+            experts = [p for n, p in named if n in kept]
+            return SplitExpertsReducer(
+                dense,
+                GradientReducer(experts, cfg.parallel.bucket_mb, device, mesh.expert_replicas, Uncompressed())
+                if mesh.expert_replicas is not None
+                else LoneReducer(experts, device, Uncompressed()),
+                mesh,
+            )
+        if dist.get_world_size(self.group) > 1:
+            return GradientReducer(self.params, cfg.parallel.bucket_mb, device, self.group, codec)
+        return LoneReducer(self.params, device, codec)
 
     @property
     def profiler(self):
@@ -311,22 +332,41 @@ class DataParallel(Strategy):
         return self.grad_norm
 
     # -- state: every rank holds the same model and optimizer, so rank 0 writes them ----------
-    # (and each rank its own compression memory: error feedback differs per rank)
+    # (and each rank its own compression memory: error feedback differs per rank). With the
+    # experts split (parallel.ep), ranks 1..E-1 of the first ep group add their experts and those
+    # experts' optimizer state, every name the dense model's: together the dense model.
     def state_dict(self):
         codec = {f"compression.{k}": v for k, v in self.reducer.codec.state_dict().items()}
-        if self.rt.rank != 0:
+        keeps = self.local_experts
+        if self.rt.rank != 0 and (keeps is None or self.rt.rank >= keeps.mesh.ep):
             return codec, {}
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
-        tensors.update(codec)
         opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self._optimizer_names())
         tensors.update(opt_tensors)
-        return tensors, {"optimizer": opt_meta}
+        meta: dict = {"optimizer": opt_meta}
+        if keeps is not None and self.rt.rank == 0:
+            meta["expert_ranks"] = keeps.mesh.ep
+        elif keeps is not None:  # an expert rank: its experts alone (rank 0 wrote the rest)
+            tensors = {k: v for k, v in tensors.items() if k.split(".", 1)[1] in keeps.kept or _optim_of(k, keeps.kept)}
+        tensors.update(codec)
+        return tensors, meta
 
     def load_state_dict(self, reader) -> None:
         tensors, meta = reader.load(rank=0)
-        model_state = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+        scalars = dict(meta["optimizer"]["scalars"])
+        for rank in range(1, meta.get("expert_ranks", 1)):  # the other experts of a split (above)
+            theirs, their_meta = reader.load(rank=rank)
+            tensors.update({k: v for k, v in theirs.items() if not k.startswith("compression.")})
+            scalars.update(their_meta["optimizer"]["scalars"])
+        dropped = self.local_experts.dropped if self.local_experts is not None else set()
+        model_state = {
+            k[len("model.") :]: v
+            for k, v in tensors.items()
+            if k.startswith("model.") and k[len("model.") :] not in dropped
+        }
         ckpt.load_model_state(self.model, model_state)
-        ckpt.optimizer_from_tensors(self.optimizer, self._optimizer_names(), tensors, meta["optimizer"])
+        opt_meta = dict(meta["optimizer"], scalars=scalars)
+        ckpt.optimizer_from_tensors(self.optimizer, self._optimizer_names(), tensors, opt_meta)
         if reader.world_size == self.rt.world_size:  # at another world size the memory starts empty
             own = tensors if self.rt.rank == 0 else reader.load(rank=self.rt.rank)[0]
             self.reducer.codec.load_state_dict(
@@ -339,5 +379,17 @@ class DataParallel(Strategy):
         name_of = {id(p): n for n, p in zip(self.param_names, self.params)}
         return [name_of[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
 
+    def model_layout(self):
+        if self.local_experts is not None:
+            return dict(self.local_experts.layout)
+        return super().model_layout()
+
     def model_chunks(self):
+        if self.local_experts is not None:  # each expert from the rank keeping it
+            return self.local_experts.chunks()
         return whole_model_chunks(self.model) if self.rt.rank == 0 else iter(())
+
+
+def _optim_of(key: str, names: set[str]) -> bool:
+    """Whether `key` (optim.NAME.STATE) is the optimizer state of one of `names`."""
+    return key.startswith("optim.") and key[len("optim.") :].rsplit(".", 1)[0] in names

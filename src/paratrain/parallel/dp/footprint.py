@@ -77,15 +77,29 @@ Planned = tuple[list[dict], list[str]]
 
 
 def data_parallel(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
-    params = [t for _, t in unique_parameters(model)]
-    total = nbytes(params)
+    named = unique_parameters(model)
+    params = [t for _, t in named]
+    dense, experts = split_experts(cfg, model, named)
+    kept = nbytes(dense) + nbytes(experts)  # the whole model, or its dense part and 1/E of the experts
     transient = whole_model_activations(cfg, ranks, rows)
     for r in ranks:
-        r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, total, total, optimizer_slots(cfg) * total
-        dp_codec(r, cfg, params, len(ranks))
+        r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, kept, kept, optimizer_slots(cfg) * kept
+        dp_codec(r, cfg, dense, len(ranks))
         r.peak_bytes = r.model_state_bytes + max(transient, cast_copies(cfg, params, len(ranks)))
-        dp_comm(r, cfg, params, len(ranks))
+        dp_comm(r, cfg, dense, len(ranks))
+        dp_comm(r, cfg, experts, len(ranks) // cfg.parallel.ep)  # over the ranks keeping the same experts
     return [], []
+
+
+def split_experts(cfg: Config, model: nn.Module, named) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """dp's parameters as parallel.ep keeps them (dp/engine.py): every dense one, and one ep rank's
+    experts (1/E of them, the same bytes on every rank); none apart where every rank keeps every
+    expert (ep 1, a compressing codec; a Hugging Face model's experts count as dense)."""
+    from paratrain.parallel.expert.weights import expert_owners
+
+    ep = cfg.parallel.ep
+    owners = expert_owners(model, ep) if ep > 1 and cfg.parallel.compression == "none" else {}
+    return [p for n, p in named if n not in owners], [p for n, p in named if owners.get(n) == 0]
 
 
 def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cluster) -> tuple[list[RankPlan], list]:

@@ -8,11 +8,16 @@ One layer's forward on rank e:
       (each rank the same)         (split sizes:      regrouped expert by expert, through them
                                     rows per rank)   <----all_to_all----  outputs, back in place
 
-Every rank keeps every expert's weights (so a checkpoint and final/ are the dense model's, and a
-resume works at any layout): the experts' compute and tokens are split, not yet their memory.
-Gradients stay exact with the data-parallel averaging over the world: an expert's gradient is
-non-zero only on the ranks that computed it, each the sum over the tokens of its ep group, and the
-world's mean of those sums is one process's gradient."""
+An expert's gradient is non-zero only on the ranks that computed it, each the sum over the tokens
+of its ep group; the world's mean of those sums is one process's gradient.
+
+Under dp (`paratrain run`) each rank keeps only its own experts' weights of the built-in gpt's
+layers (weights.py): expert memory (weights, gradients, optimizer state) divides by E, their
+gradients averaged over the ranks keeping the same experts with the world's divisor
+(dp/experts.py); checkpoints and final/ stay the dense model's, resumable at any ep. Every rank
+keeps every expert where the weights are not split yet, the world's mean then giving the same
+gradient: zero1-3, a compressing codec, the Python API's own loop, and Hugging Face experts
+modules (their 3-D stacks)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,91 @@
+"""parallel.ep under dp with the experts' weights split: each rank keeps (and steps) only its own
+experts, and training still equals one process: gradients averaged over the ranks keeping the same
+experts, the clipping norm counting each expert once, checkpoints and final/ the dense model's at
+any ep."""
+
+import torch
+import torch.nn.functional as F
+from helpers import final_weights, rel_error, write_config
+from reference import train_reference
+from test_context_expert import GPT, MOE, STEPS, check_equal, train, train_moe_reference
+
+from paratrain.data import load_batch
+from paratrain.data.datasets import corpus
+from paratrain.models.gpt import gpt
+
+EP2 = ["parallel.ep=2", *MOE]
+
+
+def expert_bytes(rt, config: str, overrides: list[str]) -> dict:
+    """A gang member's job: build the run's strategy, take one step, and count this rank's bytes of
+    expert and dense parameters and of optimizer state."""
+    from pathlib import Path
+    from tempfile import mkdtemp
+
+    from paratrain import preflight, trainer
+
+    cfg = preflight.load(config, overrides)
+    cfg.train.device = rt.device.type
+    strategy = trainer.Trainer(cfg, Path(mkdtemp()), rt).strategy
+    named = list(strategy.model.named_parameters())
+    counts = {"experts": 0, "dense": 0, "optimizer": 0}
+    for name, p in named:
+        counts["experts" if ".experts." in name else "dense"] += p.numel() * p.element_size()
+    x = torch.randint(0, 64, (4, 16))
+    strategy.train_step((x, x))
+    for state in strategy.optimizer.state.values():
+        counts["optimizer"] += sum(
+            t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t) and t.dim()
+        )  # not adamw's step count
+    return counts
+
+
+def test_each_rank_keeps_its_own_experts_alone(tmp_path, gang):
+    """ep 2 at world 2 (adamw): a rank's expert parameters and their optimizer state are half of
+    ep 1's; the dense parameters are whole on each."""
+    cfg = str(write_config(tmp_path / "gpt.toml", GPT))
+    sets = [*MOE, "train.optimizer='adamw'"]
+    whole = gang(2).run("test_expert_weights:expert_bytes", config=cfg, overrides=sets)
+    split = gang(2).run("test_expert_weights:expert_bytes", config=cfg, overrides=[*sets, "parallel.ep=2"])
+    for one, half in zip(whole, split):
+        assert half["experts"] * 2 == one["experts"] > 0
+        assert half["dense"] == one["dense"]
+        assert one["optimizer"] - half["optimizer"] == 2 * half["experts"]  # adamw's two moments
+
+
+def test_clipping_with_experts_split_equals_one_process(tmp_path, gang):
+    """A clip that binds every step: the global norm counts each expert once (its ep group's
+    ranks keep different experts, each rank of an expert's replicas the same gradient)."""
+    train(gang, tmp_path, "clip", 2, *EP2, "train.clip_grad_norm=0.05")
+    data = corpus("train", block_size=16, max_chars=20000)
+    x, y = load_batch(data, torch.arange(STEPS * 8) % len(data))
+    torch.manual_seed(0)
+    model = gpt(
+        data.vocab_size, n_layer=2, n_head=2, d_model=16, block_size=16, n_experts=4, top_k=2, moe_aux_loss=0.05
+    )
+
+    def cross_entropy(out, y):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    from paratrain.models.moe import with_auxiliary_losses
+
+    weights = train_reference(
+        model, x, y, steps=STEPS, batch_size=8, lr=0.1, clip=0.05, loss_fn=with_auxiliary_losses(cross_entropy, model)
+    )
+    assert rel_error(final_weights(tmp_path / "clip"), weights) <= 1e-4
+
+
+def test_checkpoints_resume_across_ep(tmp_path, gang):
+    """A checkpoint written at ep 2 (each expert by the rank keeping it) resumes alone at ep 1, and
+    that run's checkpoint resumes at ep 2: every final/ equals one process's, keyed as the model."""
+    reference = train_moe_reference(0.05)
+    cfg = write_config(tmp_path / "gpt.toml", GPT)
+    every = ["checkpoint.every=4", *MOE]
+    gang(2).train(cfg, tmp_path / "ep2", [*every, "parallel.ep=2"])
+    gang(1).train(cfg, tmp_path / "ep1", every, resume=str(tmp_path / "ep2" / "checkpoints" / "step-4"))
+    gang(2).train(
+        cfg, tmp_path / "back", [*every, "parallel.ep=2"], resume=str(tmp_path / "ep1" / "checkpoints" / "step-8")
+    )
+    for name in ("ep2", "ep1", "back"):
+        assert final_weights(tmp_path / name).keys() == reference[0].keys()
+        check_equal(tmp_path, name, reference)
