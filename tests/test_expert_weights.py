@@ -55,8 +55,11 @@ def test_each_rank_keeps_its_own_experts_alone(tmp_path, gang):
 
 def test_clipping_with_experts_split_equals_one_process(tmp_path, gang):
     """A clip that binds every step: the global norm counts each expert once (its ep group's
-    ranks keep different experts, each rank of an expert's replicas the same gradient)."""
+    ranks keep different experts, each of an expert's keepers the same gradient), at world 2 (each
+    expert kept by one rank) and world 4 (by two, its gradient averaged over them)."""
     train(gang, tmp_path, "clip", 2, *EP2, "train.clip_grad_norm=0.05")
+    # world 4: each expert kept by 2 ranks, its gradients averaged over them
+    train(gang, tmp_path, "clip4", 4, *EP2, "train.clip_grad_norm=0.05")
     data = corpus("train", block_size=16, max_chars=20000)
     x, y = load_batch(data, torch.arange(STEPS * 8) % len(data))
     torch.manual_seed(0)
@@ -73,6 +76,7 @@ def test_clipping_with_experts_split_equals_one_process(tmp_path, gang):
         model, x, y, steps=STEPS, batch_size=8, lr=0.1, clip=0.05, loss_fn=with_auxiliary_losses(cross_entropy, model)
     )
     assert rel_error(final_weights(tmp_path / "clip"), weights) <= 1e-4
+    assert rel_error(final_weights(tmp_path / "clip4"), weights) <= 1e-4
 
 
 def test_checkpoints_resume_across_ep(tmp_path, gang):
