@@ -76,3 +76,22 @@ def test_bad_hf_expert_layouts_exit_2_naming_parallel_ep(tmp_path, capsys, text,
     code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *args])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "parallel.ep" in lines[0], lines
+
+
+def test_mixtral_ranks_keep_their_expert_slices_and_resume_at_ep_1(tmp_path, gang):
+    """ep 2 under dp: each rank keeps half of each experts stack (its weights and optimizer state
+    half of ep 1's); a checkpoint written at ep 2 (the stacks whole on rank 0) resumes alone at
+    ep 1, equal to the run that went on at ep 2."""
+    cfg = write_config(tmp_path / "c.toml", MIXTRAL)
+    adamw = ["train.optimizer='adamw'", "train.lr=0.003"]
+    whole = gang(2).run("test_expert_weights:expert_bytes", config=str(cfg), overrides=adamw)
+    split = gang(2).run("test_expert_weights:expert_bytes", config=str(cfg), overrides=[*adamw, *EP2])
+    for one, half in zip(whole, split):
+        assert half["experts"] * 2 == one["experts"] > 0 and half["dense"] == one["dense"]
+        assert one["optimizer"] - half["optimizer"] == 2 * half["experts"]
+    every = [*adamw, "checkpoint.every=4"]
+    gang(2).train(cfg, tmp_path / "ep2", [*every, *EP2])
+    gang(1).train(cfg, tmp_path / "ep1", every, resume=str(tmp_path / "ep2" / "checkpoints" / "step-4"))
+    went_on, resumed = final_weights(tmp_path / "ep2"), final_weights(tmp_path / "ep1")
+    assert went_on.keys() == resumed.keys() == built(MIXTRAL).state_dict().keys()
+    assert max_rel_error(went_on, resumed) <= 1e-4

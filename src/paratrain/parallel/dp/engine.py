@@ -344,6 +344,8 @@ class DataParallel(Strategy):
         opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self._optimizer_names())
         tensors.update(opt_tensors)
         meta: dict = {"optimizer": opt_meta}
+        if keeps is not None:  # a Hugging Face model's stacks whole on rank 0
+            tensors = keeps.gather_stacks(tensors)
         if keeps is not None and self.rt.rank == 0:
             meta["expert_ranks"] = keeps.mesh.ep
         elif keeps is not None:  # an expert rank: its experts alone (rank 0 wrote the rest)
@@ -359,6 +361,8 @@ class DataParallel(Strategy):
             tensors.update({k: v for k, v in theirs.items() if not k.startswith("compression.")})
             scalars.update(their_meta["optimizer"]["scalars"])
         dropped = self.local_experts.dropped if self.local_experts is not None else set()
+        if self.local_experts is not None:  # a Hugging Face model's whole stacks: this rank's slices
+            tensors = self.local_experts.local_slices(tensors)
         model_state = {
             k[len("model.") :]: v
             for k, v in tensors.items()

@@ -51,7 +51,7 @@ class SplitExpertsReducer:
     def finish(self) -> torch.Tensor:
         dense = self.dense.finish()
         experts = self.experts.finish() / self.mesh.ep
-        self.experts.scale_(torch.tensor(1.0 / self.mesh.ep))  # the keepers' mean / E: the world's mean (above)
+        self.experts.scale_(dense.new_tensor(1.0 / self.mesh.ep))  # the keepers' mean / E: the world's mean (above)
         squares = (experts * experts).reshape(1).to(torch.float32)
         collectives.all_reduce(squares, "expert-grad-norm", group=self.mesh.ep_group)
         return torch.sqrt(dense.to(torch.float32) ** 2 + squares[0]).to(dense.dtype)

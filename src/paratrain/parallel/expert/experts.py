@@ -11,13 +11,12 @@ One layer's forward on rank e:
 An expert's gradient is non-zero only on the ranks that computed it, each the sum over the tokens
 of its ep group; the world's mean of those sums is one process's gradient.
 
-Under dp (`paratrain run`) each rank keeps only its own experts' weights of the built-in gpt's
-layers (weights.py): expert memory (weights, gradients, optimizer state) divides by E, their
-gradients averaged over the ranks keeping the same experts with the world's divisor
-(dp/experts.py); checkpoints and final/ stay the dense model's, resumable at any ep. Every rank
-keeps every expert where the weights are not split yet, the world's mean then giving the same
-gradient: zero1-3, a compressing codec, the Python API's own loop, and Hugging Face experts
-modules (their 3-D stacks)."""
+Under dp (`paratrain run`) each rank keeps only its own experts' weights (weights.py: the gpt's
+experts, a Hugging Face experts module's slices of its stacks): expert memory (weights, gradients,
+optimizer state) divides by E, their gradients averaged over the ranks keeping the same experts
+with the world's divisor (dp/experts.py); checkpoints and final/ stay the dense model's, resumable
+at any ep. Every rank keeps every expert where the weights are not split yet, the world's mean
+then giving the same gradient: zero1-3, a compressing codec, the Python API's own loop."""
 
 from __future__ import annotations
 

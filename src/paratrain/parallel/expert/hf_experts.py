@@ -53,7 +53,9 @@ def _routed_forward(
     k = top_k_index.shape[-1]
     slots = top_k_index.reshape(-1)  # token i's k choices at slots i*k .. i*k+k-1
     order = slots.argsort(stable=True)  # routing slots grouped by expert
-    counts = torch.bincount(slots, minlength=cast(int, module.num_experts))  # an int: _is_routed_experts
+    # every expert of the layer (the module's own num_experts is its slice's where dp keeps it alone)
+    total = getattr(module, "paratrain_all_experts", module.num_experts)
+    counts = torch.bincount(slots, minlength=cast(int, total))  # an int: _is_routed_experts
     token = order // k
     out = exchange(hidden_states[token], counts, partial(_run_local_experts, module))
     weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
@@ -63,6 +65,8 @@ def _routed_forward(
 def _run_local_experts(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor, first: int) -> torch.Tensor:
     """`rows` cut by `counts` (experts first, first+1, ...), each through its expert by the module's
     own forward: one routing slot per row, weight 1."""
+    if hasattr(module, "paratrain_all_experts"):  # the module keeps these experts alone, from 0 (weights.py)
+        first = 0
     expert = first + torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts)
     ones = rows.new_ones(len(rows), 1)
     return type(module).forward(module, rows, expert.unsqueeze(1), ones)

@@ -12,7 +12,10 @@ The dense model stays what a user sees of the run: `layout` is the model's state
 for the export, and a checkpoint's ranks 0..E-1 (the first ep group) each write their own experts
 (dp/engine.py): together the dense model, which a run at any ep reads whole and keeps its part of.
 
-Hugging Face experts modules (3-D stacks, hf_experts.py) keep every expert on every rank for now."""
+    a Hugging Face experts module   3-D stacks, experts first (hf_experts.py)
+    rank e keeps                    the slice [e*n/E, (e+1)*n/E) of each, the module's num_experts
+                                    its slice's; the export and a checkpoint get the stacks whole
+                                    on rank 0 (each rank's slice sent there) and a resume cuts them"""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from torch import nn
 
 from paratrain.comm.grid import DataMesh
 from paratrain.parallel.expert.experts import expert_layers
+from paratrain.parallel.expert.hf_experts import hf_experts
 
 
 class LocalExperts:
@@ -41,7 +45,8 @@ class LocalExperts:
             for index, expert in enumerate(experts):
                 if index // per_rank != mesh.ep_rank:
                     _drop_parameters(expert)
-        self.kept = {n for n, o in self.owner.items() if o == mesh.ep_rank}
+        self.stacks = _slice_stacks(model, mesh)  # a Hugging Face experts module's stacks: their full sizes
+        self.kept = {n for n, o in self.owner.items() if o == mesh.ep_rank} | set(self.stacks)
         self.dropped = set(self.owner) - self.kept
 
     def chunks(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -54,7 +59,11 @@ class LocalExperts:
         state = self.model.state_dict()
         for name, (dtype, shape) in self.layout.items():
             owner = self.owner.get(name, 0)
-            if rank == 0 and owner == 0:
+            if name in self.stacks:  # each rank's slice, in ep-rank order
+                whole = self._gather(state[name])
+                if whole is not None:
+                    yield {name: whole}
+            elif rank == 0 and owner == 0:
                 yield {name: state[name]}
             elif rank == 0:
                 tensor = torch.empty(shape, dtype=dtype, device=_device(self.model))
@@ -62,6 +71,72 @@ class LocalExperts:
                 yield {name: tensor}
             elif owner == rank:
                 dist.send(state[name].contiguous(), dst=0)
+
+    def _gather(self, part: torch.Tensor) -> torch.Tensor | None:
+        """Collective over ranks 0..E-1: the stack whose slice `part` is on each, whole on rank 0."""
+        if dist.get_rank() != 0:
+            dist.send(part.contiguous(), dst=0)
+            return None
+        parts = [part] + [torch.empty_like(part) for _ in range(1, self.mesh.ep)]
+        for rank in range(1, self.mesh.ep):
+            dist.recv(parts[rank], src=rank)
+        return torch.cat(parts)
+
+    def _stack_of(self, key: str) -> str | None:
+        """The stack a checkpoint key (model.NAME, optim.NAME.STATE) belongs to, if any."""
+        name = key.split(".", 1)[1]
+        if key.startswith("optim."):
+            name = name.rsplit(".", 1)[0]
+        return name if name in self.stacks else None
+
+    def gather_stacks(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Collective over ranks 0..E-1 (a checkpoint's state_dict): the stacks' slices in `tensors`
+        (model.NAME and their optimizer state of the same shape) whole on rank 0, gone elsewhere;
+        the same keys on every rank (the same optimizer over the same names), sorted."""
+        out = dict(tensors)
+        for key in sorted(k for k in tensors if self._stack_of(k)):
+            part = tensors[key]
+            if part.dim() == 0:  # a count (adamw's step), the same on every rank
+                continue
+            whole = self._gather(part)
+            if whole is None:
+                del out[key]
+            else:
+                out[key] = whole
+        return out
+
+    def local_slices(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A checkpoint's whole stacks (and their optimizer state) cut to this rank's slice."""
+        out = dict(tensors)
+        for key, tensor in tensors.items():
+            name = self._stack_of(key)
+            if name is not None and tensor.dim() and tensor.shape[0] == self.stacks[name]:
+                per_rank = self.stacks[name] // self.mesh.ep
+                out[key] = tensor[self.mesh.ep_rank * per_rank : (self.mesh.ep_rank + 1) * per_rank]
+        return out
+
+
+def _slice_stacks(model: nn.Module, mesh: DataMesh) -> dict[str, int]:
+    """Each Hugging Face experts module (hf_experts.py) keeps its slice of every 3-D stack (experts
+    first): it computes experts e*n/E .. under their local indices, its `num_experts` the slice's
+    (as the experts implementations index and count them); `paratrain_all_experts` keeps n for
+    the routing. Returns each stack's name: n."""
+    stacks = {}
+    modules = set(hf_experts(model))
+    for prefix, module in model.named_modules():
+        if module not in modules:
+            continue
+        total = cast(int, module.num_experts)  # an int: hf_experts' test
+        per_rank = total // mesh.ep
+        first = mesh.ep_rank * per_rank
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dim() and p.shape[0] == total:
+                kept = p.detach()[first : first + per_rank].clone()
+                setattr(module, name, nn.Parameter(kept, requires_grad=p.requires_grad))
+                stacks[f"{prefix}.{name}"] = total
+        module.paratrain_all_experts = total
+        module.num_experts = per_rank
+    return stacks
 
 
 def expert_owners(model: nn.Module, ep: int) -> dict[str, int]:
@@ -87,7 +162,6 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def keep_local_experts(model: nn.Module, mesh: DataMesh) -> LocalExperts | None:
-    """The model's experts split over the mesh's ep groups: None where the model has no built-in
-    gpt MoE layers (a Hugging Face model's experts stay whole on every rank)."""
-    return LocalExperts(model, mesh) if expert_layers(model) else None
+def keep_local_experts(model: nn.Module, mesh: DataMesh) -> LocalExperts:
+    """The model's experts (the gpt's, a Hugging Face model's stacks) split over the mesh's ep groups."""
+    return LocalExperts(model, mesh)
