@@ -53,6 +53,29 @@ def test_each_rank_keeps_its_own_experts_alone(tmp_path, gang):
         assert one["optimizer"] - half["optimizer"] == 2 * half["experts"]  # adamw's two moments
 
 
+def own_loop_state_keys(rt, config: str, overrides: list[str]) -> list[str]:
+    """A gang member's job: the strategy the Python API builds (own_loop), its model's state keys."""
+    from paratrain import preflight
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.optim import build_loss
+    from paratrain.parallel.registry import build_for_training
+
+    cfg = preflight.load(config, overrides)
+    cfg.train.device = rt.device.type
+    model = build_model(cfg, build_dataset(cfg, "train"))
+    return list(build_for_training(model, build_loss(cfg), cfg, rt, own_loop=True).model.state_dict())
+
+
+def test_the_python_api_keeps_every_expert(tmp_path, gang):
+    """The user's own loop holds the model and an optimizer over all of its parameters: under dp
+    with ep 2 every rank keeps every expert there, so model.state_dict() is the dense model's."""
+    cfg = str(write_config(tmp_path / "gpt.toml", GPT))
+    dense = gang(2).run("test_expert_weights:own_loop_state_keys", config=cfg, overrides=MOE)
+    split = gang(2).run("test_expert_weights:own_loop_state_keys", config=cfg, overrides=EP2)
+    assert split == dense and any(".experts.3." in k for k in dense[0])
+
+
 def test_clipping_with_experts_split_equals_one_process(tmp_path, gang):
     """A clip that binds every step: the global norm counts each expert once (its ep group's
     ranks keep different experts, each of an expert's keepers the same gradient), at world 2 (each
