@@ -74,3 +74,30 @@ def test_plan_divides_expert_weights_by_ep(config):
     assert whole["grad_bytes"] - split["grad_bytes"] == experts // 2
     assert whole["optimizer_bytes"] - split["optimizer_bytes"] == experts  # two moments
     assert whole["comm"]["all_reduce"]["payload"] - split["comm"]["all_reduce"]["payload"] == experts
+
+
+def test_plan_divides_a_mixtral_s_expert_stacks_by_ep(tmp_path):
+    """A Hugging Face experts module's stacks: dp with ep 2 keeps half of each on a rank."""
+    pytest.importorskip("transformers")
+    import torch
+    from test_hf_expert_parallel import MIXTRAL
+    from test_hf_models import built
+
+    from paratrain.config import load
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.plan.planner import make_plan
+
+    path = tmp_path / "mixtral.toml"
+    path.write_text(MIXTRAL)
+
+    def rank_of(*sets: str) -> dict:
+        cfg = load(str(path), list(sets))
+        with torch.device("meta"):
+            model = build_model(cfg, build_dataset(cfg, "train"))
+        return make_plan(cfg, model, 2, 1, "cuda", parse_cluster({**H100S, "devices_per_node": 2}))["ranks"][0]
+
+    whole, split = rank_of(), rank_of("parallel.ep=2")
+    model = built(MIXTRAL)
+    stacks = sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
+    assert stacks and whole["param_bytes"] - split["param_bytes"] == stacks // 2

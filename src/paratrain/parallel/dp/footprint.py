@@ -93,13 +93,17 @@ def data_parallel(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPla
 
 def split_experts(cfg: Config, model: nn.Module, named) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """dp's parameters as parallel.ep keeps them (dp/engine.py): every dense one, and one ep rank's
-    experts (1/E of them, the same bytes on every rank); none apart where every rank keeps every
-    expert (ep 1, a compressing codec; a Hugging Face model's experts count as dense)."""
-    from paratrain.parallel.expert.weights import expert_owners
+    experts (1/E of them, the same bytes on every rank: the gpt's experts, a Hugging Face experts
+    module's stacks' slices); none apart where every rank keeps every expert (ep 1, a compressing
+    codec)."""
+    from paratrain.parallel.expert.weights import expert_owners, stack_slices
 
     ep = cfg.parallel.ep
-    owners = expert_owners(model, ep) if ep > 1 and cfg.parallel.compression == "none" else {}
-    return [p for n, p in named if n not in owners], [p for n, p in named if owners.get(n) == 0]
+    if ep == 1 or cfg.parallel.compression != "none":
+        return [p for _, p in named], []
+    owners, slices = expert_owners(model, ep), stack_slices(model, ep)
+    dense = [p for n, p in named if n not in owners and n not in slices]
+    return dense, [p for n, p in named if owners.get(n) == 0] + list(slices.values())
 
 
 def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cluster) -> tuple[list[RankPlan], list]:

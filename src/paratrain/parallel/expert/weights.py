@@ -122,21 +122,38 @@ def _slice_stacks(model: nn.Module, mesh: DataMesh) -> dict[str, int]:
     (as the experts implementations index and count them); `paratrain_all_experts` keeps n for
     the routing. Returns each stack's name: n."""
     stacks = {}
-    modules = set(hf_experts(model))
-    for prefix, module in model.named_modules():
-        if module not in modules:
-            continue
-        total = cast(int, module.num_experts)  # an int: hf_experts' test
+    for prefix, module, total in _experts_modules(model):
         per_rank = total // mesh.ep
         first = mesh.ep_rank * per_rank
-        for name, p in list(module.named_parameters(recurse=False)):
-            if p.dim() and p.shape[0] == total:
-                kept = p.detach()[first : first + per_rank].clone()
-                setattr(module, name, nn.Parameter(kept, requires_grad=p.requires_grad))
-                stacks[f"{prefix}.{name}"] = total
-        module.paratrain_all_experts = total
-        module.num_experts = per_rank
+        for name, p in expert_stacks(module, total):
+            kept = p.detach()[first : first + per_rank].clone()
+            setattr(module, name, nn.Parameter(kept, requires_grad=p.requires_grad))
+            stacks[f"{prefix}.{name}"] = total
+        # plain ints on the module (setattr: torch types a module's attributes as tensors or modules)
+        setattr(module, "paratrain_all_experts", total)  # noqa: B010
+        setattr(module, "num_experts", per_rank)  # noqa: B010
     return stacks
+
+
+def _experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
+    """The model's Hugging Face experts modules (hf_experts.py): name, module, number of experts."""
+    modules = set(hf_experts(model))
+    return [(n, m, cast(int, m.num_experts)) for n, m in model.named_modules() if m in modules]
+
+
+def expert_stacks(module: nn.Module, total: int) -> list[tuple[str, nn.Parameter]]:
+    """An experts module's own parameters that stack its `total` experts (experts first)."""
+    return [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() and p.shape[0] == total]
+
+
+def stack_slices(model: nn.Module, ep: int) -> dict[str, torch.Tensor]:
+    """Each Hugging Face experts stack's name: the slice an ep rank keeps (`paratrain plan`, on the
+    meta device)."""
+    return {
+        f"{prefix}.{name}": p[: total // ep]
+        for prefix, module, total in _experts_modules(model)
+        for name, p in expert_stacks(module, total)
+    }
 
 
 def expert_owners(model: nn.Module, ep: int) -> dict[str, int]:
