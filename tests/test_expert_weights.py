@@ -79,10 +79,12 @@ def test_the_python_api_keeps_every_expert(tmp_path, gang):
 def test_clipping_with_experts_split_equals_one_process(tmp_path, gang):
     """A clip that binds every step: the global norm counts each expert once (its ep group's
     ranks keep different experts, each of an expert's keepers the same gradient), at world 2 (each
-    expert kept by one rank) and world 4 (by two, its gradient averaged over them)."""
+    expert kept by one rank) and world 4 (by two, its gradient averaged over them, two micro-batches
+    a step)."""
     train(gang, tmp_path, "clip", 2, *EP2, "train.clip_grad_norm=0.05")
-    # world 4: each expert kept by 2 ranks, its gradients averaged over them
-    train(gang, tmp_path, "clip4", 4, *EP2, "train.clip_grad_norm=0.05")
+    # world 4: each expert kept by 2 ranks, its gradients averaged over them; in 2 micro-batches
+    # (the reducers quiet until the last one's backward)
+    train(gang, tmp_path, "clip4", 4, *EP2, "train.clip_grad_norm=0.05", "train.grad_accum=2")
     data = corpus("train", block_size=16, max_chars=20000)
     x, y = load_batch(data, torch.arange(STEPS * 8) % len(data))
     torch.manual_seed(0)
