@@ -49,13 +49,22 @@ def test_plan_times_the_ring_and_the_all_to_all(config):
 
 def test_search_proposes_context_and_expert_parallelism(config):
     """One long sequence on 4 devices: data parallelism cannot split the batch and 2 heads do not
-    split over tp 4, so every layout that fits is cp 4; with experts the search tries ep too."""
+        split over tp 4, so every layout that fits is cp 4; with experts the search tries ep too, each
+    rank of dp planned with 1/E of the experts."""
     cluster = parse_cluster(H100S)
     layouts = search(str(config), ["data.batch_size=1", "model.d_model=64", "model.n_layer=4"], cluster, 50)
     assert layouts and all(x["parallel"]["cp"] == 4 for x in layouts), [x["parallel"] for x in layouts]
     moe = ["data.batch_size=4", "model.d_model=64", "model.n_experts=4"]
-    tried = {(x["parallel"]["cp"], x["parallel"]["ep"]) for x in search(str(config), moe, cluster, 200)}
+    found = search(str(config), moe, cluster, 200)
+    tried = {(x["parallel"]["cp"], x["parallel"]["ep"]) for x in found}
     assert {(1, 1), (1, 2), (1, 4), (2, 2), (4, 4)} <= tried, tried
+    # the search's one-replica plans keep 1/E of the experts under dp, as the full plan does
+    peak = {
+        x["parallel"]["ep"]: x["predicted"]["peak_memory_gib"]
+        for x in found
+        if x["parallel"]["strategy"] == "dp" and x["parallel"]["cp"] == 1 and x["train"]["recompute"] == "none"
+    }
+    assert peak[4] < peak[2] < peak[1], peak
 
 
 def test_plan_divides_expert_weights_by_ep(config):

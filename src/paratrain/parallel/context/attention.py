@@ -106,12 +106,28 @@ def _merge(out, lse, rows: slice, block_out, block_lse) -> None:
     lse[..., rows] = new
 
 
+def _serving(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query attention: each key/value head repeated for the `groups` query heads it
+    serves (heads are dimension 1), for the block alone: the ring passes the heads as they are."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _served(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of a repeated key/value head: the sum over the query heads it served."""
+    if groups == 1:
+        return grad
+    b, h, length, d = grad.shape
+    return grad.reshape(b, h // groups, groups, length, d).sum(2)
+
+
 class RingAttention(torch.autograd.Function):
-    """Causal attention of the local chunks' queries against every rank's keys and values."""
+    """Causal attention of the local chunks' queries against every rank's keys and values (as many
+    heads as the queries, or fewer: grouped-query attention, each key/value head serving an equal
+    group of query heads)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, scale: float):
-        half = q.shape[-2] // 2
+        half, groups = q.shape[-2] // 2, q.shape[1] // k.shape[1]
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.stack([k, v])
@@ -119,7 +135,11 @@ class RingAttention(torch.autograd.Function):
             arriving = ring.shift(kv) if step < ring.size - 1 else None  # overlaps the block below
             rows, keys, causal = _block(step, (ring.rank - step) % ring.size, ring.rank, half)
             block_out, block_lse = _block_forward(
-                q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], causal, scale
+                q[..., rows, :],
+                _serving(kv[0][..., keys, :], groups),
+                _serving(kv[1][..., keys, :], groups),
+                causal,
+                scale,
             )
             _merge(out, lse, rows, block_out, block_lse.to(lse.dtype))
             if arriving is not None:
@@ -131,7 +151,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring, scale, half = ctx.ring, ctx.scale, q.shape[-2] // 2
+        ring, scale, half, groups = ctx.ring, ctx.scale, q.shape[-2] // 2, q.shape[1] // k.shape[1]
         dout = dout.contiguous()
         delta = (dout * out).sum(-1)  # each row's sum of dP * P: the softmax's backward
         dq = torch.zeros_like(q)
@@ -143,8 +163,8 @@ class RingAttention(torch.autograd.Function):
             dqb, dkb, dvb = _block_backward(
                 dout[..., rows, :],
                 q[..., rows, :],
-                kv[0][..., keys, :],
-                kv[1][..., keys, :],
+                _serving(kv[0][..., keys, :], groups),
+                _serving(kv[1][..., keys, :], groups),
                 out[..., rows, :],
                 lse[..., rows],
                 delta[..., rows],
@@ -152,8 +172,8 @@ class RingAttention(torch.autograd.Function):
                 scale,
             )
             dq[..., rows, :] += dqb
-            dkv[0][..., keys, :] += dkb
-            dkv[1][..., keys, :] += dvb
+            dkv[0][..., keys, :] += _served(dkb, groups)
+            dkv[1][..., keys, :] += _served(dvb, groups)
             dkv = ring.shift(dkv).wait()  # with its (k, v): after C shifts, home
             if arriving is not None:
                 kv = arriving.wait()

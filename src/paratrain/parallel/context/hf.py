@@ -92,9 +92,8 @@ def ring_attention(module, query, key, value, attention_mask, dropout=0.0, scali
     window = kwargs.get("sliding_window")
     if window is not None and window < query.shape[-2] * context.mesh.cp:
         raise ValueError(f"parallel.cp: {type(module).__name__} attends within a window of {window} tokens")
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    # grouped-query attention (fewer key/value heads): the ring passes them as they are and each
+    # block serves every query head of a group from its key/value head (attention.py)
     out = context.attention(query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
 

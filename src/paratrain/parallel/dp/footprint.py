@@ -107,9 +107,12 @@ def split_experts(cfg: Config, model: nn.Module, named) -> tuple[list[torch.Tens
 
 
 def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cluster) -> tuple[list[RankPlan], list]:
-    """Replica 0 for `plan --search`: one rank holding the whole model, as every rank does."""
-    params = [t for _, t in unique_parameters(model)]
-    total = nbytes(params)
+    """Replica 0 for `plan --search`: one rank holding the whole model, as every rank does (under
+    parallel.ep its dense part and 1/E of the experts, as data_parallel plans it)."""
+    named = unique_parameters(model)
+    params = [t for _, t in named]
+    dense, experts = split_experts(cfg, model, named)
+    total = nbytes(dense) + nbytes(experts)
     one = RankPlan(0, 0, 0, "worker", activation_bytes=saved_activation_bytes(cfg, rows)[0])
     memory = step_memory(cfg, rows)
     assert memory is not None  # None only under tp
