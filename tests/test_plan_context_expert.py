@@ -86,7 +86,8 @@ def test_plan_divides_expert_weights_by_ep(config):
 
 
 def test_plan_divides_a_mixtral_s_expert_stacks_by_ep(tmp_path):
-    """A Hugging Face experts module's stacks: dp with ep 2 keeps half of each on a rank."""
+    """A Hugging Face experts module's stacks: dp with ep 2 keeps half of each on a rank, and the
+    step counts its tokens' all-to-alls."""
     pytest.importorskip("transformers")
     import torch
     from test_hf_expert_parallel import MIXTRAL
@@ -100,13 +101,16 @@ def test_plan_divides_a_mixtral_s_expert_stacks_by_ep(tmp_path):
     path = tmp_path / "mixtral.toml"
     path.write_text(MIXTRAL)
 
-    def rank_of(*sets: str) -> dict:
+    def plan_with(*sets: str) -> dict:
         cfg = load(str(path), list(sets))
         with torch.device("meta"):
             model = build_model(cfg, build_dataset(cfg, "train"))
-        return make_plan(cfg, model, 2, 1, "cuda", parse_cluster({**H100S, "devices_per_node": 2}))["ranks"][0]
+        return make_plan(cfg, model, 2, 1, "cuda", parse_cluster({**H100S, "devices_per_node": 2}))
 
-    whole, split = rank_of(), rank_of("parallel.ep=2")
+    dense, experts_split = plan_with(), plan_with("parallel.ep=2")
+    whole, split = dense["ranks"][0], experts_split["ranks"][0]
+    # its routed tokens' all-to-alls are timed too
+    assert "ep_comm_s" not in dense["step_breakdown"] and experts_split["step_breakdown"]["ep_comm_s"] > 0
     model = built(MIXTRAL)
     stacks = sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
     assert stacks and whole["param_bytes"] - split["param_bytes"] == stacks // 2

@@ -10,8 +10,8 @@ chunks each rank does 1/C of the causal attention; the local block alone would b
                 in forward, and in backward again, with their gradients passed C - 1 times besides:
                 3 (C - 1) messages of the local keys' and values' bytes, each a send to the next
                 rank while the previous one's arrives (parallel/context/ring.py)
-    all-to-all  per MoE layer and microbatch, the tokens routed to experts (tokens x top_k rows of
-                d_model) sent to the ranks that hold them and back, in forward and in backward: 4
+    all-to-all  per MoE layer (the gpt's, a Hugging Face experts module) and microbatch, the tokens
+                routed to experts (tokens x top_k rows of d_model) sent to the ranks that hold them and back, in forward and in backward: 4
                 all-to-alls over the E ranks of an ep group, (E - 1) / E of each leaving the rank
                 (routing assumed in balance); under recompute the forward's 2 again
 
@@ -62,14 +62,21 @@ def ring_s(step: Any, kv_bytes: int, attentions: int) -> float:
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, int]]:
-    """(top_k, d_model) of each mixture-of-experts layer with parallel.ep's hook (the built-in gpt's,
-    models/moe.py; a Hugging Face MoE model is planned as dense)."""
+    """(top_k, d_model) of each mixture-of-experts layer parallel.ep splits: the built-in gpt's
+    (models/moe.py: its router's width) and transformers' experts modules (models/hf.py: their
+    hidden size, top_k the model config's num_experts_per_tok)."""
+    from paratrain.models.hf import hf_experts
+
     out = []
     for layer in (m for m in model.modules() if hasattr(type(m), "paratrain_experts")):
         router = getattr(layer, "router", None) or getattr(layer, "gate", None)
         width = getattr(router, "in_features", None)
         if width is not None:
             out.append((int(getattr(layer, "top_k", 1)), int(width)))
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", 1)
+    for experts in hf_experts(model):
+        hidden: Any = getattr(experts, "hidden_dim", None) or getattr(getattr(model, "config", None), "hidden_size", 0)
+        out.append((int(top_k), int(hidden)))
     return out
 
 

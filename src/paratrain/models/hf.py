@@ -118,3 +118,24 @@ def model_files(model: nn.Module) -> dict[str, bytes]:
     if generation is not None and hasattr(generation, "to_json_string"):
         files["generation_config.json"] = generation.to_json_string().encode()
     return files
+
+
+# transformers' experts modules (Mixtral's, Qwen2-MoE's and most MoE families'
+# `@use_experts_implementation` classes): all experts' weights as 3-D stacks, called by their MoE
+# block with each token's top-k expert indices and routing weights (parallel/expert/hf_experts.py)
+EXPERTS_INTERFACE = ["self", "hidden_states", "top_k_index", "top_k_weights"]
+
+
+def hf_experts(model: nn.Module) -> list[nn.Module]:
+    """The model's transformers experts modules (parallel.ep splits them; plan times their tokens)."""
+    return [m for m in model.modules() if _is_routed_experts(m)]
+
+
+def _is_routed_experts(module: nn.Module) -> bool:
+    import inspect
+
+    # `_is_expert_parallel` is what transformers' use_experts_implementation sets on its classes;
+    # the forward's parameters (wraps keeps the original's) say how tokens and weights come in
+    if "_is_expert_parallel" not in vars(module) or not isinstance(getattr(module, "num_experts", None), int):
+        return False
+    return list(inspect.signature(type(module).forward).parameters)[:4] == EXPERTS_INTERFACE

@@ -27,8 +27,9 @@ from torch import nn
 
 from paratrain.comm.grid import DataMesh
 from paratrain.errors import ConfigError
+from paratrain.models.hf import hf_experts
 from paratrain.parallel.expert.all_to_all import all_to_all, exchange_counts
-from paratrain.parallel.expert.hf_experts import hf_experts, route_over_ranks
+from paratrain.parallel.expert.hf_experts import route_over_ranks
 
 
 class ExpertParallel:

@@ -17,27 +17,11 @@ experts compute, nothing the router sees."""
 
 from __future__ import annotations
 
-import inspect
 from functools import partial
 from typing import cast
 
 import torch
 from torch import nn
-
-INTERFACE = ["self", "hidden_states", "top_k_index", "top_k_weights"]
-
-
-def hf_experts(model: nn.Module) -> list[nn.Module]:
-    """The model's transformers experts modules that parallel.ep splits."""
-    return [m for m in model.modules() if _is_routed_experts(m)]
-
-
-def _is_routed_experts(module: nn.Module) -> bool:
-    # `_is_expert_parallel` is what transformers' use_experts_implementation sets on its classes;
-    # the forward's parameters (wraps keeps the original's) say how tokens and weights come in
-    if "_is_expert_parallel" not in vars(module) or not isinstance(getattr(module, "num_experts", None), int):
-        return False
-    return list(inspect.signature(type(module).forward).parameters)[:4] == INTERFACE
 
 
 def route_over_ranks(module: nn.Module, exchange) -> None:

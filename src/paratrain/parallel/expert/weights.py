@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.grid import DataMesh
+from paratrain.models.hf import hf_experts
 from paratrain.parallel.expert.experts import expert_layers
-from paratrain.parallel.expert.hf_experts import hf_experts
 
 
 class LocalExperts:
