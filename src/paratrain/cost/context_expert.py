@@ -66,9 +66,10 @@ def moe_layers(model: nn.Module) -> list[tuple[int, int]]:
     (models/moe.py: its router's width) and transformers' experts modules (models/hf.py: their
     hidden size, top_k the model config's num_experts_per_tok)."""
     from paratrain.models.hf import hf_experts
+    from paratrain.models.moe import expert_layers
 
     out = []
-    for layer in (m for m in model.modules() if hasattr(type(m), "paratrain_experts")):
+    for layer in expert_layers(model):
         router = getattr(layer, "router", None) or getattr(layer, "gate", None)
         width = getattr(router, "in_features", None)
         if width is not None:

@@ -104,3 +104,8 @@ def with_auxiliary_losses(loss_fn, model: nn.Module):
         return total
 
     return loss
+
+
+def expert_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's layers with parallel.ep's hook (MixtureOfExperts and its kind)."""
+    return [m for m in model.modules() if hasattr(type(m), "paratrain_experts")]

@@ -43,11 +43,13 @@ def splits(model: nn.Module, world: int, devices_per_node: int) -> tuple[list[in
     """(cp degrees, ep degrees) beyond 1 worth trying for the model: cp where paratrain splits its
     attention by sequence (a ring within a node), ep where it has MoE layers (dividing the fewest
     experts of a layer)."""
+    from paratrain.models.hf import hf_experts
+    from paratrain.models.moe import expert_layers
     from paratrain.parallel.context.attention import hooked
-    from paratrain.parallel.expert.experts import expert_layers
 
     cps = _powers_of_two(devices_per_node, world) if hooked(model, "paratrain_attention") else []
     experts = [int(getattr(layer, "n_experts", 0)) for layer in expert_layers(model)]
+    experts += [int(getattr(m, "num_experts", 0)) for m in hf_experts(model)]
     eps = _powers_of_two(min(experts), min(experts)) if experts and min(experts) > 1 else []
     return cps, [e for e in eps if world % e == 0]
 

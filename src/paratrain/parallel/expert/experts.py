@@ -28,6 +28,7 @@ from torch import nn
 from paratrain.comm.grid import DataMesh
 from paratrain.errors import ConfigError
 from paratrain.models.hf import hf_experts
+from paratrain.models.moe import expert_layers
 from paratrain.parallel.expert.all_to_all import all_to_all, exchange_counts
 from paratrain.parallel.expert.hf_experts import route_over_ranks
 
@@ -77,10 +78,6 @@ class ExpertParallel:
         back = torch.empty_like(order)
         back[order] = torch.arange(len(order), device=order.device)
         return all_to_all(out[back], receive, send, group)
-
-
-def expert_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(type(m), "paratrain_experts")]
 
 
 def no_experts(model: nn.Module) -> str:

@@ -28,7 +28,7 @@ from torch import nn
 
 from paratrain.comm.grid import DataMesh
 from paratrain.models.hf import hf_experts
-from paratrain.parallel.expert.experts import expert_layers
+from paratrain.models.moe import expert_layers
 
 
 class LocalExperts:
