@@ -75,11 +75,13 @@ class Device:
     sm_count: float = 132  # streaming multiprocessors: a GEMM's last wave of tiles (wave quantization)
     hbm_efficiency: float = 0.9  # a memory-bound kernel's share of hbm_GBps (a device copy's)
     # fused attention's share of peak_tflops (FlashAttention's count: a causal kernel does half
-    # the scores) at long sequences, forward and backward, and the sequence length at which it
-    # runs at half that
+    # the scores) at long sequences, forward and backward, and the sequence length at which each
+    # runs at half that (a GPU's backward kernel can saturate later than its forward: measured so
+    # on an H200, `plan --calibrate`)
     attention_fwd_efficiency: float = 0.354
     attention_bwd_efficiency: float = 0.334
     attention_half_seq: float = 430.0
+    attention_bwd_half_seq: float = 430.0
     # the host's cost of one kernel in eager PyTorch (dispatch and the CUDA launch): a pass takes
     # at least its kernels' launches (a compiled model launches fewer: its fused chains)
     launch_us: float = 8.0
@@ -165,6 +167,7 @@ _KEYS = {
     "attention_fwd_efficiency": float,
     "attention_bwd_efficiency": float,
     "attention_half_seq": float,
+    "attention_bwd_half_seq": float,
     "launch_us": float,
     "product_overhead_us": float,
 }

@@ -8,7 +8,7 @@ GPU, op by op, from the ops recorded in fake tensors (op_counts.Op). Four kinds 
       same guide's math- and memory-bound regimes); a fixed `product_overhead_us` each;
   (b) fused attention at FlashAttention's measured rate, by sequence length (a saturating curve
       through the published points: `attention_*_efficiency` of peak at long sequences, half of it at
-      `attention_half_seq`) and head dimension, counted as FlashAttention counts (a causal kernel
+      `attention_half_seq`, backward `attention_bwd_half_seq`) and head dimension, counted as FlashAttention counts (a causal kernel
       does half the scores); its backward does 2.5 times the forward's FLOPs at its own rate;
   (c) memory-bound ops (norms, activations, elementwise, casts, reductions): the bytes they read
       and write at `hbm_GBps` x `hbm_efficiency` (a copy's measured share of the data sheet's);
@@ -73,7 +73,7 @@ def attention_rate(device, seq: int, head_dim: int, backward: bool) -> float:
     length through the published points, less for head dims other than 128 (the FlashAttention-3
     paper's FlashAttention-2 runs: about 0.9 of head dim 128's at 64 and at 256)."""
     plateau = device.peak_tflops * (device.attention_bwd_efficiency if backward else device.attention_fwd_efficiency)
-    by_seq = seq / (seq + device.attention_half_seq)
+    by_seq = seq / (seq + (device.attention_bwd_half_seq if backward else device.attention_half_seq))
     by_head = min(head_dim, 128) / (min(head_dim, 128) + 16) * (144 / 128) * (0.9 if head_dim > 128 else 1.0)
     return plateau * 1e12 * by_seq * by_head
 

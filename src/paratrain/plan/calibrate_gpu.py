@@ -22,18 +22,23 @@ from paratrain.errors import ConfigError
 
 @dataclass(frozen=True)
 class Sizes:
-    """What is measured: GEMM shapes (m, n, k), attention (batch, heads, head dim, two sequence
-    lengths), the copy's bytes, and how many tiny ops time a launch."""
+    """What is measured: GEMM shapes (m, n, k), attention (tokens, heads, head dim, two sequence
+    lengths: a batch of tokens / seq sequences each, so that the short one's kernels are not too
+    small to time), the copy's bytes, and how many tiny ops time a launch."""
 
     gemms: tuple = ((8192, 8192, 8192), (16384, 4096, 4096), (16384, 1024, 4096), (16384, 4096, 14336))
-    attention: tuple = (4, 16, 128, (1024, 4096))
+    attention: tuple = (32768, 16, 128, (1024, 4096))
     copy_bytes: int = 2**30
     launches: int = 2000
     repeats: int = 10
 
 
 SMALL = Sizes(
-    gemms=((256, 256, 256), (512, 128, 256)), attention=(1, 2, 32, (64, 256)), copy_bytes=2**22, launches=200, repeats=3
+    gemms=((256, 256, 256), (512, 128, 256)),
+    attention=(256, 2, 32, (64, 256)),
+    copy_bytes=2**22,
+    launches=200,
+    repeats=3,
 )
 
 # torch.cuda.get_device_name -> preset (the first whose words all appear in it)
@@ -53,8 +58,10 @@ def preset_for(gpu_name: str) -> str | None:
     return None
 
 
-def _seconds(fn, device: str, repeats: int) -> float:
-    """The median seconds of `fn` (after two untimed calls), the device synchronized around each."""
+def _seconds(fn, device: str, repeats: int, calls: int = 1) -> float:
+    """The median seconds of one call of `fn` (after two untimed calls), timed as `calls` calls
+    between two synchronizations of the device: a kernel of a fraction of a millisecond queued
+    behind the last one, not waiting for the host to launch it."""
     import torch
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -64,25 +71,27 @@ def _seconds(fn, device: str, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
 def measure_kernels(device: str, sizes: Sizes = Sizes()) -> dict:
     """Seconds of each measurement on `device` ("cuda" or "cpu"): {"gemm": [(m, n, k, s)],
-    "attention": [(seq, forward s, forward + backward s)], "copy_s", "launch_s"}; bf16 on a GPU,
+    "attention": [(seq, batch, forward s, forward + backward s)], "copy_s", "launch_s"}; bf16 on a GPU,
     fp32 on the CPU. Each measurement's tensors are freed before the next (a GPU's memory)."""
     import torch
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out: dict = {"dtype_bytes": torch.tensor([], dtype=dtype).element_size()}
     out["gemm"] = [(m, n, k, _gemm_s(m, n, k, device, dtype, sizes.repeats)) for m, n, k in sizes.gemms]
-    batch, heads, head_dim, seqs = sizes.attention
-    out["attention_shape"] = (batch, heads, head_dim)
+    tokens, heads, head_dim, seqs = sizes.attention
+    out["attention_shape"] = (heads, head_dim)
     out["attention"] = [
-        (seq, *_attention_s((batch, heads, seq, head_dim), device, dtype, sizes.repeats)) for seq in seqs
+        (seq, b, *_attention_s((b, heads, seq, head_dim), device, dtype, sizes.repeats))
+        for seq, b in ((seq, max(1, tokens // seq)) for seq in seqs)
     ]
     out["copy_s"] = _copy_s(sizes.copy_bytes, device, sizes.repeats)
     out["copy_bytes"] = 2 * sizes.copy_bytes  # read and written
@@ -116,7 +125,7 @@ def _attention_s(shape: tuple, device: str, dtype, repeats: int) -> tuple[float,
     def both():
         forward().sum().backward()
 
-    return _seconds(forward, device, repeats), _seconds(both, device, repeats)
+    return _seconds(forward, device, repeats, calls=5), _seconds(both, device, repeats, calls=5)
 
 
 def _copy_s(size: int, device: str, repeats: int) -> float:
@@ -140,13 +149,15 @@ def fitted(measured: dict, base: Device, peak_tflops: float, hbm_GBps: float) ->
         ratios.append(gemm_s(op, unit) / seconds)
     hbm_efficiency = measured["copy_bytes"] / measured["copy_s"] / (hbm_GBps * 1e9)
     # attention: FLOP/s as FlashAttention counts a causal kernel (half of 4 b h s^2 d forward,
-    # 2.5 times that backward); the curve p s / (s + s_half) through the two lengths
-    (s1, f1, both1), (s2, f2, both2) = measured["attention"][:2]
+    # 2.5 times that backward); per direction the curve p s / (s + s_half) through the two lengths
+    (s1, b1, f1, both1), (s2, b2, f2, both2) = measured["attention"][:2]
     rates = {}
     for name, pick in (("fwd", lambda f, both: f), ("bwd", lambda f, both: max(both - f, 1e-12) / 2.5)):
-        r1, r2 = (_attention_flops(measured, s) / 2 / pick(f, b) for s, f, b in ((s1, f1, both1), (s2, f2, both2)))
-        half = max((r2 - r1) / max(r1 / s1 - r2 / s2, 1e-30), 1.0) if r2 > r1 else 1.0
-        rates[name] = (r1 * (s1 + half) / s1 / (peak_tflops * 1e12), half)
+        r1, r2 = (
+            _attention_flops(measured, s, b) / 2 / pick(f, both)
+            for s, b, f, both in ((s1, b1, f1, both1), (s2, b2, f2, both2))
+        )
+        rates[name] = _saturating(r1, s1, r2, s2, peak_tflops * 1e12)
     return replace(
         base,
         peak_tflops=peak_tflops,
@@ -156,12 +167,27 @@ def fitted(measured: dict, base: Device, peak_tflops: float, hbm_GBps: float) ->
         attention_fwd_efficiency=rates["fwd"][0],
         attention_bwd_efficiency=rates["bwd"][0],
         attention_half_seq=rates["fwd"][1],
+        attention_bwd_half_seq=rates["bwd"][1],
         launch_us=measured["launch_s"] * 1e6,
     )
 
 
-def _attention_flops(measured: dict, seq: int) -> float:
-    batch, heads, head_dim = measured["attention_shape"]
+def _saturating(r1: float, s1: int, r2: float, s2: int, peak: float) -> tuple[float, float]:
+    """(plateau as a share of `peak`, s_half) of the curve p s / (s + s_half) through the rates
+    r1 at s1 and r2 at s2 (s1 < s2). A rate that grows as fast as the length or faster (the short
+    kernel held back by something else) has no such curve through both points: its plateau is
+    taken as the peak, and the curve goes through the long length's rate, the one nearest to it."""
+    if r2 <= r1:  # flat already: the plateau is reached
+        return r2 / peak, 1.0
+    half = (r2 - r1) / (r1 / s1 - r2 / s2) if r1 / s1 > r2 / s2 else float("inf")
+    plateau = r1 * (s1 + half) / s1
+    if plateau > peak:
+        return 1.0, max(s2 * (peak / r2 - 1), 1.0)
+    return plateau / peak, half
+
+
+def _attention_flops(measured: dict, seq: int, batch: int) -> float:
+    heads, head_dim = measured["attention_shape"]
     return 4 * batch * heads * seq * seq * head_dim
 
 
@@ -175,6 +201,7 @@ KEYS = (
     "attention_fwd_efficiency",
     "attention_bwd_efficiency",
     "attention_half_seq",
+    "attention_bwd_half_seq",
     "launch_us",
 )  # written to the cluster file
 
@@ -184,11 +211,13 @@ def cluster_text(name: str, preset: str, devices: int, device: Device, measured:
     import torch
 
     gemms = ", ".join(f"{m}x{n}x{k} {2 * m * n * k / s / 1e12:.0f}" for m, n, k, s in measured["gemm"])
-    attention = ", ".join(f"s={s} fwd {f * 1e3:.2f} ms, fwd+bwd {b * 1e3:.2f} ms" for s, f, b in measured["attention"])
+    attention = ", ".join(
+        f"s={s} x {b}: fwd {f * 1e3:.3f} ms, fwd+bwd {both * 1e3:.3f} ms" for s, b, f, both in measured["attention"]
+    )
     lines = [
         f"# paratrain plan --calibrate: {name} (torch {torch.__version__}), {stamp}",
         f"# GEMMs (m x n x k, TFLOP/s): {gemms}",
-        f"# causal sdpa {measured['attention_shape']} (batch, heads, head dim): {attention}",
+        f"# causal sdpa {measured['attention_shape']} (heads, head dim), seq x batch: {attention}",
         f"# device copy: {measured['copy_bytes'] / measured['copy_s'] / 1e9:.0f} GB/s read+written;"
         f" a tiny op's launch: {measured['launch_s'] * 1e6:.1f} us",
         f"# links and latencies: the {preset} preset's (one GPU cannot measure them)",
