@@ -53,10 +53,11 @@ gpu-check:          ## the GPU path: its tests, the strategy matrix, the benchma
 	case $$? in 0) ;; 3) echo "gpu-check: skipped, no CUDA GPU on this machine"; exit 0 ;; \
 	  *) echo "gpu-check: $(GPU_PY) cannot import torch (make setup, or a python3 with torch)"; exit 1 ;; esac; \
 	logs=$$(mktemp -d); failed=0; \
-	PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests $(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py >$$logs/test_gpu.txt 2>&1 || failed=1; \
-	cat $$logs/test_gpu.txt; \
+	PYTHONPATH=$(CURDIR)/src:$(CURDIR)/tests $(GPU_PY) -m pytest -q -p no:cacheprovider -n 4 tests/test_gpu.py \
+	  >$$logs/test_gpu.txt 2>&1 & tests=$$!; \
 	PYTHONPATH=$(CURDIR)/src $(GPU_PY) benchmarks/gpu_matrix.py >$$logs/gpu_matrix.txt 2>&1 || failed=1; \
-	cat $$logs/gpu_matrix.txt; \
+	wait $$tests || failed=1; \
+	cat $$logs/test_gpu.txt $$logs/gpu_matrix.txt; \
 	PYTHONPATH=$(CURDIR)/src $(GPU_PY) benchmarks/gpu.py --results benchmarks/results \
 	  --attach $$logs/test_gpu.txt --attach $$logs/gpu_matrix.txt || failed=1; \
 	rm -rf $$logs; exit $$failed
