@@ -19,9 +19,10 @@ run: setup          ## the built-in default job: a GPT on BPE shards of the stdl
 
 # Two test processes: most of a test's time is its workers starting and meeting (imports, the
 # rendezvous, sockets), which leaves a core idle; two at a time took the suite from 442 s to 285 s
-# on 2 cores. A module's tests stay together (loadscope) so its shared fixture runs once.
+# on 2 cores. A module's tests stay together (loadscope) so its shared fixture runs once. The
+# slowest 25 are listed at the end: where the suite's time goes, in every CI log.
 test: setup         ## the whole suite (spawns real worker processes on free ports)
-	$(PY) -m pytest -q -n 2 --dist loadscope
+	$(PY) -m pytest -q -n 2 --dist loadscope --durations=25
 
 # The fast tier, for the edit loop: strategies trained in worker processes that stay up between
 # tests (tests/conftest.py), none of the tests that start commands, kill workers or make clusters.
