@@ -55,9 +55,15 @@ def dense_reference():
     return weights, val_loss
 
 
-def train(gang, tmp_path, name, world, *sets) -> None:
+def train(gang, tmp_path, name, world, *sets) -> str:
+    """The run's rank 0 output."""
     cfg = write_config(tmp_path / "gpt.toml", GPT)
-    gang(world).train(cfg, tmp_path / name, sets)
+    return gang(world).train(cfg, tmp_path / name, sets)
+
+
+# what parallel.verify_plan says on rank 0 once the first step checked one layer of each kind
+RING_CHECKED = "parallel.verify_plan: parallel.cp's ring attention in 'blocks.0.attn' (Attention) equals"
+DISPATCH_CHECKED = "parallel.verify_plan: parallel.ep's expert dispatch in 'blocks.0.mlp' (MixtureOfExperts) equals"
 
 
 def check_equal(tmp_path, name, reference) -> None:
@@ -70,8 +76,9 @@ def test_context_parallel_ring_of_two_equals_one_process(tmp_path, gang, dense_r
     """cp 2 at world 2: one sequence over both ranks (4 chunks, rank 0 holding the first and the
     last), the ring's keys and values exchanged forward and back; weights and validation loss
     equal one process's."""
-    train(gang, tmp_path, "cp2", 2, "parallel.cp=2")
+    out = train(gang, tmp_path, "cp2", 2, "parallel.cp=2")
     check_equal(tmp_path, "cp2", dense_reference)
+    assert out.count(RING_CHECKED) == 1, out  # one layer of the kind, once (parallel.verify_plan)
 
 
 def test_context_parallel_with_data_parallel_and_zero(tmp_path, gang, dense_reference):
@@ -119,10 +126,12 @@ def test_expert_parallel_under_dp_and_zero2(tmp_path, gang, moe_reference):
     """ep 2 at world 2: each rank computes 2 of each layer's 4 experts, tokens sent to them and
     back by all-to-all; under dp and under zero2, equal to one process (router, experts and the
     load-balancing loss's gradient included)."""
-    train(gang, tmp_path, "dp-ep2", 2, "parallel.ep=2", *MOE)
+    out = train(gang, tmp_path, "dp-ep2", 2, "parallel.ep=2", *MOE)
     check_equal(tmp_path, "dp-ep2", moe_reference)
-    train(gang, tmp_path, "zero2-ep2", 2, "parallel.strategy='zero2'", "parallel.ep=2", *MOE)
+    assert out.count(DISPATCH_CHECKED) == 1, out  # the dropped experts' weights gathered for it
+    out = train(gang, tmp_path, "zero2-ep2", 2, "parallel.strategy='zero2'", "parallel.ep=2", *MOE)
     check_equal(tmp_path, "zero2-ep2", moe_reference)
+    assert out.count(DISPATCH_CHECKED) == 1, out  # every expert's weights here
 
 
 @pytest.mark.parametrize(
@@ -172,3 +181,48 @@ def test_plan_divides_activations_by_cp_and_plans_experts(tmp_path):
     assert 0.4 < activations[2] / activations[1] < 0.6, activations
     moe = ["--set", "model.n_experts=4", "--set", "parallel.ep=2"]
     assert main(["plan", str(cfg), "--nproc", "2", *moe, "--json", str(tmp_path / "moe.json")]) == 0
+
+
+def broken_job(rt, broken: str, **job) -> tuple[int, str]:
+    """A gang member's run (gang.train_job) with the ring's chunk order or the dispatch broken on
+    purpose: (2, the ConfigError's line) where the run stops as a launched worker exits 2, else (0, "")."""
+    from paratrain.errors import ConfigError
+    from paratrain.parallel.context import attention
+    from paratrain.parallel.expert import experts
+    from paratrain.testing.gang import train_job
+
+    block, all_to_all = attention._block, experts.all_to_all
+    if broken == "ring":  # each ring step computes the block of the other rank's chunks
+        attention._block = lambda step, src, rank, half: block(step, rank, src, half)
+    elif broken == "dispatch":  # every rank's rows come back in reverse: each row gets another row's expert output
+        experts.all_to_all = lambda rows, send, receive, group: all_to_all(rows, send, receive, group).flip(0)
+    try:
+        train_job(rt, **job)
+    except ConfigError as exc:
+        return 2, str(exc)
+    finally:
+        attention._block, experts.all_to_all = block, all_to_all
+    return 0, ""
+
+
+@pytest.mark.parametrize(
+    "broken, sets, named",
+    [
+        ("ring", ["parallel.cp=2"], "parallel.cp: the ring does not compute 'blocks.0.attn' (Attention)"),
+        ("dispatch", ["parallel.ep=2", *MOE], "parallel.ep: the expert dispatch does not compute 'blocks.0.mlp'"),
+        ("ring", ["parallel.cp=2", "parallel.verify_plan=false"], None),  # nothing checks: trains, wrong
+    ],
+)
+def test_verify_plan_catches_a_broken_ring_or_dispatch(tmp_path, gang, broken, sets, named):
+    """parallel.verify_plan: the first step runs one attention with the ring against attention
+    over the whole sequence (the step's q, k, v gathered), one MoE layer's dispatch against its
+    experts all run here; with the ring's chunks or the dispatch's rows out of place, every rank
+    stops with the same line naming the module and the key (exit 2 from a launched worker)."""
+    cfg = write_config(tmp_path / "gpt.toml", GPT)
+    job = dict(config=str(cfg), run_dir=str(tmp_path / "r"), overrides=["train.steps=1", *sets], resume="none", env={})
+    results = gang(2).run("test_context_expert:broken_job", broken=broken, **job)
+    if named is None:
+        assert results == [(0, "")] * 2 and "parallel.verify_plan:" not in gang(2).outputs[0], gang(2).outputs
+        return
+    assert results[0] == results[1] and results[0][0] == 2, results
+    assert results[0][1].startswith(named) and "parallel.verify_plan = false skips" in results[0][1], results

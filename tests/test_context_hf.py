@@ -45,14 +45,19 @@ def test_llama_context_parallel_equals_single_process(tmp_path, gang, layout, lo
     assert abs(metrics(tmp_path / "run")[-1]["val_loss"] - expected) <= 1e-4 * expected
 
 
+ATTENTION = {"GPT2": "'transformer.h.0.attn' (GPT2Attention)", "QWEN2": "'model.layers.0.self_attn' (Qwen2Attention)"}
+
+
 @pytest.mark.parametrize("name", ["GPT2", "QWEN2"])
 def test_other_decoder_families_under_context_parallel(tmp_path, gang, name):
     """GPT-2's learned absolute positions (wpe of position_ids) and Qwen2's biased q/k/v with
-    rotary positions: cp 2 equals one process."""
+    rotary positions: cp 2 equals one process; the first step checked the ring in one attention
+    against attention over the whole sequence (parallel.verify_plan)."""
     text = {"GPT2": GPT2, "QWEN2": QWEN2}[name]
     reference = train_alone(built(text), "pair", next_token_loss)
     cfg = write_config(tmp_path / "c.toml", text)
-    gang(2).train(cfg, tmp_path / "run", ["parallel.cp=2"])
+    out = gang(2).train(cfg, tmp_path / "run", ["parallel.cp=2"])
+    assert out.count(f"parallel.cp's ring attention in {ATTENTION[name]}") == 1, out
     assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
 
 

@@ -35,11 +35,14 @@ EP2 = ["parallel.ep=2"]
     ],
 )
 def test_hf_moe_under_expert_parallel_equals_single_process(tmp_path, gang, name, sets):
-    """ep 2 at world 2; final/ holds the dense model's keys (every rank keeps every expert)."""
+    """ep 2 at world 2; final/ holds the dense model's keys (every rank keeps every expert). The
+    first step checked the dispatch of one experts module against its experts all run on one rank
+    (parallel.verify_plan; under dp the stacks' slices gathered for it)."""
     text = globals()[name]
     reference = train_alone(built(text), "pair", next_token_loss)
     cfg = write_config(tmp_path / "c.toml", text)
-    gang(2).train(cfg, tmp_path / "run", sets)
+    out = gang(2).train(cfg, tmp_path / "run", sets)
+    assert out.count("parallel.ep's expert dispatch in 'model.layers.0.mlp.experts'") == 1, out
     weights = final_weights(tmp_path / "run")
     assert weights.keys() == reference.keys()
     assert max_rel_error(weights, reference) <= 1e-4

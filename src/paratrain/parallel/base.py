@@ -127,8 +127,11 @@ class Strategy:
         from paratrain.parallel.expert.experts import expert_parallel
 
         mesh = build_data_mesh(cp, ep)
-        self.context = context_parallel(model, mesh)
-        self.experts = expert_parallel(model, mesh)
+        # parallel.verify_plan: the first training step checks the ring and the dispatch against
+        # the same layer whole (context/verify.py, expert/verify.py), within train.precision's tolerance
+        verify = self.cfg.train.precision if self.cfg.parallel.verify_plan else None
+        self.context = context_parallel(model, mesh, verify)
+        self.experts = expert_parallel(model, mesh, verify)
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
 
     # -- before any worker starts (the CLI's preflight; `model` on the meta device) -------------------

@@ -29,6 +29,7 @@ matrix, even transiently); elsewhere the same block in plain tensor ops.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -40,6 +41,7 @@ from paratrain.data.batch import tree_map
 from paratrain.errors import ConfigError
 from paratrain.parallel.context import hf
 from paratrain.parallel.context.ring import Ring
+from paratrain.parallel.context.verify import RingVerifier
 
 
 def chunk_positions(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
@@ -184,9 +186,11 @@ class ContextParallel:
     """A model's attention and positions under parallel.cp, and each batch cut to this rank's
     chunks. The model opts in through two hooks (models/gpt.py has them): modules with a
     `paratrain_attention` attribute take (q, k, v) -> y, modules with `paratrain_positions` the
-    global positions of the local tokens. A Hugging Face decoder is hooked from outside (hf.py)."""
+    global positions of the local tokens. A Hugging Face decoder is hooked from outside (hf.py).
+    `verify`: train.precision where parallel.verify_plan checks the ring on the first step
+    (verify.py), None where it does not."""
 
-    def __init__(self, model: nn.Module, mesh: DataMesh):
+    def __init__(self, model: nn.Module, mesh: DataMesh, verify: str | None = None):
         self.mesh = mesh
         self.ring = Ring(mesh)
         self.local_positions = torch.arange(0)  # the current batch's, set by local_batch
@@ -197,8 +201,10 @@ class ContextParallel:
             if why:
                 raise ConfigError("parallel.cp", f"{why}: paratrain cannot split its sequences")
             hf.install(model, self)
-        for module in self.attentions:
-            module.paratrain_attention = self.attention  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
+        for module in self.attentions:  # each its own: the check names the module it runs in
+            module.paratrain_attention = functools.partial(self.attention, module=module)  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
+        attentions = self.attentions or hf.attention_modules(model)
+        self.verifier = RingVerifier(model, attentions, mesh, verify, chunk_positions) if verify else None
         self.embeddings = hooked(model, "paratrain_positions")
         for module in hooked(model, "paratrain_sequence_split"):  # per-sequence sums (an MoE's balance)
             module.paratrain_sequence_split = (mesh.cp, self.ring_sum)  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
@@ -210,10 +216,18 @@ class ContextParallel:
         dist.all_reduce(t, group=self.mesh.cp_group)
         return t
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-        """Causal attention over the ring; `scale` multiplies the scores (1/sqrt(head dim) if None)."""
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, module=None
+    ) -> torch.Tensor:
+        """Causal attention over the ring; `scale` multiplies the scores (1/sqrt(head dim) if None).
+        `module`: the attention module it runs in (what parallel.verify_plan's check names)."""
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, scale)
+        out = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, scale)
+        if self.verifier is not None and module is not None:
+            self.verifier.check(module, q, k, v, scale, out)
+            if self.verifier.done():  # every kind checked: nothing more runs, compiled or not
+                self.verifier = None
+        return out
 
     def local_batch(self, batch):
         """(inputs, targets) with every tensor whose dimension 1 is the inputs' sequence cut to this
@@ -271,6 +285,7 @@ def check_context(cfg, model: nn.Module, sample) -> None:
         )
 
 
-def context_parallel(model: nn.Module, mesh: DataMesh) -> ContextParallel | None:
-    """The model's attention made a ring over the mesh's cp group (None when cp is 1)."""
-    return ContextParallel(model, mesh) if mesh.cp > 1 else None
+def context_parallel(model: nn.Module, mesh: DataMesh, verify: str | None = None) -> ContextParallel | None:
+    """The model's attention made a ring over the mesh's cp group (None when cp is 1); `verify`:
+    ContextParallel's."""
+    return ContextParallel(model, mesh, verify) if mesh.cp > 1 else None

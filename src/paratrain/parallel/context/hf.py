@@ -94,7 +94,7 @@ def ring_attention(module, query, key, value, attention_mask, dropout=0.0, scali
         raise ValueError(f"parallel.cp: {type(module).__name__} attends within a window of {window} tokens")
     # grouped-query attention (fewer key/value heads): the ring passes them as they are and each
     # block serves every query head of a group from its key/value head (attention.py)
-    out = context.attention(query, key, value, scaling)
+    out = context.attention(query, key, value, scaling, module=module)
     return out.transpose(1, 2).contiguous(), None
 
 

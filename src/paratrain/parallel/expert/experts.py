@@ -31,13 +31,15 @@ from paratrain.models.hf import hf_experts
 from paratrain.models.moe import expert_layers
 from paratrain.parallel.expert.all_to_all import all_to_all, exchange_counts
 from paratrain.parallel.expert.hf_experts import route_over_ranks
+from paratrain.parallel.expert.verify import DispatchVerifier
 
 
 class ExpertParallel:
     """The dispatcher of a model's MoE layers: the built-in gpt's (their `paratrain_experts` hook)
-    and transformers' experts modules (hf_experts.py, their forward)."""
+    and transformers' experts modules (hf_experts.py, their forward). `verify`: train.precision
+    where parallel.verify_plan checks the dispatch on the first step (verify.py), else None."""
 
-    def __init__(self, model: nn.Module, mesh: DataMesh):
+    def __init__(self, model: nn.Module, mesh: DataMesh, verify: str | None = None):
         self.mesh = mesh
         self.layers = expert_layers(model)
         self.hf_experts = hf_experts(model)
@@ -47,6 +49,8 @@ class ExpertParallel:
             layer.paratrain_experts = self.dispatch  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
         for module in self.hf_experts:
             route_over_ranks(module, self.exchange)
+        layers = [*self.layers, *self.hf_experts]
+        self.verifier = DispatchVerifier(model, layers, mesh, verify) if verify else None
 
     def dispatch(self, layer, grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The gpt's hook: `grouped`, this rank's routed rows expert by expert (`counts` each), through
@@ -55,12 +59,21 @@ class ExpertParallel:
         def run(rows, local_counts, first: int):
             return layer.run_experts(rows, local_counts, layer.experts[first : first + len(local_counts)])
 
-        return self.exchange(grouped, counts, run)
+        return self.exchange(grouped, counts, run, layer)
 
-    def exchange(self, grouped: torch.Tensor, counts: torch.Tensor, run: Callable) -> torch.Tensor:
+    def exchange(self, grouped: torch.Tensor, counts: torch.Tensor, run: Callable, layer=None) -> torch.Tensor:
         """`grouped`: this rank's routed rows, expert by expert (`counts` each, one per expert of the
         layer); returns their outputs in the same order, computed on the ranks that hold the experts
-        by `run(rows, counts, first)`: rows grouped by this rank's experts first, first+1, ..."""
+        by `run(rows, counts, first)`: rows grouped by this rank's experts first, first+1, ...
+        `layer`: the MoE layer or experts module it runs for (what parallel.verify_plan checks)."""
+        out = self._exchange(grouped, counts, run)
+        if self.verifier is not None and layer is not None:
+            self.verifier.check(layer, grouped, counts, run, out)
+            if self.verifier.done():  # every kind checked: nothing more runs, compiled or not
+                self.verifier = None
+        return out
+
+    def _exchange(self, grouped: torch.Tensor, counts: torch.Tensor, run: Callable) -> torch.Tensor:
         ep, rank, group = self.mesh.ep, self.mesh.ep_rank, self.mesh.ep_group
         local = len(counts) // ep
         arriving = exchange_counts(counts, group).view(ep, local)  # [source rank, my expert]
@@ -98,6 +111,7 @@ def check_experts(cfg, model: nn.Module) -> None:
             raise ConfigError("parallel.ep", f"{cfg.parallel.ep} does not divide the {n} experts ({whose})")
 
 
-def expert_parallel(model: nn.Module, mesh: DataMesh) -> ExpertParallel | None:
-    """The model's MoE layers dispatching over the mesh's ep group (None when ep is 1)."""
-    return ExpertParallel(model, mesh) if mesh.ep > 1 else None
+def expert_parallel(model: nn.Module, mesh: DataMesh, verify: str | None = None) -> ExpertParallel | None:
+    """The model's MoE layers dispatching over the mesh's ep group (None when ep is 1); `verify`:
+    ExpertParallel's."""
+    return ExpertParallel(model, mesh, verify) if mesh.ep > 1 else None

@@ -41,7 +41,7 @@ def _routed_forward(
     total = getattr(module, "paratrain_all_experts", module.num_experts)
     counts = torch.bincount(slots, minlength=cast(int, total))  # an int: _is_routed_experts
     token = order // k
-    out = exchange(hidden_states[token], counts, partial(_run_local_experts, module))
+    out = exchange(hidden_states[token], counts, partial(_run_local_experts, module), module)
     weighted = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(hidden_states).index_add_(0, token, weighted.to(hidden_states.dtype))
 

@@ -25,8 +25,9 @@ from torch import nn
 
 from paratrain.data.batch import feed, tensors_in
 from paratrain.errors import ConfigError
+from paratrain.parallel.verify.verdict import how_far, relative_error, tolerance
 
-TOLERANCE = 1e-4  # the same layers on the same input, in fp32: summation order at most
+TOLERANCE = tolerance("fp32")  # the same layers on the same input, in fp32: summation order at most
 
 
 def _lead(out) -> torch.Tensor | None:
@@ -42,10 +43,7 @@ def _lead(out) -> torch.Tensor | None:
 
 def _relative_error(got, want) -> float:
     a, b = _lead(got), _lead(want)
-    if a is None or b is None or a.shape != b.shape:
-        return float("inf")
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+    return float("inf") if a is None or b is None else relative_error(a, b)
 
 
 def check_cuts(model: nn.Module, layers: list[nn.Module], bounds: list[int], x) -> None:
@@ -84,7 +82,7 @@ def check_cuts(model: nn.Module, layers: list[nn.Module], bounds: list[int], x) 
 
 
 def _mismatch(where: str, err: float) -> None:
-    how = "a different shape" if err == float("inf") else f"relative error {err:.3g}"
+    how = how_far(err)
     raise ConfigError(
         "parallel.pp",
         f"the pipeline does not compute the model's forward at {where} ({how} on the first "

@@ -22,7 +22,6 @@ Its cost: one block's forward per kind, and one all-gather of that block's weigh
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, cast
 
 import torch
@@ -35,11 +34,7 @@ from paratrain.errors import ConfigError
 from paratrain.parallel.tensor.comm import gather_shards, shard_range
 from paratrain.parallel.tensor.experts import PACKS
 from paratrain.parallel.tensor.layers import HiddenParallelEmbedding, VocabParallelEmbedding
-
-# relative error of one block's output, sharded against whole: float summation order alone (fp32),
-# or bf16's rounding of the partial sums
-TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
-
+from paratrain.parallel.verify.verdict import agreed_line, how_far, relative_error, tolerance
 
 # styles whose module takes and gives whole tensors: a block of its own (an experts module's with
 # the parameters planned under it)
@@ -170,51 +165,32 @@ class PlanVerifier:
             # this rank's slice of the whole one
             start, end = shard_range(b.shape[-1], dist.get_world_size(self.group), dist.get_rank(self.group))
             b = b[..., start:end]
-        if a.shape != b.shape:
-            return math.inf
-        return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+        return relative_error(a, b)
 
     def check(self, autocast) -> None:
         """Collective (every rank, once, after the first step's forward). ConfigError on a mismatch,
         the same line on every rank."""
         for handle in self.handles.values():
             handle.remove()
-        tolerance, worst = TOLERANCE.get(self.precision, TOLERANCE["fp32"]), None
+        limit, worst = tolerance(self.precision), None
         with collectives.unprofiled():  # the check's gathers are once, not the step's traffic
             for block in self.blocks:
                 if block in self.seen:
                     err = self._error(block, autocast)
-                    if not err <= tolerance and worst is None:
+                    if not err <= limit and worst is None:
                         worst = (block, err)
-            line = "" if worst is None else self._line(*worst, tolerance)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                line = _first_line(line, self.device)
+            line = agreed_line("" if worst is None else self._line(*worst, limit), self.device)
         self.seen.clear()
         if line:
             raise ConfigError("parallel.tp_plan", line)
 
-    def _line(self, block: str, err: float, tolerance: float) -> str:
+    def _line(self, block: str, err: float, limit: float) -> str:
         entries = ", ".join(f'"{n}" = "{self.plan[n]}"' for n in self.blocks[block])
-        how = "a different shape" if math.isinf(err) else f"relative error {err:.3g}"
         return (
-            f"the plan does not compute {block!r} as the whole model does ({how} on the first step, "
-            f"tolerance {tolerance:g}): check its entries {entries} (a fused projection split colwise "
+            f"the plan does not compute {block!r} as the whole model does ({how_far(err)} on the first step, "
+            f"tolerance {limit:g}): check its entries {entries} (a fused projection split colwise "
             f"then chunked, say); parallel.verify_plan = false skips this check"
         )
-
-
-LINE_BYTES = 2048  # room for the line (a block's plan entries), cut there at worst
-
-
-def _first_line(line: str, device: torch.device) -> str:
-    """The first rank's non-empty `line`, on every rank (in one all-gather of fixed-size rows)."""
-    raw = line.encode()[:LINE_BYTES]
-    row = torch.zeros(LINE_BYTES, dtype=torch.uint8, device=device)
-    row[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    collectives.all_gather(rows, row, "verify-plan")
-    found = [bytes(r.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
-    return next((x for x in found if x), "")
 
 
 def _full_size(part: nn.Module, dim: int) -> int:

@@ -1,0 +1,83 @@
+"""`parallel.verify_plan` under cp: the ring verified on the first training step, not trusted.
+
+The ring computes causal attention from pieces: each rank's two chunks, blocks picked by the chunk
+layout, outputs merged by log-sum-exp (attention.py). A wrong block, a chunk out of place or a
+wrong merge gives outputs of the right shape and the wrong values, and training goes on, silently
+wrong. So the first training forward checks one attention of each kind (its module's class: the
+gpt's `Attention`, a transformers decoder's `LlamaAttention`, ...) where the ring computes it:
+
+    ring     the attention's output on this rank's chunks, as the step computes it
+    whole    the step's own (q, k, v) all-gathered over the cp group, put back in sequence order,
+             and causal attention over the whole sequence (torch's sdpa, in fp32), no gradient;
+             this rank's chunks of it
+    verdict  parallel/verify: a relative error above the equivalence tolerance exits 2 naming the
+             module and parallel.cp, on every rank (one agreed line); a pass is said once
+
+Its cost: per kind, once, three all-gathers of one layer's (q, k, v) and one attention over the
+whole sequence (the memory of one process's, for that layer alone)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.comm import collectives
+from paratrain.comm.grid import DataMesh
+from paratrain.parallel.verify.verdict import how_far, relative_error, tolerance, verdict
+
+
+class RingVerifier:
+    """Checks the first ring attention of each kind of attention module against the whole one."""
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module], mesh: DataMesh, precision: str, positions):
+        # `positions(seq_len, cp, cp_rank)`: a rank's tokens' global positions (attention.py's layout)
+        self.mesh, self.precision, self.positions = mesh, precision, positions
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.left = {type(m).__name__ for m in modules}  # the kinds not checked yet
+
+    def done(self) -> bool:
+        return not self.left
+
+    @torch.compiler.disable  # once, eagerly: a compiled block breaks its graph here until then
+    def check(self, module: nn.Module, q, k, v, scale: float, out: torch.Tensor) -> None:
+        """Collective over the world, on the first training forward of each kind (every rank runs
+        the same layers in the same order). ConfigError naming the module and parallel.cp."""
+        kind = type(module).__name__
+        if kind not in self.left or not torch.is_grad_enabled():  # evaluation is no training step
+            return
+        self.left.discard(kind)
+        with torch.no_grad(), collectives.unprofiled():  # once, not the step's traffic
+            err = relative_error(out, self._whole(q, k, v, scale))
+        name = self.names.get(id(module), kind)
+        limit = tolerance(self.precision)
+        verdict(
+            "parallel.cp",
+            err,
+            limit,
+            f"the ring does not compute {name!r} ({kind}) as attention over the whole sequence does "
+            f"({how_far(err)} on the first step, tolerance {limit:g}): the ring's chunks, blocks "
+            f"or merge are wrong for this attention; parallel.verify_plan = false skips this check",
+            f"parallel.cp's ring attention in {name!r} ({kind}) equals attention over the whole sequence",
+            out.device,
+        )
+
+    def _whole(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """This rank's rows of causal attention over the whole sequence of (q, k, v) (heads at
+        dimension 1, tokens at 2), computed in fp32 from every rank's chunks."""
+        cp, rank = self.mesh.cp, self.mesh.cp_rank
+        length = q.shape[-2] * cp
+        places = [self.positions(length, cp, r).to(q.device) for r in range(cp)]
+        q, k, v = (self._gathered(t, places) for t in (q, k, v))
+        groups = q.shape[1] // k.shape[1]  # grouped-query attention: each key/value head serves a group
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        whole = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return whole.index_select(-2, places[rank])
+
+    def _gathered(self, t: torch.Tensor, places: list[torch.Tensor]) -> torch.Tensor:
+        parts = [torch.empty_like(t) for _ in places]
+        collectives.all_gather(parts, t.detach().contiguous(), "verify-plan-cp", self.mesh.cp_group)
+        whole = t.new_empty((*t.shape[:-2], t.shape[-2] * len(places), t.shape[-1]), dtype=torch.float32)
+        for part, place in zip(parts, places):
+            whole.index_copy_(-2, place, part.float())
+        return whole
