@@ -32,6 +32,7 @@ from torch import nn
 
 from paratrain.comm import collectives
 from paratrain.comm.collectives import Handle
+from paratrain.parallel.codecs.basic import CAST_DTYPES
 from paratrain.parallel.dp.engine import Bucket, GradientReducer, make_buckets
 
 
@@ -388,3 +389,19 @@ def sharded_grad_norm(grads: list[torch.Tensor], group) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
         collectives.all_reduce(squares, "zero-grad-norm", group=group)
     return squares.sqrt()
+
+
+def wire_dtype(cfg) -> torch.dtype | None:
+    """parallel.compression for ZeRO: bf16 / fp16 reduce-scatter a 16-bit copy of each gradient
+    bucket (the other codecs need an all-reduce of every rank's whole gradient: config rejects them)."""
+    return CAST_DTYPES.get(cfg.parallel.compression)
+
+
+def on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters())
+
+
+def shard_grad(u: FlatUnit) -> torch.Tensor:
+    """The unit's gradient shard: bound by the reducer before any backward ends."""
+    assert u.shard.grad is not None
+    return u.shard.grad

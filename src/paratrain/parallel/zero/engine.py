@@ -57,38 +57,25 @@ from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer, rebuild_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, refuse, unique_parameters
-from paratrain.parallel.codecs.basic import CAST_DTYPES
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, refuse
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.zero import comm as zero_comm
-from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, all_gather
+from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, all_gather, on_meta, shard_grad, wire_dtype
+from paratrain.parallel.zero.experts import zero_experts
 from paratrain.parallel.zero.export import full_precision_layout, unit_chunks
 from paratrain.parallel.zero.reshard import check_checkpoint, load_sharded_state, sharded_state
 from paratrain.parallel.zero.user_tensors import GradShards
 
 
-def wire_dtype(cfg) -> torch.dtype | None:
-    """parallel.compression for ZeRO: bf16 / fp16 reduce-scatter a 16-bit copy of each gradient
-    bucket (the other codecs need an all-reduce of every rank's whole gradient: config rejects them)."""
-    return CAST_DTYPES.get(cfg.parallel.compression)
-
-
-def on_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in model.parameters())
-
-
-def shard_grad(u: FlatUnit) -> torch.Tensor:
-    """The unit's gradient shard: bound by the reducer before any backward ends."""
-    assert u.shard.grad is not None
-    return u.shard.grad
-
-
 class Zero(Strategy):
     stage = 0
+    splits_expert_weights = True  # parallel.ep: each rank keeps its experts alone (but in the own loop)
     reducer: ShardReducer | zero_comm.StreamingShardReducer  # stage 1's; stages 2 and 3 stream (stages.py)
     # The trainer builds models on the meta device for us (ZeroSpec.materializes_models; see models/materialize.py).
 
-    def __init__(self, model: nn.Module, loss_fn, cfg, rt):
+    def __init__(self, model: nn.Module, loss_fn, cfg, rt, own_loop: bool = False):
+        """`own_loop`: the Python API's, whose optimizer holds every parameter: every rank keeps
+        every expert there (parallel.ep splits them otherwise: experts.py)."""
         super().__init__(model, loss_fn, cfg, rt)
         self.replicas = replica_groups(cfg.parallel.replicas)
         self.group = group = self.replicas.inner  # None: the world is the one replica
@@ -98,19 +85,21 @@ class Zero(Strategy):
         self.device = rt.device
         self.mixed = cfg.train.precision == "bf16"
         self.zero_grad_called = True  # mixed precision: the pieces' gradients exist only in the step
-        named = unique_parameters(model)
+        self.split_sequences_and_experts(model)  # first: which experts this rank keeps, apart from the units
+        self.kept_experts = zero_experts(cfg, model, self.experts and self.experts.mesh, own_loop, self.device)
+        named = self.kept_experts.dense(model)
         self.name_of = {id(p): n for n, p in named}
         self.units = self._make_units(model, named)
         self.slot_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._allocate(model)
         self._load_initial_values(model)
+        expert_params = self.kept_experts.keep(model)
         self._install(model)
         self._setup_communication(model)
         self._overlap_gathers_with_forward(model)
         self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
-        self.split_sequences_and_experts(model)
         self._make_pieces()
-        self.optimizer = self._with_gathers(build_optimizer(self.pieces, cfg.train))
+        self.optimizer = self._with_gathers(build_optimizer(self.pieces + expert_params, cfg.train))
         self.user_grads = GradShards(self.name, group)
         self._hook_state_dicts(model)
 
@@ -159,14 +148,14 @@ class Zero(Strategy):
             slot = self.slot_of.get(id(meta_tensor))
             if slot is not None:
                 self._take_values(*slot, value)
-            else:
+            elif id(meta_tensor) not in self.kept_experts.skipped:  # another rank's expert: dropped
                 replicated[id(meta_tensor)] = value.to(self.device)
 
         materialize(model, self.cfg.train.seed, keep)
-        for module in model.modules():  # buffers and frozen parameters: whole on every rank
+        for module in model.modules():  # buffers, frozen parameters, kept experts: whole on every rank
             for name, t in list(module._parameters.items()):
                 if t is not None and id(t) in replicated:
-                    module._parameters[name] = nn.Parameter(replicated[id(t)], requires_grad=False)
+                    module._parameters[name] = nn.Parameter(replicated[id(t)], requires_grad=t.requires_grad)
             for name, t in list(module._buffers.items()):
                 if t is not None and id(t) in replicated:
                     module._buffers[name] = replicated[id(t)]
@@ -274,6 +263,7 @@ class Zero(Strategy):
         prof = self.profiler  # waits on gathers and reduce-scatters are its "comm" (paratrain.comm.collectives)
         for i, (x, y) in enumerate(micro):
             self._before_backward(i, last=i == len(micro) - 1)
+            self.kept_experts.prepare(i, last=i == len(micro) - 1)
             with prof.phase("forward"), self.autocast():
                 loss = self.loss_fn(feed(self.model, x), y)
             with prof.phase("backward"):
@@ -281,6 +271,7 @@ class Zero(Strategy):
             self._after_backward(last=i == len(micro) - 1)
             total += loss.detach()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
+        self.kept_experts.finish()
         grads = [shard_grad(u) for u in self.units]
         self._average_across_replicas(grads)
         with prof.phase("optimizer"):
@@ -291,9 +282,10 @@ class Zero(Strategy):
         return total / len(micro)
 
     def _grad_norm(self) -> torch.Tensor:
-        return zero_comm.sharded_grad_norm([shard_grad(u) for u in self.units], self.group)
+        return self.kept_experts.norm(zero_comm.sharded_grad_norm([shard_grad(u) for u in self.units], self.group))
 
     def _scale_grads(self, factor: torch.Tensor) -> None:
+        self.kept_experts.scale_(factor)
         for u in self.units:
             shard_grad(u).mul_(factor.to(shard_grad(u).dtype))
 
@@ -408,12 +400,14 @@ class Zero(Strategy):
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
         """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
-        return sharded_state(self.units, self.optimizer, self.model, self.rank, self.world, self.stage)
+        return sharded_state(
+            self.units, self.optimizer, self.model, self.rank, self.world, self.stage, self.kept_experts
+        )
 
     check_checkpoint = staticmethod(check_checkpoint)  # the CLI's preflight of --resume
 
     def load_state_dict(self, reader) -> None:
-        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device)
+        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device, self.kept_experts)
         self._after_load()
 
     def _after_load(self) -> None:
@@ -482,10 +476,11 @@ class Zero(Strategy):
 
     # -- the consolidated model -------------------------------------------------------------------
     def model_layout(self):
-        return full_precision_layout(self.units, self.model)
+        return self.kept_experts.layout(full_precision_layout(self.units, self.model))
 
     def model_chunks(self):
-        return unit_chunks(self.units, self.model, self.rt.rank == 0, self._gather_full_precision, self._release)
+        dense = unit_chunks(self.units, self.model, self.rt.rank == 0, self._gather_full_precision, self._release)
+        return self.kept_experts.chunks(dense)
 
     def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
         """The unit's whole flat parameter in full precision: the working one, or the masters gathered."""

@@ -12,8 +12,8 @@ from torch import nn
 
 from paratrain.comm.lockstep import LOAD_STATE_DICT, STATE_DICT, LockstepCheck
 from paratrain.parallel.zero import comm as zero_comm
-from paratrain.parallel.zero.comm import FlatUnit, StreamingShardReducer
-from paratrain.parallel.zero.engine import Zero, wire_dtype
+from paratrain.parallel.zero.comm import FlatUnit, StreamingShardReducer, wire_dtype
+from paratrain.parallel.zero.engine import Zero
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
 from paratrain.parallel.zero.user_tensors import ShardedParam
 
