@@ -143,6 +143,7 @@ def test_expert_parallel_under_dp_and_zero2(tmp_path, gang, moe_reference):
         (["parallel.cp=0"], 2, "parallel.cp"),
         (["parallel.ep=2", "model.n_experts=3"], 2, "parallel.ep"),  # 3 experts over 2 ranks
         (["parallel.ep=4", "model.n_experts=4"], 2, "parallel.ep"),  # 4 does not divide dp x cp = 2
+        (["parallel.strategy='zero3'", "parallel.ep=2", "model.n_experts=3"], 2, "parallel.ep"),
         (["parallel.ep=2"], 2, "parallel.ep"),  # a dense model: no experts to split
         (["parallel.strategy='tp'", "parallel.tp=2", "model.n_experts=2"], 2, "model.n_experts"),
         (["model.n_experts=2", "model.top_k=3"], 2, "model.top_k"),

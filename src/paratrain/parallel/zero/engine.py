@@ -57,12 +57,12 @@ from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer, rebuild_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, refuse
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, refuse, unique_parameters
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.zero import comm as zero_comm
 from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, all_gather, on_meta, shard_grad, wire_dtype
-from paratrain.parallel.zero.experts import zero_experts
-from paratrain.parallel.zero.export import full_precision_layout, unit_chunks
+from paratrain.parallel.zero.experts import bucket_units, zero_experts
+from paratrain.parallel.zero.export import full_precision_layout
 from paratrain.parallel.zero.reshard import check_checkpoint, load_sharded_state, sharded_state
 from paratrain.parallel.zero.user_tensors import GradShards
 
@@ -73,9 +73,7 @@ class Zero(Strategy):
     reducer: ShardReducer | zero_comm.StreamingShardReducer  # stage 1's; stages 2 and 3 stream (stages.py)
     # The trainer builds models on the meta device for us (ZeroSpec.materializes_models; see models/materialize.py).
 
-    def __init__(self, model: nn.Module, loss_fn, cfg, rt, own_loop: bool = False):
-        """`own_loop`: the Python API's, whose optimizer holds every parameter: every rank keeps
-        every expert there (parallel.ep splits them otherwise: experts.py)."""
+    def __init__(self, model: nn.Module, loss_fn, cfg, rt, own_loop: bool = False):  # own_loop: experts.py
         super().__init__(model, loss_fn, cfg, rt)
         self.replicas = replica_groups(cfg.parallel.replicas)
         self.group = group = self.replicas.inner  # None: the world is the one replica
@@ -86,34 +84,35 @@ class Zero(Strategy):
         self.mixed = cfg.train.precision == "bf16"
         self.zero_grad_called = True  # mixed precision: the pieces' gradients exist only in the step
         self.split_sequences_and_experts(model)  # first: which experts this rank keeps, apart from the units
-        self.kept_experts = zero_experts(cfg, model, self.experts and self.experts.mesh, own_loop, self.device)
-        named = self.kept_experts.dense(model)
+        self.kept_experts = zero_experts(cfg, model, self.experts and self.experts.mesh, own_loop)
+        named = unique_parameters(model)
         self.name_of = {id(p): n for n, p in named}
         self.units = self._make_units(model, named)
         self.slot_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._allocate(model)
         self._load_initial_values(model)
-        expert_params = self.kept_experts.keep(model)
+        self.kept_experts.keep(model)
         self._install(model)
         self._setup_communication(model)
         self._overlap_gathers_with_forward(model)
         self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
         self._make_pieces()
-        self.optimizer = self._with_gathers(build_optimizer(self.pieces + expert_params, cfg.train))
+        self.optimizer = self._with_gathers(build_optimizer(self.pieces, cfg.train))
         self.user_grads = GradShards(self.name, group)
         self._hook_state_dicts(model)
 
     # -- layout ---------------------------------------------------------------------------------
     def _make_units(self, model, named) -> list[FlatUnit]:
         """Stages 1 and 2: one unit per gradient bucket (dp's make_buckets; of working parameters)."""
-        groups = zero_comm.bucket_groups([p for _, p in named], self.cfg, self.world)
-        units = [
-            FlatUnit(i, g, [self.name_of[id(p)] for p in g], self.rank, self.world, self.device)
-            for i, g in enumerate(groups)
-        ]
-        for u in units:
-            u.dtype = zero_comm.working_dtype(self.cfg, u.dtype, self.stage)
-        return units
+        return self.kept_experts.units(named, self.world, bucket_units(self.cfg), self._unit)
+
+    def _unit(self, index: int, module, params: list[nn.Parameter], expert: bool) -> FlatUnit:
+        """A unit of the dense parameters, sharded over the replica, or of the kept experts (experts.py)."""
+        rank, world, group, divisor = self.kept_experts.sharing if expert else (self.rank, self.world, self.group, 0)
+        names = [self.name_of[id(p)] for p in params]
+        u = FlatUnit(index, params, names, rank, world, self.device, module=module, group=group, divisor=divisor)
+        u.dtype = zero_comm.working_dtype(self.cfg, u.dtype, self.stage)
+        return u
 
     def _allocate(self, model) -> None:
         """Stages 1 and 2: the full flat parameter of every unit is kept; the shard is a view of it,
@@ -152,10 +151,10 @@ class Zero(Strategy):
                 replicated[id(meta_tensor)] = value.to(self.device)
 
         materialize(model, self.cfg.train.seed, keep)
-        for module in model.modules():  # buffers, frozen parameters, kept experts: whole on every rank
+        for module in model.modules():  # buffers and frozen parameters: whole on every rank
             for name, t in list(module._parameters.items()):
                 if t is not None and id(t) in replicated:
-                    module._parameters[name] = nn.Parameter(replicated[id(t)], requires_grad=t.requires_grad)
+                    module._parameters[name] = nn.Parameter(replicated[id(t)], requires_grad=False)
             for name, t in list(module._buffers.items()):
                 if t is not None and id(t) in replicated:
                     module._buffers[name] = replicated[id(t)]
@@ -167,7 +166,7 @@ class Zero(Strategy):
 
     def _start_gathers(self) -> None:
         for u in self.units:
-            u.sync_work = all_gather(u.full, u.shard.detach(), f"zero-params-unit-{u.index}", self.group)
+            u.sync_work = all_gather(u.full, u.shard.detach(), f"zero-params-unit-{u.index}", u.group)
 
     def _wait_gathers(self, units) -> None:
         for u in units:
@@ -206,12 +205,18 @@ class Zero(Strategy):
         return u.views(u.full)
 
     def _setup_communication(self, model) -> None:
-        """Stage 1: dp's persistent buckets, reduce-scattered in place; the shard's grad is a view."""
-        params = [p for u in reversed(self.units) for p in reversed(u.params)]  # registration order
-        self.reducer = ShardReducer(params, self.cfg.parallel.bucket_mb, self.device, self.group, wire_dtype(self.cfg))
-        for u, b in zip(self.units, self.reducer.buckets):
+        """Stage 1: dp's persistent buckets, reduce-scattered in place; the shard's grad is a view
+        (the kept experts' in a reducer of their own, over their group: experts.py)."""
+        self.reducer = self._shard_reducer(self.kept_experts.apart(self.units)[0], self.group)
+        self.kept_experts.reduce_apart(self.units, self._shard_reducer)
+
+    def _shard_reducer(self, units: list[FlatUnit], group, divisor: int = 0) -> ShardReducer:
+        params = [p for u in reversed(units) for p in reversed(u.params)]  # registration order
+        reducer = ShardReducer(params, self.cfg.parallel.bucket_mb, self.device, group, wire_dtype(self.cfg), divisor)
+        for u, b in zip(units, reducer.buckets):
             assert [id(p) for p in u.params] == [id(p) for p in b.params], "bucket and unit layouts differ"
-            u.shard.grad = self.reducer.own_slice(b)
+            u.shard.grad = reducer.own_slice(b)
+        return reducer
 
     def _make_pieces(self) -> None:
         """The optimizer's parameters: each unit shard cut where the model's parameters meet, views
@@ -282,10 +287,9 @@ class Zero(Strategy):
         return total / len(micro)
 
     def _grad_norm(self) -> torch.Tensor:
-        return self.kept_experts.norm(zero_comm.sharded_grad_norm([shard_grad(u) for u in self.units], self.group))
+        return self.kept_experts.grad_norm(self.units, self.group)
 
     def _scale_grads(self, factor: torch.Tensor) -> None:
-        self.kept_experts.scale_(factor)
         for u in self.units:
             shard_grad(u).mul_(factor.to(shard_grad(u).dtype))
 
@@ -401,13 +405,13 @@ class Zero(Strategy):
     def state_dict(self):
         """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
         return sharded_state(
-            self.units, self.optimizer, self.model, self.rank, self.world, self.stage, self.kept_experts
+            self.units, self.optimizer, self.model, self.rank, self.world, self.stage, self.kept_experts.shapes
         )
 
     check_checkpoint = staticmethod(check_checkpoint)  # the CLI's preflight of --resume
 
     def load_state_dict(self, reader) -> None:
-        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device, self.kept_experts)
+        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device, self.kept_experts.shapes)
         self._after_load()
 
     def _after_load(self) -> None:
@@ -479,8 +483,8 @@ class Zero(Strategy):
         return self.kept_experts.layout(full_precision_layout(self.units, self.model))
 
     def model_chunks(self):
-        dense = unit_chunks(self.units, self.model, self.rt.rank == 0, self._gather_full_precision, self._release)
-        return self.kept_experts.chunks(dense)
+        first = self.rt.rank == 0
+        return self.kept_experts.chunks(self.units, self.model, first, self._gather_full_precision, self._release)
 
     def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
         """The unit's whole flat parameter in full precision: the working one, or the masters gathered."""
@@ -488,7 +492,7 @@ class Zero(Strategy):
         if u.master is u.shard:
             return u.full.detach()
         flat = torch.empty(u.numel, dtype=u.master.dtype, device=self.device)
-        all_gather(flat, u.master, f"zero-export-unit-{u.index}", self.group).wait()
+        all_gather(flat, u.master, f"zero-export-unit-{u.index}", u.group).wait()
         return flat
 
     def _release(self, u: FlatUnit) -> None:

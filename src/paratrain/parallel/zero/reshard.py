@@ -5,9 +5,9 @@ their [start, end) offsets within the flattened parameter; buffers and frozen pa
 every rank) go into rank 0's file. A checkpoint written at world N loads at any world M: each rank
 reads, from every rank's file, the pieces overlapping its new shards.
 
-Under parallel.ep the experts each rank keeps apart from the units (zero/experts.py) are pieces
-too, whole (a Hugging Face stack's slice: its rows), written by the first ep group alone and read
-at any ep; a piece's tensors are flattened, so an n-D expert reads back like a unit's piece.
+Under parallel.ep the kept experts' units (zero/experts.py) are pieces like any other, under the
+dense model's names; a rank's model lacks the other ranks' experts, so their dense shapes
+(`experts`: name -> shape) stand in for the model's where a checkpoint's layout is checked.
 """
 
 from __future__ import annotations
@@ -20,27 +20,22 @@ from paratrain.parallel.base import unique_parameters
 from paratrain.parallel.zero.comm import FlatUnit
 
 
-def unit_pieces(units: list[FlatUnit]) -> list[tuple[str, int, int, torch.Tensor]]:
-    """(name, start, end, the optimizer's parameter) of this rank's pieces of the units: views of
-    their shards (a kept expert's piece, zero/experts.py, is the whole parameter)."""
-    return [(u.names[i], start, end, piece) for u in units for i, start, end, _, piece in u.pieces]
-
-
-def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int, world: int, stage: int, experts):
+def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int, world: int, stage: int, experts: dict):
     """This rank's pieces of every parameter and its optimizer state, keyed by parameter name
-    (the optimizer's parameters are those pieces: FlatUnit.pieces, and the kept experts where
-    this rank writes them: `experts`, zero/experts.py)."""
+    (the optimizer's parameters are those pieces: FlatUnit.pieces)."""
     tensors, pieces, scalars, shared = {}, {}, {}, {}
-    for name, start, end, piece in unit_pieces(units) + (list(experts.pieces) if experts.writes else []):
-        pieces[name] = [start, end]
-        tensors[f"zero.param.{name}"] = piece.detach().reshape(-1)
-        for key, value in optimizer.state.get(piece, {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == piece.shape:
-                tensors[f"zero.optim.{name}.{key}"] = value.reshape(-1)
-            elif isinstance(value, torch.Tensor):
-                shared[f"zero.optim.{key}"] = value  # e.g. adam's step: the same for every piece
-            elif value is not None:
-                scalars[key] = value
+    for u in units:
+        for i, start, end, _, piece in u.pieces:
+            name = u.names[i]
+            pieces[name] = [start, end]
+            tensors[f"zero.param.{name}"] = piece.detach()
+            for key, value in optimizer.state.get(piece, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == piece.shape:
+                    tensors[f"zero.optim.{name}.{key}"] = value
+                elif isinstance(value, torch.Tensor):
+                    shared[f"zero.optim.{key}"] = value  # e.g. adam's step: the same for every piece
+                elif value is not None:
+                    scalars[key] = value
     tensors.update(shared)
     if rank == 0:
         tensors.update({f"replicated.{k}": v for k, v in replicated_state(model).items()})
@@ -50,7 +45,7 @@ def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int,
             "stage": stage,
             "world_size": world,
             "pieces": pieces,
-            "params": {**{n: list(s) for u in units for n, s in zip(u.names, u.shapes)}, **experts.shapes},
+            "params": {**{n: list(s) for u in units for n, s in zip(u.names, u.shapes)}, **experts},
             "optimizer": {"param_groups": groups, "scalars": scalars},
         }
     }
@@ -75,10 +70,9 @@ def check_checkpoint(reader, model: nn.Module) -> None:
 
 
 def load_sharded_state(
-    reader, units: list[FlatUnit], optimizer, model: nn.Module, device: torch.device, experts
+    reader, units: list[FlatUnit], optimizer, model: nn.Module, device: torch.device, experts: dict
 ) -> None:
-    """Each rank takes, from every rank's file of the checkpoint, the pieces overlapping its own
-    shards, and its kept experts' (`experts`, zero/experts.py)."""
+    """Each rank takes, from every rank's file of the checkpoint, the pieces overlapping its own shards."""
     tensors0, meta0 = reader.load(rank=0)
     saved = meta0.get("zero")
     if saved is None:
@@ -87,9 +81,9 @@ def load_sharded_state(
         model,
         saved["params"],
         {k[len("replicated.") :]: list(v.shape) for k, v in tensors0.items() if k.startswith("replicated.")},
-        experts.shapes,
+        experts,
     )
-    own = {name: (start, end, piece) for name, start, end, piece in unit_pieces(units) + list(experts.pieces)}
+    own = {u.names[i]: (start, end, piece) for u in units for i, start, end, _, piece in u.pieces}
     piece_state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in own}
     for r in range(reader.world_size):
         tensors, meta = (tensors0, meta0) if r == 0 else reader.load(rank=r)
@@ -102,7 +96,7 @@ def load_sharded_state(
                 continue
             dst, src = slice(a - os_, b - os_), slice(a - s, b - s)
             with torch.no_grad():
-                piece.detach().view(-1)[dst].copy_(tensors[f"zero.param.{name}"][src])
+                piece[dst].copy_(tensors[f"zero.param.{name}"][src])
             prefix = f"zero.optim.{name}."
             for key in (k[len(prefix) :] for k in tensors if k.startswith(prefix)):
                 buf = piece_state[name].setdefault(
@@ -115,12 +109,8 @@ def load_sharded_state(
     opt = saved["optimizer"]
     name_of = {id(piece): name for name, (_, _, piece) in own.items()}
     params = [p for g in optimizer.param_groups for p in g["params"]]  # state_dict's numbering
-    state = {  # (a kept expert's state back in its shape)
-        index: {
-            **{k: v.view(p.shape) for k, v in piece_state[name_of[id(p)]].items()},
-            **{k: v.clone() for k, v in shared.items()},
-            **opt["scalars"],
-        }
+    state = {
+        index: {**piece_state[name_of[id(p)]], **{k: v.clone() for k, v in shared.items()}, **opt["scalars"]}
         for index, p in enumerate(params)
         if piece_state[name_of[id(p)]] or shared
     }
@@ -143,8 +133,8 @@ def check_layout(
     model: nn.Module, saved_params: dict, saved_replicated: dict, experts: dict | None = None, key: str = "resume"
 ) -> None:
     """Exit 2 naming the parameters or buffers whose name or shape differs from the checkpoint's
-    (`experts`: the dense shapes of the experts the model keeps apart, maybe not all of them)."""
-    ours = {n: p.shape for n, p in unique_parameters(model) if not experts or n not in experts}
+    (`experts`: every expert parameter's dense shape, where the model keeps some of them only)."""
+    ours = {n: p.shape for n, p in unique_parameters(model)}
     ours.update({n: torch.Size(shape) for n, shape in (experts or {}).items()})
     ours.update({k: v.shape for k, v in replicated_state(model).items()})
     differs = ckpt.describe_mismatch(ours, {**saved_params, **saved_replicated})
