@@ -229,15 +229,6 @@ class LoneReducer:
         torch._foreach_mul_(self._grads(), factor)
 
 
-def experts_reducer(experts: list[nn.Parameter], mesh, bucket_mb: float, device: torch.device):
-    """The kept experts' gradients (parallel/expert/weights.py) averaged, uncompressed, over the ranks
-    keeping the same experts (`mesh.expert_replicas`); alone where ep is the world (dp/experts.py
-    scales the average to the world's mean). dp and zero1-3 (zero/experts.py) both build it."""
-    if mesh.expert_replicas is not None:
-        return GradientReducer(experts, bucket_mb, device, mesh.expert_replicas, Uncompressed())
-    return LoneReducer(experts, device, Uncompressed())
-
-
 class DataParallel(Strategy):
     name = "dp"
     splits_expert_weights = True
@@ -271,7 +262,13 @@ class DataParallel(Strategy):
             mesh, kept = self.experts.mesh, self.local_experts.kept
             dense = GradientReducer([p for n, p in named if n not in kept], cfg.parallel.bucket_mb, device, None, codec)
             experts = [p for n, p in named if n in kept]
-            return SplitExpertsReducer(dense, experts_reducer(experts, mesh, cfg.parallel.bucket_mb, device), mesh)
+            return SplitExpertsReducer(
+                dense,
+                GradientReducer(experts, cfg.parallel.bucket_mb, device, mesh.expert_replicas, Uncompressed())
+                if mesh.expert_replicas is not None
+                else LoneReducer(experts, device, Uncompressed()),
+                mesh,
+            )
         if dist.get_world_size(self.group) > 1:
             return GradientReducer(self.params, cfg.parallel.bucket_mb, device, self.group, codec)
         return LoneReducer(self.params, device, codec)

@@ -50,8 +50,11 @@ class SplitExpertsReducer:
 
     def finish(self) -> torch.Tensor:
         dense = self.dense.finish()
-        squares = finish_experts(self.experts, self.mesh)
-        return torch.sqrt(dense.to(torch.float32) ** 2 + squares).to(dense.dtype)
+        experts = self.experts.finish() / self.mesh.ep
+        self.experts.scale_(dense.new_tensor(1.0 / self.mesh.ep))  # the keepers' mean / E: the world's mean (above)
+        squares = (experts * experts).reshape(1).to(torch.float32)
+        collectives.all_reduce(squares, "expert-grad-norm", group=self.mesh.ep_group)
+        return torch.sqrt(dense.to(torch.float32) ** 2 + squares[0]).to(dense.dtype)
 
     def discard(self) -> None:
         self.dense.discard()
@@ -60,15 +63,3 @@ class SplitExpertsReducer:
     def scale_(self, factor: torch.Tensor) -> None:
         self.dense.scale_(factor)
         self.experts.scale_(factor)
-
-
-def finish_experts(experts, mesh: DataMesh) -> torch.Tensor:
-    """Finish the kept experts' reducer (dp/engine.py: experts_reducer) and scale its average, the
-    keepers' mean, by 1 / E: the world's mean (above). Returns the square of the experts' gradient
-    norm, each expert counted once (summed over the ep group), in float32, the same on every rank.
-    dp's SplitExpertsReducer and zero1-3 (zero/experts.py) both finish their experts so."""
-    norm = experts.finish() / mesh.ep
-    experts.scale_(norm.new_tensor(1.0 / mesh.ep))
-    squares = (norm * norm).reshape(1).to(torch.float32)
-    collectives.all_reduce(squares, "expert-grad-norm", group=mesh.ep_group)
-    return squares[0]

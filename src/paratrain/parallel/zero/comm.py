@@ -239,8 +239,9 @@ class StreamingShardReducer:
         wire_dtype=None,
         in_place: bool = False,
     ):
-        self.units, self.group, self.in_order = units, group, in_order
+        self.units, self.in_order = units, in_order
         self.wire_dtype = wire_dtype
+        # `group`: the default one of the units', for its backend (each unit reduces over its own)
         self.in_place = in_place and _on_gloo(group)
         self.slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self.on_launch = on_launch or (lambda unit: None)
