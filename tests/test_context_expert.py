@@ -93,9 +93,9 @@ def test_context_parallel_with_data_parallel_and_zero(tmp_path, gang, dense_refe
 MOE = ["model.n_experts=4", "model.top_k=2", "model.moe_aux_loss=0.05"]
 
 
-def train_moe_reference(aux: float):
+def train_moe_reference(aux: float, optimizer: str = "sgd", lr: float = 0.1, clip: float = 0.0):
     """The gpt with 4 experts a layer, top 2 per token, its load-balancing loss (weight `aux`) in
-    the loss: final weights and validation loss."""
+    the loss (`optimizer` at `lr`, gradients clipped to `clip`): final weights and validation loss."""
     train = corpus("train", block_size=BLOCK, max_chars=20000)
     x, y = load_batch(train, torch.arange(STEPS * BATCH) % len(train))
     torch.manual_seed(0)
@@ -107,7 +107,15 @@ def train_moe_reference(aux: float):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
     weights = train_reference(
-        model, x, y, steps=STEPS, batch_size=BATCH, lr=0.1, loss_fn=with_auxiliary_losses(cross_entropy, model)
+        model,
+        x,
+        y,
+        steps=STEPS,
+        batch_size=BATCH,
+        lr=lr,
+        optimizer=optimizer,
+        clip=clip,
+        loss_fn=with_auxiliary_losses(cross_entropy, model),
     )
     val = corpus("val", block_size=BLOCK, max_chars=20000)
     vx, vy = load_batch(val, torch.arange(len(val)))
@@ -144,6 +152,7 @@ def test_expert_parallel_under_dp_and_zero2(tmp_path, gang, moe_reference):
         (["parallel.cp=0"], 2, "parallel.cp"),
         (["parallel.ep=2", "model.n_experts=3"], 2, "parallel.ep"),  # 3 experts over 2 ranks
         (["parallel.ep=4", "model.n_experts=4"], 2, "parallel.ep"),  # 4 does not divide dp x cp = 2
+        (["parallel.strategy='zero3'", "parallel.ep=2", "model.n_experts=3"], 2, "parallel.ep"),
         (["parallel.ep=2"], 2, "parallel.ep"),  # a dense model: no experts to split
         (["parallel.strategy='tp'", "parallel.tp=2", "model.n_experts=2"], 2, "model.n_experts"),
         (["model.n_experts=2", "model.top_k=3"], 2, "model.top_k"),

@@ -117,8 +117,8 @@ class Strategy:
         """parallel.cp and parallel.ep (dp, zero1-3) on the world as a (dp, cp) grid
         (comm/grid.py): each cp group reads one dp share of the batch, the model's attention a ring
         over it (parallel/context/); each MoE layer's experts computed on the ranks of an ep group,
-        tokens sent there by all-to-all (parallel/expert/). Gradients still average over every
-        rank: each holds every parameter."""
+        tokens sent there by all-to-all (parallel/expert/). The dense parameters' gradients average
+        over every rank; the engines keep each rank's experts alone (dp/experts.py, zero/experts.py)."""
         cp, ep = self.cfg.parallel.cp, self.cfg.parallel.ep
         if cp == 1 and ep == 1:
             return

@@ -49,15 +49,19 @@ class LocalExperts:
         self.kept = {n for n, o in self.owner.items() if o == mesh.ep_rank} | set(self.stacks)
         self.dropped = set(self.owner) - self.kept
 
-    def chunks(self) -> Iterator[dict[str, torch.Tensor]]:
+    def chunks(self, only_experts: bool = False, state: dict | None = None) -> Iterator[dict[str, torch.Tensor]]:
         """Collective over the first ep group (ranks 0..E-1, whose ep rank is their global rank):
         the dense model's tensors in its order, yielded on rank 0, each expert's sent there by the
-        rank keeping it. Other ranks take no part."""
+        rank keeping it. Other ranks take no part. zero1-3 (zero/experts.py) ask for the experts
+        alone (`only_experts`), each rank's given as `state` (gathered from their shards)."""
         rank = dist.get_rank()
         if rank >= self.mesh.ep:
             return
-        state = self.model.state_dict()
+        state = state if state is not None else self.model.state_dict()
+        experts = set(self.owner) | set(self.stacks)
         for name, (dtype, shape) in self.layout.items():
+            if only_experts and name not in experts:
+                continue
             owner = self.owner.get(name, 0)
             if name in self.stacks:  # each rank's slice, in ep-rank order
                 whole = self._gather(state[name])

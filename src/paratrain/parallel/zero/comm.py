@@ -32,6 +32,7 @@ from torch import nn
 
 from paratrain.comm import collectives
 from paratrain.comm.collectives import Handle
+from paratrain.parallel.codecs.basic import CAST_DTYPES
 from paratrain.parallel.dp.engine import Bucket, GradientReducer, make_buckets
 
 
@@ -125,8 +126,13 @@ class FlatUnit:
         world: int,
         device: torch.device,
         module: nn.Module | None = None,
+        group=None,
+        divisor: int = 0,
     ):
+        """`group`: the ranks sharing the unit (`rank` of `world` there; None: the default group);
+        its gradients are summed there, each divided by `divisor` first (0: by `world`, a mean)."""
         self.index, self.params, self.names, self.module = index, params, names, module
+        self.group, self.divisor = group, divisor or world
         self.dtype, self.device = params[0].dtype, device
         self.shapes = [tuple(p.shape) for p in params]
         self.numels = [p.numel() for p in params]
@@ -176,19 +182,30 @@ class ShardReducer(GradientReducer):
     bucket is reduce-scattered in place: afterwards this rank's slice of it holds the average (the
     rest is whatever the collective left there, and unused)."""
 
-    def __init__(self, params, bucket_mb, device, group=None, wire_dtype=None):
+    def __init__(self, params, bucket_mb, device, group=None, wire_dtype=None, divisor: int = 0):
+        """`divisor`: of each gradient before the sum (0: the group's size, a mean; FlatUnit's)."""
         super().__init__(params, bucket_mb, device, group, pad_to=dist.get_world_size(group))
         self.rank = dist.get_rank(group)
         self.wire_dtype = wire_dtype
+        self.divisor = divisor or self.world
 
     def own_slice(self, b: Bucket) -> torch.Tensor:
         size = b.numel // self.world
         assert b.buffer is not None  # allocated for this backward
         return b.buffer[self.rank * size : (self.rank + 1) * size]
 
+    def finish(self) -> torch.Tensor:
+        """Alone nothing is reduce-scattered (GradientReducer), but a divisor other than the group's
+        size (an expert's: zero/experts.py) still applies."""
+        if self.world == 1 and self.divisor != 1 and self.sync:
+            for b in self.buckets:
+                assert b.buffer is not None  # allocated for this backward
+                b.buffer.div_(self.divisor)
+        return super().finish()
+
     def _communicate(self, b: Bucket):
         assert b.buffer is not None  # allocated for this backward
-        b.buffer.div_(self.world)
+        b.buffer.div_(self.divisor)
         return reduce_scatter(self.own_slice(b), b.buffer, f"zero-grad-bucket-{b.index}", self.group, self.wire_dtype)
 
 
@@ -222,10 +239,10 @@ class StreamingShardReducer:
         wire_dtype=None,
         in_place: bool = False,
     ):
-        self.units, self.group, self.in_order = units, group, in_order
+        self.units, self.in_order = units, in_order
         self.wire_dtype = wire_dtype
+        # `group`: the default one of the units', for its backend (each unit reduces over its own)
         self.in_place = in_place and _on_gloo(group)
-        self.world = dist.get_world_size(group)
         self.slot_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
         self.on_launch = on_launch or (lambda unit: None)
         self.launched: deque[FlatUnit] = deque()
@@ -299,13 +316,13 @@ class StreamingShardReducer:
             if unit.grad_full is None:  # no gradient reached this unit in this backward (same on all ranks)
                 self._allocate(unit)
             assert unit.grad_full is not None
-            unit.grad_full.div_(self.world)
+            unit.grad_full.div_(unit.divisor)
             own = unit.grad_full[unit.lo : unit.hi]
             unit.work = reduce_scatter(
                 own,
                 unit.grad_full,
                 f"zero-grad-unit-{unit.index}",
-                self.group,  # in place
+                unit.group,  # in place
                 self.wire_dtype,
             )
         self.on_launch(unit)
@@ -318,12 +335,12 @@ class StreamingShardReducer:
         for i, g in enumerate(unit.grads):
             if g is None:
                 continue
-            g.div_(self.world)
+            g.div_(unit.divisor)
             if self.wire_dtype is not None and self.wire_dtype != g.dtype:
                 unit.grads[i] = small = g.to(self.wire_dtype)
                 self._count(small.nbytes - g.nbytes)  # the full-precision gradient is freed
                 g = small
-            works.append(collectives.all_reduce(g, f"zero-grad-unit-{unit.index}-{i}", group=self.group, async_op=True))
+            works.append(collectives.all_reduce(g, f"zero-grad-unit-{unit.index}-{i}", group=unit.group, async_op=True))
         return Handle(works)
 
     def _count(self, nbytes: int) -> None:
@@ -388,3 +405,19 @@ def sharded_grad_norm(grads: list[torch.Tensor], group) -> torch.Tensor:
     if dist.get_world_size(group) > 1:
         collectives.all_reduce(squares, "zero-grad-norm", group=group)
     return squares.sqrt()
+
+
+def wire_dtype(cfg) -> torch.dtype | None:
+    """parallel.compression for ZeRO: bf16 / fp16 reduce-scatter a 16-bit copy of each gradient
+    bucket (the other codecs need an all-reduce of every rank's whole gradient: config rejects them)."""
+    return CAST_DTYPES.get(cfg.parallel.compression)
+
+
+def on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters())
+
+
+def shard_grad(u: FlatUnit) -> torch.Tensor:
+    """The unit's gradient shard: bound by the reducer before any backward ends."""
+    assert u.shard.grad is not None
+    return u.shard.grad

@@ -58,37 +58,22 @@ from paratrain.data.batch import feed
 from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer, rebuild_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, refuse, unique_parameters
-from paratrain.parallel.codecs.basic import CAST_DTYPES
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.zero import comm as zero_comm
-from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, all_gather
-from paratrain.parallel.zero.export import full_precision_layout, unit_chunks
+from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, all_gather, on_meta, shard_grad, wire_dtype
+from paratrain.parallel.zero.experts import bucket_units, zero_experts
+from paratrain.parallel.zero.export import full_precision_layout
 from paratrain.parallel.zero.reshard import check_checkpoint, load_sharded_state, sharded_state
 from paratrain.parallel.zero.user_tensors import GradShards
 
 
-def wire_dtype(cfg) -> torch.dtype | None:
-    """parallel.compression for ZeRO: bf16 / fp16 reduce-scatter a 16-bit copy of each gradient
-    bucket (the other codecs need an all-reduce of every rank's whole gradient: config rejects them)."""
-    return CAST_DTYPES.get(cfg.parallel.compression)
-
-
-def on_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in model.parameters())
-
-
-def shard_grad(u: FlatUnit) -> torch.Tensor:
-    """The unit's gradient shard: bound by the reducer before any backward ends."""
-    assert u.shard.grad is not None
-    return u.shard.grad
-
-
 class Zero(Strategy):
     stage = 0
+    splits_expert_weights = True  # parallel.ep: each rank keeps its experts alone (but in the own loop)
     reducer: ShardReducer | zero_comm.StreamingShardReducer  # stage 1's; stages 2 and 3 stream (stages.py)
     # The trainer builds models on the meta device for us (ZeroSpec.materializes_models; see models/materialize.py).
 
-    def __init__(self, model: nn.Module, loss_fn, cfg, rt):
+    def __init__(self, model: nn.Module, loss_fn, cfg, rt, own_loop: bool = False):  # own_loop: experts.py
         super().__init__(model, loss_fn, cfg, rt)
         self.replicas = replica_groups(cfg.parallel.replicas)
         self.group = group = self.replicas.inner  # None: the world is the one replica
@@ -98,17 +83,19 @@ class Zero(Strategy):
         self.device = rt.device
         self.mixed = cfg.train.precision == "bf16"
         self.zero_grad_called = True  # mixed precision: the pieces' gradients exist only in the step
+        self.split_sequences_and_experts(model)  # first: which experts this rank keeps, apart from the units
+        self.kept_experts = zero_experts(cfg, model, self.experts and self.experts.mesh, own_loop)
         named = unique_parameters(model)
         self.name_of = {id(p): n for n, p in named}
         self.units = self._make_units(model, named)
         self.slot_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
         self._allocate(model)
         self._load_initial_values(model)
+        self.kept_experts.keep(model)
         self._install(model)
         self._setup_communication(model)
         self._overlap_gathers_with_forward(model)
         self.batchnorm = BatchNormPolicy(model, cfg.parallel.sync_batchnorm, group)
-        self.split_sequences_and_experts(model)
         self._make_pieces()
         self.optimizer = self._with_gathers(build_optimizer(self.pieces, cfg.train))
         self.user_grads = GradShards(self.name, group)
@@ -117,14 +104,15 @@ class Zero(Strategy):
     # -- layout ---------------------------------------------------------------------------------
     def _make_units(self, model, named) -> list[FlatUnit]:
         """Stages 1 and 2: one unit per gradient bucket (dp's make_buckets; of working parameters)."""
-        groups = zero_comm.bucket_groups([p for _, p in named], self.cfg, self.world)
-        units = [
-            FlatUnit(i, g, [self.name_of[id(p)] for p in g], self.rank, self.world, self.device)
-            for i, g in enumerate(groups)
-        ]
-        for u in units:
-            u.dtype = zero_comm.working_dtype(self.cfg, u.dtype, self.stage)
-        return units
+        return self.kept_experts.units(named, self.world, bucket_units(self.cfg), self._unit)
+
+    def _unit(self, index: int, module, params: list[nn.Parameter], expert: bool) -> FlatUnit:
+        """A unit of the dense parameters, sharded over the replica, or of the kept experts (experts.py)."""
+        rank, world, group, divisor = self.kept_experts.sharing if expert else (self.rank, self.world, self.group, 0)
+        names = [self.name_of[id(p)] for p in params]
+        u = FlatUnit(index, params, names, rank, world, self.device, module=module, group=group, divisor=divisor)
+        u.dtype = zero_comm.working_dtype(self.cfg, u.dtype, self.stage)
+        return u
 
     def _allocate(self, model) -> None:
         """Stages 1 and 2: the full flat parameter of every unit is kept; the shard is a view of it,
@@ -159,7 +147,7 @@ class Zero(Strategy):
             slot = self.slot_of.get(id(meta_tensor))
             if slot is not None:
                 self._take_values(*slot, value)
-            else:
+            elif id(meta_tensor) not in self.kept_experts.skipped:  # another rank's expert: dropped
                 replicated[id(meta_tensor)] = value.to(self.device)
 
         materialize(model, self.cfg.train.seed, keep)
@@ -178,7 +166,7 @@ class Zero(Strategy):
 
     def _start_gathers(self) -> None:
         for u in self.units:
-            u.sync_work = all_gather(u.full, u.shard.detach(), f"zero-params-unit-{u.index}", self.group)
+            u.sync_work = all_gather(u.full, u.shard.detach(), f"zero-params-unit-{u.index}", u.group)
 
     def _wait_gathers(self, units) -> None:
         for u in units:
@@ -217,12 +205,18 @@ class Zero(Strategy):
         return u.views(u.full)
 
     def _setup_communication(self, model) -> None:
-        """Stage 1: dp's persistent buckets, reduce-scattered in place; the shard's grad is a view."""
-        params = [p for u in reversed(self.units) for p in reversed(u.params)]  # registration order
-        self.reducer = ShardReducer(params, self.cfg.parallel.bucket_mb, self.device, self.group, wire_dtype(self.cfg))
-        for u, b in zip(self.units, self.reducer.buckets):
+        """Stage 1: dp's persistent buckets, reduce-scattered in place; the shard's grad is a view
+        (the kept experts' in a reducer of their own, over their group: experts.py)."""
+        self.reducer = self._shard_reducer(self.kept_experts.apart(self.units)[0], self.group)
+        self.kept_experts.reduce_apart(self.units, self._shard_reducer)
+
+    def _shard_reducer(self, units: list[FlatUnit], group, divisor: int = 0) -> ShardReducer:
+        params = [p for u in reversed(units) for p in reversed(u.params)]  # registration order
+        reducer = ShardReducer(params, self.cfg.parallel.bucket_mb, self.device, group, wire_dtype(self.cfg), divisor)
+        for u, b in zip(units, reducer.buckets):
             assert [id(p) for p in u.params] == [id(p) for p in b.params], "bucket and unit layouts differ"
-            u.shard.grad = self.reducer.own_slice(b)
+            u.shard.grad = reducer.own_slice(b)
+        return reducer
 
     def _make_pieces(self) -> None:
         """The optimizer's parameters: each unit shard cut where the model's parameters meet, views
@@ -274,6 +268,7 @@ class Zero(Strategy):
         prof = self.profiler  # waits on gathers and reduce-scatters are its "comm" (paratrain.comm.collectives)
         for i, (x, y) in enumerate(micro):
             self._before_backward(i, last=i == len(micro) - 1)
+            self.kept_experts.prepare(i, last=i == len(micro) - 1)
             with prof.phase("forward"), self.autocast():
                 loss = self.loss_fn(feed(self.model, x), y)
             with prof.phase("backward"):
@@ -281,6 +276,7 @@ class Zero(Strategy):
             self._after_backward(last=i == len(micro) - 1)
             total += loss.detach()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
+        self.kept_experts.finish()
         grads = [shard_grad(u) for u in self.units]
         self._average_across_replicas(grads)
         with prof.phase("optimizer"):
@@ -291,7 +287,7 @@ class Zero(Strategy):
         return total / len(micro)
 
     def _grad_norm(self) -> torch.Tensor:
-        return zero_comm.sharded_grad_norm([shard_grad(u) for u in self.units], self.group)
+        return self.kept_experts.grad_norm(self.units, self.group)
 
     def _scale_grads(self, factor: torch.Tensor) -> None:
         for u in self.units:
@@ -408,12 +404,14 @@ class Zero(Strategy):
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self):
         """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
-        return sharded_state(self.units, self.optimizer, self.model, self.rank, self.world, self.stage)
+        return sharded_state(
+            self.units, self.optimizer, self.model, self.rank, self.world, self.stage, self.kept_experts.shapes
+        )
 
     check_checkpoint = staticmethod(check_checkpoint)  # the CLI's preflight of --resume
 
     def load_state_dict(self, reader) -> None:
-        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device)
+        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device, self.kept_experts.shapes)
         self._after_load()
 
     def _after_load(self) -> None:
@@ -482,10 +480,11 @@ class Zero(Strategy):
 
     # -- the consolidated model -------------------------------------------------------------------
     def model_layout(self):
-        return full_precision_layout(self.units, self.model)
+        return self.kept_experts.layout(full_precision_layout(self.units, self.model))
 
     def model_chunks(self):
-        return unit_chunks(self.units, self.model, self.rt.rank == 0, self._gather_full_precision, self._release)
+        first = self.rt.rank == 0
+        return self.kept_experts.chunks(self.units, self.model, first, self._gather_full_precision, self._release)
 
     def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
         """The unit's whole flat parameter in full precision: the working one, or the masters gathered."""
@@ -493,7 +492,7 @@ class Zero(Strategy):
         if u.master is u.shard:
             return u.full.detach()
         flat = torch.empty(u.numel, dtype=u.master.dtype, device=self.device)
-        all_gather(flat, u.master, f"zero-export-unit-{u.index}", self.group).wait()
+        all_gather(flat, u.master, f"zero-export-unit-{u.index}", u.group).wait()
         return flat
 
     def _release(self, u: FlatUnit) -> None:

@@ -10,7 +10,7 @@ from paratrain.config import Config
 from paratrain.cost.activations import saved_activation_bytes, step_memory, whole_model_activations
 from paratrain.cost.ranks import MIB, RankPlan, optimizer_slots, padded_bytes, padded_numel
 from paratrain.parallel.base import unique_parameters
-from paratrain.parallel.dp.footprint import Planned, wire_bytes
+from paratrain.parallel.dp.footprint import Planned, split_experts, wire_bytes
 from paratrain.parallel.zero.comm import bucket_groups, from_primitives, working_dtype
 from paratrain.parallel.zero.gather import module_units
 
@@ -83,15 +83,43 @@ def zero_peak(step: int, on_top: tuple[int, int]) -> int:
     return max(step + during_backward, after)
 
 
+def kept_experts(cfg: Config, model: nn.Module) -> tuple[list, list]:
+    """(the dense parameters, one rank's kept experts) as zero/experts.py splits them: dp's split
+    (1/E of the gpt's experts, in units of their own), but none apart with parallel.replicas > 1 or
+    a Hugging Face model's experts (their stacks stay in the dense units)."""
+    from paratrain.models.hf import hf_experts
+
+    named = unique_parameters(model)
+    if cfg.parallel.replicas > 1 or hf_experts(model):
+        return [p for _, p in named], []
+    return split_experts(cfg, model, named)
+
+
+def model_state(cfg: Config, stage: int, model: nn.Module, world: int):
+    """zero_state of the dense units over `world` ranks, plus the kept experts' over the world / E
+    ranks keeping the same experts: the bytes summed, what comes on top the larger of the two."""
+    dense, experts = kept_experts(cfg, model)
+    param_b, grad_b, opt_b, transient, on_top = zero_state(cfg, stage, model, dense, world)
+    if experts:
+        p_e, g_e, o_e, _, (backward, after) = zero_state(cfg, stage, model, experts, world // cfg.parallel.ep)
+        param_b, grad_b, opt_b = param_b + p_e, grad_b + g_e, opt_b + o_e
+        on_top = (max(on_top[0], backward), max(on_top[1], after))
+    return param_b, grad_b, opt_b, transient, on_top
+
+
 def zero(spec: StagedSpec, cfg: Config, model: nn.Module, ranks: list[RankPlan], rows: int, device: str) -> Planned:
     params = [t for _, t in unique_parameters(model)]
     world = len(ranks) // cfg.parallel.replicas  # the ranks of one replica, which shard the state
     step = whole_model_activations(cfg, ranks, rows, mixed_working_dtype(cfg, params, spec.stage))
-    param_b, grad_b, opt_b, transient, on_top = zero_state(cfg, spec.stage, model, params, world)
+    param_b, grad_b, opt_b, transient, on_top = model_state(cfg, spec.stage, model, world)
+    dense, experts = kept_experts(cfg, model)
+    backend = "nccl" if device == "cuda" else "gloo"
     for r in ranks:
         r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
         r.peak_bytes = r.model_state_bytes + zero_peak(step, on_top)
-        zero_messages(r, cfg, spec.stage, model, params, world, "nccl" if device == "cuda" else "gloo")
+        zero_messages(r, cfg, spec.stage, model, dense, world, backend)
+        if experts:  # over the ranks keeping the same experts
+            zero_messages(r, cfg, spec.stage, model, experts, world // cfg.parallel.ep, backend)
     return [], [f"{spec.name}: {transient}"] if transient else []
 
 
@@ -147,6 +175,6 @@ def replica(
     assert memory is not None  # None only under tp
     (step,) = memory
     shards = world // cfg.parallel.replicas
-    one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = zero_state(cfg, spec.stage, model, params, shards)
+    one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = model_state(cfg, spec.stage, model, shards)
     one.peak_bytes = one.model_state_bytes + zero_peak(max(step.forward_peak, step.backward_peak), on_top)
     return [one], []

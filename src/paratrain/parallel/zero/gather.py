@@ -91,10 +91,10 @@ class ParameterGatherer:
     `always_gathered` (world 1: each unit's full parameter is its shard): gathered from the start and
     never freed, nothing copied or allocated (the user's model holds its parameters for good)."""
 
-    def __init__(
-        self, units: list[FlatUnit], root: nn.Module, group, reducer, lockstep: LockstepCheck, always_gathered: bool
-    ):
-        self.units, self.root, self.group, self.reducer, self.lockstep = units, root, group, reducer, lockstep
+    def __init__(self, units: list[FlatUnit], root: nn.Module, reducer, lockstep: LockstepCheck, always_gathered: bool):
+        """Each unit gathered over its own group (FlatUnit.group: under parallel.ep an expert's
+        over the ranks keeping it, zero/experts.py)."""
+        self.units, self.root, self.reducer, self.lockstep = units, root, reducer, lockstep
         self.backward_checked = False
         # told when a unit's parameters become whole and when they are freed (Zero3's ShardedParams)
         self.on_gathered = self.on_freed = lambda u: None
@@ -119,7 +119,7 @@ class ParameterGatherer:
         self.live_bytes += u.full_nbytes()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         u.version = u.full._version
-        u.gather_work = all_gather(u.full, u.shard.detach(), f"zero3-params-unit-{u.index}", self.group)
+        u.gather_work = all_gather(u.full, u.shard.detach(), f"zero3-params-unit-{u.index}", u.group)
         u.state = "gathering"
 
     def _wait(self, u: FlatUnit) -> None:

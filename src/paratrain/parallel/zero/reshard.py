@@ -4,6 +4,10 @@ Every rank writes the pieces of parameters and optimizer state it owns, keyed by
 their [start, end) offsets within the flattened parameter; buffers and frozen parameters (whole on
 every rank) go into rank 0's file. A checkpoint written at world N loads at any world M: each rank
 reads, from every rank's file, the pieces overlapping its new shards.
+
+Under parallel.ep the kept experts' units (zero/experts.py) are pieces like any other, under the
+dense model's names; a rank's model lacks the other ranks' experts, so their dense shapes
+(`experts`: name -> shape) stand in for the model's where a checkpoint's layout is checked.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from paratrain.parallel.base import unique_parameters
 from paratrain.parallel.zero.comm import FlatUnit
 
 
-def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int, world: int, stage: int):
+def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int, world: int, stage: int, experts: dict):
     """This rank's pieces of every parameter and its optimizer state, keyed by parameter name
     (the optimizer's parameters are those pieces: FlatUnit.pieces)."""
     tensors, pieces, scalars, shared = {}, {}, {}, {}
@@ -41,7 +45,7 @@ def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int,
             "stage": stage,
             "world_size": world,
             "pieces": pieces,
-            "params": {n: list(s) for u in units for n, s in zip(u.names, u.shapes)},
+            "params": {**{n: list(s) for u in units for n, s in zip(u.names, u.shapes)}, **experts},
             "optimizer": {"param_groups": groups, "scalars": scalars},
         }
     }
@@ -65,7 +69,9 @@ def check_checkpoint(reader, model: nn.Module) -> None:
     check_layout(model, saved["params"], replicated, key="--resume")
 
 
-def load_sharded_state(reader, units: list[FlatUnit], optimizer, model: nn.Module, device: torch.device) -> None:
+def load_sharded_state(
+    reader, units: list[FlatUnit], optimizer, model: nn.Module, device: torch.device, experts: dict
+) -> None:
     """Each rank takes, from every rank's file of the checkpoint, the pieces overlapping its own shards."""
     tensors0, meta0 = reader.load(rank=0)
     saved = meta0.get("zero")
@@ -75,6 +81,7 @@ def load_sharded_state(reader, units: list[FlatUnit], optimizer, model: nn.Modul
         model,
         saved["params"],
         {k[len("replicated.") :]: list(v.shape) for k, v in tensors0.items() if k.startswith("replicated.")},
+        experts,
     )
     own = {u.names[i]: (start, end, piece) for u in units for i, start, end, _, piece in u.pieces}
     piece_state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in own}
@@ -122,9 +129,13 @@ def replicated_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in trainable}
 
 
-def check_layout(model: nn.Module, saved_params: dict, saved_replicated: dict, key: str = "resume") -> None:
-    """Exit 2 naming the parameters or buffers whose name or shape differs from the checkpoint's."""
+def check_layout(
+    model: nn.Module, saved_params: dict, saved_replicated: dict, experts: dict | None = None, key: str = "resume"
+) -> None:
+    """Exit 2 naming the parameters or buffers whose name or shape differs from the checkpoint's
+    (`experts`: every expert parameter's dense shape, where the model keeps some of them only)."""
     ours = {n: p.shape for n, p in unique_parameters(model)}
+    ours.update({n: torch.Size(shape) for n, shape in (experts or {}).items()})
     ours.update({k: v.shape for k, v in replicated_state(model).items()})
     differs = ckpt.describe_mismatch(ours, {**saved_params, **saved_replicated})
     if differs:

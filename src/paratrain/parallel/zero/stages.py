@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from paratrain.comm.lockstep import LOAD_STATE_DICT, STATE_DICT, LockstepCheck
-from paratrain.parallel.zero import comm as zero_comm
-from paratrain.parallel.zero.comm import FlatUnit, StreamingShardReducer
-from paratrain.parallel.zero.engine import Zero, wire_dtype
+from paratrain.parallel.zero.comm import FlatUnit, StreamingShardReducer, wire_dtype
+from paratrain.parallel.zero.engine import Zero
 from paratrain.parallel.zero.gather import ParameterGatherer, module_units
 from paratrain.parallel.zero.user_tensors import ShardedParam
 
@@ -64,16 +63,12 @@ class Zero3(Zero2):
 
     def _make_units(self, model, named) -> list[FlatUnit]:
         """One unit per module (see `module_units`), indexed in reverse forward order like buckets."""
-        groups = module_units(model, [p for _, p in named], int(self.cfg.parallel.bucket_mb * 2**20))
-        units = [
-            FlatUnit(
-                i, params, [self.name_of[id(p)] for p in params], self.rank, self.world, self.device, module=module
-            )
-            for i, (module, params) in enumerate(reversed(groups))
-        ]
-        for u in units:
-            u.dtype = zero_comm.working_dtype(self.cfg, u.dtype, self.stage)
-        return units
+        max_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
+
+        def modules(params, world: int):  # (the kept experts' apart: experts.py)
+            return list(reversed(module_units(model, params, max_bytes)))
+
+        return self.kept_experts.units(named, self.world, modules, self._unit)
 
     def _allocate(self, model) -> None:
         """The full flat parameter of a unit has storage only while gathered; the shard is its own,
@@ -118,7 +113,7 @@ class Zero3(Zero2):
         # not self.lockstep: Strategy's (whether every rank steps together), which this shadowed
         self.lockstep_check = LockstepCheck(self.name, self.cfg.parallel.timeout_s)
         self.gatherer = ParameterGatherer(
-            self.units, model, self.group, self.reducer, self.lockstep_check, always_gathered=self._alone()
+            self.units, model, self.reducer, self.lockstep_check, always_gathered=self._alone()
         )
         # the model's state_dict call under way, and its gathers; the ShardedParams, once the model is the user's
         self.state_call, self.gathered_for = None, dict[nn.Module, list[FlatUnit]]()

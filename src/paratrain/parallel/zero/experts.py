@@ -1,0 +1,181 @@
+"""zero1-3 under parallel.ep: each rank keeps only its ep rank's experts, as dp does (the same split:
+parallel/expert/weights.py), and ZeRO shards them over the ranks keeping the same experts, as
+FSDP2 does under torchtitan:
+
+    dense parameters   units sharded over the replica's ranks as ever (engine.py)
+    kept experts       units of their own, sharded over the expert-data-parallel group: the world / E
+                       ranks keeping the same experts (the mesh's expert_replicas: rank w keeps the
+                       experts of ep rank w % E and is rank w // E there)
+
+so a rank holds 1/E of the experts' weights, gradients and optimizer state as every rank would
+hold of one replicated expert set under the same stage (stage 1: the kept experts whole, their
+optimizer state / (world / E); stage 3: their weights too).
+
+The divisor. An expert's gradient on a rank keeping it is the sum over its ep group's tokens (the
+dp derivation, dp/experts.py); one process's is the sum over the world / E keepers divided by the
+world. So an expert unit's gradients are divided by the world (not its group's size) before they
+are summed over its group. The gradient norm counts each expert once: the squares of the expert
+shards' norms summed over their group, then over the ep group (its ranks keep different experts).
+
+Units come in backward order as ever, the experts' between the dense ones where their parameters
+are registered (stage 2 reduces them in that order). Checkpoints stay ZeRO's pieces: every rank
+writes its pieces of every unit under the dense model's names, so a run at any ep or world reads
+back its own (zero/reshard.py). The export gathers each expert unit over its group and sends each
+expert to rank 0 from the first ep group (LocalExperts.chunks).
+
+Where the experts are not split, every rank keeps every expert in the dense units: ep 1, the
+Python API's own loop (its optimizer holds every parameter), a compressing codec (dp's rule),
+parallel.replicas > 1 (the experts' groups would cross the replicas that write checkpoints), and
+a Hugging Face model's experts (their stacks are cut after materialization, not before)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm import collectives
+from paratrain.comm.grid import DataMesh
+from paratrain.models.hf import hf_experts
+from paratrain.parallel.base import unique_parameters
+from paratrain.parallel.expert.weights import LocalExperts, expert_owners, keep_local_experts
+from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, bucket_groups, shard_grad, sharded_grad_norm
+from paratrain.parallel.zero.export import unit_chunks
+
+# groups(params, world) -> [(module or None, params)]: the units of `params` sharded over `world`
+# ranks, in backward order
+Groups = Callable[[list[nn.Parameter], int], list[tuple[nn.Module | None, list[nn.Parameter]]]]
+# make(index, module, params, expert) -> the unit
+Make = Callable[[int, nn.Module | None, list[nn.Parameter], bool], FlatUnit]
+
+
+def bucket_units(cfg) -> Groups:
+    """Stages 1 and 2's units: dp's buckets (zero/comm.py: bucket_groups), no module of their own."""
+    return lambda params, world: [(None, g) for g in bucket_groups(params, cfg, world)]
+
+
+class AllExperts:
+    """Every rank keeps every expert: the experts are parameters of the dense units like any other."""
+
+    names: frozenset[str] | set[str] = frozenset()  # the names of the kept experts' parameters
+    skipped: frozenset[int] | set[int] = frozenset()  # ids of the (meta) model's tensors this rank drops
+    shapes: dict[str, list[int]] = {}  # every expert parameter's name: its dense shape (checkpoints)
+    sharing: tuple[int, int, object, int]  # (rank, world, group, divisor) of a kept expert's unit
+
+    def units(self, named: list[tuple[str, nn.Parameter]], world: int, groups: Groups, make: Make) -> list[FlatUnit]:
+        """The units of the model's parameters `named`, the dense ones over `world` ranks."""
+        return [make(i, module, g, False) for i, (module, g) in enumerate(groups([p for _, p in named], world))]
+
+    def keep(self, model: nn.Module) -> None:
+        pass
+
+    def apart(self, units: list[FlatUnit]) -> tuple[list[FlatUnit], list[FlatUnit]]:
+        """(the dense units, the kept experts')."""
+        return units, []
+
+    def reduce_apart(self, units: list[FlatUnit], make: Callable[..., ShardReducer]) -> None:
+        pass
+
+    def prepare(self, micro: int, last: bool) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def grad_norm(self, units: list[FlatUnit], group) -> torch.Tensor:
+        return sharded_grad_norm([shard_grad(u) for u in units], group)
+
+    def layout(self, dense: dict) -> dict:
+        return dense
+
+    def chunks(self, units: list[FlatUnit], model: nn.Module, first: bool, gather, release) -> Iterator[dict]:
+        """The export (zero/export.py: unit_chunks)."""
+        return unit_chunks(units, model, first, gather, release)
+
+
+class SplitExperts(AllExperts):
+    """This rank's ep rank's experts, in units of their own over the ranks keeping them."""
+
+    def __init__(self, model: nn.Module, mesh: DataMesh):
+        """`model` as built, maybe on meta (its values not made yet: the gpt's initialisation replays
+        every expert's, so the others' experts are dropped once it has run, `keep`)."""
+        self.mesh = mesh
+        owner = expert_owners(model, mesh.ep)
+        self.names = {n for n, o in owner.items() if o == mesh.ep_rank}
+        self.skipped = {id(p) for n, p in unique_parameters(model) if n in owner and n not in self.names}
+        self.shapes = {n: list(p.shape) for n, p in unique_parameters(model) if n in owner}
+        self.world = dist.get_world_size()
+        self.group = cast(dist.ProcessGroup | None, mesh.expert_replicas)
+        if self.group is None:  # ep is the world: each expert on one rank, a group of its own
+            self.group = [dist.new_group([r]) for r in range(self.world)][dist.get_rank()]
+        self.sharing = dist.get_rank(self.group), dist.get_world_size(self.group), self.group, self.world
+        self.reducer: ShardReducer | None = None  # stage 1's, over the experts' group (engine.py)
+
+    def units(self, named: list[tuple[str, nn.Parameter]], world: int, groups: Groups, make: Make) -> list[FlatUnit]:
+        """The dense parameters' units and the kept experts' (over their group; the others' left
+        out), merged in backward order: by the last registered parameter of each, latest first."""
+        order = {id(p): i for i, (_, p) in enumerate(named)}
+        dense = [p for n, p in named if n not in self.names and id(p) not in self.skipped]
+        kept = [p for n, p in named if n in self.names]
+        tagged = [(m, g, False) for m, g in groups(dense, world)]
+        tagged += [(m, g, True) for m, g in groups(kept, self.sharing[1])]
+        tagged.sort(key=lambda t: -max(order[id(p)] for p in t[1]))
+        return [make(i, module, g, expert) for i, (module, g, expert) in enumerate(tagged)]
+
+    def keep(self, model: nn.Module) -> None:
+        """Once the model holds its values: the other ranks' experts dropped from it (weights.py)."""
+        self.local: LocalExperts = keep_local_experts(model, self.mesh)
+
+    def apart(self, units: list[FlatUnit]) -> tuple[list[FlatUnit], list[FlatUnit]]:
+        return [u for u in units if u.group is not self.group], [u for u in units if u.group is self.group]
+
+    def reduce_apart(self, units: list[FlatUnit], make: Callable[..., ShardReducer]) -> None:
+        """Stage 1: the experts' buckets in a reducer of their own, over their group."""
+        _, experts = self.apart(units)
+        self.reducer = make(experts, self.group, self.world) if experts else None
+
+    def prepare(self, micro: int, last: bool) -> None:
+        """Stage 1, before each micro-batch's backward: zeroed before the first, reduced in the last."""
+        if self.reducer is not None:
+            if micro == 0:
+                self.reducer.zero_grad()
+            self.reducer.prepare(sync=last)
+
+    def finish(self) -> None:
+        if self.reducer is not None:
+            self.reducer.finish()
+
+    def grad_norm(self, units: list[FlatUnit], group) -> torch.Tensor:
+        """The dense shards' norm (over `group`) with each expert's once (the module docstring)."""
+        dense, experts = self.apart(units)
+        norm = sharded_grad_norm([shard_grad(u) for u in dense], group)
+        squares = (sharded_grad_norm([shard_grad(u) for u in experts], self.group) ** 2).reshape(1)
+        collectives.all_reduce(squares, "expert-grad-norm", group=self.mesh.ep_group)
+        return torch.sqrt(norm**2 + squares[0])
+
+    def layout(self, dense: dict) -> dict:
+        """The dense model's layout, in its order: the units' parameters in full precision."""
+        return {k: dense.get(k, v) for k, v in self.local.layout.items()}
+
+    def chunks(self, units: list[FlatUnit], model: nn.Module, first: bool, gather, release) -> Iterator[dict]:
+        """Collective over the world: the dense units' (less what rank 0 holds of its experts, whole
+        beside them), then the experts': each of this rank's gathered over its group (at once: this
+        rank's 1/E of the experts' weights), sent to rank 0 from the first ep group, released."""
+        dense, experts = self.apart(units)
+        for chunk in unit_chunks(dense, model, first, gather, release):
+            yield {k: v for k, v in chunk.items() if k not in self.names}
+        own = {name: t for u in experts for name, t in zip(u.names, u.views(gather(u)))}
+        yield from self.local.chunks(only_experts=True, state=own)
+        for u in experts:
+            release(u)
+
+
+def zero_experts(cfg, model: nn.Module, mesh: DataMesh | None, own_loop: bool) -> AllExperts:
+    """How zero1-3 keep the model's experts (the module docstring: where they are not split)."""
+    p = cfg.parallel
+    if mesh is None or own_loop or p.compression != "none" or p.replicas > 1 or hf_experts(model):
+        return AllExperts()
+    return SplitExperts(model, mesh)
