@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm.grid import DataMesh
+from paratrain.comm.grid import DataMesh, Mesh
 from paratrain.data.batch import tree_map
 from paratrain.errors import ConfigError
 from paratrain.parallel.context import hf
@@ -186,7 +186,7 @@ class ContextParallel:
     `paratrain_attention` attribute take (q, k, v) -> y, modules with `paratrain_positions` the
     global positions of the local tokens. A Hugging Face decoder is hooked from outside (hf.py)."""
 
-    def __init__(self, model: nn.Module, mesh: DataMesh):
+    def __init__(self, model: nn.Module, mesh: DataMesh | Mesh):
         self.mesh = mesh
         self.ring = Ring(mesh)
         self.local_positions = torch.arange(0)  # the current batch's, set by local_batch
@@ -271,6 +271,6 @@ def check_context(cfg, model: nn.Module, sample) -> None:
         )
 
 
-def context_parallel(model: nn.Module, mesh: DataMesh) -> ContextParallel | None:
+def context_parallel(model: nn.Module, mesh: DataMesh | Mesh) -> ContextParallel | None:
     """The model's attention made a ring over the mesh's cp group (None when cp is 1)."""
     return ContextParallel(model, mesh) if mesh.cp > 1 else None
