@@ -89,7 +89,8 @@ def zero(spec: StagedSpec, cfg: Config, model: nn.Module, ranks: list[RankPlan],
     step = whole_model_activations(cfg, ranks, rows, mixed_working_dtype(cfg, params, spec.stage))
     param_b, grad_b, opt_b, transient, on_top = zero_state(cfg, spec.stage, model, params, world)
     for r in ranks:
-        r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
+        (r.dp, r.cp), r.param_bytes = divmod(r.rank, cfg.parallel.cp), param_b  # comm/grid.py's DataMesh
+        r.grad_bytes, r.optimizer_bytes = grad_b, opt_b
         r.peak_bytes = r.model_state_bytes + zero_peak(step, on_top)
         zero_messages(r, cfg, spec.stage, model, params, world, "nccl" if device == "cuda" else "gloo")
     return [], [f"{spec.name}: {transient}"] if transient else []
