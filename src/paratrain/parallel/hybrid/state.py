@@ -1,4 +1,4 @@
-"""ModelParallel's state across layouts: resuming any (pp, dp, tp) layout from a checkpoint of any
+"""ModelParallel's state across layouts: resuming any (pp, dp, cp, tp) layout from a checkpoint of any
 other, and handing the consolidated model to rank 0 a tensor at a time. `mp` is the ModelParallel of this rank."""
 
 from __future__ import annotations
