@@ -121,6 +121,8 @@ class ModelParallel(Strategy):
         p = cfg.parallel
         self.mesh = mesh = build_mesh(p.tp, p.pp, rt.device.type, p.cp)
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
+        # every cp rank of the last stage reports its chunks' loss: the ranks' mean is the sequences'
+        # (equal chunks; a model's own loss is made so by context/hf.py's count), as under dp
         self.reports_loss = mesh.pp_rank == mesh.pp - 1 and mesh.tp_rank == 0
         broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=0)
         self.full_meta = meta_copy(model)  # the unsplit model's keys, shapes and dtypes
