@@ -65,11 +65,11 @@ QWEN2_WINDOW = job(
 BERT_MLM = BERT.replace('task = "sequence-classification"', 'task = "masked-lm"')
 
 
-PP = ["--nproc", "4", "--set", "parallel.strategy='pp'", "--set", "parallel.pp=2"]
+PP = ["parallel.strategy='pp'", "parallel.pp=2"]  # cp 2 x pp 2: 4 ranks
 
 
 @pytest.mark.parametrize(
-    "text, why, more",
+    "text, why, sets",
     [
         (LLAMA.replace('"causal-lm"', '"sequence-classification"'), "head is not per token", []),  # one token pooled
         (QWEN2_WINDOW, "sliding_attention layers", []),
@@ -78,9 +78,12 @@ PP = ["--nproc", "4", "--set", "parallel.strategy='pp'", "--set", "parallel.pp=2
         (LLAMA, "cut into pipeline stages", PP),
     ],
 )
-def test_hf_models_cp_cannot_split_exit_2(tmp_path, capsys, text, why, more):
+def test_hf_models_cp_cannot_split_exit_2(tmp_path, capsys, text, why, sets):
     cfg = write_config(tmp_path / "c.toml", text)
-    args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", "parallel.cp=2", *more]
+    nproc = "4" if sets == PP else "2"
+    args = ["run", str(cfg), "--nproc", nproc, "--run-dir", str(tmp_path / "r"), "--set", "parallel.cp=2"]
+    for s in sets:
+        args += ["--set", s]
     assert main(args) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "parallel.cp" in lines[0] and why in lines[0], lines
