@@ -90,6 +90,33 @@ def test_context_parallel_with_data_parallel_and_zero(tmp_path, gang, dense_refe
     check_equal(tmp_path, "cp4", dense_reference)
 
 
+@pytest.mark.parametrize(
+    "name, sets, resumed_as",
+    [
+        # each tp rank's one head around its own ring of 2; the head's vocab-split loss per chunk;
+        # its checkpoint (written by cp rank 0) resumed without cp, at world 2
+        ("tp2-cp2", ["parallel.strategy='tp'", "parallel.tp=2"], 2),
+        # 4 microbatches of each stage's chunks; stage 1 gets stage 0's chunks from its cp twin
+        ("pp2-cp2", ["parallel.strategy='pp'", "parallel.pp=2"], None),
+    ],
+)
+def test_context_parallel_under_tensor_and_pipeline_parallelism(
+    tmp_path, gang, dense_reference, name, sets, resumed_as
+):
+    """World 4 on the (pp, dp, cp, tp) mesh: cp 2 x tp 2 and cp 2 x pp 2, the ring over the cp
+    group composed with the hybrid engine's shards and stages; gradients averaged over the cp
+    ranks, equal to one process (and so is the run resumed at another cp)."""
+    out = train(gang, tmp_path, name, 4, *sets, "parallel.cp=2", "checkpoint.every=6")
+    check_equal(tmp_path, name, dense_reference)
+    # the ring checked on the first step under tp (every rank runs the same blocks), not under pp
+    assert out.count(RING_CHECKED) == (1 if resumed_as else 0), out
+    if resumed_as:
+        cfg = tmp_path / "gpt.toml"
+        step6 = str(tmp_path / name / "checkpoints" / "step-6")
+        gang(resumed_as).train(cfg, tmp_path / "resumed", sets, resume=step6)
+        check_equal(tmp_path, "resumed", dense_reference)
+
+
 MOE = ["model.n_experts=4", "model.top_k=2", "model.moe_aux_loss=0.05"]
 
 
@@ -147,7 +174,9 @@ def test_expert_parallel_under_dp_and_zero2(tmp_path, gang, moe_reference):
     [
         (["parallel.cp=3"], 3, "parallel.cp"),  # 6 chunks do not divide 16 tokens
         (["parallel.cp=2"], 3, "parallel.cp"),  # 2 does not divide the world of 3
-        (["parallel.strategy='pp'", "parallel.pp=2", "parallel.cp=2"], 4, "parallel.cp"),
+        (["parallel.strategy='tp'", "parallel.tp=2", "parallel.cp=2"], 2, "parallel.cp"),  # cp x tp > world
+        (["parallel.strategy='hybrid'", "parallel.tp=2", "parallel.cp=3"], 6, "parallel.cp"),  # 6 chunks, 16 tokens
+        (["parallel.strategy='pp'", "parallel.pp=2", "parallel.cp=2", "parallel.replicas=2"], 8, "parallel.cp"),
         (["parallel.strategy='ps'", "parallel.cp=2"], 2, "parallel.cp"),
         (["parallel.cp=0"], 2, "parallel.cp"),
         (["parallel.ep=2", "model.n_experts=3"], 2, "parallel.ep"),  # 3 experts over 2 ranks

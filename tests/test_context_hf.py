@@ -70,29 +70,46 @@ QWEN2_WINDOW = job(
 BERT_MLM = BERT.replace('task = "sequence-classification"', 'task = "masked-lm"')
 
 
+PP = ["parallel.strategy='pp'", "parallel.pp=2"]  # cp 2 x pp 2: 4 ranks
+
+
 @pytest.mark.parametrize(
-    "text, why",
+    "text, why, sets",
     [
-        (LLAMA.replace('"causal-lm"', '"sequence-classification"'), "head is not per token"),  # one token pooled
-        (QWEN2_WINDOW, "sliding_attention layers"),
-        (BERT_MLM, "attention is not causal"),  # an encoder: every token attends to every other
+        (LLAMA.replace('"causal-lm"', '"sequence-classification"'), "head is not per token", []),  # one token pooled
+        (QWEN2_WINDOW, "sliding_attention layers", []),
+        (BERT_MLM, "attention is not causal", []),  # an encoder: every token attends to every other
+        # its pipeline stages number their tokens from 0, not by the chunks' global positions
+        (LLAMA, "cut into pipeline stages", PP),
     ],
 )
-def test_hf_models_cp_cannot_split_exit_2(tmp_path, capsys, text, why):
+def test_hf_models_cp_cannot_split_exit_2(tmp_path, capsys, text, why, sets):
     cfg = write_config(tmp_path / "c.toml", text)
-    args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", "parallel.cp=2"]
+    nproc = "4" if sets == PP else "2"
+    args = ["run", str(cfg), "--nproc", nproc, "--run-dir", str(tmp_path / "r"), "--set", "parallel.cp=2"]
+    for s in sets:
+        args += ["--set", s]
     assert main(args) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "parallel.cp" in lines[0] and why in lines[0], lines
 
 
-def test_llama_context_parallel_with_data_parallel_under_zero3(tmp_path, gang):
-    """World 4: cp 2 x dp 2 under zero3 (parameters gathered per layer, the hooks on the model
-    still the ring's) in 2 micro-batches a step (each counts its own tokens), the model's own
-    loss: equal to one process."""
+@pytest.mark.parametrize(
+    "sets",
+    [
+        # cp 2 x dp 2 under zero3 (parameters gathered per layer, the hooks on the model still the
+        # ring's) in 2 micro-batches a step (each counts its own tokens)
+        ["parallel.strategy='zero3'", "train.grad_accum=2"],
+        # cp 2 x tp 2: each tp rank's 2 query heads and 1 key/value head around its ring, its plan
+        # verified with the ring in the attention
+        ["parallel.strategy='tp'", "parallel.tp=2"],
+    ],
+    ids=["zero3-dp2", "tp2"],
+)
+def test_llama_context_parallel_at_world_4(tmp_path, gang, sets):
+    """World 4, cp 2 with dp or tp, the model's own loss: equal to one process."""
     reference = train_alone(built(LLAMA), "labelled", own_loss)
     cfg = write_config(tmp_path / "c.toml", LLAMA)
-    sets = ["parallel.strategy='zero3'", "parallel.cp=2", "data.layout='labelled'", "train.loss='model'"]
-    sets += ["train.grad_accum=2"]
+    sets = [*sets, "parallel.cp=2", "data.layout='labelled'", "train.loss='model'"]
     gang(4).train(cfg, tmp_path / "run", sets, timeout=300)
     assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4

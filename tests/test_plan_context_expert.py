@@ -1,9 +1,13 @@
 """`paratrain plan` for context and expert parallelism (cost/context_expert.py): the ring's and the
 all-to-alls' time in the step, tokens counted whole under cp, and `--search` proposing cp and ep."""
 
+import json
+
 import pytest
+from helpers import write_config
 from test_context_expert import GPT
 
+from paratrain.cli import main
 from paratrain.cost.cluster import parse_cluster
 from paratrain.plan.search import search
 
@@ -45,6 +49,34 @@ def test_plan_times_the_ring_and_the_all_to_all(config):
     local, split = plan_of(config, 2, *moe), plan_of(config, 2, *moe, "parallel.ep=2")
     assert "ep_comm_s" not in local["step_breakdown"] and split["step_breakdown"]["ep_comm_s"] > 0
     assert split["predicted"]["step_s"] > local["predicted"]["step_s"]
+
+
+def test_plan_of_context_parallel_under_tensor_and_pipeline_parallelism(tmp_path, capsys):
+    """`paratrain plan` of cp 2 x tp 2: the mesh line places cp in the global rank and each rank's
+    ring position, and the step time has the ring's exchanges. At the same dp degree, cp 2 x pp 2
+    holds half of each sequence's activations of pp 2 alone; tp's peak step memory over the model
+    state halves likewise."""
+    cfg = write_config(tmp_path / "gpt.toml", GPT)
+
+    def plan(nproc: int, *sets: str) -> dict:
+        out = tmp_path / f"plan-{len(list(tmp_path.iterdir()))}.json"
+        args = ["plan", str(cfg), "--nproc", str(nproc), "--json", str(out)]
+        assert main([*args, *(a for s in sets for a in ("--set", s))]) == 0
+        return json.loads(out.read_text())
+
+    tp = ["parallel.strategy='tp'", "parallel.tp=2"]
+    assert main(["plan", str(cfg), "--nproc", "4", *(a for s in [*tp, "parallel.cp=2"] for a in ("--set", s))]) == 0
+    text = capsys.readouterr().out
+    assert "mesh: dp 1 x cp 2 x tp 2 x pp 1 (global rank = ((pp * 1 + dp) * 2 + cp) * 2 + tp)" in text, text
+    split, whole = plan(4, *tp, "parallel.cp=2"), plan(2, *tp)
+    assert split["mesh"]["cp"] == 2 and [r["cp"] for r in split["ranks"]] == [0, 0, 1, 1]
+    assert split["step_breakdown"]["cp_comm_s"] > 0
+    transient = [p["ranks"][0]["peak_bytes"] - p["ranks"][0]["model_state_bytes"] for p in (split, whole)]
+    assert 0.4 < transient[0] / transient[1] < 0.6, transient
+    pp = ["parallel.strategy='pp'", "parallel.pp=2"]
+    split, whole = plan(4, *pp, "parallel.cp=2"), plan(2, *pp)
+    activations = [p["ranks"][0]["activation_bytes"] for p in (split, whole)]
+    assert 0.4 < activations[0] / activations[1] < 0.6, activations
 
 
 def test_search_proposes_context_and_expert_parallelism(config):

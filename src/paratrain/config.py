@@ -180,7 +180,7 @@ class ParallelConfig:
     cp: int = opt(
         1,
         check=_positive,
-        doc="context-parallel degree (dp, zero1-3): each sequence split over cp ranks, attention as a ring",
+        doc="context-parallel degree (dp, zero1-3, tp, pp, hybrid): each sequence split over cp ranks, attention as a ring",
     )
     ep: int = opt(
         1,

@@ -1,7 +1,7 @@
 """The one place that builds process groups (the world's own comes from runtime/process.py):
-the (pp, dp, tp) mesh of model parallelism, and the few groups other parts need besides.
+the (pp, dp, cp, tp) mesh of model parallelism, and the few groups other parts need besides.
 
-    build_mesh    the (pp, dp, tp) DeviceMesh of tp, pp and hybrid
+    build_mesh    the (pp, dp, cp, tp) DeviceMesh of tp, pp and hybrid
     build_data_mesh  the (dp, cp) grid of dp and zero1-3, with the ep groups that borrow its ranks
     ReplicaLayout   parallel.replicas: which ranks form each replica (the mesh's dp index)
     replica_groups  parallel.replicas: the ranks of one replica, and each shard's ranks across them
@@ -9,14 +9,17 @@ the (pp, dp, tp) mesh of model parallelism, and the few groups other parts need 
     host_group    every rank on gloo: host-side agreements (a stop, ps traffic beside NCCL)
     live_group    some ranks, made by them alone: the ones left when others are gone
 
-The mesh:
+The mesh (torchtitan's order):
 
-    global rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
 tp is the innermost dimension, so the ranks of one tensor-parallel group are adjacent (on a GPU
-node they share the fastest links, which tp's per-layer all-reduces need most); pipeline stages are
-outermost, since they only exchange one activation per microbatch. Every rank knows its
-coordinates, its three sub-groups, and the global ranks of its pipeline neighbours.
+node they share the fastest links, which tp's per-layer all-reduces need most); cp next, since its
+ring passes keys and values at every attention; pipeline stages are outermost, since they only
+exchange one activation per microbatch. Every rank knows its coordinates, its sub-groups, and the
+global ranks of its pipeline neighbours and of its ring's. With cp = 1 (the usual case) the
+formula is (pp_rank * dp + dp_rank) * tp + tp_rank, and dp and zero1-3's (dp, cp) grid below is
+the same order with tp = pp = 1.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 @dataclass
 class Mesh:
+    """A rank's place in the (pp, dp, cp, tp) mesh. The cp ranks of a (pp, dp, tp) position read
+    the same samples, each its chunks of every sequence (parallel/context/), and hold the same
+    parameters: gradients average over `replica_group`, the dp x cp ranks of its (pp, tp) position."""
+
     device_mesh: DeviceMesh
     pp: int
     dp: int
@@ -36,6 +43,9 @@ class Mesh:
     pp_rank: int
     dp_rank: int
     tp_rank: int
+    cp: int = 1
+    cp_rank: int = 0
+    replica_group: dist.ProcessGroup | None = None  # set by build_mesh (the dp group where cp = 1)
 
     @property
     def pp_group(self):
@@ -49,25 +59,50 @@ class Mesh:
     def tp_group(self):
         return self.device_mesh.get_group("tp")
 
-    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+    @property
+    def cp_group(self):
+        return self.device_mesh.get_group("cp")
+
+    @property
+    def ring_next(self) -> int:
+        """The global rank after this one in its cp ring (parallel/context/ring.py)."""
+        return self.global_rank(self.pp_rank, self.dp_rank, self.tp_rank, (self.cp_rank + 1) % self.cp)
+
+    @property
+    def ring_prev(self) -> int:
+        return self.global_rank(self.pp_rank, self.dp_rank, self.tp_rank, (self.cp_rank - 1) % self.cp)
+
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def stage_rank(self, pp_rank: int) -> int:
-        """The global rank of pipeline stage `pp_rank` in this rank's (dp, tp) column."""
-        return self.global_rank(pp_rank % self.pp, self.dp_rank, self.tp_rank)
+        """The global rank of pipeline stage `pp_rank` in this rank's (dp, cp, tp) column: a stage
+        passes its chunks of a microbatch to the next stage's rank holding the same chunks."""
+        return self.global_rank(pp_rank % self.pp, self.dp_rank, self.tp_rank, self.cp_rank)
 
 
-def build_mesh(tp: int, pp: int, device_type: str) -> Mesh:
-    """Collective: every rank builds the same mesh from parallel.tp, parallel.pp and the world size."""
+def build_mesh(tp: int, pp: int, device_type: str, cp: int = 1) -> Mesh:
+    """Collective: every rank builds the same mesh from parallel.tp, parallel.pp, parallel.cp and
+    the world size."""
     world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"tp {tp} x pp {pp} does not divide the world size {world}")
-    dp = world // (tp * pp)
-    mesh = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    if world % (tp * pp * cp):
+        raise ValueError(f"cp {cp} x tp {tp} x pp {pp} does not divide the world size {world}")
+    dp = world // (tp * pp * cp)
+    mesh = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     coordinate = mesh.get_coordinate()
     assert coordinate is not None  # None only for a rank outside the mesh, and the mesh spans the world
-    pp_rank, dp_rank, tp_rank = coordinate
-    return Mesh(mesh, pp, dp, tp, pp_rank, dp_rank, tp_rank)
+    pp_rank, dp_rank, cp_rank, tp_rank = coordinate
+    out = Mesh(mesh, pp, dp, tp, pp_rank, dp_rank, tp_rank, cp, cp_rank)
+    if cp == 1:
+        out.replica_group = out.dp_group
+    else:  # every (pp, tp) position's dp x cp ranks, made by every rank in one order
+        groups = {
+            (q, t): dist.new_group([out.global_rank(q, d, t, c) for d in range(dp) for c in range(cp)])
+            for q in range(pp)
+            for t in range(tp)
+        }
+        out.replica_group = groups[pp_rank, tp_rank]
+    return out
 
 
 @dataclass
@@ -76,8 +111,8 @@ class DataMesh:
 
         global rank = dp_rank * cp + cp_rank
 
-    the cp dimension innermost, as tp's is in the (pp, dp, tp) mesh (the full order is
-    (pp, dp, cp, tp), torchtitan's): the ranks of one ring are adjacent, on one node's fast links.
+    the (pp, dp, cp, tp) mesh above with tp = pp = 1: the ranks of one ring are adjacent, on one
+    node's fast links.
     Every rank of a cp group reads the same samples (its dp_rank's share), each a slice of the
     sequence; every parameter is replicated over all dp x cp ranks, so gradients average over the
     world. The ep groups borrow those ranks: the world cut into runs of `ep` adjacent ranks; rank

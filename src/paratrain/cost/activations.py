@@ -224,12 +224,12 @@ def saved_activation_bytes(
 
 def boundary_bytes(cfg: Config, model: nn.Module, bounds: list[int], rows: int) -> list[int]:
     """Bytes of one microbatch's activation entering each stage, as the engine sends it (its dtype
-    from the same meta-device pass the engine uses)."""
+    from the same meta-device pass the engine uses; under parallel.cp, of this rank's chunks)."""
     from paratrain.data import build_dataset, load_batch
     from paratrain.models.layers import boundary_shape_fn, layers_of, meta_copy
 
     meta = layers_of(meta_copy(model))
-    x, _ = load_batch(build_dataset(cfg, "train"), torch.arange(rows))
+    x, _ = context_chunks(cfg, *load_batch(build_dataset(cfg, "train"), torch.arange(rows)))
     x, _, _ = cut_batch(cfg, model, x, None, cut=True)
     shapes = boundary_shape_fn([meta[a:b] for a, b in zip(bounds, bounds[1:])])(x)
     return [shape.numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]

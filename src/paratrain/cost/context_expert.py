@@ -56,7 +56,7 @@ def ring_s(step: Any, kv_bytes: int, attentions: int) -> float:
     cp = step.cfg.parallel.cp
     if cp == 1 or not attentions:
         return 0.0
-    bw, lat = step.link(cp)  # a ring's ranks are adjacent (comm/grid.py)
+    bw, lat = step.link(cp * step.cfg.parallel.tp)  # a ring's ranks are tp apart (comm/grid.py)
     passes = 4 if step.recompute == "full" else 3
     return passes * (cp - 1) * (kv_bytes / bw + attentions * lat)
 

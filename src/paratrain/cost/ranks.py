@@ -21,6 +21,7 @@ class RankPlan:
     pp: int = 0
     dp: int = 0
     tp: int = 0
+    cp: int = 0
     stages: list[int] = field(default_factory=list)  # virtual pipeline stages held
     param_bytes: int = 0
     grad_bytes: int = 0

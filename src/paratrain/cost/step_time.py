@@ -232,7 +232,7 @@ class Step:
 
             assert bounds is not None  # set with pp > 1
             boundary = boundary_bytes(cfg, self.model, bounds, rows)
-            neighbours = dp * tp + 1  # a stage's neighbour is dp x tp ranks on
+            neighbours = dp * p.cp * tp + 1  # a stage's neighbour is dp x cp x tp ranks on
             bw, lat = self.link(neighbours)
             if neighbours <= cluster.devices_per_node and cluster.device.p2p_latency_us:
                 lat = cluster.device.p2p_latency_us * 1e-6
@@ -251,11 +251,12 @@ class Step:
         # busy), as much as they are busy together: a pipeline's light stages leave their share
         # of the cores to the heavy ones; ranks that meet at collectives (dp's, tp's) wait besides
         # for the last to arrive, more the longer they computed since (sync_skew, per second of
-        # compute); a pipeline's stages pass microbatches on without meeting, a late one's
+        # compute; a ring's ranks meet at every attention); a pipeline's stages pass microbatches
+        # on without meeting, a late one's
         # neighbour waiting in its bubble instead
         compute = [sum(stages[c * pp + r].work_s(recompute) for c in range(v)) for r in range(pp)]
         busy = sum(compute) / (pp * max(compute)) if max(compute) > 0 else 1.0
-        skew = cluster.device.sync_skew if dp > 1 or tp > 1 else 0.0
+        skew = cluster.device.sync_skew if dp > 1 or tp > 1 or p.cp > 1 else 0.0
         stretch = max(1.0, cluster.device.cpu_contention * busy) * (1 + skew)
         # warming up and cooling down, half the stages work on average (1, 2 ... pp - 1 of pp):
         # the idle ones leave them their cores

@@ -5,7 +5,7 @@ its communication and what it costs (footprint: memory and messages; step_time: 
     zero/       ZeRO 1-3: optimizer state, gradients and parameters sharded over the replica
     tensor/     Megatron-style layers split inside, over a tp group
     pipeline/   a model cut into stages, run by a schedule of microbatches
-    hybrid/     the (pp, dp, tp) grid composing tensor and pipeline parallelism: tp, pp and hybrid
+    hybrid/     the (pp, dp, cp, tp) grid composing tensor, pipeline and context parallelism: tp, pp, hybrid
     ps/         parameter servers: sync, async and bounded staleness
     federated/  simulated clients, FedAvg / FedProx / FedAdam, secure aggregation
     codecs/     gradient compression (bf16, fp16, top-k, PowerSGD)

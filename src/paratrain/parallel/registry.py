@@ -26,9 +26,9 @@ SPECS: dict[str, Spec] = {
     for spec in (
         DataParallelSpec(),
         *(ZeroSpec(stage) for stage in (1, 2, 3)),
-        ModelParallelSpec("tp", ("tp",)),
-        ModelParallelSpec("pp", ("pp",)),
-        ModelParallelSpec("hybrid", ("tp", "pp")),
+        ModelParallelSpec("tp", ("tp", "cp")),
+        ModelParallelSpec("pp", ("pp", "cp")),
+        ModelParallelSpec("hybrid", ("tp", "pp", "cp")),
         ParameterServerSpec(),
         FederatedSpec(),
     )

@@ -149,16 +149,18 @@ def render(plan: dict) -> str:
         f"per parameter)",
     ]
     mesh = plan["mesh"]
+    cp = mesh.get("cp", 1)
     if "servers" in mesh:
         lines.append(f"ranks: {mesh['servers']} parameter server(s), {mesh['workers']} worker(s)")
-    elif mesh.get("cp", 1) > 1 or mesh.get("ep", 1) > 1:  # dp and zero: comm/grid.py's DataMesh
+    elif mesh["tp"] == mesh["pp"] == 1 and (cp > 1 or mesh.get("ep", 1) > 1):  # comm/grid.py's DataMesh
         experts = f", ep groups of {mesh['ep']} adjacent ranks" if mesh.get("ep", 1) > 1 else ""
+        lines.append(f"mesh: dp {mesh['dp']} x cp {cp} (global rank = dp * {cp} + cp){experts}")
+    else:  # comm/grid.py's (pp, dp, cp, tp) Mesh; cp shown where it splits sequences
         lines.append(
-            f"mesh: dp {mesh['dp']} x cp {mesh.get('cp', 1)} (global rank = dp * {mesh.get('cp', 1)} + cp){experts}"
-        )
-    else:
-        lines.append(
-            f"mesh: dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} "
+            f"mesh: dp {mesh['dp']} x cp {cp} x tp {mesh['tp']} x pp {mesh['pp']} "
+            f"(global rank = ((pp * {mesh['dp']} + dp) * {cp} + cp) * {mesh['tp']} + tp)"
+            if cp > 1
+            else f"mesh: dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} "
             f"(global rank = (pp * {mesh['dp']} + dp) * {mesh['tp']} + tp)"
         )
         if mesh.get("replicas", 1) > 1:  # (comm/grid.py's ReplicaLayout: a replica is one dp index)
@@ -177,8 +179,9 @@ def render(plan: dict) -> str:
             f"  stage {s['stage']} on pp rank {s['pp_rank']}: layers {s['layers'][0]}-{s['layers'][1]}, "
             f"{s['parameters']:,} parameters"
         )
+    cp_column = f"{'cp':>4}" if cp > 1 else ""  # the ring's place, where sequences are split
     lines.append(
-        f"{'rank':>5}{'node':>5}{'local':>6}{'pp':>4}{'dp':>4}{'tp':>4}  {'role':<17}{'stages':<9}"
+        f"{'rank':>5}{'node':>5}{'local':>6}{'pp':>4}{'dp':>4}{cp_column}{'tp':>4}  {'role':<17}{'stages':<9}"
         f"{'params MiB':>11}{'grads MiB':>10}{'optim MiB':>10}{'state MiB':>10}{'activ MiB':>10}"
         f"{'sent MiB':>10}"
     )
@@ -188,8 +191,9 @@ def render(plan: dict) -> str:
             stages = stages[:5] + "..."
         activations = "-" if r["activation_bytes"] is None else _mib(r["activation_bytes"])
         sent = "-" if r["comm_min_bytes"] is None else _mib(r["comm_min_bytes"])
+        ring = f"{r.get('cp', 0):>4}" if cp > 1 else ""
         lines.append(
-            f"{r['rank']:>5}{r['node']:>5}{r['local_rank']:>6}{r['pp']:>4}{r['dp']:>4}{r['tp']:>4}  "
+            f"{r['rank']:>5}{r['node']:>5}{r['local_rank']:>6}{r['pp']:>4}{r['dp']:>4}{ring}{r['tp']:>4}  "
             f"{r['role']:<17}{stages:<9}{_mib(r['param_bytes']):>11}{_mib(r['grad_bytes']):>10}"
             f"{_mib(r['optimizer_bytes']):>10}{_mib(r['model_state_bytes']):>10}{activations:>10}"
             f"{sent:>10}"

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm.grid import DataMesh
+from paratrain.comm.grid import DataMesh, Mesh
 from paratrain.data.batch import tree_map
 from paratrain.errors import ConfigError
 from paratrain.parallel.context import hf
@@ -190,7 +190,7 @@ class ContextParallel:
     `verify`: train.precision where parallel.verify_plan checks the ring on the first step
     (verify.py), None where it does not."""
 
-    def __init__(self, model: nn.Module, mesh: DataMesh, verify: str | None = None):
+    def __init__(self, model: nn.Module, mesh: DataMesh | Mesh, verify: str | None = None):
         self.mesh = mesh
         self.ring = Ring(mesh)
         self.local_positions = torch.arange(0)  # the current batch's, set by local_batch
@@ -285,7 +285,7 @@ def check_context(cfg, model: nn.Module, sample) -> None:
         )
 
 
-def context_parallel(model: nn.Module, mesh: DataMesh, verify: str | None = None) -> ContextParallel | None:
+def context_parallel(model: nn.Module, mesh: DataMesh | Mesh, verify: str | None = None) -> ContextParallel | None:
     """The model's attention made a ring over the mesh's cp group (None when cp is 1); `verify`:
     ContextParallel's."""
     return ContextParallel(model, mesh, verify) if mesh.cp > 1 else None

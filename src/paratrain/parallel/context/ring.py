@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from paratrain.comm.grid import DataMesh
+from paratrain.comm.grid import DataMesh, Mesh
 
 
 class Arriving:
@@ -30,9 +30,10 @@ class Arriving:
 
 
 class Ring:
-    """The cp group as a ring of global ranks (comm/grid.py's DataMesh)."""
+    """The cp group as a ring of global ranks (comm/grid.py: the DataMesh of dp and zero, the Mesh of
+    tp, pp and hybrid)."""
 
-    def __init__(self, mesh: DataMesh):
+    def __init__(self, mesh: DataMesh | Mesh):
         self.size, self.rank = mesh.cp, mesh.cp_rank
         self.next, self.prev, self.group = mesh.ring_next, mesh.ring_prev, mesh.cp_group
 

@@ -83,7 +83,8 @@ def data_parallel(spec: Spec, cfg: Config, model: nn.Module, ranks: list[RankPla
     kept = nbytes(dense) + nbytes(experts)  # the whole model, or its dense part and 1/E of the experts
     transient = whole_model_activations(cfg, ranks, rows)
     for r in ranks:
-        r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, kept, kept, optimizer_slots(cfg) * kept
+        (r.dp, r.cp), r.param_bytes = divmod(r.rank, cfg.parallel.cp), kept  # comm/grid.py's DataMesh
+        r.grad_bytes, r.optimizer_bytes = kept, optimizer_slots(cfg) * kept
         dp_codec(r, cfg, dense, len(ranks))
         r.peak_bytes = r.model_state_bytes + max(transient, cast_copies(cfg, params, len(ranks)))
         dp_comm(r, cfg, dense, len(ranks))

@@ -1,11 +1,14 @@
-"""Model parallelism on one device mesh: tensor (inside layers) x pipeline (across layers) x data.
+"""Model parallelism on one device mesh: tensor (inside layers) x pipeline (across layers) x
+context (across each sequence) x data.
 
-Strategies "tp", "pp" and "hybrid" are this one engine; the config decides the degrees (tp and pp
-from parallel.tp / parallel.pp, dp from the world size). Construction, on every rank: the
-(pp, dp, tp) mesh (comm/grid.py) and rank 0's initial weights everywhere, then hybrid/parallelize.py's steps in
-their documented order: decide_cut -> apply_tp -> cut_pipeline -> wrap_dp.
-A step cuts the replica's batch into microbatches and runs the schedule (pipeline/schedules.py);
-each chunk's reducer communicates during that chunk's last backward, overlapped with the rest.
+Strategies "tp", "pp" and "hybrid" are this one engine; the config decides the degrees (tp, pp and
+cp from parallel.tp / parallel.pp / parallel.cp, dp from the world size). Construction, on every
+rank: the (pp, dp, cp, tp) mesh (comm/grid.py) and rank 0's initial weights everywhere, then
+hybrid/parallelize.py's steps in their documented order: decide_cut -> (the model's attention made
+a ring over the cp group: parallel/context/) -> apply_tp -> cut_pipeline -> wrap_dp.
+A step cuts the replica's batch into microbatches, each to this rank's chunks of its sequences
+under cp, and runs the schedule (pipeline/schedules.py); each chunk's reducer communicates during
+that chunk's last backward, overlapped with the rest.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from paratrain.parallel.base import (
     refuse,
     unique_parameters,
 )
+from paratrain.parallel.context import hf
+from paratrain.parallel.context.attention import context_parallel
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.hybrid.parallelize import (
     apply_tp,
@@ -67,6 +72,12 @@ def check_model(cfg: Config, model: nn.Module) -> None:
     plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
     if p.tp > 1:
         check_plan(model, plan, p.tp, user=bool(p.tp_plan), own_loss=cfg.train.loss == "model")
+    if p.pp > 1 and p.cp > 1 and hf.is_hf(model):
+        # its stages compute positions 0..T-1 of the tokens they get (models/hf_pipeline.py), not the
+        # chunks' global ones that cp gives the whole model's forward (context/hf.py)
+        raise ConfigError(
+            "parallel.cp", "a Hugging Face model cut into pipeline stages is not split by sequence (set pp = 1)"
+        )
     if p.pp > 1:
         if cfg.train.loss == "model" and own_loss(model) is None:
             # the last stage ends at the model's logits: only a loss_function the model names is run there
@@ -108,8 +119,10 @@ class ModelParallel(Strategy):
     def __init__(self, model, loss_fn, cfg, rt):
         super().__init__(model.to(rt.device), loss_fn, cfg, rt)
         p = cfg.parallel
-        self.mesh = mesh = build_mesh(p.tp, p.pp, rt.device.type)
+        self.mesh = mesh = build_mesh(p.tp, p.pp, rt.device.type, p.cp)
         self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
+        # every cp rank of the last stage reports its chunks' loss: the ranks' mean is the sequences'
+        # (equal chunks; a model's own loss is made so by context/hf.py's count), as under dp
         self.reports_loss = mesh.pp_rank == mesh.pp - 1 and mesh.tp_rank == 0
         broadcast_tensors(list(model.parameters()) + list(model.buffers()), src=0)
         self.full_meta = meta_copy(model)  # the unsplit model's keys, shapes and dtypes
@@ -128,6 +141,13 @@ class ModelParallel(Strategy):
         self.bounds = decide_cut(model, cfg, plan, self._sample_input, self.autocast, rt.device, rt.is_main)
         if p.pp > 1 and p.verify_plan:  # the cuts against the model's own forward, while it is whole
             self._check_cuts(model)
+        # after the cut, whose timing and check run the whole model on one rank (a ring would wait for
+        # its peers), and after the meta copy, which must not copy the hooks; before tp, whose shards
+        # sit inside the hooked attention modules (each tp rank's ring carries its heads)
+        # its ring checked on the first step where every rank runs the same blocks (a check agrees
+        # over the world; under pp the stages run different ones)
+        verify = cfg.train.precision if p.verify_plan and p.pp == 1 else None
+        self.context = context_parallel(model, mesh, verify)
         stage_of_key = stage_of_keys(model, cfg, self.bounds)
         self.shard_dims = apply_tp(model, mesh, plan)
         self.shard_packs = packed_shards(model)  # tensors split as a fused gate and up (tensor/experts.py)
@@ -141,7 +161,7 @@ class ModelParallel(Strategy):
         )
         self.optimizer_names = self.param_names  # in the optimizer's param_groups order
         # within a pipeline, over each microbatch of the dp ranks' samples (docs/models.md)
-        self.batchnorm = BatchNormPolicy(model, p.sync_batchnorm, mesh.dp_group)
+        self.batchnorm = BatchNormPolicy(model, p.sync_batchnorm, mesh.replica_group)
         self.owned_keys = [k for k, s in stage_of_key.items() if s in self.stage_ids]
         self.optimizer: torch.optim.Optimizer = build_optimizer(self.params, cfg.train)
         self.tied = (
@@ -248,7 +268,7 @@ class ModelParallel(Strategy):
         for r in self.reducers:
             r.zero_grad()
         self.batchnorm.before_step()
-        micro = self._labels_apart(split_batch(batch, self.m))
+        micro = self._labels_apart(self._local(split_batch(batch, self.m)))
 
         def before_backward(a):
             self.reducers[a.chunk].prepare(sync=self.last_backward[a.chunk] == a.mb)
@@ -284,6 +304,12 @@ class ModelParallel(Strategy):
                 self.verifier.check(self.autocast)
             self.verifier = None
 
+    def _local(self, micro: list[tuple]) -> list[tuple]:
+        """Under parallel.cp each microbatch cut to this rank's chunks of its sequences, the model told
+        their global positions (all microbatches share them) and, for a model that shifts its own
+        labels, the labels shifted over the whole sequence first (context/attention.py)."""
+        return micro if self.context is None else [self.context.local_batch(part) for part in micro]
+
     def _labels_apart(self, micro: list[tuple]) -> list[tuple]:
         """Under pp with the model's own loss: each dict microbatch's labels as its target, the rest
         its input (the first stage takes the ids, the last the labels)."""
@@ -298,8 +324,8 @@ class ModelParallel(Strategy):
                 t.grad.mul_(factor)
 
     def _global_grad_norm(self, chunk_norms: list[torch.Tensor], tied_change: torch.Tensor) -> float:
-        """The norm over all shards of the model. dp replicas hold equal gradients, so the
-        world-wide sum of squares is divided by dp. Without tp the reducers' norms of their chunks
+        """The norm over all shards of the model. The dp x cp replicas hold equal gradients, so the
+        world-wide sum of squares is divided by dp x cp. Without tp the reducers' norms of their chunks
         are exact (corrected for tied copies: `tied_change`); with tp a replicated tensor (layer
         norms, row-parallel biases) counts once, on tp rank 0, and a tied tensor (its copies
         already summed) once, on its first stage."""
@@ -319,7 +345,7 @@ class ModelParallel(Strategy):
                 squares += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
         if dist.get_world_size() > 1:
             collectives.all_reduce(squares, "grad-norm")
-        return math.sqrt(squares.item() / self.mesh.dp)
+        return math.sqrt(squares.item() / (self.mesh.dp * self.mesh.cp))
 
     # -- the Python API's own loop: tp (and dp) without pp, whose model runs whole on every rank ----
     @classmethod
@@ -393,7 +419,8 @@ class ModelParallel(Strategy):
         for chunk in self.chunks:
             chunk.eval()
         try:
-            xs, ys = (list(part) for part in zip(*self._labels_apart(split_batch((inputs, targets), self.m))))
+            micro = self._labels_apart(self._local(split_batch((inputs, targets), self.m)))
+            xs, ys = (list(part) for part in zip(*micro))
             actions = forward_only(self.cfg.parallel.pp, self.mesh.pp_rank, len(xs), self.v)
             sums = self.engine.run(
                 actions,
@@ -417,9 +444,9 @@ class ModelParallel(Strategy):
         return {k: own[k] for k in self.owned_keys}
 
     def state_dict(self):
-        """dp rank 0 of every (pp, tp) position writes its shards under the unsplit model's names,
-        with the dimension each sharded tensor is split along."""
-        if self.mesh.dp_rank != 0:
+        """dp rank 0 (cp rank 0) of every (pp, tp) position writes its shards under the unsplit
+        model's names, with the dimension each sharded tensor is split along."""
+        if self.mesh.dp_rank != 0 or self.mesh.cp_rank != 0:
             return {}, {}
         tensors = {f"model.{k}": v for k, v in self._local_state().items()}
         opt_tensors, opt_meta = ckpt.optimizer_to_tensors(self.optimizer, self.optimizer_names)

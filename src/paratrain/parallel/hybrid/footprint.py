@@ -1,4 +1,7 @@
-"""The tp x pp (x dp) grid's footprint for `paratrain plan`."""
+"""The tp x pp (x cp x dp) grid's footprint for `paratrain plan`. Under parallel.cp a rank runs its
+chunks of each sequence (1/C of the tokens: activations, stage boundaries and tp's all-reduces
+played on them, cost/planned_batch.context_chunks) and averages gradients over the dp x cp ranks
+of its (pp, tp) position; the ring's exchanges are step time (cost/context_expert.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
     from paratrain.parallel.tensor.layers import plan_for, planned_shard_dims, planned_sharding
 
     p = cfg.parallel
-    dp = world // (p.tp * p.pp)
+    dp = world // (p.tp * p.pp * p.cp)
+    replicas = dp * p.cp  # the ranks a gradient averages over (comm/grid.py's replica_group)
     v = virtual_stages(cfg)
     n_stages = p.pp * v
     tp_plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
@@ -63,9 +67,10 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
     # A rank's counts depend on its (pp, tp) position alone: its dp replicas hold and send the same
     # (a Megatron row's 512 ranks are 16 positions; counting each rank took most of its plan).
     counted: dict[tuple[int, int], RankPlan] = {}
-    for r in ranks:
-        r.pp, rest = divmod(r.rank, dp * p.tp)
-        r.dp, r.tp = divmod(rest, p.tp)
+    for r in ranks:  # comm/grid.py's order: ((pp * dp + dp) * cp + cp) * tp + tp
+        r.pp, rest = divmod(r.rank, replicas * p.tp)
+        column, r.tp = divmod(rest, p.tp)
+        r.dp, r.cp = divmod(column, p.cp)
         r.stages = [c * p.pp + r.pp for c in range(v)]
         twin = counted.setdefault((r.pp, r.tp), r)
         if twin is not r:
@@ -81,10 +86,10 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
         if activations is not None:
             r.activation_bytes = peak_in_schedule(actions, r.stages, activations)
         for s in r.stages:
-            dp_codec(r, cfg, held[s], dp)
+            dp_codec(r, cfg, held[s], replicas)
         if memories is not None:
             pool = receive_buffers(actions, r.stages, boundary) if p.pp > 1 else 0
-            wire = sum(cast_copies(cfg, held[s], dp) for s in r.stages)
+            wire = sum(cast_copies(cfg, held[s], replicas) for s in r.stages)
             r.peak_bytes = r.model_state_bytes + pool + max(step_peak(actions, r.stages, memories), wire)
         if tp_payloads is None:  # a user loss on a sharded output: its gathers are not modelled
             continue
@@ -92,7 +97,7 @@ def model_parallel(cfg: Config, model: nn.Module, world: int, ranks: list[RankPl
         for s in r.stages:
             for payload in tp_payloads[s]:
                 r.add_comm("all_reduce", payload, p.tp, times=m)
-            dp_comm(r, cfg, held[s], dp)  # each chunk's gradients, averaged over the dp group
+            dp_comm(r, cfg, held[s], replicas)  # each chunk's gradients, averaged over dp x cp
         for t, holders in ties:
             if r.pp in holders:
                 r.add_comm("all_reduce", nbytes([shard_of(t, r.tp)]), len(holders))
@@ -150,11 +155,11 @@ def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cl
     rank 0 holds the most (shard_sizes: the first shards are the larger); a CPU node's ranks add
     up, so each of the replica's counts there."""
     p, nproc = cfg.parallel, cluster.devices_per_node
-    dp = world // (p.tp * p.pp)
+    per_stage = world // p.pp  # dp x cp x tp ranks
     shards = 1 if cluster.is_gpu else p.tp
     ranks = [
         RankPlan(r, r // nproc, r % nproc, "worker")
         for pp in range(p.pp)
-        for r in range(pp * dp * p.tp, pp * dp * p.tp + shards)
+        for r in range(pp * per_stage, pp * per_stage + shards)
     ]
     return ranks, model_parallel(cfg, model, world, ranks, rows)

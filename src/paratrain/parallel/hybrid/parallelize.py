@@ -1,4 +1,4 @@
-"""How a model becomes one rank's part of a (pp, dp, tp) mesh: functions applied in this order, as
+"""How a model becomes one rank's part of a (pp, dp, cp, tp) mesh: functions applied in this order, as
 torchtitan's `apply_*(model, mesh, cfg)` are.
 
   0. decide_cut     where the pipeline cuts the layers (pipeline/cut.py: balanced by time or parameters);
@@ -8,8 +8,11 @@ torchtitan's `apply_*(model, mesh, cfg)` are.
                     the plan is parallel.tp_plan or the model's own paratrain_tp_plan() or transformers plan); names are kept;
   2. cut_pipeline   this rank's stages become chunks; the layers of every other stage move to the
                     meta device (no memory); after tp, so that a chunk holds the sharded modules;
-  3. wrap_dp        each chunk gets a GradientReducer over the dp sub-group only; last, since it
-                    buckets the parameters the rank finally holds.
+  3. wrap_dp        each chunk gets a GradientReducer over the dp x cp sub-group only (a cp rank
+                    holds every parameter its position holds, its gradients those of its chunks);
+                    last, since it buckets the parameters the rank finally holds.
+Between 0 and 1 the engine makes the model's attention a ring over the cp group (parallel/context/:
+no module is replaced, so tp and the cut apply to the hooked model as to the plain one).
 ModelParallel (hybrid.py) runs them on rank 0's initial weights, broadcast first.
 """
 
@@ -95,7 +98,7 @@ def wrap_dp(
     reducers, names, params = [], [], []
     for chunk in chunks:
         chunk_params = [t for _, t in unique_parameters(chunk)]
-        reducers.append(GradientReducer(chunk_params, cfg.parallel.bucket_mb, device, mesh.dp_group))
+        reducers.append(GradientReducer(chunk_params, cfg.parallel.bucket_mb, device, mesh.replica_group))
         names += [name_of[id(t)] for t in chunk_params]
         params += chunk_params
     return reducers, names, params
@@ -103,7 +106,7 @@ def wrap_dp(
 
 def tie_groups(model: nn.Module, full_meta: nn.Module, mesh: Mesh, bounds: list[int], rank: int, is_main: bool):
     """Collective. For each parameter that layers of different stages share: (this rank's copy,
-    the group of the ranks holding a copy in this rank's (dp, tp) column, whether this rank is
+    the group of the ranks holding a copy in this rank's (dp, cp, tp) column, whether this rank is
     the first of them), for the ties this rank holds. Every rank makes every group, in one order.
     Called once the model is cut and sharded: the copy is this rank's (sharded) tensor, found
     under whichever of the parameter's names its own stage uses."""
@@ -115,11 +118,12 @@ def tie_groups(model: nn.Module, full_meta: nn.Module, mesh: Mesh, bounds: list[
     for param, name, holders in split_ties(full_meta, layers, bounds):  # stage = pp rank here
         mine_copy = next((t for t in map(model.get_parameter, names[id(param)]) if not t.is_meta), None)
         for d in range(mesh.dp):
-            for tp_rank in range(mesh.tp):
-                ranks = [mesh.global_rank(q, d, tp_rank) for q in holders]
-                group = grid.subgroup(ranks)
-                if rank in ranks:
-                    mine.append((mine_copy, group, rank == ranks[0]))
+            for c in range(mesh.cp):
+                for tp_rank in range(mesh.tp):
+                    ranks = [mesh.global_rank(q, d, tp_rank, c) for q in holders]
+                    group = grid.subgroup(ranks)
+                    if rank in ranks:
+                        mine.append((mine_copy, group, rank == ranks[0]))
         if is_main:
             print(
                 f"tied weights: {name} is shared by stages {holders}; their copies' gradients are summed every step",

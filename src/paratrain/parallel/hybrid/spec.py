@@ -1,4 +1,4 @@
-"""The tp / pp / hybrid spec: what the (pp, dp, tp) grid accepts and costs (torch-free)."""
+"""The tp / pp / hybrid spec: what the (pp, dp, cp, tp) grid accepts and costs (torch-free)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class ModelParallelSpec(Spec):
 
     def __init__(self, name: str, degrees: tuple[str, ...]):
         self.name, self.degrees = name, degrees
-        self.searched_as = "mesh" if degrees == ("tp", "pp") else ""  # the one name allowing both
+        self.searched_as = "mesh" if {"tp", "pp"} <= set(degrees) else ""  # the one name allowing both
 
     def check_layout(self, cfg: Config, world_size: int) -> None:
         """parallel.replicas names the mesh's dp copies: 1 (not declared), or world / (tp x pp). It

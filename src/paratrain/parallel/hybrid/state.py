@@ -1,4 +1,4 @@
-"""ModelParallel's state across layouts: resuming any (pp, dp, tp) layout from a checkpoint of any
+"""ModelParallel's state across layouts: resuming any (pp, dp, cp, tp) layout from a checkpoint of any
 other, and handing the consolidated model to rank 0 a tensor at a time. `mp` is the ModelParallel of this rank."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def load_resharded(mp, reader) -> None:
     tensor's tp shards when the saved tp differs from ours, and cuts out its own slice."""
     saved = reader.manifest["config"]["parallel"]
     old_tp, old_pp = int(saved.get("tp", 1)), int(saved.get("pp", 1))
-    old_dp = reader.world_size // (old_tp * old_pp)
+    old_dp = reader.world_size // (old_tp * old_pp)  # dp x cp: position (q, t)'s writer is q * old_dp * old_tp + t
     same_tp = old_tp == mp.mesh.tp
     pieces: dict[str, list[torch.Tensor]] = {}
     scalars, groups, old_dims = {}, None, {}
@@ -70,7 +70,7 @@ def model_chunks(mp):
     stage, then sent by the stage's leader to rank 0, which knows every shape from the meta copy."""
     mesh = mp.mesh
     full = mp.full_meta.state_dict()
-    if mesh.dp_rank != 0:
+    if mesh.dp_rank != 0 or mesh.cp_rank != 0:  # the dp x cp replicas hold the same
         return
     local = mp._local_state()
     stage_of_key = stage_of_keys(mp.full_meta, mp.cfg, mp.bounds)

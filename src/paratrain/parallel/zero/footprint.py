@@ -115,7 +115,8 @@ def zero(spec: StagedSpec, cfg: Config, model: nn.Module, ranks: list[RankPlan],
     dense, experts = kept_experts(cfg, model)
     backend = "nccl" if device == "cuda" else "gloo"
     for r in ranks:
-        r.dp, r.param_bytes, r.grad_bytes, r.optimizer_bytes = r.rank, param_b, grad_b, opt_b
+        (r.dp, r.cp), r.param_bytes = divmod(r.rank, cfg.parallel.cp), param_b  # comm/grid.py's DataMesh
+        r.grad_bytes, r.optimizer_bytes = grad_b, opt_b
         r.peak_bytes = r.model_state_bytes + zero_peak(step, on_top)
         zero_messages(r, cfg, spec.stage, model, dense, world, backend)
         if experts:  # over the ranks keeping the same experts
