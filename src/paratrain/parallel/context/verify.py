@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.comm import collectives
-from paratrain.comm.grid import DataMesh
+from paratrain.comm.grid import DataMesh, Mesh
 from paratrain.parallel.verify.verdict import how_far, relative_error, tolerance, verdict
 
 
 class RingVerifier:
     """Checks the first ring attention of each kind of attention module against the whole one."""
 
-    def __init__(self, model: nn.Module, modules: list[nn.Module], mesh: DataMesh, precision: str, positions):
+    def __init__(self, model: nn.Module, modules: list[nn.Module], mesh: DataMesh | Mesh, precision: str, positions):
         # `positions(seq_len, cp, cp_rank)`: a rank's tokens' global positions (attention.py's layout)
         self.mesh, self.precision, self.positions = mesh, precision, positions
         self.names = {id(m): n for n, m in model.named_modules()}
