@@ -50,7 +50,8 @@ class MixtureOfExperts(nn.Module):
         else:
             out = self.paratrain_experts(self, grouped, counts)
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
-        combined = torch.zeros_like(tokens).index_add_(0, order // self.top_k, out)
+        # under autocast the experts' outputs are bf16 and the residual stream is not: summed in its dtype
+        combined = torch.zeros_like(tokens).index_add_(0, order // self.top_k, out.to(tokens.dtype))
         self.paratrain_aux_loss = self._balance_loss(probs, slots, B) if self.training and self.aux_weight else None
         return combined.view(B, T, D)
 
