@@ -424,6 +424,8 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads_back(tmp_path, monkeypat
     assert main(["plan", "--calibrate", str(path), "--json", str(tmp_path / "a.json")]) == 0
     assert os.environ.get("OMP_NUM_THREADS") == threads  # the workers' thread count is not left behind
     written = path.read_text()
+    # each rank computes on its share of the cores, as a run's do (the forked workers set it)
+    assert f"2 ranks at work ({max(1, (os.cpu_count() or 1) // 2)} compute thread(s) each)" in written, written
     keys = ("peak_tflops", "hbm_GBps", "op_overhead_us", "intra_node_GBps", "intra_latency_us", "p2p_latency_us")
     measured = ("stream_latency_us", "step_overhead_us", "cpu_contention", "sync_skew")
     for key in (*keys, *measured, "time_layers"):

@@ -200,7 +200,12 @@ def calibration_worker(out_path: str, train) -> None:
 
     from paratrain.cost.op_counts import OpRecorder
     from paratrain.runtime import process
+    from paratrain.runtime.launch import prepare_forked_worker
 
+    # forked from the worker server, which imported torch before the launch's OMP_NUM_THREADS:
+    # without this each rank computed on every core, N ranks oversubscribing them (an all-reduce
+    # after compute measured 9.5 ms here instead of 2, and tp's planned all-reduces with it)
+    prepare_forked_worker(f"paratrain-calibrate-r{os.environ.get('RANK', '?')}")
     rt = process.init("cpu")
     a, big = torch.randn(512, 512), torch.randn(4 * 2**20)
     tiny = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(16, 16), nn.ReLU())])
@@ -216,6 +221,7 @@ def calibration_worker(out_path: str, train) -> None:
         tiny(x).square().mean()
     dist.barrier()
     rates = {
+        "threads": float(torch.get_num_threads()),
         "matmul_s": median_seconds(lambda: a @ a, 9),
         "add_s": median_seconds(lambda: big + big, 9),
         "op_s": median_seconds(train_step, 31) / (3 * len(recorder.ops)),
@@ -311,9 +317,10 @@ def calibrate(path: str, nproc: int = 2, keep: bool = True, *, train) -> Cluster
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# paratrain plan --calibrate: this machine ({os.cpu_count()} cores, torch {torch.__version__}), {stamp};",
-        f"# per rank with {ranks} ranks at work, medians: a 512^3 fp32 matmul (peak), an add over 16 MiB",
-        "# tensors (memory), a tiny model's training step per op (op overhead); all-reduces of",
-        "# 1 KiB and 4 MiB over gloo on loopback, each after 1 ms of compute on every rank (alpha-beta),",
+        f"# per rank with {ranks} ranks at work ({m['threads']:g} compute thread(s) each), medians: a 512^3",
+        "# fp32 matmul (peak), an add over 16 MiB tensors (memory), a tiny model's training step per",
+        "# op (op overhead); all-reduces of 1 KiB and 4 MiB over gloo on loopback, each after 1 ms",
+        "# of compute on every rank (alpha-beta),",
         "# and after 8 ms (sync skew); a pipeline message's ping-pong through shared",
         "# memory (p2p latency); 30 asynchronous all-reduces beside compute (stream latency, per op).",
         "# a tiny model's steps through the trainer (step overhead). inter_node_Gbps: the cpu preset's, assumed.",
