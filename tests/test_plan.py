@@ -258,3 +258,14 @@ def test_a_deep_stage_is_extrapolated_exactly(monkeypatch, sets):
     assert len(used) == 2 and None not in used  # both stages: 7 and 6 blocks in a row
     monkeypatch.setattr(activations, "MIN_REPEATS", 10**9)
     assert activations.step_memory(cfg, 4, bounds, tp_plan, cfg.parallel.tp, sharding=sharding) == fast
+
+
+def test_plan_json_on_stdout_is_the_json_alone_on_a_cold_cache(tmp_path, capsys):
+    """`plan --json`'s stdout is the JSON alone, also where the plan prepares the default job's
+    corpus first (a fresh machine's cache: the first GPU run met it) and its note is printed on the
+    way; the note goes to stderr."""
+    sets = ["data.max_chars=20000", "data.tokenizer=bpe:300", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main(["plan", "--nproc", "2", "--json", *(a for s in sets for a in ("--set", s))]) == 0
+    said = capsys.readouterr()
+    assert json.loads(said.out)["world_size"] == 2
+    assert "data: prepared the corpus as bpe:300 tokens" in said.err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -223,43 +224,48 @@ def cmd_plan(args) -> int:
     from paratrain.models import build_model
     from paratrain.plan.planner import emit, make_plan
 
-    try:
-        cfg = load_config(args)
-        if args.calibrate and args.cluster:
-            raise ConfigError("--calibrate", "writes the cluster file it plans for: drop --cluster")
-        cluster = load_cluster(args.cluster) if args.cluster else None
-        if args.calibrate and torch.cuda.is_available():  # the GPU's kernels (plan/calibrate_gpu.py)
-            from paratrain.plan.calibrate_gpu import calibrate_gpu
+    # with the JSON on stdout, whatever else the plan prints on the way (a corpus prepared on
+    # first use, a calibration's notes) goes to stderr: stdout is the JSON alone
+    with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
+        try:
+            cfg = load_config(args)
+            if args.calibrate and args.cluster:
+                raise ConfigError("--calibrate", "writes the cluster file it plans for: drop --cluster")
+            cluster = load_cluster(args.cluster) if args.cluster else None
+            if args.calibrate and torch.cuda.is_available():  # the GPU's kernels (plan/calibrate_gpu.py)
+                from paratrain.plan.calibrate_gpu import calibrate_gpu
 
-            cluster = calibrate_gpu(args.calibrate, args.nproc)
-            note(f"this machine's {cluster.device_name} GPU measured into {args.calibrate} (reuse it with --cluster)")
-        elif args.calibrate:
-            from paratrain.plan.calibrate import calibrate
-            from paratrain.trainer import train
+                cluster = calibrate_gpu(args.calibrate, args.nproc)
+                note(
+                    f"this machine's {cluster.device_name} GPU measured into {args.calibrate} (reuse it with --cluster)"
+                )
+            elif args.calibrate:
+                from paratrain.plan.calibrate import calibrate
+                from paratrain.trainer import train
 
-            cluster = calibrate(args.calibrate, args.nproc or 2, train=train)
-            note(f"this machine measured into {args.calibrate} (reuse it with --cluster)")
-        if cluster is not None:  # the cluster's shape replaces --nproc / --nnodes
-            args.nproc, args.nnodes = cluster.devices_per_node, cluster.nodes
-        nproc, device_note = place(cfg, args)
-        with torch.device("meta"):  # shapes only: no memory, no time
-            model = build_model(cfg, build_dataset(cfg, "train"))
-        device = "cuda" if cluster is not None and cluster.is_gpu else cfg.train.device
-        if cluster is None and device == "cpu":  # this host's calibration where one was kept
-            cluster, figures = this_machines_cluster(args.nnodes, nproc)
-            note(figures)
-        plan = played(lambda: make_plan(cfg, model, nproc, args.nnodes, device, cluster))
-    except ConfigError as exc:
-        return _error(str(exc), 2)
-    if device_note and cluster is None:
-        note(f"{device_note}")
-    layouts = []
-    if args.search:
-        from paratrain.cost.cluster import this_machine
-        from paratrain.plan.search import render_search, search
+                cluster = calibrate(args.calibrate, args.nproc or 2, train=train)
+                note(f"this machine measured into {args.calibrate} (reuse it with --cluster)")
+            if cluster is not None:  # the cluster's shape replaces --nproc / --nnodes
+                args.nproc, args.nnodes = cluster.devices_per_node, cluster.nodes
+            nproc, device_note = place(cfg, args)
+            with torch.device("meta"):  # shapes only: no memory, no time
+                model = build_model(cfg, build_dataset(cfg, "train"))
+            device = "cuda" if cluster is not None and cluster.is_gpu else cfg.train.device
+            if cluster is None and device == "cpu":  # this host's calibration where one was kept
+                cluster, figures = this_machines_cluster(args.nnodes, nproc)
+                note(figures)
+            plan = played(lambda: make_plan(cfg, model, nproc, args.nnodes, device, cluster))
+        except ConfigError as exc:
+            return _error(str(exc), 2)
+        if device_note and cluster is None:
+            note(f"{device_note}")
+        layouts = []
+        if args.search:
+            from paratrain.cost.cluster import this_machine
+            from paratrain.plan.search import render_search, search
 
-        plan["layouts"] = search(args.config, args.overrides, cluster or this_machine(args.nnodes, nproc), args.top)
-        layouts = render_search(plan["layouts"])
+            plan["layouts"] = search(args.config, args.overrides, cluster or this_machine(args.nnodes, nproc), args.top)
+            layouts = render_search(plan["layouts"])
     emit(plan, args.json, layouts)
     return 0
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.errors import ConfigError, error, note
+from paratrain.errors import ConfigError, error
 
 FORMATS = ("text", "jsonl", "csv", "npy")
 END_OF_TEXT = "<|endoftext|>"
@@ -389,8 +389,7 @@ def prepare_text_once(text: str, tokenizer: str, block_size: int, val_fraction: 
                     if (out / "train" / TOKENIZER).is_file():
                         learnt = (out / "train" / TOKENIZER).read_text(encoding="utf-8")
                 os.replace(out, root)
-            # a note, on stderr: stdout may be a command's JSON (`plan --json` on a cold cache)
-            note(f"data: prepared the corpus as {tokenizer} tokens in {time.perf_counter() - started:.1f}s at {root}")
+            print(f"data: prepared the corpus as {tokenizer} tokens in {time.perf_counter() - started:.1f}s at {root}")
     return root
 
 
