@@ -245,7 +245,9 @@ def write_results(directory: str, header: list[str], rows: list[dict], attach: l
     for path in attach:
         with open(path) as fh:
             lines += [f"## {os.path.basename(path)}", "", "```", fh.read().rstrip(), "```", ""]
-    path = os.path.join(directory, f"gpu-{today}.md")
+    path, n = os.path.join(directory, f"gpu-{today}.md"), 2
+    while os.path.exists(path):  # a second run that day keeps the first's record
+        path, n = os.path.join(directory, f"gpu-{today}-{n}.md"), n + 1
     with open(path, "w") as fh:
         fh.write("\n".join(lines))
     return path

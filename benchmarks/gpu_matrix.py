@@ -3,7 +3,8 @@ of `make gpu-check`, not a benchmark.
 
     PYTHONPATH=src python3 benchmarks/gpu_matrix.py [--steps 6] [--smoke]
 
-Two models, random tokens (nothing is downloaded): the built-in GPT with 12 layers, and a small
+Three models, random tokens (nothing is downloaded): the built-in GPT with 12 layers, the same GPT
+with 4 layers of mixture-of-experts feed-forwards (8 experts, top 2), and a small
 Hugging Face Llama built from a LlamaConfig at random init (transformers, the test extra; left out
 with a line saying so where it is not installed). Each case is one Trainer on the process's NCCL
 group of one, all in this process (as a benchmark holds them: several compiled models alive at
@@ -27,6 +28,8 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 SEQ, SMOKE_SEQ = 256, 16
 GPT = {"factory": "gpt", "vocab_size": 4096, "n_layer": 12, "n_head": 8, "d_model": 512, "block_size": SEQ}
 SMOKE_GPT = {"factory": "gpt", "vocab_size": 128, "n_layer": 2, "n_head": 2, "d_model": 32, "block_size": SMOKE_SEQ}
+# the GPT with mixture-of-experts feed-forwards (a token-choice router: data-dependent shapes under compile)
+MOE = {"n_layer": 4, "n_experts": 8, "top_k": 2}
 LLAMA_SHAPE = {
     "vocab_size": 4096,
     "hidden_size": 512,
@@ -108,7 +111,8 @@ def main(argv=None) -> int:
     from paratrain.runtime import process
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `gpu:tokens`, the cases' data
-    models = {"gpt-12": SMOKE_GPT if args.smoke else GPT}
+    gpt = SMOKE_GPT if args.smoke else GPT
+    models = {"gpt-12": gpt, "gpt-moe": gpt | MOE}
     try:
         import transformers  # noqa: F401  (the hf factory's)
 
