@@ -45,7 +45,11 @@ def test_llama_context_parallel_equals_single_process(tmp_path, gang, layout, lo
     assert abs(metrics(tmp_path / "run")[-1]["val_loss"] - expected) <= 1e-4 * expected
 
 
-ATTENTION = {"GPT2": "'transformer.h.0.attn' (GPT2Attention)", "QWEN2": "'model.layers.0.self_attn' (Qwen2Attention)"}
+ATTENTION = {
+    "GPT2": "'transformer.h.0.attn' (GPT2Attention)",
+    "QWEN2": "'model.layers.0.self_attn' (Qwen2Attention)",
+    "LLAMA": "'model.layers.0.self_attn' (LlamaAttention)",
+}
 
 
 @pytest.mark.parametrize("name", ["GPT2", "QWEN2"])
@@ -70,25 +74,17 @@ QWEN2_WINDOW = job(
 BERT_MLM = BERT.replace('task = "sequence-classification"', 'task = "masked-lm"')
 
 
-PP = ["parallel.strategy='pp'", "parallel.pp=2"]  # cp 2 x pp 2: 4 ranks
-
-
 @pytest.mark.parametrize(
-    "text, why, sets",
+    "text, why",
     [
-        (LLAMA.replace('"causal-lm"', '"sequence-classification"'), "head is not per token", []),  # one token pooled
-        (QWEN2_WINDOW, "sliding_attention layers", []),
-        (BERT_MLM, "attention is not causal", []),  # an encoder: every token attends to every other
-        # its pipeline stages number their tokens from 0, not by the chunks' global positions
-        (LLAMA, "cut into pipeline stages", PP),
+        (LLAMA.replace('"causal-lm"', '"sequence-classification"'), "head is not per token"),  # one token pooled
+        (QWEN2_WINDOW, "sliding_attention layers"),
+        (BERT_MLM, "attention is not causal"),  # an encoder: every token attends to every other
     ],
 )
-def test_hf_models_cp_cannot_split_exit_2(tmp_path, capsys, text, why, sets):
+def test_hf_models_cp_cannot_split_exit_2(tmp_path, capsys, text, why):
     cfg = write_config(tmp_path / "c.toml", text)
-    nproc = "4" if sets == PP else "2"
-    args = ["run", str(cfg), "--nproc", nproc, "--run-dir", str(tmp_path / "r"), "--set", "parallel.cp=2"]
-    for s in sets:
-        args += ["--set", s]
+    args = ["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), "--set", "parallel.cp=2"]
     assert main(args) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "parallel.cp" in lines[0] and why in lines[0], lines
@@ -113,3 +109,37 @@ def test_llama_context_parallel_at_world_4(tmp_path, gang, sets):
     sets = [*sets, "parallel.cp=2", "data.layout='labelled'", "train.loss='model'"]
     gang(4).train(cfg, tmp_path / "run", sets, timeout=300)
     assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
+
+
+PP = ["parallel.strategy='pp'", "parallel.pp=2", "parallel.balance='params'"]  # cp 2 x pp 2: 4 ranks
+
+
+@pytest.mark.parametrize(
+    "name, layout, loss",
+    [
+        # stage 0 the embedding and layer 0, stage 1 layer 1 and the head: each stage's rotary
+        # positions the chunks' global ones, the targets cut with the ids
+        ("LLAMA", "pair", "cross_entropy"),
+        # the labels shifted over the whole sequence and counted before the cut, carried apart to
+        # the last stage's loss_function
+        ("LLAMA", "labelled", "model"),
+        ("QWEN2", "pair", "cross_entropy"),  # another family: biased q/k/v
+        ("GPT2", "pair", "cross_entropy"),  # the first stage's learned positions (wpe) the global ones
+    ],
+)
+def test_hf_decoders_under_pipeline_and_context_parallel(tmp_path, gang, name, layout, loss):
+    """cp 2 x pp 2 at world 4 (4 microbatches of 2 sequences): the stages' attention the ring of
+    their cp group, checked on the first step against attention over the whole sequence
+    (parallel.verify_plan, the stages' verdict agreed after the step); final weights and validation
+    loss equal one process's."""
+    text = {"LLAMA": LLAMA, "QWEN2": QWEN2, "GPT2": GPT2}[name]
+    loss_of = next_token_loss if layout == "pair" else own_loss
+    model = built(text)
+    reference = train_alone(model, layout, loss_of)
+    cfg = write_config(tmp_path / "c.toml", text)
+    sets = [*PP, "parallel.cp=2", f"data.layout='{layout}'", f"train.loss='{loss}'"]
+    out = gang(4).train(cfg, tmp_path / "run", sets, timeout=300)
+    assert out.count(f"parallel.verify_plan: parallel.cp's ring attention in {ATTENTION[name]} equals") == 1, out
+    assert max_rel_error(final_weights(tmp_path / "run"), reference) <= 1e-4
+    expected = val_loss(model, layout, loss_of)
+    assert abs(metrics(tmp_path / "run")[-1]["val_loss"] - expected) <= 1e-4 * expected

@@ -200,10 +200,10 @@ class ParallelConfig:
         doc="tp: the first step runs each distinct sharded block once against the same block whole (its "
         "weights gathered) on the step's own input; a mismatch exits 2 naming the module and the plan entry; "
         "pp: before training, the model's `pipeline_layers()` chained against its own forward on the first "
-        "microbatch, at each cut and the end; a mismatch exits 2 naming the cut; cp and ep (dp, zero1-3): the first "
-        "step runs one attention with the ring and one MoE layer's dispatch per kind against the same layer whole "
-        "(the step's q, k, v or expert weights gathered); a mismatch exits 2 naming the module and parallel.cp or "
-        "parallel.ep (docs/models.md, docs/long-sequences-and-moe.md: what each costs)",
+        "microbatch, at each cut and the end; a mismatch exits 2 naming the cut; cp (under pp in each stage) and ep "
+        "(dp, zero1-3): the first step runs one attention with the ring and one MoE layer's dispatch per kind "
+        "against the same layer whole (the step's q, k, v or expert weights gathered); a mismatch exits 2 naming "
+        "the module and parallel.cp or parallel.ep (docs/models.md, docs/long-sequences-and-moe.md: what each costs)",
     )
     bucket_mb: float = opt(25.0, check=_positive, doc="gradient bucket size (dp, zero1/2 buckets, zero3 units)")
     compression: str = opt(

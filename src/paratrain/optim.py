@@ -160,13 +160,16 @@ def build_loss(cfg: Config) -> Callable:
 
 
 @torch.no_grad()
-def accuracy_counts(output, target: torch.Tensor) -> tuple[int, int] | None:
-    """(correct, total) for classification-shaped outputs, else None."""
+def accuracy_counts(output, target) -> tuple[int, int] | None:
+    """(correct, total) for classification-shaped outputs and class targets, else None (a model's
+    own loss's labels: None, or a dict of them under pp, models/hf_pipeline.labels_apart)."""
     try:
         logits = output_logits(output)
     except TypeError:
         return None
-    if target is None or not (target.dtype in (torch.long, torch.int) and logits.dim() == target.dim() + 1):
+    if not isinstance(target, torch.Tensor) or not (
+        target.dtype in (torch.long, torch.int) and logits.dim() == target.dim() + 1
+    ):
         return None
     pred = logits.argmax(dim=-1)
     return int((pred == target).sum()), target.numel()

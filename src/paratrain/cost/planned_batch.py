@@ -13,12 +13,12 @@ def cut_batch(cfg: Config, model: nn.Module, x, y, cut: bool):
     """(x, y, loss) as the pipeline engine runs a model cut into layers (`cut`): under train.loss =
     "model" a dict sample's labels become the target, and the loss the model's own loss_function on
     the last layer's logits (models/hf_pipeline.own_loss); else the batch and train.loss as given."""
-    from paratrain.models.hf_pipeline import own_loss
+    from paratrain.models.hf_pipeline import labels_apart, own_loss
     from paratrain.optim import build_loss
 
     own = own_loss(model) if cut and cfg.train.loss == "model" else None
     if own is not None and isinstance(x, dict) and "labels" in x:
-        return {k: v for k, v in x.items() if k != "labels"}, x["labels"], own
+        return *labels_apart(x), own
     return x, y, build_loss(cfg)
 
 

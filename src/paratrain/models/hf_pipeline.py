@@ -19,7 +19,12 @@ names and the state dict stay the model's) and takes one tensor, as the pipeline
     head          the final norm and lm_head: hidden states -> logits (a tensor, which the built-in
                   losses take); a head tied to the embedding is summed over its stages as any tie;
                   train.loss = "model": the model's own loss_function on them (own_loss), with the
-                  labels a dict sample carries, taken out of it before the first stage
+                  labels a dict sample carries, taken out of it before the first stage (labels_apart)
+
+Under parallel.cp a stage holds this rank's chunks of each sequence, not tokens 0..T-1: the
+embedding and decoder layers take the chunks' global positions from parallel/context, which sets
+their `paratrain_positions` as it sets the gpt's embedding's (the rotary embedding and learned
+positions then see each token where it is in the sequence; the ring's causality needs no mask).
 
 The rotary embedding is shared by every decoder layer and holds no parameters: it is kept out of
 the layers' registered children, so a stage moved off a rank does not take it along."""
@@ -35,11 +40,24 @@ from torch import nn
 UNPLANNED = {"gpt2": (("wte", "wpe", ("drop",)), "h", ("ln_f",))}
 
 
-def _positions(hidden: torch.Tensor) -> torch.Tensor:
-    return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+# a dict sample's keys that the model's own loss takes, not its first layer: the labels and, under
+# parallel.cp, the labels shifted over the whole sequence and the count its mean divides by
+# (parallel/context/hf.py)
+LOSS_KEYS = ("labels", "shift_labels", "num_items_in_batch")
 
 
-class _Embedding(nn.Module):
+class _Positioned(nn.Module):
+    # parallel.cp: the global positions of this rank's tokens (its chunks of the sequence), set by
+    # parallel/context; None: the tokens are the whole sequence, positions 0..T-1
+    paratrain_positions: torch.Tensor | None = None
+
+    def positions(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The position ids of the tokens `hidden` holds, (1, tokens) as transformers' own default."""
+        given = self.paratrain_positions
+        return (torch.arange(hidden.shape[1], device=hidden.device) if given is None else given).unsqueeze(0)
+
+
+class _Embedding(_Positioned):
     def __init__(self, embed: nn.Module, position: nn.Module | None, after: list[nn.Module]):
         super().__init__()
         self.embed, self.position, self.after = embed, position, nn.ModuleList(after)
@@ -47,13 +65,13 @@ class _Embedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # transformers' name: a dict sample's key
         hidden = self.embed(input_ids)
         if self.position is not None:
-            hidden = hidden + self.position(_positions(hidden))
+            hidden = hidden + self.position(self.positions(hidden))
         for part in self.after:
             hidden = part(hidden)
         return hidden
 
 
-class _DecoderLayer(nn.Module):
+class _DecoderLayer(_Positioned):
     rotary: nn.Module | None  # in __dict__, not registered: declared for the type checker
 
     def __init__(self, layer: nn.Module, rotary: nn.Module | None, config):
@@ -65,8 +83,9 @@ class _DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
-        position_ids = _positions(hidden)
-        # without position ids: they start at 0 in every row, so no packed sequences to look for
+        position_ids = self.positions(hidden)
+        # without position ids: 0..T-1 hold no packed sequences to look for, and under cp the ring's
+        # implementation gets no mask (its causality is the chunks' global one)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None)
         rotary = {} if self.rotary is None else {"position_embeddings": self.rotary(hidden, position_ids=position_ids)}
         out = self.layer(hidden, attention_mask=mask, position_ids=position_ids, **rotary)
@@ -130,13 +149,21 @@ def transformers_layers(model: nn.Module) -> list[nn.Module] | None:
     return [embedding, *decoders, _Head([getattr(base, n) for n in before_head], head)]
 
 
+def labels_apart(sample: dict) -> tuple[dict, dict]:
+    """A dict sample as (what the first stage takes, what the last stage's own loss takes)."""
+    return (
+        {k: v for k, v in sample.items() if k not in LOSS_KEYS},
+        {k: v for k, v in sample.items() if k in LOSS_KEYS},
+    )
+
+
 def own_loss(model: nn.Module):
     """The loss the whole model computes in its forward, on the last stage's logits and the labels
-    carried to it: a transformers model's `loss_function` (its shift of the labels included); None
-    for a model without one."""
+    carried to it (labels_apart's dict): a transformers model's `loss_function` (its shift of the
+    labels included, unless `shift_labels` come shifted); None for a model without one."""
     fn = getattr(model, "loss_function", None)
     config = getattr(model, "config", None)
     if fn is None or config is None:
         return None
     vocab = config.get_text_config().vocab_size
-    return lambda logits, labels: fn(logits=logits, labels=labels, vocab_size=vocab)
+    return lambda logits, labels: fn(logits=logits, vocab_size=vocab, **labels)

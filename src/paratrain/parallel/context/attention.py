@@ -188,9 +188,12 @@ class ContextParallel:
     `paratrain_attention` attribute take (q, k, v) -> y, modules with `paratrain_positions` the
     global positions of the local tokens. A Hugging Face decoder is hooked from outside (hf.py).
     `verify`: train.precision where parallel.verify_plan checks the ring on the first step
-    (verify.py), None where it does not."""
+    (verify.py), None where it does not; `verdict_after_step`: the world agrees on the checks when
+    the engine calls verdict_after_step, not inside the attention (pipeline stages)."""
 
-    def __init__(self, model: nn.Module, mesh: DataMesh | Mesh, verify: str | None = None):
+    def __init__(
+        self, model: nn.Module, mesh: DataMesh | Mesh, verify: str | None = None, verdict_after_step: bool = False
+    ):
         self.mesh = mesh
         self.ring = Ring(mesh)
         self.local_positions = torch.arange(0)  # the current batch's, set by local_batch
@@ -204,11 +207,27 @@ class ContextParallel:
         for module in self.attentions:  # each its own: the check names the module it runs in
             module.paratrain_attention = functools.partial(self.attention, module=module)  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
         attentions = self.attentions or hf.attention_modules(model)
-        self.verifier = RingVerifier(model, attentions, mesh, verify, chunk_positions) if verify else None
+        self.verifier = (
+            RingVerifier(model, attentions, mesh, verify, chunk_positions, verdict_after_step) if verify else None
+        )
         self.embeddings = hooked(model, "paratrain_positions")
         for module in hooked(model, "paratrain_sequence_split"):  # per-sequence sums (an MoE's balance)
             module.paratrain_sequence_split = (mesh.cp, self.ring_sum)  # type: ignore[assignment]  # torch types a module's attribute as a tensor or module
         self.positions: dict[tuple[int, torch.device], torch.Tensor] = {}  # by sequence length
+
+    def position_stages(self, stages: list[nn.Module]) -> None:
+        """Tell the pipeline stages' layers the local tokens' global positions too: a transformers
+        decoder's layers wrap its modules outside the model (models/hf_pipeline.py)."""
+        self.embeddings += [
+            m for stage in stages for m in hooked(stage, "paratrain_positions") if m not in self.embeddings
+        ]
+
+    def verdict_after_step(self, device: torch.device) -> None:
+        """Collective over the world, after every training step: on the first, the verdict on the
+        ring's checks the stages made in it (verify.py), where it waits until after the step."""
+        if self.verifier is not None and self.verifier.after_step:
+            self.verifier.verdict(device)
+            self.verifier = None
 
     def ring_sum(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over the cp group of a tensor that needs no gradient."""
@@ -225,7 +244,7 @@ class ContextParallel:
         out = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, scale)
         if self.verifier is not None and module is not None:
             self.verifier.check(module, q, k, v, scale, out)
-            if self.verifier.done():  # every kind checked: nothing more runs, compiled or not
+            if self.verifier.done() and not self.verifier.after_step:  # nothing more runs, compiled or not
                 self.verifier = None
         return out
 
@@ -285,7 +304,9 @@ def check_context(cfg, model: nn.Module, sample) -> None:
         )
 
 
-def context_parallel(model: nn.Module, mesh: DataMesh | Mesh, verify: str | None = None) -> ContextParallel | None:
-    """The model's attention made a ring over the mesh's cp group (None when cp is 1); `verify`:
-    ContextParallel's."""
-    return ContextParallel(model, mesh, verify) if mesh.cp > 1 else None
+def context_parallel(
+    model: nn.Module, mesh: DataMesh | Mesh, verify: str | None = None, verdict_after_step: bool = False
+) -> ContextParallel | None:
+    """The model's attention made a ring over the mesh's cp group (None when cp is 1); `verify` and
+    `verdict_after_step`: ContextParallel's."""
+    return ContextParallel(model, mesh, verify, verdict_after_step) if mesh.cp > 1 else None

@@ -17,11 +17,14 @@ Four things the gpt's own hooks do (models/gpt.py), done here from outside:
                mask function for gets none): its causal mask would be the local tokens', while the
                ring's causality follows the chunks' global positions.
     positions  a forward pre-hook passes `position_ids`, the global positions of the local chunks,
-               so rotary (or learned) position embeddings see each token where it is in the sequence.
+               so rotary (or learned) position embeddings see each token where it is in the sequence;
+               under pp, whose stages run the model's layers without its forward, the stages' layers
+               take them as the gpt's embedding does (models/hf_pipeline.py).
     labels     transformers' causal-LM loss shifts `labels` inside the model (labels[..., 1:]), which
                after the cut would pair a chunk's last token with the next chunk's first of the
                same rank: the labels are shifted over the whole sequence before the cut and given as
-               `shift_labels`, which its loss takes as they are.
+               `shift_labels`, which its loss takes as they are (under pp carried to the last stage
+               with the labels).
     the mean   the loss is a mean over the tokens that count (not -100), and the last token of each
                sequence never counts: the ranks of a ring hold unequal numbers of them, so a mean
                of the ranks' means would not be one process's. `num_items_in_batch` (the count over

@@ -11,10 +11,14 @@ gpt's `Attention`, a transformers decoder's `LlamaAttention`, ...) where the rin
              and causal attention over the whole sequence (torch's sdpa, in fp32), no gradient;
              this rank's chunks of it
     verdict  parallel/verify: a relative error above the equivalence tolerance exits 2 naming the
-             module and parallel.cp, on every rank (one agreed line); a pass is said once
+             module and parallel.cp, on every rank (one agreed line); a pass is said once. The
+             verdict agrees over the world, so it comes where every rank is at the same point: at
+             the check where every rank runs the same layers; under pp, whose stages run theirs at
+             different times (a verdict inside stage 0's forward would wait for stage 1, which
+             waits for its activations), after the step, on every stage's checks at once
 
-Its cost: per kind, once, three all-gathers of one layer's (q, k, v) and one attention over the
-whole sequence (the memory of one process's, for that layer alone)."""
+Its cost: per kind (under pp, per kind and stage), once, three all-gathers of one layer's (q, k, v)
+and one attention over the whole sequence (the memory of one process's, for that layer alone)."""
 
 from __future__ import annotations
 
@@ -30,36 +34,57 @@ from paratrain.parallel.verify.verdict import how_far, relative_error, tolerance
 class RingVerifier:
     """Checks the first ring attention of each kind of attention module against the whole one."""
 
-    def __init__(self, model: nn.Module, modules: list[nn.Module], mesh: DataMesh | Mesh, precision: str, positions):
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: list[nn.Module],
+        mesh: DataMesh | Mesh,
+        precision: str,
+        positions,
+        after_step: bool = False,
+    ):
         # `positions(seq_len, cp, cp_rank)`: a rank's tokens' global positions (attention.py's layout)
         self.mesh, self.precision, self.positions = mesh, precision, positions
+        self.after_step = after_step  # the verdict left to verdict(), called after the step
         self.names = {id(m): n for n, m in model.named_modules()}
         self.left = {type(m).__name__ for m in modules}  # the kinds not checked yet
+        self.checked: list[tuple[float, str]] = []  # (relative error, '<module name>' (<kind>)) awaiting the verdict
 
     def done(self) -> bool:
         return not self.left
 
     @torch.compiler.disable  # once, eagerly: a compiled block breaks its graph here until then
     def check(self, module: nn.Module, q, k, v, scale: float, out: torch.Tensor) -> None:
-        """Collective over the world, on the first training forward of each kind (every rank runs
-        the same layers in the same order). ConfigError naming the module and parallel.cp."""
+        """On the first training forward of each kind: collective over the cp group, and then, unless
+        the verdict comes after the step, over the world (every rank runs the same layers in the
+        same order). ConfigError naming the module and parallel.cp."""
         kind = type(module).__name__
         if kind not in self.left or not torch.is_grad_enabled():  # evaluation is no training step
             return
         self.left.discard(kind)
         with torch.no_grad(), collectives.unprofiled():  # once, not the step's traffic
             err = relative_error(out, self._whole(q, k, v, scale))
-        name = self.names.get(id(module), kind)
+        self.checked.append((err, f"{self.names.get(id(module), kind)!r} ({kind})"))
+        if not self.after_step:
+            self.verdict(out.device)
+
+    def verdict(self, device: torch.device) -> None:
+        """Collective over the world: one verdict on the checks made since the last (none where this
+        rank's stage holds no attention); rank 0 names its own on a pass."""
         limit = tolerance(self.precision)
+        checked, self.checked = self.checked, []
+        failing = next(((err, where) for err, where in checked if not err <= limit), None)  # NaN fails too
+        err = failing[0] if failing else max((err for err, _ in checked), default=0.0)
+        where = failing[1] if failing else " and ".join(where for _, where in checked) or "every pipeline stage"
         verdict(
             "parallel.cp",
             err,
             limit,
-            f"the ring does not compute {name!r} ({kind}) as attention over the whole sequence does "
+            f"the ring does not compute {where} as attention over the whole sequence does "
             f"({how_far(err)} on the first step, tolerance {limit:g}): the ring's chunks, blocks "
             f"or merge are wrong for this attention; parallel.verify_plan = false skips this check",
-            f"parallel.cp's ring attention in {name!r} ({kind}) equals attention over the whole sequence",
-            out.device,
+            f"parallel.cp's ring attention in {where} equals attention over the whole sequence",
+            device,
         )
 
     def _whole(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -29,7 +29,7 @@ from paratrain.comm.lockstep import BACKWARD
 from paratrain.config import Config, microbatch_count, virtual_stages
 from paratrain.data.batch import num_samples, split_batch, tensors_in
 from paratrain.errors import ConfigError, note
-from paratrain.models.hf_pipeline import own_loss
+from paratrain.models.hf_pipeline import labels_apart, own_loss
 from paratrain.models.layers import boundary_shape_fn, layers_of, meta_copy, pipeline_layers
 from paratrain.optim import build_optimizer, output_logits, rebuild_optimizer
 from paratrain.parallel.base import (
@@ -40,7 +40,6 @@ from paratrain.parallel.base import (
     refuse,
     unique_parameters,
 )
-from paratrain.parallel.context import hf
 from paratrain.parallel.context.attention import context_parallel
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.hybrid.parallelize import (
@@ -72,12 +71,6 @@ def check_model(cfg: Config, model: nn.Module) -> None:
     plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
     if p.tp > 1:
         check_plan(model, plan, p.tp, user=bool(p.tp_plan), own_loss=cfg.train.loss == "model")
-    if p.pp > 1 and p.cp > 1 and hf.is_hf(model):
-        # its stages compute positions 0..T-1 of the tokens they get (models/hf_pipeline.py), not the
-        # chunks' global ones that cp gives the whole model's forward (context/hf.py)
-        raise ConfigError(
-            "parallel.cp", "a Hugging Face model cut into pipeline stages is not split by sequence (set pp = 1)"
-        )
     if p.pp > 1:
         if cfg.train.loss == "model" and own_loss(model) is None:
             # the last stage ends at the model's logits: only a loss_function the model names is run there
@@ -144,14 +137,16 @@ class ModelParallel(Strategy):
         # after the cut, whose timing and check run the whole model on one rank (a ring would wait for
         # its peers), and after the meta copy, which must not copy the hooks; before tp, whose shards
         # sit inside the hooked attention modules (each tp rank's ring carries its heads)
-        # its ring checked on the first step where every rank runs the same blocks (a check agrees
-        # over the world; under pp the stages run different ones)
-        verify = cfg.train.precision if p.verify_plan and p.pp == 1 else None
-        self.context = context_parallel(model, mesh, verify)
+        # its ring checked on the first step; under pp, whose stages run different blocks at different
+        # times, the world agrees on the stages' checks after the step (_verify_once)
+        verify = cfg.train.precision if p.verify_plan else None
+        self.context = context_parallel(model, mesh, verify, verdict_after_step=p.pp > 1)
         stage_of_key = stage_of_keys(model, cfg, self.bounds)
         self.shard_dims = apply_tp(model, mesh, plan)
         self.shard_packs = packed_shards(model)  # tensors split as a fused gate and up (tensor/experts.py)
         self.stage_ids, self.chunks = cut_pipeline(model, mesh, cfg, self.bounds)
+        if self.context is not None:  # a transformers decoder's stages wrap its modules (models/hf_pipeline.py)
+            self.context.position_stages(self.chunks)
         self.reducers, self.param_names, self.params = wrap_dp(model, self.chunks, mesh, cfg, rt.device)
         # parallel.verify_plan: the first step's blocks checked against themselves whole (tensor/verify.py)
         self.verifier = (
@@ -298,6 +293,8 @@ class ModelParallel(Strategy):
     def _verify_once(self) -> None:
         """parallel.verify_plan on the first step, after its forward and before the optimizer moves
         the weights that forward used (train_step, and the Python API's first backward)."""
+        if self.context is not None:
+            self.context.verdict_after_step(self.rt.device)
         if self.verifier is not None:
             # it reads and swaps the planned modules' real slices
             with self.split_params.real() if self.split_params is not None else contextlib.nullcontext():
@@ -311,11 +308,12 @@ class ModelParallel(Strategy):
         return micro if self.context is None else [self.context.local_batch(part) for part in micro]
 
     def _labels_apart(self, micro: list[tuple]) -> list[tuple]:
-        """Under pp with the model's own loss: each dict microbatch's labels as its target, the rest
-        its input (the first stage takes the ids, the last the labels)."""
+        """Under pp with the model's own loss: each dict microbatch's labels (and under cp their shift
+        and count) as its target, the rest its input (the first stage takes the ids, the last the
+        labels)."""
         if not self.labels_apart:
             return micro
-        return [({k: v for k, v in x.items() if k != "labels"}, x["labels"]) for x, _ in micro]
+        return [labels_apart(x) for x, _ in micro]
 
     def _clip(self, norm: float, max_norm: float) -> None:
         factor = clip_factor(torch.tensor(norm, device=self.rt.device), max_norm)
