@@ -28,6 +28,7 @@ no gradient bucket to start), the whole model is one region, one graph.
 
 from __future__ import annotations
 
+import os
 from typing import Any, cast
 
 import torch
@@ -88,8 +89,14 @@ def compile_blocks(model: nn.Module, whole: bool = False) -> int:
     region instead, where no module inside it carries forward hooks: one graph call and one set
     of guards a step instead of one per block (on a GPU, host time: issue 43 measured about 7 ms a
     step of GPT-2 small by blocks)."""
+    import torch._inductor.config as inductor
     from torch._dynamo.utils import counters
 
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        # inductor's pool of compile workers takes every core by default, in each rank: the rank's
+        # share instead, as its threads (a share of 1 compiles in the process, with no pool to
+        # start: a cold compile of the tests' GPT on 2 cores 62 s -> 36 s)
+        inductor.compile_threads = max(1, torch.get_num_threads())
     # report_graph_breaks counts from here: the graphs and breaks of this model's first step
     counters.clear()
     if whole and not any(_hooked(m) for m in model.modules() if m is not model):
