@@ -105,18 +105,23 @@ def test_mixtral_ranks_keep_their_expert_slices_and_resume_at_ep_1(tmp_path, gan
     assert max_rel_error(went_on, resumed) <= 1e-4
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-def test_zero_holds_and_plans_a_rank_s_expert_slices(tmp_path, gang, strategy):
-    """World 2, ep 2 (adamw): each rank keeps half of each experts stack, alone; what it holds
-    (parameters, gradients, optimizer state) is what `paratrain plan` says. Under zero1 and zero2,
-    whose parameters are whole on every rank, half the stacks' bytes fewer than at ep 1 (optimizer
-    state and zero3's parameters: half the stacks either way)."""
+@pytest.mark.parametrize(
+    "strategy, world, sets",
+    [("zero1", 2, []), ("zero2", 2, []), ("zero3", 2, []), ("zero1", 4, ["parallel.replicas=2"])],
+    ids=["zero1", "zero2", "zero3", "zero1-w4-replicas"],
+)
+def test_zero_holds_and_plans_a_rank_s_expert_slices(tmp_path, gang, strategy, world, sets):
+    """ep 2 at world 2, and at world 4 in 2 replicas of 2 (adamw): each rank keeps half of each
+    experts stack, alone in its replica; what it holds (parameters, gradients, optimizer state) is
+    what `paratrain plan` says. Under zero1 and zero2, whose parameters are whole on every rank,
+    half the stacks' bytes fewer than at ep 1 (optimizer state and zero3's parameters: half the
+    stacks either way)."""
     from test_expert_weights import planned
 
     cfg = str(write_config(tmp_path / "c.toml", MIXTRAL))
-    sets = ["train.optimizer='adamw'", f"parallel.strategy='{strategy}'"]
-    held = gang(2).run("test_expert_weights:held_bytes", config=cfg, overrides=[*sets, *EP2])
-    plan, whole = planned(cfg, 2, [*sets, *EP2]), planned(cfg, 2, sets)
+    sets = [*sets, "train.optimizer='adamw'", f"parallel.strategy='{strategy}'"]
+    held = gang(world).run("test_expert_weights:held_bytes", config=cfg, overrides=[*sets, *EP2])
+    plan, whole = planned(cfg, world, [*sets, *EP2]), planned(cfg, world, sets)
     for rank in held:
         assert len(rank["experts"]) == 2 * 2  # each layer's two stacks, sliced
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
@@ -127,16 +132,20 @@ def test_zero_holds_and_plans_a_rank_s_expert_slices(tmp_path, gang, strategy):
     assert drop["optimizer_bytes"] == pytest.approx(0, abs=0.01 * stacks)
 
 
-@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
-def test_zero_checkpoints_of_expert_slices_resume_across_ep(tmp_path, gang, strategy):
+@pytest.mark.parametrize(
+    "strategy, world, sets", [("zero2", 2, []), ("zero3", 4, ["parallel.replicas=2"])], ids=["zero2", "zero3-hsdp"]
+)
+def test_zero_checkpoints_of_expert_slices_resume_across_ep(tmp_path, gang, strategy, world, sets):
     """A checkpoint written at ep 2 (each rank's pieces of its stacks' slices, at their places in the
-    whole stacks) resumes alone at ep 1, whose checkpoint resumes at ep 2: each equal to one process."""
+    whole stacks; with replicas, by the first) resumes alone at ep 1, whose checkpoint resumes at
+    ep 2: each equal to one process."""
     reference = train_alone(built(MIXTRAL), "pair", next_token_loss)
     cfg = write_config(tmp_path / "c.toml", MIXTRAL)
     every = ["checkpoint.every=4", f"parallel.strategy='{strategy}'"]
-    gang(2).train(cfg, tmp_path / "ep2", [*every, *EP2])
+    split = [*every, *EP2, *sets]
+    gang(world).train(cfg, tmp_path / "ep2", split)
     gang(1).train(cfg, tmp_path / "ep1", every, resume=str(tmp_path / "ep2" / "checkpoints" / "step-4"))
-    gang(2).train(cfg, tmp_path / "back", [*every, *EP2], resume=str(tmp_path / "ep1" / "checkpoints" / "step-8"))
+    gang(world).train(cfg, tmp_path / "back", split, resume=str(tmp_path / "ep1" / "checkpoints" / "step-8"))
     for name in ("ep2", "ep1", "back"):
         weights = final_weights(tmp_path / name)
         assert weights.keys() == reference.keys()

@@ -11,11 +11,19 @@ so a rank holds 1/E of the experts' weights, gradients and optimizer state as ev
 hold of one replicated expert set under the same stage (stage 1: the kept experts whole, their
 optimizer state / (world / E); stage 3: their weights too).
 
+Replica groups (parallel.replicas = R, HSDP under stage 3): the experts are sharded as the dense
+parameters are, inside a replica: over the S / E ranks of the rank's replica (S = world / R
+adjacent ranks) keeping the same experts (E divides S, parallel/spec.py: an ep group lies inside a
+replica). The ranks at the same place in every replica keep the same experts and the same shard
+of them, so engine.py's average across the replicas takes the experts' shards with the dense ones,
+and replica 0, which writes the checkpoints, holds every expert.
+
 The divisor. An expert's gradient on a rank keeping it is the sum over its ep group's tokens (the
 dp derivation, dp/experts.py); one process's is the sum over the world / E keepers divided by the
 world. So an expert unit's gradients are divided by the world (not its group's size) before they
-are summed over its group. The gradient norm counts each expert once: the squares of the expert
-shards' norms summed over their group, then over the ep group (its ranks keep different experts).
+are summed over its group (with replicas: by S, then averaged over the R replicas). The gradient
+norm counts each expert once: the squares of the expert shards' norms summed over their group,
+then over the ep group (its ranks keep different experts).
 
 Units come in backward order as ever, the experts' between the dense ones where their parameters
 are registered (stage 2 reduces them in that order). Checkpoints stay ZeRO's pieces: every rank
@@ -31,13 +39,11 @@ contiguous in its stack (experts first), so its pieces sit in a checkpoint at th
 whole stack (`offsets`, zero/reshard.py), and a resume at any ep reads its slice from them.
 
 Where the experts are not split, every rank keeps every expert in the dense units: ep 1, the
-Python API's own loop (its optimizer holds every parameter), a compressing codec (dp's rule),
-and parallel.replicas > 1 (the experts' groups would cross the replicas that write checkpoints)."""
+Python API's own loop (its optimizer holds every parameter) and a compressing codec (dp's rule)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -111,8 +117,9 @@ class AllExperts:
 class SplitExperts(AllExperts):
     """This rank's ep rank's experts, in units of their own over the ranks keeping them."""
 
-    def __init__(self, model: nn.Module, mesh: DataMesh):
-        """`model` as built, maybe on meta (its values not made yet: the gpt's initialisation replays
+    def __init__(self, model: nn.Module, mesh: DataMesh, replica_size: int):
+        """`replica_size`: the ranks of a replica (the world where parallel.replicas is 1).
+        `model` as built, maybe on meta (its values not made yet: the gpt's initialisation replays
         every expert's, so the others' experts are dropped once it has run, `keep`; a Hugging Face
         experts module's stacks are cut to this rank's slices now, for the units, and made whole
         while the values are made, `materialize`)."""
@@ -127,10 +134,8 @@ class SplitExperts(AllExperts):
             self.names.add(name)
             self.shapes[name] = list(whole.shape)
             self.offsets[name] = mesh.ep_rank * part.numel()  # experts first: the slice is contiguous
-        self.world = dist.get_world_size()
-        self.group = cast(dist.ProcessGroup | None, mesh.expert_replicas)
-        if self.group is None:  # ep is the world: each expert on one rank, a group of its own
-            self.group = [dist.new_group([r]) for r in range(self.world)][dist.get_rank()]
+        self.world = replica_size  # the divisor (the module docstring)
+        self.group = keepers_group(mesh, replica_size)
         self.sharing = dist.get_rank(self.group), dist.get_world_size(self.group), self.group, self.world
         self.reducer: ShardReducer | None = None  # stage 1's, over the experts' group (engine.py)
 
@@ -212,9 +217,22 @@ class SplitExperts(AllExperts):
             release(u)
 
 
+def keepers_group(mesh: DataMesh, replica_size: int):
+    """Collective over the world: the group of the ranks of this rank's replica (runs of
+    `replica_size` adjacent ranks, comm/grid.py's ReplicaLayout) keeping its experts, its ep rank's
+    in every ep group there: the mesh's expert_replicas where the world is the one replica, else
+    made (every rank makes every replica's, in the same order; a group of one rank too)."""
+    world, ep = dist.get_world_size(), mesh.ep
+    if replica_size == world and mesh.expert_replicas is not None:
+        return mesh.expert_replicas
+    starts = range(0, world, replica_size)
+    groups = [dist.new_group(list(range(start + e, start + replica_size, ep))) for start in starts for e in range(ep)]
+    return groups[dist.get_rank() // replica_size * ep + mesh.ep_rank]
+
+
 def zero_experts(cfg, model: nn.Module, mesh: DataMesh | None, own_loop: bool) -> AllExperts:
     """How zero1-3 keep the model's experts (the module docstring: where they are not split)."""
     p = cfg.parallel
-    if mesh is None or own_loop or p.compression != "none" or p.replicas > 1:
+    if mesh is None or own_loop or p.compression != "none":
         return AllExperts()
-    return SplitExperts(model, mesh)
+    return SplitExperts(model, mesh, dist.get_world_size() // p.replicas)

@@ -90,11 +90,11 @@ def kept_experts(cfg: Config, model: nn.Module) -> Iterator[tuple[list, list]]:
     """(the dense parameters, one rank's kept experts) as zero/experts.py splits them: dp's split
     (1/E of the gpt's experts, a Hugging Face experts module's stacks' slices), in units of their
     own, the model holding ep rank 0's slices of the stacks meanwhile, as a rank's does (stage 3's
-    units are the modules holding them); none apart with parallel.replicas > 1."""
+    units are the modules holding them)."""
     from paratrain.parallel.expert.weights import stacks_cut
 
     named = unique_parameters(model)
-    if cfg.parallel.replicas > 1 or not splits_experts(cfg):
+    if not splits_experts(cfg):
         yield [p for _, p in named], []
         return
     with stacks_cut(model, cfg.parallel.ep):
@@ -102,9 +102,9 @@ def kept_experts(cfg: Config, model: nn.Module) -> Iterator[tuple[list, list]]:
 
 
 def model_state(cfg: Config, stage: int, model: nn.Module, world: int, dense: list, experts: list):
-    """zero_state of the `dense` units over `world` ranks, plus the kept `experts`' over the world / E
-    ranks keeping the same experts (kept_experts, whose model they are): the bytes summed, what comes
-    on top the larger of the two."""
+    """zero_state of the `dense` units over the `world` ranks of a replica, plus the kept `experts`'
+    over its world / E ranks keeping the same experts (kept_experts, whose model they are): the bytes
+    summed, what comes on top the larger of the two."""
     param_b, grad_b, opt_b, transient, on_top = zero_state(cfg, stage, model, dense, world)
     if experts:
         p_e, g_e, o_e, _, (backward, after) = zero_state(cfg, stage, model, experts, world // cfg.parallel.ep)
