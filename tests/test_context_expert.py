@@ -195,6 +195,8 @@ def test_expert_parallel_under_bf16_autocast(tmp_path, gang, moe_reference):
         (["parallel.ep=2", "model.n_experts=3"], 2, "parallel.ep"),  # 3 experts over 2 ranks
         (["parallel.ep=4", "model.n_experts=4"], 2, "parallel.ep"),  # 4 does not divide dp x cp = 2
         (["parallel.strategy='zero3'", "parallel.ep=2", "model.n_experts=3"], 2, "parallel.ep"),
+        # 4 does not divide a replica's 2 ranks
+        (["parallel.strategy='zero2'", "parallel.replicas=2", "parallel.ep=4", "model.n_experts=4"], 4, "parallel.ep"),
         (["parallel.ep=2"], 2, "parallel.ep"),  # a dense model: no experts to split
         (["parallel.strategy='tp'", "parallel.tp=2", "model.n_experts=2"], 2, "model.n_experts"),
         (["model.n_experts=2", "model.top_k=3"], 2, "model.top_k"),

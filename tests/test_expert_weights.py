@@ -208,13 +208,23 @@ ADAMW = ["train.optimizer='adamw'", "train.lr=0.01"]
         ("zero1", 4, [*EP2, "train.clip_grad_norm=0.05", "train.grad_accum=2"]),
         ("zero2", 4, ["parallel.cp=2", *EP2]),
         ("zero3", 4, ["parallel.ep=4", *MOE, *ADAMW]),
+        ("zero3", 4, [*EP2, "parallel.replicas=2", "train.clip_grad_norm=0.05"]),
     ],
-    ids=["zero1-w2", "zero2-w2-adamw", "zero3-w2", "zero1-w4-clip-accum", "zero2-w4-cp2", "zero3-w4-ep4-adamw"],
+    ids=[
+        "zero1-w2",
+        "zero2-w2-adamw",
+        "zero3-w2",
+        "zero1-w4-clip-accum",
+        "zero2-w4-cp2",
+        "zero3-w4-ep4-adamw",
+        "zero3-w4-hsdp-clip",
+    ],
 )
 def test_zero_with_experts_split_equals_one_process(tmp_path, gang, strategy, world, sets):
     """zero1-3 keep each expert on its ep rank's ranks alone (zero/experts.py); the dense
     parameters sharded as ever: training equals one process, sgd and adamw, a binding clip over
-    two micro-batches, cp x ep."""
+    two micro-batches, cp x ep, HSDP (2 replicas of 2 ranks, each expert sharded inside its
+    replica and averaged across them) with a binding clip."""
     train(gang, tmp_path, strategy, world, f"parallel.strategy='{strategy}'", *sets)
     adamw = "train.optimizer='adamw'" in sets
     clip = 0.05 if "train.clip_grad_norm=0.05" in sets else 0.0

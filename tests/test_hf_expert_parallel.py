@@ -28,20 +28,25 @@ EP2 = ["parallel.ep=2"]
 
 
 @pytest.mark.parametrize(
-    "name, sets",
+    "name, world, sets",
     [
-        ("MIXTRAL", EP2),  # dp 2: each rank computes 2 of each layer's 4 experts
-        ("QWEN2_MOE", [*EP2, "parallel.strategy='zero2'"]),
+        ("MIXTRAL", 2, EP2),  # dp 2: each rank computes 2 of each layer's 4 experts
+        ("QWEN2_MOE", 2, [*EP2, "parallel.strategy='zero2'"]),
+        ("MIXTRAL", 2, [*EP2, "parallel.strategy='zero1'"]),
+        ("MIXTRAL", 2, [*EP2, "parallel.strategy='zero3'"]),
+        ("MIXTRAL", 4, [*EP2, "parallel.strategy='zero3'"]),  # each slice sharded over the 2 ranks keeping it
     ],
+    ids=["mixtral-dp", "qwen2-moe-zero2", "mixtral-zero1", "mixtral-zero3", "mixtral-zero3-w4"],
 )
-def test_hf_moe_under_expert_parallel_equals_single_process(tmp_path, gang, name, sets):
-    """ep 2 at world 2; final/ holds the dense model's keys (every rank keeps every expert). The
-    first step checked the dispatch of one experts module against its experts all run on one rank
-    (parallel.verify_plan; under dp the stacks' slices gathered for it)."""
+def test_hf_moe_under_expert_parallel_equals_single_process(tmp_path, gang, name, world, sets):
+    """ep 2; each rank keeps its slice of every experts stack (zero1-3: ZeRO-sharded over the ranks
+    keeping the same slice); final/ holds the dense model's keys. The first step checked the
+    dispatch of one experts module against its experts all run on one rank (parallel.verify_plan;
+    the stacks' slices gathered for it)."""
     text = globals()[name]
     reference = train_alone(built(text), "pair", next_token_loss)
     cfg = write_config(tmp_path / "c.toml", text)
-    out = gang(2).train(cfg, tmp_path / "run", sets)
+    out = gang(world).train(cfg, tmp_path / "run", sets)
     assert out.count("parallel.ep's expert dispatch in 'model.layers.0.mlp.experts'") == 1, out
     weights = final_weights(tmp_path / "run")
     assert weights.keys() == reference.keys()
@@ -98,3 +103,50 @@ def test_mixtral_ranks_keep_their_expert_slices_and_resume_at_ep_1(tmp_path, gan
     went_on, resumed = final_weights(tmp_path / "ep2"), final_weights(tmp_path / "ep1")
     assert went_on.keys() == resumed.keys() == built(MIXTRAL).state_dict().keys()
     assert max_rel_error(went_on, resumed) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "strategy, world, sets",
+    [("zero1", 2, []), ("zero2", 2, []), ("zero3", 2, []), ("zero1", 4, ["parallel.replicas=2"])],
+    ids=["zero1", "zero2", "zero3", "zero1-w4-replicas"],
+)
+def test_zero_holds_and_plans_a_rank_s_expert_slices(tmp_path, gang, strategy, world, sets):
+    """ep 2 at world 2, and at world 4 in 2 replicas of 2 (adamw): each rank keeps half of each
+    experts stack, alone in its replica; what it holds (parameters, gradients, optimizer state) is
+    what `paratrain plan` says. Under zero1 and zero2, whose parameters are whole on every rank,
+    half the stacks' bytes fewer than at ep 1 (optimizer state and zero3's parameters: half the
+    stacks either way)."""
+    from test_expert_weights import planned
+
+    cfg = str(write_config(tmp_path / "c.toml", MIXTRAL))
+    sets = [*sets, "train.optimizer='adamw'", f"parallel.strategy='{strategy}'"]
+    held = gang(world).run("test_expert_weights:held_bytes", config=cfg, overrides=[*sets, *EP2])
+    plan, whole = planned(cfg, world, [*sets, *EP2]), planned(cfg, world, sets)
+    for rank in held:
+        assert len(rank["experts"]) == 2 * 2  # each layer's two stacks, sliced
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert rank[key] == plan[key], (key, rank[key], plan[key])
+    stacks = sum(p.numel() * 4 for n, p in built(MIXTRAL).named_parameters() if ".experts." in n)
+    drop = {key: whole[key] - plan[key] for key in ("param_bytes", "optimizer_bytes")}
+    assert drop["param_bytes"] == pytest.approx(0 if strategy == "zero3" else stacks / 2, abs=0.01 * stacks)
+    assert drop["optimizer_bytes"] == pytest.approx(0, abs=0.01 * stacks)
+
+
+@pytest.mark.parametrize(
+    "strategy, world, sets", [("zero2", 2, []), ("zero3", 4, ["parallel.replicas=2"])], ids=["zero2", "zero3-hsdp"]
+)
+def test_zero_checkpoints_of_expert_slices_resume_across_ep(tmp_path, gang, strategy, world, sets):
+    """A checkpoint written at ep 2 (each rank's pieces of its stacks' slices, at their places in the
+    whole stacks; with replicas, by the first) resumes alone at ep 1, whose checkpoint resumes at
+    ep 2: each equal to one process."""
+    reference = train_alone(built(MIXTRAL), "pair", next_token_loss)
+    cfg = write_config(tmp_path / "c.toml", MIXTRAL)
+    every = ["checkpoint.every=4", f"parallel.strategy='{strategy}'"]
+    split = [*every, *EP2, *sets]
+    gang(world).train(cfg, tmp_path / "ep2", split)
+    gang(1).train(cfg, tmp_path / "ep1", every, resume=str(tmp_path / "ep2" / "checkpoints" / "step-4"))
+    gang(world).train(cfg, tmp_path / "back", split, resume=str(tmp_path / "ep1" / "checkpoints" / "step-8"))
+    for name in ("ep2", "ep1", "back"):
+        weights = final_weights(tmp_path / name)
+        assert weights.keys() == reference.keys()
+        assert max_rel_error(weights, reference) <= 1e-4, name

@@ -104,7 +104,8 @@ def check_config(cfg: Config) -> None:
 
 
 def check_sequence_and_experts(cfg: Config) -> None:
-    """parallel.cp and parallel.ep: only strategies that declare them, without replica groups."""
+    """parallel.cp and parallel.ep: only strategies that declare them; cp without replica groups, ep
+    without fault.on_failure = "continue" (zero1-3's replica groups take ep: zero/experts.py)."""
     p, spec_ = cfg.parallel, SPECS[cfg.parallel.strategy]
     for degree in ("cp", "ep"):
         if getattr(p, degree) == 1:
@@ -112,8 +113,10 @@ def check_sequence_and_experts(cfg: Config) -> None:
         if degree not in spec_.degrees:
             takers = " | ".join(n for n, s in SPECS.items() if degree in s.degrees)
             raise ConfigError(f"parallel.{degree}", f"must be 1 for strategy {spec_.name!r} ({degree} takes {takers})")
-        if p.replicas > 1 or cfg.fault.on_failure == "continue":
+        if degree == "cp" and (p.replicas > 1 or cfg.fault.on_failure == "continue"):
             raise ConfigError(f"parallel.{degree}", "takes no replica groups (parallel.replicas, fault.on_failure)")
+        if cfg.fault.on_failure == "continue":  # a lost replica's experts are not dealt again
+            raise ConfigError(f"parallel.{degree}", "takes no fault.on_failure = 'continue'")
 
 
 def data_parallel_degree(cfg: Config, world_size: int) -> int:

@@ -76,6 +76,10 @@ class Spec:
                 "parallel.ep",
                 f"{p.ep} does not divide dp x cp = {data_ranks} (experts borrow the data and context ranks)",
             )
+        if (world_size // p.replicas) % p.ep:  # each replica keeps every expert once (zero/experts.py)
+            raise ConfigError(
+                "parallel.ep", f"{p.ep} does not divide the {world_size // p.replicas} ranks of a replica"
+            )
 
     def check_batch(self, cfg: Config, world_size: int) -> None:
         """Its cut of each replica's batch, once the batch divides among the replicas."""

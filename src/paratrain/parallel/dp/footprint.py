@@ -100,11 +100,16 @@ def split_experts(cfg: Config, model: nn.Module, named) -> tuple[list[torch.Tens
     from paratrain.parallel.expert.weights import expert_owners, stack_slices
 
     ep = cfg.parallel.ep
-    if ep == 1 or cfg.parallel.compression != "none":
+    if not splits_experts(cfg):
         return [p for _, p in named], []
     owners, slices = expert_owners(model, ep), stack_slices(model, ep)
     dense = [p for n, p in named if n not in owners and n not in slices]
     return dense, [p for n, p in named if owners.get(n) == 0] + list(slices.values())
+
+
+def splits_experts(cfg: Config) -> bool:
+    """Whether a rank keeps its ep rank's experts alone (else every expert: ep 1, a compressing codec)."""
+    return cfg.parallel.ep > 1 and cfg.parallel.compression == "none"
 
 
 def replica(spec: Spec, cfg: Config, model: nn.Module, world: int, rows: int, cluster) -> tuple[list[RankPlan], list]:

@@ -15,10 +15,10 @@ Under dp (`paratrain run`) each rank keeps only its own experts' weights (weight
 experts, a Hugging Face experts module's slices of its stacks): expert memory (weights, gradients,
 optimizer state) divides by E, their gradients averaged over the ranks keeping the same experts
 with the world's divisor (dp/experts.py); checkpoints and final/ stay the dense model's, resumable
-at any ep. zero1-3 keep the same split of the gpt's experts, ZeRO-sharded over the ranks keeping
-them (zero/experts.py). Every rank keeps every expert where the weights are not split, the world's
+at any ep. zero1-3 keep the same split, ZeRO-sharded over the ranks keeping the same experts
+(zero/experts.py). Every rank keeps every expert where the weights are not split, the world's
 mean then giving the same gradient: a compressing codec, the Python API's own loop (and under
-zero1-3 replica groups and a Hugging Face model's experts)."""
+zero1-3 replica groups)."""
 
 from __future__ import annotations
 

@@ -14,11 +14,13 @@ for the export, and a checkpoint's ranks 0..E-1 (the first ep group) each write 
 
     a Hugging Face experts module   3-D stacks, experts first (hf_experts.py)
     rank e keeps                    the slice [e*n/E, (e+1)*n/E) of each, the module's num_experts
-                                    its slice's; the export and a checkpoint get the stacks whole
-                                    on rank 0 (each rank's slice sent there) and a resume cuts them"""
+                                    its slice's (StackCuts; zero1-3 cut them on the meta model);
+                                    the export and a checkpoint get the stacks whole on rank 0
+                                    (each rank's slice sent there) and a resume cuts them"""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import cast
 
@@ -34,10 +36,13 @@ from paratrain.models.moe import expert_layers
 class LocalExperts:
     """Which of the model's expert parameters this rank keeps; the dense model's layout and export."""
 
-    def __init__(self, model: nn.Module, mesh: DataMesh):
+    def __init__(self, model: nn.Module, mesh: DataMesh, cuts: StackCuts | None = None):
+        """`cuts`: the Hugging Face stacks already cut to this rank's slices (zero1-3 cut them before
+        their units are made: zero/experts.py); else they are cut here."""
         self.mesh = mesh
         self.model = model
-        self.layout = {k: (v.dtype, v.shape) for k, v in model.state_dict().items()}
+        with cuts.undone() if cuts else contextlib.nullcontext():
+            self.layout = {k: (v.dtype, v.shape) for k, v in model.state_dict().items()}
         self.owner = expert_owners(model, mesh.ep)  # every expert parameter's name: the ep rank keeping it
         for layer in expert_layers(model):
             experts = cast(nn.ModuleList, layer.experts)  # the gpt's MixtureOfExperts (torch types it loosely)
@@ -45,7 +50,9 @@ class LocalExperts:
             for index, expert in enumerate(experts):
                 if index // per_rank != mesh.ep_rank:
                     _drop_parameters(expert)
-        self.stacks = _slice_stacks(model, mesh)  # a Hugging Face experts module's stacks: their full sizes
+        # a Hugging Face experts module's stacks: their full sizes (the cuts not kept: they hold
+        # the whole stacks)
+        self.stacks = (cuts or StackCuts(model, mesh.ep, mesh.ep_rank)).totals
         self.kept = {n for n, o in self.owner.items() if o == mesh.ep_rank} | set(self.stacks)
         self.dropped = set(self.owner) - self.kept
 
@@ -120,23 +127,57 @@ class LocalExperts:
         return out
 
 
-def _slice_stacks(model: nn.Module, mesh: DataMesh) -> dict[str, int]:
-    """Each Hugging Face experts module (hf_experts.py) keeps its slice of every 3-D stack (experts
-    first): it computes experts e*n/E .. under their local indices, its `num_experts` the slice's
-    (as the experts implementations index and count them); `paratrain_all_experts` keeps n for
-    the routing. Returns each stack's name: n."""
-    stacks = {}
-    for prefix, module, total in _experts_modules(model):
-        per_rank = total // mesh.ep
-        first = mesh.ep_rank * per_rank
-        for name, p in expert_stacks(module, total):
-            kept = p.detach()[first : first + per_rank].clone()
-            setattr(module, name, nn.Parameter(kept, requires_grad=p.requires_grad))
-            stacks[f"{prefix}.{name}"] = total
-        # plain ints on the module (setattr: torch types a module's attributes as tensors or modules)
-        setattr(module, "paratrain_all_experts", total)  # noqa: B010
-        setattr(module, "num_experts", per_rank)  # noqa: B010
-    return stacks
+class StackCuts:
+    """Each Hugging Face experts module (hf_experts.py) cut to ep rank `rank`'s slice of every 3-D
+    stack (experts first): it computes experts e*n/E .. under their local indices, its `num_experts`
+    the slice's (as the experts implementations index and count them); `paratrain_all_experts` keeps
+    n for the routing. On a real model or on meta (zero1-3 and `paratrain plan` cut the meta model)."""
+
+    def __init__(self, model: nn.Module, ep: int, rank: int):
+        self.totals: dict[str, int] = {}  # each stack's name: its number of experts
+        self.stacks: dict[str, tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = {}  # (module, attr, whole, slice)
+        self.modules: list[tuple[nn.Module, int, int]] = []  # (module, its experts, those of a rank)
+        for prefix, module, total in _experts_modules(model):
+            per_rank = total // ep
+            first = rank * per_rank
+            for name, p in expert_stacks(module, total):
+                kept = nn.Parameter(p.detach()[first : first + per_rank].clone(), requires_grad=p.requires_grad)
+                self.stacks[f"{prefix}.{name}"] = module, name, p, kept
+                self.totals[f"{prefix}.{name}"] = total
+            self.modules.append((module, total, per_rank))
+        self.put(whole=False)
+
+    def put(self, whole: bool) -> None:
+        """The modules as built (`whole`), or cut."""
+        for module, attr, stack, part in self.stacks.values():
+            setattr(module, attr, stack if whole else part)
+        for module, total, per_rank in self.modules:
+            # plain ints on the module (setattr: torch types a module's attributes as tensors or modules)
+            setattr(module, "num_experts", total if whole else per_rank)  # noqa: B010
+            if whole:
+                delattr(module, "paratrain_all_experts")
+            else:
+                setattr(module, "paratrain_all_experts", total)  # noqa: B010
+
+    @contextlib.contextmanager
+    def undone(self) -> Iterator[None]:
+        """The modules as built meanwhile (their values made, the dense layout read)."""
+        self.put(whole=True)
+        try:
+            yield
+        finally:
+            self.put(whole=False)
+
+
+@contextlib.contextmanager
+def stacks_cut(model: nn.Module, ep: int) -> Iterator[StackCuts]:
+    """The (meta) model holding ep rank 0's slices of its stacks meanwhile, as a rank's does
+    (`paratrain plan`: stage 3's units are the modules holding them)."""
+    cuts = StackCuts(model, ep, 0)
+    try:
+        yield cuts
+    finally:
+        cuts.put(whole=True)
 
 
 def _experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
@@ -152,9 +193,9 @@ def expert_stacks(module: nn.Module, total: int) -> list[tuple[str, nn.Parameter
 
 def stack_slices(model: nn.Module, ep: int) -> dict[str, torch.Tensor]:
     """Each Hugging Face experts stack's name: the slice an ep rank keeps (`paratrain plan`, on the
-    meta device)."""
+    meta device): the model's own where it holds the slices already (stacks_cut)."""
     return {
-        f"{prefix}.{name}": p[: total // ep]
+        f"{prefix}.{name}": p if hasattr(module, "paratrain_all_experts") else p[: total // ep]
         for prefix, module, total in _experts_modules(model)
         for name, p in expert_stacks(module, total)
     }

@@ -55,7 +55,6 @@ from torch import nn
 from paratrain.comm import collectives
 from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
-from paratrain.models.materialize import materialize
 from paratrain.optim import build_optimizer, rebuild_optimizer
 from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, refuse, unique_parameters
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
@@ -150,7 +149,7 @@ class Zero(Strategy):
             elif id(meta_tensor) not in self.kept_experts.skipped:  # another rank's expert: dropped
                 replicated[id(meta_tensor)] = value.to(self.device)
 
-        materialize(model, self.cfg.train.seed, keep)
+        self.kept_experts.materialize(model, self.cfg.train.seed, keep)  # (a rank's stacks cut: experts.py)
         for module in model.modules():  # buffers and frozen parameters: whole on every rank
             for name, t in list(module._parameters.items()):
                 if t is not None and id(t) in replicated:
@@ -405,13 +404,13 @@ class Zero(Strategy):
     def state_dict(self):
         """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
         return sharded_state(
-            self.units, self.optimizer, self.model, self.rank, self.world, self.stage, self.kept_experts.shapes
+            self.units, self.optimizer, self.model, self.rank, self.world, self.stage, self.kept_experts
         )
 
     check_checkpoint = staticmethod(check_checkpoint)  # the CLI's preflight of --resume
 
     def load_state_dict(self, reader) -> None:
-        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device, self.kept_experts.shapes)
+        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device, self.kept_experts)
         self._after_load()
 
     def _after_load(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Protocol
 
 from torch import nn
@@ -10,7 +12,7 @@ from paratrain.config import Config
 from paratrain.cost.activations import saved_activation_bytes, step_memory, whole_model_activations
 from paratrain.cost.ranks import MIB, RankPlan, optimizer_slots, padded_bytes, padded_numel
 from paratrain.parallel.base import unique_parameters
-from paratrain.parallel.dp.footprint import Planned, split_experts, wire_bytes
+from paratrain.parallel.dp.footprint import Planned, split_experts, splits_experts, wire_bytes
 from paratrain.parallel.zero.comm import bucket_groups, from_primitives, working_dtype
 from paratrain.parallel.zero.gather import module_units
 
@@ -83,22 +85,26 @@ def zero_peak(step: int, on_top: tuple[int, int]) -> int:
     return max(step + during_backward, after)
 
 
-def kept_experts(cfg: Config, model: nn.Module) -> tuple[list, list]:
+@contextlib.contextmanager
+def kept_experts(cfg: Config, model: nn.Module) -> Iterator[tuple[list, list]]:
     """(the dense parameters, one rank's kept experts) as zero/experts.py splits them: dp's split
-    (1/E of the gpt's experts, in units of their own), but none apart with parallel.replicas > 1 or
-    a Hugging Face model's experts (their stacks stay in the dense units)."""
-    from paratrain.models.hf import hf_experts
+    (1/E of the gpt's experts, a Hugging Face experts module's stacks' slices), in units of their
+    own, the model holding ep rank 0's slices of the stacks meanwhile, as a rank's does (stage 3's
+    units are the modules holding them)."""
+    from paratrain.parallel.expert.weights import stacks_cut
 
     named = unique_parameters(model)
-    if cfg.parallel.replicas > 1 or hf_experts(model):
-        return [p for _, p in named], []
-    return split_experts(cfg, model, named)
+    if not splits_experts(cfg):
+        yield [p for _, p in named], []
+        return
+    with stacks_cut(model, cfg.parallel.ep):
+        yield split_experts(cfg, model, unique_parameters(model))
 
 
-def model_state(cfg: Config, stage: int, model: nn.Module, world: int):
-    """zero_state of the dense units over `world` ranks, plus the kept experts' over the world / E
-    ranks keeping the same experts: the bytes summed, what comes on top the larger of the two."""
-    dense, experts = kept_experts(cfg, model)
+def model_state(cfg: Config, stage: int, model: nn.Module, world: int, dense: list, experts: list):
+    """zero_state of the `dense` units over the `world` ranks of a replica, plus the kept `experts`'
+    over its world / E ranks keeping the same experts (kept_experts, whose model they are): the bytes
+    summed, what comes on top the larger of the two."""
     param_b, grad_b, opt_b, transient, on_top = zero_state(cfg, stage, model, dense, world)
     if experts:
         p_e, g_e, o_e, _, (backward, after) = zero_state(cfg, stage, model, experts, world // cfg.parallel.ep)
@@ -111,16 +117,16 @@ def zero(spec: StagedSpec, cfg: Config, model: nn.Module, ranks: list[RankPlan],
     params = [t for _, t in unique_parameters(model)]
     world = len(ranks) // cfg.parallel.replicas  # the ranks of one replica, which shard the state
     step = whole_model_activations(cfg, ranks, rows, mixed_working_dtype(cfg, params, spec.stage))
-    param_b, grad_b, opt_b, transient, on_top = model_state(cfg, spec.stage, model, world)
-    dense, experts = kept_experts(cfg, model)
     backend = "nccl" if device == "cuda" else "gloo"
-    for r in ranks:
-        (r.dp, r.cp), r.param_bytes = divmod(r.rank, cfg.parallel.cp), param_b  # comm/grid.py's DataMesh
-        r.grad_bytes, r.optimizer_bytes = grad_b, opt_b
-        r.peak_bytes = r.model_state_bytes + zero_peak(step, on_top)
-        zero_messages(r, cfg, spec.stage, model, dense, world, backend)
-        if experts:  # over the ranks keeping the same experts
-            zero_messages(r, cfg, spec.stage, model, experts, world // cfg.parallel.ep, backend)
+    with kept_experts(cfg, model) as (dense, experts):
+        param_b, grad_b, opt_b, transient, on_top = model_state(cfg, spec.stage, model, world, dense, experts)
+        for r in ranks:
+            (r.dp, r.cp), r.param_bytes = divmod(r.rank, cfg.parallel.cp), param_b  # comm/grid.py's DataMesh
+            r.grad_bytes, r.optimizer_bytes = grad_b, opt_b
+            r.peak_bytes = r.model_state_bytes + zero_peak(step, on_top)
+            zero_messages(r, cfg, spec.stage, model, dense, world, backend)
+            if experts:  # over the ranks keeping the same experts
+                zero_messages(r, cfg, spec.stage, model, experts, world // cfg.parallel.ep, backend)
     return [], [f"{spec.name}: {transient}"] if transient else []
 
 
@@ -176,6 +182,8 @@ def replica(
     assert memory is not None  # None only under tp
     (step,) = memory
     shards = world // cfg.parallel.replicas
-    one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = model_state(cfg, spec.stage, model, shards)
+    with kept_experts(cfg, model) as (dense, experts):
+        state = model_state(cfg, spec.stage, model, shards, dense, experts)
+    one.param_bytes, one.grad_bytes, one.optimizer_bytes, _, on_top = state
     one.peak_bytes = one.model_state_bytes + zero_peak(max(step.forward_peak, step.backward_peak), on_top)
     return [one], []

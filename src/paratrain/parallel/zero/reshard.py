@@ -7,10 +7,14 @@ reads, from every rank's file, the pieces overlapping its new shards.
 
 Under parallel.ep the kept experts' units (zero/experts.py) are pieces like any other, under the
 dense model's names; a rank's model lacks the other ranks' experts, so their dense shapes
-(`experts`: name -> shape) stand in for the model's where a checkpoint's layout is checked.
+(`experts.shapes`: name -> shape) stand in for the model's where a checkpoint's layout is checked,
+and a Hugging Face experts stack's slice writes and reads its pieces at their offsets in the whole
+stack (`experts.offsets`).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -20,14 +24,24 @@ from paratrain.parallel.base import unique_parameters
 from paratrain.parallel.zero.comm import FlatUnit
 
 
-def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int, world: int, stage: int, experts: dict):
+class KeptExperts(Protocol):
+    """What zero/experts.py says of the experts a rank keeps (AllExperts, SplitExperts)."""
+
+    shapes: dict[str, list[int]]  # every expert parameter's name: its dense shape
+    offsets: dict[str, int]  # a stack's name: where this rank's slice starts in it, flattened
+
+
+def sharded_state(
+    units: list[FlatUnit], optimizer, model: nn.Module, rank: int, world: int, stage: int, experts: KeptExperts
+):
     """This rank's pieces of every parameter and its optimizer state, keyed by parameter name
     (the optimizer's parameters are those pieces: FlatUnit.pieces)."""
     tensors, pieces, scalars, shared = {}, {}, {}, {}
     for u in units:
         for i, start, end, _, piece in u.pieces:
             name = u.names[i]
-            pieces[name] = [start, end]
+            at = experts.offsets.get(name, 0)
+            pieces[name] = [at + start, at + end]
             tensors[f"zero.param.{name}"] = piece.detach()
             for key, value in optimizer.state.get(piece, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == piece.shape:
@@ -45,7 +59,7 @@ def sharded_state(units: list[FlatUnit], optimizer, model: nn.Module, rank: int,
             "stage": stage,
             "world_size": world,
             "pieces": pieces,
-            "params": {**{n: list(s) for u in units for n, s in zip(u.names, u.shapes)}, **experts},
+            "params": {**{n: list(s) for u in units for n, s in zip(u.names, u.shapes)}, **experts.shapes},
             "optimizer": {"param_groups": groups, "scalars": scalars},
         }
     }
@@ -70,7 +84,7 @@ def check_checkpoint(reader, model: nn.Module) -> None:
 
 
 def load_sharded_state(
-    reader, units: list[FlatUnit], optimizer, model: nn.Module, device: torch.device, experts: dict
+    reader, units: list[FlatUnit], optimizer, model: nn.Module, device: torch.device, experts: KeptExperts
 ) -> None:
     """Each rank takes, from every rank's file of the checkpoint, the pieces overlapping its own shards."""
     tensors0, meta0 = reader.load(rank=0)
@@ -81,9 +95,13 @@ def load_sharded_state(
         model,
         saved["params"],
         {k[len("replicated.") :]: list(v.shape) for k, v in tensors0.items() if k.startswith("replicated.")},
-        experts,
+        experts.shapes,
     )
-    own = {u.names[i]: (start, end, piece) for u in units for i, start, end, _, piece in u.pieces}
+    own = {}  # name: (start, end within the dense parameter, flattened; the piece)
+    for u in units:
+        for i, start, end, _, piece in u.pieces:
+            at = experts.offsets.get(u.names[i], 0)
+            own[u.names[i]] = (at + start, at + end, piece)
     piece_state: dict[str, dict[str, torch.Tensor]] = {name: {} for name in own}
     for r in range(reader.world_size):
         tensors, meta = (tensors0, meta0) if r == 0 else reader.load(rank=r)
