@@ -9,7 +9,7 @@ starts: encoders and encoder-decoders (their attention is not causal), heads tha
 sequence (a classifier reads one token that one rank holds), sliding-window layers (the ring
 attends to every earlier token), attention dropout (the ring draws none).
 
-Four things the gpt's own hooks do (models/gpt.py), done here from outside:
+Five things the gpt's own hooks do (models/gpt.py), done here from outside:
 
     attention  the config's attention implementation switched to "paratrain_ring", a function
                registered in transformers' AttentionInterface that gives the module's (q, k, v) to
@@ -30,6 +30,8 @@ Four things the gpt's own hooks do (models/gpt.py), done here from outside:
                of the ranks' means would not be one process's. `num_items_in_batch` (the count over
                the whole sequences, divided by cp) makes each rank's loss its sum over that count,
                and the ranks' average the ring's one mean.
+    balance    an MoE decoder's load-balancing loss (output_router_logits), a statistic of the rows
+               a forward sees, taken over the ring's rows of the whole sequences (hf_balance.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from paratrain.parallel.context import hf_balance
 
 RING = "paratrain_ring"  # the attention implementation's name in transformers' AttentionInterface
 IGNORE = -100  # transformers' ignore_index: a label that no loss counts
@@ -71,7 +75,7 @@ def refusal(model: nn.Module) -> str | None:
         return f"{name} has attention dropout (set attention_dropout / attn_pdrop = 0)"
     if "position_ids" not in inspect.signature(model.forward).parameters:
         return f"{name}'s forward takes no position_ids"
-    return None
+    return hf_balance.refusal(model)
 
 
 def _causal_lm(model: nn.Module) -> bool:
@@ -124,6 +128,7 @@ def install(model: nn.Module, context) -> None:
         return args, kwargs
 
     model.register_forward_pre_hook(with_positions, with_kwargs=True)
+    hf_balance.install(model, context.mesh)
 
 
 def shift_labels(inputs, seq_len: int, cp: int):

@@ -12,8 +12,9 @@ Every family of this interface applies the routing weight as the last factor of 
 (checked in transformers 5.24), so weighting after the trip back is the model's own arithmetic.
 
 The router, its top-k and renormalization, shared experts and the auxiliary load-balancing loss
-(output_router_logits) stay the model's, on the rank's own tokens: parallel.ep changes where the
-experts compute, nothing the router sees."""
+(output_router_logits) stay the model's, on the rank's own tokens (under parallel.cp the whole
+sequences', context/hf_balance.py): parallel.ep changes where the experts compute, nothing the
+router sees."""
 
 from __future__ import annotations
 
