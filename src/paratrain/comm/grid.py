@@ -114,8 +114,9 @@ class DataMesh:
     the (pp, dp, cp, tp) mesh above with tp = pp = 1: the ranks of one ring are adjacent, on one
     node's fast links.
     Every rank of a cp group reads the same samples (its dp_rank's share), each a slice of the
-    sequence; every parameter is replicated over all dp x cp ranks, so gradients average over the
-    world. The ep groups borrow those ranks: the world cut into runs of `ep` adjacent ranks; rank
+    sequence; every dense parameter is replicated over all dp x cp ranks, so its gradients average
+    over the world (a rank's kept experts' over the ranks keeping the same: dp/experts.py, zero/experts.py).
+    The ep groups borrow those ranks: the world cut into runs of `ep` adjacent ranks; rank
     w holds expert slice w % ep, and `expert_replicas` are the ranks holding the same slice."""
 
     dp: int

@@ -11,9 +11,10 @@ chunks each rank does 1/C of the causal attention; the local block alone would b
                 3 (C - 1) messages of the local keys' and values' bytes, each a send to the next
                 rank while the previous one's arrives (parallel/context/ring.py)
     all-to-all  per MoE layer (the gpt's, a Hugging Face experts module) and microbatch, the tokens
-                routed to experts (tokens x top_k rows of d_model) sent to the ranks that hold them and back, in forward and in backward: 4
-                all-to-alls over the E ranks of an ep group, (E - 1) / E of each leaving the rank
-                (routing assumed in balance); under recompute the forward's 2 again
+                routed to experts (tokens x top_k rows of d_model) sent to the ranks that hold them
+                and back, in forward and in backward: 4 all-to-alls over the E ranks of an ep group,
+                (E - 1) / E of each leaving the rank (routing assumed in balance); under recompute
+                the forward's 2 again
 
 Both sit on the critical path: the ring's overlap with the attention's compute (a GPU's) is not
 modelled, and the all-to-alls wait for the router's choice and the experts wait for them."""

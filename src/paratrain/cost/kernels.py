@@ -8,8 +8,9 @@ GPU, op by op, from the ops recorded in fake tensors (op_counts.Op). Four kinds 
       same guide's math- and memory-bound regimes); a fixed `product_overhead_us` each;
   (b) fused attention at FlashAttention's measured rate, by sequence length (a saturating curve
       through the published points: `attention_*_efficiency` of peak at long sequences, half of it at
-      `attention_half_seq`, backward `attention_bwd_half_seq`) and head dimension, counted as FlashAttention counts (a causal kernel
-      does half the scores); its backward does 2.5 times the forward's FLOPs at its own rate;
+      `attention_half_seq`, backward `attention_bwd_half_seq`) and head dimension, counted as
+      FlashAttention counts (a causal kernel does half the scores); its backward does 2.5 times the
+      forward's FLOPs at its own rate;
   (c) memory-bound ops (norms, activations, elementwise, casts, reductions): the bytes they read
       and write at `hbm_GBps` x `hbm_efficiency` (a copy's measured share of the data sheet's);
       under `train.compile` a chain of them between two products is one fused kernel that reads

@@ -236,13 +236,13 @@ class ContextParallel:
         return t
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, module=None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *, module: nn.Module
     ) -> torch.Tensor:
         """Causal attention over the ring; `scale` multiplies the scores (1/sqrt(head dim) if None).
         `module`: the attention module it runs in (what parallel.verify_plan's check names)."""
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         out = RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), self.ring, scale)
-        if self.verifier is not None and module is not None:
+        if self.verifier is not None:
             self.verifier.check(module, q, k, v, scale, out)
             if self.verifier.done() and not self.verifier.after_step:  # nothing more runs, compiled or not
                 self.verifier = None

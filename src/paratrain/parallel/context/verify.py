@@ -28,10 +28,10 @@ from torch import nn
 
 from paratrain.comm import collectives
 from paratrain.comm.grid import DataMesh, Mesh
-from paratrain.parallel.verify.verdict import how_far, relative_error, tolerance, verdict
+from paratrain.parallel.verify.verdict import FirstOfKind, how_far, relative_error, tolerance, verdict
 
 
-class RingVerifier:
+class RingVerifier(FirstOfKind):
     """Checks the first ring attention of each kind of attention module against the whole one."""
 
     def __init__(
@@ -43,28 +43,23 @@ class RingVerifier:
         positions,
         after_step: bool = False,
     ):
+        super().__init__(model, modules, precision)
         # `positions(seq_len, cp, cp_rank)`: a rank's tokens' global positions (attention.py's layout)
-        self.mesh, self.precision, self.positions = mesh, precision, positions
+        self.mesh, self.positions = mesh, positions
         self.after_step = after_step  # the verdict left to verdict(), called after the step
-        self.names = {id(m): n for n, m in model.named_modules()}
-        self.left = {type(m).__name__ for m in modules}  # the kinds not checked yet
         self.checked: list[tuple[float, str]] = []  # (relative error, '<module name>' (<kind>)) awaiting the verdict
-
-    def done(self) -> bool:
-        return not self.left
 
     @torch.compiler.disable  # once, eagerly: a compiled block breaks its graph here until then
     def check(self, module: nn.Module, q, k, v, scale: float, out: torch.Tensor) -> None:
         """On the first training forward of each kind: collective over the cp group, and then, unless
         the verdict comes after the step, over the world (every rank runs the same layers in the
         same order). ConfigError naming the module and parallel.cp."""
-        kind = type(module).__name__
-        if kind not in self.left or not torch.is_grad_enabled():  # evaluation is no training step
+        kind = self.first(module)
+        if kind is None:
             return
-        self.left.discard(kind)
         with torch.no_grad(), collectives.unprofiled():  # once, not the step's traffic
             err = relative_error(out, self._whole(q, k, v, scale))
-        self.checked.append((err, f"{self.names.get(id(module), kind)!r} ({kind})"))
+        self.checked.append((err, self.where(module, kind)))
         if not self.after_step:
             self.verdict(out.device)
 

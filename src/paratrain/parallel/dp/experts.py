@@ -52,9 +52,7 @@ class SplitExpertsReducer:
         dense = self.dense.finish()
         experts = self.experts.finish() / self.mesh.ep
         self.experts.scale_(dense.new_tensor(1.0 / self.mesh.ep))  # the keepers' mean / E: the world's mean (above)
-        squares = (experts * experts).reshape(1).to(torch.float32)
-        collectives.all_reduce(squares, "expert-grad-norm", group=self.mesh.ep_group)
-        return torch.sqrt(dense.to(torch.float32) ** 2 + squares[0]).to(dense.dtype)
+        return norm_with_experts(dense, experts, self.mesh.ep_group)
 
     def discard(self) -> None:
         self.dense.discard()
@@ -63,3 +61,11 @@ class SplitExpertsReducer:
     def scale_(self, factor: torch.Tensor) -> None:
         self.dense.scale_(factor)
         self.experts.scale_(factor)
+
+
+def norm_with_experts(dense: torch.Tensor, experts: torch.Tensor, ep_group) -> torch.Tensor:
+    """Collective over the ep group: the gradient norm counting each expert once (the module
+    docstring), from this rank's dense parameters' norm and its kept experts' (zero/experts.py's too)."""
+    squares = (experts * experts).reshape(1).to(torch.float32)
+    collectives.all_reduce(squares, "expert-grad-norm", group=ep_group)
+    return torch.sqrt(dense.to(torch.float32) ** 2 + squares[0]).to(dense.dtype)

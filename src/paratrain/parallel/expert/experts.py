@@ -17,8 +17,7 @@ optimizer state) divides by E, their gradients averaged over the ranks keeping t
 with the world's divisor (dp/experts.py); checkpoints and final/ stay the dense model's, resumable
 at any ep. zero1-3 keep the same split, ZeRO-sharded over the ranks keeping the same experts
 (zero/experts.py). Every rank keeps every expert where the weights are not split, the world's
-mean then giving the same gradient: a compressing codec, the Python API's own loop (and under
-zero1-3 replica groups)."""
+mean then giving the same gradient: a compressing codec, the Python API's own loop."""
 
 from __future__ import annotations
 
@@ -63,13 +62,13 @@ class ExpertParallel:
 
         return self.exchange(grouped, counts, run, layer)
 
-    def exchange(self, grouped: torch.Tensor, counts: torch.Tensor, run: Callable, layer=None) -> torch.Tensor:
+    def exchange(self, grouped: torch.Tensor, counts: torch.Tensor, run: Callable, layer: nn.Module) -> torch.Tensor:
         """`grouped`: this rank's routed rows, expert by expert (`counts` each, one per expert of the
         layer); returns their outputs in the same order, computed on the ranks that hold the experts
         by `run(rows, counts, first)`: rows grouped by this rank's experts first, first+1, ...
         `layer`: the MoE layer or experts module it runs for (what parallel.verify_plan checks)."""
         out = self._exchange(grouped, counts, run)
-        if self.verifier is not None and layer is not None:
+        if self.verifier is not None:
             self.verifier.check(layer, grouped, counts, run, out)
             if self.verifier.done():  # every kind checked: nothing more runs, compiled or not
                 self.verifier = None

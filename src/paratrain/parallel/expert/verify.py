@@ -30,41 +30,35 @@ from torch import nn
 from paratrain.comm import collectives
 from paratrain.comm.grid import DataMesh
 from paratrain.parallel.expert.weights import expert_stacks
-from paratrain.parallel.verify.verdict import how_far, relative_error, tolerance, verdict
+from paratrain.parallel.verify.verdict import FirstOfKind, how_far, relative_error, tolerance, verdict
 
 
-class DispatchVerifier:
+class DispatchVerifier(FirstOfKind):
     """Checks the first dispatch of each kind of MoE layer against its experts all run here."""
 
     def __init__(self, model: nn.Module, layers: list[nn.Module], mesh: DataMesh, precision: str):
-        self.mesh, self.precision = mesh, precision
-        self.names = {id(m): n for n, m in model.named_modules()}
-        self.left = {type(m).__name__ for m in layers}  # the kinds not checked yet
-
-    def done(self) -> bool:
-        return not self.left
+        super().__init__(model, layers, precision)
+        self.mesh = mesh
 
     @torch.compiler.disable  # once, eagerly: a compiled block breaks its graph here until then
     def check(self, layer: nn.Module, grouped: torch.Tensor, counts, run: Callable, out: torch.Tensor) -> None:
         """Collective over the world, on the first training forward of each kind (every rank runs
         the same layers in the same order). `grouped`, `counts`, `run`: ExpertParallel.exchange's;
         `out`: what it returned. ConfigError naming the module and parallel.ep."""
-        kind = type(layer).__name__
-        if kind not in self.left or not torch.is_grad_enabled():  # evaluation is no training step
+        kind = self.first(layer)
+        if kind is None:
             return
-        self.left.discard(kind)
         with torch.no_grad(), collectives.unprofiled(), self._whole(layer):  # once, not the step's traffic
             err = relative_error(out, run(grouped.detach(), counts, 0))  # every expert, from the first
-        name = self.names.get(id(layer), kind)
-        limit = tolerance(self.precision)
+        where, limit = self.where(layer, kind), tolerance(self.precision)
         verdict(
             "parallel.ep",
             err,
             limit,
-            f"the expert dispatch does not compute {name!r} ({kind}) as its experts all run on one rank do "
+            f"the expert dispatch does not compute {where} as its experts all run on one rank do "
             f"({how_far(err)} on the first step, tolerance {limit:g}): rows go to the wrong experts or come "
             f"back to the wrong places; parallel.verify_plan = false skips this check",
-            f"parallel.ep's expert dispatch in {name!r} ({kind}) equals its experts all run here",
+            f"parallel.ep's expert dispatch in {where} equals its experts all run here",
             out.device,
         )
 

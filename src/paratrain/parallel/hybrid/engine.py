@@ -134,11 +134,11 @@ class ModelParallel(Strategy):
         self.bounds = decide_cut(model, cfg, plan, self._sample_input, self.autocast, rt.device, rt.is_main)
         if p.pp > 1 and p.verify_plan:  # the cuts against the model's own forward, while it is whole
             self._check_cuts(model)
-        # after the cut, whose timing and check run the whole model on one rank (a ring would wait for
-        # its peers), and after the meta copy, which must not copy the hooks; before tp, whose shards
-        # sit inside the hooked attention modules (each tp rank's ring carries its heads)
-        # its ring checked on the first step; under pp, whose stages run different blocks at different
-        # times, the world agrees on the stages' checks after the step (_verify_once)
+        # parallel.cp's ring: after the cut, whose timing and check run the whole model on one rank (a
+        # ring would wait for its peers), and after the meta copy, which must not copy the hooks;
+        # before tp, whose shards sit inside the hooked attention modules (each tp rank's ring carries
+        # its heads). The ring is checked on the first step; under pp, whose stages run different
+        # blocks at different times, the world agrees on the stages' checks after the step (_verify_once)
         verify = cfg.train.precision if p.verify_plan else None
         self.context = context_parallel(model, mesh, verify, verdict_after_step=p.pp > 1)
         stage_of_key = stage_of_keys(model, cfg, self.bounds)

@@ -17,13 +17,15 @@ def load_resharded(mp, reader) -> None:
     tensor's tp shards when the saved tp differs from ours, and cuts out its own slice."""
     saved = reader.manifest["config"]["parallel"]
     old_tp, old_pp = int(saved.get("tp", 1)), int(saved.get("pp", 1))
-    old_dp = reader.world_size // (old_tp * old_pp)  # dp x cp: position (q, t)'s writer is q * old_dp * old_tp + t
+    # the dp x cp replicas of a (pp, tp) position: position (q, t)'s writer (dp and cp rank 0) is
+    # q * old_replicas * old_tp + t
+    old_replicas = reader.world_size // (old_tp * old_pp)
     same_tp = old_tp == mp.mesh.tp
     pieces: dict[str, list[torch.Tensor]] = {}
     scalars, groups, old_dims = {}, None, {}
     for q in range(old_pp):
         for t in [mp.mesh.tp_rank] if same_tp else range(old_tp):
-            tensors, meta = reader.load(rank=(q * old_dp) * old_tp + t)
+            tensors, meta = reader.load(rank=q * old_replicas * old_tp + t)
             for k, v in tensors.items():
                 pieces.setdefault(k, []).append(v)
             scalars.update(meta["optimizer"]["scalars"])

@@ -7,7 +7,9 @@ dispatch) measures, how far apart counts as the same, and how every rank agrees 
     tolerance  by train.precision: float summation order alone (fp32), or bf16's rounding
     verdict    the first rank's failing line, on every rank (one all-gather of fixed-size rows):
                a ConfigError naming the plan's key (exit 2, one agreed line); on a pass, rank 0
-               says which block was checked (one note a kind, once)"""
+               says which block was checked (one note a kind, once)
+    first      FirstOfKind: which forward is the first training one of its module's kind, the one
+               the cp and ep checks run on"""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from paratrain.comm import collectives
 from paratrain.errors import ConfigError, note
@@ -53,6 +56,33 @@ def agreed_line(line: str, device: torch.device) -> str:
     collectives.all_gather(rows, row, "verify-plan")
     found = [bytes(r.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for r in rows]
     return next((x for x in found if x), "")
+
+
+class FirstOfKind:
+    """The first training forward of each kind of `modules` (its class: the gpt's `Attention`, a
+    transformers decoder's `LlamaAttention`, ...): what context/verify.py and expert/verify.py check,
+    one module a kind, once."""
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module], precision: str):
+        self.precision = precision
+        self.names = {id(m): n for n, m in model.named_modules()}
+        self.left = {type(m).__name__ for m in modules}  # the kinds not checked yet
+
+    def done(self) -> bool:
+        return not self.left
+
+    def first(self, module: nn.Module) -> str | None:
+        """`module`'s kind where this forward is the first training one of its kind (the kind then
+        counted as checked), else None (evaluation is no training step)."""
+        kind = type(module).__name__
+        if kind not in self.left or not torch.is_grad_enabled():
+            return None
+        self.left.discard(kind)
+        return kind
+
+    def where(self, module: nn.Module, kind: str) -> str:
+        """'<module name>' (<kind>), as a verdict's line names it."""
+        return f"{self.names.get(id(module), kind)!r} ({kind})"
 
 
 def verdict(key: str, err: float, limit: float, failed: str, passed: str, device: torch.device) -> None:

@@ -49,10 +49,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import collectives
 from paratrain.comm.grid import DataMesh
 from paratrain.models.materialize import Keep, materialize
 from paratrain.parallel.base import unique_parameters
+from paratrain.parallel.dp.experts import norm_with_experts
 from paratrain.parallel.expert.weights import LocalExperts, StackCuts, expert_owners
 from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, bucket_groups, shard_grad, sharded_grad_norm
 from paratrain.parallel.zero.export import unit_chunks
@@ -194,10 +194,9 @@ class SplitExperts(AllExperts):
     def grad_norm(self, units: list[FlatUnit], group) -> torch.Tensor:
         """The dense shards' norm (over `group`) with each expert's once (the module docstring)."""
         dense, experts = self.apart(units)
-        norm = sharded_grad_norm([shard_grad(u) for u in dense], group)
-        squares = (sharded_grad_norm([shard_grad(u) for u in experts], self.group) ** 2).reshape(1)
-        collectives.all_reduce(squares, "expert-grad-norm", group=self.mesh.ep_group)
-        return torch.sqrt(norm**2 + squares[0])
+        dense_norm = sharded_grad_norm([shard_grad(u) for u in dense], group)
+        experts_norm = sharded_grad_norm([shard_grad(u) for u in experts], self.group)
+        return norm_with_experts(dense_norm, experts_norm, self.mesh.ep_group)
 
     def layout(self, dense: dict) -> dict:
         """The dense model's layout, in its order: the units' parameters in full precision, a
