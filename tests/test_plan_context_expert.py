@@ -80,12 +80,14 @@ def test_plan_of_context_parallel_under_tensor_and_pipeline_parallelism(tmp_path
 
 
 def test_search_proposes_context_and_expert_parallelism(config):
-    """One long sequence on 4 devices: data parallelism cannot split the batch and 2 heads do not
-        split over tp 4, so every layout that fits is cp 4; with experts the search tries ep too, each
-    rank of dp planned with 1/E of the experts."""
+    """One long sequence on 4 devices: data parallelism cannot split the batch, 2 heads do not split
+    over tp 4 and one sample makes no microbatches for pp, so every layout that fits splits the
+    sequence over the 4 devices: cp 4, or cp 2 under tp 2. With experts the search tries ep too,
+    each rank of dp planned with 1/E of the experts."""
     cluster = parse_cluster(H100S)
     layouts = search(str(config), ["data.batch_size=1", "model.d_model=64", "model.n_layer=4"], cluster, 50)
-    assert layouts and all(x["parallel"]["cp"] == 4 for x in layouts), [x["parallel"] for x in layouts]
+    splits = {(x["parallel"]["cp"], x["parallel"]["tp"]) for x in layouts}
+    assert splits == {(4, 1), (2, 2)}, [x["parallel"] for x in layouts]
     moe = ["data.batch_size=4", "model.d_model=64", "model.n_experts=4"]
     found = search(str(config), moe, cluster, 200)
     tried = {(x["parallel"]["cp"], x["parallel"]["ep"]) for x in found}
@@ -97,6 +99,59 @@ def test_search_proposes_context_and_expert_parallelism(config):
         if x["parallel"]["strategy"] == "dp" and x["parallel"]["cp"] == 1 and x["train"]["recompute"] == "none"
     }
     assert peak[4] < peak[2] < peak[1], peak
+
+
+def test_search_proposes_context_parallelism_under_tensor_and_pipeline_parallelism(tmp_path):
+    """Two sequences of 4,096 tokens on 8 H100s, 2 heads: tp is at most 2, dp at most 2, and pp
+    needs 2 samples for its 2 microbatches, so no layout keeps a whole sequence on a device. The
+    search places cp beside tp within the node (tp 2 x cp 2, tp 2 x cp 4) and under pp (pp 2 x cp 4,
+    pp 2 x tp 2 x cp 2), one of them among the fastest three; each passes `run`'s checks and is
+    predicted as `paratrain plan` predicts it alone."""
+    import time
+
+    import torch
+
+    from paratrain.data import build_dataset
+    from paratrain.models import build_model
+    from paratrain.plan.planner import make_plan
+    from paratrain.preflight import load, preflight
+
+    path = tmp_path / "long.toml"
+    path.write_text(GPT.replace("block_size = 16", "block_size = 4096"))
+    sets = ["data.batch_size=2", "data.max_chars=40000", "model.d_model=2048", "model.n_layer=4"]
+    cluster = parse_cluster({**H100S, "devices_per_node": 8})
+    start = time.perf_counter()
+    layouts = search(str(path), sets, cluster, 50)
+    assert time.perf_counter() - start < 60
+    grids = [(x["parallel"]["tp"], x["parallel"]["pp"], x["parallel"]["cp"]) for x in layouts]
+    assert all(cp > 1 for _, _, cp in grids), grids
+    assert {(2, 1, 2), (2, 1, 4), (1, 2, 4), (2, 2, 2)} <= set(grids), grids
+    assert any(tp > 1 for tp, _, _ in grids[:3]), grids
+    for x in layouts:
+        p = x["parallel"]
+        if p["tp"] == p["pp"] == 1:
+            continue
+        keys = ["strategy", "tp", "pp", "cp", *(["microbatches", "schedule"] if p["pp"] > 1 else [])]
+        cfg = load(
+            str(path),
+            [*sets, *(f"parallel.{k}={p[k]!r}" for k in keys), f"train.recompute={x['train']['recompute']!r}"],
+        )
+        preflight(cfg, cluster.world)
+        with torch.device("meta"):
+            model = build_model(cfg, build_dataset(cfg, "train"))
+        alone = make_plan(cfg, model, cluster.devices_per_node, cluster.nodes, "cuda", cluster)["predicted"]
+        assert x["predicted"]["step_s"] == pytest.approx(alone["step_s"], rel=1e-9), p
+
+
+def test_search_drops_context_parallelism_the_sequence_cannot_take(tmp_path):
+    """Sequences of 24 tokens on 8 devices: 2 x cp 8 = 16 chunks do not divide them, so `run`
+    refuses cp 8 and the search, checking each layout against the model and data it built once
+    as `run` checks them, proposes cp 2 and 4 (and none) alone."""
+    path = tmp_path / "short.toml"
+    path.write_text(GPT.replace("block_size = 16", "block_size = 24"))
+    cluster = parse_cluster({**H100S, "devices_per_node": 8})
+    layouts = search(str(path), ["data.batch_size=8", "model.d_model=64"], cluster, 500)
+    assert {x["parallel"]["cp"] for x in layouts} == {1, 2, 4}
 
 
 def test_plan_divides_expert_weights_by_ep(config):

@@ -29,14 +29,20 @@ def load(path, overrides=()) -> config_mod.Config:
 
 def preflight(cfg: config_mod.Config, world: int) -> None:
     """Everything that can be checked before a worker starts: factories, sizes, combinations."""
+    registry.check_world(cfg, world)
+    check_layout_against(cfg, *checked_model_and_data(cfg))
+
+
+def checked_model_and_data(cfg: config_mod.Config) -> tuple:
+    """The model (on meta) and the training set as the workers build them, with the checks that no
+    parallel layout changes: the data's size, the loss, the samples against the model. `plan
+    --search` builds them once per recompute mode and checks each layout on them."""
     import torch
 
     from paratrain.data import build_dataset
     from paratrain.models import build_model
     from paratrain.optim import build_loss
-    from paratrain.parallel.registry import strategy_class
 
-    registry.check_world(cfg, world)
     train_set = cast(Sized, build_dataset(cfg, "train"))  # "train" is always built: never None
     if len(train_set) < cfg.data.batch_size:
         raise ConfigError(
@@ -46,10 +52,27 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
     build_dataset(cfg, "val")
     with torch.device("meta"):  # shapes only: no memory, no time
         model = build_model(cfg, train_set)
-    check_sequence_and_experts(cfg, model, train_set)
-    strategy_class(cfg.parallel.strategy).check_model(cfg, model)
     build_loss(cfg)
     check_samples(cfg, train_set, model)
+    return model, train_set
+
+
+def check_layout_against(cfg: config_mod.Config, model, train_set) -> None:
+    """The config's parallel layout against its model (on meta) and training set, whose own checks
+    passed (checked_model_and_data)."""
+    from paratrain.parallel.registry import strategy_class
+
+    check_sequence_and_experts(cfg, model, train_set)
+    strategy_class(cfg.parallel.strategy).check_model(cfg, model)
+    if cfg.parallel.pp > 1 and cfg.train.loss == "model" and len(train_set):
+        sample = train_set[0]
+        if isinstance(sample, dict) and "labels" not in sample:
+            # the last stage computes the model's own loss from the labels carried to it
+            raise ConfigError(
+                "data.factory",
+                f'{cfg.data.factory}\'s dict samples carry no "labels" (keys {sorted(sample)}), which '
+                f'train.loss = "model" under pp carries to the last stage',
+            )
 
 
 def check_sequence_and_experts(cfg: config_mod.Config, model, train_set) -> None:
@@ -95,13 +118,6 @@ def check_samples(cfg: config_mod.Config, train_set, model=None) -> None:
                 "train.loss",
                 f"{cfg.data.factory}'s samples are dicts with no separate target (keys {sorted(sample)}): "
                 f'{cfg.train.loss} needs one; train.loss = "model" takes the loss the model computes',
-            )
-        if cfg.parallel.pp > 1 and cfg.train.loss == "model" and "labels" not in sample:
-            # the last stage computes the model's own loss from the labels carried to it
-            raise ConfigError(
-                "data.factory",
-                f'{cfg.data.factory}\'s dict samples carry no "labels" (keys {sorted(sample)}), which '
-                f'train.loss = "model" under pp carries to the last stage',
             )
         inputs, target = sample, None
     elif isinstance(sample, (tuple, list)) and len(sample) == 2 and _all_tensors(sample[0]):

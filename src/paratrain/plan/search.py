@@ -1,18 +1,22 @@
 """`paratrain plan --cluster FILE --search [--top K]`: the fastest layouts that fit.
 
-Enumerates, for the config's model and global batch on the cluster's devices: dp x tp x pp (tp
-within a node), for pure data parallelism the ZeRO stage (dp, zero1-3) with context parallelism
-(cp 2, 4, 8 ... within a node, for a model whose attention paratrain splits) and expert
-parallelism (ep 2, 4, 8 ... dividing its experts, for a model with MoE layers), for pipelines the
-microbatch count (pp, 2pp, 4pp, 8pp where the batch allows) and the schedule (1f1b, interleaved
-with 2 virtual stages), and recompute (none, selective, full). Each candidate goes through the same checks as
-`run` (an invalid one is dropped) and the same plan and prediction as `paratrain plan`; those that
-do not fit the device's memory are dropped, the rest ranked by predicted step time.
+Enumerates, for the config's model and global batch on the cluster's devices: dp x cp x tp x pp,
+with context parallelism (cp 2, 4, 8 ..., for a model whose attention paratrain splits) beside tp
+within a node (tp x cp ranks: the grid places cp next to tp, comm/grid.py) and under pp, the cp
+ranks reading the same samples (the batch divides over dp = world / (tp x pp x cp)); for pure data
+parallelism the ZeRO stage (dp, zero1-3), also with expert parallelism (ep 2, 4, 8 ... dividing
+its experts, for a model with MoE layers: the strategies that take ep); for pipelines the
+microbatch count (pp, 2pp, 4pp, 8pp where a replica's batch allows) and the schedule (1f1b,
+interleaved with 2 virtual stages), and recompute (none, selective, full). Each candidate goes
+through the same checks as `run` (an invalid one is dropped) and the same plan and prediction as
+`paratrain plan`; those that do not fit the device's memory are dropped, the rest ranked by
+predicted step time.
 
 To search thousands of devices in seconds, a candidate is not a full plan (every rank's bytes and
 messages): it is planned for one data-parallel replica's ranks, which hold and compute what every
-replica does, checked against memory before it is timed, and every fake-tensor trace is played once
-per distinct shape for the whole search (`memoised_traces`).
+replica does, checked against memory before it is timed; the model and data are built and checked
+once per recompute mode and each layout checked on them (preflight.check_layout_against), and
+every fake-tensor trace is played once per distinct shape for the whole search (`memoised_traces`).
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ def _powers_of_two(limit: int, divides: int) -> list[int]:
 
 def splits(model: nn.Module, world: int, devices_per_node: int) -> tuple[list[int], list[int]]:
     """(cp degrees, ep degrees) beyond 1 worth trying for the model: cp where paratrain splits its
-    attention by sequence (a ring within a node), ep where it has MoE layers (dividing the fewest
-    experts of a layer)."""
+    attention by sequence (a ring within a node, with tp: `candidates`), ep where it has MoE layers
+    (dividing the fewest experts of a layer)."""
     from paratrain.models.hf import hf_experts
     from paratrain.models.moe import expert_layers
     from paratrain.parallel.context.attention import hooked
@@ -58,44 +62,46 @@ def candidates(
     batch: int, world: int, devices_per_node: int, split: tuple[list[int], list[int]] = ([], [])
 ) -> list[list[str]]:
     """--set overrides of every layout to try (before the config's own checks). `split`: the cp
-    and ep degrees beyond 1 to try with data parallelism and ZeRO (`splits`)."""
+    and ep degrees beyond 1 to try (`splits`), each with the strategies whose spec declares it (ep:
+    dp and zero1-3, parallel/registry.py)."""
     from paratrain.parallel.registry import SPECS
 
-    replicas = [s.name for s in SPECS.values() if s.searched_as == "replica"]
-    (mesh,) = [s.name for s in SPECS.values() if s.searched_as == "mesh"]
+    replicas = [s for s in SPECS.values() if s.searched_as == "replica"]
+    meshes = [s for s in SPECS.values() if s.searched_as == "mesh"]
     cps, eps = split
     out = []
     for tp in [d for d in _divisors(world) if d <= devices_per_node]:
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            for recompute in ("none", "selective", "full"):
-                base = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"train.recompute='{recompute}'"]
-                if tp == pp == 1:
-                    # cp ranks read the same samples: the batch divides over world / cp; ep divides
-                    # dp x cp, the whole world here (DESIGN: experts borrow those ranks)
-                    for cp, ep in product([1, *cps], [1, *eps]):
-                        if batch % (world // cp) == 0:
-                            extra = [f"parallel.cp={cp}", f"parallel.ep={ep}"] if (cp, ep) != (1, 1) else []
-                            out += [[*base, f"parallel.strategy='{s}'", *extra] for s in replicas]
-                    continue
-                if batch % dp:
-                    continue
-                if pp == 1:
-                    out.append([*base, f"parallel.strategy='{mesh}'"])
-                    continue
-                per_replica = batch // dp
-                for m, schedule in product((pp, 2 * pp, 4 * pp, 8 * pp), ("1f1b", "interleaved")):
-                    if per_replica % m == 0:
-                        out.append(
-                            [
-                                *base,
-                                f"parallel.strategy='{mesh}'",
-                                f"parallel.microbatches={m}",
-                                f"parallel.schedule='{schedule}'",
-                                "parallel.balance='params'",
-                            ]
-                        )
+        # tp x cp ranks within a node: the grid places cp next to tp (comm/grid.py), and both
+        # exchange at every layer, so neither should cross the slower links between nodes
+        for cp in [c for c in (1, *cps) if tp * c <= devices_per_node and world % (tp * c) == 0]:
+            for pp in _divisors(world // (tp * cp)):
+                dp = world // (tp * pp * cp)  # cp ranks read the same samples
+                if batch % dp == 0:
+                    strategies = replicas if tp == pp == 1 else meshes
+                    out += _layouts(batch // dp, tp, pp, cp, eps, strategies)
     return out
+
+
+def _layouts(per_replica: int, tp: int, pp: int, cp: int, eps: list[int], strategies: list) -> list[list[str]]:
+    """The candidates of one (tp, pp, cp) grid: by recompute, then strategy and ep (it borrows the
+    dp x cp ranks: `run`'s checks drop a degree that does not divide them), and for a pipeline
+    the microbatches and the schedule."""
+    grid = [f"parallel.tp={tp}", f"parallel.pp={pp}", *([f"parallel.cp={cp}"] if cp > 1 else [])]
+    ways = [
+        [f"parallel.strategy='{s.name}'", *([f"parallel.ep={ep}"] if ep > 1 else [])]
+        for ep in (1, *eps)
+        for s in strategies
+        if ep == 1 or "ep" in s.degrees
+    ]
+    if pp > 1:
+        ways = [
+            [*way, f"parallel.microbatches={m}", f"parallel.schedule='{schedule}'", "parallel.balance='params'"]
+            for way in ways
+            for m, schedule in product((pp, 2 * pp, 4 * pp, 8 * pp), ("1f1b", "interleaved"))
+            if per_replica % m == 0
+        ]
+    # a layout's recompute modes come none, selective, then full: `search` keeps the first that fits
+    return [[*grid, f"train.recompute='{r}'", *way] for r in ("none", "selective", "full") for way in ways]
 
 
 def replica_plan(cfg: Config, model, cluster) -> dict:
@@ -169,9 +175,9 @@ def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
 
     from paratrain.data import build_dataset
     from paratrain.models import build_model
-    from paratrain.parallel.registry import check_world, strategy_class
+    from paratrain.parallel.registry import check_world
     from paratrain.plan.predict import predict
-    from paratrain.preflight import preflight
+    from paratrain.preflight import check_layout_against, checked_model_and_data
 
     base = load(config_path, overrides)
     batch = base.data.batch_size
@@ -179,9 +185,9 @@ def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
         split = splits(build_model(base, build_dataset(base, "train")), cluster.world, cluster.devices_per_node)
     ranked = []
     with memoised_traces():
-        models: dict[
-            str, nn.Module
-        ] = {}  # the meta model by recompute (the only key here that may change its build), once checked
+        # the meta model and the training set by recompute (the only key here that may change the
+        # model's build), built and checked once: each layout is checked on them as preflight does
+        built: dict[str, tuple] = {}
         # A layout comes recomputing none, selective, then full (candidates): each keeps less and
         # runs more than the one before, so the first that fits is the layout's fastest.
         fitted = set()
@@ -191,21 +197,18 @@ def search(config_path, overrides: list[str], cluster, top: int) -> list[dict]:
                 continue
             try:
                 cfg = load(config_path, [*overrides, *sets])
-                recompute = cfg.train.recompute
-                if recompute in models:  # the data, model and loss checks passed: only the layout's
-                    check_world(cfg, cluster.world)
-                    strategy_class(cfg.parallel.strategy).check_model(cfg, models[recompute])
-                else:
-                    preflight(cfg, cluster.world)
-                    with torch.device("meta"):
-                        models[recompute] = build_model(cfg, build_dataset(cfg, "train"))
+                check_world(cfg, cluster.world)
+                if cfg.train.recompute not in built:
+                    built[cfg.train.recompute] = checked_model_and_data(cfg)
+                model, train_set = built[cfg.train.recompute]
+                check_layout_against(cfg, model, train_set)
             except ConfigError:
                 continue
-            plan = replica_plan(cfg, models[recompute], cluster)
+            plan = replica_plan(cfg, model, cluster)
             if not plan["capacity"]["fits"]:
                 continue
             fitted.add(layout_key)
-            predicted, breakdown = predict(cfg, models[recompute], plan, cluster)
+            predicted, breakdown = predict(cfg, model, plan, cluster)
             if predicted is not None:
                 ranked.append(layout(cfg, predicted, breakdown))
     ranked.sort(key=lambda x: x["predicted"]["step_s"])

@@ -2,8 +2,9 @@
 (`plan --search`, whose candidates differ only in [parallel] keys and train.recompute) the config's
 model, data and loss stay the same, so every trace of a microbatch (activations.FakeRun and what is
 played on it: activations saved, per-stage op costs, tp payloads, pipeline boundary bytes) depends
-only on the keys below: recompute, the rows of a microbatch, the pipeline cut, tp's plan and the
-dtype of the working parameters (mixed-precision ZeRO's bf16)."""
+only on the keys below: recompute, the rows of a microbatch, parallel.cp (a rank runs its 1/C
+of each sequence: planned_batch.context_chunks), the pipeline cut, tp's plan and the dtype of the
+working parameters (mixed-precision ZeRO's bf16)."""
 
 from __future__ import annotations
 
@@ -32,25 +33,27 @@ def memoised_traces():
         """What a fake-tensor run of a microbatch depends on (FakeRun.build, step_memory); the
         sharding follows from tp_plan and tp."""
         plan = tuple(sorted((tp_plan or {}).items())) if tp > 1 else ()
-        return cfg.train.recompute, rows, cut(bounds), plan, tp, working
+        return cfg.train.recompute, cfg.parallel.cp, rows, cut(bounds), plan, tp, working
 
     # each function and its memo key; every module that calls it by a name of its own gets the memo
     keys = {
         (activations, "saved_activation_bytes"): lambda cfg, rows, bounds=None, working=None: (
             cfg.train.recompute,
+            cfg.parallel.cp,
             rows,
             cut(bounds),
             working,
         ),
         (activations, "tp_all_reduces"): lambda cfg, rows, bounds, tp_plan: (
             cfg.train.recompute,
+            cfg.parallel.cp,
             rows,
             cut(bounds),
             tuple(sorted(tp_plan.items())),
         ),
-        (activations, "boundary_bytes"): lambda cfg, model, bounds, rows: (rows, cut(bounds)),
+        (activations, "boundary_bytes"): lambda cfg, model, bounds, rows: (cfg.parallel.cp, rows, cut(bounds)),
         (activations, "step_memory"): fake_run_key,
-        (step_time, "stage_ops"): lambda cfg, rows, bounds: (cfg.train.recompute, rows, cut(bounds)),
+        (step_time, "stage_ops"): lambda cfg, rows, bounds: (cfg.train.recompute, cfg.parallel.cp, rows, cut(bounds)),
     }
     modules = [m for name, m in list(sys.modules.items()) if name.startswith("paratrain.") and m is not None]
     callers = {
