@@ -201,3 +201,17 @@ def test_plan_divides_a_mixtral_s_expert_stacks_by_ep(tmp_path):
     model = built(MIXTRAL)
     stacks = sum(p.numel() * 4 for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj")))
     assert stacks and whole["param_bytes"] - split["param_bytes"] == stacks // 2
+
+
+def test_search_proposes_context_parallelism_for_a_hugging_face_decoder(tmp_path):
+    """A transformers decoder takes the ring from outside (parallel/context/hf.py), with no hook of
+    its own for the search to find: it is searched with cp as the gpt is, and a BERT (its attention
+    not causal: cp refuses it) is not."""
+    from test_hf_models import BERT, LLAMA
+
+    cluster = parse_cluster({**H100S, "devices_per_node": 4})
+    for text, cps in ((LLAMA, {1, 2, 4}), (BERT, {1})):
+        path = tmp_path / "hf.toml"
+        path.write_text(text)
+        layouts = search(str(path), ["data.batch_size=4"], cluster, 500)
+        assert {x["parallel"]["cp"] for x in layouts} == cps, text

@@ -49,9 +49,12 @@ def splits(model: nn.Module, world: int, devices_per_node: int) -> tuple[list[in
     (dividing the fewest experts of a layer)."""
     from paratrain.models.hf import hf_experts
     from paratrain.models.moe import expert_layers
+    from paratrain.parallel.context import hf
     from paratrain.parallel.context.attention import hooked
 
-    cps = _powers_of_two(devices_per_node, world) if hooked(model, "paratrain_attention") else []
+    # the gpt's attention takes the ring by its own hook; a transformers decoder from outside (hf.py)
+    splits_sequence = hooked(model, "paratrain_attention") or (hf.is_hf(model) and hf.refusal(model) is None)
+    cps = _powers_of_two(devices_per_node, world) if splits_sequence else []
     experts = [int(getattr(layer, "n_experts", 0)) for layer in expert_layers(model)]
     experts += [int(getattr(m, "num_experts", 0)) for m in hf_experts(model)]
     eps = _powers_of_two(min(experts), min(experts)) if experts and min(experts) > 1 else []
