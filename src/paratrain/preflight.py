@@ -30,18 +30,27 @@ def load(path, overrides=()) -> config_mod.Config:
 def preflight(cfg: config_mod.Config, world: int) -> None:
     """Everything that can be checked before a worker starts: factories, sizes, combinations."""
     registry.check_world(cfg, world)
-    check_layout_against(cfg, *checked_model_and_data(cfg))
+    model, train_set = built_model_and_data(cfg)
+    # the layout before the loss: a layout the model cannot take (cp on an encoder, pp's labels)
+    # is the error to name, not the loss it would then compute wrongly
+    check_layout_against(cfg, model, train_set)
+    check_loss_and_samples(cfg, model, train_set)
 
 
 def checked_model_and_data(cfg: config_mod.Config) -> tuple:
-    """The model (on meta) and the training set as the workers build them, with the checks that no
-    parallel layout changes: the data's size, the loss, the samples against the model. `plan
+    """The model and training set with the checks that no parallel layout changes done: `plan
     --search` builds them once per recompute mode and checks each layout on them."""
+    model, train_set = built_model_and_data(cfg)
+    check_loss_and_samples(cfg, model, train_set)
+    return model, train_set
+
+
+def built_model_and_data(cfg: config_mod.Config) -> tuple:
+    """The model (on meta) and the training set as the workers build them (the data's size checked)."""
     import torch
 
     from paratrain.data import build_dataset
     from paratrain.models import build_model
-    from paratrain.optim import build_loss
 
     train_set = cast(Sized, build_dataset(cfg, "train"))  # "train" is always built: never None
     if len(train_set) < cfg.data.batch_size:
@@ -52,9 +61,15 @@ def checked_model_and_data(cfg: config_mod.Config) -> tuple:
     build_dataset(cfg, "val")
     with torch.device("meta"):  # shapes only: no memory, no time
         model = build_model(cfg, train_set)
+    return model, train_set
+
+
+def check_loss_and_samples(cfg: config_mod.Config, model, train_set) -> None:
+    """The loss, and a sample through the model (on meta) into it."""
+    from paratrain.optim import build_loss
+
     build_loss(cfg)
     check_samples(cfg, train_set, model)
-    return model, train_set
 
 
 def check_layout_against(cfg: config_mod.Config, model, train_set) -> None:
