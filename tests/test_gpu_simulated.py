@@ -192,7 +192,7 @@ def test_zero_takes_nccls_own_collectives():
 # A GPT whose blocks are each a little bigger than a ZeRO-3 unit (parallel.bucket_mb), as GPT-2
 # small's 28 MB blocks are at the default 25 MB: each block is cut into units (its layer norms,
 # attention and feed-forward), whose hooks act inside the block
-TINY = {"vocab_size": 64, "n_layer": 4, "n_head": 2, "d_model": 32, "block_size": 16}
+TINY = {"vocab_size": 64, "n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 16}
 BLOCK_SPLITTING_MB = 0.04  # a block holds 12.6k fp32 parameters (50 KB)
 
 
@@ -249,7 +249,7 @@ def test_two_compiled_models_live_in_one_process(world_of_one):
 def test_zero3_units_inside_blocks_compile_once_per_kind(world_of_one):
     """ZeRO-3's gathers stay out of the compiled code: no graph break, and the frames dynamo
     compiles (first compiles and recompiles) are one per kind of layer, not one per unit (they
-    were 45 for these 18 units: the hooks traced, guarded on each unit's name and version)."""
+    were 45 for the 18 units of a 4-layer model: the hooks traced, guarded on each unit's name and version)."""
     from torch._dynamo.utils import counters
 
     zero3 = compiled_strategy(world_of_one, "zero3")
