@@ -75,6 +75,7 @@ def cmd_run(args) -> int:
 
 def run_job(args) -> int:
     from paratrain.jobs.preflight import check_nodes, node_facts
+    from paratrain.models import worker_preload
     from paratrain.runtime.launch import call_preloaded, launch, start_worker_server
     from paratrain.runtime.schedulers import place_from_environment
 
@@ -86,7 +87,8 @@ def run_job(args) -> int:
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
         if args.node_rank == 0:  # the other nodes of this run share the folder
             lock_run_dir(run_dir)
-        start_worker_server(preload=("paratrain.trainer",))  # its imports overlap the checks below
+        # its imports overlap the checks below: the trainer's, and a transformers model's
+        start_worker_server(preload=("paratrain.trainer", *worker_preload(cfg)))
         nproc, device_note = place(cfg, args)
         if scheduler is not None:
             note(f"{scheduler.describe(nproc)}")

@@ -48,6 +48,17 @@ def model_kwargs(cfg: Config, dataset) -> dict:
     return kwargs
 
 
+def worker_preload(cfg: Config) -> tuple[str, ...]:
+    """What a worker will import to build the config's model beyond the trainer's own imports, for
+    the worker server to import once for all of them (a transformers model's modules); a user's
+    own factory module is left to the worker, since its import may do anything (start CUDA, threads)."""
+    if cfg.model.factory == "hf":
+        from paratrain.models.hf import worker_modules
+
+        return worker_modules(**cfg.model.kwargs)
+    return ()
+
+
 def build_model(cfg: Config, dataset) -> nn.Module:
     """The user's model, built on the current default device (use a meta device to only check it)."""
     name = cfg.model.factory

@@ -37,6 +37,9 @@ TASKS = {
 def hf(config: dict | None = None, pretrained: str = "", task: str = "causal-lm") -> nn.Module:
     """A transformers model for `task`: from `config` at random init, or loaded from `pretrained`."""
     require(task in TASKS, "task", f"must be one of {' | '.join(TASKS)}, got {task!r}")
+    require(
+        config is None or isinstance(config, dict), "config", f"must be a table {{ model_type = ... }}, got {config!r}"
+    )
     require(bool(config) != bool(pretrained), "config", "give either config = { model_type = ... } or pretrained")
     require_extra("transformers", '[model] factory = "hf"')
     import transformers
@@ -47,6 +50,22 @@ def hf(config: dict | None = None, pretrained: str = "", task: str = "causal-lm"
         if not _failed_import(exc):
             raise  # the model's own construction (fake tensors under `plan`, say): the caller's to handle
         raise ArgumentError("factory", import_failure(exc)) from None
+
+
+def worker_modules(config: dict | None = None, task: str = "causal-lm", **_) -> tuple[str, ...]:
+    """The transformers modules each worker imports to build this model (`[model]`'s keys), for the
+    worker server to import once before it forks them (launch.start_worker_server's preload): about
+    8 s of CPU a worker here, above torch's own import. The family's module is named as transformers
+    names it for most model types; a name that does not import is skipped by the server, and the
+    worker imports what it needs itself."""
+    if not isinstance(task, str) or task not in TASKS:  # the preflight, after, names the key
+        return ()
+    modules = ["transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto"]
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if isinstance(model_type, str) and model_type.replace("-", "_").isidentifier():
+        family = model_type.replace("-", "_")
+        modules.append(f"transformers.models.{family}.modeling_{family}")
+    return tuple(modules)
 
 
 def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -> nn.Module:
