@@ -9,7 +9,7 @@ Workers of a training run are forked from a worker server (multiprocessing's for
 has imported torch and paratrain once, instead of each starting a fresh interpreter that imports
 them again: measured here, `import torch` takes 1.1 s and the torch.compile stack that every
 torch optimizer step imports another 1.0 s, per process. The server is itself forked from the
-command once it has imported torch (start_worker_server), so its imports of the rest overlap the
+command once it has imported both (start_worker_server), so its imports of the rest overlap the
 command's own checks and the rendezvous, and a worker's start then costs a fork. A restarted worker group forks from the same server. Benchmark workers, which
 name a module, start as `python -m module` as before.
 """
@@ -55,7 +55,7 @@ WORKER_SERVER = "paratrain.runtime.worker_server"  # what the server imports fir
 def call_preloaded(target: str, *args: str) -> None:
     """`target(*args)`, target a "module:function" that the worker server preloaded: the function a
     launcher hands the agent, so that the launcher itself never imports the training code, which
-    pulls in torch.compile's modules (about 2 s of CPU a launch spent on imports it never used)."""
+    is the server's to import (launch.start_worker_server's preload)."""
     module, name = target.split(":")
     getattr(importlib.import_module(module), name)(*args)
 
@@ -73,7 +73,8 @@ def start_worker_server(preload: tuple[str, ...] = ()) -> None:
     anyway: a fresh interpreter would import torch a second time (about 3 s of CPU here, per
     command), and the suite starts a few hundred commands. Forked while this process has no thread
     of its own running yet, before the agent or any compute, as torch's DataLoader forks its
-    workers. The server then imports only what the workers add (the trainer, torch.compile's stack).
+    workers. The server then imports only what the workers add (the trainer, a transformers model's
+    modules).
 
     Idempotent: one server per process, reused by every later launch (and restart) of it. Call it
     from the main thread: the server and its workers die with the thread that started it."""
@@ -82,6 +83,12 @@ def start_worker_server(preload: tuple[str, ...] = ()) -> None:
     from multiprocessing import forkserver, util
 
     import torch  # noqa: F401  before the fork: the server inherits it
+
+    # ... and torch.compile's stack, which the server would import next (every worker's first
+    # optimizer step needs it) and the command imports anyway: building the model on the meta
+    # device for its checks runs torch's Python decompositions, which import it (about 2 s of CPU
+    # here, done once instead of in both)
+    import torch._dynamo  # noqa: F401
 
     multiprocessing.get_context("forkserver").set_forkserver_preload([WORKER_SERVER, *preload])
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the server dies with this process (worker_server.py)
