@@ -107,11 +107,13 @@ def _destroy_groups_but(kept: set) -> None:
 
 
 class Gang:
-    def __init__(self, world: int):
+    def __init__(self, world: int, preload: tuple[str, ...] = ()):
+        """`preload`: more modules for the process's fork server to import before it forks a member
+        (it starts with the first gang: the first gang's list is the one that counts)."""
         from paratrain.runtime.process import free_port
 
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx.set_forkserver_preload([*PRELOAD, *preload])
         self.world = world
         port = free_port()
         self.conns, self.procs = [], []
@@ -256,15 +258,17 @@ class Gangs:
 
     JOBS = 40  # then a fresh gang: what runs leave open (process groups, channels) stays bounded
 
-    def __init__(self):
+    def __init__(self, preload: tuple[str, ...] = ()):
+        """`preload`: what the members' jobs import beyond the trainer (Gang's)."""
         self.live: dict[int, Gang] = {}
+        self.preload = preload
 
     def __call__(self, world: int) -> Gang:
         gang = self.live.get(world)
         if gang is not None and gang.jobs >= self.JOBS:
             gang.close()
         if gang is None or not gang.alive:
-            gang = self.live[world] = Gang(world)
+            gang = self.live[world] = Gang(world, self.preload)
         return gang
 
     def close(self) -> None:
