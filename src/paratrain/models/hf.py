@@ -62,8 +62,8 @@ def worker_modules(config: dict | None = None, task: str = "causal-lm", **_) -> 
         return ()
     modules = ["transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto"]
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    if isinstance(model_type, str) and model_type.replace("-", "_").isidentifier():
-        family = model_type.replace("-", "_")
+    family = model_type.replace("-", "_") if isinstance(model_type, str) else ""
+    if family.isidentifier():
         modules.append(f"transformers.models.{family}.modeling_{family}")
     return tuple(modules)
 
