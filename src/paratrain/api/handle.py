@@ -55,6 +55,7 @@ def init(strategy: str | None = None, *, config: str | Path | None = None, run_d
             raise ConfigError("parallel.cp", "runs under `paratrain run` only, not in your own loop (yet)")
     except ConfigError as exc:
         error(f"{exc}")
+        process.mark_failing()
         raise SystemExit(2) from None
     collectives.LOG.step = 0
     return Paratrain(cfg, rt, Path(run_dir or Path("runs") / cfg.name))
@@ -109,6 +110,7 @@ class Paratrain:
             )
         except ConfigError as exc:  # what the model cannot take (a tp plan), on every rank alike
             error(f"{exc}")
+            process.mark_failing()
             raise SystemExit(2) from None
         if optimizer is not None:
             optimizer = self.strategy.adopt_optimizer(optimizer)

@@ -22,6 +22,7 @@ BENCHMARKS = [
     "tax",
     "context",
     "experts",
+    "exits",
 ]
 
 

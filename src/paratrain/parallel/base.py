@@ -76,7 +76,7 @@ from paratrain.errors import error
 from paratrain.models.moe import with_auxiliary_losses
 from paratrain.optim import accuracy_counts, set_lr, skips_on_device, step_unless
 from paratrain.profile import NULL_PROFILER, NullProfiler, Profiler
-from paratrain.runtime.process import Runtime, SeededMicroBatches
+from paratrain.runtime.process import Runtime, SeededMicroBatches, mark_failing
 
 
 class Strategy:
@@ -328,6 +328,7 @@ def refuse(line: str, said_here: bool = True) -> NoReturn:
     rank refuses the same call, one of them says it (`said_here`): the run's output has one line."""
     if said_here:
         error(line)
+    mark_failing()
     raise SystemExit(2)
 
 

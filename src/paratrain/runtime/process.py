@@ -128,15 +128,97 @@ def init(device_kind: str = "auto", timeout_s: float = 300.0) -> Runtime:
     if not dist.is_initialized():
         store = _store(rank, world, timeout_s)
         attempt = _rendezvous_round(store, attempt)
+        group_store = dist.PrefixStore(f"paratrain/attempt-{attempt}", store)
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"paratrain/attempt-{attempt}", store),
+            store=group_store,
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=timeout_s),
             device_id=device if device.type == "cuda" else None,
         )
+        end_in_order_at_exit(group_store, rank, world, timeout_s)
     return Runtime(rank, world, local_rank, device, backend, attempt)
+
+
+# -- the end of a process that did not call shutdown (a script that just ends, or sys.exit()) --------
+# The interpreter's teardown must not meet a live process group. gloo's worker threads free each
+# finished collective's tensors themselves, a moment after the caller's wait() returned, and a
+# Python-owned tensor needs the GIL to go: once the interpreter is finalizing, a thread asking for
+# the GIL is ended by pthread_exit, whose unwinding through gloo's noexcept frames calls
+# std::terminate ("terminate called without an active exception", SIGABRT; the core's backtrace:
+# ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> decref_pyobject -> take_gil -> pthread_exit).
+# Seen in 1 of 10 to 1 of 20 torchrun runs of a finished own loop: a job that had trained and
+# saved, marked failed. So an exit handler, which runs before the teardown, waits for every rank
+# to reach its end, then destroys the groups: that joins gloo's threads while the interpreter is whole.
+_exit_state: dict = {"failing": False}
+
+
+def end_in_order_at_exit(store, rank: int, world: int, timeout_s: float) -> None:
+    """At this process's exit, unless it is failing (mark_failing): every rank's end met in
+    `store`, then the process groups destroyed. Installed once, by whoever joins the group."""
+    import atexit
+
+    if "store" not in _exit_state:
+        atexit.register(_end_in_order)
+        previous = sys.excepthook
+
+        def excepthook(*exc_info) -> None:  # an uncaught exception: this rank fails, no waiting
+            mark_failing()
+            previous(*exc_info)
+
+        sys.excepthook = excepthook
+    _exit_state.update(store=store, rank=rank, world=world, timeout_s=timeout_s)
+
+
+def mark_failing() -> None:
+    """This rank is leaving on an error (a refusal, an uncaught exception): its exit handler
+    waits for no one and destroys nothing, since its peers may be inside a collective with it;
+    and the peers at their own end stop waiting for it."""
+    if _exit_state["failing"]:
+        return
+    _exit_state["failing"] = True
+    if "store" in _exit_state:
+        try:
+            _exit_state["store"].add("exit/failed", 1)
+        except RuntimeError:  # the store's host is gone already: nobody waits there
+            pass
+
+
+def _end_in_order() -> None:
+    if not dist.is_initialized() or _exit_state["failing"]:
+        return
+    store, rank, world = _exit_state["store"], _exit_state["rank"], _exit_state["world"]
+    if world > 1:
+        try:
+            # every rank at its end first, as shutdown(together=True): a rank tearing gloo down
+            # while a peer still talks to it can abort the peer. Met in the store, not by a
+            # barrier: that would be one more collective, whose own work gloo's thread frees as
+            # above. Rank 0 may host the store: it leaves once every other rank has seen the count.
+            _count_in(store, "exit/arrived", world, _exit_state["timeout_s"])
+            store.add("exit/left", 1)
+            if rank == 0:
+                _count_in(store, "exit/left", world, _exit_state["timeout_s"], add=False)
+        except (RuntimeError, TimeoutError) as exc:  # a peer gone, its store with it: leave anyway
+            note(f"rank {rank}: left without its peers ({str(exc).splitlines()[0]})")
+    dist.destroy_process_group()
+
+
+def _count_in(store, key: str, world: int, timeout_s: float, add: bool = True) -> None:
+    """Count this rank in `key` (unless not `add`), then wait until all `world` ranks are."""
+    import time
+
+    count = store.add(key, 1 if add else 0)
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while count < world:
+        if store.add("exit/failed", 0):
+            raise RuntimeError("a peer failed")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} of {world} ranks at their end after {timeout_s:.0f} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+        count = store.add(key, 0)
 
 
 def _store(rank: int, world: int, timeout_s: float) -> dist.TCPStore:

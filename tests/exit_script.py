@@ -1,0 +1,25 @@
+"""A short own loop that ends without pt.close(), as most scripts do: `exit_script.py HOW`, HOW one
+of `end` (the script just ends), `sys-exit` (sys.exit()), `raise-on-1` (rank 1 raises after the
+step). An exit handler registered before paratrain's runs after it, and says whether the process
+group was still alive when the interpreter's teardown began."""
+
+import atexit
+import sys
+
+import torch
+import torch.distributed as dist
+
+atexit.register(lambda: print(f"group alive at teardown: {dist.is_initialized()}", flush=True))
+
+import paratrain  # noqa: E402
+
+pt = paratrain.init(strategy="zero3")
+model = torch.nn.Linear(4, 2)
+model, optimizer = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+loss = model(torch.ones(3, 4)).square().mean()
+pt.backward(loss)
+optimizer.step()
+if sys.argv[1] == "sys-exit":
+    sys.exit()
+if sys.argv[1] == "raise-on-1" and pt.rank == 1:
+    raise RuntimeError("the user's own error, after the last step")
