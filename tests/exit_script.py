@@ -1,6 +1,6 @@
 """A short own loop that ends without pt.close(), as most scripts do: `exit_script.py HOW`, HOW one
 of `end` (the script just ends), `sys-exit` (sys.exit()), `raise-on-1` (rank 1 raises after the
-step). An exit handler registered before paratrain's runs after it, and says whether the process
+step), `state-dict-on-0` (rank 0 alone calls model.state_dict()). An exit handler registered before paratrain's runs after it, and says whether the process
 group was still alive when the interpreter's teardown began."""
 
 import atexit
@@ -23,3 +23,5 @@ if sys.argv[1] == "sys-exit":
     sys.exit()
 if sys.argv[1] == "raise-on-1" and pt.rank == 1:
     raise RuntimeError("the user's own error, after the last step")
+if sys.argv[1] == "state-dict-on-0" and pt.is_main:  # a collective under zero3: the others just end
+    model.state_dict()

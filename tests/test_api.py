@@ -354,5 +354,20 @@ def test_a_rank_that_fails_at_the_end_does_not_hold_its_peers_exit(tmp_path):
         [str(Path(__file__).resolve().parent / "exit_script.py"), "raise-on-1"], tmp_path
     )
     assert code1 == 1 and "the user's own error" in out1, out1
-    assert code0 == 0 and "group alive at teardown: False" in out0, out0
+    assert code0 == 0 and "rank 0: left without its peers (a peer failed)" in out0, out0
     assert time.monotonic() - start < 60  # not the group's timeout (300 s)
+
+
+def test_a_state_dict_on_rank_0_alone_is_named_when_the_others_end(tmp_path):
+    """Under zero3 model.state_dict() gathers from every rank: on rank 0 alone it would wait out
+    parallel.timeout_s (300 s). The other ranks' end is a checked call: both stop at once, one line."""
+    import time
+
+    start = time.monotonic()
+    ended = _ranks_of([str(Path(__file__).resolve().parent / "exit_script.py"), "state-dict-on-0"], tmp_path)
+    assert time.monotonic() - start < 60
+    assert [code for code, _ in ended] == [2, 2], ended
+    said = [line for _, out in ended for line in out.splitlines() if "paratrain: error" in line]
+    assert len(said) == 1, ended
+    assert "model.state_dict() (call #" in said[0] and "on rank 0" in said[0], said
+    assert "the end of the script" in said[0] and "on rank 1" in said[0], said

@@ -21,9 +21,17 @@ import torch
 import torch.distributed as dist
 
 from paratrain.errors import error
+from paratrain.runtime import process
 
-KINDS = ("a training forward", "a forward under no_grad", "a backward", "model.state_dict()", "model.load_state_dict()")
-FORWARD, FORWARD_NO_GRAD, BACKWARD, STATE_DICT, LOAD_STATE_DICT = range(len(KINDS))
+KINDS = (
+    "a training forward",
+    "a forward under no_grad",
+    "a backward",
+    "model.state_dict()",
+    "model.load_state_dict()",
+    "the end of the script",
+)
+FORWARD, FORWARD_NO_GRAD, BACKWARD, STATE_DICT, LOAD_STATE_DICT, END = range(len(KINDS))
 
 
 class LockstepCheck:
@@ -34,6 +42,10 @@ class LockstepCheck:
         self.world = dist.get_world_size()
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.world > 1 else None
         self.seq = 0
+        if self.group is not None:
+            # a peer left inside a call it ran alone (state_dict on rank 0 only) is named when the
+            # others end, not after parallel.timeout_s: their end is one more checked call
+            process.check_at_end(self.check_at_end)
 
     @contextlib.contextmanager
     def trusted(self):
@@ -50,19 +62,36 @@ class LockstepCheck:
         """Before a call of `kind`: every rank is at the same call, or this rank stops (exit 1)."""
         if self.group is None:
             return
-        self.seq += 1
-        mine = torch.tensor([self.seq, kind], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(self.world)]
-        rank = dist.get_rank()
+        mine, every = self._exchange(kind)
         try:
             dist.all_gather(every, mine, group=self.group)
         except RuntimeError as exc:
             if "timed out" not in str(exc).lower():  # a peer died: its failure, for the launcher to name
                 raise
             self._stop(
-                f"{self.strategy}: {KINDS[kind]} of the model (call #{self.seq}) ran on rank {rank}, and not every "
-                f"other rank ran it within parallel.timeout_s = {self.timeout_s:g} s: {self._advice()}"
+                f"{self.strategy}: {KINDS[kind]} of the model (call #{self.seq}) ran on rank {dist.get_rank()}, and not "
+                f"every other rank ran it within parallel.timeout_s = {self.timeout_s:g} s: {self._advice()}"
             )
+        self._compare(every)
+
+    def check_at_end(self) -> None:
+        """At a clean exit (runtime/process.py): the end is checked as a call. Waited for through
+        the exit's own wait, which gives up on a peer that failed instead of waiting out the time."""
+        if self.group is None:
+            return
+        mine, every = self._exchange(END)
+        work = dist.all_gather(every, mine, group=self.group, async_op=True)
+        assert work is not None  # async_op
+        process.wait_for_peers(work.is_completed, "not every rank reached its end")
+        work.wait()
+        self._compare(every)
+
+    def _exchange(self, kind: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        self.seq += 1
+        mine = torch.tensor([self.seq, kind], dtype=torch.int64)
+        return mine, [torch.empty_like(mine) for _ in range(self.world)]
+
+    def _compare(self, every: list[torch.Tensor]) -> None:
         calls = [tuple(t.tolist()) for t in every]
         if len(set(calls)) > 1:
             ran: dict[tuple, list[str]] = {}
@@ -70,13 +99,16 @@ class LockstepCheck:
                 ran.setdefault((seq, k), []).append(str(r))
             said = "; ".join(f"{KINDS[k]} (call #{seq}) on rank {', '.join(rs)}" for (seq, k), rs in ran.items())
             # every rank saw the same calls: rank 0 says so
-            self._stop(f"{self.strategy}: the ranks ran different model calls: {said}: {self._advice()}", rank == 0)
+            self._stop(
+                f"{self.strategy}: the ranks ran different model calls: {said}: {self._advice()}", dist.get_rank() == 0
+            )
 
     @staticmethod
     def _stop(line: str, said_here: bool = True):
         """As a strategy's refusal (parallel/base.py: refuse): one line, exit 2, no traceback."""
         if said_here:
             error(line)
+        process.mark_failing()
         raise SystemExit(2)
 
     def _advice(self) -> str:

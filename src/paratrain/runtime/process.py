@@ -151,12 +151,18 @@ def init(device_kind: str = "auto", timeout_s: float = 300.0) -> Runtime:
 # Seen in 1 of 10 to 1 of 20 torchrun runs of a finished own loop: a job that had trained and
 # saved, marked failed. So an exit handler, which runs before the teardown, waits for every rank
 # to reach its end, then destroys the groups: that joins gloo's threads while the interpreter is whole.
-_exit_state: dict = {"failing": False}
+_exit_state: dict = {"failing": False, "checks": []}
+
+
+class PeersGone(Exception):
+    """A rank waited for its peers at its end and they did not come: one failed, or none came
+    within the time."""
 
 
 def end_in_order_at_exit(store, rank: int, world: int, timeout_s: float) -> None:
-    """At this process's exit, unless it is failing (mark_failing): every rank's end met in
-    `store`, then the process groups destroyed. Installed once, by whoever joins the group."""
+    """At this process's exit, unless it is failing (mark_failing): the checks at the end
+    (check_at_end), every rank's end met in `store`, then the process groups destroyed.
+    Installed once, by whoever joins the group."""
     import atexit
 
     if "store" not in _exit_state:
@@ -169,6 +175,15 @@ def end_in_order_at_exit(store, rank: int, world: int, timeout_s: float) -> None
 
         sys.excepthook = excepthook
     _exit_state.update(store=store, rank=rank, world=world, timeout_s=timeout_s)
+
+
+def check_at_end(check) -> None:
+    """`check()`, a bound method, runs at a clean exit, before the ranks meet: a collective every rank makes at
+    its end (a peer still inside a call it ran alone pairs with it: comm/lockstep.py). It waits
+    through wait_for_peers, and may refuse (SystemExit) or raise PeersGone."""
+    import weakref
+
+    _exit_state["checks"].append(weakref.WeakMethod(check))  # not kept alive for it (the test gang's many jobs)
 
 
 def mark_failing() -> None:
@@ -185,40 +200,48 @@ def mark_failing() -> None:
             pass
 
 
+def wait_for_peers(done, what: str) -> None:
+    """Wait at this rank's end until `done()`; raises PeersGone where a peer failed first, or
+    none of it came within parallel.timeout_s."""
+    import time
+
+    store, timeout_s = _exit_state["store"], _exit_state["timeout_s"]
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while not done():
+        if store.add("exit/failed", 0):
+            raise PeersGone("a peer failed")
+        if time.monotonic() > deadline:
+            raise PeersGone(f"{what} after parallel.timeout_s = {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
 def _end_in_order() -> None:
     if not dist.is_initialized() or _exit_state["failing"]:
         return
     store, rank, world = _exit_state["store"], _exit_state["rank"], _exit_state["world"]
-    if world > 1:
-        try:
+    try:
+        for ref in _exit_state["checks"]:
+            if (check := ref()) is not None:
+                check()
+        if world > 1:
             # every rank at its end first, as shutdown(together=True): a rank tearing gloo down
             # while a peer still talks to it can abort the peer. Met in the store, not by a
             # barrier: that would be one more collective, whose own work gloo's thread frees as
             # above. Rank 0 may host the store: it leaves once every other rank has seen the count.
-            _count_in(store, "exit/arrived", world, _exit_state["timeout_s"])
+            arrived = store.add("exit/arrived", 1)
+            wait_for_peers(lambda: arrived >= world or store.add("exit/arrived", 0) >= world, "not every rank ended")
             store.add("exit/left", 1)
             if rank == 0:
-                _count_in(store, "exit/left", world, _exit_state["timeout_s"], add=False)
-        except (RuntimeError, TimeoutError) as exc:  # a peer gone, its store with it: leave anyway
-            note(f"rank {rank}: left without its peers ({str(exc).splitlines()[0]})")
+                wait_for_peers(lambda: store.add("exit/left", 0) >= world, "not every rank left")
+    except SystemExit as exc:  # a check at the end refused (and marked this rank failing): its line is said
+        leave(exc.code if isinstance(exc.code, int) else 2)
+    except (PeersGone, RuntimeError) as exc:  # a peer failed, or its store went with it
+        # a collective of this rank's may still wait on it: destroying the group would wait too
+        note(f"rank {rank}: left without its peers ({str(exc).splitlines()[0]})")
+        leave(0)
     dist.destroy_process_group()
-
-
-def _count_in(store, key: str, world: int, timeout_s: float, add: bool = True) -> None:
-    """Count this rank in `key` (unless not `add`), then wait until all `world` ranks are."""
-    import time
-
-    count = store.add(key, 1 if add else 0)
-    deadline = time.monotonic() + timeout_s
-    pause = 0.001
-    while count < world:
-        if store.add("exit/failed", 0):
-            raise RuntimeError("a peer failed")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{count} of {world} ranks at their end after {timeout_s:.0f} s")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-        count = store.add(key, 0)
 
 
 def _store(rank: int, world: int, timeout_s: float) -> dist.TCPStore:
