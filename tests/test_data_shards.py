@@ -457,7 +457,7 @@ def read_samples(dest: Path) -> dict[str, np.ndarray]:
     return {k: np.concatenate([s[k] for s in shards]).astype(np.int64) for k in shards[0]}
 
 
-def test_chat_and_prompt_completion_data_label_only_replies_pack_whole_and_split(tokenizer_dir, tmp_path):
+def test_chat_and_prompt_completion_data_label_only_replies_pack_whole_and_split(tokenizer_dir, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -527,6 +527,35 @@ def test_chat_and_prompt_completion_data_label_only_replies_pack_whole_and_split
     ]
     n_train = json.loads((prepared["chat", True] / "index.json").read_text())["documents"]
     assert n_train == 24 and len(documents) > 12 and documents == unpacked[: len(documents)]
+
+    # Bad input exits 2 in one line naming it.
+    write_jsonl(tmp_path / "bad.jsonl", [*chats[:2], {"messages": [{"role": "user", "content": "hi"}]}])
+    capsys.readouterr()
+    for args, where in (
+        ([str(src["chat"]), "--format", "chat"], "--tokenizer DIR"),
+        ([str(src["chat"]), "--format", "chat", "--tokenizer", str(tmp_path / "nowhere")], "--tokenizer"),
+        ([str(tmp_path / "bad.jsonl"), "--format", "chat", "--tokenizer", str(tokenizer_dir)], "line 3 of"),
+        ([str(src["prompt-completion"]), "--format", "chat", "--tokenizer", str(tokenizer_dir)], "`messages`"),
+        ([str(src["chat"]), "--format", "prompt-completion", "--tokenizer", str(tokenizer_dir)], "`prompt`"),
+        ([str(src["chat"]), "--format", "chat", "--tokenizer", str(tokenizer_dir), "--val-fraction", "1"], "[0, 1)"),
+    ):
+        assert main(["data", "prepare", *args, str(tmp_path / "never")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("paratrain: error: ") and where in err, err
+
+    # A packed row as a Llama reads it: each document's logits as if it were alone. transformers
+    # finds the documents from the positions only without a cache (use_cache = false in its config).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    size = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), max_position_embeddings=48, use_cache=False, **size))
+    row = {k: torch.from_numpy(packed[k][:1]) for k in ("input_ids", "position_ids")}
+    logits = model(**row).logits[0]
+    starts = torch.nonzero(row["position_ids"][0] == 0).flatten().tolist()
+    assert len(starts) > 2  # documents and padding
+    for a, b in zip(starts, starts[1:3]):
+        assert torch.allclose(logits[a:b], model(row["input_ids"][:, a:b]).logits[0], atol=1e-5)
 
 
 def train_at_world_1_and_2(gang, tmp_path: Path, tokenizer_dir: Path, fmt: str, records: list[dict]) -> dict[int, Path]:
