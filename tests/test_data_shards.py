@@ -525,8 +525,8 @@ def test_chat_and_prompt_completion_data_label_only_replies_pack_whole_and_split
         (ids[m].tolist(), lab[m].tolist())
         for ids, lab, m in zip(rows["input_ids"], rows["labels"], rows["attention_mask"].astype(bool))
     ]
-    n_train = json.loads((prepared["chat", True] / "index.json").read_text())["documents"]
-    assert n_train == 24 and len(documents) > 12 and documents == unpacked[: len(documents)]
+    n_documents = json.loads((prepared["chat", True] / "index.json").read_text())["documents"]
+    assert n_documents == 24 and len(documents) > 12 and documents == unpacked[: len(documents)]
 
     # Bad input exits 2 in one line naming it.
     write_jsonl(tmp_path / "bad.jsonl", [*chats[:2], {"messages": [{"role": "user", "content": "hi"}]}])
@@ -558,9 +558,12 @@ def test_chat_and_prompt_completion_data_label_only_replies_pack_whole_and_split
         assert torch.allclose(logits[a:b], model(row["input_ids"][:, a:b]).logits[0], atol=1e-5)
 
 
-def train_at_world_1_and_2(gang, tmp_path: Path, tokenizer_dir: Path, fmt: str, records: list[dict]) -> dict[int, Path]:
+def train_at_world_1_and_2(
+    gang, tmp_path: Path, tokenizer_dir: Path, fmt: str, records: list[dict], launch: bool = False
+) -> dict[int, Path]:
     """`records` prepared as --format fmt with a validation split, and a tiny Llama sized by the
-    tokenizer trained on them at world 1 and at world 2: the two run directories."""
+    tokenizer trained on them at world 1 and at world 2 (with `launch`, by `paratrain run` itself,
+    the launcher's checks of the data included): the two run directories."""
     from transformers import AutoTokenizer
 
     data = tmp_path / fmt
@@ -589,8 +592,11 @@ eval_every = 3
 """,
     )
     runs = {world: tmp_path / f"{fmt}-world{world}" for world in (1, 2)}
-    for world, run_dir in runs.items():
-        gang(world).train(job, run_dir)
+    gang(1).train(job, runs[1])
+    if launch:
+        check_ok(run_cli("run", str(job), "--nproc", "2", "--run-dir", str(runs[2])))
+    else:
+        gang(2).train(job, runs[2])
     return runs
 
 
@@ -601,7 +607,7 @@ def test_chat_and_prompt_completion_data_train_at_world_2_as_at_world_1_with_val
 
     sources = {"chat": chat_lines(40, max_exchanges=1), "prompt-completion": prompt_completion_lines(40)}
     for fmt, records in sources.items():
-        runs = train_at_world_1_and_2(gang, tmp_path, tokenizer_dir, fmt, records)
+        runs = train_at_world_1_and_2(gang, tmp_path, tokenizer_dir, fmt, records, launch=fmt == "chat")
         assert rel_error(final_weights(runs[1]), final_weights(runs[2])) <= 1e-4
         evaluated = [m for m in metrics(runs[2]) if "val_loss" in m]
         assert [m["step"] for m in evaluated] == [3, 6]
