@@ -1,5 +1,6 @@
 """Data at scale: `paratrain data prepare`, shards streamed from S3 (moto's server) and HTTP, the
-global order at any world size, and exact resume from the data position every checkpoint records."""
+global order at any world size, exact resume from the data position every checkpoint records, and
+fine-tuning data (chat, prompt-completion, packed, with a validation split) in the model's own tokenizer."""
 
 from __future__ import annotations
 
@@ -479,7 +480,7 @@ def test_chat_and_prompt_completion_data_label_only_replies_pack_whole_and_split
     assert index["columns"] == ["attention_mask", "input_ids", "labels"] and index["cut_to_block_size"] == 0
 
     # The last quarter of the samples is the validation split, a shard folder of its own.
-    assert index["splits"] == {"val": "val"} and (index["samples"], index["documents"]) == (18, 24)
+    assert index["splits"] == {"val": "val"} and (index["samples"], index["source_documents"]) == (18, 24)
     val = json.loads((prepared["chat", False] / "val" / "index.json").read_text())
     assert val["samples"] == 6 and "splits" not in val
     rows = {
@@ -525,7 +526,7 @@ def test_chat_and_prompt_completion_data_label_only_replies_pack_whole_and_split
         (ids[m].tolist(), lab[m].tolist())
         for ids, lab, m in zip(rows["input_ids"], rows["labels"], rows["attention_mask"].astype(bool))
     ]
-    n_documents = json.loads((prepared["chat", True] / "index.json").read_text())["documents"]
+    n_documents = json.loads((prepared["chat", True] / "index.json").read_text())["source_documents"]
     assert n_documents == 24 and len(documents) > 12 and documents == unpacked[: len(documents)]
 
     # Bad input exits 2 in one line naming it.

@@ -370,7 +370,7 @@ def prepare(job: Job) -> dict:
             docs = sft.Documents.concatenate([sft.Documents(**np.load(p)) for p in parts])
             table, cut = sft.rows(docs, job.block_size, job.pack, sft.pad_id(hf_tokenizer))
             table["input_ids"] = table["input_ids"].astype(dtype)
-            about = {"columns": sorted(table), "documents": len(docs.lengths), "cut_to_block_size": cut}
+            about = {"columns": sorted(table), "source_documents": len(docs.lengths), "cut_to_block_size": cut}
         else:
             table = {"tokens": token_blocks(parts, fmt, job.block_size, dtype)}
         n_samples = len(next(iter(table.values())))
@@ -600,5 +600,5 @@ def cmd_prepare(args) -> int:
         + (f", and a validation split at {job.dest.rstrip('/')}/{VAL}" if "splits" in index else "")
     )
     if index.get("cut_to_block_size"):
-        print(f"{index['cut_to_block_size']} of {index['documents']} documents were cut to --block-size")
+        print(f"{index['cut_to_block_size']} of {index['source_documents']} documents were cut to --block-size")
     return 0

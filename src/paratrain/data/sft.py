@@ -70,6 +70,8 @@ def chat_sample(tok, messages: list[dict], where: str) -> tuple[list[int], list[
     learnt. An assistant message spans the characters from the render of the messages before it
     with the generation prompt to the render that ends with it."""
 
+    from jinja2 import TemplateError
+
     def render(part: list[dict], prompt: bool = False) -> str:
         return tok.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt) if part else ""
 
@@ -80,7 +82,7 @@ def chat_sample(tok, messages: list[dict], where: str) -> tuple[list[int], list[
             for i, m in enumerate(messages)
             if m["role"] == "assistant"
         ]
-    except (ValueError, TypeError) as exc:  # no template, or one that refuses the conversation
+    except (ValueError, TypeError, TemplateError) as exc:  # no template, or one that refuses the conversation
         raise ConfigError("--tokenizer", f"its chat template cannot render {where}: {exc}") from None
     if not all(text.startswith(before) and upto.startswith(before) and text.startswith(upto) for before, upto in turns):
         raise ConfigError("--format", f"the chat template renders {where} otherwise than its turns one after another")
