@@ -466,11 +466,31 @@ def test_chat_and_prompt_completion_data_label_only_replies_pack_whole_and_split
     src = {"chat": write_jsonl(tmp_path / "chat.jsonl", chats)}
     src["prompt-completion"] = write_jsonl(tmp_path / "pc.jsonl", prompt_completion_lines(12))
     prepared = {}
-    for fmt, pack in (("chat", False), ("chat", True), ("prompt-completion", False)):
-        dest = tmp_path / f"{fmt}-{pack}"
+    for fmt, pack, workers in (
+        ("chat", False, 1),
+        ("chat", True, 1),
+        ("chat", True, 2),
+        ("prompt-completion", False, 1),
+    ):
+        dest = tmp_path / f"{fmt}-{pack}-{workers}"
         args = [str(src[fmt]), str(dest), "--format", fmt, "--tokenizer", str(tokenizer_dir), "--block-size", "48"]
-        assert main(["data", "prepare", *args, *(["--pack"] if pack else []), "--val-fraction", "0.25"]) == 0
-        prepared[fmt, pack] = dest
+        args += [
+            *(["--pack"] if pack else []),
+            "--val-fraction",
+            "0.25",
+            "--workers",
+            str(workers),
+            "--shard-mb",
+            "0.004",
+        ]
+        assert main(["data", "prepare", *args]) == 0
+        prepared.setdefault((fmt, pack), dest)
+
+    def files(folder: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    by_one, by_two = files(prepared["chat", True]), files(tmp_path / "chat-True-2")
+    assert by_one == by_two and len(by_one) > 6  # byte-identical, whatever the number of processes
 
     # The index records the tokenizer, and DEST holds its files: from_pretrained(DEST) is the same tokenizer.
     index = json.loads((prepared["chat", False] / "index.json").read_text())
@@ -528,6 +548,21 @@ def test_chat_and_prompt_completion_data_label_only_replies_pack_whole_and_split
     ]
     n_documents = json.loads((prepared["chat", True] / "index.json").read_text())["source_documents"]
     assert n_documents == 24 and len(documents) > 12 and documents == unpacked[: len(documents)]
+
+    # `[data] factory = "shards"` gives these rows as dict samples, the val split as its val.
+    split_sets = {
+        split: shards(str(prepared["chat", True]), cache_dir=str(tmp_path / "cache"), split=split)
+        for split in ("train", "val")
+    }
+    for dataset, folder in zip(split_sets.values(), (prepared["chat", True], prepared["chat", True] / "val")):
+        batch, target = dataset.load_batch(torch.arange(len(dataset)))
+        assert target is None and {k: v.numpy().tolist() for k, v in batch.items()} == {
+            k: v.tolist() for k, v in read_samples(folder).items()
+        }
+        assert set(dataset[0]) == {"input_ids", "labels", "position_ids"}
+    kept = split_sets["train"].tokenizer_files()
+    assert kept == {name: (prepared["chat", True] / name).read_bytes() for name in index["tokenizer_files"]}
+    assert len(shards(str(prepared["prompt-completion", False]), cache_dir=str(tmp_path / "cache"))) == 9
 
     # Bad input exits 2 in one line naming it.
     write_jsonl(tmp_path / "bad.jsonl", [*chats[:2], {"messages": [{"role": "user", "content": "hi"}]}])
