@@ -1,5 +1,6 @@
 """Data at scale: `paratrain data prepare`, shards streamed from S3 (moto's server) and HTTP, the
-global order at any world size, and exact resume from the data position every checkpoint records."""
+global order at any world size, exact resume from the data position every checkpoint records, and
+fine-tuning data (chat, prompt-completion, packed, with a validation split) in the model's own tokenizer."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import check_ok, final_weights, rel_error, run_cli, write_config
+from helpers import check_ok, final_weights, metrics, rel_error, run_cli, write_config
 
 from paratrain.bench.data import local_s3_server
 from paratrain.cli import main
@@ -381,3 +382,286 @@ def test_a_corrupt_shard_is_skipped_where_configured_the_next_shard_that_verifie
     assert torch.equal(other.load_batch(every[two])[0], clean_x[three])
     err = capsys.readouterr().err
     assert err.count("shard-00002.safetensors") == 2 and err.count("skipped (data.skip_corrupt)") == 2, err
+
+
+# -- fine-tuning data: the model's own tokenizer, chat and prompt-completion, packing, a val split --
+WORDS = "red green blue cat dog bird runs jumps sleeps today now here".split()
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer learnt here on a few lines, with a chat template, as
+    `save_pretrained` writes it (nothing downloaded). Every word with its leading space is one
+    token, so replies of as many words have as many labels."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([" ".join(WORDS[i:] + WORDS[:i]) + " " for i in range(len(WORDS))] * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", chat_template=CHAT_TEMPLATE
+    )
+    out = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(out)
+    assert all(len(fast(" " + w, add_special_tokens=False)["input_ids"]) == 1 for w in WORDS)
+    return out
+
+
+def sentence(rng: np.random.Generator, n: int) -> str:
+    return "".join(" " + WORDS[i] for i in rng.integers(0, len(WORDS), n))
+
+
+def chat_lines(n: int, max_exchanges: int = 2) -> list[dict]:
+    """Conversations of up to `max_exchanges` exchanges, prompts of any length, every reply three words."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(n):
+        messages = [{"role": "system", "content": sentence(rng, 2)}] if i % 3 == 0 else []
+        for _ in range(1 + i % max_exchanges if i % 4 else 1):
+            messages += [
+                {"role": "user", "content": sentence(rng, int(rng.integers(1, 6)))},
+                {"role": "assistant", "content": sentence(rng, 3)},
+            ]
+        lines.append({"messages": messages})
+    return lines
+
+
+def prompt_completion_lines(n: int) -> list[dict]:
+    rng = np.random.default_rng(1)
+    return [{"prompt": sentence(rng, int(rng.integers(1, 8))), "completion": sentence(rng, 2)} for _ in range(n)]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def read_samples(dest: Path) -> dict[str, np.ndarray]:
+    """Every shard of a folder `data prepare` wrote, its columns end to end."""
+    from safetensors.numpy import load_file
+
+    index = json.loads((dest / "index.json").read_text())
+    shards = [load_file(dest / s["name"]) for s in index["shards"]]
+    return {k: np.concatenate([s[k] for s in shards]).astype(np.int64) for k in shards[0]}
+
+
+def test_chat_and_prompt_completion_data_label_only_replies_pack_whole_and_split(tokenizer_dir, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    chats = chat_lines(24)
+    src = {"chat": write_jsonl(tmp_path / "chat.jsonl", chats)}
+    src["prompt-completion"] = write_jsonl(tmp_path / "pc.jsonl", prompt_completion_lines(12))
+    prepared = {}
+    for fmt, pack, workers in (
+        ("chat", False, 1),
+        ("chat", True, 1),
+        ("chat", True, 2),
+        ("prompt-completion", False, 1),
+    ):
+        dest = tmp_path / f"{fmt}-{pack}-{workers}"
+        args = [str(src[fmt]), str(dest), "--format", fmt, "--tokenizer", str(tokenizer_dir), "--block-size", "48"]
+        args += [
+            *(["--pack"] if pack else []),
+            "--val-fraction",
+            "0.25",
+            "--workers",
+            str(workers),
+            "--shard-mb",
+            "0.004",
+        ]
+        assert main(["data", "prepare", *args]) == 0
+        prepared.setdefault((fmt, pack), dest)
+
+    def files(folder: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    by_one, by_two = files(prepared["chat", True]), files(tmp_path / "chat-True-2")
+    assert by_one == by_two and len(by_one) > 6  # byte-identical, whatever the number of processes
+
+    # The index records the tokenizer, and DEST holds its files: from_pretrained(DEST) is the same tokenizer.
+    index = json.loads((prepared["chat", False] / "index.json").read_text())
+    assert index["tokenizer"] == str(tokenizer_dir) and "tokenizer.json" in index["tokenizer_files"]
+    again = AutoTokenizer.from_pretrained(prepared["chat", False])
+    assert index["vocab_size"] == len(tok) == len(again) and again.chat_template == CHAT_TEMPLATE
+    assert index["columns"] == ["attention_mask", "input_ids", "labels"] and index["cut_to_block_size"] == 0
+
+    # The last quarter of the samples is the validation split, a shard folder of its own.
+    assert index["splits"] == {"val": "val"} and (index["samples"], index["source_documents"]) == (18, 24)
+    val = json.loads((prepared["chat", False] / "val" / "index.json").read_text())
+    assert val["samples"] == 6 and "splits" not in val
+    rows = {
+        k: np.concatenate([read_samples(prepared["chat", False])[k], v])
+        for k, v in read_samples(prepared["chat", False] / "val").items()
+    }
+
+    # Chat: learnt are exactly each assistant message's tokens and the end of its turn.
+    for i, chat in enumerate(chats):
+        ids, labels, mask = rows["input_ids"][i], rows["labels"][i], rows["attention_mask"][i].astype(bool)
+        assert tok.decode(ids[mask]) == tok.apply_chat_template(chat["messages"], tokenize=False)
+        learnt = labels != -100
+        assert (labels[learnt] == ids[learnt]).all() and not (learnt & ~mask).any()
+        replies = [m["content"] + "</s>" for m in chat["messages"] if m["role"] == "assistant"]
+        assert tok.decode(labels[learnt]) == "".join(replies)
+        assert learnt.sum() == 4 * len(replies)  # three words and the end of turn: nothing of the prompt
+
+    # Prompt-completion: -100 on the prompt's tokens, the completion and its end learnt.
+    pc = read_samples(prepared["prompt-completion", False])
+    for ids, labels, record in zip(pc["input_ids"], pc["labels"], prompt_completion_lines(12)):
+        prompt = tok(record["prompt"])["input_ids"]
+        n_prompt = len(prompt)
+        assert (
+            ids[:n_prompt].tolist() == prompt
+            and (labels[:n_prompt] == -100).all()
+            and tok.decode(labels[n_prompt : n_prompt + 3]) == (record["completion"] + "</s>")
+        )
+        assert (labels[n_prompt + 3 :] == -100).all()
+
+    # Packed: the same documents whole and in order, positions restarting at each, and no label
+    # learnt from the document before.
+    packed = read_samples(prepared["chat", True])
+    assert set(packed) == {"input_ids", "labels", "position_ids"} and len(packed["input_ids"]) < 24
+    documents = []
+    for ids, labels, positions in zip(packed["input_ids"], packed["labels"], packed["position_ids"]):
+        starts = np.flatnonzero(positions == 0).tolist() + [len(positions)]
+        assert (labels[starts[:-1]] == -100).all()
+        for a, b in zip(starts, starts[1:]):
+            assert (positions[a:b] == np.arange(b - a)).all()
+            if ids[a] != tok.pad_token_id:
+                documents.append((ids[a:b].tolist(), labels[a:b].tolist()))
+    unpacked = [
+        (ids[m].tolist(), lab[m].tolist())
+        for ids, lab, m in zip(rows["input_ids"], rows["labels"], rows["attention_mask"].astype(bool))
+    ]
+    n_documents = json.loads((prepared["chat", True] / "index.json").read_text())["source_documents"]
+    assert n_documents == 24 and len(documents) > 12 and documents == unpacked[: len(documents)]
+
+    # `[data] factory = "shards"` gives these rows as dict samples, the val split as its val.
+    split_sets = {
+        split: shards(str(prepared["chat", True]), cache_dir=str(tmp_path / "cache"), split=split)
+        for split in ("train", "val")
+    }
+    for dataset, folder in zip(split_sets.values(), (prepared["chat", True], prepared["chat", True] / "val")):
+        batch, target = dataset.load_batch(torch.arange(len(dataset)))
+        assert target is None and {k: v.numpy().tolist() for k, v in batch.items()} == {
+            k: v.tolist() for k, v in read_samples(folder).items()
+        }
+        assert set(dataset[0]) == {"input_ids", "labels", "position_ids"}
+    kept = split_sets["train"].tokenizer_files()
+    assert kept == {name: (prepared["chat", True] / name).read_bytes() for name in index["tokenizer_files"]}
+    assert len(shards(str(prepared["prompt-completion", False]), cache_dir=str(tmp_path / "cache"))) == 9
+
+    # Bad input exits 2 in one line naming it.
+    write_jsonl(tmp_path / "bad.jsonl", [*chats[:2], {"messages": [{"role": "user", "content": "hi"}]}])
+    capsys.readouterr()
+    for args, where in (
+        ([str(src["chat"]), "--format", "chat"], "--tokenizer DIR"),
+        ([str(src["chat"]), "--format", "chat", "--tokenizer", str(tmp_path / "nowhere")], "--tokenizer"),
+        ([str(tmp_path / "bad.jsonl"), "--format", "chat", "--tokenizer", str(tokenizer_dir)], "line 3 of"),
+        ([str(src["prompt-completion"]), "--format", "chat", "--tokenizer", str(tokenizer_dir)], "`messages`"),
+        ([str(src["chat"]), "--format", "prompt-completion", "--tokenizer", str(tokenizer_dir)], "`prompt`"),
+        ([str(src["chat"]), "--format", "chat", "--tokenizer", str(tokenizer_dir), "--val-fraction", "1"], "[0, 1)"),
+    ):
+        assert main(["data", "prepare", *args, str(tmp_path / "never")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("paratrain: error: ") and where in err, err
+
+    # A packed row as a Llama reads it: each document's logits as if it were alone. transformers
+    # finds the documents from the positions only without a cache (use_cache = false in its config).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    size = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), max_position_embeddings=48, use_cache=False, **size))
+    row = {k: torch.from_numpy(packed[k][:1]) for k in ("input_ids", "position_ids")}
+    logits = model(**row).logits[0]
+    starts = torch.nonzero(row["position_ids"][0] == 0).flatten().tolist()
+    assert len(starts) > 2  # documents and padding
+    for a, b in zip(starts, starts[1:3]):
+        assert torch.allclose(logits[a:b], model(row["input_ids"][:, a:b]).logits[0], atol=1e-5)
+
+
+def train_at_world_1_and_2(
+    gang, tmp_path: Path, tokenizer_dir: Path, fmt: str, records: list[dict], launch: bool = False
+) -> dict[int, Path]:
+    """`records` prepared as --format fmt with a validation split, and a tiny Llama sized by the
+    tokenizer trained on them at world 1 and at world 2 (with `launch`, by `paratrain run` itself,
+    the launcher's checks of the data included): the two run directories."""
+    from transformers import AutoTokenizer
+
+    data = tmp_path / fmt
+    src = write_jsonl(tmp_path / f"{fmt}.jsonl", records)
+    args = ["--format", fmt, "--tokenizer", str(tokenizer_dir), "--block-size", "32", "--val-fraction", "0.2"]
+    assert main(["data", "prepare", str(src), str(data), *args]) == 0
+    job = write_config(
+        tmp_path / f"{fmt}.toml",
+        f"""
+name = "sft"
+[model]
+factory = "hf"
+config = {{ model_type = "llama", vocab_size = {len(AutoTokenizer.from_pretrained(tokenizer_dir))}, hidden_size = 32, intermediate_size = 64, num_hidden_layers = 1, num_attention_heads = 2, num_key_value_heads = 2, max_position_embeddings = 32 }}
+[data]
+factory = "shards"
+path = "{data}"
+cache_dir = "{tmp_path / "cache"}"
+batch_size = 8
+[train]
+steps = 6
+optimizer = "sgd"
+lr = 0.5
+loss = "model"
+log_every = 3
+eval_every = 3
+""",
+    )
+    runs = {world: tmp_path / f"{fmt}-world{world}" for world in (1, 2)}
+    gang(1).train(job, runs[1])
+    if launch:
+        check_ok(run_cli("run", str(job), "--nproc", "2", "--run-dir", str(runs[2])))
+    else:
+        gang(2).train(job, runs[2])
+    return runs
+
+
+def test_chat_and_prompt_completion_data_train_at_world_2_as_at_world_1_with_val_loss(tokenizer_dir, tmp_path, gang):
+    """Every sample has as many labels (one reply of three words and its end; a completion of two
+    and its end), so each rank's mean over its label tokens is the global batch's mean over them."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sources = {"chat": chat_lines(40, max_exchanges=1), "prompt-completion": prompt_completion_lines(40)}
+    for fmt, records in sources.items():
+        runs = train_at_world_1_and_2(gang, tmp_path, tokenizer_dir, fmt, records, launch=fmt == "chat")
+        assert rel_error(final_weights(runs[1]), final_weights(runs[2])) <= 1e-4
+        evaluated = [m for m in metrics(runs[2]) if "val_loss" in m]
+        assert [m["step"] for m in evaluated] == [3, 6]
+        assert all(m["val_perplexity"] == pytest.approx(np.exp(m["val_loss"])) for m in evaluated)
+    # final/ is a Hugging Face directory with the data's tokenizer: both load from it.
+    final = runs[2] / "final"
+    vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    assert len(AutoTokenizer.from_pretrained(final)) == vocab_size
+    assert AutoModelForCausalLM.from_pretrained(final).config.vocab_size == vocab_size
+
+
+@pytest.mark.xfail(
+    raises=AssertionError,
+    strict=True,
+    reason="each rank's loss is a mean over its own label tokens: with more on one rank than the other, "
+    "world 2 weighs them otherwise than world 1 until the loss is normalised by the global batch's label "
+    "tokens (DESIGN.md, Fine-tuning; the loss-normalisation work in the strategies' train_step)",
+)
+def test_chat_data_with_uneven_labels_per_rank_trains_at_world_2_as_at_world_1(tokenizer_dir, tmp_path, gang):
+    runs = train_at_world_1_and_2(gang, tmp_path, tokenizer_dir, "chat", chat_lines(40, max_exchanges=2))
+    assert rel_error(final_weights(runs[1]), final_weights(runs[2])) <= 1e-4

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import signal
 import sys
@@ -30,7 +31,7 @@ from paratrain.checkpoint.train_state import NonFiniteError, load_train_state, s
 from paratrain.comm import collectives
 from paratrain.comm.scalars import all_reduce_sum, barrier, broadcast_str, reduce_loss_checking_sequences
 from paratrain.config import Config
-from paratrain.data import build_dataset, build_sampler, load_batch
+from paratrain.data import build_dataset, build_sampler, load_batch, tokenizer_files
 from paratrain.data.batch import take, to_device
 from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to, summary_line
@@ -187,6 +188,8 @@ class Trainer:
             sums += self.strategy.eval_step(to_device(x, self.rt.device), to_device(y, self.rt.device))
         sums = all_reduce_sum(sums, self.rt, "eval-sums", self.strategy.trainer_group)
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}
+        if hasattr(self.val_set, "vocab_size"):  # a language model's: a mean over tokens
+            out["val_perplexity"] = math.exp(out["val_loss"]) if out["val_loss"] < 709 else math.inf  # exp's range
         if sums[3] > 0:
             out["val_acc"] = sums[2].item() / sums[3].item()
         return out
@@ -364,7 +367,7 @@ class Trainer:
                     "strategy": self.cfg.parallel.strategy,
                     "world_size": self.rt.world_size,
                 },
-                files=model_files(self.strategy.model),
+                files={**model_files(self.strategy.model), **tokenizer_files(self.train_set)},
             )
         else:
             for _ in chunks:

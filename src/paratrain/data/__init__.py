@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.data import Dataset
 
-__all__ = ["build_dataset", "build_sampler", "load_batch", "GlobalBatchSampler"]
+__all__ = ["build_dataset", "build_sampler", "load_batch", "tokenizer_files", "GlobalBatchSampler"]
 
 
 def __getattr__(name: str):
@@ -82,3 +82,10 @@ def load_batch(dataset: Dataset, indices: torch.Tensor):
     if tensors is not None:
         return tuple(t[indices] for t in tensors)
     return as_pair(default_collate([dataset[i] for i in indices.tolist()]))
+
+
+def tokenizer_files(dataset: Dataset) -> dict[str, bytes]:
+    """The files of the tokenizer the data was prepared with (shards of `data prepare --tokenizer
+    DIR`), by name, for final/ to carry beside the model; none for other data."""
+    own = getattr(dataset, "tokenizer_files", None)
+    return own() if callable(own) else {}

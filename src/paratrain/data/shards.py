@@ -45,6 +45,13 @@ class Index:
     vocab_size: int
     samples: int
     shards: tuple[Shard, ...]
+    columns: tuple[str, ...] = ()  # a sample's keys (input_ids, labels, ...); none: token blocks
+    tokenizer_files: tuple[str, ...] = ()  # beside the index: a Hugging Face tokenizer's
+    splits: tuple[tuple[str, str], ...] = ()  # (split, its folder under url)
+
+    def split_url(self, split: str) -> str | None:
+        folder = dict(self.splits).get(split)
+        return None if folder is None else f"{self.url.rstrip('/')}/{folder}"
 
 
 def retrying(fn, what: str, attempts: int = 5, backoff_s: float = 0.1):
@@ -79,7 +86,17 @@ def read_index(url: str, storage_options: dict | None = None) -> Index:
     if raw.get("format") != INDEX_FORMAT:
         raise ShardError(f"{where} is not an index of `paratrain data prepare` (format {raw.get('format')!r})")
     shards = tuple(Shard(s["name"], int(s["samples"]), int(s["bytes"]), s["sha256"]) for s in raw["shards"])
-    return Index(url, raw["dtype"], int(raw["block_size"]), int(raw["vocab_size"]), int(raw["samples"]), shards)
+    return Index(
+        url,
+        raw["dtype"],
+        int(raw["block_size"]),
+        int(raw["vocab_size"]),
+        int(raw["samples"]),
+        shards,
+        tuple(raw.get("columns", ())),
+        tuple(raw.get("tokenizer_files", ())),
+        tuple(sorted(raw.get("splits", {}).items())),
+    )
 
 
 class ShardCache:
@@ -108,6 +125,15 @@ class ShardCache:
                     self._evict(keep=local)
         os.utime(local)  # most recently used
         return local
+
+    def read_beside(self, name: str) -> bytes:
+        """A file beside the index (its tokenizer's), read whole and not cached."""
+
+        def read() -> bytes:
+            with self.fs.open(f"{self.root.rstrip('/')}/{name}", "rb") as fh:
+                return fh.read()
+
+        return retrying(read, f"reading {name} of {self.index.url}")
 
     @staticmethod
     def _present(local: Path, shard: Shard) -> bool:

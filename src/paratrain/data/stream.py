@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -25,7 +26,8 @@ from paratrain.errors import ConfigError, warn
 
 
 class ShardDataset(Dataset):
-    """Token blocks [block_size + 1] from shards; sample i is (block[:-1], block[1:])."""
+    """Token blocks [block_size + 1] from shards; sample i is (block[:-1], block[1:]). Shards of
+    named columns (fine-tuning data: data/sft.py) give dict samples, {column: [block_size]}."""
 
     def __init__(
         self,
@@ -42,7 +44,8 @@ class ShardDataset(Dataset):
         self.shuffle_window = shuffle_window
         self.shard_sizes = np.array([s.samples for s in index.shards], dtype=np.int64)
         self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_sizes)])
-        self._memory: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.columns = index.columns or ("tokens",)
+        self._memory: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
         self._loading: dict[int, Future] = {}
         self._wanted: set[int] = set()
         self._lock = threading.Lock()
@@ -53,22 +56,33 @@ class ShardDataset(Dataset):
 
     def __getitem__(self, i: int):
         x, y = self.load_batch(torch.tensor([i]))
+        if y is None:
+            return {k: v[0] for k, v in x.items()}
         return x[0], y[0]
 
-    def load_batch(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def load_batch(self, ids: torch.Tensor) -> tuple:
+        """(inputs, targets) of token blocks; ({column: [n, block_size]}, None) of named columns."""
         # NumPy throughout: a batch is a few small gathers, where torch's per-op dispatch costs more.
         sample_ids = ids.numpy()
         shard_of = np.searchsorted(self.shard_starts, sample_ids, side="right") - 1
-        rows = np.empty((len(sample_ids), self.block_size + 1), dtype=np.int64)
+        width = self.block_size if self.index.columns else self.block_size + 1
+        rows = {k: np.empty((len(sample_ids), width), dtype=np.int64) for k in self.columns}
         for s in np.unique(shard_of).tolist():
             mask = shard_of == s
-            block = self._shard(s)
+            shard = self._shard(s)
             at = sample_ids[mask] - self.shard_starts[s]
-            rows[mask] = block[at % len(block)]  # a stand-in may hold more or fewer
-        tokens = torch.from_numpy(rows)
+            for k, block in shard.items():
+                rows[k][mask] = block[at % len(block)]  # a stand-in may hold more or fewer
+        if self.index.columns:
+            return {k: torch.from_numpy(v) for k, v in rows.items()}, None
+        tokens = torch.from_numpy(rows["tokens"])
         # Two tensors of their own, as the character corpus gives: views of one buffer would keep
         # it whole for as long as either lives (the planner counts the inputs and targets apart)
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        """The tokenizer's files that `data prepare --tokenizer DIR` put beside the index, by name."""
+        return {name: self.cache.read_beside(name) for name in self.index.tokenizer_files}
 
     def global_batch_sampler(self, global_batch: int, shuffle: bool, seed: int) -> ShardSampler:
         return ShardSampler(self, global_batch, shuffle, seed)
@@ -83,7 +97,7 @@ class ShardDataset(Dataset):
                 if s not in self._memory and s not in self._loading and s not in self._corrupt:
                     self._loading[s] = self._pool.submit(self._load, s)
 
-    def _shard(self, s: int) -> np.ndarray:
+    def _shard(self, s: int) -> dict[str, np.ndarray]:
         try:
             if s in self._corrupt:
                 return self._stand_in(s)
@@ -99,7 +113,7 @@ class ShardDataset(Dataset):
         except OSError as exc:  # missing or forbidden: not retried
             raise ConfigError("data.path", f"shard {self.index.shards[s].name} of {self.index.url}: {exc}") from None
 
-    def _rows(self, s: int) -> np.ndarray:
+    def _rows(self, s: int) -> dict[str, np.ndarray]:
         with self._lock:
             if s in self._memory:
                 self._memory.move_to_end(s)
@@ -116,7 +130,7 @@ class ShardDataset(Dataset):
             f"verifies stands in for its {self.index.shards[s].samples} samples"
         )
 
-    def _stand_in(self, s: int) -> np.ndarray:
+    def _stand_in(self, s: int) -> dict[str, np.ndarray]:
         """The rows of the first shard after s (in index order, wrapping) that verifies, which sample
         i of s reads modulo their count. A corrupt shard fails its checksum on every rank alike, so every
         rank picks the same stand-in, and the order, the steps and the data positions stay as they
@@ -133,7 +147,7 @@ class ShardDataset(Dataset):
             return rows
         raise ShardError(f"no shard of {self.index.url} matches its sha256 in the index")
 
-    def _load(self, s: int) -> np.ndarray:
+    def _load(self, s: int) -> dict[str, np.ndarray]:
         from safetensors.numpy import load
 
         shard = self.index.shards[s]
@@ -144,7 +158,7 @@ class ShardDataset(Dataset):
             except FileNotFoundError:
                 if attempt:
                     raise
-        rows = load(data)["tokens"]
+        rows = load(data)
         with self._lock:
             self._memory[s] = rows
             del self._loading[s]
@@ -234,8 +248,10 @@ def shards(
     storage_options: dict | None = None,
     shuffle_window: int = 8192,
     skip_corrupt: bool = False,
+    split: str = "train",
 ) -> ShardDataset:
-    """The shards `paratrain data prepare` wrote at `path` (a local folder or an fsspec URL)."""
+    """The shards `paratrain data prepare` wrote at `path` (a local folder or an fsspec URL); for
+    `split` "val", those of its validation split (none: an empty dataset)."""
     require(bool(path), "path", "required: the folder or URL that `paratrain data prepare` wrote")
     require(cache_limit_gb > 0, "cache_limit_gb", f"must be > 0, got {cache_limit_gb}")
     require_at_least(1, shuffle_window=shuffle_window)
@@ -244,6 +260,12 @@ def shards(
     assert path is not None  # required, checked above
     try:
         index = read_index(path, storage_options)
+        if split != "train":
+            split_url = index.split_url(split)
+            # no such split: the dataset's shape with no samples
+            index = (
+                replace(index, samples=0, shards=()) if split_url is None else read_index(split_url, storage_options)
+            )
         cache = ShardCache(index, cache_dir, int(cache_limit_gb * 2**30), storage_options)
     except (ShardError, OSError, ValueError, ImportError, KeyError) as exc:
         raise ArgumentError("path", f"cannot read the shards at {path}: {exc}") from None
