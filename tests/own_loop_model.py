@@ -203,3 +203,36 @@ def step_job(rt, run_dir):
         if len(seen) == 2:
             pt.log(10)
     return seen
+
+
+def evaluation_job(rt, strategy, **keys):
+    """pt.eval_step on the first global batches of the data in order, its output gathered whole
+    (outputs=True), then one pt.train_step: every rank's numbers, which one process's must equal."""
+    pt = paratrain.init(strategy=strategy, **keys)
+    model, opt, loader = build("sgd", groups=False)
+    model, opt = pt.setup(model, opt, loss=nn.functional.mse_loss)
+    in_order = pt.setup_dataloader(DataLoader(loader.dataset, batch_size=BATCH))
+    losses, outputs = [], []
+    for batch in in_order:
+        loss, output = pt.eval_step(batch, outputs=True)
+        losses.append(loss.item())
+        outputs.append(pt.gather_for_metrics(output).cpu())
+    trained = pt.train_step(next(iter(pt.setup_dataloader(loader))))
+    return losses, torch.cat(outputs), trained.item()
+
+
+def gather_job(rt, strategy, batch_size, run_dir):
+    """An evaluation set of 27 with even_batches=False (its last batch short, perhaps of fewer
+    samples than ranks): each sample's index as gather_for_metrics returns it, and pt.log's mean of
+    each rank's number."""
+    pt = paratrain.init(strategy=strategy, run_dir=run_dir)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(27, 5, generator=g), torch.arange(27))
+    pt.setup(*build("sgd")[:2], loss=lambda out, ids: out.pow(2).mean())  # the target: each sample's index
+    loader = pt.setup_dataloader(DataLoader(data, batch_size=batch_size, shuffle=True), even_batches=False)
+    gathered = []
+    for batch in loader:
+        pt.eval_step(batch)  # a forward on every rank, an empty share's too (zero3 gathers in it)
+        gathered += pt.gather_for_metrics(batch[1]).tolist()
+    pt.log(1, rank=torch.tensor(float(pt.rank)))
+    return gathered

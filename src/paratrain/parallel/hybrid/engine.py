@@ -27,7 +27,7 @@ from paratrain.comm import collectives
 from paratrain.comm.grid import build_mesh
 from paratrain.comm.lockstep import BACKWARD
 from paratrain.config import Config, microbatch_count, virtual_stages
-from paratrain.data.batch import num_samples, split_batch, tensors_in
+from paratrain.data.batch import join, num_samples, split_batch, tensors_in, to_device, tree_map
 from paratrain.errors import ConfigError, note
 from paratrain.models.hf_pipeline import labels_apart, own_loss
 from paratrain.models.layers import boundary_shape_fn, layers_of, meta_copy, pipeline_layers
@@ -413,27 +413,38 @@ class ModelParallel(Strategy):
         return torch.tensor(norm)
 
     @torch.no_grad()
-    def eval_step(self, inputs, targets) -> torch.Tensor:
+    def eval_step(self, inputs, targets, outputs: list | None = None) -> torch.Tensor:
+        """The schedule forward only; `outputs` (where given) gets the whole model's output on
+        every stage of the replica: the microbatches' joined on the last stage, sent to the others."""
         for chunk in self.chunks:
             chunk.eval()
+
+        def score(out, y):
+            out = self.full_output(out)
+            if outputs is not None:
+                outputs.append(out)
+            return eval_sums(self.loss_fn, out, y, num_samples(output_logits(out)))
+
         try:
             micro = self._labels_apart(self._local(split_batch((inputs, targets), self.m)))
             xs, ys = (list(part) for part in zip(*micro))
             actions = forward_only(self.cfg.parallel.pp, self.mesh.pp_rank, len(xs), self.v)
-            sums = self.engine.run(
-                actions,
-                xs,
-                ys,
-                lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y, num_samples(output_logits(out))),
-                self.autocast,
-                train=False,
-            )
+            sums = self.engine.run(actions, xs, ys, score, self.autocast, train=False)
         finally:
             for chunk in self.chunks:
                 chunk.train()
+        if outputs is not None and self.mesh.pp > 1:
+            outputs[:] = [self._from_last_stage(join(outputs) if outputs else None)]
         if self.reports_loss:
             return torch.stack(sums).sum(dim=0)
         return torch.zeros(4, dtype=torch.float64)
+
+    def _from_last_stage(self, output):
+        """Collective over the pp group: the last stage's `output` (any structure), on every stage."""
+        last = self.mesh.stage_rank(self.mesh.pp - 1)
+        box = [tree_map(lambda t: t.cpu(), output) if self.mesh.pp_rank == self.mesh.pp - 1 else None]
+        dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+        return to_device(box[0], self.rt.device)
 
     # -- state ----------------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:
