@@ -236,3 +236,29 @@ def gather_job(rt, strategy, batch_size, run_dir):
         gathered += pt.gather_for_metrics(batch[1]).tolist()
     pt.log(1, rank=torch.tensor(float(pt.rank)))
     return gathered
+
+
+class FusedGateUp(nn.Module):
+    """An MLP whose gate and up projections are one Linear, chunked in two (Phi3's gate_up_proj)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(5, 32), nn.Linear(16, 3)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+def fused_gate_up_job(rt):
+    """tp splitting the fused gate_up colwise: shapes fit, values do not. The first backward's exit
+    code (its line: the output)."""
+    pt = paratrain.init(strategy="tp", tp=2, tp_plan={"0.gate_up": "colwise", "0.down": "rowwise"})
+    model = nn.Sequential(FusedGateUp())  # the block checked: the module whose children the plan splits
+    model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = next(iter(pt.setup_dataloader(build("sgd")[2])))
+    try:
+        pt.backward(loss_of(model, x, y))
+    except SystemExit as exc:
+        return exc.code
+    return "no error"

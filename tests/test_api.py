@@ -94,6 +94,16 @@ def test_tp_on_a_model_without_a_plan_exits_2_naming_it(gang):
         )
 
 
+def test_a_fused_projection_split_colwise_in_your_own_loop_exits_2_in_one_line(gang):
+    """The plan's check after the first backward (shapes fit, values do not): one line, exit 2,
+    naming the block's entries, not a traceback."""
+    members = gang(2)
+    assert members.run("own_loop_model:fused_gate_up_job") == [2, 2]
+    (line,) = [line for said in members.outputs for line in said.strip().splitlines()]
+    assert line.startswith("paratrain: error: parallel.tp_plan: the plan does not compute '0' as the whole"), line
+    assert '"0.gate_up" = "colwise"' in line, line
+
+
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])
 def test_unequal_shares_of_a_short_last_batch_still_give_the_global_mean(tmp_path, gang, strategy):
     """40 samples in batches of 12 without drop_last: every fourth batch holds 4, shared 2-1-1."""

@@ -38,6 +38,7 @@ from paratrain.parallel.base import (
     clip_factor,
     eval_sums,
     refuse,
+    said_by_one,
     unique_parameters,
 )
 from paratrain.parallel.context.attention import context_parallel
@@ -148,9 +149,11 @@ class ModelParallel(Strategy):
         if self.context is not None:  # a transformers decoder's stages wrap its modules (models/hf_pipeline.py)
             self.context.position_stages(self.chunks)
         self.reducers, self.param_names, self.params = wrap_dp(model, self.chunks, mesh, cfg, rt.device)
-        # parallel.verify_plan: the first step's blocks checked against themselves whole (tensor/verify.py)
+        # parallel.verify_plan: the first step's blocks checked against themselves whole (tensor/verify.py);
+        # a block whose sharded forward crashes is said by the first rank of its stage
+        first_of_stage = mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0
         self.verifier = (
-            PlanVerifier(model, plan, mesh.tp_group, cfg.train.precision, rt.device)
+            PlanVerifier(model, plan, mesh.tp_group, cfg.train.precision, rt.device, speaks=first_of_stage)
             if p.tp > 1 and p.verify_plan
             else None
         )
@@ -292,14 +295,20 @@ class ModelParallel(Strategy):
 
     def _verify_once(self) -> None:
         """parallel.verify_plan on the first step, after its forward and before the optimizer moves
-        the weights that forward used (train_step, and the Python API's first backward)."""
-        if self.context is not None:
-            self.context.verdict_after_step(self.rt.device)
-        if self.verifier is not None:
-            # it reads and swaps the planned modules' real slices
-            with self.split_params.real() if self.split_params is not None else contextlib.nullcontext():
-                self.verifier.check(self.autocast)
-            self.verifier = None
+        the weights that forward used (train_step, and the Python API's first backward). A mismatch:
+        ConfigError, which `paratrain run` says; in the user's own loop its one line, exit 2."""
+        try:
+            if self.context is not None:
+                self.context.verdict_after_step(self.rt.device)
+            if self.verifier is not None:
+                # it reads and swaps the planned modules' real slices
+                with self.split_params.real() if self.split_params is not None else contextlib.nullcontext():
+                    self.verifier.check(self.autocast)
+                self.verifier = None
+        except ConfigError as exc:
+            if self.user_model is None:
+                raise
+            refuse(f"{exc}", said_by_one())  # every rank has the agreed line
 
     def _local(self, micro: list[tuple]) -> list[tuple]:
         """Under parallel.cp each microbatch cut to this rank's chunks of its sequences, the model told
