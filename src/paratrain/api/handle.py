@@ -6,6 +6,7 @@
     for x, y in loader:
         pt.backward(loss_fn(model(x), y))          # gradients end as the global batch's mean
         optimizer.step(); optimizer.zero_grad()
+    loss = pt.eval_step(batch); pt.gather_for_metrics(predictions)   # on every rank, any strategy
     pt.save(path, step=step); pt.load(path); pt.export(path); pt.log(step, loss=...)
 
 The handle never asks which strategy it holds: it calls the strategy's own-loop methods
