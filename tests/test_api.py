@@ -145,7 +145,13 @@ def one_process_evaluation() -> tuple[list[float], torch.Tensor, float]:
 
 
 @pytest.mark.parametrize(
-    "strategy, keys", [("pp", dict(pp=2, microbatches=2)), ("dp", {}), ("zero3", dict(bucket_mb=0.0005))]
+    "strategy, keys",
+    [
+        ("pp", dict(pp=2, microbatches=2)),
+        ("dp", {}),
+        ("zero3", dict(bucket_mb=0.0005)),
+        ("tp", dict(tp=2, tp_plan={"0": "colwise", "2": "rowwise"})),
+    ],
 )
 def test_eval_step_and_train_step_give_one_processs_loss_on_every_rank(gang, strategy, keys):
     """pt.eval_step: each batch's loss (a short last one of 4 included) and, gathered, the model's

@@ -205,13 +205,12 @@ class Paratrain:
         for loader in self.loaders:  # trained on what was handed out (its forward may not be the model's)
             loader.forward_ran()
             loader.backward_ran()
-        return self._reported_mean(loss)
+        return self._reported_mean(strategy, loss)
 
-    def _reported_mean(self, loss: torch.Tensor) -> torch.Tensor:
+    def _reported_mean(self, strategy: Strategy, loss: torch.Tensor) -> torch.Tensor:
         """The mean of the losses of the ranks that report one (one per replica: e.g. a pipeline's
         last stage; shares are equal), on every rank, without a host sync. Where no rank reports
         (a parameter server's workers) or the ranks are not in step, the rank's own loss."""
-        strategy = self._strategy("train_step")
         if self.world_size == 1 or not strategy.lockstep:
             return loss
         reports = float(strategy.reports_loss)
@@ -221,20 +220,24 @@ class Paratrain:
         mean = (sums[0] / sums[1].clamp_min(1)).to(loss.dtype)
         return torch.where(sums[1] > 0, mean, loss.detach().to(mean.device))
 
-    @torch.no_grad()
     def eval_step(self, batch, outputs: bool = False):
         """Collective: the batch's loss (under the loss setup was given, or [train]'s), on every
         rank under every strategy: the mean over the global batch, each rank's share weighted by
         its samples (a pipeline runs its stages forward only). `batch`: this rank's share, as the
-        loader served it. `outputs=True`: (loss, the model's output on this rank's share), the
-        output gathered whole under tp and sent from the last stage under pp."""
+        loader served it (None on a rank that reads no data, a parameter server: it scores
+        nothing). `outputs=True`: (loss, the model's output on this rank's share), the output
+        gathered whole under tp and sent from the last stage under pp."""
         strategy = self._strategy("eval_step")
-        inputs, targets = as_pair(batch)
         kept: list | None = [] if outputs else None
-        sums = strategy.eval_step(inputs, targets, kept)
+        if batch is None:
+            sums = torch.zeros(4, dtype=torch.float64)
+        else:
+            sums = strategy.eval_step(*as_pair(batch), kept)
         sums = all_reduce_sum(sums, self.rt, "eval-step-sums", strategy.trainer_group)
         loss = (sums[0] / sums[1]).float()
-        return (loss, join(kept)) if kept is not None else loss
+        if kept is None:
+            return loss
+        return loss, join(kept) if kept else None
 
     def gather_for_metrics(self, value):
         """Collective: `value` (a tensor, or a dict, tuple or list of them) of this rank's share of
