@@ -342,13 +342,12 @@ if __name__ == "__main__":
     train(args.strategy, args.out, args.steps, args.ckpt, args.save_at, args.eval_on)
 
 
-def fused_qkv_job(rt):
-    """tp on the GPT with its fused c_attn split colwise: each rank's slice holds 24 of q, k and v's
-    48 rows, which the block's `.split(EMBD)` cuts in two. The first forward's exit code (its line:
-    the output)."""
+def fused_qkv_job(rt, plan):
+    """tp on the GPT with its fused c_attn split colwise by `plan`: each rank's slice holds 24 of
+    q, k and v's 48 rows, which the block's `.split(EMBD)` cuts in two. The first forward's exit
+    code (its line: the output)."""
     import paratrain
 
-    plan = {"transformer.h.*.c_attn": "colwise", "transformer.h.*.c_proj": "rowwise"}
     pt = paratrain.init(strategy="tp", tp=2, tp_plan=plan)
     model = GPT()
     model, optimizer = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
