@@ -340,3 +340,20 @@ if __name__ == "__main__":
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     train(args.strategy, args.out, args.steps, args.ckpt, args.save_at, args.eval_on)
+
+
+def fused_qkv_job(rt, plan):
+    """tp on the GPT with its fused c_attn split colwise by `plan`: each rank's slice holds 24 of
+    q, k and v's 48 rows, which the block's `.split(EMBD)` cuts in two. The first forward's exit
+    code (its line: the output)."""
+    import paratrain
+
+    pt = paratrain.init(strategy="tp", tp=2, tp_plan=plan)
+    model = GPT()
+    model, optimizer = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, _ = next(iter(pt.setup_dataloader(DataLoader(data(), batch_size=BATCH))))
+    try:
+        model(x)
+    except SystemExit as exc:
+        return exc.code
+    return "no error"

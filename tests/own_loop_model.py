@@ -203,3 +203,62 @@ def step_job(rt, run_dir):
         if len(seen) == 2:
             pt.log(10)
     return seen
+
+
+def evaluation_job(rt, strategy, **keys):
+    """pt.eval_step on the first global batches of the data in order, its output gathered whole
+    (outputs=True), then one pt.train_step: every rank's numbers, which one process's must equal."""
+    pt = paratrain.init(strategy=strategy, **keys)
+    model, opt, loader = build("sgd", groups=False)
+    model, opt = pt.setup(model, opt, loss=nn.functional.mse_loss)
+    in_order = pt.setup_dataloader(DataLoader(loader.dataset, batch_size=BATCH))
+    losses, outputs = [], []
+    for batch in in_order:
+        loss, output = pt.eval_step(batch, outputs=True)
+        losses.append(loss.item())
+        outputs.append(pt.gather_for_metrics(output).cpu())
+    trained = pt.train_step(next(iter(pt.setup_dataloader(loader))))
+    return losses, torch.cat(outputs), trained.item()
+
+
+def gather_job(rt, strategy, batch_size, run_dir):
+    """An evaluation set of 27 with even_batches=False (its last batch short, perhaps of fewer
+    samples than ranks): each sample's index as gather_for_metrics returns it, and pt.log's mean of
+    each rank's number."""
+    pt = paratrain.init(strategy=strategy, run_dir=run_dir)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(27, 5, generator=g), torch.arange(27))
+    pt.setup(*build("sgd")[:2], loss=lambda out, ids: out.pow(2).mean())  # the target: each sample's index
+    loader = pt.setup_dataloader(DataLoader(data, batch_size=batch_size, shuffle=True), even_batches=False)
+    gathered = []
+    for batch in loader:
+        pt.eval_step(batch)  # a forward on every rank, an empty share's too (zero3 gathers in it)
+        gathered += pt.gather_for_metrics(batch[1]).tolist()
+    pt.log(1, rank=torch.tensor(float(pt.rank)))
+    return gathered
+
+
+class FusedGateUp(nn.Module):
+    """An MLP whose gate and up projections are one Linear, chunked in two (Phi3's gate_up_proj)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up, self.down = nn.Linear(5, 32), nn.Linear(16, 3)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(nn.functional.silu(gate) * up)
+
+
+def fused_gate_up_job(rt):
+    """tp splitting the fused gate_up colwise: shapes fit, values do not. The first backward's exit
+    code (its line: the output)."""
+    pt = paratrain.init(strategy="tp", tp=2, tp_plan={"0.gate_up": "colwise", "0.down": "rowwise"})
+    model = nn.Sequential(FusedGateUp())  # the block checked: the module whose children the plan splits
+    model, opt = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = next(iter(pt.setup_dataloader(build("sgd")[2])))
+    try:
+        pt.backward(loss_of(model, x, y))
+    except SystemExit as exc:
+        return exc.code
+    return "no error"

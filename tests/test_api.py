@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import CPU_ONLY, check_ok, max_rel_error, metrics, run_cli, run_torchrun
-from own_loop_model import reference
+from own_loop_model import BATCH, build, reference
 from safetensors.torch import load_file
 
 import paratrain
@@ -94,6 +94,16 @@ def test_tp_on_a_model_without_a_plan_exits_2_naming_it(gang):
         )
 
 
+def test_a_fused_projection_split_colwise_in_your_own_loop_exits_2_in_one_line(gang):
+    """The plan's check after the first backward (shapes fit, values do not): one line, exit 2,
+    naming the block's entries, not a traceback."""
+    members = gang(2)
+    assert members.run("own_loop_model:fused_gate_up_job") == [2, 2]
+    (line,) = [line for said in members.outputs for line in said.strip().splitlines()]
+    assert line.startswith("paratrain: error: parallel.tp_plan: the plan does not compute '0' as the whole"), line
+    assert '"0.gate_up" = "colwise"' in line, line
+
+
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])
 def test_unequal_shares_of_a_short_last_batch_still_give_the_global_mean(tmp_path, gang, strategy):
     """40 samples in batches of 12 without drop_last: every fourth batch holds 4, shared 2-1-1."""
@@ -117,6 +127,51 @@ def test_train_step_under_pp_equals_one_process_and_own_loop_calls_name_it(tmp_p
     said = gang(2).run("own_loop_model:pipeline_job", out=str(tmp_path / "out"), steps=5, run_dir=str(tmp_path / "run"))
     assert max_rel_error(weights(tmp_path / "out"), reference("sgd", 5, groups=False)) <= TOL
     assert all("pt.backward" in s and "train_step" in s for s in said), said
+
+
+def one_process_evaluation() -> tuple[list[float], torch.Tensor, float]:
+    """evaluation_job's numbers on one process: the loss of each batch of 12 in order and the
+    model's output on all 40 samples, at init; the first shuffled batch's loss."""
+    model, _, loader = build("sgd", groups=False)
+    x, y = loader.dataset.tensors
+    with torch.no_grad():
+        out = model(x)
+        losses = [
+            torch.nn.functional.mse_loss(out[i : i + BATCH], y[i : i + BATCH]).item() for i in range(0, 40, BATCH)
+        ]
+        first = torch.randperm(40, generator=torch.Generator().manual_seed(0))[:BATCH]
+        trained = torch.nn.functional.mse_loss(model(x[first]), y[first]).item()
+    return losses, out, trained
+
+
+@pytest.mark.parametrize(
+    "strategy, keys",
+    [
+        ("pp", dict(pp=2, microbatches=2)),
+        ("dp", {}),
+        ("zero3", dict(bucket_mb=0.0005)),
+        ("tp", dict(tp=2, tp_plan={"0": "colwise", "2": "rowwise"})),
+    ],
+)
+def test_eval_step_and_train_step_give_one_processs_loss_on_every_rank(gang, strategy, keys):
+    """pt.eval_step: each batch's loss (a short last one of 4 included) and, gathered, the model's
+    output, on every rank; pt.train_step: the global batch's loss on every rank, under pp too."""
+    losses, out, trained = one_process_evaluation()
+    for rank_losses, rank_out, rank_trained in gang(2).run("own_loop_model:evaluation_job", strategy=strategy, **keys):
+        assert rank_losses == pytest.approx(losses, rel=TOL)
+        assert max_rel_error({"out": rank_out}, {"out": out}) <= TOL
+        assert rank_trained == pytest.approx(trained, rel=TOL)
+
+
+@pytest.mark.parametrize("strategy, batch_size", [("dp", 4), ("zero3", 13)])
+def test_an_uneven_evaluation_set_is_gathered_whole_once_in_the_loaders_order(tmp_path, gang, strategy, batch_size):
+    """27 samples with even_batches=False: in batches of 4 the last one of 3 is shared 2-1; in
+    batches of 13 the last one of 1 leaves rank 1's share empty (its forward still runs). pt.log: the
+    ranks' mean."""
+    order = torch.randperm(27, generator=torch.Generator().manual_seed(0)).tolist()  # epoch 0, seed 0
+    said = gang(2).run("own_loop_model:gather_job", strategy=strategy, batch_size=batch_size, run_dir=str(tmp_path))
+    assert said == [order, order]
+    assert [m["rank"] for m in metrics(tmp_path)] == [0.5]
 
 
 def test_a_bad_key_exits_2_naming_it_before_joining(capsys):

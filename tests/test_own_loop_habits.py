@@ -176,6 +176,21 @@ def test_a_pipelined_model_called_whole_stops_in_one_line(gang):
     assert "error" not in members.outputs[1], members.outputs[1]
 
 
+@pytest.mark.parametrize(
+    "plan",
+    [{"transformer.h.*.c_attn": "colwise"}, {"transformer.h.*.c_attn": "colwise", "transformer.h.*.c_proj": "rowwise"}],
+)
+def test_a_fused_qkv_split_colwise_exits_2_in_one_line_naming_its_entry(gang, plan):
+    """nanoGPT's fused c_attn split colwise (alone, or with c_proj rowwise as for separate q, k, v)
+    makes the block's own forward fail ("not enough values to unpack"): the plan's check catches it
+    there, runs the block whole, and names the entry."""
+    members = gang(2)
+    assert members.run("nanogpt_loop:fused_qkv_job", plan=plan) == [2, 2]
+    (line,) = [line for said in members.outputs for line in said.strip().splitlines()]
+    assert line.startswith("paratrain: error: parallel.tp_plan: the plan breaks 'transformer.h.0': "), line
+    assert '"transformer.h.0.c_attn" = "colwise"' in line and "not enough values to unpack" in line, line
+
+
 def test_a_hybrid_model_shows_the_unsplit_model_and_trains_as_one_process(gang):
     """tp 2 x pp 2: a rank holds a slice of its stage's layers; named_parameters() and state_dict()
     show the unsplit model on every rank, trained as one process trains it."""

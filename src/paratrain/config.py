@@ -198,7 +198,8 @@ class ParallelConfig:
     verify_plan: bool = opt(
         True,
         doc="tp: the first step runs each distinct sharded block once against the same block whole (its "
-        "weights gathered) on the step's own input; a mismatch exits 2 naming the module and the plan entry; "
+        "weights gathered) on the step's own input; a mismatch, or a sharded forward that fails where the whole "
+        "block runs, exits 2 naming the module and the plan entry; "
         "pp: before training, the model's `pipeline_layers()` chained against its own forward on the first "
         "microbatch, at each cut and the end; a mismatch exits 2 naming the cut; cp (under pp in each stage) and ep "
         "(dp, zero1-3): the first step runs one attention with the ring and one MoE layer's dispatch per kind "

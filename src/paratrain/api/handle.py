@@ -6,6 +6,7 @@
     for x, y in loader:
         pt.backward(loss_fn(model(x), y))          # gradients end as the global batch's mean
         optimizer.step(); optimizer.zero_grad()
+    loss = pt.eval_step(batch); pt.gather_for_metrics(predictions)   # on every rank, any strategy
     pt.save(path, step=step); pt.load(path); pt.export(path); pt.log(step, loss=...)
 
 The handle never asks which strategy it holds: it calls the strategy's own-loop methods
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain import checkpoint as ckpt
@@ -29,8 +31,9 @@ from paratrain import config as config_mod
 from paratrain.api.loader import GlobalBatchLoader, to_device
 from paratrain.checkpoint.train_state import load_train_state, save_train_state
 from paratrain.comm import collectives
-from paratrain.comm.scalars import barrier, broadcast_str
+from paratrain.comm.scalars import all_reduce_sum, barrier, broadcast_str
 from paratrain.config import Config
+from paratrain.data.batch import as_pair, join, tree_map
 from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog
 from paratrain.optim import build_loss
@@ -155,9 +158,11 @@ class Paratrain:
         options.optimizer, options.lr, options.weight_decay = kind, float(d["lr"]), float(d["weight_decay"])
         options.momentum = float(d.get("momentum", 0.0))
 
-    def setup_dataloader(self, loader) -> GlobalBatchLoader:
-        """`loader.batch_size` is the global batch: this rank gets its share of each (see loader.py)."""
-        wrapped = GlobalBatchLoader(loader, self.cfg.train.seed, self._place, self._share)
+    def setup_dataloader(self, loader, even_batches: bool = True) -> GlobalBatchLoader:
+        """`loader.batch_size` is the global batch: this rank gets its share of each (see loader.py).
+        `even_batches=False`: a last batch of fewer samples than data-parallel ranks is served too,
+        some shares empty (an evaluation set of any size, whole: pt.gather_for_metrics)."""
+        wrapped = GlobalBatchLoader(loader, self.cfg.train.seed, self._place, self._share, even_batches)
         self.loaders.append(wrapped)
         return wrapped
 
@@ -192,8 +197,9 @@ class Paratrain:
 
     def train_step(self, batch) -> torch.Tensor:
         """One optimizer step of the strategy's own schedule (forward, backward, step) on this
-        rank's share; returns the rank's mean loss (zero on a rank that reports none, e.g. an
-        earlier pipeline stage). Needs equal shares: every global batch full, divisible by D."""
+        rank's share; returns the global batch's mean loss on every rank (a strategy whose ranks
+        run at their own pace, async ps or federated: the rank's own). Needs equal shares: every
+        global batch full, divisible by D."""
         strategy = self._strategy("train_step")
         if self._weight != 1.0:
             raise ValueError("pt.train_step: a global batch not shared equally (set drop_last=True on the loader)")
@@ -201,7 +207,67 @@ class Paratrain:
         for loader in self.loaders:  # trained on what was handed out (its forward may not be the model's)
             loader.forward_ran()
             loader.backward_ran()
-        return loss
+        return self._reported_mean(strategy, loss)
+
+    def _reported_mean(self, strategy: Strategy, loss: torch.Tensor) -> torch.Tensor:
+        """The mean of the losses of the ranks that report one (one per replica: e.g. a pipeline's
+        last stage; shares are equal), on every rank, without a host sync. Where no rank reports
+        (a parameter server's workers) or the ranks are not in step, the rank's own loss."""
+        if self.world_size == 1 or not strategy.lockstep:
+            return loss
+        reports = float(strategy.reports_loss)
+        sums = torch.stack([loss.detach().double() * reports, loss.new_tensor(reports, dtype=torch.float64)])
+        sums = sums.to(self.device)
+        collectives.all_reduce(sums, "train-step-loss", group=strategy.trainer_group)
+        mean = (sums[0] / sums[1].clamp_min(1)).to(loss.dtype)
+        return torch.where(sums[1] > 0, mean, loss.detach().to(mean.device))
+
+    def eval_step(self, batch, outputs: bool = False):
+        """Collective: the batch's loss (under the loss setup was given, or [train]'s), on every
+        rank under every strategy: the mean over the global batch, each rank's share weighted by
+        its samples (a pipeline runs its stages forward only). `batch`: this rank's share, as the
+        loader served it (None on a rank that reads no data, a parameter server: it scores
+        nothing). `outputs=True`: (loss, the model's output on this rank's share), the output
+        gathered whole under tp and sent from the last stage under pp."""
+        strategy = self._strategy("eval_step")
+        kept: list | None = [] if outputs else None
+        if batch is None:
+            sums = torch.zeros(4, dtype=torch.float64)
+        else:
+            sums = strategy.eval_step(*as_pair(batch), kept)
+        sums = all_reduce_sum(sums, self.rt, "eval-step-sums", strategy.trainer_group)
+        loss = (sums[0] / sums[1]).float()
+        if kept is None:
+            return loss
+        return loss, join(kept) if kept else None
+
+    def gather_for_metrics(self, value):
+        """Collective: `value` (a tensor, or a dict, tuple or list of them) of this rank's share of
+        a batch, from every data-parallel rank: each sample's once, in the loader's order, on every
+        rank (the ranks of one replica, tp or pp, hold the same samples: one of them counts). A
+        scalar counts as one sample."""
+        if self.world_size == 1:
+            return value
+        return tree_map(self._gather_samples, value)
+
+    def _gather_samples(self, t: torch.Tensor) -> torch.Tensor:
+        dp_rank, _, reads = self._share()
+        t = t.detach().reshape(1) if t.dim() == 0 else t.detach()
+        mine = torch.tensor([len(t), dp_rank, int(reads)], device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        collectives.all_gather(rows, mine, "gather-for-metrics-sizes")
+        table = torch.stack(rows).tolist()
+        padded = t.new_zeros((max(n for n, _, _ in table), *t.shape[1:]), device=self.device)
+        padded[: len(t)] = t
+        parts = [torch.empty_like(padded) for _ in rows]
+        collectives.all_gather(parts, padded, "gather-for-metrics")
+        # each data-parallel share from the first rank that read it; shares are contiguous in
+        # the global batch, so dp rank order is the loader's
+        first: dict[int, torch.Tensor] = {}
+        for part, (n, share, read) in zip(parts, table):
+            if read:
+                first.setdefault(share, part[:n])
+        return torch.cat([first[share] for share in sorted(first)])
 
     # -- checkpoints and the model ------------------------------------------------------------------
     def save(self, path, step: int, **extras) -> Path | None:
@@ -262,16 +328,31 @@ class Paratrain:
 
     # -- metrics ----------------------------------------------------------------------------------
     def log(self, step: int, **values) -> None:
-        """One line of RUN_DIR/metrics.jsonl (rank 0's values; tensors taken as numbers), as `paratrain
-        run` writes it, with TensorBoard where log.tensorboard is on."""
+        """One line of RUN_DIR/metrics.jsonl, as `paratrain run` writes it, with TensorBoard where
+        log.tensorboard is on. Collective where a value is a tensor (call it on every rank): a
+        tensor's mean over the ranks, rank 0's other values."""
         if self._metrics is None:
             if self.is_main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             self._metrics = MetricsLog(self.run_dir, self.cfg.train.steps, 0, self.is_main, self.cfg.log.tensorboard)
         collectives.LOG.step = int(step)
-        numbers = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+        numbers = {**values, **self._means_over_ranks(values)}
         now = time.perf_counter()
         self._metrics.record({"step": int(step), **numbers, "time": now - self._t0, "wall": time.time()})
+
+    def _means_over_ranks(self, values: dict) -> dict[str, float]:
+        """Each one-element tensor among `values`, as its mean over the ranks (one all-reduce; the
+        rank's own where the strategy's ranks are not in step)."""
+        names = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+        if not names:
+            return {}
+        stacked = torch.stack([values[k].detach().double().reshape(()).to(self.device) for k in names])
+        strategy = self.strategy
+        if self.world_size > 1 and (strategy is None or strategy.lockstep):
+            group = strategy.trainer_group if strategy is not None else None
+            collectives.all_reduce(stacked, "log-values", group=group)
+            stacked /= dist.get_world_size(group)
+        return dict(zip(names, stacked.tolist()))
 
     def close(self) -> None:
         """Leave the process group, every rank together (optional: the process's end leaves it too)."""

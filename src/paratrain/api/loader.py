@@ -5,6 +5,8 @@ data.sampler.GlobalBatchSampler gives seed and e (the identity without shuffle),
 of batch_size (the last one short unless drop_last). Data-parallel rank r of D takes the r-th
 contiguous share of each (shares differ by at most one sample where D does not divide it: the
 API's backward weights each rank's loss by its share, so the gradient is still the global mean).
+A batch of fewer samples than D is refused, or with even_batches=False served with the last shares
+empty: never padded with repeated samples, so pt.gather_for_metrics gives each sample once.
 
 The loader's position (epoch, batch within it) advances as batches are handed out; each iter()
 continues from it: an epoch ends when its last batch has been taken. What pt.save records is the
@@ -23,14 +25,18 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from paratrain.data.batch import take
 from paratrain.data.sampler import GlobalBatchSampler
 
 
 class GlobalBatchLoader:
-    def __init__(self, loader: DataLoader, seed: int, place, share):
+    def __init__(self, loader: DataLoader, seed: int, place, share, even_batches: bool = True):
         """`place(batch, weight)`: onto the device, this rank's share of the global batch times the
         dp size noted (for the loss's weight); `share()`: (dp rank, dp size, whether this rank reads
-        data), asked at each batch (the strategy may be set up after the loader)."""
+        data), asked at each batch (the strategy may be set up after the loader). `even_batches`
+        False: a batch smaller than the dp size is served, the last shares empty (a batch of none of
+        its samples: a forward that meets the other ranks, zero3's, still runs), where True
+        refuses it."""
         if isinstance(loader.dataset, IterableDataset):
             raise ValueError("pt.setup_dataloader: the dataset must be map-style (indexable, with a length)")
         if loader.batch_size is None:
@@ -43,7 +49,7 @@ class GlobalBatchLoader:
                 f"pt.setup_dataloader: the loader's order comes from shuffle=True or False, not a "
                 f"{type(loader.sampler).__name__}"
             )
-        self.loader, self.place, self.share = loader, place, share
+        self.loader, self.place, self.share, self.even_batches = loader, place, share, even_batches
         self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
         self.n = len(cast(Sized, loader.dataset))  # a map-style dataset: checked above
         self.sampler = GlobalBatchSampler(self.n, self.batch_size, isinstance(loader.sampler, RandomSampler), seed)
@@ -58,17 +64,21 @@ class GlobalBatchLoader:
         return self.sampler.epoch_ids(self.epoch, np.arange(first, min(first + self.batch_size, self.n)))
 
     def _local_batches(self):
-        """This rank's (indices, weight) of every batch from the position to the epoch's end."""
+        """This rank's (indices to load, samples kept of them, weight) of every batch from the
+        position to the epoch's end: an empty share loads the batch's first sample and keeps none
+        (a collate cannot make an empty batch)."""
         for batch in range(self.batch, len(self)):
             ids = self._global_ids(batch)
             rank, size, reads = self.share()
-            if len(ids) < size:
+            if len(ids) < size and self.even_batches:
                 raise ValueError(
                     f"pt.setup_dataloader: a batch of {len(ids)} samples cannot be shared by {size} data-parallel "
-                    f"ranks (set drop_last=True or a batch_size of at least {size})"
+                    f"ranks (set drop_last=True, a batch_size of at least {size}, or even_batches=False to "
+                    f"leave some ranks' shares empty)"
                 )
             part = np.array_split(ids, size)[rank]
-            yield (part.tolist() if reads else None), len(part) * size / len(ids)
+            load = (part if len(part) else ids[:1]).tolist()
+            yield (load if reads else None), len(part), len(part) * size / len(ids)
 
     def __iter__(self):
         if self.batch >= len(self):  # resumed where an epoch ended: the next one starts
@@ -77,15 +87,15 @@ class GlobalBatchLoader:
         # The user's loader does the loading (its workers, collate_fn, pin_memory), on our indices.
         inner = DataLoader(
             self.loader.dataset,
-            batch_sampler=[ids for ids, _ in batches if ids is not None],
+            batch_sampler=[ids for ids, _, _ in batches if ids is not None],
             num_workers=self.loader.num_workers,
             collate_fn=self.loader.collate_fn,
             pin_memory=self.loader.pin_memory,
         )
         loaded = iter(inner)
-        for ids, weight in batches:
+        for ids, kept, weight in batches:
             self.batch += 1
-            yield None if ids is None else self.place(next(loaded), weight)
+            yield None if ids is None else self.place(take(next(loaded), kept), weight)
         self.epoch, self.batch = self.epoch + 1, 0
 
     # -- checkpoints (the same position record as `paratrain run`'s sampler) ------------------------

@@ -57,6 +57,23 @@ def take(obj, count: int):
     return tree_map(lambda t: t[:count], obj)
 
 
+def join(parts: list):
+    """The inverse of `split`: pieces of one structure joined along the batch dimension (a
+    scalar, such as a loss inside a model's output, the pieces' mean)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts) if first.dim() else torch.stack(parts).mean()
+    if isinstance(first, dict):
+        return type(first)((k, join([p[k] for p in parts])) for k in first)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):  # a namedtuple
+        return type(first)(*(join(list(column)) for column in zip(*parts)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(join(list(column)) for column in zip(*parts))
+    return first
+
+
 def split_batch(batch, n: int) -> list[tuple]:
     """(inputs, targets) cut into up to n micro-batches of (inputs, targets)."""
     inputs, targets = batch

@@ -1,7 +1,8 @@
 """What every strategy shares: the contract the trainer relies on, and small common pieces.
 
 A strategy owns the (possibly split) model and its optimizer. The trainer only calls:
-    set_lr(lr); train_step((inputs, targets)) -> local mean loss; before_eval(); eval_step(...);
+    set_lr(lr); train_step((inputs, targets)) -> local mean loss; before_eval(); eval_step(...) ->
+    the share's loss and accuracy sums (and the model's output, for the Python API);
     state_dict() -> (tensors, json) for this rank's checkpoint file; load_state_dict(reader);
     model_layout() -> on rank 0, every tensor of the consolidated model: (dtype, shape) by name;
     model_chunks() -> the consolidated model, a piece at a time on rank 0 (a collective: one unit
@@ -209,14 +210,17 @@ class Strategy:
             self.batchnorm.before_step()
 
     @torch.no_grad()
-    def eval_step(self, inputs, targets) -> torch.Tensor:
-        """[loss * n, n, correct, counted] for this rank's share of a validation batch."""
+    def eval_step(self, inputs, targets, outputs: list | None = None) -> torch.Tensor:
+        """[loss * n, n, correct, counted] for this rank's share of a validation batch; the model's
+        output appended to `outputs` where given (the Python API's eval_step(outputs=True))."""
         if self.context is not None:
             inputs, targets = self.context.local_batch((inputs, targets))
         self.model.eval()
         try:
             with self.autocast():
                 output = feed(self.model, inputs)
+            if outputs is not None:
+                outputs.append(output)
             return eval_sums(self.loss_fn, output, targets, num_samples(inputs))
         finally:
             self.model.train()

@@ -27,7 +27,7 @@ from paratrain.comm import collectives
 from paratrain.comm.grid import build_mesh
 from paratrain.comm.lockstep import BACKWARD
 from paratrain.config import Config, microbatch_count, virtual_stages
-from paratrain.data.batch import num_samples, split_batch, tensors_in
+from paratrain.data.batch import join, num_samples, split_batch, tensors_in, to_device, tree_map
 from paratrain.errors import ConfigError, note
 from paratrain.models.hf_pipeline import labels_apart, own_loss
 from paratrain.models.layers import boundary_shape_fn, layers_of, meta_copy, pipeline_layers
@@ -38,6 +38,7 @@ from paratrain.parallel.base import (
     clip_factor,
     eval_sums,
     refuse,
+    said_by_one,
     unique_parameters,
 )
 from paratrain.parallel.context.attention import context_parallel
@@ -148,9 +149,11 @@ class ModelParallel(Strategy):
         if self.context is not None:  # a transformers decoder's stages wrap its modules (models/hf_pipeline.py)
             self.context.position_stages(self.chunks)
         self.reducers, self.param_names, self.params = wrap_dp(model, self.chunks, mesh, cfg, rt.device)
-        # parallel.verify_plan: the first step's blocks checked against themselves whole (tensor/verify.py)
+        # parallel.verify_plan: the first step's blocks checked against themselves whole (tensor/verify.py);
+        # a block whose sharded forward crashes is said by the first rank of its stage
+        first_of_stage = mesh.tp_rank == 0 and mesh.dp_rank == 0 and mesh.cp_rank == 0
         self.verifier = (
-            PlanVerifier(model, plan, mesh.tp_group, cfg.train.precision, rt.device)
+            PlanVerifier(model, plan, mesh.tp_group, cfg.train.precision, rt.device, speaks=first_of_stage)
             if p.tp > 1 and p.verify_plan
             else None
         )
@@ -292,14 +295,20 @@ class ModelParallel(Strategy):
 
     def _verify_once(self) -> None:
         """parallel.verify_plan on the first step, after its forward and before the optimizer moves
-        the weights that forward used (train_step, and the Python API's first backward)."""
-        if self.context is not None:
-            self.context.verdict_after_step(self.rt.device)
-        if self.verifier is not None:
-            # it reads and swaps the planned modules' real slices
-            with self.split_params.real() if self.split_params is not None else contextlib.nullcontext():
-                self.verifier.check(self.autocast)
-            self.verifier = None
+        the weights that forward used (train_step, and the Python API's first backward). A mismatch:
+        ConfigError, which `paratrain run` says; in the user's own loop its one line, exit 2."""
+        try:
+            if self.context is not None:
+                self.context.verdict_after_step(self.rt.device)
+            if self.verifier is not None:
+                # it reads and swaps the planned modules' real slices
+                with self.split_params.real() if self.split_params is not None else contextlib.nullcontext():
+                    self.verifier.check(self.autocast)
+                self.verifier = None
+        except ConfigError as exc:
+            if self.user_model is None:
+                raise
+            refuse(f"{exc}", said_by_one())  # every rank has the agreed line
 
     def _local(self, micro: list[tuple]) -> list[tuple]:
         """Under parallel.cp each microbatch cut to this rank's chunks of its sequences, the model told
@@ -413,27 +422,38 @@ class ModelParallel(Strategy):
         return torch.tensor(norm)
 
     @torch.no_grad()
-    def eval_step(self, inputs, targets) -> torch.Tensor:
+    def eval_step(self, inputs, targets, outputs: list | None = None) -> torch.Tensor:
+        """The schedule forward only; `outputs` (where given) gets the whole model's output on
+        every stage of the replica: the microbatches' joined on the last stage, sent to the others."""
         for chunk in self.chunks:
             chunk.eval()
+
+        def score(out, y):
+            out = self.full_output(out)
+            if outputs is not None:
+                outputs.append(out)
+            return eval_sums(self.loss_fn, out, y, num_samples(output_logits(out)))
+
         try:
             micro = self._labels_apart(self._local(split_batch((inputs, targets), self.m)))
             xs, ys = (list(part) for part in zip(*micro))
             actions = forward_only(self.cfg.parallel.pp, self.mesh.pp_rank, len(xs), self.v)
-            sums = self.engine.run(
-                actions,
-                xs,
-                ys,
-                lambda out, y: eval_sums(self.loss_fn, self.full_output(out), y, num_samples(output_logits(out))),
-                self.autocast,
-                train=False,
-            )
+            sums = self.engine.run(actions, xs, ys, score, self.autocast, train=False)
         finally:
             for chunk in self.chunks:
                 chunk.train()
+        if outputs is not None and self.mesh.pp > 1:
+            outputs[:] = [self._from_last_stage(join(outputs) if outputs else None)]
         if self.reports_loss:
             return torch.stack(sums).sum(dim=0)
         return torch.zeros(4, dtype=torch.float64)
+
+    def _from_last_stage(self, output):
+        """Collective over the pp group: the last stage's `output` (any structure), on every stage."""
+        last = self.mesh.stage_rank(self.mesh.pp - 1)
+        box = [tree_map(lambda t: t.cpu(), output) if self.mesh.pp_rank == self.mesh.pp - 1 else None]
+        dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+        return to_device(box[0], self.rt.device)
 
     # -- state ----------------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ user's (adopt_optimizer):
                                 torch's clip_grad_norm_ clips the global norm
     model(x)                    under tp, checked like the state dict (a split layer all-reduces
                                 with the other tp ranks); under pp refused in one line: a rank holds
-                                one stage, and pt.train_step runs the schedule across them
+                                one stage, and pt.train_step / pt.eval_step run the schedule across them
 
 The strategy's own checkpoints and export read the shards as they are (`shards()`).
 """
@@ -84,8 +84,8 @@ class UserModel:
         if pp > 1:
             refuse(
                 f"model(...) under {self.name} with pp = {pp}: each rank holds one pipeline stage's layers, so "
-                f"the model cannot run whole on one rank; train with pt.train_step(batch), which runs the "
-                f"schedule across the stages",
+                f"the model cannot run whole on one rank; train with pt.train_step(batch) and evaluate with "
+                f"pt.eval_step(batch) on every rank, which run the schedule across the stages",
                 said_by_one(),
             )
 

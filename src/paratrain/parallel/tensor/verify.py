@@ -16,12 +16,19 @@ the first step runs each distinct sharded block once against the same block whol
                 gathered over the tp group, one block at a time), on the same input, no gradient
     verdict     relative error of the outputs above the equivalence tolerance: exit 2 naming the
                 block and its plan entries, on every rank (one agreed line)
+    crash       a sharded forward that raises (a fused q, k, v split colwise, then cut in three by
+                the model: "not enough values to unpack") is the mismatch found early: its tp ranks
+                run the block whole on the same input at once, and where that runs, exit 2 naming
+                the block and its entries, not the model's traceback (where the whole block fails
+                too, the model's own error goes on)
 
 Its cost: one block's forward per kind, and one all-gather of that block's weights, once."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from typing import Any, cast
 
 import torch
@@ -31,6 +38,7 @@ from torch import nn
 from paratrain.comm import collectives
 from paratrain.data.batch import tensors_in, tree_map
 from paratrain.errors import ConfigError
+from paratrain.parallel.base import refuse
 from paratrain.parallel.tensor.comm import gather_shards, shard_range
 from paratrain.parallel.tensor.experts import PACKS
 from paratrain.parallel.tensor.layers import HiddenParallelEmbedding, VocabParallelEmbedding
@@ -89,19 +97,52 @@ def _without_caches(kwargs: dict) -> dict:
 class PlanVerifier:
     """Captures each block's first forward, then `check()`s it against the whole block once."""
 
-    def __init__(self, model: nn.Module, plan: dict[str, str], group, precision: str, device: torch.device):
+    def __init__(
+        self, model: nn.Module, plan: dict[str, str], group, precision: str, device: torch.device, speaks: bool
+    ):
+        """`speaks`: this rank says the line of a block whose sharded forward crashes (one rank of
+        the stage's tp ranks, which all crash alike)."""
         self.model, self.plan, self.group, self.precision, self.device = model, plan, group, precision, device
+        self.speaks = speaks
+        self.running_whole = False  # the hooks let the whole block's own forward pass
         self.blocks = blocks_of(model, plan)
         self.seen: dict[str, tuple] = {}
+        # always_call: torch runs the hook after a forward that raised too (output None)
         self.handles = {
-            b: model.get_submodule(b).register_forward_hook(functools.partial(self._capture, b), with_kwargs=True)
+            b: model.get_submodule(b).register_forward_hook(
+                functools.partial(self._capture, b), with_kwargs=True, always_call=True
+            )
             for b in self.blocks
         }
 
     def _capture(self, block: str, module, args, kwargs, output) -> None:
-        if block not in self.seen:  # the first microbatch's; recomputation runs the forward again
+        if self.running_whole:
+            return
+        crashed = sys.exc_info()[1]  # the exception torch is handling: the block's forward raised it
+        if output is None and crashed is not None:
+            self._refuse_if_whole_runs(block, args, kwargs, crashed)
+        elif block not in self.seen:  # the first microbatch's; recomputation runs the forward again
             self.seen[block] = (_clone(args), _clone(_without_caches(kwargs)), _clone(output))
             self.handles.pop(block).remove()
+
+    def _refuse_if_whole_runs(self, block: str, args, kwargs, crashed: BaseException) -> None:
+        """Exit 2 naming `block` where its sharded forward raised `crashed` and the block whole
+        runs on the same input (collective over the tp group, whose ranks all crashed); else return,
+        and torch raises the model's own error. SystemExit, not an Exception: torch silences an
+        always_call hook's exceptions."""
+        try:
+            with torch.no_grad():
+                self._whole_output(block, _clone(args), _clone(_without_caches(kwargs)), contextlib.nullcontext)
+        except Exception:  # the model fails whole as well: its own error, not the plan's
+            return
+        entries = self._entries(block)
+        refuse(
+            f"parallel.tp_plan: the plan breaks {block!r}: its forward on this rank's shards fails "
+            f"({type(crashed).__name__}: {str(crashed).splitlines()[0][:160]}) where the block whole runs: check "
+            f"its entries {entries} (a fused projection split colwise then cut, say); parallel.verify_plan = false "
+            f"skips this check",
+            self.speaks,
+        )
 
     def _whole(self, name: str) -> nn.Module:
         """The planned module `name` whole, its shards gathered over the tp group."""
@@ -137,6 +178,18 @@ class PlanVerifier:
     def _error(self, block: str, autocast) -> float:
         """Relative error of the block's sharded output against the whole block's."""
         args, kwargs, sharded = self.seen[block]
+        out = self._whole_output(block, args, kwargs, autocast)
+        a, b = tensors_in(sharded)[0].float(), tensors_in(out)[0].float()
+        if a.shape[:-1] == b.shape[:-1] and a.shape[-1] < b.shape[-1]:
+            # an output left split by a column split (a head read by the vocabulary-parallel loss):
+            # this rank's slice of the whole one
+            start, end = shard_range(b.shape[-1], dist.get_world_size(self.group), dist.get_rank(self.group))
+            b = b[..., start:end]
+        return relative_error(a, b)
+
+    def _whole_output(self, block: str, args, kwargs, autocast):
+        """Collective over the tp group: the block's output on `args`, `kwargs` with each planned
+        child whole (the planned modules put back after)."""
         module, modules = self.model.get_submodule(block), dict(self.model.named_modules())
         planned = self.blocks[block]
         hooked = [modules[n] for n in planned if hasattr(modules.get(n), "tp_style")]  # tensor/experts.py
@@ -145,6 +198,7 @@ class PlanVerifier:
         wholes = [self._whole(n) for n, _ in swapped]  # every tp rank gathers, in one order
         sliced = [(n, self.model.get_parameter(n)) for n in params]
         full = [self._whole_parameter(n) for n in params]
+        self.running_whole = True
         try:
             for (name, _), whole in zip(swapped, wholes):
                 _replace(self.model, block, name, whole)
@@ -155,17 +209,12 @@ class PlanVerifier:
             with autocast():
                 out = module(*args, **kwargs)
         finally:
+            self.running_whole = False
             for m in hooked:
                 m.tp_hooks_off = False
             for name, part in [*swapped, *sliced]:
                 _replace(self.model, block, name, part)
-        a, b = tensors_in(sharded)[0].float(), tensors_in(out)[0].float()
-        if a.shape[:-1] == b.shape[:-1] and a.shape[-1] < b.shape[-1]:
-            # an output left split by a column split (a head read by the vocabulary-parallel loss):
-            # this rank's slice of the whole one
-            start, end = shard_range(b.shape[-1], dist.get_world_size(self.group), dist.get_rank(self.group))
-            b = b[..., start:end]
-        return relative_error(a, b)
+        return out
 
     def check(self, autocast) -> None:
         """Collective (every rank, once, after the first step's forward). ConfigError on a mismatch,
@@ -184,8 +233,11 @@ class PlanVerifier:
         if line:
             raise ConfigError("parallel.tp_plan", line)
 
+    def _entries(self, block: str) -> str:
+        return ", ".join(f'"{n}" = "{self.plan[n]}"' for n in self.blocks[block])
+
     def _line(self, block: str, err: float, limit: float) -> str:
-        entries = ", ".join(f'"{n}" = "{self.plan[n]}"' for n in self.blocks[block])
+        entries = self._entries(block)
         return (
             f"the plan does not compute {block!r} as the whole model does ({how_far(err)} on the first step, "
             f"tolerance {limit:g}): check its entries {entries} (a fused projection split colwise "
