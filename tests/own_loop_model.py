@@ -262,3 +262,15 @@ def fused_gate_up_job(rt):
     except SystemExit as exc:
         return exc.code
     return "no error"
+
+
+def tree_job(rt):
+    """comm.scalars.broadcast_tree (how pp's eval_step hands the last stage's output to the
+    others) of a Hugging Face output from rank 1: its structure, dtypes and values, no pickle."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from paratrain.comm.scalars import broadcast_tree
+
+    sent = CausalLMOutputWithPast(loss=torch.tensor(2.5), logits=torch.arange(6, dtype=torch.bfloat16).reshape(2, 3))
+    got = broadcast_tree(sent if rt.rank == 1 else None, 1, rt.device, "test-tree")
+    return type(got).__name__, got.loss.item(), got.logits.dtype == torch.bfloat16, got.logits.tolist()

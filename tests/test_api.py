@@ -426,3 +426,8 @@ def test_a_state_dict_on_rank_0_alone_is_named_when_the_others_end(tmp_path):
     assert len(said) == 1, ended
     assert "model.state_dict() (call #" in said[0] and "on rank 0" in said[0], said
     assert "the end of the script" in said[0] and "on rank 1" in said[0], said
+
+
+def test_a_models_output_crosses_ranks_as_tensors_and_json(gang):
+    got = gang(2).run("own_loop_model:tree_job")
+    assert got == [("CausalLMOutputWithPast", 2.5, True, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])] * 2

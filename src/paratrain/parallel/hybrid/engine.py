@@ -26,8 +26,9 @@ from paratrain import checkpoint as ckpt
 from paratrain.comm import collectives
 from paratrain.comm.grid import build_mesh
 from paratrain.comm.lockstep import BACKWARD
+from paratrain.comm.scalars import broadcast_tree
 from paratrain.config import Config, microbatch_count, virtual_stages
-from paratrain.data.batch import join, num_samples, split_batch, tensors_in, to_device, tree_map
+from paratrain.data.batch import join, num_samples, split_batch, tensors_in
 from paratrain.errors import ConfigError, note
 from paratrain.models.hf_pipeline import labels_apart, own_loss
 from paratrain.models.layers import boundary_shape_fn, layers_of, meta_copy, pipeline_layers
@@ -451,9 +452,7 @@ class ModelParallel(Strategy):
     def _from_last_stage(self, output):
         """Collective over the pp group: the last stage's `output` (any structure), on every stage."""
         last = self.mesh.stage_rank(self.mesh.pp - 1)
-        box = [tree_map(lambda t: t.cpu(), output) if self.mesh.pp_rank == self.mesh.pp - 1 else None]
-        dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
-        return to_device(box[0], self.rt.device)
+        return broadcast_tree(output, last, self.rt.device, "eval-output", group=self.mesh.pp_group)
 
     # -- state ----------------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:
