@@ -139,7 +139,8 @@ def train(
     """The user's own loop: resume from `ckpt` if it holds a checkpoint, save there at step
     `save_at`, rank 1 dies at step `die_at` on the first attempt; the weights to OUT (pt.export).
     `bf16`: train.precision = "bf16", the forward under bf16 autocast. `labels`: as loss_of's. `backward`: "pt"
-    (pt.backward(loss)), "plain" (loss.backward(), as a transformers loop writes it) or "weighted"
+    (pt.backward(loss)), "plain" (loss.backward(), as a transformers loop writes it), "grad-on-main"
+    (rank 0 inspects torch.autograd.grad(loss, params) first, then loss.backward()) or "weighted"
     (pt.backward(loss, weight=n): the loss a mean over n label tokens); `clip_with`: "pt"
     (pt.clip_grad_norm_) or "torch" (torch.nn.utils.clip_grad_norm_(model.parameters(), c))."""
     if bf16:
@@ -154,7 +155,9 @@ def train(
         for x, y in loader:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 loss = loss_of(model, x, y, labels)
-            if backward == "plain":
+            if backward == "grad-on-main" and pt.is_main:  # returns gradients: nothing to reduce
+                torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            if backward in ("plain", "grad-on-main"):
                 loss.backward()
             elif backward == "weighted":
                 pt.backward(loss, weight=label_tokens(x))

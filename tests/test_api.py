@@ -87,11 +87,29 @@ def layout(strategy: str) -> dict:
 
 @pytest.mark.parametrize(
     "strategy, world",
-    [("dp", 1), ("dp", 2), ("dp", 3), ("zero1", 2), ("zero2", 2), ("zero3", 1), ("zero3", 2), ("zero3", 3), ("tp", 2)],
+    [
+        ("dp", 1),
+        ("dp", 2),
+        ("dp", 3),
+        ("zero1", 2),
+        ("zero2", 2),
+        ("zero3", 1),
+        ("zero3", 2),
+        ("zero3", 3),
+        ("tp", 2),
+        ("tp", 4),  # and dp = 2
+    ],
 )
 def test_a_plain_loss_backward_averages_over_ranks_as_ddp_and_fsdp2_do(tmp_path, gang, strategy, world):
     """loss.backward() instead of pt.backward(loss): the reduction hangs on autograd."""
     got = trained(gang, world, tmp_path, strategy=strategy, optimizer="adamw", backward="plain", **layout(strategy))
+    assert max_rel_error(got, reference("adamw", 6)) <= TOL
+
+
+def test_a_gradient_rank_0_asks_of_autograd_alone_is_not_reduced(tmp_path, gang):
+    """torch.autograd.grad returns gradients without accumulating them: no reduction starts on rank
+    0 alone (it would meet the other rank's next one and average the wrong gradients)."""
+    got = trained(gang, 2, tmp_path, strategy="dp", optimizer="adamw", backward="grad-on-main")
     assert max_rel_error(got, reference("adamw", 6)) <= TOL
 
 
@@ -171,10 +189,11 @@ def test_tp_on_a_model_without_a_plan_exits_2_naming_it(gang):
         )
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero3"])
-def test_unequal_shares_of_a_short_last_batch_still_give_the_global_mean(tmp_path, gang, strategy):
+@pytest.mark.parametrize("strategy, backward", [("dp", "pt"), ("zero3", "pt"), ("dp", "plain"), ("zero3", "plain")])
+def test_unequal_shares_of_a_short_last_batch_still_give_the_global_mean(tmp_path, gang, strategy, backward):
     """40 samples in batches of 12 without drop_last: every fourth batch holds 4, shared 2-1-1."""
-    got = trained(gang, 3, tmp_path, strategy=strategy, optimizer="adamw", steps=8, drop_last=False)
+    common = dict(strategy=strategy, optimizer="adamw", steps=8, drop_last=False, backward=backward)
+    got = trained(gang, 3, tmp_path, **common)
     assert max_rel_error(got, reference("adamw", 8, drop_last=False)) <= TOL
 
 
