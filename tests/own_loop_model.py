@@ -187,8 +187,8 @@ def job(rt, **kwargs):
 
 
 def pipeline_job(rt, out, steps, run_dir):
-    """pp through train_step (one param group: pp builds its optimizer from [train]); the message
-    an own-loop call gets under it."""
+    """pp through train_step (one param group: pp builds its optimizer from [train]); the exit code
+    an own-loop call gets under it (its line: the member's output)."""
     pt = paratrain.init(strategy="pp", pp=2, microbatches=2, run_dir=run_dir)
     model, opt, loader = build("sgd", groups=False)
     model, opt = pt.setup(model, opt, loss=nn.functional.mse_loss)
@@ -203,8 +203,8 @@ def pipeline_job(rt, out, steps, run_dir):
     pt.export(out, step=step)
     try:
         pt.backward(torch.zeros((), requires_grad=True))
-    except RuntimeError as exc:
-        return str(exc)
+    except SystemExit as exc:
+        return exc.code
     return "no error"
 
 
@@ -252,12 +252,18 @@ def refused_job(rt, call, ckpt=None):
     """The exit code of what the API refuses (its line: the member's output). "pp-plain-backward":
     a loss.backward() and a step of the user's own under pp; "pp-optimizer": an optimizer pp
     cannot build from [train] (two param groups); "pp-uncut": a model pp cannot cut;
-    "dp-loads-zero3": CKPT, a checkpoint zero3 wrote, loaded under dp."""
+    "dp-loads-zero3": CKPT, a checkpoint zero3 wrote, loaded under dp; "dp-setup-twice";
+    "dp-save-extras": extras pt.save cannot write as JSON."""
     try:
-        if call == "dp-loads-zero3":
+        if call.startswith("dp-"):
             pt = paratrain.init(strategy="dp")
             pt.setup(*build("adamw")[:2])
-            pt.load(ckpt)
+            if call == "dp-loads-zero3":
+                pt.load(ckpt)
+            elif call == "dp-setup-twice":
+                pt.setup(*build("adamw")[:2])
+            else:
+                pt.save(ckpt, step=1, model=nn.Linear(1, 1))
             return 0
         pt = paratrain.init(strategy="pp", pp=2, microbatches=2)
         if call == "pp-uncut":

@@ -156,6 +156,8 @@ def test_a_zero3_checkpoint_of_world_2_resumed_at_world_1_clips_with_torch_as_on
         ("pp-optimizer", "pt.setup: strategy 'pp' builds its optimizer from [train]: "),
         ("pp-uncut", "parallel.pp: pp = 2 needs a model that can be cut into layers"),
         ("dp-loads-zero3", "pt.load: checkpoint "),
+        ("dp-setup-twice", "pt.setup: called once per pt"),
+        ("dp-save-extras", "pt.save: extras must be JSON values"),
     ],
 )
 def test_what_the_api_refuses_exits_2_in_one_line(tmp_path, gang, call, says):
@@ -210,9 +212,14 @@ def test_a_checkpoint_saved_at_world_2_resumes_at_another_world_and_ends_equal(t
 
 
 def test_train_step_under_pp_equals_one_process_and_own_loop_calls_name_it(tmp_path, gang):
-    said = gang(2).run("own_loop_model:pipeline_job", out=str(tmp_path / "out"), steps=5, run_dir=str(tmp_path / "run"))
+    members = gang(2)
+    codes = members.run(
+        "own_loop_model:pipeline_job", out=str(tmp_path / "out"), steps=5, run_dir=str(tmp_path / "run")
+    )
     assert max_rel_error(weights(tmp_path / "out"), reference("sgd", 5, groups=False)) <= TOL
-    assert all("pt.backward" in s and "train_step" in s for s in said), said
+    line = members.outputs[0].strip().splitlines()[-1]
+    assert codes == [2, 2] and line.startswith("paratrain: error: pt.backward: ") and "train_step" in line, line
+    assert "error" not in members.outputs[1], members.outputs[1]
 
 
 def test_a_bad_key_exits_2_naming_it_before_joining(capsys):

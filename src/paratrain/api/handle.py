@@ -98,7 +98,7 @@ class Paratrain:
         target)` for train_step (default: the config's train.loss). Returns (model, optimizer):
         step the returned optimizer (under ZeRO a new one of your class over this rank's shards)."""
         if self.strategy is not None:
-            raise RuntimeError("pt.setup: called once per pt (one model and its optimizer)")
+            refuse("pt.setup: called once per pt (one model and its optimizer)", said_by_one())
         cls = registry.strategy_class(self.cfg.parallel.strategy)
         if optimizer is not None:
             self._take_optimizer_keys(optimizer, cls.adopts_optimizers(self.cfg))
@@ -194,7 +194,7 @@ class Paratrain:
     # -- the step ---------------------------------------------------------------------------------
     def _strategy(self, call: str):
         if self.strategy is None:
-            raise RuntimeError(f"pt.{call}: call pt.setup(model, optimizer) first")
+            refuse(f"pt.{call}: call pt.setup(model, optimizer) first", said_by_one())
         return self.strategy
 
     def backward(self, loss: torch.Tensor, weight: float | None = None) -> None:
@@ -229,7 +229,8 @@ class Paratrain:
         earlier pipeline stage). Needs equal shares: every global batch full, divisible by D."""
         strategy = self._strategy("train_step")
         if self._weight != 1.0:
-            raise ValueError("pt.train_step: a global batch not shared equally (set drop_last=True on the loader)")
+            # (where one rank's share differs from the mean, every rank's does: rank 0 says it)
+            refuse("pt.train_step: a global batch not shared equally (set drop_last=True on the loader)", said_by_one())
         strategy.in_schedule = True  # the schedule's own backward: not the user's (watch_backward)
         try:
             loss = strategy.train_step(batch)
@@ -248,7 +249,7 @@ class Paratrain:
         try:
             json.dumps(extras)
         except TypeError as exc:
-            raise TypeError(f"pt.save: extras must be JSON values ({exc})") from None
+            refuse(f"pt.save: extras must be JSON values ({exc})", said_by_one())
         loop = {"step": int(step), "loaders": [loader.position() for loader in self.loaders], "extras": extras}
         return save_train_state(
             strategy,

@@ -264,12 +264,12 @@ class Strategy:
         """The user's own loop: leaves every rank's gradients the global batch's mean (the watch
         reduces them, watch_backward)."""
         if not self.adopts_optimizers(self.cfg):
-            raise OwnLoopUnsupported(self.name, "backward")
+            refuse_own_loop(self.name, "backward")
         loss.backward()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over every rank's gradients) to max_norm; returns it."""
-        raise OwnLoopUnsupported(self.name, "clip_grad_norm_")
+        refuse_own_loop(self.name, "clip_grad_norm_")
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -347,14 +347,13 @@ def accumulates(node) -> bool:
         return False
 
 
-class OwnLoopUnsupported(RuntimeError):
+def refuse_own_loop(strategy: str, call: str) -> NoReturn:
     """An own-loop call under a strategy whose schedule owns forward and backward."""
-
-    def __init__(self, strategy: str, call: str):
-        super().__init__(
-            f"pt.{call}: strategy {strategy!r} runs forward and backward in its own schedule; "
-            f"use pt.setup(model, optimizer, loss=fn) and loss = pt.train_step(batch)"
-        )
+    refuse(
+        f"pt.{call}: strategy {strategy!r} runs forward and backward in its own schedule; "
+        f"use pt.setup(model, optimizer, loss=fn) and loss = pt.train_step(batch)",
+        said_by_one(),
+    )
 
 
 @torch.no_grad()
