@@ -40,12 +40,27 @@ def make_model(kind: str) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def loss_of(model: nn.Module, x, y) -> torch.Tensor:
+def loss_of(model: nn.Module, x, y, labels: str = "") -> torch.Tensor:
+    """The batch's mean loss; `labels` ("all" or "masked": masked_labels) a transformers model's
+    own over its label tokens, as `out = model(**batch); out.loss` computes it."""
+    if labels:
+        return model(input_ids=x, labels=x if labels == "all" else masked_labels(x)).loss
     out = model(x)
     if x.dtype != torch.long:
         return nn.functional.mse_loss(out, y)
     logits = getattr(out, "logits", out)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def masked_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Labels with every id divisible by 4 masked (-100): each row, and each rank's share, counts
+    its own number of label tokens."""
+    return ids.masked_fill(ids % 4 == 0, -100)
+
+
+def label_tokens(ids: torch.Tensor) -> int:
+    """The tokens a causal LM's loss over masked_labels(ids) averages (its labels shift by one)."""
+    return int((masked_labels(ids)[:, 1:] != -100).sum())
 
 
 def build(optimizer: str, groups: bool = True, drop_last: bool = True, model: str = "mlp"):
@@ -77,6 +92,7 @@ def reference(
     drop_last: bool = True,
     bf16: bool = False,
     model: str = "mlp",
+    labels: str = "",
 ) -> dict:
     """One process, plain PyTorch, the batches in the documented order: epoch e is the
     permutation torch.randperm(N) draws from seed 0 * 1_000_003 + e, cut into batches. `bf16`: the
@@ -89,7 +105,7 @@ def reference(
         for b in range(len(loader)):
             ids = perm[np.arange(b * BATCH, min((b + 1) * BATCH, n))]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = loss_of(model, x_all[ids], y_all[ids])
+                loss = loss_of(model, x_all[ids], y_all[ids], labels)
             loss.backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -115,11 +131,18 @@ def train(
     run_dir=None,
     bf16=False,
     model="mlp",
+    labels="",
+    backward="pt",
+    clip_with="pt",
     **keys,
 ):
     """The user's own loop: resume from `ckpt` if it holds a checkpoint, save there at step
     `save_at`, rank 1 dies at step `die_at` on the first attempt; the weights to OUT (pt.export).
-    `bf16`: train.precision = "bf16", the forward under bf16 autocast."""
+    `bf16`: train.precision = "bf16", the forward under bf16 autocast. `labels`: as loss_of's. `backward`: "pt"
+    (pt.backward(loss)), "plain" (loss.backward(), as a transformers loop writes it), "grad-on-main"
+    (rank 0 inspects torch.autograd.grad(loss, params) first, then loss.backward()) or "weighted"
+    (pt.backward(loss, weight=n): the loss a mean over n label tokens); `clip_with`: "pt"
+    (pt.clip_grad_norm_) or "torch" (torch.nn.utils.clip_grad_norm_(model.parameters(), c))."""
     if bf16:
         keys["train"] = {"precision": "bf16"}
     pt = paratrain.init(strategy=strategy, bucket_mb=0.0005, run_dir=run_dir, **keys)
@@ -131,9 +154,18 @@ def train(
     while step < steps:
         for x, y in loader:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = loss_of(model, x, y)
-            pt.backward(loss)
-            if clip:
+                loss = loss_of(model, x, y, labels)
+            if backward == "grad-on-main" and pt.is_main:  # returns gradients: nothing to reduce
+                torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+            if backward in ("plain", "grad-on-main"):
+                loss.backward()
+            elif backward == "weighted":
+                pt.backward(loss, weight=label_tokens(x))
+            else:
+                pt.backward(loss)
+            if clip and clip_with == "torch":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            elif clip:
                 pt.clip_grad_norm_(clip)
             opt.step()
             opt.zero_grad()
@@ -155,8 +187,8 @@ def job(rt, **kwargs):
 
 
 def pipeline_job(rt, out, steps, run_dir):
-    """pp through train_step (one param group: pp builds its optimizer from [train]); the message
-    an own-loop call gets under it."""
+    """pp through train_step (one param group: pp builds its optimizer from [train]); the exit code
+    an own-loop call gets under it (its line: the member's output)."""
     pt = paratrain.init(strategy="pp", pp=2, microbatches=2, run_dir=run_dir)
     model, opt, loader = build("sgd", groups=False)
     model, opt = pt.setup(model, opt, loss=nn.functional.mse_loss)
@@ -171,8 +203,8 @@ def pipeline_job(rt, out, steps, run_dir):
     pt.export(out, step=step)
     try:
         pt.backward(torch.zeros((), requires_grad=True))
-    except RuntimeError as exc:
-        return str(exc)
+    except SystemExit as exc:
+        return exc.code
     return "no error"
 
 
@@ -274,3 +306,45 @@ def tree_job(rt):
     sent = CausalLMOutputWithPast(loss=torch.tensor(2.5), logits=torch.arange(6, dtype=torch.bfloat16).reshape(2, 3))
     got = broadcast_tree(sent if rt.rank == 1 else None, 1, rt.device, "test-tree")
     return type(got).__name__, got.loss.item(), got.logits.dtype == torch.bfloat16, got.logits.tolist()
+
+
+class Uncut(nn.Module):
+    """A model with no pipeline_layers(): pp cannot cut it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def refused_job(rt, call, ckpt=None):
+    """The exit code of what the API refuses (its line: the member's output). "pp-plain-backward":
+    a loss.backward() and a step of the user's own under pp; "pp-optimizer": an optimizer pp
+    cannot build from [train] (two param groups); "pp-uncut": a model pp cannot cut;
+    "dp-loads-zero3": CKPT, a checkpoint zero3 wrote, loaded under dp; "dp-setup-twice";
+    "dp-save-extras": extras pt.save cannot write as JSON."""
+    try:
+        if call.startswith("dp-"):
+            pt = paratrain.init(strategy="dp")
+            pt.setup(*build("adamw")[:2])
+            if call == "dp-loads-zero3":
+                pt.load(ckpt)
+            elif call == "dp-setup-twice":
+                pt.setup(*build("adamw")[:2])
+            else:
+                pt.save(ckpt, step=1, model=nn.Linear(1, 1))
+            return 0
+        pt = paratrain.init(strategy="pp", pp=2, microbatches=2)
+        if call == "pp-uncut":
+            pt.setup(Uncut(), loss=nn.functional.mse_loss)
+            return 0
+        model, opt, _ = build("sgd", groups=call == "pp-optimizer")
+        model, opt = pt.setup(model, opt, loss=nn.functional.mse_loss)
+        if call == "pp-plain-backward":
+            sum(p.sum() for p in model.parameters() if not p.is_meta).backward()
+            opt.step()
+    except SystemExit as exc:
+        return exc.code
+    return 0

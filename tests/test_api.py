@@ -77,6 +77,103 @@ def test_own_loop_under_tp_with_the_models_own_plan_equals_plain_pytorch(tmp_pat
     assert max_rel_error(trained(gang, 2, tmp_path / "b", ckpt=ckpt, **common), first) == 0
 
 
+TP_PLAN = {"0": "colwise", "2": "rowwise"}
+
+
+def layout(strategy: str) -> dict:
+    """The keys of a strategy at world 2 and over: tp splits the MLP by a given plan."""
+    return dict(tp=2, tp_plan=TP_PLAN) if strategy == "tp" else {}
+
+
+@pytest.mark.parametrize(
+    "strategy, world",
+    [
+        ("dp", 1),
+        ("dp", 2),
+        ("dp", 3),
+        ("zero1", 2),
+        ("zero2", 2),
+        ("zero3", 1),
+        ("zero3", 2),
+        ("zero3", 3),
+        ("tp", 2),
+        ("tp", 4),  # and dp = 2
+    ],
+)
+def test_a_plain_loss_backward_averages_over_ranks_as_ddp_and_fsdp2_do(tmp_path, gang, strategy, world):
+    """loss.backward() instead of pt.backward(loss): the reduction hangs on autograd."""
+    got = trained(gang, world, tmp_path, strategy=strategy, optimizer="adamw", backward="plain", **layout(strategy))
+    assert max_rel_error(got, reference("adamw", 6)) <= TOL
+
+
+def test_a_gradient_rank_0_asks_of_autograd_alone_is_not_reduced(tmp_path, gang):
+    """torch.autograd.grad returns gradients without accumulating them: no reduction starts on rank
+    0 alone (it would meet the other rank's next one and average the wrong gradients)."""
+    got = trained(gang, 2, tmp_path, strategy="dp", optimizer="adamw", backward="grad-on-main")
+    assert max_rel_error(got, reference("adamw", 6)) <= TOL
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3", "tp"])
+def test_a_transformers_loop_out_loss_backward_equals_one_process(tmp_path, gang, strategy):
+    """`out = model(input_ids=x, labels=x); out.loss.backward()` on a tiny Llama (tp: its own plan)."""
+    pytest.importorskip("transformers")
+    common = dict(optimizer="sgd", model="llama", labels="all", steps=4)
+    got = trained(
+        gang, 2, tmp_path, strategy=strategy, backward="plain", **common, **(dict(tp=2) if strategy == "tp" else {})
+    )
+    assert max_rel_error(got, reference(**common)) <= TOL
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+def test_pt_backward_with_a_weight_gives_the_global_batchs_token_mean(tmp_path, gang, strategy):
+    """pt.backward(loss, weight=n): the loss a mean over n label tokens (some masked, -100), the
+    gradient the mean over the global batch's tokens, as one process's loss over the whole batch."""
+    pytest.importorskip("transformers")
+    common = dict(optimizer="sgd", model="llama", labels="masked", steps=4)
+    got = trained(gang, 2, tmp_path, strategy=strategy, backward="weighted", **common)
+    assert max_rel_error(got, reference(**common)) <= TOL
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero1", "zero2", "zero3"])
+def test_torchs_clip_grad_norm_at_world_1_clips_as_one_process(tmp_path, gang, strategy):
+    """Plain python: every parameter's .grad holds its gradient after backward."""
+    got = trained(gang, 1, tmp_path, strategy=strategy, optimizer="sgd", clip=0.05, clip_with="torch")
+    assert max_rel_error(got, reference("sgd", 6, clip=0.05)) <= TOL
+
+
+def test_a_zero3_checkpoint_of_world_2_resumed_at_world_1_clips_with_torch_as_one_process(tmp_path, gang):
+    common = dict(strategy="zero3", optimizer="sgd", steps=6, ckpt=str(tmp_path / "ckpt"), clip=0.05)
+    common.update(clip_with="torch", backward="plain")
+    gang(2).run("own_loop_model:job", out=str(tmp_path / "first"), save_at=3, run_dir=str(tmp_path / "a"), **common)
+    gang(1).run("own_loop_model:job", out=str(tmp_path / "resumed"), run_dir=str(tmp_path / "b"), **common)
+    assert max_rel_error(weights(tmp_path / "resumed"), reference("sgd", 6, clip=0.05)) <= TOL
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        ("pp-plain-backward", "optimizer.step() under 'pp': its schedule runs forward and backward"),
+        ("pp-optimizer", "pt.setup: strategy 'pp' builds its optimizer from [train]: "),
+        ("pp-uncut", "parallel.pp: pp = 2 needs a model that can be cut into layers"),
+        ("dp-loads-zero3", "pt.load: checkpoint "),
+        ("dp-setup-twice", "pt.setup: called once per pt"),
+        ("dp-save-extras", "pt.save: extras must be JSON values"),
+    ],
+)
+def test_what_the_api_refuses_exits_2_in_one_line(tmp_path, gang, call, says):
+    """No traceback: one line (after pp's notes on its cut), said once where every rank says the same
+    (setup's on each rank)."""
+    ckpt = str(tmp_path / "ckpt")
+    if call == "dp-loads-zero3":
+        common = dict(strategy="zero3", optimizer="adamw", steps=2, save_at=2, ckpt=ckpt, run_dir=str(tmp_path))
+        gang(2).run("own_loop_model:job", out=str(tmp_path / "out"), **common)
+    members = gang(2)
+    assert members.run("own_loop_model:refused_job", call=call, ckpt=ckpt) == [2, 2]
+    line = members.outputs[0].strip().splitlines()[-1]
+    assert line.startswith(f"paratrain: error: {says}") and "Traceback" not in members.outputs[0], members.outputs
+    assert members.outputs[1].strip() in ("", line), members.outputs
+
+
 def test_own_loop_collectives_name_the_step_a_hang_report_gives(tmp_path, gang):
     """A hang's report is the failed collective's describe(): its step counts optimizer steps, or
     is the step pt.log was given (3 batches: steps 0, 1, then pt.log(10))."""
@@ -104,10 +201,11 @@ def test_a_fused_projection_split_colwise_in_your_own_loop_exits_2_in_one_line(g
     assert '"0.gate_up" = "colwise"' in line, line
 
 
-@pytest.mark.parametrize("strategy", ["dp", "zero3"])
-def test_unequal_shares_of_a_short_last_batch_still_give_the_global_mean(tmp_path, gang, strategy):
+@pytest.mark.parametrize("strategy, backward", [("dp", "pt"), ("zero3", "pt"), ("dp", "plain"), ("zero3", "plain")])
+def test_unequal_shares_of_a_short_last_batch_still_give_the_global_mean(tmp_path, gang, strategy, backward):
     """40 samples in batches of 12 without drop_last: every fourth batch holds 4, shared 2-1-1."""
-    got = trained(gang, 3, tmp_path, strategy=strategy, optimizer="adamw", steps=8, drop_last=False)
+    common = dict(strategy=strategy, optimizer="adamw", steps=8, drop_last=False, backward=backward)
+    got = trained(gang, 3, tmp_path, **common)
     assert max_rel_error(got, reference("adamw", 8, drop_last=False)) <= TOL
 
 
@@ -124,9 +222,14 @@ def test_a_checkpoint_saved_at_world_2_resumes_at_another_world_and_ends_equal(t
 
 
 def test_train_step_under_pp_equals_one_process_and_own_loop_calls_name_it(tmp_path, gang):
-    said = gang(2).run("own_loop_model:pipeline_job", out=str(tmp_path / "out"), steps=5, run_dir=str(tmp_path / "run"))
+    members = gang(2)
+    codes = members.run(
+        "own_loop_model:pipeline_job", out=str(tmp_path / "out"), steps=5, run_dir=str(tmp_path / "run")
+    )
     assert max_rel_error(weights(tmp_path / "out"), reference("sgd", 5, groups=False)) <= TOL
-    assert all("pt.backward" in s and "train_step" in s for s in said), said
+    line = members.outputs[0].strip().splitlines()[-1]
+    assert codes == [2, 2] and line.startswith("paratrain: error: pt.backward: ") and "train_step" in line, line
+    assert "error" not in members.outputs[1], members.outputs[1]
 
 
 def one_process_evaluation() -> tuple[list[float], torch.Tensor, float]:

@@ -4,14 +4,15 @@
     model, optimizer = pt.setup(model, optimizer)  # the strategy around your model and optimizer
     loader = pt.setup_dataloader(loader)           # batch_size = the GLOBAL batch
     for x, y in loader:
-        pt.backward(loss_fn(model(x), y))          # gradients end as the global batch's mean
-        optimizer.step(); optimizer.zero_grad()
+        pt.backward(loss_fn(model(x), y))          # gradients end as the global batch's mean (so
+        optimizer.step(); optimizer.zero_grad()    # does a plain loss.backward(), as under DDP)
     loss = pt.eval_step(batch); pt.gather_for_metrics(predictions)   # on every rank, any strategy
     pt.save(path, step=step); pt.load(path); pt.export(path); pt.log(step, loss=...)
 
 The handle never asks which strategy it holds: it calls the strategy's own-loop methods
-(parallel/base.py: adopt_optimizer, backward, clip_grad_norm_), which a strategy whose schedule
-owns forward and backward (pp, hybrid, ps, federated) answers with one error naming train_step.
+(parallel/base.py: adopt_optimizer, watch_backward, backward, clip_grad_norm_), which a strategy
+whose schedule owns forward and backward (pp, hybrid, ps, federated) answers with one error naming
+train_step; a step of the user's own optimizer there is refused in one line.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog
 from paratrain.optim import build_loss
 from paratrain.parallel import registry
-from paratrain.parallel.base import Strategy, broadcast_tensors
+from paratrain.parallel.base import Strategy, broadcast_tensors, refuse, said_by_one
 from paratrain.runtime import process, schedulers
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "name")
@@ -91,6 +92,7 @@ class Paratrain:
         # this rank's share of a global batch, times the dp size: of the batch last handed out, and
         # of the one the last training forward ran on (a loop may fetch the next before backward)
         self._weight = self._forward_weight = 1.0
+        self._items_share: float | None = None  # pt.backward(loss, weight=n)'s, while it runs
         self._metrics: MetricsLog | None = None
         self._t0 = time.perf_counter()
 
@@ -100,7 +102,7 @@ class Paratrain:
         target)` for train_step (default: the config's train.loss). Returns (model, optimizer):
         step the returned optimizer (under ZeRO a new one of your class over this rank's shards)."""
         if self.strategy is not None:
-            raise RuntimeError("pt.setup: called once per pt (one model and its optimizer)")
+            refuse("pt.setup: called once per pt (one model and its optimizer)", said_by_one())
         cls = registry.strategy_class(self.cfg.parallel.strategy)
         if optimizer is not None:
             self._take_optimizer_keys(optimizer, cls.adopts_optimizers(self.cfg))
@@ -119,8 +121,11 @@ class Paratrain:
             optimizer = self.strategy.adopt_optimizer(optimizer)
         optimizer = optimizer or self.strategy.optimizer
         assert optimizer is not None  # the strategy built one from [train]
+        if not cls.adopts_optimizers(self.cfg):
+            optimizer.register_step_pre_hook(self._refuse_own_step)
         optimizer.register_step_post_hook(self._stepped)
         self.strategy.model.register_forward_pre_hook(self._forward_started)
+        self.strategy.watch_backward(self._gradient_scale, self._backward_ran)
         return self.strategy.model, optimizer
 
     def _forward_started(self, module, args) -> None:
@@ -130,6 +135,24 @@ class Paratrain:
             self._forward_weight = self._weight
             for loader in self.loaders:
                 loader.forward_ran()
+
+    def _backward_ran(self) -> None:
+        """A training backward has run (pt.backward or the user's loss.backward()): the loaders'
+        saved positions move to what its forward was given (a batch fetched since is served again
+        after a resume: loader.py)."""
+        for loader in self.loaders:
+            loader.backward_ran()
+
+    def _refuse_own_step(self, *_) -> None:
+        """A step of the user's own loop under a strategy whose schedule runs forward and backward:
+        whatever loss.backward() came before it trained nothing right."""
+        if self.strategy is not None and not self.strategy.in_schedule:
+            refuse(
+                f"optimizer.step() under {self.cfg.parallel.strategy!r}: its schedule runs forward and backward "
+                f"(a loss.backward() of yours is not reduced); use pt.setup(model, optimizer, loss=fn) and "
+                f"loss = pt.train_step(batch)",
+                said_by_one(),
+            )
 
     @staticmethod
     def _stepped(*_) -> None:
@@ -150,9 +173,10 @@ class Paratrain:
             "adamw": dict(betas=(0.9, 0.999), eps=1e-8, amsgrad=False),
         }
         if kind not in plain or len(optimizer.param_groups) > 1 or any(d.get(k) != v for k, v in plain[kind].items()):
-            raise ValueError(
+            refuse(
                 f"pt.setup: strategy {self.cfg.parallel.strategy!r} builds its optimizer from [train]: pass "
-                f"torch.optim.SGD(lr, momentum, weight_decay) or AdamW(lr, weight_decay) with one param group"
+                f"torch.optim.SGD(lr, momentum, weight_decay) or AdamW(lr, weight_decay) with one param group",
+                said_by_one(),
             )
         options = self.cfg.train
         options.optimizer, options.lr, options.weight_decay = kind, float(d["lr"]), float(d["weight_decay"])
@@ -177,19 +201,30 @@ class Paratrain:
     # -- the step ---------------------------------------------------------------------------------
     def _strategy(self, call: str):
         if self.strategy is None:
-            raise RuntimeError(f"pt.{call}: call pt.setup(model, optimizer) first")
+            refuse(f"pt.{call}: call pt.setup(model, optimizer) first", said_by_one())
         return self.strategy
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """loss: the mean over this rank's share; afterwards every rank's gradients are the global
-        batch's mean (shares of unequal size weighted by their samples). The loaders' saved
-        positions move to what the loss's forward was given: a batch fetched since is served
-        again after a resume (loader.py)."""
+    def backward(self, loss: torch.Tensor, weight: float | None = None) -> None:
+        """loss: the mean over this rank's share, or over `weight` items of it (label tokens, say);
+        afterwards every rank's gradients are the mean over the global batch's samples (shares of
+        unequal size weighted by theirs), or over its items: each rank's loss weighted by its
+        items over the mean number of items per rank (a collective). A plain loss.backward() is
+        pt.backward(loss): the strategy's watch (watch_backward) reduces every backward."""
         strategy = self._strategy("backward")
-        weight = self._forward_weight
-        strategy.backward(loss if weight == 1.0 else loss * weight)
-        for loader in self.loaders:
-            loader.backward_ran()
+        if weight is not None:
+            total = float(
+                all_reduce_sum(torch.tensor([float(weight)], dtype=torch.float64), self.rt, "backward-weight")
+            )
+            self._items_share = float(weight) * self.world_size / total if total else 0.0  # no items: no gradient
+        try:
+            strategy.backward(loss)
+        finally:
+            self._items_share = None
+
+    def _gradient_scale(self) -> float:
+        """What a training backward's gradients are multiplied by (watch_backward): this rank's
+        weight in the global batch's mean, 1.0 where every rank's share is alike."""
+        return self._forward_weight if self._items_share is None else self._items_share
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over every rank's shards) to max_norm; returns the norm."""
@@ -202,8 +237,13 @@ class Paratrain:
         global batch full, divisible by D."""
         strategy = self._strategy("train_step")
         if self._weight != 1.0:
-            raise ValueError("pt.train_step: a global batch not shared equally (set drop_last=True on the loader)")
-        loss = strategy.train_step(batch)
+            # (where one rank's share differs from the mean, every rank's does: rank 0 says it)
+            refuse("pt.train_step: a global batch not shared equally (set drop_last=True on the loader)", said_by_one())
+        strategy.in_schedule = True  # the schedule's own backward: not the user's (watch_backward)
+        try:
+            loss = strategy.train_step(batch)
+        finally:
+            strategy.in_schedule = False
         for loader in self.loaders:  # trained on what was handed out (its forward may not be the model's)
             loader.forward_ran()
             loader.backward_ran()
@@ -277,7 +317,7 @@ class Paratrain:
         try:
             json.dumps(extras)
         except TypeError as exc:
-            raise TypeError(f"pt.save: extras must be JSON values ({exc})") from None
+            refuse(f"pt.save: extras must be JSON values ({exc})", said_by_one())
         loop = {"step": int(step), "loaders": [loader.position() for loader in self.loaders], "extras": extras}
         return save_train_state(
             strategy,
@@ -305,7 +345,10 @@ class Paratrain:
                 return None
             path = Path(found)
         resumes = (self.cfg.parallel.strategy, self.cfg.train.optimizer, "pt.load", registry.checkpoint_family)
-        loop = load_train_state(strategy, ckpt.CheckpointReader(path), self.rt, resumes=resumes)
+        try:
+            loop = load_train_state(strategy, ckpt.CheckpointReader(path), self.rt, resumes=resumes)
+        except ConfigError as exc:  # another strategy's or optimizer's checkpoint, on every rank alike
+            refuse(f"{exc}", said_by_one())
         collectives.LOG.step = int(loop["step"])
         for loader, position in zip(self.loaders, loop.get("loaders", [])):
             loader.resume_at(position)

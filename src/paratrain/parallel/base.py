@@ -109,6 +109,7 @@ class Strategy:
         self.batchnorm: Any = None  # a data-parallel strategy's BatchNormPolicy (parallel/dp/batchnorm.py)
         self.context: Any = None  # parallel.cp: cuts each batch to this rank's chunks (parallel/context/)
         self.experts: Any = None  # parallel.ep: sends MoE layers' tokens to their experts (parallel/expert/)
+        self.in_schedule = False  # the Python API: in train_step, whose schedule runs its own backward
 
     @property
     def evaluates(self) -> bool:
@@ -231,7 +232,8 @@ class Strategy:
     @classmethod
     def adopts_optimizers(cls, cfg: Config) -> bool:
         """Whether adopt_optimizer takes any torch.optim optimizer (asked before the engine is built:
-        one that does not builds its own from [train], which the API fills from the user's)."""
+        one that does not builds its own from [train], which the API fills from the user's). The
+        strategies that do serve the own loop: the user's backward and optimizer step."""
         return False
 
     def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -240,13 +242,38 @@ class Strategy:
         assert self.optimizer is not None  # built from [train] by the engine
         return self.optimizer
 
+    def watch_backward(self, scale: Callable[[], float], ended: Callable[[], None]) -> None:
+        """The Python API's setup: from now on every backward that reaches the model (a plain
+        loss.backward() as well as pt.backward) leaves every rank's gradients the global batch's
+        mean, as DDP and FSDP2 do inside loss.backward(): backward_starts() before its first
+        gradient, each gradient multiplied by `scale()` (this rank's weight in the mean: 1.0 for
+        equal shares), backward_ended() and then `ended()` once autograd has finished it. A
+        strategy whose schedule owns backward watches nothing (the API refuses the user's step)."""
+        if self.adopts_optimizers(self.cfg):
+            BackwardWatch(self, scale, ended)
+
+    def trained_params(self) -> list[nn.Parameter]:
+        """The tensors autograd accumulates the model's gradients into (a strategy that watches)."""
+        raise NotImplementedError
+
+    def backward_starts(self) -> None:
+        """Before a watched backward's first gradient is accumulated: where it must go."""
+        raise NotImplementedError
+
+    def backward_ended(self) -> None:
+        """After a watched backward: its gradients reduced, each parameter's .grad holding its own."""
+        raise NotImplementedError
+
     def backward(self, loss: torch.Tensor) -> None:
-        """The user's own loop: leaves every rank's gradients the global batch's mean."""
-        raise OwnLoopUnsupported(self.name, "backward")
+        """The user's own loop: leaves every rank's gradients the global batch's mean (the watch
+        reduces them, watch_backward)."""
+        if not self.adopts_optimizers(self.cfg):
+            refuse_own_loop(self.name, "backward")
+        loss.backward()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm (over every rank's gradients) to max_norm; returns it."""
-        raise OwnLoopUnsupported(self.name, "clip_grad_norm_")
+        refuse_own_loop(self.name, "clip_grad_norm_")
 
     # -- state ----------------------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
@@ -277,14 +304,60 @@ def whole_model_chunks(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
         yield {k: v}
 
 
-class OwnLoopUnsupported(RuntimeError):
-    """An own-loop call under a strategy whose schedule owns forward and backward."""
+class BackwardWatch:
+    """Strategy.watch_backward's hooks on the strategy's trained_params(): tensor hooks, which see
+    each gradient before autograd accumulates it into .grad (once per backward, a shared
+    parameter's uses summed). The first of a backward calls the strategy's backward_starts(), reads
+    `scale()` and queues the end on autograd's engine, which runs it once the whole backward has
+    finished (as DDP's reducer finishes its buckets); each gradient is multiplied by the scale
+    (linear: as if the loss had been). Quiet while `strategy.in_schedule` (its train_step prepares
+    and finishes its own backward), and in a torch.autograd.grad(), which returns gradients
+    without accumulating them (a gradient penalty's)."""
 
-    def __init__(self, strategy: str, call: str):
-        super().__init__(
-            f"pt.{call}: strategy {strategy!r} runs forward and backward in its own schedule; "
-            f"use pt.setup(model, optimizer, loss=fn) and loss = pt.train_step(batch)"
-        )
+    def __init__(self, strategy: Strategy, scale: Callable[[], float], ended: Callable[[], None]):
+        self.strategy, self.scale, self.ended = strategy, scale, ended
+        self.running, self.factor = False, 1.0
+        # each parameter's AccumulateGrad node, held: autograd makes a new one once none is
+        self.accumulators = []
+        for p in strategy.trained_params():
+            view = p.view_as(p).grad_fn
+            assert view is not None  # a trained parameter requires grad
+            node = view.next_functions[0][0]
+            self.accumulators.append(node)
+            p.register_hook(lambda grad, node=node: self._gradient_arrives(grad, node))
+
+    def _gradient_arrives(self, grad: torch.Tensor, accumulator) -> torch.Tensor | None:
+        if self.strategy.in_schedule:
+            return None
+        if not self.running:
+            if not accumulates(accumulator):
+                return None
+            self.running, self.factor = True, self.scale()
+            self.strategy.backward_starts()
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_finished)
+        return None if self.factor == 1.0 else grad * self.factor
+
+    def _backward_finished(self) -> None:
+        self.running = False
+        self.strategy.backward_ended()
+        self.ended()
+
+
+def accumulates(node) -> bool:
+    """Whether the backward under way runs a parameter's AccumulateGrad `node` (into its .grad)."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # a torch.autograd.grad(), of which torch does not say it for a leaf: it returns
+        return False
+
+
+def refuse_own_loop(strategy: str, call: str) -> NoReturn:
+    """An own-loop call under a strategy whose schedule owns forward and backward."""
+    refuse(
+        f"pt.{call}: strategy {strategy!r} runs forward and backward in its own schedule; "
+        f"use pt.setup(model, optimizer, loss=fn) and loss = pt.train_step(batch)",
+        said_by_one(),
+    )
 
 
 @torch.no_grad()

@@ -318,13 +318,17 @@ class DataParallel(Strategy):
         self.optimizer = optimizer
         return optimizer
 
-    def backward(self, loss) -> None:
+    def trained_params(self) -> list[nn.Parameter]:
+        return self.params
+
+    def backward_starts(self) -> None:
         """Every backward communicates (a second one before a zero_grad adds the next average to
         the first: gradient accumulation, as under DDP without no_sync)."""
         if any(p.grad is None for p in self.params):  # the user's zero_grad() let them go
             self.reducer.zero_grad(rebind=True)
         self.reducer.prepare(sync=True)
-        loss.backward()
+
+    def backward_ended(self) -> None:
         self.grad_norm = self.reducer.finish()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

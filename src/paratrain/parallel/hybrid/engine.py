@@ -81,30 +81,38 @@ def check_model(cfg: Config, model: nn.Module) -> None:
                 f"'model' under pp takes a transformers model's own loss_function, which "
                 f"{type(model).__name__} has not: name a loss (cross_entropy, mse or module:function)",
             )
-        if pipeline_layers(model) is None:
-            raise ConfigError(
-                "parallel.pp",
-                f"pp = {p.pp} needs a model that can be cut into layers: an "
-                f"nn.Sequential or a module with pipeline_layers()",
-            )
-        outside = parameters_outside(model, layers_of(model))
-        if outside:
-            raise ConfigError(
-                "parallel.pp",
-                f"no pipeline stage would train {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''}: "
-                f"every trainable parameter must belong to one of the model's pipeline layers",
-            )
-        stages, layers = p.pp * virtual_stages(cfg), splittable_layers(model, plan, sync_ties(cfg))
-        if stages > layers:
-            tied = "".join(
-                f"; layers {a}-{b} share {name} (tied weights) and stay in one stage"
-                for a, b, name in tied_spans(model, layers_of(model), sync_ties(cfg))
-            )
-            raise ConfigError(
-                "parallel.pp",
-                f"{stages} pipeline stages (pp {p.pp} x {virtual_stages(cfg)} virtual) "
-                f"but the model has only {layers} layer{'' if layers == 1 else 's'} to split{tied}",
-            )
+        check_layers(cfg, model, plan)
+
+
+def check_layers(cfg: Config, model: nn.Module, plan: dict) -> None:
+    """Under pp: the model can be cut into enough layers, each trainable parameter in one of them."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    if pipeline_layers(model) is None:
+        raise ConfigError(
+            "parallel.pp",
+            f"pp = {p.pp} needs a model that can be cut into layers: an "
+            f"nn.Sequential or a module with pipeline_layers()",
+        )
+    outside = parameters_outside(model, layers_of(model))
+    if outside:
+        raise ConfigError(
+            "parallel.pp",
+            f"no pipeline stage would train {', '.join(outside[:3])}{' ...' if len(outside) > 3 else ''}: "
+            f"every trainable parameter must belong to one of the model's pipeline layers",
+        )
+    stages, layers = p.pp * virtual_stages(cfg), splittable_layers(model, plan, sync_ties(cfg))
+    if stages > layers:
+        tied = "".join(
+            f"; layers {a}-{b} share {name} (tied weights) and stay in one stage"
+            for a, b, name in tied_spans(model, layers_of(model), sync_ties(cfg))
+        )
+        raise ConfigError(
+            "parallel.pp",
+            f"{stages} pipeline stages (pp {p.pp} x {virtual_stages(cfg)} virtual) "
+            f"but the model has only {layers} layer{'' if layers == 1 else 's'} to split{tied}",
+        )
 
 
 class ModelParallel(Strategy):
@@ -128,8 +136,10 @@ class ModelParallel(Strategy):
         self.n_stages = p.pp * self.v
         self.tie_names = tie_names(model)
         plan = plan_for(model, p.tp_plan) if p.tp > 1 else {}
-        if p.tp > 1:  # the Python API brings its model here unchecked (a run's preflight checked it)
+        # the Python API brings its model here unchecked (a run's preflight checked it)
+        if p.tp > 1:
             check_plan(model, plan, p.tp, user=bool(p.tp_plan))
+        check_layers(cfg, model, plan)
         # by the parameters the user's model had before tp replaced some: what their optimizer holds
         self.name_of = {id(t): n for n, t in unique_parameters(model)}
         # hybrid/parallelize.py's steps, in its order
@@ -394,24 +404,25 @@ class ModelParallel(Strategy):
             f"pt.save / pt.load (at any layout)"
         )
 
-    def backward(self, loss) -> None:
+    def trained_params(self) -> list[nn.Parameter]:
+        return self.params
+
+    def backward_starts(self) -> None:
         """Every backward all-reduces over the dp ranks (a second one before a zero_grad adds to the
         first: accumulation); tp's own all-reduces run inside it."""
-        if not self.adopts_optimizers(self.cfg):
-            return super().backward(loss)  # raises: the pipeline's schedule owns backward
         if self.user_model is not None:
             self.user_model.lockstep.check(BACKWARD)
         split = self.split_params
-        reducer = self.reducers[0]
         # the user's optimizer.zero_grad() let them go, or model.zero_grad() those of the SplitParams
         if any(t.grad is None for t in self.params) or (split is not None and split.grads_let_go()):
-            reducer.zero_grad(rebind=True)
-        reducer.prepare(sync=True)
-        loss.backward()
-        self.grad_norm = reducer.finish()
+            self.reducers[0].zero_grad(rebind=True)
+        self.reducers[0].prepare(sync=True)
+
+    def backward_ended(self) -> None:
+        self.grad_norm = self.reducers[0].finish()
         self._verify_once()
-        if split is not None:
-            split.show_grads()
+        if self.split_params is not None:
+            self.split_params.show_grads()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if not self.adopts_optimizers(self.cfg):

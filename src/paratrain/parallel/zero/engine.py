@@ -82,6 +82,7 @@ class Zero(Strategy):
         self.device = rt.device
         self.mixed = cfg.train.precision == "bf16"
         self.zero_grad_called = True  # mixed precision: the pieces' gradients exist only in the step
+        self.fresh_grads = True  # whether the backward under way starts the gradients afresh (no accumulation)
         self.split_sequences_and_experts(model)  # first: which experts this rank keeps, apart from the units
         self.kept_experts = zero_experts(cfg, model, self.experts and self.experts.mesh, own_loop)
         named = unique_parameters(model)
@@ -342,18 +343,22 @@ class Zero(Strategy):
             f"this rank's shard of the state; save and resume it with pt.save / pt.load (at any world size)"
         )
 
-    def backward(self, loss) -> None:
-        """A backward before any zero_grad adds to the gradients (accumulation). Afterwards each
-        parameter's .grad is this rank's piece of its gradient, whose norm is global (user_tensors.py):
-        torch's own clip_grad_norm_(model.parameters(), c) clips the global norm."""
-        fresh = self._grads_let_go()
+    def trained_params(self) -> list[nn.Parameter]:
+        return [p for u in self.units for p in u.params]
+
+    def backward_starts(self) -> None:
+        """A backward before any zero_grad adds to the gradients (accumulation)."""
+        self.fresh_grads = self._grads_let_go()
         self._take_back_model_grads()
-        if fresh:
+        if self.fresh_grads:
             self.reducer.zero_grad()
-        self._before_backward(0 if fresh else 1, last=True)
-        loss.backward()
+        self._before_backward(0 if self.fresh_grads else 1, last=True)
+
+    def backward_ended(self) -> None:
+        """Each parameter's .grad becomes this rank's piece of its gradient, whose norm is global
+        (user_tensors.py): torch's own clip_grad_norm_(model.parameters(), c) clips the global norm."""
         self._after_backward(last=True)
-        if fresh:  # (stages 2 and 3 let the gradient shards go until backward made them again)
+        if self.fresh_grads:  # (stages 2 and 3 let the gradient shards go until backward made them again)
             self._bind_piece_grads()
         self._wait_gathers(self.units)  # parameters no forward used: their shard is about to change
         self._average_across_replicas([shard_grad(u) for u in self.units])

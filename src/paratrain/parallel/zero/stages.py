@@ -41,9 +41,8 @@ class Zero2(Zero):
     def _grads_let_go(self) -> bool:
         """The model's gradients are freed as reduced: they are None, or the user's view of the
         shards (None again after the user's model.zero_grad())."""
-        installed = bool(self.user_grads.grads)
         held = (self._held(p) for u in self.units for p in u.params)
-        return self._pieces_let_go() or (installed and any(p.grad is None for p in held))
+        return self._pieces_let_go() or (self.user_grads.installed and any(p.grad is None for p in held))
 
     def _take_back_model_grads(self) -> None:
         """Backward puts each gradient into .grad for the reducer to take: it must find None there."""
@@ -146,6 +145,8 @@ class Zero3(Zero2):
         parameter whose unit is not gathered (a read of the parameter itself there would be a
         SIGSEGV: its storage is freed)."""
         optimizer = super().adopt_optimizer(optimizer)
+        if self.gatherer.always_gathered:  # never freed: the modules hold the parameters for good
+            return optimizer
         # the (module, name) of each parameter, several for a tied one
         self.places: dict[int, list[tuple[nn.Module, str]]] = {}
         for module in self.model.modules():

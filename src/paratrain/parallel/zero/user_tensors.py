@@ -64,13 +64,19 @@ class GradShards:
     def __init__(self, strategy: str, group):
         self.strategy, self.group = strategy, group
         self.grads: list[ShardedGrad] = []
+        self.installed = False  # whether a backward has set the parameters' .grad yet
         self.norms: dict[float, torch.Tensor] = {}
 
     def install(self, params_and_pieces) -> None:
         """(parameter, this rank's piece of its gradient: a 1-D view of the gradient shard) pairs:
-        each parameter's .grad becomes the ShardedGrad over its piece."""
-        self.grads, self.norms = [], {}
+        each parameter's .grad becomes the ShardedGrad over its piece; in a group of one, where
+        the piece is the whole gradient, a plain view of it, which every tool reads as torch's."""
+        self.grads, self.norms, self.installed = [], {}, True
+        alone = not dist.is_initialized() or dist.get_world_size(self.group) == 1
         for p, piece in params_and_pieces:
+            if alone:
+                p.grad = piece.view(p.shape)
+                continue
             grad = ShardedGrad(p.shape, piece, len(self.grads), self)
             self.grads.append(grad)
             p.grad = grad
