@@ -142,7 +142,12 @@ def run(args) -> int:
                     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=work)
                     if proc.returncode != 0:
                         failed += 1
-                        tail = (proc.stdout + proc.stderr).strip().splitlines()[-6:]
+                        said = (proc.stdout + proc.stderr).strip().splitlines()
+                        # the cause (an abort, a traceback's last line) before the launcher's summary
+                        causes = [
+                            line for line in said if any(w in line for w in ("terminate", "Error", "error:", "Signal"))
+                        ]
+                        tail = causes[:6] + said[-4:]
                         say(f"{route} {strategy} run {i + 1}: exit {proc.returncode}\n  " + "\n  ".join(tail))
                 seconds = (time.perf_counter() - start) / args.runs
                 rows.append((route, strategy, args.runs, failed, seconds))
