@@ -286,7 +286,7 @@ def test_a_bad_key_exits_2_naming_it_before_joining(capsys):
     assert "bucket_mb" in line, line
 
 
-def test_a_loader_whose_order_the_api_cannot_keep_is_refused():
+def test_a_loader_whose_order_the_api_cannot_keep_is_refused(capsys):
     import torch
     from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
@@ -294,8 +294,11 @@ def test_a_loader_whose_order_the_api_cannot_keep_is_refused():
 
     data = TensorDataset(torch.zeros(8, 1))
     loader = DataLoader(data, batch_size=4, sampler=WeightedRandomSampler([1.0] * 8, 8))
-    with pytest.raises(ValueError, match="WeightedRandomSampler"):
+    with pytest.raises(SystemExit) as stopped:
         GlobalBatchLoader(loader, 0, place=None, share=None)
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("paratrain: error: pt.setup_dataloader: ") and "WeightedRandomSampler" in line, line
 
 
 def test_srun_tasks_read_as_torchrun_workers_and_an_sbatch_shell_is_left_alone():

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler, Sequent
 
 from paratrain.data.batch import take
 from paratrain.data.sampler import GlobalBatchSampler
+from paratrain.parallel.base import refuse, said_by_one
 
 
 class GlobalBatchLoader:
@@ -38,16 +39,18 @@ class GlobalBatchLoader:
         its samples: a forward that meets the other ranks, zero3's, still runs), where True
         refuses it."""
         if isinstance(loader.dataset, IterableDataset):
-            raise ValueError("pt.setup_dataloader: the dataset must be map-style (indexable, with a length)")
+            refuse("pt.setup_dataloader: the dataset must be map-style (indexable, with a length)", said_by_one())
         if loader.batch_size is None:
-            raise ValueError(
-                "pt.setup_dataloader: the loader needs a batch_size (the global batch), not a batch_sampler"
+            refuse(
+                "pt.setup_dataloader: the loader needs a batch_size (the global batch), not a batch_sampler",
+                said_by_one(),
             )
         if not isinstance(loader.sampler, (RandomSampler, SequentialSampler)):
             # its order would not be the same at every world size: say so rather than drop it
-            raise ValueError(
+            refuse(
                 f"pt.setup_dataloader: the loader's order comes from shuffle=True or False, not a "
-                f"{type(loader.sampler).__name__}"
+                f"{type(loader.sampler).__name__}",
+                said_by_one(),
             )
         self.loader, self.place, self.share, self.even_batches = loader, place, share, even_batches
         self.batch_size, self.drop_last = loader.batch_size, loader.drop_last
@@ -71,10 +74,11 @@ class GlobalBatchLoader:
             ids = self._global_ids(batch)
             rank, size, reads = self.share()
             if len(ids) < size and self.even_batches:
-                raise ValueError(
+                refuse(
                     f"pt.setup_dataloader: a batch of {len(ids)} samples cannot be shared by {size} data-parallel "
                     f"ranks (set drop_last=True, a batch_size of at least {size}, or even_batches=False to "
-                    f"leave some ranks' shares empty)"
+                    f"leave some ranks' shares empty)",
+                    said_by_one(),
                 )
             part = np.array_split(ids, size)[rank]
             load = (part if len(part) else ids[:1]).tolist()
@@ -113,7 +117,11 @@ class GlobalBatchLoader:
     def resume_at(self, position: dict) -> None:
         epoch, sample = int(position["epoch"]), int(position["sample_in_epoch"])
         if sample % self.batch_size:
-            raise ValueError(f"the checkpoint's data position (sample {sample}) is not at a batch of {self.batch_size}")
+            refuse(
+                f"pt.load: the checkpoint's data position (sample {sample}) is not at a batch of the loader's "
+                f"{self.batch_size}",
+                said_by_one(),
+            )
         self.epoch, self.batch = epoch, sample // self.batch_size
         self.at_forward = self.trained = (self.epoch, self.batch)
 
