@@ -519,19 +519,28 @@ def test_a_rank_that_fails_at_the_end_does_not_hold_its_peers_exit(tmp_path):
     assert time.monotonic() - start < 60  # not the group's timeout (300 s)
 
 
-def test_a_state_dict_on_rank_0_alone_is_named_when_the_others_end(tmp_path):
-    """Under zero3 model.state_dict() gathers from every rank: on rank 0 alone it would wait out
-    parallel.timeout_s (300 s). The other ranks' end is a checked call: both stop at once, one line."""
+@pytest.mark.parametrize(
+    "how, strategy, on_0, on_1",
+    [
+        ("state-dict-on-0", "zero3", "model.state_dict()", "the end of the script"),
+        ("state-dict-on-0-save-on-1", "zero3", "model.state_dict()", "pt.save"),
+        ("save-on-0", "dp", "pt.save", "the end of the script"),
+    ],
+)
+def test_a_call_some_ranks_make_alone_is_named_at_the_others_next_call(tmp_path, how, strategy, on_0, on_1):
+    """Under zero3 model.state_dict() gathers from every rank, and pt.save meets them under every
+    strategy: on rank 0 alone either would wait out parallel.timeout_s (300 s). The other ranks'
+    next paratrain call, or their end, is checked in the same sequence: both stop at once, one line."""
     import time
 
     start = time.monotonic()
-    ended = _ranks_of([str(Path(__file__).resolve().parent / "exit_script.py"), "state-dict-on-0"], tmp_path)
+    ended = _ranks_of([str(Path(__file__).resolve().parent / "exit_script.py"), how, strategy], tmp_path)
     assert time.monotonic() - start < 60
     assert [code for code, _ in ended] == [2, 2], ended
     said = [line for _, out in ended for line in out.splitlines() if "paratrain: error" in line]
     assert len(said) == 1, ended
-    assert "model.state_dict() (call #" in said[0] and "on rank 0" in said[0], said
-    assert "the end of the script" in said[0] and "on rank 1" in said[0], said
+    assert f"{on_0} (call #" in said[0] and "on rank 0" in said[0], said
+    assert f"{on_1} (call #" in said[0] and "on rank 1" in said[0], said
 
 
 def test_a_models_output_crosses_ranks_as_tensors_and_json(gang):

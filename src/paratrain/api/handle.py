@@ -32,6 +32,7 @@ from paratrain import config as config_mod
 from paratrain.api.loader import GlobalBatchLoader, to_device
 from paratrain.checkpoint.train_state import load_train_state, save_train_state
 from paratrain.comm import collectives
+from paratrain.comm.lockstep import EXPORT, LOAD, LOG, SAVE, LockstepCheck
 from paratrain.comm.scalars import all_reduce_sum, barrier, broadcast_str
 from paratrain.config import Config
 from paratrain.data.batch import as_pair, join, tree_map
@@ -88,6 +89,7 @@ class Paratrain:
         self.cfg, self.rt, self.run_dir = cfg, rt, run_dir
         self.rank, self.world_size, self.device, self.is_main = rt.rank, rt.world_size, rt.device, rt.is_main
         self.strategy: Strategy | None = None
+        self._calls: LockstepCheck | None = None  # the check of calls every rank makes (setup)
         self.loaders: list[GlobalBatchLoader] = []
         # this rank's share of a global batch, times the dp size: of the batch last handed out, and
         # of the one the last training forward ran on (a loop may fetch the next before backward)
@@ -126,7 +128,18 @@ class Paratrain:
         optimizer.register_step_post_hook(self._stepped)
         self.strategy.model.register_forward_pre_hook(self._forward_started)
         self.strategy.watch_backward(self._gradient_scale, self._backward_ran)
+        # pt.save, load, export and log meet the other ranks: checked in the sequence the model's
+        # own calls are (a state_dict on rank 0 alone meets the others' pt.save, and is named at
+        # once), on a group of the API's own where the strategy checks none (dp, zero1-2)
+        self._calls = self.strategy.calls_check()
+        if self._calls is None and self.world_size > 1 and self.strategy.lockstep:
+            self._calls = LockstepCheck(self.cfg.parallel.strategy, self.cfg.parallel.timeout_s)
         return self.strategy.model, optimizer
+
+    def _check_call(self, kind: int) -> None:
+        """Before an API call that meets the other ranks: every rank is at the same call (lockstep.py)."""
+        if self._calls is not None:
+            self._calls.check(kind)
 
     def _forward_started(self, module, args) -> None:
         """A training forward: the batches handed out so far are those its backward will have
@@ -314,6 +327,7 @@ class Paratrain:
         """Collective: PATH/checkpoints/step-N in `paratrain run`'s sharded format (the newest
         checkpoint.keep kept), with the loaders' positions and `extras` (JSON values)."""
         strategy = self._strategy("save")
+        self._check_call(SAVE)
         try:
             json.dumps(extras)
         except TypeError as exc:
@@ -334,6 +348,7 @@ class Paratrain:
         pt.save wrote), at any world size; the loaders go on at their next batch. Returns
         {"step": N, **extras}, or None where PATH holds no checkpoint yet (a fresh start)."""
         strategy = self._strategy("load")
+        self._check_call(LOAD)
         path = Path(path)
         if not (path / "manifest.json").exists():
             found = ""
@@ -357,6 +372,7 @@ class Paratrain:
     def export(self, path, step: int = 0) -> Path | None:
         """Collective: PATH/model.safetensors (keyed like model.state_dict()) and its manifest."""
         strategy = self._strategy("export")
+        self._check_call(EXPORT)
         chunks = strategy.model_chunks()  # every rank takes part in gathering each unit
         out = None
         if self.is_main:
@@ -392,6 +408,7 @@ class Paratrain:
         stacked = torch.stack([values[k].detach().double().reshape(()).to(self.device) for k in names])
         strategy = self.strategy
         if self.world_size > 1 and (strategy is None or strategy.lockstep):
+            self._check_call(LOG)
             group = strategy.trainer_group if strategy is not None else None
             collectives.all_reduce(stacked, "log-values", group=group)
             stacked /= dist.get_world_size(group)

@@ -30,8 +30,13 @@ KINDS = (
     "model.state_dict()",
     "model.load_state_dict()",
     "the end of the script",
+    "pt.save",
+    "pt.load",
+    "pt.export",
+    "pt.log",
 )
-FORWARD, FORWARD_NO_GRAD, BACKWARD, STATE_DICT, LOAD_STATE_DICT, END = range(len(KINDS))
+FORWARD, FORWARD_NO_GRAD, BACKWARD, STATE_DICT, LOAD_STATE_DICT, END, SAVE, LOAD, EXPORT, LOG = range(len(KINDS))
+API_CALLS = (SAVE, LOAD, EXPORT, LOG)  # the Python API's collective calls (api/handle.py checks them)
 
 
 class LockstepCheck:
@@ -70,7 +75,7 @@ class LockstepCheck:
                 raise
             self._stop(
                 f"{self.strategy}: {KINDS[kind]} of the model (call #{self.seq}) ran on rank {dist.get_rank()}, and not "
-                f"every other rank ran it within parallel.timeout_s = {self.timeout_s:g} s: {self._advice()}"
+                f"every other rank ran it within parallel.timeout_s = {self.timeout_s:g} s: {self._advice({kind})}"
             )
         self._compare(every)
 
@@ -98,10 +103,9 @@ class LockstepCheck:
             for r, (seq, k) in enumerate(calls):
                 ran.setdefault((seq, k), []).append(str(r))
             said = "; ".join(f"{KINDS[k]} (call #{seq}) on rank {', '.join(rs)}" for (seq, k), rs in ran.items())
+            advice = self._advice({k for _, k in ran})
             # every rank saw the same calls: rank 0 says so
-            self._stop(
-                f"{self.strategy}: the ranks ran different model calls: {said}: {self._advice()}", dist.get_rank() == 0
-            )
+            self._stop(f"{self.strategy}: the ranks ran different model calls: {said}: {advice}", dist.get_rank() == 0)
 
     @staticmethod
     def _stop(line: str, said_here: bool = True):
@@ -111,7 +115,9 @@ class LockstepCheck:
         process.mark_failing()
         raise SystemExit(2)
 
-    def _advice(self) -> str:
+    def _advice(self, kinds: set[int]) -> str:
+        if kinds - {END} <= set(API_CALLS):  # the API's own calls (under dp too, whose model calls meet no one)
+            return "call pt.save, pt.load, pt.export and pt.log (with tensors) on every rank: each meets the others"
         return (
             f"under {self.strategy} every rank must run each forward, backward and state_dict of the model "
             f"({self.why}): evaluate on every rank, save from rank 0"

@@ -242,6 +242,12 @@ class Strategy:
         assert self.optimizer is not None  # built from [train] by the engine
         return self.optimizer
 
+    def calls_check(self):
+        """The LockstepCheck (comm/lockstep.py) of this strategy's model calls that meet the other
+        ranks, or None where its model calls meet no one (dp, zero1-2): the Python API checks its
+        own collective calls in the same sequence."""
+        return None
+
     def watch_backward(self, scale: Callable[[], float], ended: Callable[[], None]) -> None:
         """The Python API's setup: from now on every backward that reaches the model (a plain
         loss.backward() as well as pt.backward) leaves every rank's gradients the global batch's

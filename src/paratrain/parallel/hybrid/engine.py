@@ -370,6 +370,9 @@ class ModelParallel(Strategy):
     def adopts_optimizers(cls, cfg) -> bool:
         return cfg.parallel.pp == 1
 
+    def calls_check(self):
+        return self.user_model.lockstep if self.user_model is not None else None
+
     def adopt_optimizer(self, optimizer):
         """The user's optimizer class, hyper-parameters and param groups over the tensors this rank
         trains (a tp shard in place of each split parameter); the model returns its whole output

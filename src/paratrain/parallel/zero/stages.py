@@ -248,6 +248,9 @@ class Zero3(Zero2):
                 self.gatherer.reshard(u)
         self._leave_state_call(module)
 
+    def calls_check(self):
+        return self.lockstep_check
+
     def _enter_state_call(self, module, kind: int) -> None:
         if self.state_call is None:
             self.state_call = module
