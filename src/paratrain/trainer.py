@@ -93,7 +93,8 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         # A sharding strategy materialises the model shard by shard from its meta-device build: a
         # built-in's initialisation is replayed, a user factory's construction recorded to be replayed.
-        if not registry.spec(cfg.parallel.strategy).materializes_models:
+        # A pretrained model's values are its files', not a construction's: it is loaded whole.
+        if not registry.spec(cfg.parallel.strategy).materializes_models or cfg.model.kwargs.get("pretrained"):
             model = build_model(cfg, self.train_set)
         elif cfg.model.factory in BUILTIN_MODELS:
             with torch.device("meta"):

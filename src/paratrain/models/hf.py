@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from paratrain.config import ArgumentError, require
@@ -76,6 +77,10 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
             path = Path(os.environ[CONFIG_DIR_ENV]) / path
         require((path / "config.json").is_file(), "pretrained", f"{path} holds no config.json (save_pretrained's)")
         try:
+            if torch.get_default_device().type == "meta":
+                # shapes only (the checks before any worker starts, a sharding strategy's meta build):
+                # transformers refuses from_pretrained under a meta device, and no weight is needed
+                return auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
             return auto.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ArgumentError("pretrained", f"{path}: {str(exc).splitlines()[0]}") from None
