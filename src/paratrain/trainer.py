@@ -44,6 +44,7 @@ from paratrain.parallel.registry import build_for_training
 from paratrain.profile import MemoryTracker, Profiler
 from paratrain.runtime import fault_points, process
 from paratrain.runtime.fault import guard, stop, survive
+from paratrain.token_mean import global_token_count
 
 
 @dataclass
@@ -102,6 +103,8 @@ class Trainer:
         else:
             model = record_on_meta(lambda: build_model(cfg, self.train_set))
         process.seed_everything(cfg.train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
+        counts = registry.spec(cfg.parallel.strategy).counts_global_batch and len(cast(Sized, self.train_set))
+        self.token_count = global_token_count(cfg, model, self.train_set[0]) if counts else None
         self.strategy = build_for_training(model, build_loss(cfg), cfg, rt)
         self.strategy.run_dir = self.run_dir
         self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size
@@ -275,6 +278,8 @@ class Trainer:
             if self.strategy.reads_data:
                 idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
                 batch = to_device(load_batch(self.train_set, idx), self.rt.device, non_blocking=True)
+                if self.token_count is not None:  # a token-mean loss over the global batch's tokens
+                    batch = self.token_count(batch, self.cfg, self.strategy.trainer_group)
         loss = self.strategy.train_step(batch)
         self.step += 1
         return loss

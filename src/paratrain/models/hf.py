@@ -77,9 +77,7 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
             path = Path(os.environ[CONFIG_DIR_ENV]) / path
         require((path / "config.json").is_file(), "pretrained", f"{path} holds no config.json (save_pretrained's)")
         try:
-            if torch.get_default_device().type == "meta":
-                # shapes only (the checks before any worker starts, a sharding strategy's meta build):
-                # transformers refuses from_pretrained under a meta device, and no weight is needed
+            if _shapes_only():  # no weight is needed, and from_pretrained refuses a meta device
                 return auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
             return auto.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
@@ -93,6 +91,14 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
         return auto.from_config(hf_config)
     except (ValueError, KeyError, TypeError, AssertionError) as exc:  # torch's modules assert their sizes
         raise ArgumentError("config", f"{model_type}: {str(exc).splitlines()[0]}") from None
+
+
+def _shapes_only() -> bool:
+    """Whether the model is built for its shapes alone: on the meta device (the checks before any
+    worker starts, a sharding strategy's meta build) or in fake tensors (`plan`)."""
+    from torch._guards import detect_fake_mode
+
+    return torch.get_default_device().type == "meta" or detect_fake_mode() is not None
 
 
 def _failed_import(exc: BaseException | None) -> bool:

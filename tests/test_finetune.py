@@ -1,0 +1,131 @@
+"""Fine-tuning what users already have (docs/fine-tuning.md), through `paratrain run`: a Hugging
+Face directory written by save_pretrained as `pretrained`, completion-only labels (prompts masked
+with -100) and the model's own loss, equal to one process computing that loss over the global
+batch; data whose token ids exceed the model's vocabulary exit 2 before any worker starts."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
+from torch.utils.data import default_collate
+from user_models import prompt_completions
+
+TESTS = Path(__file__).parent  # the data factory's module (user_models.py) resolves from here
+
+transformers = pytest.importorskip("transformers")
+
+SFT = """
+name = "sft"
+[model]
+factory = "hf"
+pretrained = "start"
+[data]
+factory = "user_models:prompt_completions"
+batch_size = 8
+shuffle = false
+[train]
+steps = 4
+optimizer = "sgd"
+lr = 0.5
+loss = "model"
+grad_accum = 2
+log_every = 2
+"""
+
+FAMILIES = {
+    "llama": dict(model_type="llama", tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=False),  # q/k/v biases, lm_head apart
+}
+
+
+def save_pretrained(family: str, path: Path) -> None:
+    """A tiny decoder at random init, saved as a user's fine-tuning starts from (nothing downloaded)."""
+    settings = dict(FAMILIES[family])
+    config = transformers.AutoConfig.for_model(
+        settings.pop("model_type"),
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **settings,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+def global_token_mean(model, batch: dict) -> torch.Tensor:
+    """The loss of one process over the global batch: the sum of the next-token losses over the
+    label tokens (not -100), divided by their number."""
+    logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    summed = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+    return summed / (labels != -100).sum()
+
+
+def train_alone(path: Path, steps: int = 4, batch: int = 8, lr: float = 0.5) -> tuple[dict, list[float]]:
+    """The weights after plain single-process SGD on the unshuffled global batches, and each step's loss."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    data, losses = prompt_completions(), []
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        opt.zero_grad()
+        loss = global_token_mean(model, default_collate([data[i] for i in range(step * batch, (step + 1) * batch)]))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+@pytest.mark.parametrize("strategy, family", [("dp", "llama"), ("zero3", "qwen2")])
+def test_pretrained_with_masked_prompts_equals_one_process(tmp_path, strategy, family):
+    """`run` from a save_pretrained directory, two ranks, two accumulation micro-batches each,
+    prompts of every length masked: the model's own loss is normalised by the global batch's label
+    tokens, so the trained weights and the logged losses are one process's; final/ loads back."""
+    save_pretrained(family, tmp_path / "start")
+    reference, losses = train_alone(tmp_path / "start")
+    cfg = write_config(tmp_path / "c.toml", SFT)
+    check_ok(
+        run_cli(
+            "run",
+            str(cfg),
+            "--nproc",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--set",
+            f"parallel.strategy='{strategy}'",
+            cwd=TESTS,
+        )
+    )
+    weights = final_weights(tmp_path / "run")
+    assert max_rel_error(weights, reference, floor=1e-3) <= 1e-4
+    logged = [m["loss"] for m in metrics(tmp_path / "run") if "loss" in m]
+    assert logged == pytest.approx([sum(losses[:2]) / 2, sum(losses[2:]) / 2], rel=1e-5)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").state_dict()
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize(
+    "sets, need",
+    [
+        (["data.vocab=80"], "80 (its vocab_size)"),
+        # no vocab_size declared: sample 0's largest id, here 79 or below (random ids under 80)
+        (["data.vocab=80", "data.declared=false"], "largest input_ids"),
+    ],
+)
+def test_token_ids_beyond_the_vocabulary_exit_2_naming_both_sizes(tmp_path, capsys, sets, need):
+    from paratrain.cli import main
+
+    save_pretrained("llama", tmp_path / "start")
+    capsys.readouterr()  # transformers' progress bar of the save
+    cfg = write_config(tmp_path / "c.toml", SFT)
+    overrides = [a for s in sets for a in ("--set", s)]
+    code = main(["run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *overrides])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "data.factory" in lines[0] and need in lines[0] and "model's has 64" in lines[0], lines
