@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -128,9 +129,19 @@ def output_logits(output):
     raise TypeError(f"the built-in losses need a tensor output or one with `logits`, got {type(output).__name__}")
 
 
+# While a training step runs on token targets: the global batch's label tokens per loss call
+# (token_mean.py), over which cross_entropy sums its token losses, so that the strategies' mean
+# of the calls is the global batch's token mean; unset, the call's own mean.
+LABEL_TOKENS_PER_CALL: ContextVar[torch.Tensor | None] = ContextVar("label_tokens_per_call", default=None)
+
+
 def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
     logits = output_logits(output)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+    flat = logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1)
+    per_call = LABEL_TOKENS_PER_CALL.get()
+    if per_call is None:
+        return F.cross_entropy(*flat)
+    return F.cross_entropy(*flat, reduction="sum") / per_call
 
 
 def mse(output, target: torch.Tensor) -> torch.Tensor:

@@ -1,75 +1,105 @@
-"""A model's own loss that is a mean over label tokens, normalised by the label tokens of the whole
-global batch (over the data-parallel ranks and the accumulation micro-batches): one process
-computing the loss over the global batch (docs/fine-tuning.md).
+"""A loss that is a mean over label tokens (a model's own loss, the built-in cross_entropy, whose
+ignore_index is -100), normalised by the label tokens of the whole global batch, over the
+data-parallel ranks and the accumulation micro-batches: one process computing the loss over the
+global batch (docs/fine-tuning.md).
 
 Every strategy averages its micro-batches' losses, and the data-parallel ranks their gradients,
 with equal weights: a mean over samples. Once prompt tokens are masked with -100, micro-batches
 hold unequal numbers of label tokens, and a mean of their token means is not the global batch's
-token mean. A transformers model's own loss takes `num_items_in_batch`, the count its sum of token
-losses is divided by (transformers' Trainer passes it for the same reason): given the global
-batch's count divided by the number of micro-batches over all ranks, each micro-batch's loss is its
-sum over that, and their equal-weight mean is the global token mean, the logged loss included.
+token mean. Each step therefore counts the global batch's label tokens (one all-reduce of one
+number, on the device: no host sync) and divides it by the number of loss calls over all ranks:
+each call's loss is its sum of token losses over that, their equal-weight mean the global token
+mean, the logged loss included.
 
-The count goes into the rank's batch before the strategy cuts it, as a 0-dim tensor, which each
-micro-batch takes whole (data/batch.split), the last pipeline stage with the labels
-(models/hf_pipeline.LOSS_KEYS), and parallel.cp divides over its ring (parallel/context/hf.py).
-It stays on the device: one all-reduce of one number a step, no host sync."""
+  the model's own loss  transformers' losses take the count as `num_items_in_batch` (its Trainer
+                        passes it for the same reason). It goes into the rank's dict batch before
+                        the strategy cuts it, a 0-dim tensor, which each micro-batch takes whole
+                        (data/batch.split), the last pipeline stage with the labels
+                        (models/hf_pipeline.LOSS_KEYS), and parallel.cp divides over its ring
+                        (parallel/context/hf.py).
+  cross_entropy         on token targets (a sequence per sample): the count reaches the built-in
+                        loss for the step's duration (optim.LABEL_TOKENS_PER_CALL), divided over
+                        parallel.cp here. Class targets (one per sample) are left as they are.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from paratrain.comm import collectives
 from paratrain.config import Config, microbatch_count
+from paratrain.optim import LABEL_TOKENS_PER_CALL
 
 IGNORE = -100  # the ignore_index of transformers' losses and torch's cross_entropy: a label no loss counts
 
 
 class GlobalTokenCount:
-    """Puts `num_items_in_batch` into a rank's dict batch of every step (see the module's docstring)."""
+    """The step's global label-token count per loss call, for `model_loss` (the model's own, given
+    `num_items_in_batch`) or else the built-in cross_entropy on the targets."""
 
-    def __init__(self, shifts_labels: bool):
+    def __init__(self, model_loss: bool, shifts_labels: bool = False):
+        self.model_loss = model_loss
         # a causal-LM loss shifts the labels itself: a row's first label is never a target
         self.shifts_labels = shifts_labels
 
-    def label_tokens(self, inputs: dict) -> torch.Tensor:
-        """The label tokens the model's loss averages over in `inputs`, counted as transformers'
-        Trainer counts them (labels given already shifted as `shift_labels` taken as they are)."""
-        if "shift_labels" in inputs:
+    def label_tokens(self, batch: tuple) -> torch.Tensor:
+        """The label tokens the loss averages over in `batch`, counted as transformers' Trainer
+        counts them (labels given already shifted, as `shift_labels`, taken as they are)."""
+        inputs, targets = batch
+        if not self.model_loss:
+            labels = targets
+        elif "shift_labels" in inputs:
             labels = inputs["shift_labels"]
         else:
             labels = inputs["labels"][..., 1:] if self.shifts_labels else inputs["labels"]
         return (labels != IGNORE).sum().to(torch.float32)
 
-    def __call__(self, batch: tuple, cfg: Config, group=None) -> tuple:
-        """`batch`, this rank's share of the global batch, with the global count per micro-batch:
-        every rank of `group` (None: the world) counts the share it reads, which the ranks of one
-        model replica (tp, pp, cp) read alike, so the sum over the group is the global batch's
-        count times the ranks per share, and the micro-batches over all ranks number
-        dp x micro_batches: the count per micro-batch is the sum over group ranks x micro_batches."""
-        inputs, targets = batch
-        count = self.label_tokens(inputs)
+    @contextlib.contextmanager
+    def over_global_batch(self, batch: tuple, cfg: Config, group=None) -> Iterator[tuple]:
+        """The step on `batch`, this rank's share of the global batch, with the global count per
+        loss call. Every rank of `group` (None: the world) counts the share it reads, which the
+        ranks of one model replica (tp, pp, cp) read alike: the sum over the group is the global
+        batch's count times the ranks per share, and the loss calls number dp x micro-batches
+        (x cp, whose ranks each compute a part of a sequence's loss): so the count per call is
+        the sum over (group ranks x micro-batches), over cp for the built-in loss."""
+        count = self.label_tokens(batch)
         ranks = 1
         if torch.distributed.is_initialized():
             collectives.all_reduce(count, "label-tokens", group=group)
             ranks = torch.distributed.get_world_size(group)
-        return {**inputs, "num_items_in_batch": count / (ranks * microbatch_count(cfg))}, targets
+        per_call = count / (ranks * microbatch_count(cfg))
+        if self.model_loss:
+            inputs, targets = batch
+            yield {**inputs, "num_items_in_batch": per_call}, targets
+            return
+        token = LABEL_TOKENS_PER_CALL.set(per_call / cfg.parallel.cp)
+        try:
+            yield batch
+        finally:
+            LABEL_TOKENS_PER_CALL.reset(token)
 
 
 def global_token_count(cfg: Config, model: nn.Module, sample) -> GlobalTokenCount | None:
-    """The normalisation for train.loss = "model" on dict samples with `labels`, where the model's
-    forward takes `num_items_in_batch` (transformers' test: its `accepts_loss_kwargs`, else a
-    forward with **kwargs); None for every other loss and model, whose batches stay as they are."""
+    """The count for a token-mean loss on samples like `sample`: train.loss = "model" on dict
+    samples with `labels`, where the model's forward takes `num_items_in_batch` (transformers'
+    test: its `accepts_loss_kwargs`, else a forward with **kwargs), or cross_entropy on integer
+    targets with a sequence per sample; None for every other loss and sample, left as they are."""
+    if cfg.train.loss == "cross_entropy":
+        target = sample[1] if isinstance(sample, (tuple, list)) and len(sample) == 2 else None
+        tokens = isinstance(target, torch.Tensor) and target.dim() >= 1 and not target.is_floating_point()
+        return GlobalTokenCount(model_loss=False) if tokens else None
     if cfg.train.loss != "model" or not (isinstance(sample, dict) and "labels" in sample):
         return None
     accepts = getattr(model, "accepts_loss_kwargs", None)
     if accepts is None:
         params = inspect.signature(model.forward).parameters.values()
         accepts = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
-    return GlobalTokenCount(_shifts_labels(model)) if accepts else None
+    return GlobalTokenCount(model_loss=True, shifts_labels=_shifts_labels(model)) if accepts else None
 
 
 def _shifts_labels(model: nn.Module) -> bool:

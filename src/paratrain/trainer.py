@@ -8,6 +8,7 @@ only reads the standard environment. The trainer never asks which strategy it ho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import signal
@@ -278,9 +279,14 @@ class Trainer:
             if self.strategy.reads_data:
                 idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
                 batch = to_device(load_batch(self.train_set, idx), self.rt.device, non_blocking=True)
-                if self.token_count is not None:  # a token-mean loss over the global batch's tokens
-                    batch = self.token_count(batch, self.cfg, self.strategy.trainer_group)
-        loss = self.strategy.train_step(batch)
+        # a token-mean loss: over the label tokens of the global batch, not each micro-batch's
+        over_global_batch = (
+            self.token_count.over_global_batch(batch, self.cfg, self.strategy.trainer_group)
+            if self.token_count is not None and batch is not None
+            else contextlib.nullcontext(batch)
+        )
+        with over_global_batch as batch:
+            loss = self.strategy.train_step(batch)
         self.step += 1
         return loss
 
