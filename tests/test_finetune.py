@@ -142,3 +142,28 @@ def test_token_ids_beyond_the_vocabulary_exit_2_naming_both_sizes(tmp_path, caps
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
     assert "data.factory" in lines[0] and need in lines[0] and "model's has 64" in lines[0], lines
+
+
+def test_pretrained_on_meta_reads_from_pretrained_values_a_tensor_at_a_time(tmp_path):
+    """Under a sharding strategy each pretrained tensor reaches the strategy alone, its value
+    from_pretrained's, buffers the files lack (rotary frequencies) included; files naming tensors
+    the model has not are left to the factory's whole load."""
+    from safetensors.torch import load_file, save_file
+
+    from paratrain.models.hf import hf
+    from paratrain.models.materialize import materialize, tensor_names
+    from paratrain.models.pretrained import pretrained_on_meta
+
+    save_pretrained("qwen2", tmp_path / "start")
+    model = pretrained_on_meta(lambda: hf(pretrained=str(tmp_path / "start")), str(tmp_path / "start"))
+    assert model is not None and all(p.is_meta for p in model.parameters())
+    kept: dict[int, torch.Tensor] = {}
+    materialize(model, 0, lambda meta, value: kept.__setitem__(id(meta), value))
+    names = tensor_names(model)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "start")
+    expected = {**dict(loaded.named_parameters()), **dict(loaded.named_buffers())}
+    assert all(torch.equal(kept[id(names[k])], v) for k, v in expected.items())
+
+    renamed = {f"old.{k}": v for k, v in load_file(tmp_path / "start" / "model.safetensors").items()}
+    save_file(renamed, tmp_path / "start" / "model.safetensors")
+    assert pretrained_on_meta(lambda: hf(pretrained=str(tmp_path / "start")), str(tmp_path / "start")) is None

@@ -84,6 +84,14 @@ class GlobalTokenCount:
             LABEL_TOKENS_PER_CALL.reset(token)
 
 
+def over_global_batch(count: GlobalTokenCount | None, batch: tuple | None, cfg: Config, group=None):
+    """`count.over_global_batch`; where there is no count (a loss left as it is) or no batch (a
+    rank that reads none), the step on the batch as it is."""
+    if count is None or batch is None:
+        return contextlib.nullcontext(batch)
+    return count.over_global_batch(batch, cfg, group)
+
+
 def global_token_count(cfg: Config, model: nn.Module, sample) -> GlobalTokenCount | None:
     """The count for a token-mean loss on samples like `sample`: train.loss = "model" on dict
     samples with `labels`, where the model's forward takes `num_items_in_batch` (transformers'

@@ -8,7 +8,6 @@ only reads the standard environment. The trainer never asks which strategy it ho
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import signal
@@ -39,13 +38,14 @@ from paratrain.models import BUILTIN as BUILTIN_MODELS
 from paratrain.models import build_model
 from paratrain.models.hf import model_files
 from paratrain.models.materialize import record_on_meta
+from paratrain.models.pretrained import pretrained_on_meta
 from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
 from paratrain.parallel.registry import build_for_training
 from paratrain.profile import MemoryTracker, Profiler
 from paratrain.runtime import fault_points, process
 from paratrain.runtime.fault import guard, stop, survive
-from paratrain.token_mean import global_token_count
+from paratrain.token_mean import global_token_count, over_global_batch
 
 
 @dataclass
@@ -94,15 +94,20 @@ class Trainer:
         """The model and the strategy over the process group (again after a change of membership)."""
         cfg, rt = self.cfg, self.rt
         # A sharding strategy materialises the model shard by shard from its meta-device build: a
-        # built-in's initialisation is replayed, a user factory's construction recorded to be replayed.
-        # A pretrained model's values are its files', not a construction's: it is loaded whole.
-        if not registry.spec(cfg.parallel.strategy).materializes_models or cfg.model.kwargs.get("pretrained"):
-            model = build_model(cfg, self.train_set)
+        # built-in's initialisation is replayed, a user factory's construction recorded to be
+        # replayed, a pretrained model's weights read from its files a tensor at a time (or, where
+        # its files are not read so, loaded whole).
+        build = functools.partial(build_model, cfg, self.train_set)
+        pretrained = cfg.model.kwargs.get("pretrained")
+        if not registry.spec(cfg.parallel.strategy).materializes_models:
+            model = build()
         elif cfg.model.factory in BUILTIN_MODELS:
             with torch.device("meta"):
-                model = build_model(cfg, self.train_set)
+                model = build()
+        elif pretrained:
+            model = pretrained_on_meta(build, pretrained) or build()
         else:
-            model = record_on_meta(lambda: build_model(cfg, self.train_set))
+            model = record_on_meta(build)
         process.seed_everything(cfg.train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
         counts = registry.spec(cfg.parallel.strategy).counts_global_batch and len(cast(Sized, self.train_set))
         self.token_count = global_token_count(cfg, model, self.train_set[0]) if counts else None
@@ -280,12 +285,7 @@ class Trainer:
                 idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
                 batch = to_device(load_batch(self.train_set, idx), self.rt.device, non_blocking=True)
         # a token-mean loss: over the label tokens of the global batch, not each micro-batch's
-        over_global_batch = (
-            self.token_count.over_global_batch(batch, self.cfg, self.strategy.trainer_group)
-            if self.token_count is not None and batch is not None
-            else contextlib.nullcontext(batch)
-        )
-        with over_global_batch as batch:
+        with over_global_batch(self.token_count, batch, self.cfg, self.strategy.trainer_group) as batch:
             loss = self.strategy.train_step(batch)
         self.step += 1
         return loss

@@ -13,14 +13,13 @@ starts from the same weights. `final/` of such a run is also a Hugging Face mode
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from paratrain.config import ArgumentError, require
 from paratrain.extras import require as require_extra
-from paratrain.resolve import CONFIG_DIR_ENV
+from paratrain.models.pretrained import pretrained_dir, without_weights
 
 # task -> the Auto class that builds it and loads final/ back (`AutoModelFor...from_pretrained`)
 TASKS = {
@@ -72,12 +71,11 @@ def worker_modules(config: dict | None = None, task: str = "causal-lm", **_) -> 
 def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -> nn.Module:
     auto = getattr(transformers, auto_name)
     if pretrained:
-        path = Path(pretrained)
-        if not path.is_absolute() and os.environ.get(CONFIG_DIR_ENV):
-            path = Path(os.environ[CONFIG_DIR_ENV]) / path
+        path = pretrained_dir(pretrained)
         require((path / "config.json").is_file(), "pretrained", f"{path} holds no config.json (save_pretrained's)")
         try:
-            if _shapes_only():  # no weight is needed, and from_pretrained refuses a meta device
+            # no weight is needed (from_pretrained refuses a meta device), or materialize reads them
+            if _shapes_only() or without_weights():
                 return auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
             return auto.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
