@@ -167,3 +167,50 @@ def test_pretrained_on_meta_reads_from_pretrained_values_a_tensor_at_a_time(tmp_
     renamed = {f"old.{k}": v for k, v in load_file(tmp_path / "start" / "model.safetensors").items()}
     save_file(renamed, tmp_path / "start" / "model.safetensors")
     assert pretrained_on_meta(lambda: hf(pretrained=str(tmp_path / "start")), str(tmp_path / "start")) is None
+
+
+GPT = """
+name = "gpt"
+[model]
+factory = "gpt"
+n_layer = 2
+n_head = 2
+d_model = 16
+[data]
+factory = "corpus"
+block_size = 16
+max_chars = 20000
+batch_size = 8
+shuffle = false
+[train]
+steps = 4
+optimizer = "sgd"
+lr = 0.1
+log_every = 2
+"""
+
+
+def test_a_paratrain_final_as_pretrained_for_a_built_in_model(tmp_path, gang, capsys):
+    """`pretrained` for a built-in factory: a run's final/ (its safetensors keyed like the model's
+    state_dict) is where the next run starts, under zero3 its tensors read one at a time (lr 0
+    keeps them as they are), and it trains on as one process does; weights that do not fit the
+    model exit 2 before any worker starts, naming the tensor."""
+    from paratrain.cli import main
+
+    cfg = write_config(tmp_path / "c.toml", GPT)
+    gang(2).train(cfg, tmp_path / "first")
+    start = final_weights(tmp_path / "first")
+    pretrained = f"model.pretrained='{tmp_path / 'first' / 'final'}'"
+    gang(2).train(cfg, tmp_path / "kept", [pretrained, "parallel.strategy='zero3'", "train.lr=0.0"])
+    kept = final_weights(tmp_path / "kept")
+    assert all(torch.equal(kept[k], start[k]) for k in start)
+    gang(2).train(cfg, tmp_path / "zero3", [pretrained, "parallel.strategy='zero3'"])
+    gang(1).train(cfg, tmp_path / "alone", [pretrained])
+    trained, alone = final_weights(tmp_path / "zero3"), final_weights(tmp_path / "alone")
+    # (attention key biases get no gradient: rounding noise alone, compared absolutely below 1e-3)
+    assert max_rel_error(trained, alone, floor=1e-3) <= 1e-4 and max_rel_error(trained, start) > 1e-3
+
+    capsys.readouterr()
+    code = main(["run", str(cfg), "--nproc", "2", "--set", pretrained, "--set", "model.n_layer=3"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "model.pretrained" in lines[0] and "blocks.2" in lines[0], lines

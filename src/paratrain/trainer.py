@@ -101,11 +101,11 @@ class Trainer:
         pretrained = cfg.model.kwargs.get("pretrained")
         if not registry.spec(cfg.parallel.strategy).materializes_models:
             model = build()
+        elif pretrained:
+            model = pretrained_on_meta(build, pretrained) or build()
         elif cfg.model.factory in BUILTIN_MODELS:
             with torch.device("meta"):
                 model = build()
-        elif pretrained:
-            model = pretrained_on_meta(build, pretrained) or build()
         else:
             model = record_on_meta(build)
         process.seed_everything(cfg.train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like

@@ -19,7 +19,7 @@ from torch import nn
 
 from paratrain.config import ArgumentError, require
 from paratrain.extras import require as require_extra
-from paratrain.models.pretrained import pretrained_dir, without_weights
+from paratrain.models.pretrained import pretrained_dir, shapes_only, without_weights
 
 # task -> the Auto class that builds it and loads final/ back (`AutoModelFor...from_pretrained`)
 TASKS = {
@@ -75,7 +75,7 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
         require((path / "config.json").is_file(), "pretrained", f"{path} holds no config.json (save_pretrained's)")
         try:
             # no weight is needed (from_pretrained refuses a meta device), or materialize reads them
-            if _shapes_only() or without_weights():
+            if shapes_only() or without_weights():
                 return auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
             return auto.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
@@ -89,14 +89,6 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
         return auto.from_config(hf_config)
     except (ValueError, KeyError, TypeError, AssertionError) as exc:  # torch's modules assert their sizes
         raise ArgumentError("config", f"{model_type}: {str(exc).splitlines()[0]}") from None
-
-
-def _shapes_only() -> bool:
-    """Whether the model is built for its shapes alone: on the meta device (the checks before any
-    worker starts, a sharding strategy's meta build) or in fake tensors (`plan`)."""
-    from torch._guards import detect_fake_mode
-
-    return torch.get_default_device().type == "meta" or detect_fake_mode() is not None
 
 
 def _failed_import(exc: BaseException | None) -> bool:
@@ -113,7 +105,6 @@ def import_failure(exc: BaseException) -> str:
     innermost exception of the chain, where transformers' own only says "Could not import module".
     A torchvision built for another torch (a CUDA wheel beside the CPU torch) breaks every
     transformers model, since transformers imports it for its image utilities: said so."""
-    import torch
 
     root = exc
     while (parent := root.__cause__ or root.__context__) is not None:

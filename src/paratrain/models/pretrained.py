@@ -17,14 +17,24 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
 
+import torch
 from torch import nn
 
+from paratrain.errors import ConfigError
 from paratrain.models.materialize import read_on_materialize, record_on_meta, tensor_names
 from paratrain.resolve import CONFIG_DIR_ENV
 
 # set while a factory builds the model whose weights materialize reads (pretrained_on_meta): the
 # construction from the directory's config alone, the same whether recorded on meta or replayed
 _WITHOUT_WEIGHTS: ContextVar[bool] = ContextVar("without_weights", default=False)
+
+
+def shapes_only() -> bool:
+    """Whether the model is built for its shapes alone: on the meta device (the checks before any
+    worker starts, a sharding strategy's meta build) or in fake tensors (`plan`)."""
+    from torch._guards import detect_fake_mode
+
+    return torch.get_default_device().type == "meta" or detect_fake_mode() is not None
 
 
 def without_weights() -> bool:
@@ -57,6 +67,44 @@ def weight_files(directory: Path) -> list[Path]:
         return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     single = directory / "model.safetensors"
     return [single] if single.is_file() else []
+
+
+def pretrained_files(pretrained: str) -> list[Path]:
+    """The weight files of `pretrained` for a factory other than hf: a directory whose safetensors
+    are keyed like the model's state_dict (a paratrain final/); ConfigError where it has none."""
+    files = weight_files(pretrained_dir(pretrained))
+    if not files:
+        raise ConfigError("model.pretrained", f"{pretrained_dir(pretrained)} holds no model.safetensors")
+    return files
+
+
+def check_weights(model: nn.Module, files: list[Path]) -> None:
+    """The files hold every tensor of the model's state_dict, of its shape, and no other
+    (ConfigError naming the first that differs); from their headers, on a meta model too."""
+    from safetensors import safe_open
+
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found: dict[str, tuple] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            found.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    for name in sorted(expected.keys() | found.keys()):
+        if expected.get(name) != found.get(name):
+            what = (
+                "is missing"
+                if name not in found
+                else "is no tensor of the model"
+                if name not in expected
+                else f"is {list(found[name])}, the model's {list(expected[name])}"
+            )
+            raise ConfigError("model.pretrained", f"{files[0].parent} does not fit the model: {name} {what}")
+
+
+def load_weights(model: nn.Module, files: list[Path]) -> None:
+    """The files' tensors (check_weights passed) into the model."""
+    from safetensors.torch import load_file
+
+    model.load_state_dict({k: v for file in files for k, v in load_file(str(file)).items()})
 
 
 def pretrained_on_meta(build: Callable[[], nn.Module], pretrained: str) -> nn.Module | None:
