@@ -214,3 +214,15 @@ def test_a_paratrain_final_as_pretrained_for_a_built_in_model(tmp_path, gang, ca
     code = main(["run", str(cfg), "--nproc", "2", "--set", pretrained, "--set", "model.n_layer=3"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "model.pretrained" in lines[0] and "blocks.2" in lines[0], lines
+
+
+def test_masked_token_targets_under_vocabulary_parallel_cross_entropy(tmp_path, gang):
+    """The built-in cross_entropy on masked token targets under tp, whose gpt head is split over
+    the vocabulary (the loss from its slices): -100 counts for nothing and the sum is divided by
+    the global batch's label tokens, as one process computes it."""
+    corpus = 'factory = "corpus"\nblock_size = 16\nmax_chars = 20000\n'
+    masked = GPT.replace(corpus, 'factory = "user_models:prompt_completions"\nlayout = "pair"\n')
+    cfg = write_config(tmp_path / "c.toml", masked.replace("d_model = 16\n", "d_model = 16\nblock_size = 16\n"))
+    gang(2).train(cfg, tmp_path / "tp", ["parallel.strategy='tp'", "parallel.tp=2", "train.grad_accum=2"])
+    gang(1).train(cfg, tmp_path / "alone")
+    assert max_rel_error(final_weights(tmp_path / "tp"), final_weights(tmp_path / "alone"), floor=1e-3) <= 1e-4

@@ -129,6 +129,8 @@ def output_logits(output):
     raise TypeError(f"the built-in losses need a tensor output or one with `logits`, got {type(output).__name__}")
 
 
+IGNORE_INDEX = -100  # torch's and transformers' ignore_index: a target that no loss counts
+
 # While a training step runs on token targets: the global batch's label tokens per loss call
 # (token_mean.py), over which cross_entropy sums its token losses, so that the strategies' mean
 # of the calls is the global batch's token mean; unset, the call's own mean.

@@ -33,9 +33,7 @@ from torch import nn
 
 from paratrain.comm import collectives
 from paratrain.config import Config, microbatch_count
-from paratrain.optim import LABEL_TOKENS_PER_CALL
-
-IGNORE = -100  # the ignore_index of transformers' losses and torch's cross_entropy: a label no loss counts
+from paratrain.optim import IGNORE_INDEX, LABEL_TOKENS_PER_CALL
 
 
 class GlobalTokenCount:
@@ -57,7 +55,7 @@ class GlobalTokenCount:
             labels = inputs["shift_labels"]
         else:
             labels = inputs["labels"][..., 1:] if self.shifts_labels else inputs["labels"]
-        return (labels != IGNORE).sum().to(torch.float32)
+        return (labels != IGNORE_INDEX).sum().to(torch.float32)
 
     @contextlib.contextmanager
     def over_global_batch(self, batch: tuple, cfg: Config, group=None) -> Iterator[tuple]:
