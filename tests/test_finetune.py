@@ -98,8 +98,8 @@ def train_alone(path: Path, steps: int = 4, batch: int = 8, lr: float = 0.5) -> 
 def test_pretrained_with_masked_prompts_equals_one_process(tmp_path, family, sets):
     """`run` from a save_pretrained directory, two ranks, two accumulation micro-batches each,
     prompts of every length masked: a loss that is a mean over label tokens is normalised by the
-    global batch's, so the trained weights and the logged losses are one process's; final/ loads
-    back with from_pretrained."""
+    global batch's, so the trained weights and the logged losses (validation included) are one
+    process's; final/ loads back with from_pretrained."""
     save_pretrained(family, tmp_path / "start")
     reference, losses = train_alone(tmp_path / "start")
     cfg = write_config(tmp_path / "c.toml", SFT)
@@ -119,8 +119,12 @@ def test_pretrained_with_masked_prompts_equals_one_process(tmp_path, family, set
     assert max_rel_error(weights, reference, floor=1e-3) <= 1e-4
     logged = [m["loss"] for m in metrics(tmp_path / "run") if "loss" in m]
     assert logged == pytest.approx([sum(losses[:2]) / 2, sum(losses[2:]) / 2], rel=1e-5)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final").state_dict()
-    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final")
+    assert all(torch.equal(v, weights[k]) for k, v in loaded.state_dict().items())
+    # the validation loss too: the token mean over the whole validation set (the same samples)
+    with torch.no_grad():
+        val_loss = global_token_mean(loaded, default_collate(list(prompt_completions("val"))))
+    assert metrics(tmp_path / "run")[-1]["val_loss"] == pytest.approx(val_loss.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ hold unequal numbers of label tokens, and a mean of their token means is not the
 token mean. Each step therefore counts the global batch's label tokens (one all-reduce of one
 number, on the device: no host sync) and divides it by the number of loss calls over all ranks:
 each call's loss is its sum of token losses over that, their equal-weight mean the global token
-mean, the logged loss included.
+mean, the logged loss included. The validation loss is likewise the validation set's token mean
+(GlobalTokenCount.evaluate).
 
   the model's own loss  transformers' losses take the count as `num_items_in_batch` (its Trainer
                         passes it for the same reason). It goes into the rank's dict batch before
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,6 +36,9 @@ from torch import nn
 from paratrain.comm import collectives
 from paratrain.config import Config, microbatch_count
 from paratrain.optim import IGNORE_INDEX, LABEL_TOKENS_PER_CALL
+
+if TYPE_CHECKING:
+    from paratrain.parallel.base import Strategy
 
 
 class GlobalTokenCount:
@@ -57,20 +62,40 @@ class GlobalTokenCount:
             labels = inputs["labels"][..., 1:] if self.shifts_labels else inputs["labels"]
         return (labels != IGNORE_INDEX).sum().to(torch.float32)
 
+    def evaluate(self, strategy: Strategy, batch: tuple, cfg: Config) -> torch.Tensor:
+        """The strategy's eval_step on a validation chunk (its loss computed on
+        `eval_microbatches` equal pieces of it: a pipeline's microbatches), its [loss x samples,
+        samples, ...] turned into [loss x label tokens, label tokens, ...], so that the sums over
+        chunks and ranks give the validation set's token mean: each piece's loss is normalised by
+        its share of the chunk's label tokens, the chunk's loss then its own token mean."""
+        tokens = self.label_tokens(batch)
+        with self._per_call(batch, tokens.clamp_min(1) / strategy.eval_microbatches, cfg) as batch:
+            sums = strategy.eval_step(*batch)
+        if not sums[1]:  # a rank that reports no loss, or an empty chunk
+            return sums
+        tokens = tokens.to(sums)
+        return torch.cat([(sums[0] / sums[1] * tokens).reshape(1), tokens.reshape(1), sums[2:]])
+
     @contextlib.contextmanager
     def over_global_batch(self, batch: tuple, cfg: Config, group=None) -> Iterator[tuple]:
         """The step on `batch`, this rank's share of the global batch, with the global count per
         loss call. Every rank of `group` (None: the world) counts the share it reads, which the
         ranks of one model replica (tp, pp, cp) read alike: the sum over the group is the global
-        batch's count times the ranks per share, and the loss calls number dp x micro-batches
-        (x cp, whose ranks each compute a part of a sequence's loss): so the count per call is
-        the sum over (group ranks x micro-batches), over cp for the built-in loss."""
+        batch's count times the ranks per share, and the loss calls number dp x micro-batches:
+        so the count per call is the sum over (group ranks x micro-batches)."""
         count = self.label_tokens(batch)
         ranks = 1
         if torch.distributed.is_initialized():
             collectives.all_reduce(count, "label-tokens", group=group)
             ranks = torch.distributed.get_world_size(group)
-        per_call = count / (ranks * microbatch_count(cfg))
+        with self._per_call(batch, count / (ranks * microbatch_count(cfg)), cfg) as batch:
+            yield batch
+
+    @contextlib.contextmanager
+    def _per_call(self, batch: tuple, per_call: torch.Tensor, cfg: Config) -> Iterator[tuple]:
+        """The loss calls on `batch` divide their sums of token losses by `per_call`: the model's
+        own as `num_items_in_batch` (parallel.cp divides it over its ranks, each computing a part
+        of a sequence's loss), the built-in cross_entropy through optim.LABEL_TOKENS_PER_CALL."""
         if self.model_loss:
             inputs, targets = batch
             yield {**inputs, "num_items_in_batch": per_call}, targets

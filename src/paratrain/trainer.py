@@ -194,7 +194,9 @@ class Trainer:
                 x, y = take(load_batch(self.val_set, torch.zeros(1, dtype=torch.long)), 0)
             else:
                 continue
-            sums += self.strategy.eval_step(to_device(x, self.rt.device), to_device(y, self.rt.device))
+            batch, counts = (to_device(x, self.rt.device), to_device(y, self.rt.device)), self.token_count
+            # a token-mean loss: the validation set's token mean
+            sums += counts.evaluate(self.strategy, batch, self.cfg) if counts else self.strategy.eval_step(*batch)
         sums = all_reduce_sum(sums, self.rt, "eval-sums", self.strategy.trainer_group)
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}
         if sums[3] > 0:
