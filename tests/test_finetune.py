@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import check_ok, final_weights, max_rel_error, metrics, run_cli, write_config
+from test_model_parallel import GPT
 from torch.utils.data import default_collate
 from user_models import prompt_completions
 
@@ -103,18 +104,8 @@ def test_pretrained_with_masked_prompts_equals_one_process(tmp_path, family, set
     save_pretrained(family, tmp_path / "start")
     reference, losses = train_alone(tmp_path / "start")
     cfg = write_config(tmp_path / "c.toml", SFT)
-    check_ok(
-        run_cli(
-            "run",
-            str(cfg),
-            "--nproc",
-            "2",
-            "--run-dir",
-            str(tmp_path / "run"),
-            *(a for s in sets for a in ("--set", s)),
-            cwd=TESTS,
-        )
-    )
+    overrides = [a for s in sets for a in ("--set", s)]
+    check_ok(run_cli("run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "run"), *overrides, cwd=TESTS))
     weights = final_weights(tmp_path / "run")
     assert max_rel_error(weights, reference, floor=1e-3) <= 1e-4
     logged = [m["loss"] for m in metrics(tmp_path / "run") if "loss" in m]
@@ -173,27 +164,6 @@ def test_pretrained_on_meta_reads_from_pretrained_values_a_tensor_at_a_time(tmp_
     assert pretrained_on_meta(lambda: hf(pretrained=str(tmp_path / "start")), str(tmp_path / "start")) is None
 
 
-GPT = """
-name = "gpt"
-[model]
-factory = "gpt"
-n_layer = 2
-n_head = 2
-d_model = 16
-[data]
-factory = "corpus"
-block_size = 16
-max_chars = 20000
-batch_size = 8
-shuffle = false
-[train]
-steps = 4
-optimizer = "sgd"
-lr = 0.1
-log_every = 2
-"""
-
-
 def test_a_paratrain_final_as_pretrained_for_a_built_in_model(tmp_path, gang, capsys):
     """`pretrained` for a built-in factory: a run's final/ (its safetensors keyed like the model's
     state_dict) is where the next run starts, under zero3 its tensors read one at a time (lr 0
@@ -201,7 +171,7 @@ def test_a_paratrain_final_as_pretrained_for_a_built_in_model(tmp_path, gang, ca
     model exit 2 before any worker starts, naming the tensor."""
     from paratrain.cli import main
 
-    cfg = write_config(tmp_path / "c.toml", GPT)
+    cfg = write_config(tmp_path / "c.toml", GPT.replace("steps = 20", "steps = 4"))
     gang(2).train(cfg, tmp_path / "first")
     start = final_weights(tmp_path / "first")
     pretrained = f"model.pretrained='{tmp_path / 'first' / 'final'}'"
@@ -226,7 +196,8 @@ def test_masked_token_targets_under_vocabulary_parallel_cross_entropy(tmp_path, 
     the global batch's label tokens, as one process computes it."""
     corpus = 'factory = "corpus"\nblock_size = 16\nmax_chars = 20000\n'
     masked = GPT.replace(corpus, 'factory = "user_models:prompt_completions"\nlayout = "pair"\n')
-    cfg = write_config(tmp_path / "c.toml", masked.replace("d_model = 16\n", "d_model = 16\nblock_size = 16\n"))
+    masked = masked.replace("steps = 20", "steps = 4").replace("d_model = 32\n", "d_model = 32\nblock_size = 16\n")
+    cfg = write_config(tmp_path / "c.toml", masked)
     gang(2).train(cfg, tmp_path / "tp", ["parallel.strategy='tp'", "parallel.tp=2", "train.grad_accum=2"])
     gang(1).train(cfg, tmp_path / "alone")
     assert max_rel_error(final_weights(tmp_path / "tp"), final_weights(tmp_path / "alone"), floor=1e-3) <= 1e-4
