@@ -201,3 +201,14 @@ def test_masked_token_targets_under_vocabulary_parallel_cross_entropy(tmp_path, 
     gang(2).train(cfg, tmp_path / "tp", ["parallel.strategy='tp'", "parallel.tp=2", "train.grad_accum=2"])
     gang(1).train(cfg, tmp_path / "alone")
     assert max_rel_error(final_weights(tmp_path / "tp"), final_weights(tmp_path / "alone"), floor=1e-3) <= 1e-4
+
+
+def test_the_worker_server_imports_a_pretrained_models_family(tmp_path):
+    """The worker server imports the family's transformers modules once for the workers (about
+    8 s of CPU each), named by a pretrained directory's config.json as by a config's model_type."""
+    from paratrain import config as config_mod
+    from paratrain.models import worker_preload
+
+    save_pretrained("qwen2", tmp_path / "start")
+    cfg = config_mod.from_dict({"model": {"factory": "hf", "pretrained": str(tmp_path / "start")}})
+    assert "transformers.models.qwen2.modeling_qwen2" in worker_preload(cfg)

@@ -52,20 +52,33 @@ def hf(config: dict | None = None, pretrained: str = "", task: str = "causal-lm"
         raise ArgumentError("factory", import_failure(exc)) from None
 
 
-def worker_modules(config: dict | None = None, task: str = "causal-lm", **_) -> tuple[str, ...]:
+def worker_modules(config: dict | None = None, task: str = "causal-lm", pretrained="", **_) -> tuple[str, ...]:
     """The transformers modules each worker imports to build this model (`[model]`'s keys), for the
     worker server to import once before it forks them (launch.start_worker_server's preload): about
     8 s of CPU a worker here, above torch's own import. The family's module is named as transformers
-    names it for most model types; a name that does not import is skipped by the server, and the
-    worker imports what it needs itself."""
+    names it for most model types (a pretrained directory's from its config.json); a name that does
+    not import is skipped by the server, and the worker imports what it needs itself."""
     if not isinstance(task, str) or task not in TASKS:  # the preflight, after, names the key
         return ()
     modules = ["transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto"]
+    if config is None and isinstance(pretrained, str) and pretrained:
+        config = _saved_config(pretrained)
     model_type = config.get("model_type") if isinstance(config, dict) else None
     family = model_type.replace("-", "_") if isinstance(model_type, str) else ""
     if family.isidentifier():
         modules.append(f"transformers.models.{family}.modeling_{family}")
     return tuple(modules)
+
+
+def _saved_config(pretrained: str) -> dict | None:
+    """A pretrained directory's config.json, or None where it has none that reads (the preflight,
+    after, names the key)."""
+    import json
+
+    try:
+        return json.loads((pretrained_dir(pretrained) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -> nn.Module:
