@@ -131,19 +131,20 @@ def output_logits(output):
 
 IGNORE_INDEX = -100  # torch's and transformers' ignore_index: a target that no loss counts
 
-# While a training step runs on token targets: the global batch's label tokens per loss call
-# (token_mean.py), over which cross_entropy sums its token losses, so that the strategies' mean
-# of the calls is the global batch's token mean; unset, the call's own mean.
-LABEL_TOKENS_PER_CALL: ContextVar[torch.Tensor | None] = ContextVar("label_tokens_per_call", default=None)
+# While a training step (or a validation chunk) runs on token targets: the label tokens per sample
+# of the global batch (token_mean.py), so that cross_entropy divides its sum of token losses by
+# that times its rows and the strategies' mean of the calls is the global batch's token mean;
+# unset, the call's own mean.
+LABEL_TOKENS_PER_SAMPLE: ContextVar[torch.Tensor | None] = ContextVar("label_tokens_per_sample", default=None)
 
 
 def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
     logits = output_logits(output)
     flat = logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1)
-    per_call = LABEL_TOKENS_PER_CALL.get()
-    if per_call is None:
+    per_sample = LABEL_TOKENS_PER_SAMPLE.get()
+    if per_sample is None:
         return F.cross_entropy(*flat)
-    return F.cross_entropy(*flat, reduction="sum") / per_call
+    return F.cross_entropy(*flat, reduction="sum") / (per_sample * target.shape[0])
 
 
 def mse(output, target: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ Every strategy averages its micro-batches' losses, and the data-parallel ranks t
 with equal weights: a mean over samples. Once prompt tokens are masked with -100, micro-batches
 hold unequal numbers of label tokens, and a mean of their token means is not the global batch's
 token mean. Each step therefore counts the global batch's label tokens (one all-reduce of one
-number, on the device: no host sync) and divides it by the number of loss calls over all ranks:
-each call's loss is its sum of token losses over that, their equal-weight mean the global token
+number, on the device: no host sync) and divides it over the loss calls of all ranks: each
+call's loss is its sum of token losses over its share, their equal-weight mean the global token
 mean, the logged loss included. The validation loss is likewise the validation set's token mean
 (GlobalTokenCount.evaluate).
 
@@ -18,9 +18,11 @@ mean, the logged loss included. The validation loss is likewise the validation s
                         (data/batch.split), the last pipeline stage with the labels
                         (models/hf_pipeline.LOSS_KEYS), and parallel.cp divides over its ring
                         (parallel/context/hf.py).
-  cross_entropy         on token targets (a sequence per sample): the count reaches the built-in
-                        loss for the step's duration (optim.LABEL_TOKENS_PER_CALL), divided over
-                        parallel.cp here. Class targets (one per sample) are left as they are.
+  cross_entropy         on token targets (a sequence per sample): the count per sample reaches
+                        the built-in loss for the step's duration (optim.LABEL_TOKENS_PER_SAMPLE),
+                        which divides by it times its rows, divided over parallel.cp here (so
+                        pieces of any size, as a validation chunk's, are weighed right). Class
+                        targets (one per sample) are left as they are.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from torch import nn
 
 from paratrain.comm import collectives
 from paratrain.config import Config, microbatch_count
-from paratrain.optim import IGNORE_INDEX, LABEL_TOKENS_PER_CALL
+from paratrain.data.batch import num_samples
+from paratrain.optim import IGNORE_INDEX, LABEL_TOKENS_PER_SAMPLE
 
 if TYPE_CHECKING:
     from paratrain.parallel.base import Strategy
@@ -63,13 +66,16 @@ class GlobalTokenCount:
         return (labels != IGNORE_INDEX).sum().to(torch.float32)
 
     def evaluate(self, strategy: Strategy, batch: tuple, cfg: Config) -> torch.Tensor:
-        """The strategy's eval_step on a validation chunk (its loss computed on
-        `eval_microbatches` equal pieces of it: a pipeline's microbatches), its [loss x samples,
-        samples, ...] turned into [loss x label tokens, label tokens, ...], so that the sums over
-        chunks and ranks give the validation set's token mean: each piece's loss is normalised by
-        its share of the chunk's label tokens, the chunk's loss then its own token mean."""
-        tokens = self.label_tokens(batch)
-        with self._per_call(batch, tokens.clamp_min(1) / strategy.eval_microbatches, cfg) as batch:
+        """The strategy's eval_step on a validation chunk, its [loss x samples, samples, ...] turned
+        into [loss x label tokens, label tokens, ...], so that the sums over chunks and ranks give
+        the validation set's token mean. The built-in cross_entropy is normalised by the chunk's
+        label tokens per sample, whatever pieces the strategy cuts the chunk into (a pipeline's
+        microbatches); the model's own loss by the chunk's per piece where the pieces are equal,
+        else each piece's own token mean (weighed by samples: exact where they hold equal numbers
+        of label tokens, as unmasked samples do)."""
+        tokens, rows, pieces = self.label_tokens(batch), num_samples(batch[0]), strategy.eval_microbatches
+        per_call = tokens.clamp_min(1) / pieces if rows % pieces == 0 else None
+        with self._normalised(batch, per_call, tokens.clamp_min(1) / max(rows, 1), cfg) as batch:
             sums = strategy.eval_step(*batch)
         if not sums[1]:  # a rank that reports no loss, or an empty chunk
             return sums
@@ -78,33 +84,38 @@ class GlobalTokenCount:
 
     @contextlib.contextmanager
     def over_global_batch(self, batch: tuple, cfg: Config, group=None) -> Iterator[tuple]:
-        """The step on `batch`, this rank's share of the global batch, with the global count per
-        loss call. Every rank of `group` (None: the world) counts the share it reads, which the
-        ranks of one model replica (tp, pp, cp) read alike: the sum over the group is the global
-        batch's count times the ranks per share, and the loss calls number dp x micro-batches:
-        so the count per call is the sum over (group ranks x micro-batches)."""
+        """The step on `batch`, this rank's share of the global batch, normalised by the global
+        batch's label tokens. Every rank of `group` (None: the world) counts the share it reads,
+        which the ranks of one model replica (tp, pp, cp) read alike: the sum over the group is the
+        global count times the ranks per share. The loss calls number dp x micro-batches (each
+        of the same samples): the model's loss takes the count per call, the sum over (group ranks
+        x micro-batches); cross_entropy the count per sample, the sum over (group ranks x rows)."""
         count = self.label_tokens(batch)
         ranks = 1
         if torch.distributed.is_initialized():
             collectives.all_reduce(count, "label-tokens", group=group)
             ranks = torch.distributed.get_world_size(group)
-        with self._per_call(batch, count / (ranks * microbatch_count(cfg)), cfg) as batch:
+        per_call, per_sample = count / (ranks * microbatch_count(cfg)), count / (ranks * num_samples(batch[0]))
+        with self._normalised(batch, per_call, per_sample, cfg) as batch:
             yield batch
 
     @contextlib.contextmanager
-    def _per_call(self, batch: tuple, per_call: torch.Tensor, cfg: Config) -> Iterator[tuple]:
-        """The loss calls on `batch` divide their sums of token losses by `per_call`: the model's
-        own as `num_items_in_batch` (parallel.cp divides it over its ranks, each computing a part
-        of a sequence's loss), the built-in cross_entropy through optim.LABEL_TOKENS_PER_CALL."""
+    def _normalised(
+        self, batch: tuple, per_call: torch.Tensor | None, per_sample: torch.Tensor, cfg: Config
+    ) -> Iterator[tuple]:
+        """The loss calls on `batch` divide their sums of token losses by a share of the label
+        tokens: the model's own by `per_call`, as `num_items_in_batch` (None: its own count;
+        parallel.cp divides it over its ranks, each computing a part of a sequence's loss), the
+        built-in cross_entropy by `per_sample` times its rows (optim.LABEL_TOKENS_PER_SAMPLE)."""
         if self.model_loss:
             inputs, targets = batch
-            yield {**inputs, "num_items_in_batch": per_call}, targets
+            yield ({**inputs, "num_items_in_batch": per_call} if per_call is not None else inputs), targets
             return
-        token = LABEL_TOKENS_PER_CALL.set(per_call / cfg.parallel.cp)
+        token = LABEL_TOKENS_PER_SAMPLE.set(per_sample / cfg.parallel.cp)
         try:
             yield batch
         finally:
-            LABEL_TOKENS_PER_CALL.reset(token)
+            LABEL_TOKENS_PER_SAMPLE.reset(token)
 
 
 def over_global_batch(count: GlobalTokenCount | None, batch: tuple | None, cfg: Config, group=None):

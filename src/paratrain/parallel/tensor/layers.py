@@ -34,7 +34,7 @@ from torch import nn
 from paratrain.comm import collectives
 from paratrain.cost.activations import TensorSharding
 from paratrain.errors import ConfigError
-from paratrain.optim import IGNORE_INDEX, LABEL_TOKENS_PER_CALL
+from paratrain.optim import IGNORE_INDEX, LABEL_TOKENS_PER_SAMPLE
 from paratrain.parallel.tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp, shard_range, split_to_tp
 from paratrain.parallel.tensor.experts import (
     HOOK_STYLES,
@@ -377,7 +377,8 @@ def full_width(model: nn.Module) -> int:
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """The built-in cross_entropy's value from vocabulary slices: targets at -100 count for
     nothing, and the sum of the others' losses is divided by `per_call` (the global batch's label
-    tokens per loss call, optim.LABEL_TOKENS_PER_CALL) where given, else by their number."""
+    tokens per sample times the call's rows, optim.LABEL_TOKENS_PER_SAMPLE) where given, else by
+    their number."""
 
     @staticmethod
     def forward(ctx, logits, target, group, start: int, per_call: torch.Tensor | None = None):
@@ -411,8 +412,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, full: int) -> torch.Tensor:
     """The built-in cross_entropy (optim.py), from this rank's vocabulary slice of the logits."""
     start, _ = shard_range(full, dist.get_world_size(group), dist.get_rank(group))
+    per_sample = LABEL_TOKENS_PER_SAMPLE.get()
+    per_call = None if per_sample is None else per_sample * target.shape[0]
     return _VocabParallelCrossEntropy.apply(
-        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, start, LABEL_TOKENS_PER_CALL.get()
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, start, per_call
     )
 
 
