@@ -1,5 +1,9 @@
-"""`[model] pretrained = "DIR"` under a sharding strategy: no rank holds the whole model while
-loading. The model's construction from the directory's config is recorded on the meta device and
+"""`[model] pretrained = "DIR"`: a Hugging Face directory (hf reads it) or, for any other factory,
+a directory of safetensors keyed like the model's state_dict (a paratrain final/), whose weights
+replace the built model's (build_model; checked from the files' headers before any worker starts).
+
+Under a sharding strategy no rank holds the whole model while loading. The model's construction
+(hf's from the directory's config, without weights) is recorded on the meta device and
 replayed a tensor at a time (models/materialize.py), which gives every tensor the directory lacks
 (a rotary embedding's non-persistent buffers, say) its value; each tensor the directory's
 safetensors hold is then read alone (memory-mapped) and handed to the strategy, which keeps its
