@@ -191,3 +191,35 @@ class SkippingStack(nn.Module):
 
 def skipping_stack() -> SkippingStack:
     return SkippingStack()
+
+
+class PromptCompletions(torch.utils.data.Dataset):
+    """Token blocks whose prompt, the first 0 to block - 2 tokens (a different number in each), is
+    masked with -100 in the labels: a completion-only loss counts a different number of tokens in
+    each sample. `layout`: `labelled` {"input_ids", "labels"} (the model shifts them), or `pair`
+    (ids, the next ids): the same token targets shifted here, the last one -100. `vocab_size` is
+    declared, as shards declare their tokenizer's, unless `declared` is false."""
+
+    def __init__(self, vocab: int, block: int, n: int, declared: bool, layout: str):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(vocab, (n, block), generator=g)
+        self.prompts = torch.randint(block - 1, (n,), generator=g)
+        self.layout = layout
+        if declared:
+            self.vocab_size = vocab
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[: self.prompts[i]] = -100
+        if self.layout == "pair":
+            return self.ids[i], torch.cat([labels[1:], torch.tensor([-100])])
+        return {"input_ids": self.ids[i], "labels": labels}
+
+
+def prompt_completions(
+    split: str = "train", vocab: int = 64, block: int = 16, n: int = 64, declared: bool = True, layout: str = "labelled"
+) -> PromptCompletions:
+    return PromptCompletions(vocab, block, n, declared, layout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -128,9 +129,22 @@ def output_logits(output):
     raise TypeError(f"the built-in losses need a tensor output or one with `logits`, got {type(output).__name__}")
 
 
+IGNORE_INDEX = -100  # torch's and transformers' ignore_index: a target that no loss counts
+
+# While a training step (or a validation chunk) runs on token targets: the label tokens per sample
+# of the global batch (token_mean.py), so that cross_entropy divides its sum of token losses by
+# that times its rows and the strategies' mean of the calls is the global batch's token mean;
+# unset, the call's own mean.
+LABEL_TOKENS_PER_SAMPLE: ContextVar[torch.Tensor | None] = ContextVar("label_tokens_per_sample", default=None)
+
+
 def cross_entropy(output, target: torch.Tensor) -> torch.Tensor:
     logits = output_logits(output)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+    flat = logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1)
+    per_sample = LABEL_TOKENS_PER_SAMPLE.get()
+    if per_sample is None:
+        return F.cross_entropy(*flat)
+    return F.cross_entropy(*flat, reduction="sum") / (per_sample * target.shape[0])
 
 
 def mse(output, target: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,33 @@ def check_loss_and_samples(cfg: config_mod.Config, model, train_set) -> None:
 
     build_loss(cfg)
     check_samples(cfg, train_set, model)
+    check_vocabulary(cfg, model, train_set)
+
+
+def check_vocabulary(cfg: config_mod.Config, model, train_set) -> None:
+    """The data's token ids within the model's input embedding (a transformers model's, or any
+    with `get_input_embeddings`): ids beyond it would fail in every worker with `IndexError: index
+    out of range in self`. The data's vocabulary is its `vocab_size` (the tokenizer's: shards, the
+    corpus), else the largest `input_ids` of sample 0 plus one."""
+    import torch
+    from torch import nn
+
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embeddings, nn.Embedding) or len(train_set) == 0:
+        return
+    data_vocab, what = getattr(train_set, "vocab_size", None), "vocab_size"
+    if not isinstance(data_vocab, int):
+        sample = train_set[0]
+        ids = sample.get("input_ids") if isinstance(sample, dict) else None
+        if not (isinstance(ids, torch.Tensor) and ids.numel() and not ids.is_floating_point()):
+            return
+        data_vocab, what = int(ids.max()) + 1, "largest input_ids of sample 0, plus one"
+    if data_vocab > embeddings.num_embeddings:
+        raise ConfigError(
+            "data.factory",
+            f"{cfg.data.factory}'s token ids need a vocabulary of {data_vocab} (its {what}), but the model's "
+            f"has {embeddings.num_embeddings}: tokenize the data with the model's own tokenizer",
+        )
 
 
 def check_layout_against(cfg: config_mod.Config, model, train_set) -> None:

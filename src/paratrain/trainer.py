@@ -39,12 +39,14 @@ from paratrain.models import BUILTIN as BUILTIN_MODELS
 from paratrain.models import build_model
 from paratrain.models.hf import model_files
 from paratrain.models.materialize import record_on_meta
+from paratrain.models.pretrained import pretrained_on_meta
 from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
 from paratrain.parallel.registry import build_for_training
 from paratrain.profile import MemoryTracker, Profiler
 from paratrain.runtime import fault_points, process
 from paratrain.runtime.fault import guard, stop, survive
+from paratrain.token_mean import global_token_count, over_global_batch
 
 
 @dataclass
@@ -93,15 +95,23 @@ class Trainer:
         """The model and the strategy over the process group (again after a change of membership)."""
         cfg, rt = self.cfg, self.rt
         # A sharding strategy materialises the model shard by shard from its meta-device build: a
-        # built-in's initialisation is replayed, a user factory's construction recorded to be replayed.
+        # built-in's initialisation is replayed, a user factory's construction recorded to be
+        # replayed, a pretrained model's weights read from its files a tensor at a time (or, where
+        # its files are not read so, loaded whole).
+        build = functools.partial(build_model, cfg, self.train_set)
+        pretrained = cfg.model.kwargs.get("pretrained")
         if not registry.spec(cfg.parallel.strategy).materializes_models:
-            model = build_model(cfg, self.train_set)
+            model = build()
+        elif pretrained:
+            model = pretrained_on_meta(build, pretrained) or build()
         elif cfg.model.factory in BUILTIN_MODELS:
             with torch.device("meta"):
-                model = build_model(cfg, self.train_set)
+                model = build()
         else:
-            model = record_on_meta(lambda: build_model(cfg, self.train_set))
+            model = record_on_meta(build)
         process.seed_everything(cfg.train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
+        counts = registry.spec(cfg.parallel.strategy).counts_global_batch and len(cast(Sized, self.train_set))
+        self.token_count = global_token_count(cfg, model, self.train_set[0]) if counts else None
         self.strategy = build_for_training(model, build_loss(cfg), cfg, rt)
         self.strategy.run_dir = self.run_dir
         self.dp_rank, self.dp_size = self.strategy.dp_rank, self.strategy.dp_size
@@ -185,7 +195,9 @@ class Trainer:
                 x, y = take(load_batch(self.val_set, torch.zeros(1, dtype=torch.long)), 0)
             else:
                 continue
-            sums += self.strategy.eval_step(to_device(x, self.rt.device), to_device(y, self.rt.device))
+            batch, counts = (to_device(x, self.rt.device), to_device(y, self.rt.device)), self.token_count
+            # a token-mean loss: the validation set's token mean
+            sums += counts.evaluate(self.strategy, batch, self.cfg) if counts else self.strategy.eval_step(*batch)
         sums = all_reduce_sum(sums, self.rt, "eval-sums", self.strategy.trainer_group)
         out = {"val_loss": sums[0].item() / max(sums[1].item(), 1)}
         if hasattr(self.val_set, "vocab_size"):  # a language model's: a mean over tokens
@@ -277,7 +289,9 @@ class Trainer:
             if self.strategy.reads_data:
                 idx = self.sampler.rank_indices(self.step, self.dp_rank, self.dp_size)
                 batch = to_device(load_batch(self.train_set, idx), self.rt.device, non_blocking=True)
-        loss = self.strategy.train_step(batch)
+        # a token-mean loss: over the label tokens of the global batch, not each micro-batch's
+        with over_global_batch(self.token_count, batch, self.cfg, self.strategy.trainer_group) as batch:
+            loss = self.strategy.train_step(batch)
         self.step += 1
         return loss
 

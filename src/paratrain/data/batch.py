@@ -7,7 +7,7 @@ moves, cuts and deals a dict of token ids and masks exactly as it does a single 
 
 from __future__ import annotations
 
-import operator
+import functools
 from collections.abc import Callable
 
 import torch
@@ -38,9 +38,14 @@ def to_device(obj, device, non_blocking: bool = False):
 
 
 def num_samples(obj) -> int:
-    """The batch dimension: the first tensor's length (0 for a structure without tensors)."""
-    found = tensors_in(obj)
-    return found[0].shape[0] if found else 0
+    """The batch dimension: the first batched tensor's length (0 for a structure without one)."""
+    return next((t.shape[0] for t in tensors_in(obj) if t.dim()), 0)
+
+
+def rows(t: torch.Tensor, which: slice) -> torch.Tensor:
+    """Samples `which` of a batched tensor; a 0-dim tensor is a value of the whole batch (the
+    global label-token count of token_mean.py), which every piece of it takes as it is."""
+    return t[which] if t.dim() else t
 
 
 def split(obj, n: int) -> list:
@@ -49,12 +54,12 @@ def split(obj, n: int) -> list:
     size = num_samples(obj)
     step = -(-size // n) if size else 1
     starts = range(0, max(size, 1), step)
-    return [tree_map(operator.itemgetter(slice(s, s + step)), obj) for s in starts]
+    return [tree_map(functools.partial(rows, which=slice(s, s + step)), obj) for s in starts]
 
 
 def take(obj, count: int):
     """The first `count` samples of every tensor inside `obj`."""
-    return tree_map(lambda t: t[:count], obj)
+    return tree_map(functools.partial(rows, which=slice(count)), obj)
 
 
 def join(parts: list):

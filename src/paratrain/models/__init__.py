@@ -14,6 +14,7 @@ from paratrain.models.cnn import cnn
 from paratrain.models.gpt import gpt
 from paratrain.models.hf import hf
 from paratrain.models.mlp import mlp
+from paratrain.models.pretrained import check_weights, load_weights, pretrained_files, shapes_only, without_weights
 from paratrain.models.recompute import enable_recompute
 from paratrain.resolve import check_kwargs, resolve_callable
 
@@ -32,8 +33,9 @@ _FROM_DATASET = {
 }
 
 
-def model_kwargs(cfg: Config, dataset) -> dict:
-    kwargs = dict(cfg.model.kwargs)
+def model_kwargs(cfg: Config, dataset, given: dict) -> dict:
+    """The factory's arguments: `given` (the config's), and a built-in's from the dataset."""
+    kwargs = dict(given)
     fn = BUILTIN.get(cfg.model.factory)
     if fn is not None:
         params = inspect.signature(fn).parameters
@@ -60,11 +62,17 @@ def worker_preload(cfg: Config) -> tuple[str, ...]:
 
 
 def build_model(cfg: Config, dataset) -> nn.Module:
-    """The user's model, built on the current default device (use a meta device to only check it)."""
+    """The user's model, built on the current default device (use a meta device to only check it).
+    `pretrained` is hf's own argument; for any other factory, the model it builds is given the
+    weights of that directory's safetensors (a paratrain final/, say) unless only its shapes are
+    wanted (models/pretrained.py)."""
     name = cfg.model.factory
     fn = FACTORIES.get(name) or resolve_callable(name, "model.factory")
-    check_kwargs(fn, cfg.model.kwargs, "model", name)
-    kwargs = model_kwargs(cfg, dataset)
+    given = dict(cfg.model.kwargs)
+    pretrained = given.pop("pretrained", None) if fn is not hf else None
+    check_kwargs(fn, given, "model", name)
+    files = pretrained_files(pretrained) if pretrained is not None else []
+    kwargs = model_kwargs(cfg, dataset, given)
     try:
         model = fn(**kwargs)
     except ArgumentError as exc:
@@ -73,6 +81,10 @@ def build_model(cfg: Config, dataset) -> nn.Module:
         raise ConfigError("model.factory", f"{name} failed: {exc}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError("model.factory", f"{name} returned {type(model).__name__}, not a torch.nn.Module")
+    if files:
+        check_weights(model, files)
+        if not (shapes_only() or without_weights()):
+            load_weights(model, files)
     if cfg.train.recompute != "none":
         enable_recompute(model, name, cfg.train.recompute)
     return model

@@ -13,13 +13,13 @@ starts from the same weights. `final/` of such a run is also a Hugging Face mode
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
+import torch
 from torch import nn
 
 from paratrain.config import ArgumentError, require
 from paratrain.extras import require as require_extra
-from paratrain.resolve import CONFIG_DIR_ENV
+from paratrain.models.pretrained import pretrained_dir, shapes_only, without_weights
 
 # task -> the Auto class that builds it and loads final/ back (`AutoModelFor...from_pretrained`)
 TASKS = {
@@ -52,15 +52,17 @@ def hf(config: dict | None = None, pretrained: str = "", task: str = "causal-lm"
         raise ArgumentError("factory", import_failure(exc)) from None
 
 
-def worker_modules(config: dict | None = None, task: str = "causal-lm", **_) -> tuple[str, ...]:
+def worker_modules(config: dict | None = None, task: str = "causal-lm", pretrained="", **_) -> tuple[str, ...]:
     """The transformers modules each worker imports to build this model (`[model]`'s keys), for the
     worker server to import once before it forks them (launch.start_worker_server's preload): about
     8 s of CPU a worker here, above torch's own import. The family's module is named as transformers
-    names it for most model types; a name that does not import is skipped by the server, and the
-    worker imports what it needs itself."""
+    names it for most model types (a pretrained directory's from its config.json); a name that does
+    not import is skipped by the server, and the worker imports what it needs itself."""
     if not isinstance(task, str) or task not in TASKS:  # the preflight, after, names the key
         return ()
     modules = ["transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto"]
+    if config is None and isinstance(pretrained, str) and pretrained:
+        config = _saved_config(pretrained)
     model_type = config.get("model_type") if isinstance(config, dict) else None
     family = model_type.replace("-", "_") if isinstance(model_type, str) else ""
     if family.isidentifier():
@@ -68,14 +70,26 @@ def worker_modules(config: dict | None = None, task: str = "causal-lm", **_) -> 
     return tuple(modules)
 
 
+def _saved_config(pretrained: str) -> dict | None:
+    """A pretrained directory's config.json, or None where it has none that reads (the preflight,
+    after, names the key)."""
+    import json
+
+    try:
+        return json.loads((pretrained_dir(pretrained) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -> nn.Module:
     auto = getattr(transformers, auto_name)
     if pretrained:
-        path = Path(pretrained)
-        if not path.is_absolute() and os.environ.get(CONFIG_DIR_ENV):
-            path = Path(os.environ[CONFIG_DIR_ENV]) / path
+        path = pretrained_dir(pretrained)
         require((path / "config.json").is_file(), "pretrained", f"{path} holds no config.json (save_pretrained's)")
         try:
+            # no weight is needed (from_pretrained refuses a meta device), or materialize reads them
+            if shapes_only() or without_weights():
+                return auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
             return auto.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ArgumentError("pretrained", f"{path}: {str(exc).splitlines()[0]}") from None
@@ -104,7 +118,6 @@ def import_failure(exc: BaseException) -> str:
     innermost exception of the chain, where transformers' own only says "Could not import module".
     A torchvision built for another torch (a CUDA wheel beside the CPU torch) breaks every
     transformers model, since transformers imports it for its image utilities: said so."""
-    import torch
 
     root = exc
     while (parent := root.__cause__ or root.__context__) is not None:

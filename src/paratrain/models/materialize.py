@@ -32,6 +32,7 @@ import random
 import sys
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -215,6 +216,36 @@ class _Recording:
 
 # Models built by record_on_meta, with their recording (dropped with the model).
 _RECORDED: weakref.WeakKeyDictionary[nn.Module, _Recording] = weakref.WeakKeyDictionary()
+# Models whose values materialize then reads from safetensors files (models/pretrained.py).
+_FILES: weakref.WeakKeyDictionary[nn.Module, list[Path]] = weakref.WeakKeyDictionary()
+
+
+def tensor_names(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of the model by its full name (a tied tensor under each name),
+    as a state dict and its safetensors name them."""
+    return {
+        f"{prefix}{'.' if prefix else ''}{name}": t
+        for prefix, module in model.named_modules(remove_duplicate=False)
+        for tensors in _direct_tensors(module).values()
+        for name, t in tensors.items()
+    }
+
+
+def read_on_materialize(model: nn.Module, files: list[Path]) -> None:
+    """After its initialisation, materialize() hands `keep` the values `files` hold for the meta
+    model's tensors, a tensor at a time (memory-mapped), each cast to the model's dtype."""
+    _FILES[model] = files
+
+
+def _read_files(model: nn.Module, files: list[Path], keep: Keep, device: torch.device) -> None:
+    from safetensors import safe_open
+
+    names = tensor_names(model)
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                meta = names[name]
+                keep(meta, f.get_tensor(name).to(device=device, dtype=meta.dtype))
 
 
 def record_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
@@ -228,12 +259,21 @@ def record_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
 
 def materialize(model: nn.Module, seed: int, keep: Keep, device: torch.device | str = "cpu") -> None:
     """Replay the initialisation of the meta-device `model`: the recording of record_on_meta, or
-    else that of a built-in model built with `seed`; `model` stays on meta."""
+    else that of a built-in model built with `seed`; then the values of the files
+    read_on_materialize gave it, where it did. `model` stays on meta."""
     device = torch.device(device)
     recording = _RECORDED.get(model)
     if recording is not None:
         recording.replay(model, keep, device)
-        return
+    else:
+        _replay_builtin(model, seed, keep, device)
+    files = _FILES.get(model)
+    if files is not None:
+        _read_files(model, files, keep, device)
+
+
+def _replay_builtin(model: nn.Module, seed: int, keep: Keep, device: torch.device) -> None:
+    """The initialisation of a built-in model built with `seed`, in the module docstring's phases."""
     post_init = getattr(model, "_init_weights", None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

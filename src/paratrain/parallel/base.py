@@ -87,6 +87,7 @@ class Strategy:
     compiles_whole = False
     run_dir: Path | None = None
     splits_expert_weights = False  # parallel.ep keeps each expert on its ranks alone (dp: own_loop=)
+    eval_microbatches = 1  # the pieces eval_step cuts a chunk into, as split_batch (token_mean.py)
 
     def __init__(self, model: nn.Module, loss_fn: Callable, cfg: Config, rt: Runtime):
         self.model = model

@@ -36,6 +36,9 @@ class Spec:
     codecs: tuple[str, ...] = ("none",)  # the parallel.compression values it accepts
     degrees: tuple[str, ...] = ()  # which of parallel.tp, pp, cp and ep it may set above 1
     materializes_models = False  # builds the model on meta and materialises it shard by shard
+    # every rank takes each step's batch together: the step counts the global batch's label tokens
+    # (token_mean.py), which ranks that run at their own pace or on their own data cannot
+    counts_global_batch = True
     gives_freed_memory_back = False  # on CPU, its workers' malloc hands freed memory back (runtime.process)
     takes_replicas = False  # whether parallel.replicas may split the world into replica groups
     # where `plan --search` tries it: "replica" (every device holds the whole model: tp = pp = 1),

@@ -20,6 +20,7 @@ class FederatedSpec(Spec):
     footprint = "paratrain.parallel.hybrid.footprint:tensor_and_pipeline"
     step_time = "paratrain.parallel.dp.step_time:all_reduce"
     checkpoint_family = "federated"
+    counts_global_batch = False  # each client trains on its own data between rounds
 
     def check_config(self, cfg: Config) -> None:
         fed = cfg.federated

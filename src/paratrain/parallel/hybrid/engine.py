@@ -131,7 +131,7 @@ class ModelParallel(Strategy):
         self.full_meta = meta_copy(model)  # the unsplit model's keys, shapes and dtypes
         self.user_model: UserModel | None = None  # the Python API's view of the model (user_model.py)
         self.split_params: SplitParams | None = None  # and of its split parameters under tp (pp = 1)
-        self.m = microbatch_count(cfg)
+        self.m = self.eval_microbatches = microbatch_count(cfg)
         self.v = virtual_stages(cfg)
         self.n_stages = p.pp * self.v
         self.tie_names = tie_names(model)

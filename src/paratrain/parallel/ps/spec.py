@@ -19,6 +19,7 @@ class ParameterServerSpec(Spec):
     footprint = "paratrain.parallel.ps.footprint:parameter_server"
     step_time = "paratrain.parallel.ps.step_time:parameter_server"
     checkpoint_family = "ps"
+    counts_global_batch = False  # servers read no data; async workers step at their own pace
 
     def check_layout(self, cfg: Config, world_size: int) -> None:
         ps = cfg.ps

@@ -34,6 +34,7 @@ from torch import nn
 from paratrain.comm import collectives
 from paratrain.cost.activations import TensorSharding
 from paratrain.errors import ConfigError
+from paratrain.optim import IGNORE_INDEX, LABEL_TOKENS_PER_SAMPLE
 from paratrain.parallel.tensor.comm import copy_to_tp, gather_from_tp, reduce_from_tp, shard_range, split_to_tp
 from paratrain.parallel.tensor.experts import (
     HOOK_STYLES,
@@ -374,8 +375,13 @@ def full_width(model: nn.Module) -> int:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """The built-in cross_entropy's value from vocabulary slices: targets at -100 count for
+    nothing, and the sum of the others' losses is divided by `per_call` (the global batch's label
+    tokens per sample times the call's rows, optim.LABEL_TOKENS_PER_SAMPLE) where given, else by
+    their number."""
+
     @staticmethod
-    def forward(ctx, logits, target, group, start: int):
+    def forward(ctx, logits, target, group, start: int, per_call: torch.Tensor | None = None):
         logits = logits.float()
         end = start + logits.shape[-1]
         peak = logits.max(dim=-1).values
@@ -389,22 +395,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         collectives.all_reduce(both, "tp-ce-sums", group=group)
         sum_exp, target_logit = both
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
-        ctx.save_for_backward(exp, mine, local_target)
-        return (sum_exp.log() - target_logit).mean()
+        counted = (target != IGNORE_INDEX).to(exp.dtype)
+        divisor = counted.sum() if per_call is None else per_call.to(exp.dtype)
+        ctx.save_for_backward(exp, mine, local_target, counted / divisor)
+        return ((sum_exp.log() - target_logit) * counted).sum() / divisor
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, mine, local_target = ctx.saved_tensors
+        softmax, mine, local_target, weight = ctx.saved_tensors
         g = softmax.clone()
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows, local_target] -= mine.to(g.dtype)
-        return g * (grad / g.shape[0]), None, None, None
+        return g * (grad * weight).unsqueeze(-1), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, full: int) -> torch.Tensor:
-    """Mean cross-entropy over all tokens, from this rank's vocabulary slice of the logits."""
+    """The built-in cross_entropy (optim.py), from this rank's vocabulary slice of the logits."""
     start, _ = shard_range(full, dist.get_world_size(group), dist.get_rank(group))
-    return _VocabParallelCrossEntropy.apply(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, start)
+    per_sample = LABEL_TOKENS_PER_SAMPLE.get()
+    per_call = None if per_sample is None else per_sample * target.shape[0]
+    return _VocabParallelCrossEntropy.apply(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), group, start, per_call
+    )
 
 
 def parallel_loss(loss_fn, group, full: int):
