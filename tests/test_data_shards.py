@@ -655,13 +655,6 @@ def test_chat_and_prompt_completion_data_train_at_world_2_as_at_world_1_with_val
     assert AutoModelForCausalLM.from_pretrained(final).config.vocab_size == vocab_size
 
 
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="each rank's loss is a mean over its own label tokens: with more on one rank than the other, "
-    "world 2 weighs them otherwise than world 1 until the loss is normalised by the global batch's label "
-    "tokens (DESIGN.md, Fine-tuning; the loss-normalisation work in the strategies' train_step)",
-)
 def test_chat_data_with_uneven_labels_per_rank_trains_at_world_2_as_at_world_1(tokenizer_dir, tmp_path, gang):
     runs = train_at_world_1_and_2(gang, tmp_path, tokenizer_dir, "chat", chat_lines(40, max_exchanges=2))
     assert rel_error(final_weights(runs[1]), final_weights(runs[2])) <= 1e-4
