@@ -431,3 +431,22 @@ def test_a_state_dict_on_rank_0_alone_is_named_when_the_others_end(tmp_path):
 def test_a_models_output_crosses_ranks_as_tensors_and_json(gang):
     got = gang(2).run("own_loop_model:tree_job")
     assert got == [("CausalLMOutputWithPast", 2.5, True, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])] * 2
+
+
+@pytest.mark.parametrize("strategy, trainable_only", [("dp", False), ("zero3", False), ("zero3", True)])
+def test_a_peft_model_trains_only_its_adapters_and_equals_plain_pytorch(tmp_path, gang, strategy, trainable_only):
+    """A LoRA model wrapped by the user (peft) before pt.setup, with an optimizer over all its
+    parameters or only the trainable ones: the adapters train as in one process, the frozen
+    weights stay as they were with no optimizer state, and zero3 shards them like the rest."""
+    common = dict(strategy=strategy, optimizer="adamw", trainable_only=trainable_only)
+    said = gang(2).run("own_loop_model:lora_job", out=str(tmp_path / "out"), run_dir=str(tmp_path / "run"), **common)
+    got, want = weights(tmp_path / "out"), reference("adamw", 6, model="lora", trainable_only=trainable_only)
+    assert max_rel_error(got, want) <= TOL
+    model = build("adamw", model="lora")[0]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = {n: p for n, p in model.state_dict().items() if "lora_" not in n}
+    assert all(torch.equal(got[n], p) for n, p in frozen.items())
+    moments = [state for state, _ in said]
+    assert moments == ([2 * trainable] * 2 if strategy == "dp" else [trainable, trainable])
+    held, whole = [numbers for _, numbers in said], sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert held == [0, 0] if strategy == "dp" else all(n < whole for n in held) and sum(held) >= whole

@@ -133,6 +133,7 @@ class FlatUnit:
         its gradients are summed there, each divided by `divisor` first (0: by `world`, a mean)."""
         self.index, self.params, self.names, self.module = index, params, names, module
         self.group, self.divisor = group, divisor or world
+        self.trains = True  # False: zero3's frozen parameters, gathered like any but given no gradient
         self.dtype, self.device = params[0].dtype, device
         self.shapes = [tuple(p.shape) for p in params]
         self.numels = [p.numel() for p in params]

@@ -56,7 +56,14 @@ from paratrain.comm import collectives
 from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.optim import build_optimizer, rebuild_optimizer
-from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, refuse, unique_parameters
+from paratrain.parallel.base import (
+    Strategy,
+    broadcast_tensors,
+    clip_factor,
+    frozen_parameters,
+    refuse,
+    unique_parameters,
+)
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.zero import comm as zero_comm
 from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, all_gather, on_meta, shard_grad, wire_dtype
@@ -85,9 +92,13 @@ class Zero(Strategy):
         self.split_sequences_and_experts(model)  # first: which experts this rank keeps, apart from the units
         self.kept_experts = zero_experts(cfg, model, self.experts and self.experts.mesh, own_loop)
         named = unique_parameters(model)
-        self.name_of = {id(p): n for n, p in named}
+        frozen = frozen_parameters(model)
+        # the frozen ones named too: an optimizer over all of the model's parameters is the user's
+        # to pass (one process steps no parameter without a gradient; rebuild_optimizer leaves them out)
+        self.name_of = {id(p): n for n, p in named + frozen}
         self.units = self._make_units(model, named)
-        self.slot_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self.frozen_units = self._make_frozen_units(model, frozen, first_index=len(self.units))
+        self.slot_of = {id(p): (u, i) for u in self.all_units for i, p in enumerate(u.params)}
         self._allocate(model)
         self._load_initial_values(model)
         self.kept_experts.keep(model)
@@ -104,6 +115,16 @@ class Zero(Strategy):
     def _make_units(self, model, named) -> list[FlatUnit]:
         """Stages 1 and 2: one unit per gradient bucket (dp's make_buckets; of working parameters)."""
         return self.kept_experts.units(named, self.world, bucket_units(self.cfg), self._unit)
+
+    def _make_frozen_units(self, model, frozen, first_index: int) -> list[FlatUnit]:
+        """Stages 1 and 2 keep frozen parameters whole on every rank (they take no gradient nor
+        optimizer state to shard)."""
+        return []
+
+    @property
+    def all_units(self) -> list[FlatUnit]:
+        """The trainable units (gradients, optimizer) and the frozen ones (gathered, exported, saved)."""
+        return self.units + self.frozen_units
 
     def _unit(self, index: int, module, params: list[nn.Parameter], expert: bool) -> FlatUnit:
         """A unit of the dense parameters, sharded over the replica, or of the kept experts (experts.py)."""
@@ -132,7 +153,7 @@ class Zero(Strategy):
     def _load_initial_values(self, model) -> None:
         """Shard by shard for meta-built models (no rank holds the whole model), else from the model."""
         if not on_meta(model):
-            for u in self.units:
+            for u in self.all_units:
                 for i, p in enumerate(u.params):
                     self._take_values(u, i, p)
             model.to(self.device)  # buffers and frozen parameters
@@ -190,15 +211,15 @@ class Zero(Strategy):
     def _install(self, model) -> None:
         """Replace the model's parameters by views into the units' full flat parameters."""
         new = {}
-        for u in self.units:
+        for u in self.all_units:
             for p, view in zip(u.params, self._param_views(u)):
-                new[id(p)] = nn.Parameter(view, requires_grad=True)
+                new[id(p)] = nn.Parameter(view, requires_grad=u.trains)
             u.params = [new[id(p)] for p in u.params]
         for module in model.modules():
             for name, t in list(module._parameters.items()):
                 if t is not None and id(t) in new:
                     module._parameters[name] = new[id(t)]
-        self.slot_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self.slot_of = {id(p): (u, i) for u in self.all_units for i, p in enumerate(u.params)}
 
     def _param_views(self, u: FlatUnit) -> list[torch.Tensor]:
         return u.views(u.full)
@@ -222,14 +243,15 @@ class Zero(Strategy):
         of the master (the shard, or its full-precision copy) and of its gradient. An elementwise
         optimizer (SGD, Adam, AdamW, ...) computes the same numbers on them as on the whole
         parameters, and each piece can go into the param group of the parameter it belongs to (the
-        Python API keeps the user's groups)."""
+        Python API keeps the user's groups). A frozen unit's pieces are only saved and loaded."""
         self.pieces: list[nn.Parameter] = []
-        for u in self.units:
+        for u in self.all_units:
             u.pieces = [
                 (i, start, end, at, nn.Parameter(u.master.detach()[at : at + end - start]))
                 for i, start, end, at in u.own_pieces()
             ]
-            self.pieces.extend(piece for *_, piece in u.pieces)
+            if u.trains:
+                self.pieces.extend(piece for *_, piece in u.pieces)
         self._bind_piece_grads()
 
     def _bind_piece_grads(self, up: bool = False) -> None:
@@ -404,13 +426,13 @@ class Zero(Strategy):
     def state_dict(self):
         """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
         return sharded_state(
-            self.units, self.optimizer, self.model, self.rank, self.world, self.stage, self.kept_experts
+            self.all_units, self.optimizer, self.model, self.rank, self.world, self.stage, self.kept_experts
         )
 
     check_checkpoint = staticmethod(check_checkpoint)  # the CLI's preflight of --resume
 
     def load_state_dict(self, reader) -> None:
-        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device, self.kept_experts)
+        load_sharded_state(reader, self.all_units, self.optimizer, self.model, self.device, self.kept_experts)
         self._after_load()
 
     def _after_load(self) -> None:
@@ -420,7 +442,7 @@ class Zero(Strategy):
 
     def _round_masters(self) -> None:
         with torch.no_grad():
-            for u in self.units:
+            for u in self.all_units:
                 u.shard.copy_(u.master)
 
     # -- the user's model.state_dict() and load_state_dict() -----------------------------------------
@@ -436,7 +458,7 @@ class Zero(Strategy):
             # (name in the module, unit, index in the unit) of its own parameters
             direct = [(n, *self.slot_of[id(p)]) for n, p in module._parameters.items() if id(p) in self.slot_of]
             units = list({id(u): u for _, u, _ in direct}.values())
-            units += [u for u in self.units if u.module is module and u not in units]
+            units += [u for u in self.all_units if u.module is module and u not in units]
             if not units:
                 continue
             module.register_state_dict_pre_hook(
@@ -479,11 +501,11 @@ class Zero(Strategy):
 
     # -- the consolidated model -------------------------------------------------------------------
     def model_layout(self):
-        return self.kept_experts.layout(full_precision_layout(self.units, self.model))
+        return self.kept_experts.layout(full_precision_layout(self.all_units, self.model))
 
     def model_chunks(self):
         first = self.rt.rank == 0
-        return self.kept_experts.chunks(self.units, self.model, first, self._gather_full_precision, self._release)
+        return self.kept_experts.chunks(self.all_units, self.model, first, self._gather_full_precision, self._release)
 
     def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
         """The unit's whole flat parameter in full precision: the working one, or the masters gathered."""

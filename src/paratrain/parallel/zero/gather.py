@@ -110,6 +110,10 @@ class ParameterGatherer:
             u.state, u.gather_work = "gathered" if self.always_gathered else "free", None
             assert u.module is not None  # zero3's units are modules
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
+            if not u.trains:
+                u.module.register_forward_pre_hook(
+                    lambda m, args, kwargs, u=u: self._free_after_backward(u, (args, kwargs)), with_kwargs=True
+                )
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
         root.register_forward_hook(lambda m, args, out: self._end_of_forward())
 
@@ -197,13 +201,22 @@ class ParameterGatherer:
         if not self.backward_checked:  # the backward's first gather
             self.backward_checked = True
             self.lockstep.check(BACKWARD)
-        gradients = u.full_nbytes()  # what u's backward is about to create
+        gradients = u.full_nbytes() if u.trains else 0  # what u's backward is about to create
         gathering = gradients if u.state == "free" else 0
         if self._transient() + gathering + gradients > self.budget:
             self.reducer.drain()
         self.unshard(u)
         # Backward runs the forward order in reverse; the root's backward is followed by the last unit's.
         self._prefetch_within_budget(self.order[-1] if u.module is self.root else self._neighbour(u, -1), gradients)
+
+    def _free_after_backward(self, u: FlatUnit, inputs) -> None:
+        """A frozen unit has no gradients whose reduction would say its backward is over: the
+        gradients of its module's inputs do (all of them in: the module's backward has run). A
+        module whose inputs take none has its backward last: freed with the rest after it."""
+        if torch.is_grad_enabled():
+            for t in torch.utils._pytree.tree_leaves(inputs):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self.after_backward(u))
 
     def after_backward(self, u: FlatUnit) -> None:
         """`u`'s gradients are all in and being reduced: free its parameters, and prefetch the unit
