@@ -82,6 +82,33 @@ def _tensorboard_installed(v):
     return hint("tensorboard") if v else None
 
 
+# LoRA's keys and what each must be; the strategies that train a LoRA model (frozen parameters
+# take no gradient there; tp and pp do not know of them yet)
+LORA_KEYS = {
+    "r": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
+    "alpha": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a number > 0"),
+    "dropout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1, "in [0, 1)"),
+    "target_modules": (
+        lambda v: isinstance(v, list) and bool(v) and all(isinstance(m, str) and m for m in v),
+        "a non-empty list of module names",
+    ),
+}
+LORA_STRATEGIES = ("dp", "zero1", "zero2", "zero3")
+
+
+def _lora(v):
+    """Keys among r, alpha, dropout, target_modules; peft must be installed (`pip install 'paratrain[lora]'`)."""
+    for key, value in v.items():
+        if key not in LORA_KEYS:
+            raise ConfigError(f"model.lora.{key}", f"unknown key (known: {', '.join(LORA_KEYS)})")
+        fits, what = LORA_KEYS[key]
+        if not fits(value):
+            raise ConfigError(f"model.lora.{key}", f"must be {what}, got {value!r}")
+    from paratrain.extras import hint
+
+    return hint("peft") if v else None
+
+
 def _seed(v):
     # torch takes seeds below 2**64, and the workers add their rank and the epoch to it
     return None if 0 <= v < 2**63 else "must be in [0, 2**63)"
@@ -100,6 +127,12 @@ class ModelConfig:
     """The model: a built-in factory or your own `module:function` returning an `nn.Module`."""
 
     factory: str = opt("gpt", check=_factory_name, doc="mlp | cnn | gpt | hf (transformers) | module:function")
+    lora: dict = opt(
+        {},
+        check=_lora,
+        doc="{ r = 8, alpha = 16, dropout = 0.0, target_modules = [...] }: LoRA adapters through peft (only they "
+        "train; final/ holds them in PEFT's format and final/merged/ the merged model); dp and zero1-3",
+    )
     kwargs: dict = opt({}, doc="every other key of [model], passed to the factory")
 
 
@@ -391,6 +424,10 @@ def from_dict(raw: dict) -> Config:
 
 def _check_combinations(cfg: Config) -> None:
     """Checks that need no world size and no dataset."""
+    if cfg.model.lora and cfg.parallel.strategy not in LORA_STRATEGIES:
+        raise ConfigError(
+            "model.lora", f"trains under {' | '.join(LORA_STRATEGIES)}, not {cfg.parallel.strategy} (yet)"
+        )
     if cfg.train.track_memory and cfg.train.torch_profiler:
         raise ConfigError("train.track_memory", "counts allocations with torch's profiler: drop train.torch_profiler")
 

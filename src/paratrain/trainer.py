@@ -38,6 +38,7 @@ from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, ke
 from paratrain.models import BUILTIN as BUILTIN_MODELS
 from paratrain.models import build_model
 from paratrain.models.hf import model_files
+from paratrain.models.lora import adapter_exports
 from paratrain.models.materialize import record_on_meta
 from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
@@ -368,6 +369,7 @@ class Trainer:
                     "world_size": self.rt.world_size,
                 },
                 files={**model_files(self.strategy.model), **tokenizer_files(self.train_set)},
+                derived=adapter_exports(self.strategy.model),
             )
         else:
             for _ in chunks:

@@ -75,4 +75,8 @@ def build_model(cfg: Config, dataset) -> nn.Module:
         raise ConfigError("model.factory", f"{name} returned {type(model).__name__}, not a torch.nn.Module")
     if cfg.train.recompute != "none":
         enable_recompute(model, name, cfg.train.recompute)
+    if cfg.model.lora:  # (last: peft wraps the model as it will train)
+        from paratrain.models.lora import with_lora
+
+        model = with_lora(model, cfg.model.lora)
     return model

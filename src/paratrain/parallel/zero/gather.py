@@ -25,6 +25,7 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
     by several modules (a tied weight is used outside its own module's forward) form the root unit,
     which stays gathered from the start of forward to the end of its backward."""
     trainable = {id(p) for p in params}
+    bypassed = bypassed_modules(model)
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module._parameters.values():
@@ -52,6 +53,7 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
         if (
             not is_root
             and not isinstance(module, CONTAINERS)
+            and id(module) not in bypassed
             and sum(p.numel() * p.element_size() for p in below) <= max_bytes
         ):
             units.append((module, below))
@@ -59,7 +61,7 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
             return
         own = direct(module)
         taken.update(id(p) for p in own)
-        if own and not is_root and not isinstance(module, CONTAINERS):
+        if own and not is_root and not isinstance(module, CONTAINERS) and id(module) not in bypassed:
             units.append((module, own))
         else:
             root_params.extend(own)
@@ -71,6 +73,17 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
     if root_params:
         units.insert(0, (model, sorted(root_params, key=lambda p: order[id(p)])))
     return units
+
+
+def bypassed_modules(model: nn.Module) -> set[int]:
+    """The modules between a peft model and its base model, which its forward calls directly
+    (get_base_model()): never called, like containers, so no unit may be theirs."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if get_base_model is None:
+        return set()
+    base = get_base_model()
+    path = next(name for name, m in model.named_modules() if m is base).split(".")
+    return {id(model.get_submodule(".".join(path[:i]))) for i in range(1, len(path))}
 
 
 class ParameterGatherer:
