@@ -196,11 +196,12 @@ def pipeline_job(rt, out, steps, run_dir):
     return "no error"
 
 
-def no_plan_job(rt):
-    """tp on a model with no plan of its own and none given: setup's exit code (its line: the output)."""
+def tp_setup_job(rt, model="mlp"):
+    """tp's pt.setup of a model it refuses (the mlp: no plan of its own and none given; a peft
+    model): its exit code (its line: the output)."""
     pt = paratrain.init(strategy="tp", tp=2)
     try:
-        pt.setup(*build("sgd")[:2])
+        pt.setup(*build("sgd", model=model)[:2])
     except SystemExit as exc:
         return exc.code
     return "no error"
