@@ -40,6 +40,10 @@ that is all-gathered. Per parameter: 2 + 2 bytes on every rank and 12 / N for th
 moments (stage 2: 2 + (2 + 12) / N; stage 3: (2 + 2 + 12) / N, its gathers and reduce-scatters
 moving bf16, half of what fp32 parameters would), where fp32 autocast keeps 4 + 4 + 8 / N.
 
+Frozen parameters (a LoRA model's base weights) take no gradient and no optimizer state: stages 1
+and 2 keep them whole on every rank; stage 3 shards them in units of their own (`frozen_units`),
+gathered around their module's forward and backward like the rest, so no rank holds the whole model.
+
 Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
 Checkpoints: every rank writes the pieces of parameters and optimizer state it owns, keyed by
 parameter name with their offsets within the parameter, so a checkpoint written at world N loads at
@@ -156,7 +160,7 @@ class Zero(Strategy):
             for u in self.all_units:
                 for i, p in enumerate(u.params):
                     self._take_values(u, i, p)
-            model.to(self.device)  # buffers and frozen parameters
+            model.to(self.device)  # buffers (and stages 1 and 2's frozen parameters)
             first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
             broadcast_tensors(list(model.buffers()), src=first, group=self.group)
             self._sync_full_from_shards()
@@ -171,7 +175,7 @@ class Zero(Strategy):
                 replicated[id(meta_tensor)] = value.to(self.device)
 
         self.kept_experts.materialize(model, self.cfg.train.seed, keep)  # (a rank's stacks cut: experts.py)
-        for module in model.modules():  # buffers and frozen parameters: whole on every rank
+        for module in model.modules():  # buffers (and stages 1 and 2's frozen parameters): whole on every rank
             for name, t in list(module._parameters.items()):
                 if t is not None and id(t) in replicated:
                     module._parameters[name] = nn.Parameter(replicated[id(t)], requires_grad=False)
