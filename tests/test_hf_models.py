@@ -463,6 +463,7 @@ tp_plan = { "model.layers.*.mlp.gate_proj" = "colwise", "model.layers.*.mlp.up_p
         ("GPT2", ["parallel.strategy='zero3'"], 2),
         ("BERT", [], 2),
         ("VIT", [], 2),  # its trunc_normal_ init reads values: built on meta, its tensors made fake
+        ("LLAMA", ["parallel.strategy='zero3'", "model.lora={r=4}"], 2),  # peft swaps tensors: the same
         ("DEEPSEEK_V2", TP2, 2),  # experts' stacks planned as tensors, communication around modules
         ("LLAMA", ["parallel.strategy='tp'", "parallel.tp=2", "data.layout='labelled'", "train.loss='model'"], 2),
         ("LLAMA", [*PP2, "data.layout='labelled'", "train.loss='model'"], 2),  # labels to the last stage
