@@ -94,10 +94,11 @@ class Trainer:
         """The model and the strategy over the process group (again after a change of membership)."""
         cfg, rt = self.cfg, self.rt
         # A sharding strategy materialises the model shard by shard from its meta-device build: a
-        # built-in's initialisation is replayed, a user factory's construction recorded to be replayed.
+        # built-in's initialisation is replayed, a user factory's construction recorded to be replayed
+        # (a built-in's too under LoRA: peft initialises its adapters its own way).
         if not registry.spec(cfg.parallel.strategy).materializes_models:
             model = build_model(cfg, self.train_set)
-        elif cfg.model.factory in BUILTIN_MODELS:
+        elif cfg.model.factory in BUILTIN_MODELS and not cfg.model.lora:
             with torch.device("meta"):
                 model = build_model(cfg, self.train_set)
         else:
