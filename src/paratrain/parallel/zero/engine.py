@@ -441,12 +441,13 @@ class Zero(Strategy):
 
     def _after_load(self) -> None:
         if self.mixed:
-            self._round_masters()
+            self._round_masters(self.all_units)  # (frozen ones too: loaded, unlike stepped)
         self._sync_full_from_shards()
 
-    def _round_masters(self) -> None:
+    def _round_masters(self, units: list[FlatUnit] | None = None) -> None:
+        """The masters of `units` (default: the trainable ones, which a step changed) into their working shards."""
         with torch.no_grad():
-            for u in self.all_units:
+            for u in self.units if units is None else units:
                 u.shard.copy_(u.master)
 
     # -- the user's model.state_dict() and load_state_dict() -----------------------------------------

@@ -18,18 +18,19 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their ch
 
 
 def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -> list[tuple[nn.Module, list]]:
-    """Stage 3's units, in registration (forward) order: a module whose parameters total at most
-    `max_bytes` is one unit with all of them; a bigger one is split into its children, its own direct
-    parameters forming a unit of their own. The root's direct parameters, those of containers
-    (ModuleList/ModuleDict are never called, so their hooks would never run) and parameters shared
-    by several modules (a tied weight is used outside its own module's forward) form the root unit,
-    which stays gathered from the start of forward to the end of its backward."""
-    trainable = {id(p) for p in params}
+    """Stage 3's units of `params` (the trainable parameters, or the frozen ones), in registration
+    (forward) order: a module whose parameters total at most `max_bytes` is one unit with all of
+    them; a bigger one is split into its children, its own direct parameters forming a unit of their
+    own. The root's direct parameters, those of containers (ModuleList/ModuleDict, and the wrappers
+    a peft model's forward bypasses, are never called, so their hooks would never run) and
+    parameters shared by several modules (a tied weight is used outside its own module's forward)
+    form the root unit, which stays gathered from the start of forward to the end of its backward."""
+    given = {id(p) for p in params}
     bypassed = bypassed_modules(model)
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module._parameters.values():
-            if p is not None and id(p) in trainable:
+            if p is not None and id(p) in given:
                 owners[id(p)] = owners.get(id(p), 0) + 1
     taken: set[int] = {i for i, n in owners.items() if n > 1}
     root_params = [p for p in params if id(p) in taken]
@@ -38,13 +39,13 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
     def subtree(module):
         seen, out = set(), []
         for p in module.parameters():
-            if id(p) in trainable and id(p) not in taken and id(p) not in seen:
+            if id(p) in given and id(p) not in taken and id(p) not in seen:
                 seen.add(id(p))
                 out.append(p)
         return out
 
     def direct(module):
-        return [p for p in module._parameters.values() if p is not None and id(p) in trainable and id(p) not in taken]
+        return [p for p in module._parameters.values() if p is not None and id(p) in given and id(p) not in taken]
 
     def visit(module, is_root: bool):
         below = subtree(module)
