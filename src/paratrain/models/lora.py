@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from paratrain.checkpoint.format import FINAL_FILE
+from paratrain.checkpoint.format import FINAL_FILE, write_bytes_durably
 from paratrain.checkpoint.writer import Layout, write_safetensors
 from paratrain.config import LORA_STRATEGIES
 from paratrain.errors import ConfigError
@@ -41,7 +41,8 @@ def with_lora(model: nn.Module, table: dict) -> nn.Module:
         wrapped = get_peft_model(model, config)
     except ValueError as exc:  # no module of the model matches, or peft knows no default for it
         raise ConfigError("model.lora.target_modules", str(exc).splitlines()[0]) from None
-    check_mergeable(wrapped, "model.lora.target_modules")
+    if why := unmergeable(wrapped):
+        raise ConfigError("model.lora.target_modules", why)
     return wrapped
 
 
@@ -64,22 +65,34 @@ def lora_layers(model: nn.Module) -> dict[str, Any]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
-def check_mergeable(model: PeftModel, key: str) -> None:
-    """The export merges LoRA into Linear (and transformers' Conv1D) layers: refuse any other."""
+def unmergeable(model: PeftModel) -> str | None:
+    """Why write_merged cannot merge the model's adapters, or None: it merges plain LoRA in Linear
+    (and transformers' Conv1D) layers, the adapters being all that trains."""
     from peft.tuners.lora import Linear
 
-    for name, layer in lora_layers(model).items():
-        if not isinstance(layer, Linear) or getattr(layer, "use_dora", {}).get(layer.active_adapters[0]):
-            raise ConfigError(key, f"{name} is a {type(layer).__name__}: LoRA on Linear layers only (yet)")
+    name = adapter_name(model)
+    if model.peft_config[name].modules_to_save:
+        return "modules_to_save train whole copies of modules: plain LoRA adapters only (yet)"
+    for module_name, layer in lora_layers(model).items():
+        if not isinstance(layer, Linear):
+            return f"{module_name} is a {type(layer).__name__}: LoRA on Linear layers only (yet)"
+        if name in layer.lora_variant:  # DoRA and the like
+            return f"{module_name} is a {type(layer.lora_variant[name]).__name__}: plain LoRA only (yet)"
+    return None
 
 
 def adapter_exports(model: PeftModel) -> Callable[[Path, Layout], list[str]] | None:
-    """For a peft model, what writes its adapter and merged model into an export folder (after its
-    model.safetensors, of `layout`) and returns the names of the files written; None for any other model."""
-    if not is_peft_model(model):
+    """For a peft model whose adapters merge, what writes them and the merged model into an export
+    folder (after its model.safetensors, of `layout`) and returns the names of the files written;
+    None for any other model (a user's own peft setup, unmergeable: its model.safetensors alone)."""
+    if not is_peft_model(model) or unmergeable(model):
         return None
-    check_mergeable(model, "model.lora")
     return lambda folder, layout: write_adapter(model, folder) + write_merged(model, folder, layout)
+
+
+def adapter_keys(model: PeftModel) -> set[str]:
+    """The adapters' names in the model's state_dict: its trainable parameters (peft freezes the rest)."""
+    return {k for k, p in model.named_parameters() if p.requires_grad}
 
 
 def adapter_name(model: PeftModel) -> str:
@@ -94,9 +107,8 @@ def write_adapter(model: PeftModel, folder: Path) -> list[str]:
 
     name = adapter_name(model)
     model.peft_config[name].save_pretrained(str(folder))
-    trainable = [k for k, p in model.named_parameters() if p.requires_grad]
     with safe_open(str(folder / FINAL_FILE), framework="pt") as f:
-        adapters = {k: f.get_tensor(k) for k in trainable}
+        adapters = {k: f.get_tensor(k) for k in adapter_keys(model)}
     state = get_peft_model_state_dict(model, state_dict=adapters, adapter_name=name, save_embedding_layers=False)
     save_file(
         {k: v.contiguous() for k, v in state.items()}, str(folder / "adapter_model.safetensors"), {"format": "pt"}
@@ -111,7 +123,7 @@ def write_merged(model: PeftModel, folder: Path, layout: Layout) -> list[str]:
     base = model.get_base_model()
     prefix = next(n for n, m in model.named_modules() if m is base) + "."
     layers = {f"{n}.base_layer.weight": layer for n, layer in lora_layers(model).items()}
-    adapters = {k for k, p in model.named_parameters() if p.requires_grad}
+    adapters = adapter_keys(model)
     merged = folder / "merged"
     merged.mkdir()
     with safe_open(str(folder / FINAL_FILE), framework="pt") as f:
@@ -137,5 +149,5 @@ def write_merged(model: PeftModel, folder: Path, layout: Layout) -> list[str]:
         write_safetensors(merged / FINAL_FILE, merged_layout, chunks(), {"format": "pt"})
     files = model_files(base)
     for file_name, content in files.items():
-        (merged / file_name).write_bytes(content)
+        write_bytes_durably(merged / file_name, content)
     return [f"merged/{n}" for n in (FINAL_FILE, *files)]
