@@ -19,6 +19,7 @@ from typing import Any, cast
 import tomllib
 
 from paratrain.errors import ConfigError
+from paratrain.lora_keys import LORA_STRATEGIES, check_lora
 
 
 class ArgumentError(ValueError):
@@ -82,33 +83,6 @@ def _tensorboard_installed(v):
     return hint("tensorboard") if v else None
 
 
-# LoRA's keys and what each must be; the strategies that train a LoRA model (frozen parameters
-# take no gradient there; tp and pp do not know of them yet)
-LORA_KEYS = {
-    "r": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an integer >= 1"),
-    "alpha": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a number > 0"),
-    "dropout": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1, "in [0, 1)"),
-    "target_modules": (
-        lambda v: isinstance(v, list) and bool(v) and all(isinstance(m, str) and m for m in v),
-        "a non-empty list of module names",
-    ),
-}
-LORA_STRATEGIES = ("dp", "zero1", "zero2", "zero3")
-
-
-def _lora(v):
-    """Keys among r, alpha, dropout, target_modules; peft must be installed (`pip install 'paratrain[lora]'`)."""
-    for key, value in v.items():
-        if key not in LORA_KEYS:
-            raise ConfigError(f"model.lora.{key}", f"unknown key (known: {', '.join(LORA_KEYS)})")
-        fits, what = LORA_KEYS[key]
-        if not fits(value):
-            raise ConfigError(f"model.lora.{key}", f"must be {what}, got {value!r}")
-    from paratrain.extras import hint
-
-    return hint("peft") if v else None
-
-
 def _seed(v):
     # torch takes seeds below 2**64, and the workers add their rank and the epoch to it
     return None if 0 <= v < 2**63 else "must be in [0, 2**63)"
@@ -129,7 +103,7 @@ class ModelConfig:
     factory: str = opt("gpt", check=_factory_name, doc="mlp | cnn | gpt | hf (transformers) | module:function")
     lora: dict = opt(
         {},
-        check=_lora,
+        check=check_lora,
         doc="{ r = 8, alpha = 16, dropout = 0.0, target_modules = [...] }: LoRA adapters through peft (only they "
         "train; final/ holds them in PEFT's format and final/merged/ the merged model); dp and zero1-3",
     )

@@ -24,8 +24,8 @@ from torch import nn
 
 from paratrain.checkpoint.format import FINAL_FILE, write_bytes_durably
 from paratrain.checkpoint.writer import Layout, write_safetensors
-from paratrain.config import LORA_STRATEGIES
 from paratrain.errors import ConfigError
+from paratrain.lora_keys import LORA_STRATEGIES
 from paratrain.models.hf import model_files
 
 PeftModel = Any  # peft's, whose attributes (peft_config, active_adapters) its types leave to __getattr__

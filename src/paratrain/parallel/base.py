@@ -309,18 +309,9 @@ def clip_factor(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 def unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Trainable parameters in registration order, each once (shared weights appear once)."""
-    return distinct_parameters(model, trainable=True)
-
-
-def frozen_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Parameters that take no gradient (a LoRA model's base weights), in registration order, each once."""
-    return distinct_parameters(model, trainable=False)
-
-
-def distinct_parameters(model: nn.Module, trainable: bool) -> list[tuple[str, nn.Parameter]]:
     seen, out = set(), []
     for name, p in model.named_parameters():
-        if p.requires_grad == trainable and id(p) not in seen:
+        if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             out.append((name, p))
     return out

@@ -40,10 +40,7 @@ that is all-gathered. Per parameter: 2 + 2 bytes on every rank and 12 / N for th
 moments (stage 2: 2 + (2 + 12) / N; stage 3: (2 + 2 + 12) / N, its gathers and reduce-scatters
 moving bf16, half of what fp32 parameters would), where fp32 autocast keeps 4 + 4 + 8 / N.
 
-Frozen parameters (a LoRA model's base weights) take no gradient and no optimizer state: stages 1
-and 2 keep them whole on every rank; stage 3 shards them in units of their own (`frozen_units`),
-gathered around their module's forward and backward like the rest, so no rank holds the whole model.
-
+Frozen parameters (LoRA's base weights): no gradient or optimizer state; stage 3's own units (stages.py).
 Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
 Checkpoints: every rank writes the pieces of parameters and optimizer state it owns, keyed by
 parameter name with their offsets within the parameter, so a checkpoint written at world N loads at
@@ -56,18 +53,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import collectives
 from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.optim import build_optimizer, rebuild_optimizer
-from paratrain.parallel.base import (
-    Strategy,
-    broadcast_tensors,
-    clip_factor,
-    frozen_parameters,
-    refuse,
-    unique_parameters,
-)
+from paratrain.parallel.base import Strategy, broadcast_tensors, clip_factor, refuse, unique_parameters
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
 from paratrain.parallel.zero import comm as zero_comm
 from paratrain.parallel.zero.comm import FlatUnit, ShardReducer, all_gather, on_meta, shard_grad, wire_dtype
@@ -96,12 +85,11 @@ class Zero(Strategy):
         self.split_sequences_and_experts(model)  # first: which experts this rank keeps, apart from the units
         self.kept_experts = zero_experts(cfg, model, self.experts and self.experts.mesh, own_loop)
         named = unique_parameters(model)
-        frozen = frozen_parameters(model)
-        # the frozen ones named too: an optimizer over all of the model's parameters is the user's
-        # to pass (one process steps no parameter without a gradient; rebuild_optimizer leaves them out)
-        self.name_of = {id(p): n for n, p in named + frozen}
+        # every parameter named, frozen ones too: an optimizer over all of them is the user's to
+        # pass, and rebuild_optimizer leaves the frozen out (one process steps none without a gradient)
+        self.name_of = {id(p): n for n, p in model.named_parameters()}
+        self.frozen_units: list[FlatUnit] = []  # stage 3 shards those too (_make_units); 1 and 2 keep them whole
         self.units = self._make_units(model, named)
-        self.frozen_units = self._make_frozen_units(model, frozen, first_index=len(self.units))
         self.slot_of = {id(p): (u, i) for u in self.all_units for i, p in enumerate(u.params)}
         self._allocate(model)
         self._load_initial_values(model)
@@ -119,11 +107,6 @@ class Zero(Strategy):
     def _make_units(self, model, named) -> list[FlatUnit]:
         """Stages 1 and 2: one unit per gradient bucket (dp's make_buckets; of working parameters)."""
         return self.kept_experts.units(named, self.world, bucket_units(self.cfg), self._unit)
-
-    def _make_frozen_units(self, model, frozen, first_index: int) -> list[FlatUnit]:
-        """Stages 1 and 2 keep frozen parameters whole on every rank (they take no gradient nor
-        optimizer state to shard)."""
-        return []
 
     @property
     def all_units(self) -> list[FlatUnit]:
@@ -319,18 +302,7 @@ class Zero(Strategy):
             shard_grad(u).mul_(factor.to(shard_grad(u).dtype))
 
     def _average_across_replicas(self, grads: list[torch.Tensor]) -> None:
-        """Each gradient shard, the mean of its replica's slices of the batch, becomes the mean of
-        every replica's: all-reduced over the ranks that hold the same shard in the others."""
-        if self.replicas.count == 1:
-            return
-        works = []
-        for u, g in zip(self.units, grads):
-            g.div_(self.replicas.count)
-            works.append(
-                collectives.all_reduce(g, f"zero-grad-replicas-{u.index}", group=self.replicas.across, async_op=True)
-            )
-        for work in works:
-            work.wait()
+        zero_comm.average_across_replicas(self.units, grads, self.replicas)
 
     def _before_backward(self, micro: int, last: bool) -> None:
         assert isinstance(self.reducer, ShardReducer)  # stage 1's

@@ -62,23 +62,24 @@ class Zero3(Zero2):
     shard_is_full_alone = True
 
     def _make_units(self, model, named) -> list[FlatUnit]:
-        """One unit per module (see `module_units`), indexed in reverse forward order like buckets."""
+        """One unit per module (see `module_units`), indexed in reverse forward order like buckets;
+        then the frozen parameters' (frozen_units)."""
         max_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
 
         def modules(params, world: int):  # (the kept experts' apart: experts.py)
             return list(reversed(module_units(model, params, max_bytes)))
 
-        return self.kept_experts.units(named, self.world, modules, self._unit)
+        units = self.kept_experts.units(named, self.world, modules, self._unit)
+        self.frozen_units = self._make_frozen_units(model, max_bytes, first_index=len(units))
+        return units
 
-    def _make_frozen_units(self, model, frozen, first_index: int) -> list[FlatUnit]:
+    def _make_frozen_units(self, model, max_bytes: int, first_index: int) -> list[FlatUnit]:
         """Frozen parameters (a LoRA model's base weights) are sharded like the trainable ones, so
         no rank holds the whole model: units of their own, one per module, gathered around its
         forward and backward, but apart from the gradients' reducer and the optimizer."""
-        params = [p for _, p in frozen]
+        params = [p for p in model.parameters() if not p.requires_grad]  # (each once)
         units = []
-        for index, (module, unit_params) in enumerate(
-            reversed(module_units(model, params, int(self.cfg.parallel.bucket_mb * 2**20))), first_index
-        ):
+        for index, (module, unit_params) in enumerate(reversed(module_units(model, params, max_bytes)), first_index):
             u = self._unit(index, module, unit_params, expert=False)
             u.trains = False
             units.append(u)
