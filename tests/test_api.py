@@ -8,7 +8,6 @@ import pytest
 import torch
 from helpers import CPU_ONLY, check_ok, max_rel_error, metrics, run_cli, run_torchrun
 from own_loop_model import BATCH, build, make_model, reference
-from peft import PeftModel
 from safetensors.torch import load_file
 
 import paratrain
@@ -442,6 +441,8 @@ def test_a_peft_model_trains_only_its_adapters_and_equals_plain_pytorch(tmp_path
     parameters or only the trainable ones: the adapters train as in one process, the frozen
     weights stay as they were with no optimizer state, and zero3 shards them like the rest (zero1
     and zero2 keep them whole on every rank, as they do the model's)."""
+    from peft import PeftModel
+
     common = dict(strategy=strategy, optimizer="adamw", trainable_only=trainable_only)
     said = gang(2).run("own_loop_model:lora_job", out=str(tmp_path / "out"), run_dir=str(tmp_path / "run"), **common)
     got, want = weights(tmp_path / "out"), reference("adamw", 6, model="lora", trainable_only=trainable_only)
@@ -450,7 +451,7 @@ def test_a_peft_model_trains_only_its_adapters_and_equals_plain_pytorch(tmp_path
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = {n: p for n, p in model.state_dict().items() if "lora_" not in n}
     assert all(torch.equal(got[n], p) for n, p in frozen.items())
-    torch.manual_seed(0)  # the base model the loop's started from
+    torch.manual_seed(0)  # the base model the loop started from
     adapter = PeftModel.from_pretrained(make_model("llama"), tmp_path / "out").state_dict()
     assert max_rel_error(adapter, got) <= TOL  # pt.export's adapter, in PEFT's format
     moments = [state for state, _ in said]
