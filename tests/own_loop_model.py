@@ -28,7 +28,12 @@ LLAMA = dict(
 
 def make_model(kind: str) -> nn.Module:
     """mlp: regression on 5 features; gpt (the built-in model's own tp plan) and llama (transformers'):
-    next-token prediction on VOCAB ids."""
+    next-token prediction on VOCAB ids; lora: the llama wrapped by peft, as a user does (only the
+    adapters on q_proj and v_proj train)."""
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(make_model("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     if kind == "gpt":
         from paratrain.models.gpt import GPT
 
@@ -63,12 +68,14 @@ def label_tokens(ids: torch.Tensor) -> int:
     return int((masked_labels(ids)[:, 1:] != -100).sum())
 
 
-def build(optimizer: str, groups: bool = True, drop_last: bool = True, model: str = "mlp"):
-    """A small model, its optimizer (in two param groups: no weight decay on biases), a shuffled loader."""
+def build(optimizer: str, groups: bool = True, drop_last: bool = True, model: str = "mlp", trainable_only=False):
+    """A small model, its optimizer (in two param groups: no weight decay on biases; over all the
+    model's parameters, frozen ones too, unless `trainable_only`), a shuffled loader."""
     torch.manual_seed(0)
     kind, model = model, make_model(model)
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad or not trainable_only]
+    decay = [p for n, p in named if n.endswith("weight")]
+    rest = [p for n, p in named if not n.endswith("weight")]
     groups = (
         [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
         if groups
@@ -76,7 +83,7 @@ def build(optimizer: str, groups: bool = True, drop_last: bool = True, model: st
     )
     opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9) if optimizer == "sgd" else torch.optim.AdamW(groups, lr=0.01)
     g = torch.Generator().manual_seed(1)
-    if kind == "mlp":
+    if kind == "mlp":  # (the rest: next-token prediction)
         data = TensorDataset(torch.randn(40, 5, generator=g), torch.randn(40, 3, generator=g))
     else:
         ids = torch.randint(VOCAB, (40, BLOCK + 1), generator=g)
@@ -93,11 +100,12 @@ def reference(
     bf16: bool = False,
     model: str = "mlp",
     labels: str = "",
+    trainable_only: bool = False,
 ) -> dict:
     """One process, plain PyTorch, the batches in the documented order: epoch e is the
     permutation torch.randperm(N) draws from seed 0 * 1_000_003 + e, cut into batches. `bf16`: the
     forward under bf16 autocast."""
-    model, opt, loader = build(optimizer, groups, drop_last, model)
+    model, opt, loader = build(optimizer, groups, drop_last, model, trainable_only)
     x_all, y_all = loader.dataset.tensors
     n, step, epoch = len(x_all), 0, 0
     while step < steps:
@@ -134,6 +142,7 @@ def train(
     labels="",
     backward="pt",
     clip_with="pt",
+    trainable_only=False,
     **keys,
 ):
     """The user's own loop: resume from `ckpt` if it holds a checkpoint, save there at step
@@ -146,7 +155,7 @@ def train(
     if bf16:
         keys["train"] = {"precision": "bf16"}
     pt = paratrain.init(strategy=strategy, bucket_mb=0.0005, run_dir=run_dir, **keys)
-    model, opt, loader = build(optimizer, drop_last=drop_last, model=model)
+    model, opt, loader = build(optimizer, drop_last=drop_last, model=model, trainable_only=trainable_only)
     model, opt = pt.setup(model, opt)
     loader = pt.setup_dataloader(loader)
     meta = pt.load(ckpt) if ckpt else None
@@ -178,12 +187,23 @@ def train(
             if step == steps:
                 break
     pt.export(out, step=step)
-    return pt.world_size
+    return pt, model
 
 
 def job(rt, **kwargs):
     """The gang's form of `train` (its members have joined their process group already)."""
-    return train(**kwargs)
+    return train(**kwargs)[0].world_size
+
+
+def lora_job(rt, optimizer, trainable_only, **kwargs):
+    """`train` of the peft-wrapped llama (its frozen parameters given no gradient), then what this
+    rank holds: its optimizer state's numbers (Adam's moments), and how many of the frozen
+    parameters' numbers in units (zero3 shards them too)."""
+    pt, model = train(optimizer=optimizer, model="lora", trainable_only=trainable_only, **kwargs)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    state = sum(t.numel() for s in pt.strategy.optimizer.state.values() for t in s.values() if t.dim())
+    frozen = getattr(pt.strategy, "frozen_units", [])
+    return state, sum(u.shard_numel for u in frozen)
 
 
 def pipeline_job(rt, out, steps, run_dir):
@@ -208,11 +228,12 @@ def pipeline_job(rt, out, steps, run_dir):
     return "no error"
 
 
-def no_plan_job(rt):
-    """tp on a model with no plan of its own and none given: setup's exit code (its line: the output)."""
+def tp_setup_job(rt, model="mlp"):
+    """tp's pt.setup of a model it refuses (the mlp: no plan of its own and none given; a peft
+    model): its exit code (its line: the output)."""
     pt = paratrain.init(strategy="tp", tp=2)
     try:
-        pt.setup(*build("sgd")[:2])
+        pt.setup(*build("sgd", model=model)[:2])
     except SystemExit as exc:
         return exc.code
     return "no error"

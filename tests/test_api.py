@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import CPU_ONLY, check_ok, max_rel_error, metrics, run_cli, run_torchrun
-from own_loop_model import BATCH, build, reference
+from own_loop_model import BATCH, build, make_model, reference
 from safetensors.torch import load_file
 
 import paratrain
@@ -183,7 +183,7 @@ def test_own_loop_collectives_name_the_step_a_hang_report_gives(tmp_path, gang):
 
 
 def test_tp_on_a_model_without_a_plan_exits_2_naming_it(gang):
-    assert gang(2).run("own_loop_model:no_plan_job") == [2, 2]
+    assert gang(2).run("own_loop_model:tp_setup_job") == [2, 2]
     for said in gang(2).outputs:
         (line,) = said.strip().splitlines()
         assert line.startswith("paratrain: error: parallel.tp_plan: tp = 2 needs a plan for the model (Sequential"), (
@@ -546,3 +546,44 @@ def test_a_call_some_ranks_make_alone_is_named_at_the_others_next_call(tmp_path,
 def test_a_models_output_crosses_ranks_as_tensors_and_json(gang):
     got = gang(2).run("own_loop_model:tree_job")
     assert got == [("CausalLMOutputWithPast", 2.5, True, [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]])] * 2
+
+
+@pytest.mark.parametrize(
+    "strategy, trainable_only", [("dp", False), ("zero1", True), ("zero2", False), ("zero3", False), ("zero3", True)]
+)
+def test_a_peft_model_trains_only_its_adapters_and_equals_plain_pytorch(tmp_path, gang, strategy, trainable_only):
+    """A LoRA model wrapped by the user (peft) before pt.setup, with an optimizer over all its
+    parameters or only the trainable ones: the adapters train as in one process, the frozen
+    weights stay as they were with no optimizer state, and zero3 shards them like the rest (zero1
+    and zero2 keep them whole on every rank, as they do the model's)."""
+    from peft import PeftModel
+
+    common = dict(strategy=strategy, optimizer="adamw", trainable_only=trainable_only)
+    said = gang(2).run("own_loop_model:lora_job", out=str(tmp_path / "out"), run_dir=str(tmp_path / "run"), **common)
+    got, want = weights(tmp_path / "out"), reference("adamw", 6, model="lora", trainable_only=trainable_only)
+    assert max_rel_error(got, want) <= TOL
+    model = build("adamw", model="lora")[0]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = {n: p for n, p in model.state_dict().items() if "lora_" not in n}
+    assert all(torch.equal(got[n], p) for n, p in frozen.items())
+    torch.manual_seed(0)  # the base model the loop started from
+    adapter = PeftModel.from_pretrained(make_model("llama"), tmp_path / "out").state_dict()
+    assert max_rel_error(adapter, got) <= TOL  # pt.export's adapter, in PEFT's format
+    moments = [state for state, _ in said]
+    assert moments == ([2 * trainable] * 2 if strategy == "dp" else [trainable, trainable])
+    held, whole = [numbers for _, numbers in said], sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert held == [0, 0] if strategy != "zero3" else all(n < whole for n in held) and sum(held) >= whole
+
+
+def test_a_peft_model_under_tp_exits_2_naming_model_lora(gang):
+    assert gang(2).run("own_loop_model:tp_setup_job", model="lora") == [2, 2]
+    for said in gang(2).outputs:
+        (line,) = said.strip().splitlines()
+        assert line.startswith("paratrain: error: model.lora: a peft model trains under dp | zero1"), line
+
+
+def test_a_peft_model_resumes_under_zero3_at_another_world_and_ends_equal(tmp_path, gang):
+    """zero3's checkpoint holds the frozen parameters' pieces beside the adapters' and their state."""
+    ckpt, common = str(tmp_path / "ckpt"), dict(strategy="zero3", optimizer="adamw", model="lora")
+    first = trained(gang, 2, tmp_path / "a", ckpt=ckpt, save_at=3, **common)
+    assert max_rel_error(trained(gang, 1, tmp_path / "b", ckpt=ckpt, **common), first) <= TOL

@@ -308,6 +308,30 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight  # still tied
 
 
+def test_lora_under_zero3_equals_single_process_peft_and_final_loads_with_peft(tmp_path, gang):
+    """[model] lora: only the adapters train, as plain peft in one process trains them; final/ holds
+    the adapter in PEFT's format (PeftModel.from_pretrained) and final/merged/ the merged model,
+    a transformers directory giving the trained model's logits."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trained = get_peft_model(built(LLAMA), lora)
+    frozen = {k: v.clone() for k, v in trained.state_dict().items() if "lora_" not in k}
+    reference = train_alone(trained, "pair", next_token_loss)
+    sets = ["parallel.strategy='zero3'", "model.lora={r=4, alpha=8, target_modules=['q_proj', 'v_proj']}"]
+    gang(2).train(write_config(tmp_path / "c.toml", LLAMA), tmp_path / "run", sets)
+    weights = final_weights(tmp_path / "run")
+    assert max_rel_error(weights, reference) <= 1e-4
+    assert all(torch.equal(weights[k], v) for k, v in frozen.items())
+    final = tmp_path / "run" / "final"
+    ids = token_blocks("train", "pair")[0][0][None]
+    want = trained.eval()(ids).logits
+    loaded = PeftModel.from_pretrained(built(LLAMA), final).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(final / "merged").eval()
+    for model in (loaded, merged):
+        assert (model(ids).logits - want).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
@@ -345,6 +369,12 @@ def test_pretrained_directory_in_and_final_loads_with_from_pretrained(tmp_path, 
             "parallel.strategy='pp' --set parallel.pp=2 --set train.loss='model' --set data.layout='ids'",
             "data.factory",
         ),
+        ("model.lora={rank=4}", "model.lora.rank"),
+        ("model.lora={r=0}", "model.lora.r"),
+        ("model.lora={target_modules='q_proj'}", "model.lora.target_modules"),
+        ("model.lora={target_modules=['no_such_proj']}", "model.lora.target_modules"),
+        ("model.lora={target_modules=['embed_tokens']}", "model.lora.target_modules"),  # merged Linear only
+        ("parallel.strategy='tp' --set parallel.tp=2 --set model.lora={r=4}", "model.lora"),
     ],
 )
 def test_bad_hf_model_exits_2_naming_the_key(tmp_path, capsys, override, key):
@@ -433,6 +463,7 @@ tp_plan = { "model.layers.*.mlp.gate_proj" = "colwise", "model.layers.*.mlp.up_p
         ("GPT2", ["parallel.strategy='zero3'"], 2),
         ("BERT", [], 2),
         ("VIT", [], 2),  # its trunc_normal_ init reads values: built on meta, its tensors made fake
+        ("LLAMA", ["parallel.strategy='zero3'", "model.lora={r=4}"], 2),  # peft swaps tensors: the same
         ("DEEPSEEK_V2", TP2, 2),  # experts' stacks planned as tensors, communication around modules
         ("LLAMA", ["parallel.strategy='tp'", "parallel.tp=2", "data.layout='labelled'", "train.loss='model'"], 2),
         ("LLAMA", [*PP2, "data.layout='labelled'", "train.loss='model'"], 2),  # labels to the last stage

@@ -19,6 +19,7 @@ from typing import Any, cast
 import tomllib
 
 from paratrain.errors import ConfigError
+from paratrain.lora_keys import LORA_STRATEGIES, check_lora
 
 
 class ArgumentError(ValueError):
@@ -100,6 +101,12 @@ class ModelConfig:
     """The model: a built-in factory or your own `module:function` returning an `nn.Module`."""
 
     factory: str = opt("gpt", check=_factory_name, doc="mlp | cnn | gpt | hf (transformers) | module:function")
+    lora: dict = opt(
+        {},
+        check=check_lora,
+        doc="{ r = 8, alpha = 16, dropout = 0.0, target_modules = [...] }: LoRA adapters through peft (only they "
+        "train; final/ holds them in PEFT's format and final/merged/ the merged model); dp and zero1-3",
+    )
     kwargs: dict = opt({}, doc="every other key of [model], passed to the factory")
 
 
@@ -391,6 +398,10 @@ def from_dict(raw: dict) -> Config:
 
 def _check_combinations(cfg: Config) -> None:
     """Checks that need no world size and no dataset."""
+    if cfg.model.lora and cfg.parallel.strategy not in LORA_STRATEGIES:
+        raise ConfigError(
+            "model.lora", f"trains under {' | '.join(LORA_STRATEGIES)}, not {cfg.parallel.strategy} (yet)"
+        )
     if cfg.train.track_memory and cfg.train.torch_profiler:
         raise ConfigError("train.track_memory", "counts allocations with torch's profiler: drop train.torch_profiler")
 

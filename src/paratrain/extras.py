@@ -3,6 +3,7 @@
     pip install 'paratrain[report]'     matplotlib (report plots, benchmark plots), tensorboard
     pip install 'paratrain[datasets]'   scikit-learn (the built-in digits dataset)
     pip install 'paratrain[hf]'         transformers ([model] factory = "hf")
+    pip install 'paratrain[lora]'       peft ([model] lora = { ... })
 
 `make setup` installs both (through the test extra)."""
 
@@ -16,6 +17,7 @@ EXTRAS = {
     "tensorboard": ("tensorboard", "report"),
     "sklearn": ("scikit-learn", "datasets"),
     "transformers": ("transformers", "hf"),
+    "peft": ("peft", "lora"),
 }
 
 

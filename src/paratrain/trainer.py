@@ -35,11 +35,9 @@ from paratrain.data import build_dataset, build_sampler, load_batch, tokenizer_f
 from paratrain.data.batch import take, to_device
 from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to, summary_line
-from paratrain.models import BUILTIN as BUILTIN_MODELS
-from paratrain.models import build_model
+from paratrain.models import build_model_to_place
 from paratrain.models.hf import model_files
-from paratrain.models.materialize import record_on_meta
-from paratrain.models.pretrained import pretrained_on_meta
+from paratrain.models.lora import adapter_exports
 from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
 from paratrain.parallel.registry import build_for_training
@@ -94,21 +92,7 @@ class Trainer:
     def build_model_and_strategy(self) -> None:
         """The model and the strategy over the process group (again after a change of membership)."""
         cfg, rt = self.cfg, self.rt
-        # A sharding strategy materialises the model shard by shard from its meta-device build: a
-        # built-in's initialisation is replayed, a user factory's construction recorded to be
-        # replayed, a pretrained model's weights read from its files a tensor at a time (or, where
-        # its files are not read so, loaded whole).
-        build = functools.partial(build_model, cfg, self.train_set)
-        pretrained = cfg.model.kwargs.get("pretrained")
-        if not registry.spec(cfg.parallel.strategy).materializes_models:
-            model = build()
-        elif pretrained:
-            model = pretrained_on_meta(build, pretrained) or build()
-        elif cfg.model.factory in BUILTIN_MODELS:
-            with torch.device("meta"):
-                model = build()
-        else:
-            model = record_on_meta(build)
+        model = build_model_to_place(cfg, self.train_set, registry.spec(cfg.parallel.strategy).materializes_models)
         process.seed_everything(cfg.train.seed + 1 + rt.rank)  # per-rank stream for dropout and the like
         counts = registry.spec(cfg.parallel.strategy).counts_global_batch and len(cast(Sized, self.train_set))
         self.token_count = global_token_count(cfg, model, self.train_set[0]) if counts else None
@@ -382,6 +366,7 @@ class Trainer:
                     "world_size": self.rt.world_size,
                 },
                 files={**model_files(self.strategy.model), **tokenizer_files(self.train_set)},
+                derived=adapter_exports(self.strategy.model),
             )
         else:
             for _ in chunks:

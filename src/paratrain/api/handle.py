@@ -38,6 +38,7 @@ from paratrain.config import Config
 from paratrain.data.batch import as_pair, join, tree_map
 from paratrain.errors import ConfigError, error, say
 from paratrain.metrics import MetricsLog
+from paratrain.models.lora import adapter_exports, check_strategy
 from paratrain.optim import build_loss
 from paratrain.parallel import registry
 from paratrain.parallel.base import Strategy, broadcast_tensors, refuse, said_by_one
@@ -105,6 +106,12 @@ class Paratrain:
         step the returned optimizer (under ZeRO a new one of your class over this rank's shards)."""
         if self.strategy is not None:
             refuse("pt.setup: called once per pt (one model and its optimizer)", said_by_one())
+        try:
+            check_strategy(model, self.cfg.parallel.strategy)
+        except ConfigError as exc:
+            error(f"{exc}")
+            process.mark_failing()
+            raise SystemExit(2) from None
         cls = registry.strategy_class(self.cfg.parallel.strategy)
         if optimizer is not None:
             self._take_optimizer_keys(optimizer, cls.adopts_optimizers(self.cfg))
@@ -378,7 +385,10 @@ class Paratrain:
         if self.is_main:
             extra = {"strategy": self.cfg.parallel.strategy, "world_size": self.world_size}
             layout = strategy.model_layout()
-            out = ckpt.export_model(Path(path), layout, chunks, step=step, config=self.cfg.to_dict(), extra=extra)
+            derived = adapter_exports(strategy.model)
+            out = ckpt.export_model(
+                Path(path), layout, chunks, step=step, config=self.cfg.to_dict(), extra=extra, derived=derived
+            )
         else:
             for _ in chunks:
                 pass

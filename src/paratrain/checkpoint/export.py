@@ -9,14 +9,24 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
-from paratrain.checkpoint.format import FINAL_FILE, FINAL_FORMAT, UNFINISHED, fsync_dir, write_bytes_durably
+from paratrain.checkpoint.format import (
+    FINAL_FILE,
+    FINAL_FORMAT,
+    UNFINISHED,
+    fsync_dir,
+    sha256_file,
+    write_bytes_durably,
+)
 from paratrain.checkpoint.save import remove_unfinished
 from paratrain.checkpoint.writer import Layout, write_safetensors
+
+# derived(export folder, its layout) -> the names of the files it wrote there from model.safetensors
+Derived = Callable[[Path, Layout], list[str]]
 
 
 # -- the consolidated export ---------------------------------------------------------------------
@@ -29,12 +39,16 @@ def export_final(
     config: dict,
     extra: dict,
     files: dict[str, bytes] | None = None,
+    derived: Derived | None = None,
 ) -> Path:
     """RUN_DIR/final/model.safetensors keyed exactly like the user's model.state_dict(): `layout`
     names every tensor's dtype and shape, `chunks` bring their values; `files` (name -> bytes) go
-    beside it (a transformers model's config.json: models/hf.py)."""
+    beside it (a transformers model's config.json: models/hf.py), and what `derived` writes from it
+    (a LoRA model's adapter and merged model: models/lora.py)."""
     run_dir = Path(run_dir)
-    final = export_model(run_dir / "final", layout, chunks, step=step, config=config, extra=extra, files=files)
+    final = export_model(
+        run_dir / "final", layout, chunks, step=step, config=config, extra=extra, files=files, derived=derived
+    )
     remove_unfinished(run_dir / "checkpoints")  # the run is over: no save of it is under way
     return final
 
@@ -48,9 +62,11 @@ def export_model(
     config: dict,
     extra: dict,
     files: dict[str, bytes] | None = None,
+    derived: Derived | None = None,
 ) -> Path:
-    """FOLDER/model.safetensors, `files` beside it and its manifest.json, written aside and renamed
-    into place (the Python API's pt.export names FOLDER)."""
+    """FOLDER/model.safetensors, `files` beside it, what `derived(folder, layout)` writes there from
+    model.safetensors (the names it returns) and its manifest.json listing them all, written aside
+    and renamed into place (the Python API's pt.export names FOLDER)."""
     final = Path(final)
     tmp = final.parent / f"{UNFINISHED}{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -60,6 +76,8 @@ def export_model(
     for name, content in (files or {}).items():
         write_bytes_durably(tmp / name, content)
         listed[name] = {"sha256": hashlib.sha256(content).hexdigest(), "bytes": len(content)}
+    for name in derived(tmp, layout) if derived else ():
+        listed[name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
     manifest = {
         "format": FINAL_FORMAT,
         "step": step,

@@ -36,7 +36,8 @@ class TensorSharding:
 
 def _fake_model(cfg: Config, dataset, mode) -> nn.Module:
     """The model in fake tensors: built under `mode`, or, where its construction reads values (an
-    initialisation that samples until a value fits: torch 2.13's trunc_normal_, ViT's), built on
+    initialisation that samples until a value fits: torch 2.13's trunc_normal_, ViT's) or swaps
+    a module's tensors for others (peft's LoRA layers moved where their base layer is), built on
     the meta device and its tensors replaced by fake CPU tensors of the same shapes and dtypes (the
     planner never reads their values; ties kept). A model that neither builds exits 2 in one line."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -48,6 +49,9 @@ def _fake_model(cfg: Config, dataset, mode) -> nn.Module:
             return build_model(cfg, dataset)
     except (DataDependentOutputException, DynamicOutputShapeException):
         pass
+    except RuntimeError as exc:  # a swap of fake tensors is refused (torch.utils.swap_tensors)
+        if "swap" not in str(exc):
+            raise
     try:
         with torch.device("meta"):
             model = build_model(cfg, dataset)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from paratrain.config import ArgumentError, Config
@@ -13,8 +15,16 @@ from paratrain.errors import ConfigError
 from paratrain.models.cnn import cnn
 from paratrain.models.gpt import gpt
 from paratrain.models.hf import hf
+from paratrain.models.materialize import record_on_meta
 from paratrain.models.mlp import mlp
-from paratrain.models.pretrained import check_weights, load_weights, pretrained_files, shapes_only, without_weights
+from paratrain.models.pretrained import (
+    check_weights,
+    load_weights,
+    pretrained_files,
+    pretrained_on_meta,
+    shapes_only,
+    without_weights,
+)
 from paratrain.models.recompute import enable_recompute
 from paratrain.resolve import check_kwargs, resolve_callable
 
@@ -61,6 +71,24 @@ def worker_preload(cfg: Config) -> tuple[str, ...]:
     return ()
 
 
+def build_model_to_place(cfg: Config, dataset, materializes: bool) -> nn.Module:
+    """The model a strategy takes: built whole, or, for a sharding strategy (`materializes`), on
+    the meta device, to be materialised shard by shard: a built-in's initialisation is replayed,
+    a user factory's construction recorded to be replayed (a built-in's too under LoRA: peft
+    initialises its adapters its own way), a pretrained model's weights read a tensor at a time
+    (or, where they are not, loaded whole)."""
+    build = functools.partial(build_model, cfg, dataset)
+    pretrained = cfg.model.kwargs.get("pretrained")
+    if not materializes:
+        return build()
+    if pretrained:
+        return pretrained_on_meta(build, pretrained) or build()
+    if cfg.model.factory in BUILTIN and not cfg.model.lora:
+        with torch.device("meta"):
+            return build()
+    return record_on_meta(build)
+
+
 def build_model(cfg: Config, dataset) -> nn.Module:
     """The user's model, built on the current default device (use a meta device to only check it).
     `pretrained` is hf's own argument; for any other factory, the model it builds is given the
@@ -87,4 +115,8 @@ def build_model(cfg: Config, dataset) -> nn.Module:
             load_weights(model, files)
     if cfg.train.recompute != "none":
         enable_recompute(model, name, cfg.train.recompute)
+    if cfg.model.lora:  # (last: peft wraps the model as it will train)
+        from paratrain.models.lora import with_lora
+
+        model = with_lora(model, cfg.model.lora)
     return model

@@ -133,6 +133,7 @@ class FlatUnit:
         its gradients are summed there, each divided by `divisor` first (0: by `world`, a mean)."""
         self.index, self.params, self.names, self.module = index, params, names, module
         self.group, self.divisor = group, divisor or world
+        self.trains = True  # False: zero3's frozen parameters, gathered like any but given no gradient
         self.dtype, self.device = params[0].dtype, device
         self.shapes = [tuple(p.shape) for p in params]
         self.numels = [p.numel() for p in params]
@@ -421,3 +422,17 @@ def shard_grad(u: FlatUnit) -> torch.Tensor:
     """The unit's gradient shard: bound by the reducer before any backward ends."""
     assert u.shard.grad is not None
     return u.shard.grad
+
+
+def average_across_replicas(units: list[FlatUnit], grads: list[torch.Tensor], replicas) -> None:
+    """Each unit's gradient shard, the mean of its replica's slices of the batch, becomes the mean
+    of every replica's: all-reduced over the ranks that hold the same shard in the others
+    (`replicas`: comm/grid.py's replica_groups)."""
+    if replicas.count == 1:
+        return
+    works = []
+    for u, g in zip(units, grads):
+        g.div_(replicas.count)
+        works.append(collectives.all_reduce(g, f"zero-grad-replicas-{u.index}", group=replicas.across, async_op=True))
+    for work in works:
+        work.wait()

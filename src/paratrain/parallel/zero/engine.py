@@ -40,6 +40,7 @@ that is all-gathered. Per parameter: 2 + 2 bytes on every rank and 12 / N for th
 moments (stage 2: 2 + (2 + 12) / N; stage 3: (2 + 2 + 12) / N, its gathers and reduce-scatters
 moving bf16, half of what fp32 parameters would), where fp32 autocast keeps 4 + 4 + 8 / N.
 
+Frozen parameters (LoRA's base weights): no gradient or optimizer state; stage 3's own units (stages.py).
 Global-norm clipping sums the squared shard norms over ranks (one all-reduce of a scalar).
 Checkpoints: every rank writes the pieces of parameters and optimizer state it owns, keyed by
 parameter name with their offsets within the parameter, so a checkpoint written at world N loads at
@@ -52,7 +53,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.comm import collectives
 from paratrain.comm.grid import replica_groups
 from paratrain.data.batch import feed
 from paratrain.optim import build_optimizer, rebuild_optimizer
@@ -86,9 +86,12 @@ class Zero(Strategy):
         self.split_sequences_and_experts(model)  # first: which experts this rank keeps, apart from the units
         self.kept_experts = zero_experts(cfg, model, self.experts and self.experts.mesh, own_loop)
         named = unique_parameters(model)
-        self.name_of = {id(p): n for n, p in named}
+        # every parameter named, frozen ones too: an optimizer over all of them is the user's to
+        # pass, and rebuild_optimizer leaves the frozen out (one process steps none without a gradient)
+        self.name_of = {id(p): n for n, p in model.named_parameters()}
+        self.frozen_units: list[FlatUnit] = []  # stage 3 shards those too (_make_units); 1 and 2 keep them whole
         self.units = self._make_units(model, named)
-        self.slot_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self.slot_of = {id(p): (u, i) for u in self.all_units for i, p in enumerate(u.params)}
         self._allocate(model)
         self._load_initial_values(model)
         self.kept_experts.keep(model)
@@ -105,6 +108,11 @@ class Zero(Strategy):
     def _make_units(self, model, named) -> list[FlatUnit]:
         """Stages 1 and 2: one unit per gradient bucket (dp's make_buckets; of working parameters)."""
         return self.kept_experts.units(named, self.world, bucket_units(self.cfg), self._unit)
+
+    @property
+    def all_units(self) -> list[FlatUnit]:
+        """The trainable units (gradients, optimizer) and the frozen ones (gathered, exported, saved)."""
+        return self.units + self.frozen_units
 
     def _unit(self, index: int, module, params: list[nn.Parameter], expert: bool) -> FlatUnit:
         """A unit of the dense parameters, sharded over the replica, or of the kept experts (experts.py)."""
@@ -133,10 +141,10 @@ class Zero(Strategy):
     def _load_initial_values(self, model) -> None:
         """Shard by shard for meta-built models (no rank holds the whole model), else from the model."""
         if not on_meta(model):
-            for u in self.units:
+            for u in self.all_units:
                 for i, p in enumerate(u.params):
                     self._take_values(u, i, p)
-            model.to(self.device)  # buffers and frozen parameters
+            model.to(self.device)  # buffers (and stages 1 and 2's frozen parameters)
             first = 0 if self.group is None else dist.get_global_rank(self.group, 0)
             broadcast_tensors(list(model.buffers()), src=first, group=self.group)
             self._sync_full_from_shards()
@@ -151,7 +159,7 @@ class Zero(Strategy):
                 replicated[id(meta_tensor)] = value.to(self.device)
 
         self.kept_experts.materialize(model, self.cfg.train.seed, keep)  # (a rank's stacks cut: experts.py)
-        for module in model.modules():  # buffers and frozen parameters: whole on every rank
+        for module in model.modules():  # buffers (and stages 1 and 2's frozen parameters): whole on every rank
             for name, t in list(module._parameters.items()):
                 if t is not None and id(t) in replicated:
                     module._parameters[name] = nn.Parameter(replicated[id(t)], requires_grad=False)
@@ -191,15 +199,15 @@ class Zero(Strategy):
     def _install(self, model) -> None:
         """Replace the model's parameters by views into the units' full flat parameters."""
         new = {}
-        for u in self.units:
+        for u in self.all_units:
             for p, view in zip(u.params, self._param_views(u)):
-                new[id(p)] = nn.Parameter(view, requires_grad=True)
+                new[id(p)] = nn.Parameter(view, requires_grad=u.trains)
             u.params = [new[id(p)] for p in u.params]
         for module in model.modules():
             for name, t in list(module._parameters.items()):
                 if t is not None and id(t) in new:
                     module._parameters[name] = new[id(t)]
-        self.slot_of = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        self.slot_of = {id(p): (u, i) for u in self.all_units for i, p in enumerate(u.params)}
 
     def _param_views(self, u: FlatUnit) -> list[torch.Tensor]:
         return u.views(u.full)
@@ -223,14 +231,15 @@ class Zero(Strategy):
         of the master (the shard, or its full-precision copy) and of its gradient. An elementwise
         optimizer (SGD, Adam, AdamW, ...) computes the same numbers on them as on the whole
         parameters, and each piece can go into the param group of the parameter it belongs to (the
-        Python API keeps the user's groups)."""
+        Python API keeps the user's groups). A frozen unit's pieces are only saved and loaded."""
         self.pieces: list[nn.Parameter] = []
-        for u in self.units:
+        for u in self.all_units:
             u.pieces = [
                 (i, start, end, at, nn.Parameter(u.master.detach()[at : at + end - start]))
                 for i, start, end, at in u.own_pieces()
             ]
-            self.pieces.extend(piece for *_, piece in u.pieces)
+            if u.trains:
+                self.pieces.extend(piece for *_, piece in u.pieces)
         self._bind_piece_grads()
 
     def _bind_piece_grads(self, up: bool = False) -> None:
@@ -294,18 +303,7 @@ class Zero(Strategy):
             shard_grad(u).mul_(factor.to(shard_grad(u).dtype))
 
     def _average_across_replicas(self, grads: list[torch.Tensor]) -> None:
-        """Each gradient shard, the mean of its replica's slices of the batch, becomes the mean of
-        every replica's: all-reduced over the ranks that hold the same shard in the others."""
-        if self.replicas.count == 1:
-            return
-        works = []
-        for u, g in zip(self.units, grads):
-            g.div_(self.replicas.count)
-            works.append(
-                collectives.all_reduce(g, f"zero-grad-replicas-{u.index}", group=self.replicas.across, async_op=True)
-            )
-        for work in works:
-            work.wait()
+        zero_comm.average_across_replicas(self.units, grads, self.replicas)
 
     def _before_backward(self, micro: int, last: bool) -> None:
         assert isinstance(self.reducer, ShardReducer)  # stage 1's
@@ -409,23 +407,24 @@ class Zero(Strategy):
     def state_dict(self):
         """This rank's pieces of every parameter and its optimizer state, keyed by parameter name."""
         return sharded_state(
-            self.units, self.optimizer, self.model, self.rank, self.world, self.stage, self.kept_experts
+            self.all_units, self.optimizer, self.model, self.rank, self.world, self.stage, self.kept_experts
         )
 
     check_checkpoint = staticmethod(check_checkpoint)  # the CLI's preflight of --resume
 
     def load_state_dict(self, reader) -> None:
-        load_sharded_state(reader, self.units, self.optimizer, self.model, self.device, self.kept_experts)
+        load_sharded_state(reader, self.all_units, self.optimizer, self.model, self.device, self.kept_experts)
         self._after_load()
 
     def _after_load(self) -> None:
         if self.mixed:
-            self._round_masters()
+            self._round_masters(self.all_units)  # (frozen ones too: loaded, unlike stepped)
         self._sync_full_from_shards()
 
-    def _round_masters(self) -> None:
+    def _round_masters(self, units: list[FlatUnit] | None = None) -> None:
+        """The masters of `units` (default: the trainable ones, which a step changed) into their working shards."""
         with torch.no_grad():
-            for u in self.units:
+            for u in self.units if units is None else units:
                 u.shard.copy_(u.master)
 
     # -- the user's model.state_dict() and load_state_dict() -----------------------------------------
@@ -441,7 +440,7 @@ class Zero(Strategy):
             # (name in the module, unit, index in the unit) of its own parameters
             direct = [(n, *self.slot_of[id(p)]) for n, p in module._parameters.items() if id(p) in self.slot_of]
             units = list({id(u): u for _, u, _ in direct}.values())
-            units += [u for u in self.units if u.module is module and u not in units]
+            units += [u for u in self.all_units if u.module is module and u not in units]
             if not units:
                 continue
             module.register_state_dict_pre_hook(
@@ -484,11 +483,11 @@ class Zero(Strategy):
 
     # -- the consolidated model -------------------------------------------------------------------
     def model_layout(self):
-        return self.kept_experts.layout(full_precision_layout(self.units, self.model))
+        return self.kept_experts.layout(full_precision_layout(self.all_units, self.model))
 
     def model_chunks(self):
         first = self.rt.rank == 0
-        return self.kept_experts.chunks(self.units, self.model, first, self._gather_full_precision, self._release)
+        return self.kept_experts.chunks(self.all_units, self.model, first, self._gather_full_precision, self._release)
 
     def _gather_full_precision(self, u: FlatUnit) -> torch.Tensor:
         """The unit's whole flat parameter in full precision: the working one, or the masters gathered."""

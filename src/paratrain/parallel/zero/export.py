@@ -25,8 +25,8 @@ def unit_chunks(
     release: Callable[[FlatUnit], None],
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Unit by unit, its whole flat parameter in full precision (`gather`, a collective) handed
-    over on the first rank, then `release`d; then what every rank holds whole (buffers, frozen
-    parameters)."""
+    over on the first rank, then `release`d; then what every rank holds whole (buffers, stages 1
+    and 2's frozen parameters)."""
     names: dict[int, list[str]] = {}  # a tied parameter has several
     for k, v in model.state_dict(keep_vars=True).items():
         names.setdefault(id(v), []).append(k)

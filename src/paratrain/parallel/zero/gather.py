@@ -18,17 +18,19 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never called themselves: their ch
 
 
 def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -> list[tuple[nn.Module, list]]:
-    """Stage 3's units, in registration (forward) order: a module whose parameters total at most
-    `max_bytes` is one unit with all of them; a bigger one is split into its children, its own direct
-    parameters forming a unit of their own. The root's direct parameters, those of containers
-    (ModuleList/ModuleDict are never called, so their hooks would never run) and parameters shared
-    by several modules (a tied weight is used outside its own module's forward) form the root unit,
-    which stays gathered from the start of forward to the end of its backward."""
-    trainable = {id(p) for p in params}
+    """Stage 3's units of `params` (the trainable parameters, or the frozen ones), in registration
+    (forward) order: a module whose parameters total at most `max_bytes` is one unit with all of
+    them; a bigger one is split into its children, its own direct parameters forming a unit of their
+    own. The root's direct parameters, those of containers (ModuleList/ModuleDict, and the wrappers
+    a peft model's forward bypasses, are never called, so their hooks would never run) and
+    parameters shared by several modules (a tied weight is used outside its own module's forward)
+    form the root unit, which stays gathered from the start of forward to the end of its backward."""
+    given = {id(p) for p in params}
+    bypassed = bypassed_modules(model)
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module._parameters.values():
-            if p is not None and id(p) in trainable:
+            if p is not None and id(p) in given:
                 owners[id(p)] = owners.get(id(p), 0) + 1
     taken: set[int] = {i for i, n in owners.items() if n > 1}
     root_params = [p for p in params if id(p) in taken]
@@ -37,13 +39,13 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
     def subtree(module):
         seen, out = set(), []
         for p in module.parameters():
-            if id(p) in trainable and id(p) not in taken and id(p) not in seen:
+            if id(p) in given and id(p) not in taken and id(p) not in seen:
                 seen.add(id(p))
                 out.append(p)
         return out
 
     def direct(module):
-        return [p for p in module._parameters.values() if p is not None and id(p) in trainable and id(p) not in taken]
+        return [p for p in module._parameters.values() if p is not None and id(p) in given and id(p) not in taken]
 
     def visit(module, is_root: bool):
         below = subtree(module)
@@ -52,6 +54,7 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
         if (
             not is_root
             and not isinstance(module, CONTAINERS)
+            and id(module) not in bypassed
             and sum(p.numel() * p.element_size() for p in below) <= max_bytes
         ):
             units.append((module, below))
@@ -59,7 +62,7 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
             return
         own = direct(module)
         taken.update(id(p) for p in own)
-        if own and not is_root and not isinstance(module, CONTAINERS):
+        if own and not is_root and not isinstance(module, CONTAINERS) and id(module) not in bypassed:
             units.append((module, own))
         else:
             root_params.extend(own)
@@ -71,6 +74,17 @@ def module_units(model: nn.Module, params: list[nn.Parameter], max_bytes: int) -
     if root_params:
         units.insert(0, (model, sorted(root_params, key=lambda p: order[id(p)])))
     return units
+
+
+def bypassed_modules(model: nn.Module) -> set[int]:
+    """The modules between a peft model and its base model, which its forward calls directly
+    (get_base_model()): never called, like containers, so no unit may be theirs."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if get_base_model is None:
+        return set()
+    base = get_base_model()
+    path = next(name for name, m in model.named_modules() if m is base).split(".")
+    return {id(model.get_submodule(".".join(path[:i]))) for i in range(1, len(path))}
 
 
 class ParameterGatherer:
@@ -110,6 +124,10 @@ class ParameterGatherer:
             u.state, u.gather_work = "gathered" if self.always_gathered else "free", None
             assert u.module is not None  # zero3's units are modules
             u.module.register_forward_pre_hook(lambda m, args, u=u: self._pre_forward(u))
+            if not u.trains:
+                u.module.register_forward_pre_hook(
+                    lambda m, args, kwargs, u=u: self._free_after_backward(u, (args, kwargs)), with_kwargs=True
+                )
             u.module.register_forward_hook(lambda m, args, out, u=u: self._post_forward(u, out))
         root.register_forward_hook(lambda m, args, out: self._end_of_forward())
 
@@ -197,13 +215,22 @@ class ParameterGatherer:
         if not self.backward_checked:  # the backward's first gather
             self.backward_checked = True
             self.lockstep.check(BACKWARD)
-        gradients = u.full_nbytes()  # what u's backward is about to create
+        gradients = u.full_nbytes() if u.trains else 0  # what u's backward is about to create
         gathering = gradients if u.state == "free" else 0
         if self._transient() + gathering + gradients > self.budget:
             self.reducer.drain()
         self.unshard(u)
         # Backward runs the forward order in reverse; the root's backward is followed by the last unit's.
         self._prefetch_within_budget(self.order[-1] if u.module is self.root else self._neighbour(u, -1), gradients)
+
+    def _free_after_backward(self, u: FlatUnit, inputs) -> None:
+        """A frozen unit has no gradients whose reduction would say its backward is over: the
+        gradients of its module's inputs do (all of them in: the module's backward has run). A
+        module whose inputs take none has its backward last: freed with the rest after it."""
+        if torch.is_grad_enabled():
+            for t in torch.utils._pytree.tree_leaves(inputs):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda grad, u=u: self.after_backward(u))
 
     def after_backward(self, u: FlatUnit) -> None:
         """`u`'s gradients are all in and being reduced: free its parameters, and prefetch the unit

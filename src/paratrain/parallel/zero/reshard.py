@@ -1,8 +1,9 @@
 """ZeRO checkpoints, resharded across world sizes.
 
 Every rank writes the pieces of parameters and optimizer state it owns, keyed by parameter name with
-their [start, end) offsets within the flattened parameter; buffers and frozen parameters (whole on
-every rank) go into rank 0's file. A checkpoint written at world N loads at any world M: each rank
+their [start, end) offsets within the flattened parameter (zero3's frozen parameters too, without
+optimizer state); buffers and the frozen parameters of stages 1 and 2 (whole on every rank) go into
+rank 0's file. A checkpoint written at world N loads at any world M: each rank
 reads, from every rank's file, the pieces overlapping its new shards.
 
 Under parallel.ep the kept experts' units (zero/experts.py) are pieces like any other, under the
@@ -14,6 +15,7 @@ stack (`experts.offsets`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -52,7 +54,7 @@ def sharded_state(
                     scalars[key] = value
     tensors.update(shared)
     if rank == 0:
-        tensors.update({f"replicated.{k}": v for k, v in replicated_state(model).items()})
+        tensors.update({f"replicated.{k}": v for k, v in replicated_state(model, units).items()})
     groups = [{k: v for k, v in g.items() if k != "params"} for g in own_state_dict(optimizer)["param_groups"]]
     meta = {
         "zero": {
@@ -137,14 +139,15 @@ def load_sharded_state(
     type(optimizer).load_state_dict(optimizer, {"state": state, "param_groups": groups})
     replicated = {k[len("replicated.") :]: v for k, v in tensors0.items() if k.startswith("replicated.")}
     with torch.no_grad():
-        for k, v in replicated_state(model).items():
+        for k, v in replicated_state(model, units).items():
             v.copy_(replicated[k])
 
 
-def replicated_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What ZeRO does not shard: buffers and frozen parameters, by state_dict key."""
-    trainable = {id(p) for _, p in unique_parameters(model)}
-    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in trainable}
+def replicated_state(model: nn.Module, units: Sequence[FlatUnit] = ()) -> dict[str, torch.Tensor]:
+    """What ZeRO does not shard, by state_dict key: buffers and frozen parameters, less those in
+    `units` (zero3's frozen units: pieces like the trainable ones)."""
+    sharded = {id(p) for _, p in unique_parameters(model)} | {id(p) for u in units for p in u.params}
+    return {k: v.detach() for k, v in model.state_dict(keep_vars=True).items() if id(v) not in sharded}
 
 
 def check_layout(

@@ -61,20 +61,35 @@ class Zero3(Zero2):
     shard_is_full_alone = True
 
     def _make_units(self, model, named) -> list[FlatUnit]:
-        """One unit per module (see `module_units`), indexed in reverse forward order like buckets."""
+        """One unit per module (see `module_units`), indexed in reverse forward order like buckets;
+        then the frozen parameters' (frozen_units)."""
         max_bytes = int(self.cfg.parallel.bucket_mb * 2**20)
 
         def modules(params, world: int):  # (the kept experts' apart: experts.py)
             return list(reversed(module_units(model, params, max_bytes)))
 
-        return self.kept_experts.units(named, self.world, modules, self._unit)
+        units = self.kept_experts.units(named, self.world, modules, self._unit)
+        self.frozen_units = self._make_frozen_units(model, max_bytes, first_index=len(units))
+        return units
+
+    def _make_frozen_units(self, model, max_bytes: int, first_index: int) -> list[FlatUnit]:
+        """Frozen parameters (a LoRA model's base weights) are sharded like the trainable ones, so
+        no rank holds the whole model: units of their own, one per module, gathered around its
+        forward and backward, but apart from the gradients' reducer and the optimizer."""
+        params = [p for p in model.parameters() if not p.requires_grad]  # (each once)
+        units = []
+        for index, (module, unit_params) in enumerate(reversed(module_units(model, params, max_bytes)), first_index):
+            u = self._unit(index, module, unit_params, expert=False)
+            u.trains = False
+            units.append(u)
+        return units
 
     def _allocate(self, model) -> None:
         """The full flat parameter of a unit has storage only while gathered; the shard is its own,
         and so is its full-precision master under mixed precision (else the shard itself). At world
         1 the shard is the whole parameter: the full one is the shard itself, gathered for good (no
         copy, no allocation)."""
-        for u in self.units:
+        for u in self.all_units:
             u.shard = nn.Parameter(torch.zeros(u.shard_numel, dtype=u.dtype, device=self.device))
             if self._alone():
                 u.full = u.shard.detach()
@@ -112,7 +127,7 @@ class Zero3(Zero2):
         # not self.lockstep: Strategy's (whether every rank steps together), which this shadowed
         self.lockstep_check = LockstepCheck(self.name, self.cfg.parallel.timeout_s)
         self.gatherer = ParameterGatherer(
-            self.units, model, self.reducer, self.lockstep_check, always_gathered=self._alone()
+            self.all_units, model, self.reducer, self.lockstep_check, always_gathered=self._alone()
         )
         # the model's state_dict call under way, and its gathers; the ShardedParams, once the model is the user's
         self.state_call, self.gathered_for = None, dict[nn.Module, list[FlatUnit]]()
@@ -153,9 +168,9 @@ class Zero3(Zero2):
             for name, p in module._parameters.items():
                 if p is not None and id(p) in self.slot_of:
                     self.places.setdefault(id(p), []).append((module, name))
-        self.sharded = {id(p): ShardedParam(p, n, self.name) for u in self.units for p, n in zip(u.params, u.names)}
+        self.sharded = {id(p): ShardedParam(p, n, self.name) for u in self.all_units for p, n in zip(u.params, u.names)}
         self.gatherer.on_gathered, self.gatherer.on_freed = self._put_params, self._put_sharded
-        for u in self.units:
+        for u in self.all_units:
             if u.state == "free":
                 self._put_sharded(u)
         return optimizer
@@ -185,18 +200,27 @@ class Zero3(Zero2):
             return
         self.params_pinned = True
         try:
-            for u in self.units:
+            for u in self.all_units:
                 self._put_params(u)
             yield
         finally:
             self.params_pinned = False
-            for u in self.units:
+            for u in self.all_units:
                 if u.state == "free":
                     self._put_sharded(u)
 
     def model_layout(self):
         with self._parameters_in_place():
             return super().model_layout()
+
+    def state_dict(self):
+        """(the frozen units' parameters found by identity: what ZeRO does not shard is the rest)"""
+        with self._parameters_in_place():
+            return super().state_dict()
+
+    def load_state_dict(self, reader) -> None:
+        with self._parameters_in_place():
+            super().load_state_dict(reader)
 
     def model_chunks(self):
         with self._parameters_in_place():
