@@ -159,7 +159,8 @@ def corpus(
     """The standard library's own source text, or the text at `path`, as characters (`chars`), or
     as `bytes` or `bpe:VOCAB` tokens prepared once into shards under `cache_dir` and streamed from
     there as `factory = "shards"` streams them."""
-    from paratrain.data.prepare import parse_tokenizer, prepare_text_once
+    from paratrain.data.prepare import prepare_text_once
+    from paratrain.data.tokenizing import parse_tokenizer
 
     require_at_least(1, block_size=block_size, max_chars=max_chars)
     require(0 <= val_fraction < 1, "val_fraction", f"must be in [0, 1) (0: no validation), got {val_fraction}")

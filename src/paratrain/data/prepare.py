@@ -18,9 +18,7 @@ Workers hand tokens to the parent through .npy files in a scratch folder, never 
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
 import os
 import sys
@@ -34,10 +32,11 @@ from typing import cast
 import numpy as np
 
 from paratrain.data import sft
+from paratrain.data.sources import guess_format, read_array, read_documents, read_jsonl, source_files
+from paratrain.data.tokenizing import END_OF_TEXT, bpe_vocab_size, parse_tokenizer, tokenizer_directory, train_bpe
 from paratrain.errors import ConfigError, error
 
 FORMATS = ("text", "jsonl", "csv", "npy", *sft.SFT_FORMATS)
-END_OF_TEXT = "<|endoftext|>"
 INDEX = "index.json"
 TOKENIZER = "tokenizer.json"
 INDEX_FORMAT = "paratrain-shards/1"
@@ -76,146 +75,6 @@ def shard_name(i: int) -> str:
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
-
-
-# -- reading the source ---------------------------------------------------------------------------
-def source_files(src: str) -> list[str]:
-    """SRC's files as URLs, sorted: a file, every file under a folder, or a glob."""
-    import fsspec
-
-    try:
-        fs, path = fsspec.core.url_to_fs(src)
-        if fs.isdir(path):
-            paths = sorted(p for p in fs.find(path) if not Path(p).name.startswith("."))
-        elif any(ch in path for ch in "*?["):
-            paths = sorted(fs.glob(path))
-        elif fs.isfile(path):
-            paths = [path]
-        else:
-            paths = []
-    except (ImportError, ValueError, OSError) as exc:
-        raise ConfigError("SRC", f"cannot read {src}: {exc}") from None
-    if not paths:
-        raise ConfigError("SRC", f"{src}: no such file or folder (or nothing in it)")
-    return [fs.unstrip_protocol(p) for p in paths]
-
-
-def guess_format(files: list[str]) -> str:
-    suffixes = {Path(f).suffix.lower() for f in files}
-    for fmt, suffix in (("jsonl", ".jsonl"), ("csv", ".csv"), ("npy", ".npy")):
-        if suffixes == {suffix}:
-            return fmt
-    return "text"
-
-
-def read_documents(url: str, fmt: str, field: str) -> list[str]:
-    """One file's documents: the whole text, each JSONL line's field, or each CSV row's column."""
-    import fsspec
-
-    with fsspec.open(url, "rb") as fh:
-        raw = fh.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError("SRC", f"{url} is not UTF-8 text (byte {exc.start})") from None
-    if fmt == "text":
-        return [text]
-    if fmt == "csv":
-        reader = csv.DictReader(io.StringIO(text))
-        if field not in (reader.fieldnames or []):
-            raise ConfigError("--field", f"{field!r} is not a column of {url} (columns: {reader.fieldnames})")
-        return [row[field] or "" for row in reader]
-    docs = []
-    for where, record in read_jsonl(url, text):
-        if field not in record:
-            raise ConfigError("--field", f"{field!r} is not in {where}")
-        if not isinstance(record[field], str):
-            raise ConfigError("--field", f"{field!r} in {where} is a {type(record[field]).__name__}, not text")
-        docs.append(record[field])
-    return docs
-
-
-def read_jsonl(url: str, text: str | None = None) -> list[tuple[str, dict]]:
-    """Each non-blank line's object, with where it is ("line N of URL")."""
-    if text is None:
-        (text,) = read_documents(url, "text", "")
-    records = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"line {n} of {url}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError("SRC", f"{where} is not JSON: {exc.msg}") from None
-        if not isinstance(record, dict):
-            raise ConfigError("SRC", f"{where} is not a JSON object")
-        records.append((where, record))
-    return records
-
-
-def read_array(url: str) -> np.ndarray:
-    import fsspec
-
-    with fsspec.open(url, "rb") as fh:
-        try:
-            arr = np.load(io.BytesIO(fh.read()), allow_pickle=False)
-        except ValueError as exc:
-            raise ConfigError("SRC", f"{url} is not a NumPy array of tokens: {exc}") from None
-    if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2) or (arr.size and arr.min() < 0):
-        raise ConfigError(
-            "SRC",
-            f"{url} holds {arr.dtype} of shape {arr.shape}: expected non-negative "
-            "integer tokens, a 1-D stream or 2-D rows of block_size + 1",
-        )
-    return arr
-
-
-# -- tokenizers -----------------------------------------------------------------------------------
-def parse_tokenizer(spec: str) -> int | None:
-    """None for bytes, the vocabulary size for bpe:VOCAB."""
-    if spec == "bytes":
-        return None
-    kind, _, vocab = spec.partition(":")
-    if kind != "bpe" or not vocab.isdigit():
-        raise ConfigError("--tokenizer", f"expected bytes or bpe:VOCAB, got {spec!r}")
-    if int(vocab) < 257:
-        raise ConfigError(
-            "--tokenizer", f"a BPE vocabulary holds the 256 bytes and {END_OF_TEXT}: at least 257, got {vocab}"
-        )
-    return int(vocab)
-
-
-def tokenizer_directory(spec: str) -> str | None:
-    """The Hugging Face tokenizer directory that --tokenizer names; None for bytes and bpe:VOCAB."""
-    if spec == "bytes" or spec.startswith("bpe:"):
-        return None
-    if not Path(spec).is_dir():
-        raise ConfigError("--tokenizer", f"expected bytes, bpe:VOCAB or a tokenizer directory, got {spec!r}")
-    return spec
-
-
-def train_bpe(files: list[str], fmt: str, field: str, vocab_size: int) -> str:
-    """A byte-level BPE tokenizer trained on the documents themselves; its JSON."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[END_OF_TEXT],
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator((doc for f in files for doc in read_documents(f, fmt, field)), trainer)
-    return tok.to_str()
-
-
-def bpe_vocab_size(tokenizer_json: str) -> int:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_str(tokenizer_json).get_vocab_size()
 
 
 class WorkerInputError(Exception):
@@ -356,14 +215,7 @@ def prepare(job: Job) -> dict:
                 "encode",
             )
         )
-        if hf_tokenizer is not None:
-            vocab_size = len(hf_tokenizer)
-        elif fmt == "npy":
-            vocab_size = (
-                int(max((int(a.max()) for a in (np.load(p, mmap_mode="r") for p in parts) if a.size), default=0)) + 1
-            )
-        else:
-            vocab_size = 256 if tokenizer_json is None else bpe_vocab_size(tokenizer_json)
+        vocab_size = _vocab_size(hf_tokenizer, tokenizer_json, fmt, parts)
         dtype = token_dtype(vocab_size)
         about: dict = {}
         if encoding.documents:
@@ -414,6 +266,15 @@ def prepare(job: Job) -> dict:
     if tokenizer_json is not None:
         _write_text(job.dest, TOKENIZER, tokenizer_json)
     return index
+
+
+def _vocab_size(hf_tokenizer, tokenizer_json: str | None, fmt: str, parts: list[str]) -> int:
+    """The model's own tokenizer's, the learnt BPE's, 256 bytes', or NumPy tokens' largest + 1."""
+    if hf_tokenizer is not None:
+        return len(hf_tokenizer)
+    if fmt == "npy":
+        return int(max((int(a.max()) for a in (np.load(p, mmap_mode="r") for p in parts) if a.size), default=0)) + 1
+    return 256 if tokenizer_json is None else bpe_vocab_size(tokenizer_json)
 
 
 def token_blocks(parts: list[str], fmt: str, block_size: int, dtype: np.dtype) -> np.ndarray:

@@ -330,7 +330,6 @@ class Zero(Strategy):
         the param group of its parameter (a group may hold no piece on some rank)."""
         piece_of = {u.names[i]: piece for u in self.units for i, *_, piece in u.pieces}
         self.optimizer = self._with_gathers(rebuild_optimizer(optimizer, self.name_of, piece_of))
-        # the methods replaced by a refusal (see there)
         self.optimizer.state_dict = self.optimizer.load_state_dict = self._refuse_optimizer_state  # type: ignore[method-assign]
         return self.optimizer
 
@@ -378,8 +377,7 @@ class Zero(Strategy):
     def _grads_let_go(self) -> bool:
         """Whether the user's zero_grad() set gradients to None: the optimizer's pieces', or the
         model's (optimizer or model.zero_grad(); stage 1 keeps them in its buckets)."""
-        full = (p for u in self.units for p in u.params)
-        return self._pieces_let_go() or any(p.grad is None for p in full)
+        return self._pieces_let_go() or any(p.grad is None for u in self.units for p in u.params)
 
     def _take_back_model_grads(self) -> None:
         """Before a backward, the model's .grad (the user's view of the shards) go back to what
