@@ -198,8 +198,8 @@ def test_node_0_lost_ends_another_nodes_run_saying_so():
     import torch.distributed as dist
 
     from paratrain.comm.grid import ReplicaLayout
+    from paratrain.fault.supervise import Supervisor
     from paratrain.runtime import process
-    from paratrain.runtime.fault.supervise import Supervisor
     from paratrain.runtime.worker_failure import WorkerFailure
 
     listener = process.listen_on("127.0.0.1")

@@ -163,7 +163,7 @@ def test_a_worker_picks_nccl_and_its_gpu_only_with_a_gpu_each(
 
 def test_a_regrouping_survivor_on_a_gpu_meets_over_nccl(gpus):
     """fault.on_failure = "continue": each generation's group is NCCL with the rank's GPU on a GPU."""
-    from paratrain.runtime.fault.survive import Membership
+    from paratrain.fault.survive import Membership
 
     calls = gpus(1)
     membership = Membership(None, 0, None, torch.device("cuda", 0), 30.0)

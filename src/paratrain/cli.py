@@ -92,7 +92,7 @@ def run_job(args) -> int:
         nproc, device_note = place(cfg, args)
         if scheduler is not None:
             note(f"{scheduler.describe(nproc)}")
-        store = None  # under "continue", the nodes' supervisors go on meeting in it (runtime/fault/supervise.py)
+        store = None  # under "continue", the nodes' supervisors go on meeting in it (fault/supervise.py)
         if args.nnodes > 1:  # every node the same software and config, before anyone waits on a collective
             note(f"node {args.node_rank} of {args.nnodes}: waiting for the others at {args.rdzv}")
             facts = node_facts(nproc, config_mod.to_toml(cfg))
@@ -118,7 +118,7 @@ def run_job(args) -> int:
     def start() -> None:
         if cfg.fault.on_failure == "continue":  # our own supervisor: the agent would restart everyone
             from paratrain.comm.grid import ReplicaLayout
-            from paratrain.runtime.fault.supervise import supervise
+            from paratrain.fault.supervise import supervise
 
             world = nproc * args.nnodes
             size = registry.spec(cfg.parallel.strategy).replica_size(cfg, world)

@@ -34,6 +34,7 @@ from paratrain.config import Config
 from paratrain.data import build_dataset, build_sampler, load_batch, tokenizer_files
 from paratrain.data.batch import take, to_device
 from paratrain.errors import ConfigError, error, say
+from paratrain.fault import guard, stop, survive
 from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to, summary_line
 from paratrain.models import build_model_to_place
 from paratrain.models.hf import model_files
@@ -43,7 +44,6 @@ from paratrain.parallel import registry
 from paratrain.parallel.registry import build_for_training
 from paratrain.profile import MemoryTracker, Profiler
 from paratrain.runtime import fault_points, process
-from paratrain.runtime.fault import guard, stop, survive
 from paratrain.token_mean import global_token_count, over_global_batch
 
 
@@ -132,7 +132,7 @@ class Trainer:
             print(f"resumed from {path} at step {self.step} (saved by {reader.world_size} ranks)", flush=True)
 
     def take_state(self, reader) -> None:
-        """The strategy's state, step and data position from a live replica's (runtime/fault/survive.py)."""
+        """The strategy's state, step and data position from a live replica's (fault/survive.py)."""
         self.strategy.load_state_dict(reader)
         _, meta0 = reader.load(rank=0)
         self._continue_at(meta0["trainer"], reader.path)
@@ -424,7 +424,7 @@ def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none",
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-    if not (membership and membership.joining):  # a joiner's peers are mid-run (runtime/fault/survive.py)
+    if not (membership and membership.joining):  # a joiner's peers are mid-run (fault/survive.py)
         barrier(rt, "start")
     trainer = Trainer(cfg, run_dir, rt, membership)
     trainer.resume(resume)
@@ -456,7 +456,7 @@ def run_worker(argv: list[str] | None = None) -> int:
     """main(), with the exit code an expendable rank's guard expects when the run itself failed."""
     # A worker forked from the worker server inherits the fork server's ignored SIGINT and SIGTERM:
     # without this it trained on after Ctrl-C until the agent's SIGKILL 30 s later. (SIGTERM stops
-    # a worker at once until its training loop begins, then after a checkpoint: runtime/fault/stop.py.)
+    # a worker at once until its training loop begins, then after a checkpoint: fault/stop.py.)
     signal.signal(signal.SIGINT, _interrupt_once)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:

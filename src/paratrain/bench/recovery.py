@@ -3,7 +3,7 @@ work is lost? Under fault.on_failure = "restart" and "continue", side by side.
 
 Runs `paratrain run` with --max-restarts 1 and checkpoints every K steps, waits for a checkpoint,
 signals rank 1 from outside (SIGKILL: a crash; SIGTERM: a preemption, which the ranks answer with
-a checkpoint at an agreed step, runtime/fault/stop.py), and reads metrics.jsonl (one entry per step,
+a checkpoint at an agreed step, fault/stop.py), and reads metrics.jsonl (one entry per step,
 with wall-clock times):
     recovery time      the next step completed after the signal - the signal (restart: the
                        restarted group's first step; continue: the step in flight, which the

@@ -144,7 +144,7 @@ def forget_works() -> None:
     """Let go of every collective issued (under "continue"), once its group is aborted. A work holds
     its group's connections open: measured with gloo at world 4, a survivor that kept the works of
     a step the lost rank broke held its peer, blocked in that step's all-reduce, until the timeout
-    instead of 0.05 s (runtime/fault/survive.py: Membership.release)."""
+    instead of 0.05 s (fault/survive.py: Membership.release)."""
     for tracked in list(_UNDER_WAY):
         tracked.work = None
     _UNDER_WAY.clear()
@@ -242,7 +242,7 @@ class CollectiveFailure(RuntimeError):
 
 
 DIAGNOSE = True  # whether a failed collective waits for its peers' logs to name the culprit
-# Called where a collective failed, before its diagnosis waits on the peers: runtime/fault/stop.py
+# Called where a collective failed, before its diagnosis waits on the peers: fault/stop.py
 # puts making SIGTERM fatal again here (the agent may be stopping the group already).
 BEFORE_DIAGNOSIS: list = []
 
@@ -259,7 +259,7 @@ def explain_failure(exc: BaseException, record: Record | None = None, wait_s: fl
     if isinstance(exc, CollectiveFailure):
         return str(exc)
     rank, world = dist.get_rank(), dist.get_world_size()
-    if not DIAGNOSE:  # fault.on_failure = "continue": the survivors regroup instead (runtime/fault/survive.py)
+    if not DIAGNOSE:  # fault.on_failure = "continue": the survivors regroup instead (fault/survive.py)
         return f"rank {rank}: {str(exc).strip()[:200]}"
     mine = record or LOG.last
     head = (

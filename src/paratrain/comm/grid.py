@@ -168,7 +168,7 @@ class ReplicaLayout:
     tp = size / stages (tp's ranks, or the ranks a zero replica shards over). Without pipeline
     stages a replica is adjacent ranks, r*size .. r*size+size-1 (so the frequent traffic inside it
     stays on a node's fast links); with them, each stage's slice of it is. The supervisor of
-    fault.on_failure = "continue" loses and restarts these ranks together (runtime/fault/supervise.py)."""
+    fault.on_failure = "continue" loses and restarts these ranks together (fault/supervise.py)."""
 
     world: int
     size: int

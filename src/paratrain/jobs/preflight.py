@@ -42,7 +42,7 @@ def check_nodes(rdzv: str, nnodes: int, node_rank: int, facts: dict, timeout_s: 
     """Meet the other nodes at `rdzv` (HOST:PORT, hosted by node 0) and compare `facts`. Returns when
     all agree; ConfigError (exit 2) naming the node and what differs, or the node that never came.
     `keep`: the store stays up and is returned (node 0: the server; the others: a client to it),
-    for fault.on_failure = "continue", whose supervisors meet in it (runtime/fault/supervise.py)."""
+    for fault.on_failure = "continue", whose supervisors meet in it (fault/supervise.py)."""
     from torch.distributed import TCPStore
 
     from paratrain.runtime.process import listen_on, store_server

@@ -37,7 +37,7 @@ Hooks with defaults that fit strategies whose ranks run in lockstep (override wh
                       parameters): then every dp rank evaluates the same number of chunks, some empty;
     lockstep          True (default) when every rank runs every step, meeting its peers in each:
                       then a SIGTERM stops the run at an agreed step with a checkpoint
-                      (runtime/fault/stop.py); False for ranks that run at their own pace;
+                      (fault/stop.py); False for ranks that run at their own pace;
     checkpoint_ranks, checkpoint_group
                       ranks 0..checkpoint_ranks-1 write a checkpoint, meeting in checkpoint_group
                       (default: every rank, the world group); a strategy whose other ranks hold

@@ -101,7 +101,7 @@ class Spec:
         return "worker"
 
     def expendable(self, cfg: Config, rank: int) -> bool:
-        """Whether the run goes on without this rank should its process die (see runtime/fault/guard.py)."""
+        """Whether the run goes on without this rank should its process die (see fault/guard.py)."""
         return False
 
     def mesh(self, cfg: Config, world_size: int) -> dict[str, int]:

@@ -40,6 +40,6 @@ atexit.register(os._exit, 0)
 # A SIGTERM sent to the whole process group (a scheduler stopping the job) must not take the server
 # down before the workers it forked: the agent tracks them through the server's pipes, takes a
 # vanished server for dead workers and leaves at once, while the workers are still saving their
-# checkpoint (runtime/fault/stop.py). The server leaves anyway when the command does (its pipe closes).
+# checkpoint (fault/stop.py). The server leaves anyway when the command does (its pipe closes).
 # Workers forked from it put the default back first thing (trainer.run_worker).
 signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -19,7 +19,7 @@ An update is (n_c / N) delta_c with N the round's sampled samples; masked under 
 aggregation (secagg.py). A worker that does not answer within federated.round_timeout_s of the
 round's start, or whose connection breaks (its process died), is dropped: its clients leave this
 round and every later one, and the round completes with the others. Worker ranks run under a
-guard (runtime/fault/guard.py), so one dying does not end the job.
+guard (fault/guard.py), so one dying does not end the job.
 
 The trainer's own collectives (evaluation, export) run on each rank's one-rank group: workers
 never wait on each other, and a dead worker cannot block them. Rank 0 evaluates the global model.

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 from paratrain.errors import say
+from paratrain.fault.guard import drop_worker
 from paratrain.parallel.federated import secagg
 from paratrain.parallel.federated.server import owner_of
 from paratrain.parallel.ps.wire import first_line
 from paratrain.runtime import fault_points
-from paratrain.runtime.fault.guard import drop_worker
 
 TAG_GLOBAL, TAG_KEYS, TAG_SHARES, TAG_UPDATE, TAG_DROPPED, TAG_REVEAL = range(31, 37)
 HEAD = 2  # per client report: [present, loss] in front of its update

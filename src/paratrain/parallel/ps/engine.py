@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from paratrain import checkpoint as ckpt
 from paratrain.comm import grid
+from paratrain.fault import guard
 from paratrain.optim import set_lr
 from paratrain.parallel.base import Strategy, unique_parameters
 from paratrain.parallel.dp.batchnorm import BatchNormPolicy
@@ -55,7 +56,6 @@ from paratrain.parallel.ps.server import ServerSide
 from paratrain.parallel.ps.wire import FlatShard, assign_shards, first_line
 from paratrain.parallel.ps.worker import WorkerSide
 from paratrain.runtime import fault_points
-from paratrain.runtime.fault import guard
 
 
 class ParameterServer(Strategy):

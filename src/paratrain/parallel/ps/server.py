@@ -22,10 +22,10 @@ import torch.distributed as dist
 
 from paratrain import checkpoint as ckpt
 from paratrain.errors import say
+from paratrain.fault.guard import drop_worker
 from paratrain.optim import build_optimizer
 from paratrain.parallel.base import clip_factor, whole_model_chunks
 from paratrain.parallel.ps.wire import EXPORT_TAG, HEADER, PULL_TAG, PUSH_TAG, EngineState, first_line
-from paratrain.runtime.fault.guard import drop_worker
 
 
 class ServerSide(EngineState):

@@ -1,5 +1,5 @@
 """fault.on_failure = "continue": the membership of the whole run, which node 0's supervisor owns
-(runtime/fault/supervise.py has every node's side, runtime/fault/survive.py the workers').
+(fault/supervise.py has every node's side, fault/survive.py the workers').
 
 The leader decides and every node's supervisor carries it out, through the store (node 0's):
 
@@ -24,7 +24,7 @@ import time
 
 from paratrain.comm.grid import ReplicaLayout
 from paratrain.errors import say
-from paratrain.runtime.fault import survive
+from paratrain.fault import survive
 from paratrain.runtime.worker_failure import WorkerFailure
 
 ROOT = "paratrain/continue/"  # the keys of the whole run; survive.keys(attempt) those of one start
@@ -160,7 +160,7 @@ class Leader:
 
     def stop(self, signum: int) -> None:
         """The run stops as under "restart": each member saves at the step the members agree on
-        (runtime/fault/survive.py: Membership.after_step) and exits 128 + signum. Ranks waiting to rejoin
+        (fault/survive.py: Membership.after_step) and exits 128 + signum. Ranks waiting to rejoin
         hold nothing to save: they are killed."""
         self.stopping = signum
         self.drop_waiting()

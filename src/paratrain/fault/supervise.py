@@ -5,7 +5,7 @@ Each node's `paratrain run` is a supervisor: it starts its own workers (forked f
 server, as launch.py's are; global rank = node x nproc + local rank), watches them, and reports
 each one's end to the store. Node 0's also hosts the store (in this process, so that it outlives
 any worker: on loopback for one node, at --rdzv for several, the store the nodes met in) and owns
-the membership (runtime/fault/leader.py); the workers' side is runtime/fault/survive.py:
+the membership (fault/leader.py); the workers' side is fault/survive.py:
 
     a worker is killed       (a signal: the process, node or device is gone) its replica leaves the
                              run: the replica's other ranks are killed too, on whichever node they
@@ -41,9 +41,9 @@ from typing import cast
 import torch.distributed as dist
 
 from paratrain.comm.grid import ReplicaLayout
+from paratrain.fault import survive
+from paratrain.fault.leader import ATTEMPT, END, SIGNAL, Leader, event_key, left_key, read
 from paratrain.runtime import process
-from paratrain.runtime.fault import survive
-from paratrain.runtime.fault.leader import ATTEMPT, END, SIGNAL, Leader, event_key, left_key, read
 from paratrain.runtime.launch import SOCKET_IFNAME_VARS, Interrupted, route_to, start_worker_server
 from paratrain.runtime.worker_failure import WorkerFailure
 

@@ -45,8 +45,8 @@ import torch.distributed as dist
 from paratrain.comm import collectives
 from paratrain.comm.grid import ReplicaLayout
 from paratrain.errors import ConfigError, say
+from paratrain.fault import stop
 from paratrain.runtime import fault_points, process
-from paratrain.runtime.fault import stop
 
 INCARNATION = "PARATRAIN_INCARNATION"  # 0 at a worker's first start, n after its n-th restart
 REPLICA_SIZE = "PARATRAIN_REPLICA_SIZE"  # ranks per replica (supervise.py)
