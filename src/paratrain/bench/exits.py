@@ -50,10 +50,10 @@ else:
 model, optimizer = pt.setup(model, torch.optim.SGD(model.parameters(), lr=0.05), loss=loss_fn)
 loader = pt.setup_dataloader(torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, drop_last=True))
 for x, y in loader:
-    if strategy == "pp":  # its schedule owns forward and backward
+    if strategy == "pp":  # its schedule owns forward, backward and the optimizer's step
         pt.train_step((x, y))
-    else:
-        pt.backward(loss_fn(model(x), y))
+        continue
+    pt.backward(loss_fn(model(x), y))
     optimizer.step()
     optimizer.zero_grad()
 pt.export(sys.argv[2])
