@@ -2,6 +2,7 @@
 a config, or a local save_pretrained directory): each strategy equals single-process PyTorch
 written here, and final/ loads back with from_pretrained."""
 
+import json
 import os
 from pathlib import Path
 
@@ -330,6 +331,15 @@ def test_lora_under_zero3_equals_single_process_peft_and_final_loads_with_peft(t
     merged = transformers.AutoModelForCausalLM.from_pretrained(final / "merged").eval()
     for model in (loaded, merged):
         assert (model(ids).logits - want).abs().max().item() <= 1e-5
+    # paratrain inspect checks every file final/ lists: the adapter's and merged/'s beside the model
+    from paratrain.cli import main
+
+    assert main(["inspect", str(final)]) == 0
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert {"adapter_config.json", "merged/model.safetensors"} <= manifest["files"].keys()
+    manifest["files"]["../model.safetensors"] = manifest["files"]["model.safetensors"]  # a name outside final/
+    (final / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["inspect", str(final)]) == 2
 
 
 @pytest.mark.parametrize(

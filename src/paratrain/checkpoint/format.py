@@ -32,6 +32,8 @@ FINAL_FORMAT = "paratrain-final/1"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 RANK_FILE = re.compile(r"^rank-\d{5,}\.safetensors$")  # what rank_file writes, and nothing else
 FINAL_FILE = "model.safetensors"
+# a file beside it in a final export: a name, or one folder down (merged/config.json)
+FINAL_EXTRA = re.compile(r"[\w.-]+(/[\w.-]+)?")
 UNFINISHED = ".tmp-"  # the prefix of a save or export still being written
 
 

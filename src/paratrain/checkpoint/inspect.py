@@ -102,7 +102,8 @@ def inspect(path: str | Path, show_tensors: bool = False, out=None) -> int:
             continue
         ok = size == entry["bytes"] and sha256_file(file) == entry["sha256"]
         try:
-            headers = tensor_headers(file)
+            # a final export's other files (config.json, tokenizer, adapter's config) hold no tensors
+            headers = tensor_headers(file) if name.endswith(".safetensors") else []
         except Exception as exc:  # a corrupt header: report it, keep going with the other files
             print(f"{name:<26}{'?':>8}{size:>14,}  CORRUPT ({exc})", file=out)
             bad += 1

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint.format import (
+    FINAL_EXTRA,
     FINAL_FILE,
     FINAL_FORMAT,
     FORMAT,
@@ -82,7 +83,7 @@ def _is_int(value) -> bool:
 def check_manifest(m: dict, where: Path) -> None:
     """The keys paratrain reads, of the types it writes. A checkpoint lists exactly the files
     rank-00000 .. of its world size (a name is never a path: it stays inside the directory); a
-    final export lists model.safetensors alone."""
+    final export lists model.safetensors and the files beside it, inside its folder."""
 
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{where}: {why}")
@@ -119,8 +120,13 @@ def check_manifest(m: dict, where: Path) -> None:
         ):
             raise bad(f"files[{name[:80]!r}] must hold 'sha256' (64 hex digits) and 'bytes' (an integer >= 0)")
     if m["format"] == FINAL_FORMAT:
-        if set(files) != {FINAL_FILE}:
-            raise bad(f"a final export lists {FINAL_FILE} alone, not {_names(files)}")
+        # model.safetensors, and what a Hugging Face model or a LoRA adapter puts beside it
+        # (config.json, tokenizer files, adapter_*, merged/...): names inside the folder alone
+        if FINAL_FILE not in files:
+            raise bad(f"a final export lists {FINAL_FILE}, not only {_names(files)}")
+        odd = [name for name in files if not FINAL_EXTRA.fullmatch(name) or ".." in name.split("/")]
+        if odd:
+            raise bad(f"{_names(odd)}: not a file name paratrain writes in a final export")
         return
     if "world_size" not in m or not isinstance(m.get("strategy"), str):
         raise bad("a checkpoint names its 'world_size' and 'strategy'")
