@@ -81,6 +81,11 @@ def add_model_options(p) -> None:
     p.add_argument("--batch", type=COUNT, default=8, help="samples per rank")
     p.add_argument("--steps", type=COUNT, default=3, help="AdamW steps before the export")
     p.add_argument("--bucket-mb", type=POSITIVE, default=25.0)
+    p.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="start from saved weights (model.pretrained, a folder of model.safetensors): the loading's peak counts",
+    )
 
 
 def run(args) -> int:
@@ -108,6 +113,25 @@ def run(args) -> int:
     return 0
 
 
+def saved_weights(args, folder: Path) -> Path:
+    """The model's initial weights as a fine-tuning run finds them: folder/model.safetensors, keyed
+    like its state_dict (a paratrain final/ or a save_pretrained's weights). Made in this process:
+    the bench's own memory is not the workers'."""
+    from safetensors.torch import save_file
+
+    from paratrain.models.mlp import mlp
+    from paratrain.resolve import resolve_callable
+
+    model = (
+        resolve_callable(args.model, "--model")()
+        if args.model
+        else mlp(args.in_features, hidden=args.hidden, n_layers=args.layers, out_features=10)
+    )
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    return folder
+
+
 def measure_run(strategy: str, world: int, args, tmp: Path) -> dict | None:
     """`paratrain run` of the model under `strategy`, its workers' memory sampled as it goes."""
     model_keys = (
@@ -115,6 +139,8 @@ def measure_run(strategy: str, world: int, args, tmp: Path) -> dict | None:
         if args.model
         else f"hidden = {args.hidden}\nn_layers = {args.layers}\nout_features = 10"  # in_features: the data's
     )
+    if getattr(args, "pretrained", False):
+        model_keys += f'\npretrained = "{saved_weights(args, tmp / "start")}"'
     config = tmp / "job.toml"
     config.write_text(
         CONFIG.format(
