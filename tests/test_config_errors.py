@@ -388,8 +388,8 @@ def test_resume_with_another_model_exits_2_before_any_worker_starts(tmp_path, ca
 
 def test_a_missing_optional_package_exits_2_saying_how_to_install_it(tmp_path, capsys, monkeypatch):
     """matplotlib and tensorboard come with paratrain[report], scikit-learn with paratrain[datasets],
-    peft with paratrain[lora]: a command that needs one that is missing says so in one line, not
-    with an ImportError."""
+    peft with paratrain[lora], MLflow and wandb with paratrain[mlflow] and paratrain[wandb]: a
+    command that needs one that is missing says so in one line, not with an ImportError."""
     from paratrain import extras
 
     monkeypatch.setattr(extras, "find_spec", lambda name: None)
@@ -403,6 +403,8 @@ def test_a_missing_optional_package_exits_2_saying_how_to_install_it(tmp_path, c
         (["run", str(cfg), "--set", "log.tensorboard=true", "--run-dir", str(tmp_path / "r")], "report"),
         (["plan", str(cfg)], "datasets"),
         (["run", str(cfg), "--set", "model.lora={r=4}", "--run-dir", str(tmp_path / "r")], "lora"),
+        (["run", str(cfg), "--set", "log.mlflow=true", "--run-dir", str(tmp_path / "r")], "mlflow"),
+        (["run", str(cfg), "--set", "log.wandb=true", "--run-dir", str(tmp_path / "r")], "wandb"),
     ]:
         code, err = run_main(capsys, *args)
         assert code == 2 and len(err.strip().splitlines()) == 1 and f"pip install 'paratrain[{extra}]'" in err, err

@@ -19,6 +19,7 @@ from typing import Any, cast
 import tomllib
 
 from paratrain.errors import ConfigError
+from paratrain.extras import EXTRAS, hint
 from paratrain.lora_keys import LORA_STRATEGIES, check_lora
 
 
@@ -76,11 +77,14 @@ def _factory_name(v):
     return None if v else "must not be empty"
 
 
-def _tensorboard_installed(v):
-    """TensorBoard must be installed (`pip install 'paratrain[report]'`)."""
-    from paratrain.extras import hint
+def _installed(module: str):
+    """A check that the optional package `module` is installed where the option is on."""
 
-    return hint("tensorboard") if v else None
+    def check(v):
+        return hint(module) if v else None
+
+    check.__doc__ = f"Needs `pip install 'paratrain[{EXTRAS[module][1]}]'`."
+    return check
 
 
 def _seed(v):
@@ -302,11 +306,14 @@ class FederatedConfig:
 
 @dataclass
 class LogConfig:
-    """Extra outputs of a run besides metrics.jsonl, profile.jsonl and trace.json."""
+    """Extra outputs of a run besides metrics.jsonl, profile.jsonl and trace.json. MLflow and wandb
+    get rank 0's config as params, the metrics.jsonl values of every logged step, and final/."""
 
     tensorboard: bool = opt(
-        False, check=_tensorboard_installed, doc="also write TensorBoard event files to RUN_DIR/tensorboard"
+        False, check=_installed("tensorboard"), doc="also write TensorBoard event files to RUN_DIR/tensorboard"
     )
+    mlflow: bool = opt(False, check=_installed("mlflow"), doc="to MLFLOW_TRACKING_URI, else RUN_DIR/mlruns")
+    wandb: bool = opt(False, check=_installed("wandb"), doc="to wandb, offline unless WANDB_MODE says otherwise")
 
 
 @dataclass

@@ -4,8 +4,10 @@
     pip install 'paratrain[datasets]'   scikit-learn (the built-in digits dataset)
     pip install 'paratrain[hf]'         transformers ([model] factory = "hf")
     pip install 'paratrain[lora]'       peft ([model] lora = { ... })
+    pip install 'paratrain[mlflow]'     mlflow-skinny ([log] mlflow = true)
+    pip install 'paratrain[wandb]'      wandb ([log] wandb = true)
 
-`make setup` installs both (through the test extra)."""
+`make setup` installs them all (through the test extra)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ EXTRAS = {
     "sklearn": ("scikit-learn", "datasets"),
     "transformers": ("transformers", "hf"),
     "peft": ("peft", "lora"),
+    "mlflow": ("mlflow-skinny", "mlflow"),
+    "wandb": ("wandb", "wandb"),
 }
 
 

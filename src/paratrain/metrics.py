@@ -1,5 +1,6 @@
 """What a run reports: metrics.jsonl, one grep-able line per logged step, a progress bar on a TTY,
-and TensorBoard scalars (RUN_DIR/tensorboard) when log.tensorboard is on."""
+TensorBoard scalars (RUN_DIR/tensorboard) when log.tensorboard is on, and the same numbers to MLflow
+and wandb when log.mlflow or log.wandb is (trackers.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paratrain.errors import say
+from paratrain.trackers import Trackers
 
 if TYPE_CHECKING:
     from paratrain.config import Config
@@ -64,19 +66,20 @@ _LINE = (
 class MetricsLog:
     """Rank 0 only. Appends to RUN_DIR/metrics.jsonl (a resumed run continues the same file)."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, enabled: bool, tensorboard: bool = False):
+    def __init__(self, run_dir: Path, cfg: Config, start_step: int, enabled: bool):
         self.enabled = enabled
         self.file = open(Path(run_dir) / "metrics.jsonl", "a") if enabled else None
         self.tensorboard = None
-        if enabled and tensorboard:
+        if enabled and cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1)
+        self.trackers = Trackers(run_dir, cfg) if enabled else None
         self.bar = None
         if enabled and sys.stdout.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
+            self.bar = tqdm(total=cfg.train.steps, initial=start_step, unit="step", dynamic_ncols=True, leave=False)
 
     def print(self, line: str) -> None:
         if not self.enabled:
@@ -98,24 +101,33 @@ class MetricsLog:
         assert self.file is not None  # open while enabled
         self.file.write(json.dumps(entry) + "\n")
         self.file.flush()
+        numbers = {k: v for k, v in entry.items() if k != "step" and isinstance(v, (int, float))}
         if self.tensorboard is not None:
-            for key, value in entry.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tensorboard.add_scalar(key, value, entry["step"])
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, entry["step"])
             self.tensorboard.flush()
+        assert self.trackers is not None  # open while enabled
+        self.trackers.log(entry["step"], numbers)
         parts = [f"step {entry['step']:>6}"]  # pt.log's entries hold what the user's loop logged
         for key, template in _LINE:
             if isinstance(entry.get(key), (int, float)):
                 parts.append(template.format(entry[key]))
         self.print("  ".join(parts))
 
-    def close(self) -> None:
+    def artifact(self, directory: Path) -> None:
+        """Hand `directory` (the exported model) to the trackers."""
+        if self.trackers is not None:
+            self.trackers.artifact(Path(directory))
+
+    def close(self, failed: bool = False) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.file is not None:
             self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
+        if self.trackers is not None:
+            self.trackers.close(failed)
 
 
 def read_jsonl(path: Path) -> list[dict]:

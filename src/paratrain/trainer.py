@@ -195,7 +195,7 @@ class Trainer:
         """Train from self.step to train.steps: each step, then its accounting, logging and
         checkpoint; on SIGTERM stop at the step every rank agrees on, after a checkpoint there."""
         cfg, rt = self.cfg, self.rt
-        log = MetricsLog(self.run_dir, cfg.train.steps, self.step, enabled=rt.is_main, tensorboard=cfg.log.tensorboard)
+        log = MetricsLog(self.run_dir, cfg, self.step, enabled=rt.is_main)
         prof = Profiler(
             self.run_dir,
             rt.rank,
@@ -212,31 +212,36 @@ class Trainer:
         agreed = self.strategy.lockstep and not self.membership  # (its group would not outlive a regroup)
         stops = stop.StopAgreement(rt.world_size, self.step, timeout, cfg.train.log_every) if agreed else None
         stops = self.membership.stops(self) if self.membership else stops  # (after the step's all-reduce)
+        failed = True  # until the loop and the export end without an error: the trackers' runs say so
         try:
-            while self.step < cfg.train.steps:
-                lr, loss = self._step(prof)
-                if cfg.train.compile and self.step == tally.first_step + 1:
-                    compile_s = tally.compiled(rt.is_main)
-                self._account(loss, lr, tally, log)
-                done = self.step == cfg.train.steps
-                # preempted: log, save, leave (the last step finishes the run as usual instead)
-                stopped_by = stops.after_step(self.step) if stops and not done else 0
-                evaluate = bool(done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0))
-                if done or stopped_by or evaluate or self.step % cfg.train.log_every == 0:
-                    last = self._log(lr, tally, log, prof, evaluate, final=bool(done or stopped_by))
-                if stopped_by or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
-                    self._settle(tally, log)  # (too many non-finite steps end the run before it saves)
-                    self.save_checkpoint()
-                if stopped_by:  # without the final export: the run is not over
-                    break
-            if stops:
-                stops.close()
+            try:
+                while self.step < cfg.train.steps:
+                    lr, loss = self._step(prof)
+                    if cfg.train.compile and self.step == tally.first_step + 1:
+                        compile_s = tally.compiled(rt.is_main)
+                    self._account(loss, lr, tally, log)
+                    done = self.step == cfg.train.steps
+                    # preempted: log, save, leave (the last step finishes the run as usual instead)
+                    stopped_by = stops.after_step(self.step) if stops and not done else 0
+                    evaluate = bool(done or (cfg.train.eval_every and self.step % cfg.train.eval_every == 0))
+                    if done or stopped_by or evaluate or self.step % cfg.train.log_every == 0:
+                        last = self._log(lr, tally, log, prof, evaluate, final=bool(done or stopped_by))
+                    if stopped_by or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                        self._settle(tally, log)  # (too many non-finite steps end the run before it saves)
+                        self.save_checkpoint()
+                    if stopped_by:  # without the final export: the run is not over
+                        break
+                if stops:
+                    stops.close()
+            finally:
+                prof.close()
+            elapsed = time.perf_counter() - tally.t_start
+            if not stopped_by:
+                self.export()
+                log.artifact(self.run_dir / "final")
+            failed = False
         finally:
-            log.close()
-            prof.close()
-        elapsed = time.perf_counter() - tally.t_start
-        if not stopped_by:
-            self.export()
+            log.close(failed)
         return {
             **last,
             "elapsed": elapsed,

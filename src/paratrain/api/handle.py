@@ -389,6 +389,8 @@ class Paratrain:
             out = ckpt.export_model(
                 Path(path), layout, chunks, step=step, config=self.cfg.to_dict(), extra=extra, derived=derived
             )
+            if self._metrics is not None:  # a run that pt.log reports to trackers: the model too
+                self._metrics.artifact(Path(path))
         else:
             for _ in chunks:
                 pass
@@ -397,13 +399,13 @@ class Paratrain:
 
     # -- metrics ----------------------------------------------------------------------------------
     def log(self, step: int, **values) -> None:
-        """One line of RUN_DIR/metrics.jsonl, as `paratrain run` writes it, with TensorBoard where
-        log.tensorboard is on. Collective where a value is a tensor (call it on every rank): a
+        """One line of RUN_DIR/metrics.jsonl, as `paratrain run` writes it, with TensorBoard, MLflow
+        and wandb where log.tensorboard, log.mlflow and log.wandb are on. Collective where a value is a tensor (call it on every rank): a
         tensor's mean over the ranks, rank 0's other values."""
         if self._metrics is None:
             if self.is_main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._metrics = MetricsLog(self.run_dir, self.cfg.train.steps, 0, self.is_main, self.cfg.log.tensorboard)
+            self._metrics = MetricsLog(self.run_dir, self.cfg, 0, self.is_main)
         collectives.LOG.step = int(step)
         numbers = {**values, **self._means_over_ranks(values)}
         now = time.perf_counter()
