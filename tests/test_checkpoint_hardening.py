@@ -251,6 +251,18 @@ def test_resume_auto_skips_a_manifest_that_is_a_list_for_the_older_checkpoint(pr
     assert "skipping checkpoint step 8" in warnings[0] and (run / "checkpoints.invalid" / "step-8").is_dir()
 
 
+def test_resume_auto_skips_a_checkpoint_with_a_shard_missing(pristine, tmp_path):
+    """A lost shard is the checkpoint's loss, not a model that does not match: auto falls back
+    (it exited 2 "does not match the model" under the strategies whose shapes come from every shard)."""
+    run = fresh_copy(pristine, tmp_path / "run")
+    (run / "checkpoints" / "step-8" / "rank-00000.safetensors").unlink()
+    cfg = config_mod.load(str(pristine / "c.toml"), [])
+    assert check_resume("auto", cfg, run) == 4
+    warnings = []
+    assert ckpt.latest_valid(run, log=warnings.append).step == 4
+    assert len(warnings) == 1 and "skipping checkpoint step 8" in warnings[0] and "missing" in warnings[0]
+
+
 # Mutations of a real checkpoint: its manifest's JSON structure, the bytes of a shard's header or
 # body (sealed again into the manifest, as a crafted checkpoint would be, or not), its file names.
 JSON_VALUES = st.recursive(

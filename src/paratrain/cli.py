@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from paratrain import config as config_mod
-from paratrain.errors import ConfigError, note, say, warn
+from paratrain.errors import ConfigError, note, say, warn, write_failure
 from paratrain.errors import report as _error
 from paratrain.extras import MissingExtra
 from paratrain.metrics import keep_stdout_when_its_reader_leaves
@@ -231,6 +231,7 @@ def cmd_plan(args) -> int:
     with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
         try:
             cfg = load_config(args)
+            check_output_folder("--json", args.json)
             if args.calibrate and args.cluster:
                 raise ConfigError("--calibrate", "writes the cluster file it plans for: drop --cluster")
             cluster = load_cluster(args.cluster) if args.cluster else None
@@ -268,8 +269,21 @@ def cmd_plan(args) -> int:
 
             plan["layouts"] = search(args.config, args.overrides, cluster or this_machine(args.nnodes, nproc), args.top)
             layouts = render_search(plan["layouts"])
-    emit(plan, args.json, layouts)
+    try:
+        emit(plan, args.json, layouts)
+    except OSError as exc:  # the folder checked before planning went away, or filled up
+        return _error(f"--json: {write_failure(args.json, exc)}", 2)
     return 0
+
+
+def check_output_folder(key: str, path: str | None) -> None:
+    """A file a command will write (None or "-": stdout): checked before the work that fills it."""
+    if path in (None, "-"):
+        return
+    if Path(path).is_dir():
+        raise ConfigError(key, f"{path} is a directory: give a file name")
+    if not Path(path).parent.is_dir():
+        raise ConfigError(key, f"folder {Path(path).parent} does not exist")
 
 
 def cmd_inspect(args) -> int:

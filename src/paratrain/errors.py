@@ -39,3 +39,19 @@ def report(msg: str, code: int) -> int:
     """The error's line, and its exit code to return."""
     error(msg)
     return code
+
+
+def write_failure(path, exc: OSError) -> str:
+    """What a failed write (a full disk, a read-only folder, a quota) says: the path, the system's
+    reason, and the room left where it was writing, which is what the user has to change."""
+    import shutil
+    from pathlib import Path
+
+    where = Path(path)
+    while not where.exists() and where != where.parent:  # the nearest folder that is there
+        where = where.parent
+    try:
+        free = f"; {shutil.disk_usage(where).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = ""
+    return f"cannot write {path}: {exc.strerror or exc}{free}"

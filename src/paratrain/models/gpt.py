@@ -137,7 +137,12 @@ class GPT(nn.Module):
         require(
             not n_experts or 1 <= top_k <= n_experts, "top_k", f"{top_k} is not between 1 and n_experts {n_experts}"
         )
-        require(moe_aux_loss >= 0, "moe_aux_loss", f"{moe_aux_loss} is negative")
+        # nan compares false to everything: "not >= 0" alone would call it negative
+        require(
+            math.isfinite(moe_aux_loss) and moe_aux_loss >= 0,
+            "moe_aux_loss",
+            f"must be finite and >= 0, got {moe_aux_loss}",
+        )
         moe = dict(n_experts=n_experts, top_k=top_k, aux_weight=moe_aux_loss) if n_experts else None
         self.block_size = block_size
         self.recompute = "none"  # train.recompute: "full" or "selective" checkpoints each pipeline layer
