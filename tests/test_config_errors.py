@@ -1,5 +1,7 @@
 """Bad input exits 2 with one line naming the key, before any worker starts."""
 
+import time
+
 import pytest
 import tomllib
 from helpers import write_config
@@ -234,6 +236,40 @@ def test_nan_weights_are_called_not_finite_not_negative(tmp_path, capsys):
         capsys, "plan", str(cfg), "--nproc", "1", "--set", "data.factory='corpus'", "--set", "model.moe_aux_loss=nan"
     )
     assert code == 2 and "model.moe_aux_loss" in one_line(err) and "finite" in err, err
+
+
+TINY_GPT = """
+name = "tiny-gpt"
+[model]
+factory = "gpt"
+n_layer = 1
+n_head = 2
+d_model = 16
+[data]
+factory = "corpus"
+block_size = 16
+max_chars = 20000
+batch_size = 8
+"""
+
+
+@pytest.mark.parametrize(
+    "sets, key",
+    [
+        (["model.n_experts=100000000"], "model.n_experts"),
+        (["model.vocab_size=10000000000"], "model.vocab_size"),
+        (["model.n_layer=100000", "model.d_model=65536", "model.n_head=1"], "model.n_layer"),
+    ],
+)
+def test_a_model_too_large_for_this_machine_exits_2_before_it_is_built(tmp_path, capsys, sets, key):
+    """Building it, even on the meta device, took minutes while memory grew; a worker then died in
+    the allocator. The bound comes from the config alone, with the figures."""
+    cfg = write_config(tmp_path / "c.toml", TINY_GPT)
+    overrides = [arg for s in sets for arg in ("--set", s)]
+    start = time.monotonic()
+    code, err = run_main(capsys, "run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *overrides)
+    assert code == 2 and one_line(err).startswith(f"paratrain: error: {key}: ") and "GiB" in err, err
+    assert time.monotonic() - start < 30
 
 
 def test_unwritable_run_dir(tmp_path, capsys):

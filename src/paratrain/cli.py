@@ -16,18 +16,21 @@ from paratrain.errors import report as _error
 from paratrain.extras import MissingExtra
 from paratrain.metrics import keep_stdout_when_its_reader_leaves
 from paratrain.parallel import registry
-from paratrain.preflight import load_config, preflight
+from paratrain.preflight import check_model_fits_this_machine, load_config, preflight
 from paratrain.run_dir import check_resume, lock_run_dir, newest_checkpoint_note, prepare_run_dir, release_locks
 
 
-def place(cfg: config_mod.Config, args) -> tuple[int, str | None]:
+def place(cfg: config_mod.Config, args, on_this_machine: bool = False) -> tuple[int, str | None]:
     """Processes per node and the device (set in cfg, with a note when `auto` fell back to CPU),
-    then every check that needs the world size. ConfigError if the run cannot start."""
+    then every check that needs the world size (`on_this_machine`, for a run: the model's size
+    against this machine's memory first). ConfigError if the run cannot start."""
     from paratrain.runtime.launch import default_nproc
     from paratrain.runtime.process import resolve_device
 
     nproc = args.nproc or default_nproc(cfg.train.device)
     cfg.train.device, device_note = resolve_device(cfg.train.device, nproc)  # the run dir's config names it
+    if on_this_machine:
+        check_model_fits_this_machine(cfg, nproc, args.nnodes)
     preflight(cfg, nproc * args.nnodes)
     return nproc, device_note
 
@@ -89,7 +92,7 @@ def run_job(args) -> int:
             lock_run_dir(run_dir)
         # its imports overlap the checks below: the trainer's, and a transformers model's
         start_worker_server(preload=("paratrain.trainer", *worker_preload(cfg)))
-        nproc, device_note = place(cfg, args)
+        nproc, device_note = place(cfg, args, on_this_machine=True)
         if scheduler is not None:
             note(f"{scheduler.describe(nproc)}")
         store = None  # under "continue", the nodes' supervisors go on meeting in it (runtime/fault/supervise.py)

@@ -187,6 +187,18 @@ class GPT(nn.Module):
         return run_layers(self.pipeline_layers(), idx, self.recompute)
 
 
+def parameters_at_least(arguments: dict) -> dict[str, int]:
+    """The parameters of gpt(**arguments), by the argument that multiplies them, from the
+    arguments alone (biases, norms, positions and routers left out: a lower bound): the size of a
+    model too large to build, which building even on the meta device would take minutes to show."""
+    d, layers, experts = arguments["d_model"], arguments["n_layer"], arguments["n_experts"]
+    attention, feed_forward = 4 * d * d, 8 * d * d
+    embeddings = {"vocab_size": arguments["vocab_size"] * d * (1 if arguments["tie_embeddings"] else 2)}
+    if experts:
+        return {**embeddings, "n_layer": layers * attention, "n_experts": layers * experts * feed_forward}
+    return {**embeddings, "n_layer": layers * (attention + feed_forward)}
+
+
 def gpt(
     vocab_size: int,
     n_layer: int = 4,
