@@ -26,21 +26,28 @@ def prepare_run_dir(
     `resume_step` for --resume PATH, which are another run's future. Elastic restarts and a later
     --resume auto go on from the newest checkpoint here, so it must be this run's own."""
     # the checkpoints a resume goes on writing beside: a read-only folder fails here, not at the first save
-    writes_to = [run_dir, *([run_dir / "checkpoints"] if resume != "none" else [])]
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for folder in (f for f in writes_to if f.is_dir()):
+    checkpoints = run_dir / "checkpoints"
+    for folder in [run_dir, *([checkpoints] if resume != "none" and checkpoints.is_dir() else [])]:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
             # A probe file of this process's own: the nodes of a multi-node run may share this
             # folder, and one node's unlink must not pull a shared name from under another.
             with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-") as probe:
                 probe.write(b"ok")
-    except OSError as exc:
-        raise ConfigError("--run-dir", f"{exc.filename or run_dir} is not writable: {exc.strerror or exc}") from None
+        except OSError as exc:
+            raise ConfigError("--run-dir", f"{folder} is not writable: {exc.strerror or exc}") from None
     if shutil.disk_usage(run_dir).free < 64 * 2**20:
         raise ConfigError("--run-dir", f"{run_dir} has less than 64 MiB free")
     write_config_toml(run_dir, cfg)
     if node_rank != 0:  # node 0 tidies a folder the nodes share
         return
+    try:
+        put_earlier_work_aside(run_dir, resume, resume_step)
+    except OSError as exc:  # a folder of it read-only, or a mount point that cannot move
+        raise ConfigError("--run-dir", f"cannot put the earlier run's files in {run_dir} aside: {exc}") from None
+
+
+def put_earlier_work_aside(run_dir: Path, resume: str, resume_step: int | None) -> None:
     from paratrain.checkpoint.save import remove_unfinished
 
     old = run_dir / "checkpoints"

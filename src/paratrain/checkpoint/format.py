@@ -39,6 +39,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: missing, corrupt, or not matching the model."""
 
 
+class CheckpointWriteFailed(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a read-only folder, a quota), agreed
+    by every saving rank: its partial files are gone and the checkpoints before it stand. `why`
+    is the line to print, on the lowest rank that failed; "" on the others, which only stop."""
+
+    def __init__(self, why: str):
+        super().__init__(why or "another rank could not write its part of the checkpoint")
+        self.why = why
+
+
 class CheckpointMismatch(ConfigError):
     """The model or strategy does not match the checkpoint (an input problem: exit 2)."""
 
