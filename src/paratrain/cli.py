@@ -88,10 +88,12 @@ def run_job(args) -> int:
         check_launch(args)
         cfg = load_config(args)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        # its imports overlap the checks below: the trainer's, and a transformers model's. Forked
+        # before the lock is taken: the server outlives this run, and a copy of the lock's file
+        # descriptor in it held the folder against every later run of this process.
+        start_worker_server(preload=("paratrain.trainer", *worker_preload(cfg)))
         if args.node_rank == 0:  # the other nodes of this run share the folder
             lock_run_dir(run_dir)
-        # its imports overlap the checks below: the trainer's, and a transformers model's
-        start_worker_server(preload=("paratrain.trainer", *worker_preload(cfg)))
         nproc, device_note = place(cfg, args, on_this_machine=True)
         if scheduler is not None:
             note(f"{scheduler.describe(nproc)}")
