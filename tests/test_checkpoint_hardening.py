@@ -442,6 +442,14 @@ def test_resume_auto_moves_a_corrupt_newer_checkpoint_aside_and_survives_a_torn_
 
 
 # -- point 6: torn lines in the logs ---------------------------------------------------------------
+def test_a_log_that_is_not_one_is_summed_up_not_listed_line_by_line(tmp_path, capsys):
+    log = tmp_path / "metrics.jsonl"
+    log.write_bytes(b"\xff\xfe not json\n" * 1000)
+    assert read_jsonl(log) == []
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4 and "997 more lines" in lines[-1], lines
+
+
 def test_torn_log_lines_are_skipped_and_rewrites_replace_the_file_whole(tmp_path, capsys, monkeypatch):
     from paratrain.profile import _open_profile
     from paratrain.report import load_run

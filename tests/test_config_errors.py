@@ -272,6 +272,20 @@ def test_a_model_too_large_for_this_machine_exits_2_before_it_is_built(tmp_path,
     assert time.monotonic() - start < 30
 
 
+def test_the_gpus_a_node_trains_on_count_toward_the_memory_a_model_must_fit(monkeypatch):
+    """The GPU branch, run here with the GPUs simulated (make gpu-check runs it on real ones)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from paratrain.preflight import this_machine_memory
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
+    host, kind = this_machine_memory("cpu", 2)
+    assert host > 0 and kind == "host memory"
+    assert this_machine_memory("cuda", 2) == (host + 160 * 2**30, "host and GPU memory (2 GPUs)")
+
+
 def test_unwritable_run_dir(tmp_path, capsys):
     cfg = write_config(tmp_path / "c.toml", DIGITS)
     blocker = tmp_path / "file"
