@@ -225,7 +225,7 @@ def test_a_config_toml_holds_any_string_the_config_may_carry(tmp_path):
     from paratrain import config as config_mod
 
     cfg = config_mod.from_dict(
-        {"name": "odd 'name' \"quoted\"", "model": {"factory": "mlp", "note": "tab\there\nline\u001b"}}
+        {"name": "odd 'name' \"quoted\"", "model": {"factory": "mlp", "note": "tab\there\nline\u001b\u007f"}}
     )
     assert config_mod.from_dict(tomllib.loads(config_mod.to_toml(cfg))) == cfg
 

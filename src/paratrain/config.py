@@ -432,8 +432,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, str):  # json's escapes (\\uXXXX for control characters) are TOML's too
-        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, str):  # json's escapes are TOML's too; json leaves DEL bare, which TOML does not take
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
