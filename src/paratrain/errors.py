@@ -4,6 +4,7 @@ commands) uses them without importing another."""
 
 from __future__ import annotations
 
+import errno
 import sys
 
 
@@ -55,3 +56,7 @@ def write_failure(path, exc: OSError) -> str:
     except OSError:
         free = ""
     return f"cannot write {path}: {exc.strerror or exc}{free}"
+
+
+# What a write to a full, read-only or over-quota disk fails with: the disk, not the code.
+WRITE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)

@@ -8,7 +8,6 @@ only reads the standard environment. The trainer never asks which strategy it ho
 from __future__ import annotations
 
 import argparse
-import errno
 import functools
 import math
 import os
@@ -33,7 +32,7 @@ from paratrain.comm.scalars import all_reduce_sum, barrier, broadcast_str, reduc
 from paratrain.config import Config
 from paratrain.data import build_dataset, build_sampler, load_batch, tokenizer_files
 from paratrain.data.batch import take, to_device
-from paratrain.errors import ConfigError, error, say, write_failure
+from paratrain.errors import WRITE_FAILURES, ConfigError, error, say, write_failure
 from paratrain.metrics import MetricsLog, keep_stdout_when_its_reader_leaves, keep_steps_up_to, summary_line
 from paratrain.models import BUILTIN as BUILTIN_MODELS
 from paratrain.models import build_model
@@ -425,10 +424,6 @@ def main(argv=None) -> int:
         return 1
     finally:
         process.shutdown()
-
-
-# What a write to a full, read-only or over-quota disk fails with: the disk, not the code.
-WRITE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
 def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none", membership=None) -> int:

@@ -16,7 +16,6 @@ name a module, start as `python -m module` as before.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib
 import io
@@ -31,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import cast
 
+from paratrain.runtime.log_file import LogFileThatNeverFailsTheRun
 from paratrain.runtime.worker_failure import STOPPED_EXITS, blame
 
 
@@ -462,7 +462,7 @@ def _agent_logging_to(path: Path | None) -> Callable[[], None]:
     itself (cli.outcome)."""
     if path is None:
         return lambda: None
-    handler = _LogFileThatNeverFailsTheRun(path, delay=True)
+    handler = LogFileThatNeverFailsTheRun(path, delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"))
     loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
     propagating = [logger.propagate for logger in loggers]
@@ -477,20 +477,6 @@ def _agent_logging_to(path: Path | None) -> Callable[[], None]:
         handler.close()
 
     return restore
-
-
-class _LogFileThatNeverFailsTheRun(logging.FileHandler):
-    """The agent's log file. On a full disk its writes fail, and logging's own report of each (a
-    traceback per record on stderr) and the flush as it closed (an exception in the launcher's
-    clean-up) hid the failure the run stopped for: the records that cannot be written are dropped,
-    and paratrain's own line names the cause."""
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        pass
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            super().close()
 
 
 # What the agent logs when it stops the workers on a signal, or finds one stopped by a signal
