@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -261,6 +262,22 @@ def test_resume_auto_skips_a_checkpoint_with_a_shard_missing(pristine, tmp_path)
     warnings = []
     assert ckpt.latest_valid(run, log=warnings.append).step == 4
     assert len(warnings) == 1 and "skipping checkpoint step 8" in warnings[0] and "missing" in warnings[0]
+
+
+def test_a_read_only_checkpoints_folder_exits_2_before_a_resume_starts(pristine, tmp_path, capsys):
+    """Its first save failed in every worker with a traceback; a read-only bind mount stands for
+    it, where this process may mount one (root: permissions alone do not stop root)."""
+    run = fresh_copy(pristine, tmp_path / "run")
+    checkpoints = run / "checkpoints"
+    if subprocess.run(["mount", "--bind", str(checkpoints), str(checkpoints)], capture_output=True).returncode:
+        pytest.skip("no bind mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(checkpoints)], check=True)
+        code = main(["run", str(pristine / "c.toml"), "--resume", "auto", "--run-dir", str(run)])
+    finally:
+        subprocess.run(["umount", str(checkpoints)], check=True)
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"--run-dir: {checkpoints} is not writable: Read-only file system" in line, line
 
 
 # Mutations of a real checkpoint: its manifest's JSON structure, the bytes of a shard's header or
