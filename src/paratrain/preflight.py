@@ -43,10 +43,11 @@ def check_model_fits_this_machine(cfg: config_mod.Config, nproc: int, nnodes: in
     fp32 weights alone, spread over every node, exceed this machine's memory exits 2 in one line
     with the figures. Building one of 10^8 experts, even on the meta device, takes minutes, and a
     worker would end in the allocator's traceback."""
-    from paratrain.data import build_dataset  # the preflight builds it next: the second build is cached
+    from paratrain.data import build_dataset
     from paratrain.models import parameters_at_least
 
-    parts = parameters_at_least(cfg, build_dataset(cfg, "train"))
+    # the training set where the model takes sizes from it: the preflight builds it next, from the cache
+    parts = parameters_at_least(cfg, lambda: build_dataset(cfg, "train"))
     need = sum(parts.values()) * 4 // nnodes
     have, kind = this_machine_memory(cfg.train.device, nproc)
     if parts and need > have:

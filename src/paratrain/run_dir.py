@@ -42,12 +42,12 @@ def prepare_run_dir(
     if node_rank != 0:  # node 0 tidies a folder the nodes share
         return
     try:
-        put_earlier_work_aside(run_dir, resume, resume_step)
+        _put_earlier_work_aside(run_dir, resume, resume_step)
     except OSError as exc:  # a folder of it read-only, or a mount point that cannot move
         raise ConfigError("--run-dir", f"cannot put the earlier run's files in {run_dir} aside: {exc}") from None
 
 
-def put_earlier_work_aside(run_dir: Path, resume: str, resume_step: int | None) -> None:
+def _put_earlier_work_aside(run_dir: Path, resume: str, resume_step: int | None) -> None:
     from paratrain.checkpoint.save import remove_unfinished
 
     old = run_dir / "checkpoints"

@@ -49,14 +49,14 @@ def model_kwargs(cfg: Config, dataset) -> dict:
     return kwargs
 
 
-def parameters_at_least(cfg: Config, dataset) -> dict[str, int]:
+def parameters_at_least(cfg: Config, dataset: Callable[[], object]) -> dict[str, int]:
     """A lower bound of the model's parameters by the `[model]` key that multiplies them, from the
-    config alone, for the built-in gpt; {} for a model whose size shows only once built, and for
-    arguments the build itself will refuse."""
+    config alone (and `dataset()`, for what the model takes from it), for the built-in gpt; {} for
+    a model whose size shows only once built, and for arguments the build itself will refuse."""
     if cfg.model.factory != "gpt":
         return {}
     try:
-        arguments = inspect.signature(gpt).bind(**model_kwargs(cfg, dataset))
+        arguments = inspect.signature(gpt).bind(**model_kwargs(cfg, dataset()))
     except TypeError:
         return {}
     arguments.apply_defaults()
