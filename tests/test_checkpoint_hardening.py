@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import struct
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -251,6 +252,34 @@ def test_resume_auto_skips_a_manifest_that_is_a_list_for_the_older_checkpoint(pr
     assert "skipping checkpoint step 8" in warnings[0] and (run / "checkpoints.invalid" / "step-8").is_dir()
 
 
+def test_resume_auto_skips_a_checkpoint_with_a_shard_missing(pristine, tmp_path):
+    """A lost shard is the checkpoint's loss, not a model that does not match: auto falls back
+    (it exited 2 "does not match the model" under the strategies whose shapes come from every shard)."""
+    run = fresh_copy(pristine, tmp_path / "run")
+    (run / "checkpoints" / "step-8" / "rank-00000.safetensors").unlink()
+    cfg = config_mod.load(str(pristine / "c.toml"), [])
+    assert check_resume("auto", cfg, run) == 4
+    warnings = []
+    assert ckpt.latest_valid(run, log=warnings.append).step == 4
+    assert len(warnings) == 1 and "skipping checkpoint step 8" in warnings[0] and "missing" in warnings[0]
+
+
+def test_a_read_only_checkpoints_folder_exits_2_before_a_resume_starts(pristine, tmp_path, capsys):
+    """Its first save failed in every worker with a traceback; a read-only bind mount stands for
+    it, where this process may mount one (root: permissions alone do not stop root)."""
+    run = fresh_copy(pristine, tmp_path / "run")
+    checkpoints = run / "checkpoints"
+    if subprocess.run(["mount", "--bind", str(checkpoints), str(checkpoints)], capture_output=True).returncode:
+        pytest.skip("no bind mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(checkpoints)], check=True)
+        code = main(["run", str(pristine / "c.toml"), "--resume", "auto", "--run-dir", str(run)])
+    finally:
+        subprocess.run(["umount", str(checkpoints)], check=True)
+    line = one_error_line(capsys.readouterr().err)
+    assert code == 2 and f"--run-dir: {checkpoints} is not writable: Read-only file system" in line, line
+
+
 # Mutations of a real checkpoint: its manifest's JSON structure, the bytes of a shard's header or
 # body (sealed again into the manifest, as a crafted checkpoint would be, or not), its file names.
 JSON_VALUES = st.recursive(
@@ -430,6 +459,14 @@ def test_resume_auto_moves_a_corrupt_newer_checkpoint_aside_and_survives_a_torn_
 
 
 # -- point 6: torn lines in the logs ---------------------------------------------------------------
+def test_a_log_that_is_not_one_is_summed_up_not_listed_line_by_line(tmp_path, capsys):
+    log = tmp_path / "metrics.jsonl"
+    log.write_bytes(b"\xff\xfe not json\n" * 1000)
+    assert read_jsonl(log) == []
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4 and "997 more lines" in lines[-1], lines
+
+
 def test_torn_log_lines_are_skipped_and_rewrites_replace_the_file_whole(tmp_path, capsys, monkeypatch):
     from paratrain.profile import _open_profile
     from paratrain.report import load_run

@@ -1,6 +1,9 @@
 """Bad input exits 2 with one line naming the key, before any worker starts."""
 
+import time
+
 import pytest
+import tomllib
 from helpers import write_config
 from reference import DIGITS_MLP
 
@@ -152,6 +155,135 @@ def test_bad_toml_and_missing_file(tmp_path, capsys):
     assert code == 2 and "not valid TOML" in err
     code, err = run_main(capsys, "run", str(tmp_path / "missing.toml"))
     assert code == 2 and "not found" in err
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ('name="a\nb"', "control characters"),  # a line break typed inside the quotes
+        ("name=a\rb", "control characters"),  # ... or in a bare word
+        ('name="a\u001bb"', "control characters"),  # an escape sequence through TOML's own escape
+        ('model.sizes=["a\tb"]', "control characters"),  # inside a list
+        ('name="abc', "unbalanced"),  # the shell's --set name='"abc': was taken verbatim as the name `"abc`
+        ("name='abc", "unbalanced"),
+        ("model.sizes=[1, 2", "unbalanced"),
+        ("model.opts={a = 1", "unbalanced"),
+    ],
+)
+def test_hostile_set_values_exit_2_naming_the_set_and_leave_the_run_dir_alone(tmp_path, capsys, override, says):
+    """A --set value that no TOML file could hold is refused naming the --set, before the run
+    directory's config.toml (here a valid one of an earlier run) is touched."""
+    cfg = write_config(tmp_path / "c.toml", DIGITS)
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    earlier = write_config(run_dir / "config.toml", DIGITS).read_bytes()
+    code, err = run_main(capsys, "run", str(cfg), "--run-dir", str(run_dir), "--set", override)
+    key = override.split("=")[0]
+    assert code == 2 and one_line(err).startswith(f"paratrain: error: --set {key}: ") and says in err, err
+    assert (run_dir / "config.toml").read_bytes() == earlier
+
+
+def one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "command, make_input, key",
+    [
+        ("run", lambda d: (d / "bin.toml").write_bytes(bytes(range(256))) or d / "bin.toml", "config"),
+        ("plan", lambda d: (d / "bin.toml").write_bytes(b"\xff\xfe\x00name") or d / "bin.toml", "config"),
+        ("run", lambda d: d, "config"),  # a directory
+        ("plan", lambda d: d, "config"),
+        ("run", lambda d: d / "missing.toml", "config"),
+    ],
+)
+def test_unreadable_config_files_exit_2_in_one_line(tmp_path, capsys, command, make_input, key):
+    code, err = run_main(capsys, command, str(make_input(tmp_path)), "--nproc", "2")
+    assert code == 2 and one_line(err).startswith(f"paratrain: error: {key}: "), err
+
+
+@pytest.mark.parametrize(
+    "option, make_input",
+    [
+        ("--cluster", lambda d: d),  # a directory
+        ("--cluster", lambda d: (d / "bin.toml").write_bytes(bytes(range(256))) or d / "bin.toml"),
+        ("--json", lambda d: d / "no-such-folder" / "plan.json"),
+        ("--json", lambda d: d),  # a directory where the file would go
+    ],
+)
+def test_plan_inputs_and_outputs_exit_2_in_one_line(tmp_path, capsys, option, make_input):
+    cfg = write_config(tmp_path / "c.toml", DIGITS)
+    code, err = run_main(capsys, "plan", str(cfg), "--nproc", "2", option, str(make_input(tmp_path)))
+    assert code == 2 and one_line(err).startswith(f"paratrain: error: {option}: "), err
+
+
+def test_a_config_toml_holds_any_string_the_config_may_carry(tmp_path):
+    """Escapes in a config file's strings are written back as escapes: the run directory's
+    config.toml always parses, to the same config."""
+    from paratrain import config as config_mod
+
+    cfg = config_mod.from_dict(
+        {"name": "odd 'name' \"quoted\"", "model": {"factory": "mlp", "note": "tab\there\nline\u001b\u007f"}}
+    )
+    assert config_mod.from_dict(tomllib.loads(config_mod.to_toml(cfg))) == cfg
+
+
+def test_nan_weights_are_called_not_finite_not_negative(tmp_path, capsys):
+    cfg = write_config(tmp_path / "c.toml", DIGITS.replace('factory = "mlp"', 'factory = "gpt"\nn_experts = 2'))
+    code, err = run_main(
+        capsys, "plan", str(cfg), "--nproc", "1", "--set", "data.factory='corpus'", "--set", "model.moe_aux_loss=nan"
+    )
+    assert code == 2 and "model.moe_aux_loss" in one_line(err) and "finite" in err, err
+
+
+TINY_GPT = """
+name = "tiny-gpt"
+[model]
+factory = "gpt"
+n_layer = 1
+n_head = 2
+d_model = 16
+[data]
+factory = "corpus"
+block_size = 16
+max_chars = 20000
+batch_size = 8
+"""
+
+
+@pytest.mark.parametrize(
+    "sets, key",
+    [
+        (["model.n_experts=100000000"], "model.n_experts"),
+        (["model.vocab_size=10000000000"], "model.vocab_size"),
+        (["model.n_layer=100000", "model.d_model=65536", "model.n_head=1"], "model.n_layer"),
+    ],
+)
+def test_a_model_too_large_for_this_machine_exits_2_before_it_is_built(tmp_path, capsys, sets, key):
+    """Building it, even on the meta device, took minutes while memory grew; a worker then died in
+    the allocator. The bound comes from the config alone, with the figures."""
+    cfg = write_config(tmp_path / "c.toml", TINY_GPT)
+    overrides = [arg for s in sets for arg in ("--set", s)]
+    start = time.monotonic()
+    code, err = run_main(capsys, "run", str(cfg), "--nproc", "2", "--run-dir", str(tmp_path / "r"), *overrides)
+    assert code == 2 and one_line(err).startswith(f"paratrain: error: {key}: ") and "GiB" in err, err
+    assert time.monotonic() - start < 30
+
+
+def test_the_gpus_a_node_trains_on_count_toward_the_memory_a_model_must_fit(monkeypatch):
+    """The GPU branch, run here with the GPUs simulated (make gpu-check runs it on real ones)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from paratrain.preflight import this_machine_memory
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * 2**30))
+    host, kind = this_machine_memory("cpu", 2)
+    assert host > 0 and kind == "host memory"
+    assert this_machine_memory("cuda", 2) == (host + 160 * 2**30, "host and GPU memory (2 GPUs)")
 
 
 def test_unwritable_run_dir(tmp_path, capsys):

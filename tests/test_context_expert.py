@@ -11,11 +11,14 @@ import torch.nn.functional as F
 from helpers import final_weights, metrics, rel_error, write_config
 from reference import train_reference
 
+from paratrain import config as config_mod
+from paratrain.checkpoint import latest_valid
 from paratrain.cli import main
 from paratrain.data import load_batch
 from paratrain.data.datasets import corpus
 from paratrain.models.gpt import gpt
 from paratrain.models.moe import with_auxiliary_losses
+from paratrain.run_dir import check_resume
 
 STEPS, BATCH, BLOCK = 12, 8, 16
 GPT = f"""
@@ -168,6 +171,20 @@ def test_expert_parallel_under_dp_and_zero2(tmp_path, gang, moe_reference):
     out = train(gang, tmp_path, "zero2-ep2", 2, "parallel.strategy='zero2'", "parallel.ep=2", *MOE)
     check_equal(tmp_path, "zero2-ep2", moe_reference)
     assert out.count(DISPATCH_CHECKED) == 1, out  # every expert's weights here
+
+
+def test_resume_auto_skips_an_expert_parallel_checkpoint_missing_a_rank_file(tmp_path, gang):
+    """Each ep rank's file holds its own experts: with one gone the newest checkpoint read as a model
+    that does not match (exit 2), and --resume auto was stuck on it. It is skipped, naming why."""
+    sets = ["parallel.ep=2", *MOE, "checkpoint.every=6"]
+    train(gang, tmp_path, "ep-lost-file", 2, *sets)
+    run_dir = tmp_path / "ep-lost-file"
+    (run_dir / "checkpoints" / "step-12" / "rank-00001.safetensors").unlink()
+    cfg = config_mod.load(tmp_path / "gpt.toml", sets)
+    assert check_resume("auto", cfg, run_dir) == 6
+    skipped = []
+    assert latest_valid(run_dir, log=skipped.append).step == 6
+    assert len(skipped) == 1 and "step 12" in skipped[0] and "rank-00001.safetensors: missing" in skipped[0]
 
 
 def test_expert_parallel_under_bf16_autocast(tmp_path, gang, moe_reference):

@@ -11,23 +11,26 @@ import sys
 from pathlib import Path
 
 from paratrain import config as config_mod
-from paratrain.errors import ConfigError, note, say, warn
+from paratrain.errors import ConfigError, note, say, warn, write_failure
 from paratrain.errors import report as _error
 from paratrain.extras import MissingExtra
 from paratrain.metrics import keep_stdout_when_its_reader_leaves
 from paratrain.parallel import registry
-from paratrain.preflight import load_config, preflight
+from paratrain.preflight import check_model_fits_this_machine, load_config, preflight
 from paratrain.run_dir import check_resume, lock_run_dir, newest_checkpoint_note, prepare_run_dir, release_locks
 
 
-def place(cfg: config_mod.Config, args) -> tuple[int, str | None]:
+def place(cfg: config_mod.Config, args, on_this_machine: bool = False) -> tuple[int, str | None]:
     """Processes per node and the device (set in cfg, with a note when `auto` fell back to CPU),
-    then every check that needs the world size. ConfigError if the run cannot start."""
+    then every check that needs the world size (`on_this_machine`, for a run: the model's size
+    against this machine's memory first). ConfigError if the run cannot start."""
     from paratrain.runtime.launch import default_nproc
     from paratrain.runtime.process import resolve_device
 
     nproc = args.nproc or default_nproc(cfg.train.device)
     cfg.train.device, device_note = resolve_device(cfg.train.device, nproc)  # the run dir's config names it
+    if on_this_machine:
+        check_model_fits_this_machine(cfg, nproc, args.nnodes)
     preflight(cfg, nproc * args.nnodes)
     return nproc, device_note
 
@@ -85,11 +88,13 @@ def run_job(args) -> int:
         check_launch(args)
         cfg = load_config(args)
         run_dir = Path(args.run_dir or Path("runs") / cfg.name)
+        # its imports overlap the checks below: the trainer's, and a transformers model's. Forked
+        # before the lock is taken: the server outlives this run, and a copy of the lock's file
+        # descriptor in it held the folder against every later run of this process.
+        start_worker_server(preload=("paratrain.trainer", *worker_preload(cfg)))
         if args.node_rank == 0:  # the other nodes of this run share the folder
             lock_run_dir(run_dir)
-        # its imports overlap the checks below: the trainer's, and a transformers model's
-        start_worker_server(preload=("paratrain.trainer", *worker_preload(cfg)))
-        nproc, device_note = place(cfg, args)
+        nproc, device_note = place(cfg, args, on_this_machine=True)
         if scheduler is not None:
             note(f"{scheduler.describe(nproc)}")
         store = None  # under "continue", the nodes' supervisors go on meeting in it (fault/supervise.py)
@@ -231,6 +236,7 @@ def cmd_plan(args) -> int:
     with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
         try:
             cfg = load_config(args)
+            check_output_folder("--json", args.json)
             if args.calibrate and args.cluster:
                 raise ConfigError("--calibrate", "writes the cluster file it plans for: drop --cluster")
             cluster = load_cluster(args.cluster) if args.cluster else None
@@ -268,8 +274,21 @@ def cmd_plan(args) -> int:
 
             plan["layouts"] = search(args.config, args.overrides, cluster or this_machine(args.nnodes, nproc), args.top)
             layouts = render_search(plan["layouts"])
-    emit(plan, args.json, layouts)
+    try:
+        emit(plan, args.json, layouts)
+    except OSError as exc:  # the folder checked before planning went away, or filled up
+        return _error(f"--json: {write_failure(args.json, exc)}", 2)
     return 0
+
+
+def check_output_folder(key: str, path: str | None) -> None:
+    """A file a command will write (None or "-": stdout): checked before the work that fills it."""
+    if path in (None, "-"):
+        return
+    if Path(path).is_dir():
+        raise ConfigError(key, f"{path} is a directory: give a file name")
+    if not Path(path).parent.is_dir():
+        raise ConfigError(key, f"folder {Path(path).parent} does not exist")
 
 
 def cmd_inspect(args) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import tomllib
 from paratrain.errors import ConfigError
 from paratrain.extras import EXTRAS, hint
 from paratrain.lora_keys import LORA_STRATEGIES, check_lora
+from paratrain.overrides import apply_overrides, control_characters
 
 
 class ArgumentError(ValueError):
@@ -390,9 +392,11 @@ def from_dict(raw: dict) -> Config:
         if key == "name":
             if not isinstance(value, str) or not value:
                 raise ConfigError("name", f"expected a non-empty string, got {value!r}")
-            if value in (".", "..") or any(c in value for c in "/\\\0"):
+            if value in (".", "..") or any(c in value for c in "/\\") or control_characters(value):
                 # runs/NAME is the run directory: a path there could reach any folder
-                raise ConfigError("name", f"{value!r} must be a plain name, without '/', '\\' or '..'")
+                raise ConfigError(
+                    "name", f"{value!r} must be a plain name, without '/', '\\', '..' or control characters"
+                )
             kwargs["name"] = value
         elif key in sections:
             kwargs[key] = _build_section(key, sections[key].default_factory, value)
@@ -413,46 +417,27 @@ def _check_combinations(cfg: Config) -> None:
         raise ConfigError("train.track_memory", "counts allocations with torch's profiler: drop train.torch_profiler")
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`a.b=VALUE` with VALUE in TOML syntax; a bare word is taken as a string."""
-    if "=" not in item:
-        raise ConfigError(item, "--set expects KEY=VALUE")
-    key, text = item.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(key or item, "--set expects a dotted KEY=VALUE")
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text
-    return key.split("."), value
-
-
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    for item in overrides:
-        path, value = parse_override(item)
-        node = raw
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(".".join(path), f"{part!r} is not a table")
-        node[path[-1]] = value
-    return raw
-
-
 def default_config_path() -> Path:
     return Path(str(importlib.resources.files("paratrain") / "configs" / "default.toml"))
 
 
-def read_toml(path: str | Path) -> dict:
+def read_toml(path: str | Path, key: str = "config") -> dict:
+    """The TOML file every command reads (a config, a cluster file): a missing, unreadable, binary
+    or directory path is a ConfigError naming `key`, never a traceback."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
-        raise ConfigError("config", f"file not found: {path}") from None
+        raise ConfigError(key, f"file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(key, f"{path} is a directory, not a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(key, f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(key, f"{path} is not a text file (not UTF-8): not a TOML file") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+        raise ConfigError(key, f"{path} is not valid TOML: {exc}") from None
 
 
 def load(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
@@ -465,8 +450,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, str):  # json's escapes are TOML's too; json leaves DEL bare, which TOML does not take
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):

@@ -4,6 +4,7 @@ commands) uses them without importing another."""
 
 from __future__ import annotations
 
+import errno
 import sys
 
 
@@ -39,3 +40,23 @@ def report(msg: str, code: int) -> int:
     """The error's line, and its exit code to return."""
     error(msg)
     return code
+
+
+def write_failure(path, exc: OSError) -> str:
+    """What a failed write (a full disk, a read-only folder, a quota) says: the path, the system's
+    reason, and the room left where it was writing, which is what the user has to change."""
+    import shutil
+    from pathlib import Path
+
+    where = Path(path)
+    while not where.exists() and where != where.parent:  # the nearest folder that is there
+        where = where.parent
+    try:
+        free = f"; {shutil.disk_usage(where).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = ""
+    return f"cannot write {path}: {exc.strerror or exc}{free}"
+
+
+# What a write to a full, read-only or over-quota disk fails with: the disk, not the code.
+WRITE_FAILURES = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)

@@ -137,7 +137,7 @@ def read_jsonl(path: Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         return []
-    entries = []
+    entries, skipped = [], 0
     for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
@@ -147,9 +147,16 @@ def read_jsonl(path: Path) -> list[dict]:
             entry = None
         if isinstance(entry, dict) and isinstance(entry.get("step", 0), (int, float)):
             entries.append(entry)
-        else:
+            continue
+        skipped += 1
+        if skipped <= WARNED_LINES:
             say(f"warning: {path}:{number}: skipping a line that is not a log entry (torn by a crash?)")
+    if skipped > WARNED_LINES:  # a file that is not a log at all: a line each flooded the terminal
+        say(f"warning: {path}: skipped {skipped - WARNED_LINES} more lines that are not log entries")
     return entries
+
+
+WARNED_LINES = 3  # torn lines of a log named one by one; past them, only how many more
 
 
 def keep_steps_up_to(path: Path, step: int) -> list[dict]:

@@ -3,6 +3,7 @@ factories, sizes and combinations, on a model built on the meta device. ConfigEr
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sized
 from pathlib import Path
@@ -35,6 +36,43 @@ def preflight(cfg: config_mod.Config, world: int) -> None:
     # is the error to name, not the loss it would then compute wrongly
     check_layout_against(cfg, model, train_set)
     check_loss_and_samples(cfg, model, train_set)
+
+
+def check_model_fits_this_machine(cfg: config_mod.Config, nproc: int, nnodes: int) -> None:
+    """For `run` (`plan` may plan for other machines), before the model is built: a model whose
+    fp32 weights alone, spread over every node, exceed this machine's memory exits 2 in one line
+    with the figures. Building one of 10^8 experts, even on the meta device, takes minutes, and a
+    worker would end in the allocator's traceback."""
+    from paratrain.data import build_dataset
+    from paratrain.models import parameters_at_least
+
+    # the training set where the model takes sizes from it: the preflight builds it next, from the cache
+    parts = parameters_at_least(cfg, lambda: build_dataset(cfg, "train"))
+    need = sum(parts.values()) * 4 // nnodes
+    have, kind = this_machine_memory(cfg.train.device, nproc)
+    if parts and need > have:
+        largest = max(parts, key=parts.__getitem__)
+        over = f" over {nnodes} nodes" if nnodes > 1 else ""
+        raise ConfigError(
+            f"model.{largest}",
+            f"{cfg.model.factory} would have at least {sum(parts.values()):.3g} parameters (most by this key), "
+            f"{need / 2**30:,.1f} GiB of fp32 weights per node{over} before gradients and optimizer state; "
+            f"this machine has {have / 2**30:,.1f} GiB of {kind}",
+        )
+
+
+def this_machine_memory(device: str, nproc: int) -> tuple[int, str]:
+    """Bytes a node can hold a model in, at the most (host memory, or its cgroup's limit, plus the
+    GPUs its processes take), and what they are."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):  # cgroup v2's "max" (no limit) is not a number
+        host = min(host, int(Path("/sys/fs/cgroup/memory.max").read_text()))
+    if device != "cuda":
+        return host, "host memory"
+    import torch
+
+    gpus = sum(torch.cuda.get_device_properties(i).total_memory for i in range(nproc))
+    return host + gpus, f"host and GPU memory ({nproc} GPUs)"
 
 
 def checked_model_and_data(cfg: config_mod.Config) -> tuple:

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 from paratrain import config as config_mod
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, write_failure
 
 _LOCKS: list[int] = []  # the run directories' locks this process holds until the run ends
 
@@ -25,22 +25,29 @@ def prepare_run_dir(
     that this run must not mix with aside: every checkpoint for a fresh start, and those past
     `resume_step` for --resume PATH, which are another run's future. Elastic restarts and a later
     --resume auto go on from the newest checkpoint here, so it must be this run's own."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # A probe file of this process's own: the nodes of a multi-node run may share this
-        # folder, and one node's unlink must not pull a shared name from under another.
-        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-") as probe:
-            probe.write(b"ok")
-    except OSError as exc:
-        raise ConfigError("--run-dir", f"{run_dir} is not writable: {exc.strerror or exc}") from None
+    # the checkpoints a resume goes on writing beside: a read-only folder fails here, not at the first save
+    checkpoints = run_dir / "checkpoints"
+    for folder in [run_dir, *([checkpoints] if resume != "none" and checkpoints.is_dir() else [])]:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            # A probe file of this process's own: the nodes of a multi-node run may share this
+            # folder, and one node's unlink must not pull a shared name from under another.
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-") as probe:
+                probe.write(b"ok")
+        except OSError as exc:
+            raise ConfigError("--run-dir", f"{folder} is not writable: {exc.strerror or exc}") from None
     if shutil.disk_usage(run_dir).free < 64 * 2**20:
         raise ConfigError("--run-dir", f"{run_dir} has less than 64 MiB free")
-    # Written aside and renamed into place, so a node reading it never sees another's half-write.
-    aside = run_dir / f".config-{uuid.uuid4().hex}.toml"
-    aside.write_text(config_mod.to_toml(cfg))
-    os.replace(aside, run_dir / "config.toml")
+    write_config_toml(run_dir, cfg)
     if node_rank != 0:  # node 0 tidies a folder the nodes share
         return
+    try:
+        _put_earlier_work_aside(run_dir, resume, resume_step)
+    except OSError as exc:  # a folder of it read-only, or a mount point that cannot move
+        raise ConfigError("--run-dir", f"cannot put the earlier run's files in {run_dir} aside: {exc}") from None
+
+
+def _put_earlier_work_aside(run_dir: Path, resume: str, resume_step: int | None) -> None:
     from paratrain.checkpoint.save import remove_unfinished
 
     old = run_dir / "checkpoints"
@@ -70,6 +77,19 @@ def prepare_run_dir(
                 f"(step {', '.join(str(step) for step, _ in later)}) moved to {aside}",
                 flush=True,
             )
+
+
+def write_config_toml(run_dir: Path, cfg: config_mod.Config) -> None:
+    """RUN_DIR/config.toml, of a config that validated, written aside and renamed into place: a node
+    reading it never sees another's half-write, and a failed write (a full disk) leaves the earlier
+    one whole. ConfigError naming --run-dir, with the room left."""
+    aside = run_dir / f".config-{uuid.uuid4().hex}.toml"
+    try:
+        aside.write_text(config_mod.to_toml(cfg))
+        os.replace(aside, run_dir / "config.toml")
+    except OSError as exc:
+        aside.unlink(missing_ok=True)
+        raise ConfigError("--run-dir", write_failure(run_dir / "config.toml", exc)) from None
 
 
 def lock_run_dir(run_dir: Path) -> None:
@@ -119,7 +139,7 @@ def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | No
     import torch
 
     from paratrain.checkpoint.format import CheckpointError
-    from paratrain.checkpoint.reader import CheckpointReader, list_checkpoints
+    from paratrain.checkpoint.reader import CheckpointReader, check_files_present, list_checkpoints
     from paratrain.checkpoint.resume import check_resumable
     from paratrain.data import build_dataset
     from paratrain.models import build_model
@@ -142,10 +162,13 @@ def check_resume(resume: str, cfg: config_mod.Config, run_dir: Path) -> int | No
     for _, path in reversed(list_checkpoints(run_dir / "checkpoints")):
         try:
             reader = CheckpointReader(path)
+            # before the model checks: a shard missing would read as a model that does not match,
+            # which is the checkpoint's loss, not the config's error
+            check_files_present(path, reader.manifest)
             check(reader)
             return reader.step
         except CheckpointError:
-            continue  # the workers say why, as they skip it
+            continue  # rank 0 says why, as it skips it (checkpoint.latest_valid)
     return None
 
 

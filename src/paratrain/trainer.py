@@ -25,7 +25,6 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from paratrain import checkpoint as ckpt
-from paratrain import config as config_mod
 from paratrain import preflight
 from paratrain.checkpoint.train_state import NonFiniteError, load_train_state, save_train_state
 from paratrain.comm import collectives
@@ -43,6 +42,7 @@ from paratrain.optim import build_loss, lr_factor
 from paratrain.parallel import registry
 from paratrain.parallel.registry import build_for_training
 from paratrain.profile import MemoryTracker, Profiler
+from paratrain.run_dir import write_config_toml
 from paratrain.runtime import fault_points, process
 from paratrain.token_mean import global_token_count, over_global_batch
 
@@ -416,6 +416,8 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         error(f"{exc}")
         return 2
+    except (ckpt.CheckpointWriteFailed, OSError) as exc:  # a full disk, a read-only folder: one line
+        return ckpt.write_failed_exit(exc)
     finally:
         process.shutdown()
 
@@ -428,7 +430,7 @@ def train(cfg: Config, run_dir: Path, rt: process.Runtime, resume: str = "none",
     registry.check_world(cfg, rt.world_size)
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+        write_config_toml(run_dir, cfg)
     if not (membership and membership.joining):  # a joiner's peers are mid-run (fault/survive.py)
         barrier(rt, "start")
     trainer = Trainer(cfg, run_dir, rt, membership)

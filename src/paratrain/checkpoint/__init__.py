@@ -12,7 +12,15 @@
 What an engine or the trainer needs is importable from the package itself."""
 
 from paratrain.checkpoint.export import export_final, export_model
-from paratrain.checkpoint.format import FORMAT, CheckpointError, CheckpointMismatch, rank_file, read_header
+from paratrain.checkpoint.format import (
+    FORMAT,
+    CheckpointError,
+    CheckpointMismatch,
+    CheckpointWriteFailed,
+    rank_file,
+    read_header,
+    write_failed_exit,
+)
 from paratrain.checkpoint.reader import CheckpointReader, describe_mismatch, latest_valid
 from paratrain.checkpoint.save import save
 from paratrain.checkpoint.state import load_model_state, optimizer_from_tensors, optimizer_to_tensors
@@ -22,6 +30,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatch",
     "CheckpointReader",
+    "CheckpointWriteFailed",
     "describe_mismatch",
     "export_final",
     "export_model",
@@ -32,4 +41,5 @@ __all__ = [
     "rank_file",
     "read_header",
     "save",
+    "write_failed_exit",
 ]

@@ -41,6 +41,36 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: missing, corrupt, or not matching the model."""
 
 
+class CheckpointWriteFailed(RuntimeError):
+    """A checkpoint that could not be written (a full disk, a read-only folder, a quota), agreed
+    by every saving rank: its partial files are gone and the checkpoints before it stand. `why`
+    is the line to print, on the lowest rank that failed; "" on the others, which only stop."""
+
+    def __init__(self, why: str):
+        super().__init__(why or "another rank could not write its part of the checkpoint")
+        self.why = why
+
+
+def write_failed_exit(exc: BaseException) -> int:
+    """A worker's exit code, its line said, after a write that failed: a checkpoint's, agreed by
+    every saving rank (the lowest that failed says why; the others stop as with the run, 128 +
+    SIGTERM, so the agent names the rank that failed), or any other file of the run (metrics,
+    traces): no traceback. Any other error is raised on."""
+    import signal
+
+    from paratrain.errors import WRITE_FAILURES, error, write_failure
+
+    if isinstance(exc, CheckpointWriteFailed):
+        if not exc.why:
+            return 128 + signal.SIGTERM
+        error(exc.why)
+        return 1
+    if not isinstance(exc, OSError) or exc.errno not in WRITE_FAILURES:
+        raise exc
+    error(write_failure(exc.filename or "a file of the run", exc))
+    return 1
+
+
 class CheckpointMismatch(ConfigError):
     """The model or strategy does not match the checkpoint (an input problem: exit 2)."""
 

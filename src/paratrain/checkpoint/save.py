@@ -3,6 +3,7 @@ manifest, the folder synced and renamed into place; older ones pruned."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -12,10 +13,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratrain.checkpoint.format import FORMAT, UNFINISHED, VERIFIED, fsync_dir, rank_file, write_bytes_durably
+from paratrain.checkpoint.format import (
+    FORMAT,
+    UNFINISHED,
+    VERIFIED,
+    CheckpointWriteFailed,
+    fsync_dir,
+    rank_file,
+    write_bytes_durably,
+)
 from paratrain.checkpoint.reader import is_valid, list_checkpoints
 from paratrain.checkpoint.writer import layout_of, write_safetensors
 from paratrain.comm import collectives
+from paratrain.errors import write_failure
 from paratrain.runtime import fault_points
 
 
@@ -37,6 +47,18 @@ def _barrier(world_size: int, group) -> None:
         collectives.barrier("checkpoint", group=group)
 
 
+# the size a rank gathers when it could not write its shard: no manifest is written over it
+NOT_WRITTEN = 2**64 - 1
+
+
+def _first_failed(failed: bool, rank: int, world_size: int, device: torch.device, group) -> int | None:
+    """The lowest saving rank whose write failed, agreed by all of them (None: every write held)."""
+    lowest = torch.tensor([rank if failed else world_size], dtype=torch.int64, device=device)
+    if dist.is_initialized() and world_size > 1:
+        collectives.all_reduce(lowest, "checkpoint-written", group=group, op=dist.ReduceOp.MIN)
+    return int(lowest.item()) if int(lowest.item()) < world_size else None
+
+
 def save(
     run_dir: Path,
     step: int,
@@ -52,42 +74,72 @@ def save(
     group=None,
 ) -> Path:
     """Collective over the saving ranks 0..world_size-1 (`group`: them; None: the world group),
-    each with its own shard."""
+    each with its own shard. A write that fails on any of them (a full disk, a read-only folder)
+    leaves no partial files and the earlier checkpoints as they were, and raises
+    CheckpointWriteFailed on every saving rank."""
     root = Path(run_dir) / "checkpoints"
     tmp = root / f"{UNFINISHED}step-{step}"
     final = root / f"step-{step}"
+    failure = ""  # this rank's failed write, in one line
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as exc:
+            failure = write_failure(exc.filename or tmp, exc)
     _barrier(world_size, group)
-    # a tensor at a time: no copy of the shard is made (dp's rank 0 holds the whole model and optimizer)
-    pieces = ({k: v} for k, v in tensors.items())
-    digest, size = write_safetensors(tmp / rank_file(rank), layout_of(tensors), pieces, {"json": json.dumps(meta)})
+    digest, size = "00" * 32, NOT_WRITTEN
+    if not failure:
+        try:
+            if fault_points.fires("disk_full_in_save", rank=rank, step=step):  # where no small disk can be mounted
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / rank_file(rank)))
+            # a tensor at a time: no copy of the shard is made (dp's rank 0 holds the whole model and optimizer)
+            pieces = ({k: v} for k, v in tensors.items())
+            digest, size = write_safetensors(
+                tmp / rank_file(rank), layout_of(tensors), pieces, {"json": json.dumps(meta)}
+            )
+        except OSError as exc:
+            failure = write_failure(exc.filename or tmp / rank_file(rank), exc)
     if fault_points.fires("exit_in_save", rank=rank, step=step):
         os._exit(17)  # a crash between the shards and the manifest
     digests = _gather_digests(digest, size, device, world_size, group)
-    if rank == 0:
-        manifest = {
-            "format": FORMAT,
-            "step": step,
-            "world_size": world_size,
-            "strategy": strategy,
-            "time": time.time(),
-            "config": config,
-            "files": {rank_file(r): {"sha256": d, "bytes": n} for r, (d, n) in enumerate(digests)},
-        }
-        write_bytes_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
-        fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(root)
-        VERIFIED.add(final)
-        prune(root, keep, final)
-        remove_unfinished(root)
-    _barrier(world_size, group)
+    if rank == 0 and all(n != NOT_WRITTEN for _, n in digests):
+        try:
+            _publish(root, tmp, final, step, world_size, strategy, config, digests, keep)
+        except OSError as exc:
+            failure = write_failure(exc.filename or tmp, exc)
+    first_failed = _first_failed(bool(failure), rank, world_size, device, group)
+    if first_failed is not None:
+        if rank == 0:
+            remove_unfinished(root)
+        raise CheckpointWriteFailed(f"checkpoint {final} not written: {failure}" if rank == first_failed else "")
     return final
+
+
+def _publish(
+    root: Path, tmp: Path, final: Path, step: int, world_size: int, strategy: str, config: dict, digests, keep: int
+) -> None:
+    """Rank 0, once every shard is written: the manifest, the folder synced and renamed into place,
+    older checkpoints pruned."""
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "strategy": strategy,
+        "time": time.time(),
+        "config": config,
+        "files": {rank_file(r): {"sha256": d, "bytes": n} for r, (d, n) in enumerate(digests)},
+    }
+    write_bytes_durably(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+    fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    VERIFIED.add(final)
+    prune(root, keep, final)
+    remove_unfinished(root)
 
 
 def prune(root: Path, keep: int, written: Path) -> None:

@@ -26,8 +26,7 @@ import functools
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-import tomllib
-
+from paratrain.config import read_toml
 from paratrain.errors import ConfigError
 
 GIB = 2**30
@@ -233,13 +232,7 @@ def parse_cluster(raw: object, where: str = "cluster") -> Cluster:
 
 
 def load_cluster(path: str) -> Cluster:
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError("--cluster", f"{path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("--cluster", f"{path}: not valid TOML ({exc})") from None
+    doc = read_toml(path, "--cluster")
     extra = [k for k in doc if k != "cluster"]
     if extra:
         raise ConfigError(extra[0], "unknown table in a cluster file (only [cluster])")

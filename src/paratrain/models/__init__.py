@@ -14,6 +14,7 @@ from paratrain.config import ArgumentError, Config
 from paratrain.errors import ConfigError
 from paratrain.models.cnn import cnn
 from paratrain.models.gpt import gpt
+from paratrain.models.gpt import parameters_at_least as gpt_parameters_at_least
 from paratrain.models.hf import hf
 from paratrain.models.materialize import record_on_meta
 from paratrain.models.mlp import mlp
@@ -58,6 +59,27 @@ def model_kwargs(cfg: Config, dataset, given: dict) -> dict:
             elif isinstance(kwargs[arg], int) and not fits(kwargs[arg], data):
                 raise ConfigError(f"model.{arg}", f"{kwargs[arg]}, but {what.format(data)} ({cfg.data.factory})")
     return kwargs
+
+
+def parameters_at_least(cfg: Config, dataset: Callable[[], object]) -> dict[str, int]:
+    """A lower bound of the model's parameters by the `[model]` key that multiplies them, from the
+    config alone (and `dataset()`, for what the model takes from it), for the built-in gpt; {} for
+    a model whose size shows only once built, and for arguments the build itself will refuse."""
+    if cfg.model.factory != "gpt":
+        return {}
+    try:
+        given = {k: v for k, v in cfg.model.kwargs.items() if k != "pretrained"}  # build_model's own
+        arguments = inspect.signature(gpt).bind(**model_kwargs(cfg, dataset(), given))
+    except TypeError:
+        return {}
+    arguments.apply_defaults()
+    if not all(
+        isinstance(v, int)
+        for k, v in arguments.arguments.items()
+        if k in ("vocab_size", "n_layer", "d_model", "n_experts")
+    ):
+        return {}
+    return gpt_parameters_at_least(arguments.arguments)
 
 
 def worker_preload(cfg: Config) -> tuple[str, ...]:

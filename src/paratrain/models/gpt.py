@@ -137,7 +137,12 @@ class GPT(nn.Module):
         require(
             not n_experts or 1 <= top_k <= n_experts, "top_k", f"{top_k} is not between 1 and n_experts {n_experts}"
         )
-        require(moe_aux_loss >= 0, "moe_aux_loss", f"{moe_aux_loss} is negative")
+        # nan compares false to everything: "not >= 0" alone would call it negative
+        require(
+            math.isfinite(moe_aux_loss) and moe_aux_loss >= 0,
+            "moe_aux_loss",
+            f"must be finite and >= 0, got {moe_aux_loss}",
+        )
         moe = dict(n_experts=n_experts, top_k=top_k, aux_weight=moe_aux_loss) if n_experts else None
         self.block_size = block_size
         self.recompute = "none"  # train.recompute: "full" or "selective" checkpoints each pipeline layer
@@ -180,6 +185,18 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return run_layers(self.pipeline_layers(), idx, self.recompute)
+
+
+def parameters_at_least(arguments: dict) -> dict[str, int]:
+    """The parameters of gpt(**arguments), by the argument that multiplies them, from the
+    arguments alone (biases, norms, positions and routers left out: a lower bound): the size of a
+    model too large to build, which building even on the meta device would take minutes to show."""
+    d, layers, experts = arguments["d_model"], arguments["n_layer"], arguments["n_experts"]
+    attention, feed_forward = 4 * d * d, 8 * d * d
+    embeddings = {"vocab_size": arguments["vocab_size"] * d * (1 if arguments["tie_embeddings"] else 2)}
+    if experts:
+        return {**embeddings, "n_layer": layers * attention, "n_experts": layers * experts * feed_forward}
+    return {**embeddings, "n_layer": layers * (attention + feed_forward)}
 
 
 def gpt(

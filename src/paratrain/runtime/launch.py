@@ -30,6 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import cast
 
+from paratrain.runtime.log_file import LogFileThatNeverFailsTheRun
 from paratrain.runtime.worker_failure import STOPPED_EXITS, blame
 
 
@@ -461,7 +462,7 @@ def _agent_logging_to(path: Path | None) -> Callable[[], None]:
     itself (cli.outcome)."""
     if path is None:
         return lambda: None
-    handler = logging.FileHandler(path, delay=True)
+    handler = LogFileThatNeverFailsTheRun(path, delay=True)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"))
     loggers = [logging.getLogger(name) for name in AGENT_LOGGERS]
     propagating = [logger.propagate for logger in loggers]

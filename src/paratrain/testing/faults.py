@@ -6,6 +6,7 @@ in each worker when PARATRAIN_FAULTS is set.
 PARATRAIN_FAULTS holds `;`-separated faults, each `name@key=value,key=value`, e.g.
     skip_collective@rank=1,step=3,what=grad-bucket-0     rank 1 never issues that all-reduce
     exit_in_save@rank=0,step=8                           rank 0 dies mid-checkpoint
+    disk_full_in_save@step=10                            every rank's shard of step 10 meets a full disk (ENOSPC)
     ps_vanish@rank=3,step=10                             parameter-server rank 3 leaves (exit 0) at step 10
     ps_kill@rank=3,step=10                               parameter-server rank 3 SIGKILLs itself at step 10
     fed_kill@rank=2,round=2                              federated worker rank 2 SIGKILLs itself mid-round
@@ -29,6 +30,7 @@ ENV = "PARATRAIN_FAULTS"
 KNOWN = (
     "skip_collective",
     "exit_in_save",
+    "disk_full_in_save",  # where no small filesystem can be mounted to fill
     "ps_vanish",
     "ps_kill",
     "ps_kill_before_pull",
