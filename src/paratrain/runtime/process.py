@@ -209,7 +209,7 @@ def wait_for_peers(done, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     pause = 0.001
     while not done():
-        if store.add("exit/failed", 0):
+        if store.add("exit/failed", 0):  # (a store whose host is gone raises: the caller leaves)
             # a peer that refused on seeing this rank's own call (lockstep.py) marks itself failing
             # the moment their exchange completes, which this rank may not have seen yet
             grace = time.monotonic() + 0.5
@@ -222,6 +222,13 @@ def wait_for_peers(done, what: str) -> None:
             raise PeersGone(f"{what} after parallel.timeout_s = {timeout_s:g} s")
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
+
+
+def _a_peer_failed(store) -> bool:
+    try:
+        return bool(store.add("exit/failed", 0))
+    except RuntimeError:  # the store's host is gone
+        return False
 
 
 def _end_in_order() -> None:
@@ -245,8 +252,11 @@ def _end_in_order() -> None:
     except SystemExit as exc:  # a check at the end refused (and marked this rank failing): its line is said
         leave(exc.code if isinstance(exc.code, int) else 2)
     except (PeersGone, RuntimeError) as exc:  # a peer failed, or its store went with it
-        # a collective of this rank's may still wait on it: destroying the group would wait too
-        note(f"rank {rank}: left without its peers ({str(exc).splitlines()[0]})")
+        # a collective of this rank's may still wait on it: destroying the group would wait too.
+        # A failing peer marks the store before its exit closes its connections, so a collective
+        # broken by that exit ("Connection closed by peer") is said as what it is
+        why = "a peer failed" if _a_peer_failed(store) else str(exc).splitlines()[0]
+        note(f"rank {rank}: left without its peers ({why})")
         leave(0)
     _destroy_groups()
 
