@@ -13,13 +13,15 @@ starts from the same weights. `final/` of such a run is also a Hugging Face mode
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from paratrain.checkpoint.weights import DcpWeights, is_dcp
 from paratrain.config import ArgumentError, require
 from paratrain.extras import require as require_extra
-from paratrain.models.pretrained import pretrained_dir, shapes_only, without_weights
+from paratrain.models.pretrained import check_weights, load_weights, pretrained_dir, shapes_only, without_weights
 
 # task -> the Auto class that builds it and loads final/ back (`AutoModelFor...from_pretrained`)
 TASKS = {
@@ -90,6 +92,8 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
             # no weight is needed (from_pretrained refuses a meta device), or materialize reads them
             if shapes_only() or without_weights():
                 return auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
+            if is_dcp(path):  # the model's own names in torch's format, beside save_pretrained's config.json
+                return _from_dcp(transformers, auto, path)
             return auto.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ArgumentError("pretrained", f"{path}: {str(exc).splitlines()[0]}") from None
@@ -102,6 +106,15 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
         return auto.from_config(hf_config)
     except (ValueError, KeyError, TypeError, AssertionError) as exc:  # torch's modules assert their sizes
         raise ArgumentError("config", f"{model_type}: {str(exc).splitlines()[0]}") from None
+
+
+def _from_dcp(transformers, auto, path: Path) -> nn.Module:
+    """The model of the directory's config.json, given the weights of its DCP files."""
+    model = auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
+    weights = DcpWeights(path)
+    check_weights(model, weights)
+    load_weights(model, weights)
+    return model
 
 
 def _failed_import(exc: BaseException | None) -> bool:

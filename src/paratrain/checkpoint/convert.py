@@ -1,0 +1,96 @@
+"""`paratrain convert SRC DEST --to dcp|safetensors|hf`: a model's weights from one format to another.
+
+SRC is a paratrain final/ (its checksums verified first), a torch DCP directory (`{"model": ...}` or a
+flat state_dict: checkpoint/weights.py) or a Hugging Face directory. DEST is
+  dcp          a DCP directory of `{"model": state_dict}`, readable by plain dcp.load at any world size
+  safetensors  DEST/model.safetensors + manifest.json: a paratrain final/ (`inspect`, `pretrained`)
+  hf           the same, which is a save_pretrained directory where SRC carries a transformers
+               model's config.json (copied beside); refused where it carries none
+The tensors keep their dtype and bytes. DEST is written aside and renamed into place. A sharded
+checkpoint step-N is refused: its model is consolidated into final/ when its run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from paratrain.checkpoint.export import export_model
+from paratrain.checkpoint.format import FINAL_FORMAT, FORMAT, UNFINISHED, CheckpointError, fsync_dir
+from paratrain.checkpoint.reader import read_manifest, verify_files
+from paratrain.checkpoint.weights import Weights, save_dcp, weights_in
+
+TARGETS = ("dcp", "safetensors", "hf")
+# what save_pretrained writes beside the weights, carried over to a DEST that can hold it
+HF_FILES = ("config.json", "generation_config.json")
+
+
+class ConvertRefused(ValueError):
+    """Input convert cannot take (exit 2, one line)."""
+
+
+def convert(src: Path, dest: Path, to: str) -> Path:
+    """Write SRC's model weights to DEST in format `to` (module docstring); ConvertRefused on bad input."""
+    if to not in TARGETS:
+        raise ConvertRefused(f"--to: {to!r} is none of {' | '.join(TARGETS)}")
+    if not src.is_dir():
+        raise ConvertRefused(f"{src}: no such directory")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ConvertRefused(f"{dest} exists and is not an empty directory")
+    manifest = _source_manifest(src)
+    weights = weights_in(src)
+    if weights is None:
+        raise ConvertRefused(f"{src} holds no model.safetensors, DCP .metadata or paratrain manifest.json")
+    beside = {name: (src / name).read_bytes() for name in HF_FILES if (src / name).is_file()}
+    if to == "hf" and "config.json" not in beside:
+        raise ConvertRefused(f"--to hf: {src} carries no config.json (only a transformers model's export has one)")
+    if to == "dcp":
+        _write_dcp(dest, weights, beside)
+    else:
+        export_model(
+            dest,
+            weights.layout(),
+            ({name: value} for name, value in weights.tensors()),
+            step=manifest.get("step", 0),
+            config=manifest.get("config", {}),
+            extra={"converted_from": str(src)},
+            files=beside,
+        )
+    return dest
+
+
+def _source_manifest(src: Path) -> dict:
+    """A paratrain final/'s manifest, its files verified; {} for a source without one (DCP, HF)."""
+    if not (src / "manifest.json").is_file():
+        return {}
+    try:
+        manifest = read_manifest(src, formats=(FINAL_FORMAT, FORMAT))
+        if manifest["format"] == FORMAT:
+            raise ConvertRefused(
+                f"{src} is a sharded checkpoint, which convert does not read: convert its run's final/ "
+                "(or resume from it to the end of the run, which writes final/)"
+            )
+        verify_files(src, manifest)
+    except CheckpointError as exc:
+        raise ConvertRefused(str(exc)) from None
+    return manifest
+
+
+def _write_dcp(dest: Path, weights: Weights, beside: dict[str, bytes]) -> None:
+    """`{"model": ...}` in DCP, `beside`'s files with it (a transformers model's config.json, which
+    `pretrained` with the hf factory reads), written aside and renamed into place."""
+    tmp = dest.parent / f"{UNFINISHED}{dest.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_dcp(tmp, dict(weights.tensors()))
+        for name, content in beside.items():
+            (tmp / name).write_bytes(content)
+        fsync_dir(tmp)
+        if dest.exists():
+            dest.rmdir()  # empty (convert checked)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,99 @@
+"""Model weights in torch's DCP format (docs/checkpoints.md): `paratrain convert` between DCP, a
+paratrain final/ and Hugging Face's layout, bit for bit; a DCP directory (FSDP2's
+`{"model": get_model_state_dict(...)}`) as `[model] pretrained`, read a tensor at a time under zero3."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import CPU_ONLY, check_ok, final_weights, max_rel_error, run_cli, write_config
+from safetensors.torch import load_file
+from test_model_parallel import GPT
+
+from paratrain.cli import main
+
+TESTS = Path(__file__).parent
+
+
+def saved_in_one_process(state: dict, path: Path) -> None:
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+
+
+def read_in_one_process(like: dict[str, torch.Tensor], path: Path, nested: bool = True) -> dict[str, torch.Tensor]:
+    """Plain dcp.load of tensors shaped like `like`, as `{"model": ...}` or flat."""
+    values = {k: torch.empty_like(v) for k, v in like.items()}
+    dcp.load({"model": values} if nested else values, checkpoint_id=str(path), no_dist=True)
+    return values
+
+
+def bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+    )
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_convert_round_trips_dcp_through_safetensors_bit_for_bit(tmp_path, capsys):
+    """DCP -> final/ (`paratrain inspect` reads it) -> DCP keeps every tensor's dtype and bytes, and
+    plain dcp.load reads the result in one process; a flat (torchtitan) DCP converts the same; bad
+    input exits 2 in one line."""
+    weights = {
+        "embed.weight": torch.randn(7, 4),
+        "blocks.0.norm.weight": torch.randn(4).to(torch.bfloat16),
+        "blocks.0.count": torch.arange(3),
+        "head.weight": torch.tensor([float("nan"), -0.0, 1e-40]),  # NaN, negative zero, a subnormal
+    }
+    saved_in_one_process({"model": weights, "step": 3}, tmp_path / "dcp")
+    check_ok(run_cli("convert", str(tmp_path / "dcp"), str(tmp_path / "final"), "--to", "safetensors"))
+    assert bits_equal(load_file(str(tmp_path / "final" / "model.safetensors")), weights)
+    assert main(["inspect", str(tmp_path / "final")]) == 0
+    assert main(["convert", str(tmp_path / "final"), str(tmp_path / "again"), "--to", "dcp"]) == 0
+    assert bits_equal(read_in_one_process(weights, tmp_path / "again"), weights)
+
+    saved_in_one_process(weights, tmp_path / "flat")
+    assert main(["convert", str(tmp_path / "flat"), str(tmp_path / "from_flat"), "--to", "safetensors"]) == 0
+    assert bits_equal(load_file(str(tmp_path / "from_flat" / "model.safetensors")), weights)
+
+    capsys.readouterr()
+    for args, named in [
+        (["convert", str(tmp_path / "none"), str(tmp_path / "x"), "--to", "dcp"], "no such directory"),
+        (["convert", str(tmp_path / "dcp"), str(tmp_path / "x"), "--to", "onnx"], "'onnx'"),
+        (["convert", str(tmp_path / "dcp"), str(tmp_path / "final"), "--to", "dcp"], "not an empty directory"),
+        (["convert", str(tmp_path / "final"), str(tmp_path / "x"), "--to", "hf"], "no config.json"),
+    ]:
+        code = main(args)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and named in lines[0], (args, lines)
+    assert not (tmp_path / "x").exists()
+
+
+def fsdp2_dcp(final: Path, dest: Path) -> None:
+    """FSDP2's `{"model": get_model_state_dict(...)}` of GPT's model with `final`'s weights."""
+    script = [sys.executable, str(TESTS / "fsdp2_dcp.py"), str(final), str(dest), "2", "4", "32", "16"]
+    check_ok(subprocess.run(script, capture_output=True, text=True, timeout=300, env={**os.environ, **CPU_ONLY}))
+
+
+def test_an_fsdp2_dcp_as_pretrained_trains_as_the_same_final_does(tmp_path, gang, capsys):
+    """A DCP directory FSDP2 wrote is `pretrained` for the built-in gpt: under zero3 at world 2 (its
+    tensors read one dcp.load at a time) the run trains as the one started from the same weights
+    as a paratrain final/; a DCP whose tensor has another shape exits 2 naming it."""
+    cfg = write_config(tmp_path / "c.toml", GPT.replace("steps = 20", "steps = 4"))
+    gang(2).train(cfg, tmp_path / "first")
+    fsdp2_dcp(tmp_path / "first" / "final", tmp_path / "dcp")
+    for start, run in [(tmp_path / "first" / "final", "from_final"), (tmp_path / "dcp", "from_dcp")]:
+        gang(2).train(cfg, tmp_path / run, [f"model.pretrained='{start}'", "parallel.strategy='zero3'"])
+    from_dcp, from_final = final_weights(tmp_path / "from_dcp"), final_weights(tmp_path / "from_final")
+    assert max_rel_error(from_dcp, from_final, floor=1e-3) <= 1e-4
+    assert max_rel_error(from_dcp, final_weights(tmp_path / "first"), floor=1e-3) > 1e-3  # it trained
+
+    reshaped = load_file(str(tmp_path / "first" / "final" / "model.safetensors"))
+    reshaped["blocks.1.mlp.fc.weight"] = reshaped["blocks.1.mlp.fc.weight"][:64]
+    saved_in_one_process({"model": reshaped}, tmp_path / "wrong")
+    capsys.readouterr()
+    code = main(["run", str(cfg), "--nproc", "2", "--set", f"model.pretrained='{tmp_path / 'wrong'}'"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "blocks.1.mlp.fc.weight is [64, 32]" in lines[0], lines
