@@ -97,3 +97,32 @@ def test_an_fsdp2_dcp_as_pretrained_trains_as_the_same_final_does(tmp_path, gang
     code = main(["run", str(cfg), "--nproc", "2", "--set", f"model.pretrained='{tmp_path / 'wrong'}'"])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "blocks.1.mlp.fc.weight is [64, 32]" in lines[0], lines
+
+
+def test_a_transformers_models_dcp_as_hf_pretrained_and_back_to_hf(tmp_path):
+    """`convert --to dcp` of a save_pretrained directory keeps its config.json beside the DCP files,
+    which the hf factory reads as `pretrained`: whole, and a tensor at a time on the meta device
+    (a sharding strategy's way), each value from_pretrained's; `--to hf` makes it a directory
+    from_pretrained loads again."""
+    transformers = pytest.importorskip("transformers")
+    from test_finetune import save_pretrained
+
+    from paratrain.models.hf import hf
+    from paratrain.models.materialize import materialize, tensor_names
+    from paratrain.models.pretrained import pretrained_on_meta
+
+    save_pretrained("qwen2", tmp_path / "start")  # untied: save_pretrained drops a tied lm_head
+    assert main(["convert", str(tmp_path / "start"), str(tmp_path / "dcp"), "--to", "dcp"]) == 0
+    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "start").state_dict()
+    assert bits_equal(hf(pretrained=str(tmp_path / "dcp")).state_dict(), expected)
+
+    model = pretrained_on_meta(lambda: hf(pretrained=str(tmp_path / "dcp")), str(tmp_path / "dcp"))
+    assert model is not None and all(p.is_meta for p in model.parameters())
+    kept: dict[int, torch.Tensor] = {}
+    materialize(model, 0, lambda meta, value: kept.__setitem__(id(meta), value))
+    names = tensor_names(model)
+    assert all(torch.equal(kept[id(names[k])], v) for k, v in expected.items())
+
+    assert main(["convert", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert bits_equal(again, expected)
