@@ -32,7 +32,8 @@ def read_in_one_process(like: dict[str, torch.Tensor], path: Path, nested: bool 
 
 def bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+        a[k].dtype == b[k].dtype and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
     )
 
 
@@ -126,3 +127,27 @@ def test_a_transformers_models_dcp_as_hf_pretrained_and_back_to_hf(tmp_path):
     assert main(["convert", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--to", "hf"]) == 0
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert bits_equal(again, expected)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_flat_dcp_as_pretrained_for_a_users_factory(tmp_path):
+    """torchtitan's flat weights-only DCP is `pretrained` for a `module:function` factory: loaded
+    whole (dp) and a tensor at a time on meta (zero1-3), batch-norm statistics and counters too."""
+    from user_models import bn_cnn
+
+    from paratrain import config as config_mod
+    from paratrain.models import build_model, build_model_to_place
+    from paratrain.models.materialize import materialize, tensor_names
+
+    torch.manual_seed(1)
+    weights = {k: v + torch.rand_like(v.float()).to(v.dtype) for k, v in bn_cnn(channels=3).state_dict().items()}
+    saved_in_one_process(weights, tmp_path / "flat")
+    model_keys = {"factory": "user_models:bn_cnn", "channels": 3, "pretrained": str(tmp_path / "flat")}
+    cfg = config_mod.from_dict({"model": model_keys})
+    assert bits_equal(build_model(cfg, None).state_dict(), weights)
+
+    model = build_model_to_place(cfg, None, materializes=True)
+    kept: dict[int, torch.Tensor] = {}
+    materialize(model, 0, lambda meta, value: kept.__setitem__(id(meta), value))
+    names = tensor_names(model)
+    assert bits_equal({k: kept[id(names[k])] for k in weights}, weights)
