@@ -17,9 +17,18 @@ import shutil
 from pathlib import Path
 
 from paratrain.checkpoint.export import export_model
-from paratrain.checkpoint.format import FINAL_FORMAT, FORMAT, UNFINISHED, CheckpointError, fsync_dir
+from paratrain.checkpoint.format import (
+    FINAL_FORMAT,
+    FORMAT,
+    UNFINISHED,
+    CheckpointError,
+    CheckpointWriteFailed,
+    fsync_dir,
+    write_bytes_durably,
+)
 from paratrain.checkpoint.reader import read_manifest, verify_files
 from paratrain.checkpoint.weights import Weights, save_dcp, weights_in
+from paratrain.errors import write_failure
 
 TARGETS = ("dcp", "safetensors", "hf")
 # what save_pretrained writes beside the weights, carried over to a DEST that can hold it
@@ -81,16 +90,17 @@ def _write_dcp(dest: Path, weights: Weights, beside: dict[str, bytes]) -> None:
     """`{"model": ...}` in DCP, `beside`'s files with it (a transformers model's config.json, which
     `pretrained` with the hf factory reads), written aside and renamed into place."""
     tmp = dest.parent / f"{UNFINISHED}{dest.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        save_dcp(tmp, dict(weights.tensors()))
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_dcp(tmp, dict(weights.tensors()))  # one dcp.save of the whole model: its own process's
         for name, content in beside.items():
-            (tmp / name).write_bytes(content)
+            write_bytes_durably(tmp / name, content)
         fsync_dir(tmp)
         if dest.exists():
             dest.rmdir()  # empty (convert checked)
         os.rename(tmp, dest)
-    except BaseException:
+        fsync_dir(dest.parent)
+    except OSError as exc:  # a full disk, say: no partial DEST, the failure said as export_model says it
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise CheckpointWriteFailed(f"{dest} not written: {write_failure(exc.filename or tmp, exc)}") from None

@@ -27,10 +27,17 @@ _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 @contextlib.contextmanager
 def _in_this_process_alone() -> Iterator[None]:
-    """dcp.save/load with no_dist=True, without torch's warning that it assumes so on every call."""
+    """dcp.save/load with no_dist=True, without torch's warning that it assumes so on every call,
+    and raising the error itself (an OSError on a full disk) rather than torch's wrapping of it, a
+    BaseException whose text is a traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield
+        try:
+            yield
+        except CheckpointException as exc:
+            raise next(iter(exc.failures.values()))[0] from None
 
 
 class Weights:
