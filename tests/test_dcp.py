@@ -3,6 +3,7 @@ paratrain final/ and Hugging Face's layout, bit for bit; a DCP directory (FSDP2'
 `{"model": get_model_state_dict(...)}`) as `[model] pretrained`, read a tensor at a time under zero3."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,14 +101,18 @@ def test_an_fsdp2_dcp_as_pretrained_trains_as_the_same_final_does(tmp_path, gang
     assert code == 2 and len(lines) == 1 and "blocks.1.mlp.fc.weight is [64, 32]" in lines[0], lines
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_transformers_models_dcp_as_hf_pretrained_and_back_to_hf(tmp_path):
     """`convert --to dcp` of a save_pretrained directory keeps its config.json beside the DCP files,
     which the hf factory reads as `pretrained`: whole, and a tensor at a time on the meta device
     (a sharding strategy's way), each value from_pretrained's; `--to hf` makes it a directory
-    from_pretrained loads again."""
+    from_pretrained loads again; a mis-shaped tensor is named by the checks on meta."""
     transformers = pytest.importorskip("transformers")
     from test_finetune import save_pretrained
 
+    from paratrain import config as config_mod
+    from paratrain.errors import ConfigError
+    from paratrain.models import build_model
     from paratrain.models.hf import hf
     from paratrain.models.materialize import materialize, tensor_names
     from paratrain.models.pretrained import pretrained_on_meta
@@ -127,6 +132,13 @@ def test_a_transformers_models_dcp_as_hf_pretrained_and_back_to_hf(tmp_path):
     assert main(["convert", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--to", "hf"]) == 0
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert bits_equal(again, expected)
+
+    wrong = dict(expected, **{"lm_head.weight": expected["lm_head.weight"][:10]})
+    saved_in_one_process({"model": wrong}, tmp_path / "wrong")
+    shutil.copy(tmp_path / "start" / "config.json", tmp_path / "wrong")
+    cfg = config_mod.from_dict({"model": {"factory": "hf", "pretrained": str(tmp_path / "wrong")}})
+    with torch.device("meta"), pytest.raises(ConfigError, match=r"^model.pretrained: .* lm_head.weight is \[10, 32\]"):
+        build_model(cfg, None)  # as the checks before any worker starts build it
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

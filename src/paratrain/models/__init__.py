@@ -127,6 +127,8 @@ def build_model(cfg: Config, dataset) -> nn.Module:
         model = fn(**kwargs)
     except ArgumentError as exc:
         raise ConfigError(f"model.{exc.arg}", str(exc)) from None
+    except ConfigError:
+        raise  # a factory's own check, naming its key (hf's: DCP weights that do not fit the model)
     except (TypeError, ValueError, ImportError) as exc:
         raise ConfigError("model.factory", f"{name} failed: {exc}") from None
     if not isinstance(model, nn.Module):

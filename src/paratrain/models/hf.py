@@ -13,7 +13,6 @@ starts from the same weights. `final/` of such a run is also a Hugging Face mode
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -89,14 +88,19 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
         path = pretrained_dir(pretrained)
         require((path / "config.json").is_file(), "pretrained", f"{path} holds no config.json (save_pretrained's)")
         try:
-            # no weight is needed (from_pretrained refuses a meta device), or materialize reads them
-            if shapes_only() or without_weights():
-                return auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
-            if is_dcp(path):  # the model's own names in torch's format, beside save_pretrained's config.json
-                return _from_dcp(transformers, auto, path)
-            return auto.from_pretrained(str(path), local_files_only=True)
+            # no weight is needed (from_pretrained refuses a meta device), materialize reads them, or
+            # they are in torch's format, read below
+            if not (shapes_only() or without_weights() or is_dcp(path)):
+                return auto.from_pretrained(str(path), local_files_only=True)
+            model = auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
         except (OSError, ValueError) as exc:
             raise ArgumentError("pretrained", f"{path}: {str(exc).splitlines()[0]}") from None
+        if is_dcp(path):  # the model's own names, beside save_pretrained's config.json
+            weights = DcpWeights(path)
+            check_weights(model, weights)  # from DCP's metadata: before any worker starts, on meta
+            if not (shapes_only() or without_weights()):
+                load_weights(model, weights)
+        return model
     assert config is not None  # hf() requires config without pretrained
     settings = dict(config)
     model_type = settings.pop("model_type", None)
@@ -106,15 +110,6 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
         return auto.from_config(hf_config)
     except (ValueError, KeyError, TypeError, AssertionError) as exc:  # torch's modules assert their sizes
         raise ArgumentError("config", f"{model_type}: {str(exc).splitlines()[0]}") from None
-
-
-def _from_dcp(transformers, auto, path: Path) -> nn.Module:
-    """The model of the directory's config.json, given the weights of its DCP files."""
-    model = auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
-    weights = DcpWeights(path)
-    check_weights(model, weights)
-    load_weights(model, weights)
-    return model
 
 
 def _failed_import(exc: BaseException | None) -> bool:
