@@ -163,3 +163,35 @@ def test_a_flat_dcp_as_pretrained_for_a_users_factory(tmp_path):
     materialize(model, 0, lambda meta, value: kept.__setitem__(id(meta), value))
     names = tensor_names(model)
     assert bits_equal({k: kept[id(names[k])] for k in weights}, weights)
+
+
+MLP_WITH_CHECKPOINT = """
+name = "mlp"
+[model]
+factory = "mlp"
+[data]
+factory = "digits"
+batch_size = 16
+[train]
+steps = 2
+[checkpoint]
+every = 2
+"""
+
+
+def test_convert_reads_a_checkpoint_holding_its_model_whole(tmp_path, gang, capsys):
+    """A dp checkpoint step-N converts to the model its run's final/ holds at that step, bit for bit;
+    one whose model is in zero's flat shards exits 2 in one line pointing at final/."""
+    cfg = write_config(tmp_path / "c.toml", MLP_WITH_CHECKPOINT)
+    for strategy in ("dp", "zero2"):
+        gang(2).train(cfg, tmp_path / strategy, [f"parallel.strategy='{strategy}'"])
+    assert (
+        main(["convert", str(tmp_path / "dp" / "checkpoints" / "step-2"), str(tmp_path / "st"), "--to", "safetensors"])
+        == 0
+    )
+    assert bits_equal(load_file(str(tmp_path / "st" / "model.safetensors")), final_weights(tmp_path / "dp"))
+
+    capsys.readouterr()
+    code = main(["convert", str(tmp_path / "zero2" / "checkpoints" / "step-2"), str(tmp_path / "x"), "--to", "dcp"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "zero2's flat shards" in lines[0] and "final/" in lines[0], lines

@@ -413,7 +413,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     cv = sub.add_parser(
         "convert", help="a model's weights between a paratrain final/, a torch DCP directory and Hugging Face's"
     )
-    cv.add_argument("src", metavar="SRC", help="a final export (RUN_DIR/final), a DCP directory or an HF directory")
+    cv.add_argument(
+        "src", metavar="SRC", help="a final export (RUN_DIR/final), a checkpoint step-N, a DCP or an HF directory"
+    )
     cv.add_argument("dest", metavar="DEST", help="the directory to write (absent or empty)")
     # a plain string, not choices: an unknown format is one line and exit 2 like every other bad input
     cv.add_argument("--to", required=True, metavar="dcp|safetensors|hf", help="the format DEST is written in")

@@ -1,13 +1,13 @@
 """`paratrain convert SRC DEST --to dcp|safetensors|hf`: a model's weights from one format to another.
 
-SRC is a paratrain final/ (its checksums verified first), a torch DCP directory (`{"model": ...}` or a
-flat state_dict: checkpoint/weights.py) or a Hugging Face directory. DEST is
+SRC is a paratrain final/ or checkpoint step-N (its checksums verified first; a checkpoint whose
+ranks hold the model whole, dp's or a pipeline's, not zero's or tp's shards), a torch DCP directory
+(`{"model": ...}` or a flat state_dict: checkpoint/weights.py) or a Hugging Face directory. DEST is
   dcp          a DCP directory of `{"model": state_dict}`, readable by plain dcp.load at any world size
   safetensors  DEST/model.safetensors + manifest.json: a paratrain final/ (`inspect`, `pretrained`)
   hf           the same, which is a save_pretrained directory where SRC carries a transformers
                model's config.json (copied beside); refused where it carries none
-The tensors keep their dtype and bytes. DEST is written aside and renamed into place. A sharded
-checkpoint step-N is refused: its model is consolidated into final/ when its run ends.
+The tensors keep their dtype and bytes. DEST is written aside and renamed into place.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from paratrain.checkpoint.format import (
     write_bytes_durably,
 )
 from paratrain.checkpoint.reader import read_manifest, verify_files
-from paratrain.checkpoint.weights import Weights, save_dcp, weights_in
+from paratrain.checkpoint.weights import CheckpointModelWeights, Weights, save_dcp, weights_in
 from paratrain.errors import write_failure
 
 TARGETS = ("dcp", "safetensors", "hf")
@@ -48,7 +48,14 @@ def convert(src: Path, dest: Path, to: str) -> Path:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ConvertRefused(f"{dest} exists and is not an empty directory")
     manifest = _source_manifest(src)
-    weights = weights_in(src)
+    try:
+        weights = (
+            CheckpointModelWeights(src, manifest["world_size"], manifest["strategy"])
+            if manifest.get("format") == FORMAT
+            else weights_in(src)
+        )
+    except CheckpointError as exc:
+        raise ConvertRefused(f"{exc}: convert its run's final/ (its model, consolidated)") from None
     if weights is None:
         raise ConvertRefused(f"{src} holds no model.safetensors, DCP .metadata or paratrain manifest.json")
     beside = {name: (src / name).read_bytes() for name in HF_FILES if (src / name).is_file()}
@@ -70,16 +77,12 @@ def convert(src: Path, dest: Path, to: str) -> Path:
 
 
 def _source_manifest(src: Path) -> dict:
-    """A paratrain final/'s manifest, its files verified; {} for a source without one (DCP, HF)."""
+    """A paratrain final/'s or checkpoint's manifest, its files verified; {} for a source without
+    one (DCP, HF)."""
     if not (src / "manifest.json").is_file():
         return {}
     try:
         manifest = read_manifest(src, formats=(FINAL_FORMAT, FORMAT))
-        if manifest["format"] == FORMAT:
-            raise ConvertRefused(
-                f"{src} is a sharded checkpoint, which convert does not read: convert its run's final/ "
-                "(or resume from it to the end of the run, which writes final/)"
-            )
         verify_files(src, manifest)
     except CheckpointError as exc:
         raise ConvertRefused(str(exc)) from None

@@ -1,5 +1,6 @@
 """A model's weights on disk, keyed like its state_dict, read a tensor at a time: the safetensors of a
-paratrain final/ (or of save_pretrained), or a torch DCP directory.
+paratrain final/ (or of save_pretrained), a torch DCP directory, or the model tensors of a paratrain
+checkpoint step-N that holds them whole.
 
 A DCP directory is known by its `.metadata` file. It holds the model either as `{"model": state_dict}`
 (FSDP2's get_model_state_dict saved by dcp.save, a paratrain dcp checkpoint) or as a flat state_dict
@@ -13,11 +14,12 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from paratrain.checkpoint.format import CheckpointError, rank_file, read_header
 from paratrain.checkpoint.writer import DTYPE_NAMES, Layout
 
 DCP_METADATA = ".metadata"
@@ -116,6 +118,40 @@ class DcpWeights(Weights):
             with _in_this_process_alone():
                 dcp.load(state, checkpoint_id=str(self.where), no_dist=True)
             yield name, value
+
+
+class CheckpointModelWeights(Weights):
+    """The model in a paratrain checkpoint step-N whose rank files hold it as whole tensors
+    (`model.NAME`): dp's (rank 0's copy), a pipeline's (each stage its own); CheckpointError for one
+    whose model is split (zero's flat shards, tp's slices), which only its strategy puts together."""
+
+    PREFIX = "model."
+
+    def __init__(self, path: Path, world_size: int, strategy: str):
+        self.where = path
+        self._layout: dict[str, tuple[torch.dtype, Sequence[int]]] = {}
+        self._file: dict[str, Path] = {}  # the first rank file holding each tensor
+        for rank in range(world_size):
+            file = path / rank_file(rank)
+            if read_header(file)[0].get("shard_dims"):
+                raise CheckpointError(f"{path}: its model is saved in {strategy}'s tensor-parallel slices")
+            for key, entry in SafetensorsWeights([file]).layout().items():
+                name = key.removeprefix(self.PREFIX)
+                if key.startswith(self.PREFIX) and name not in self._file:
+                    self._layout[name] = entry
+                    self._file[name] = file
+        if not self._layout:
+            raise CheckpointError(f"{path}: its model is saved in {strategy}'s flat shards")
+
+    def layout(self) -> Layout:
+        return self._layout
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for name, file in self._file.items():
+            with safe_open(str(file), framework="pt") as f:
+                yield name, f.get_tensor(self.PREFIX + name)
 
 
 def is_dcp(directory: Path) -> bool:
