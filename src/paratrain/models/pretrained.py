@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
 
@@ -83,6 +83,7 @@ def check_weights(model: nn.Module, weights: Weights) -> None:
     (ConfigError naming the first that differs); from their headers, on a meta model too."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     found = {k: tuple(shape) for k, (_, shape) in weights.layout().items()}
+    found.update({name: found[held] for name, held in _tied_stand_ins(model, found).items()})
     for name in sorted(expected.keys() | found.keys()):
         if expected.get(name) != found.get(name):
             what = (
@@ -97,7 +98,25 @@ def check_weights(model: nn.Module, weights: Weights) -> None:
 
 def load_weights(model: nn.Module, weights: Weights) -> None:
     """The weights' tensors (check_weights passed) into the model."""
-    model.load_state_dict(dict(weights.tensors()))
+    state = dict(weights.tensors())
+    state.update({name: state[held] for name, held in _tied_stand_ins(model, state).items()})
+    model.load_state_dict(state)
+
+
+def _tied_stand_ins(model: nn.Module, found: Iterable[str]) -> dict[str, str]:
+    """Each state_dict name the weights lack whose tensor is tied to one they hold, and that one:
+    save_pretrained keeps one of tied embeddings, and a DCP converted from its directory too."""
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(tensor), []).append(name)
+    held = set(found)
+    return {
+        name: next(n for n in names if n in held)
+        for names in names_of.values()
+        if held.intersection(names)
+        for name in names
+        if name not in held
+    }
 
 
 def pretrained_on_meta(build: Callable[[], nn.Module], pretrained: str) -> nn.Module | None:
