@@ -18,6 +18,8 @@ from test_model_parallel import GPT
 from paratrain.cli import main
 
 TESTS = Path(__file__).parent
+# the tests' own dcp.save/load in one process, which torch warns of on every call
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def saved_in_one_process(state: dict, path: Path) -> None:
@@ -38,7 +40,6 @@ def bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_convert_round_trips_dcp_through_safetensors_bit_for_bit(tmp_path, capsys):
     """DCP -> final/ (`paratrain inspect` reads it) -> DCP keeps every tensor's dtype and bytes, and
     plain dcp.load reads the result in one process; a flat (torchtitan) DCP converts the same; bad
@@ -101,7 +102,6 @@ def test_an_fsdp2_dcp_as_pretrained_trains_as_the_same_final_does(tmp_path, gang
     assert code == 2 and len(lines) == 1 and "blocks.1.mlp.fc.weight is [64, 32]" in lines[0], lines
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_transformers_models_dcp_as_hf_pretrained_and_back_to_hf(tmp_path):
     """`convert --to dcp` of a save_pretrained directory keeps its config.json beside the DCP files,
     which the hf factory reads as `pretrained` (tied embeddings saved once): whole, and a tensor at a time on the meta device
@@ -141,7 +141,6 @@ def test_a_transformers_models_dcp_as_hf_pretrained_and_back_to_hf(tmp_path):
         build_model(cfg, None)  # as the checks before any worker starts build it
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_flat_dcp_as_pretrained_for_a_users_factory(tmp_path):
     """torchtitan's flat weights-only DCP is `pretrained` for a `module:function` factory: loaded
     whole (dp) and a tensor at a time on meta (zero1-3), batch-norm statistics and counters too."""

@@ -11,6 +11,7 @@ group), one tensor per call, so that a rank that keeps a shard of each never hol
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import warnings
@@ -42,17 +43,17 @@ def _in_this_process_alone() -> Iterator[None]:
             raise next(iter(exc.failures.values()))[0] from None
 
 
-class Weights:
+class Weights(abc.ABC):
     """The tensors of a model in `where`: their layout, and their values one at a time."""
 
     where: Path
 
-    def layout(self) -> Layout:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def layout(self) -> Layout: ...
 
+    @abc.abstractmethod
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, value) of every tensor, in the dtype it was saved in, one read per tensor."""
-        raise NotImplementedError
 
 
 class SafetensorsWeights(Weights):
