@@ -297,6 +297,20 @@ def cmd_inspect(args) -> int:
     return inspect(args.checkpoint, show_tensors=args.tensors)
 
 
+def cmd_convert(args) -> int:
+    from paratrain.checkpoint.convert import ConvertRefused, convert
+    from paratrain.checkpoint.format import CheckpointWriteFailed
+
+    try:
+        dest = convert(Path(args.src), Path(args.dest), args.to)
+    except ConvertRefused as exc:
+        return _error(f"convert: {exc}", 2)
+    except CheckpointWriteFailed as exc:
+        return _error(f"convert: {exc}", 1)
+    print(f"convert: {dest} ({args.to})")
+    return 0
+
+
 def cmd_report(args) -> int:
     from paratrain.report import NotARun, write_report
 
@@ -396,6 +410,16 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     )
     i.add_argument("--tensors", action="store_true", help="also list every tensor with dtype, shape and bytes")
     i.set_defaults(func=cmd_inspect)
+    cv = sub.add_parser(
+        "convert", help="a model's weights between a paratrain final/, a torch DCP directory and Hugging Face's"
+    )
+    cv.add_argument(
+        "src", metavar="SRC", help="a final export (RUN_DIR/final), a checkpoint step-N, a DCP or an HF directory"
+    )
+    cv.add_argument("dest", metavar="DEST", help="the directory to write (absent or empty)")
+    # a plain string, not choices: an unknown format is one line and exit 2 like every other bad input
+    cv.add_argument("--to", required=True, metavar="dcp|safetensors|hf", help="the format DEST is written in")
+    cv.set_defaults(func=cmd_convert)
     rep = sub.add_parser("report", help="plots and a markdown summary of a run directory")
     rep.add_argument("run_dir", metavar="RUN_DIR")
     rep.add_argument("--out", default=None, help="where to write (default: RUN_DIR/report)")
@@ -417,7 +441,8 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(
-        with_benchmarks=argv[:1] not in (["run"], ["launch"], ["plan"], ["inspect"], ["report"], ["job"], ["data"])
+        with_benchmarks=argv[:1]
+        not in (["run"], ["launch"], ["plan"], ["inspect"], ["convert"], ["report"], ["job"], ["data"])
     ).parse_args(argv)
     if getattr(args, "nproc", 1) is not None and getattr(args, "nproc", 1) < 1:
         return _error("--nproc: must be >= 1", 2)

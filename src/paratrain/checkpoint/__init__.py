@@ -1,4 +1,5 @@
-"""Sharded checkpoints and the final export: safetensors files and JSON manifests, never a pickle.
+"""Sharded checkpoints and the final export: safetensors files and JSON manifests, never a pickle
+(a torch DCP directory, whose .metadata torch pickles, only through torch's own DCP API).
 
     format.py    the layout, the manifest's format, safetensors encoding, durable writes, checksums
     save.py      every rank writes its shard into a hidden folder, renamed into place when all are in
@@ -8,6 +9,8 @@
     export.py    RUN_DIR/final/: the consolidated model
     writer.py    safetensors files written a tensor at a time
     inspect.py   `paratrain inspect`
+    weights.py   a model's weights (a final/'s safetensors, a torch DCP directory) read a tensor at a time
+    convert.py   `paratrain convert` between DCP, a final/ and Hugging Face's layout
 
 What an engine or the trainer needs is importable from the package itself."""
 

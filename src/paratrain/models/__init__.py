@@ -21,8 +21,8 @@ from paratrain.models.mlp import mlp
 from paratrain.models.pretrained import (
     check_weights,
     load_weights,
-    pretrained_files,
     pretrained_on_meta,
+    pretrained_weights,
     shapes_only,
     without_weights,
 )
@@ -114,27 +114,29 @@ def build_model_to_place(cfg: Config, dataset, materializes: bool) -> nn.Module:
 def build_model(cfg: Config, dataset) -> nn.Module:
     """The user's model, built on the current default device (use a meta device to only check it).
     `pretrained` is hf's own argument; for any other factory, the model it builds is given the
-    weights of that directory's safetensors (a paratrain final/, say) unless only its shapes are
+    weights of that directory's safetensors (a paratrain final/, say) or DCP unless only its shapes are
     wanted (models/pretrained.py)."""
     name = cfg.model.factory
     fn = FACTORIES.get(name) or resolve_callable(name, "model.factory")
     given = dict(cfg.model.kwargs)
     pretrained = given.pop("pretrained", None) if fn is not hf else None
     check_kwargs(fn, given, "model", name)
-    files = pretrained_files(pretrained) if pretrained is not None else []
+    weights = pretrained_weights(pretrained) if pretrained is not None else None
     kwargs = model_kwargs(cfg, dataset, given)
     try:
         model = fn(**kwargs)
     except ArgumentError as exc:
         raise ConfigError(f"model.{exc.arg}", str(exc)) from None
+    except ConfigError:
+        raise  # a factory's own check, naming its key (hf's: DCP weights that do not fit the model)
     except (TypeError, ValueError, ImportError) as exc:
         raise ConfigError("model.factory", f"{name} failed: {exc}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError("model.factory", f"{name} returned {type(model).__name__}, not a torch.nn.Module")
-    if files:
-        check_weights(model, files)
+    if weights is not None:
+        check_weights(model, weights)
         if not (shapes_only() or without_weights()):
-            load_weights(model, files)
+            load_weights(model, weights)
     if cfg.train.recompute != "none":
         enable_recompute(model, name, cfg.train.recompute)
     if cfg.model.lora:  # (last: peft wraps the model as it will train)

@@ -17,9 +17,10 @@ import os
 import torch
 from torch import nn
 
+from paratrain.checkpoint.weights import DcpWeights, is_dcp
 from paratrain.config import ArgumentError, require
 from paratrain.extras import require as require_extra
-from paratrain.models.pretrained import pretrained_dir, shapes_only, without_weights
+from paratrain.models.pretrained import check_weights, load_weights, pretrained_dir, shapes_only, without_weights
 
 # task -> the Auto class that builds it and loads final/ back (`AutoModelFor...from_pretrained`)
 TASKS = {
@@ -87,12 +88,19 @@ def _build(transformers, auto_name: str, config: dict | None, pretrained: str) -
         path = pretrained_dir(pretrained)
         require((path / "config.json").is_file(), "pretrained", f"{path} holds no config.json (save_pretrained's)")
         try:
-            # no weight is needed (from_pretrained refuses a meta device), or materialize reads them
-            if shapes_only() or without_weights():
-                return auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
-            return auto.from_pretrained(str(path), local_files_only=True)
+            # no weight is needed (from_pretrained refuses a meta device), materialize reads them, or
+            # they are in torch's format, read below
+            if not (shapes_only() or without_weights() or is_dcp(path)):
+                return auto.from_pretrained(str(path), local_files_only=True)
+            model = auto.from_config(transformers.AutoConfig.from_pretrained(str(path), local_files_only=True))
         except (OSError, ValueError) as exc:
             raise ArgumentError("pretrained", f"{path}: {str(exc).splitlines()[0]}") from None
+        if is_dcp(path):  # the model's own names, beside save_pretrained's config.json
+            weights = DcpWeights(path)
+            check_weights(model, weights)  # from DCP's metadata: before any worker starts, on meta
+            if not (shapes_only() or without_weights()):
+                load_weights(model, weights)
+        return model
     assert config is not None  # hf() requires config without pretrained
     settings = dict(config)
     model_type = settings.pop("model_type", None)

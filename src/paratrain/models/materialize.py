@@ -32,13 +32,14 @@ import random
 import sys
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from paratrain.checkpoint.weights import Weights
 
 # keep(meta_tensor, value): called for every parameter and buffer of the meta model (identified by
 # its meta tensor) as soon as its value is final; called again for a tensor that phase 2 overwrites.
@@ -216,8 +217,8 @@ class _Recording:
 
 # Models built by record_on_meta, with their recording (dropped with the model).
 _RECORDED: weakref.WeakKeyDictionary[nn.Module, _Recording] = weakref.WeakKeyDictionary()
-# Models whose values materialize then reads from safetensors files (models/pretrained.py).
-_FILES: weakref.WeakKeyDictionary[nn.Module, list[Path]] = weakref.WeakKeyDictionary()
+# Models whose values materialize then reads from pretrained weights (models/pretrained.py).
+_WEIGHTS: weakref.WeakKeyDictionary[nn.Module, Weights] = weakref.WeakKeyDictionary()
 
 
 def tensor_names(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -231,21 +232,17 @@ def tensor_names(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def read_on_materialize(model: nn.Module, files: list[Path]) -> None:
-    """After its initialisation, materialize() hands `keep` the values `files` hold for the meta
-    model's tensors, a tensor at a time (memory-mapped), each cast to the model's dtype."""
-    _FILES[model] = files
+def read_on_materialize(model: nn.Module, weights: Weights) -> None:
+    """After its initialisation, materialize() hands `keep` the values `weights` hold for the meta
+    model's tensors, a tensor at a time, each cast to the model's dtype."""
+    _WEIGHTS[model] = weights
 
 
-def _read_files(model: nn.Module, files: list[Path], keep: Keep, device: torch.device) -> None:
-    from safetensors import safe_open
-
+def _read_weights(model: nn.Module, weights: Weights, keep: Keep, device: torch.device) -> None:
     names = tensor_names(model)
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                meta = names[name]
-                keep(meta, f.get_tensor(name).to(device=device, dtype=meta.dtype))
+    for name, value in weights.tensors():
+        meta = names[name]
+        keep(meta, value.to(device=device, dtype=meta.dtype))
 
 
 def record_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
@@ -259,7 +256,7 @@ def record_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
 
 def materialize(model: nn.Module, seed: int, keep: Keep, device: torch.device | str = "cpu") -> None:
     """Replay the initialisation of the meta-device `model`: the recording of record_on_meta, or
-    else that of a built-in model built with `seed`; then the values of the files
+    else that of a built-in model built with `seed`; then the values of the weights
     read_on_materialize gave it, where it did. `model` stays on meta."""
     device = torch.device(device)
     recording = _RECORDED.get(model)
@@ -267,9 +264,9 @@ def materialize(model: nn.Module, seed: int, keep: Keep, device: torch.device | 
         recording.replay(model, keep, device)
     else:
         _replay_builtin(model, seed, keep, device)
-    files = _FILES.get(model)
-    if files is not None:
-        _read_files(model, files, keep, device)
+    weights = _WEIGHTS.get(model)
+    if weights is not None:
+        _read_weights(model, weights, keep, device)
 
 
 def _replay_builtin(model: nn.Module, seed: int, keep: Keep, device: torch.device) -> None:

@@ -1,12 +1,13 @@
 """`[model] pretrained = "DIR"`: a Hugging Face directory (hf reads it) or, for any other factory,
-a directory of safetensors keyed like the model's state_dict (a paratrain final/), whose weights
-replace the built model's (build_model; checked from the files' headers before any worker starts).
+a directory of safetensors keyed like the model's state_dict (a paratrain final/) or a torch DCP
+directory of it (checkpoint/weights.py), whose weights replace the built model's (build_model;
+checked from the files' headers or the DCP metadata before any worker starts).
 
 Under a sharding strategy no rank holds the whole model while loading. The model's construction
 (hf's from the directory's config, without weights) is recorded on the meta device and
 replayed a tensor at a time (models/materialize.py), which gives every tensor the directory lacks
-(a rotary embedding's non-persistent buffers, say) its value; each tensor the directory's
-safetensors hold is then read alone (memory-mapped) and handed to the strategy, which keeps its
+(a rotary embedding's non-persistent buffers, say) its value; each tensor the directory holds is
+then read alone (safetensors memory-mapped, DCP by a dcp.load of that tensor) and handed to the strategy, which keeps its
 shard of it before the next one is read.
 
 Where the files name tensors the model does not have (transformers renames or fuses some as it
@@ -15,15 +16,15 @@ loads: older checkpoints, MoE experts), the model is loaded whole by the factory
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from paratrain.checkpoint.weights import Weights, weights_in
 from paratrain.errors import ConfigError
 from paratrain.models.materialize import read_on_materialize, record_on_meta, tensor_names
 from paratrain.resolve import CONFIG_DIR_ENV
@@ -63,35 +64,26 @@ def pretrained_dir(pretrained: str) -> Path:
     return path
 
 
-def weight_files(directory: Path) -> list[Path]:
-    """The directory's safetensors, as save_pretrained writes them: one model.safetensors, or the
-    shards its model.safetensors.index.json maps; none otherwise."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    single = directory / "model.safetensors"
-    return [single] if single.is_file() else []
+def pretrained_weights(pretrained: str) -> Weights:
+    """The weights of `pretrained` for a factory other than hf: a directory whose safetensors are
+    keyed like the model's state_dict (a paratrain final/), or a torch DCP directory of the model's
+    state_dict; ConfigError where it is neither."""
+    directory = pretrained_dir(pretrained)
+    try:
+        weights = weights_in(directory)
+    except Exception as exc:  # torch's DCP metadata reader raises whatever a damaged file makes it
+        raise ConfigError("model.pretrained", f"{directory}: unreadable DCP metadata ({exc})") from None
+    if weights is None:
+        raise ConfigError("model.pretrained", f"{directory} holds no model.safetensors and no DCP .metadata")
+    return weights
 
 
-def pretrained_files(pretrained: str) -> list[Path]:
-    """The weight files of `pretrained` for a factory other than hf: a directory whose safetensors
-    are keyed like the model's state_dict (a paratrain final/); ConfigError where it has none."""
-    files = weight_files(pretrained_dir(pretrained))
-    if not files:
-        raise ConfigError("model.pretrained", f"{pretrained_dir(pretrained)} holds no model.safetensors")
-    return files
-
-
-def check_weights(model: nn.Module, files: list[Path]) -> None:
-    """The files hold every tensor of the model's state_dict, of its shape, and no other
+def check_weights(model: nn.Module, weights: Weights) -> None:
+    """The weights hold every tensor of the model's state_dict, of its shape, and no other
     (ConfigError naming the first that differs); from their headers, on a meta model too."""
-    from safetensors import safe_open
-
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    found: dict[str, tuple] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            found.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    found = {k: tuple(shape) for k, (_, shape) in weights.layout().items()}
+    found.update({name: found[held] for name, held in _tied_stand_ins(model, found).items()})
     for name in sorted(expected.keys() | found.keys()):
         if expected.get(name) != found.get(name):
             what = (
@@ -101,24 +93,38 @@ def check_weights(model: nn.Module, files: list[Path]) -> None:
                 if name not in expected
                 else f"is {list(found[name])}, the model's {list(expected[name])}"
             )
-            raise ConfigError("model.pretrained", f"{files[0].parent} does not fit the model: {name} {what}")
+            raise ConfigError("model.pretrained", f"{weights.where} does not fit the model: {name} {what}")
 
 
-def load_weights(model: nn.Module, files: list[Path]) -> None:
-    """The files' tensors (check_weights passed) into the model."""
-    from safetensors.torch import load_file
+def load_weights(model: nn.Module, weights: Weights) -> None:
+    """The weights' tensors (check_weights passed) into the model."""
+    state = dict(weights.tensors())
+    state.update({name: state[held] for name, held in _tied_stand_ins(model, state).items()})
+    model.load_state_dict(state)
 
-    model.load_state_dict({k: v for file in files for k, v in load_file(str(file)).items()})
+
+def _tied_stand_ins(model: nn.Module, found: Iterable[str]) -> dict[str, str]:
+    """Each state_dict name the weights lack whose tensor is tied to one they hold, and that one:
+    save_pretrained keeps one of tied embeddings, and a DCP converted from its directory too."""
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(tensor), []).append(name)
+    held = set(found)
+    return {
+        name: next(n for n in names if n in held)
+        for names in names_of.values()
+        if held.intersection(names)
+        for name in names
+        if name not in held
+    }
 
 
 def pretrained_on_meta(build: Callable[[], nn.Module], pretrained: str) -> nn.Module | None:
     """The model of `build` (a factory given `pretrained`) on the meta device, materialised later
     with the directory's weights read a tensor at a time; None where its files are not read so
     (see the module's docstring)."""
-    from safetensors import safe_open
-
-    files = weight_files(pretrained_dir(pretrained))
-    if not files:
+    weights = weights_in(pretrained_dir(pretrained))
+    if weights is None:
         return None
 
     def architecture() -> nn.Module:
@@ -126,10 +132,7 @@ def pretrained_on_meta(build: Callable[[], nn.Module], pretrained: str) -> nn.Mo
             return build()
 
     model = record_on_meta(architecture)
-    names = tensor_names(model)
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            if not set(f.keys()) <= names.keys():
-                return None
-    read_on_materialize(model, files)
+    if not set(weights.layout()) <= tensor_names(model).keys():
+        return None
+    read_on_materialize(model, weights)
     return model
