@@ -62,8 +62,11 @@ def test_convert_round_trips_dcp_through_safetensors_bit_for_bit(tmp_path, capsy
     assert bits_equal(load_file(str(tmp_path / "from_flat" / "model.safetensors")), weights)
 
     capsys.readouterr()
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / ".metadata").write_bytes(b"not a pickle")
     for args, named in [
         (["convert", str(tmp_path / "none"), str(tmp_path / "x"), "--to", "dcp"], "no such directory"),
+        (["convert", str(tmp_path / "damaged"), str(tmp_path / "x"), "--to", "dcp"], "unreadable DCP metadata"),
         (["convert", str(tmp_path / "dcp"), str(tmp_path / "x"), "--to", "onnx"], "'onnx'"),
         (["convert", str(tmp_path / "dcp"), str(tmp_path / "final"), "--to", "dcp"], "not an empty directory"),
         (["convert", str(tmp_path / "final"), str(tmp_path / "x"), "--to", "hf"], "no config.json"),

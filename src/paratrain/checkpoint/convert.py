@@ -48,14 +48,17 @@ def convert(src: Path, dest: Path, to: str) -> Path:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ConvertRefused(f"{dest} exists and is not an empty directory")
     manifest = _source_manifest(src)
+    weights: Weights | None
     try:
-        weights = (
-            CheckpointModelWeights(src, manifest["world_size"], manifest["strategy"])
-            if manifest.get("format") == FORMAT
-            else weights_in(src)
-        )
-    except CheckpointError as exc:
-        raise ConvertRefused(f"{exc}: convert its run's final/ (its model, consolidated)") from None
+        if manifest.get("format") == FORMAT:
+            try:
+                weights = CheckpointModelWeights(src, manifest["world_size"], manifest["strategy"])
+            except CheckpointError as exc:
+                raise ConvertRefused(f"{exc}: convert its run's final/ (its model, consolidated)") from None
+        else:
+            weights = weights_in(src)
+    except CheckpointError as exc:  # a damaged DCP .metadata, say
+        raise ConvertRefused(str(exc)) from None
     if weights is None:
         raise ConvertRefused(f"{src} holds no model.safetensors, DCP .metadata or paratrain manifest.json")
     beside = {name: (src / name).read_bytes() for name in HF_FILES if (src / name).is_file()}

@@ -91,7 +91,10 @@ class DcpWeights(Weights):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.where = directory
-        metadata = FileSystemReader(str(directory)).read_metadata()
+        try:
+            metadata = FileSystemReader(str(directory)).read_metadata()
+        except Exception as exc:  # noqa: BLE001  torch's reader raises whatever a damaged file makes it
+            raise CheckpointError(f"{directory / DCP_METADATA}: unreadable DCP metadata ({exc})") from None
         paths = metadata.planner_data or {}
         tensors = {
             key: paths.get(key, (key,))

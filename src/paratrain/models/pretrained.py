@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from paratrain.checkpoint.format import CheckpointError
 from paratrain.checkpoint.weights import Weights, weights_in
 from paratrain.errors import ConfigError
 from paratrain.models.materialize import read_on_materialize, record_on_meta, tensor_names
@@ -71,8 +72,8 @@ def pretrained_weights(pretrained: str) -> Weights:
     directory = pretrained_dir(pretrained)
     try:
         weights = weights_in(directory)
-    except Exception as exc:  # torch's DCP metadata reader raises whatever a damaged file makes it
-        raise ConfigError("model.pretrained", f"{directory}: unreadable DCP metadata ({exc})") from None
+    except CheckpointError as exc:  # a damaged DCP .metadata
+        raise ConfigError("model.pretrained", str(exc)) from None
     if weights is None:
         raise ConfigError("model.pretrained", f"{directory} holds no model.safetensors and no DCP .metadata")
     return weights
