@@ -103,8 +103,14 @@ def _notes(folder: Path) -> None:
         (folder / "notes" / page.name).write_text(page.read_text())
 
 
+def _job(folder: Path) -> None:
+    """The `job.toml` a page's one-line command stands for: README's."""
+    (readme,) = (b for b in blocks(ROOT / "README.md") if b.kind == "file" and b.argument == "job.toml")
+    (folder / "job.toml").write_text(readme.body)
+
+
 # what a page leaves to the reader, provided here: name -> writes it into the page's folder
-PROVIDED = {"llama-start": _llama_start, "my_data.py": _my_data, "notes": _notes}
+PROVIDED = {"llama-start": _llama_start, "my_data.py": _my_data, "notes": _notes, "job.toml": _job}
 
 ALL = [block for page in PAGES for block in blocks(page)]
 RUNNABLE_PAGES = sorted({b.page for b in ALL if b.kind in ("file", "commands")})
