@@ -74,12 +74,15 @@ def looks_runnable(block: Block) -> bool:
 
 
 def commands(block: Block) -> list[list[str]]:
-    """The block's commands as argument lists: the lines after `$ ` where the block shows output
-    too, else every line; a trailing backslash continues a line, `#` starts a comment."""
+    """The block's commands to run, as argument lists: the lines after `$ ` where the block shows
+    output too, else every line, but the one its marker skips; a trailing backslash continues a
+    line, `#` starts a comment."""
     lines = block.body.replace("\\\n", " ").splitlines()
     if any(line.startswith("$ ") for line in lines):
         lines = [line[2:] for line in lines if line.startswith("$ ")]
-    return [words for words in (shlex.split(line, comments=True) for line in lines) if words]
+    found = [words for words in (shlex.split(line, comments=True) for line in lines) if words]
+    skipped = int(block.options.get("skip", 0))
+    return [words for n, words in enumerate(found, 1) if n != skipped]
 
 
 def _llama_start(folder: Path) -> None:
@@ -134,12 +137,15 @@ def test_the_markers_say_what_they_mean():
             assert all(words[0] == "paratrain" for words in commands(block)), f"{block}: not paratrain commands"
 
 
+# Commands that start no worker run in this process, as their own tests run them, sparing each of
+# the pages' dozen plans and job files a fresh interpreter's imports (seconds each on two cores).
+IN_PROCESS = {"plan", "job"}
+
+
 def run_command(command: str, args: list[str], folder: Path, monkeypatch) -> None:
-    if command == "plan":
-        # a plan starts no worker: it runs in this process, as the plan tests run it, sparing each
-        # of the pages' dozen plans a fresh interpreter's imports (seconds each on two cores)
+    if command in IN_PROCESS:
         monkeypatch.chdir(folder)
-        assert main([command, *args]) == 0, f"paratrain plan {shlex.join(args)}"
+        assert main([command, *args]) == 0, f"paratrain {command} {shlex.join(args)}"
     else:
         check_ok(run_cli(command, *args, cwd=folder))
 
@@ -153,8 +159,7 @@ def test_the_page_runs_as_written(tmp_path, monkeypatch, page):
         if block.kind == "file":
             (tmp_path / block.argument).write_text(block.body)
     for block in (b for b in marked if b.kind == "commands"):
-        skipped = int(block.options.get("skip", 0))
-        for _, command, *args in (words for n, words in enumerate(commands(block), 1) if n != skipped):
+        for _, command, *args in commands(block):
             if command == "run":
                 command = block.options.get("as", "run")
                 args += SHORTER if command == "run" else []
