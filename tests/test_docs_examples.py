@@ -13,7 +13,7 @@ in the built site) says what the block is and how it runs:
 `needs=A,B` names what the test provides beside the page's own files (`PROVIDED`). A page's files
 are written first, then its commands run in the page's order in one folder, as a reader would type
 them. A block that looks runnable (a TOML job with [model] and [data], Python that calls
-`paratrain.init`) must carry a marker, so a new page cannot leave its examples unrun."""
+`paratrain.init`, shell lines of `paratrain` commands) must carry a marker, so a new page cannot leave its examples unrun."""
 
 import re
 import shlex
@@ -70,6 +70,8 @@ def blocks(page: Path) -> list[Block]:
 def looks_runnable(block: Block) -> bool:
     if block.lang == "toml":
         return bool(re.search(r"^\[model\]", block.body, re.M) and re.search(r"^\[data\]", block.body, re.M))
+    if block.lang == "bash":
+        return bool(re.search(r"^paratrain ", block.body, re.M))
     return block.lang == "python" and "paratrain.init(" in block.body
 
 
@@ -122,6 +124,15 @@ RUNNABLE_PAGES = sorted({b.page for b in ALL if b.kind in ("file", "commands")})
 def test_a_block_that_looks_runnable_carries_a_marker():
     unmarked = [str(b) for b in ALL if looks_runnable(b) and b.kind is None]
     assert not unmarked, f"runnable-looking blocks without a `<!-- test: ... -->` marker: {unmarked}"
+
+
+def test_a_new_pages_unmarked_job_is_caught_and_a_marked_one_read(tmp_path):
+    job = '```toml\n[model]\nfactory = "mlp"\n[data]\nfactory = "digits"\n```\n'
+    page = tmp_path / "new.md"
+    page.write_text(f"{job}\n<!-- test: file job.toml -->\n\n{job}")
+    unmarked, marked = blocks(page)
+    assert looks_runnable(unmarked) and unmarked.kind is None
+    assert (marked.kind, marked.argument, marked.body) == ("file", "job.toml", unmarked.body)
 
 
 def test_the_markers_say_what_they_mean():
