@@ -13,7 +13,8 @@ in the built site) says what the block is and how it runs:
 `needs=A,B` names what the test provides beside the page's own files (`PROVIDED`). A page's files
 are written first, then its commands run in the page's order in one folder, as a reader would type
 them. A block that looks runnable (a TOML job with [model] and [data], Python that calls
-`paratrain.init`, shell lines of `paratrain` commands) must carry a marker, so a new page cannot leave its examples unrun."""
+`paratrain.init`, shell lines of `paratrain` commands) must carry a marker, so a new page cannot
+leave its examples unrun."""
 
 import re
 import shlex
@@ -49,6 +50,10 @@ class Block:
     kind: str | None
     argument: str | None = None
     options: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def needs(self) -> list[str]:
+        return [name for name in self.options.get("needs", "").split(",") if name]
 
     def __str__(self) -> str:
         return f"{self.page.relative_to(ROOT)}:{self.line}"
@@ -94,8 +99,9 @@ def _llama_start(folder: Path) -> None:
 
 
 def _my_data(folder: Path) -> None:
-    # the page's data factory, the tests' own completions (tests/ is on the workers' path through
-    # the page folder: the module re-exports it)
+    # the page's `my_data` module, the reader's data: the tests' prompt completions, whose token
+    # ids fit the tiny Llama's vocabulary (tests/ put on the path by the module itself, which the
+    # workers import from the page's folder)
     (folder / "my_data.py").write_text(
         f"import sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from user_models import prompt_completions  # noqa: F401\n"
@@ -141,7 +147,7 @@ def test_the_markers_say_what_they_mean():
         assert block.kind not in ("file", "tested-by") or block.argument, f"{block}: {block.kind} needs a name"
         assert block.kind != "skip" or block.options.get("why"), f"{block}: a skip says why"
         assert not {"as", "skip"} & set(block.options) or block.options.get("why"), f"{block}: says why"
-        assert set(block.options.get("needs", "").split(",")) - {""} <= set(PROVIDED), f"{block}: {block.options}"
+        assert set(block.needs) <= set(PROVIDED), f"{block}: needs what the test does not provide: {block.needs}"
         if block.kind == "tested-by":
             assert block.page.name in (ROOT / block.argument).read_text(), f"{block}: {block.argument} names no page"
         if block.kind == "commands":
@@ -165,7 +171,7 @@ def run_command(command: str, args: list[str], folder: Path, monkeypatch) -> Non
 def test_the_page_runs_as_written(tmp_path, monkeypatch, page):
     marked = [b for b in ALL if b.page == page]
     for block in marked:
-        for needed in filter(None, block.options.get("needs", "").split(",")):
+        for needed in block.needs:
             PROVIDED[needed](tmp_path)
         if block.kind == "file":
             (tmp_path / block.argument).write_text(block.body)
