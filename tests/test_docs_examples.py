@@ -13,7 +13,7 @@ in the built site) says what the block is and how it runs:
 `needs=A,B` names what the test provides beside the page's own files (`PROVIDED`). A page's files
 are written first, then its commands run in the page's order in one folder, as a reader would type
 them. A block that looks runnable (a TOML job with [model] and [data], Python that calls
-`paratrain.init`, shell lines of `paratrain` commands) must carry a marker, so a new page cannot
+`paratrain.init`, a shell block of `paratrain` commands) must carry a marker, so a new page cannot
 leave its examples unrun."""
 
 import re
@@ -35,6 +35,9 @@ BLOCK = re.compile(
     re.S | re.M,
 )
 KINDS = {"file", "commands", "skip", "tested-by"}
+# a command line a reader could type, shown bare or after a prompt; a line with ` [` is a synopsis
+# (`paratrain run [CONFIG.toml] [--nproc N]`), not a command
+COMMAND = re.compile(r"^(?:\$ )?paratrain (?!.* \[).*$", re.M)
 
 # A docs job trains for hundreds of steps; two show that it starts, steps, checkpoints and exports
 # (what the steps compute is tested against plain PyTorch elsewhere).
@@ -75,8 +78,8 @@ def blocks(page: Path) -> list[Block]:
 def looks_runnable(block: Block) -> bool:
     if block.lang == "toml":
         return bool(re.search(r"^\[model\]", block.body, re.M) and re.search(r"^\[data\]", block.body, re.M))
-    if block.lang == "bash":
-        return bool(re.search(r"^paratrain ", block.body, re.M))
+    if block.lang in ("bash", ""):
+        return bool(COMMAND.search(block.body))
     return block.lang == "python" and "paratrain.init(" in block.body
 
 
