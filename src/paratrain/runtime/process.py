@@ -150,7 +150,8 @@ def init(device_kind: str = "auto", timeout_s: float = 300.0) -> Runtime:
 # ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> decref_pyobject -> take_gil -> pthread_exit).
 # Seen in 1 of 10 to 1 of 20 torchrun runs of a finished own loop: a job that had trained and
 # saved, marked failed. So an exit handler, which runs before the teardown, waits for every rank
-# to reach its end, then destroys the groups: that joins gloo's threads while the interpreter is whole.
+# to reach its end, then destroys the groups and lets gloo's threads finish (_destroy_groups)
+# while the interpreter is whole.
 _exit_state: dict = {"failing": False, "checks": []}
 
 
